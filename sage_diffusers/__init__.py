@@ -1,0 +1,16 @@
+"""sage_diffusers: SageAttention3 (FP4 microscaling) and 8-bit attention for diffusion models.
+
+Start with :func:`attention`, a drop-in for ``torch.nn.functional.scaled_dot_product_attention``
+that takes a ``mode`` ("auto", "fp4", "int8", "sdpa"), and :func:`fallback_stats`, which says
+which calls could not take the requested path and why.
+"""
+from ._fallback import fallback_stats, reset_fallback_stats
+from .api import attention
+from .options import FP4Format, Layout, Mode, PQuant
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FP4Format", "Layout", "Mode", "PQuant", "__version__", "attention", "fallback_stats",
+    "reset_fallback_stats",
+]

@@ -1,0 +1,60 @@
+"""Option enums shared by the API, the references and the kernels.
+
+Every option that users pass as a string is parsed into one of these enums once, at the API
+boundary; everything below the boundary compares enum members, never strings.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class _StrEnum(str, enum.Enum):
+    """String-valued enum whose ``parse`` gives a clear error naming the accepted values."""
+
+    @classmethod
+    def parse(cls, value: "str | _StrEnum"):
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            accepted = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"{cls.__name__}: expected one of {accepted}, got {value!r}") from None
+
+    def __str__(self) -> str:  # print as the plain value, e.g. "int8"
+        return self.value
+
+
+class Mode(_StrEnum):
+    """Which attention implementation to run.
+
+    AUTO picks the fastest accurate path for the device (8-bit kernel on sm_90, FP4 on sm_120,
+    SDPA elsewhere); FP4 and INT8 force a SageAttention algorithm (the torch reference where no
+    kernel exists); SDPA always calls ``torch.nn.functional.scaled_dot_product_attention``.
+    """
+
+    AUTO = "auto"
+    FP4 = "fp4"
+    INT8 = "int8"
+    SDPA = "sdpa"
+
+
+class Layout(_StrEnum):
+    """Memory order of the four attention dimensions: batch, heads, sequence, head dim."""
+
+    BHSD = "bhsd"
+    BSHD = "bshd"
+
+
+class PQuant(_StrEnum):
+    """How the FP4 path quantizes the softmax probabilities P~."""
+
+    TWO_LEVEL = "two_level"  # per-row FP32 factor s1 = rowmax/(448*6), then NVFP4 of P~/s1
+    DIRECT = "direct"  # NVFP4 of P~ itself (the paper's ablation baseline)
+
+
+class FP4Format(_StrEnum):
+    """Microscaling format of the FP4 path."""
+
+    NVFP4 = "nvfp4"  # E2M1 values, one E4M3 scale per 16 elements
+    MXFP4 = "mxfp4"  # E2M1 values, one power-of-two E8M0 scale per 32 elements

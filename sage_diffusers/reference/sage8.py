@@ -1,0 +1,84 @@
+"""Torch reference of the Hopper 8-bit attention (SageAttention2-style numerics).
+
+INT8 Q.K^T with K smoothed by its token mean, FP8 E4M3 P.V with P~ scaled into [0, 448], V
+quantized per channel, FP32 accumulation, and the same 128-key online-softmax tiles as the kernel.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ._common import check_bhsd, default_scale, expand_heads
+from .formats import E4M3_MAX, e4m3_round
+from .online_softmax import BLOCK_KV, LOG2E, finish, online_softmax_attention
+from .quant import quantize_fp8_per_channel, quantize_int8_per_block, quantize_int8_per_token
+
+
+def sage8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_kv: int = BLOCK_KV) -> dict:
+    """The kernel's pre-pass: smooth K, quantize Q, K, V.
+
+    q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D), any float dtype. Returns a dict with
+    q8 int8 (B, Hq, Sq, D), sq float32 (B, Hq, Sq), k8 int8 (B, Hkv, Skv, D),
+    sk float32 (B, Hkv, ceil(Skv/block_kv)), v8 float8_e4m3fn (B, Hkv, Skv, D), sv float32 (B, Hkv, D),
+    k_mean float32 (B, Hkv, D).
+    """
+    k_mean = k.float().mean(dim=2)  # (B, Hkv, D)
+    ks = k.float() - k_mean[:, :, None, :]  # (B, Hkv, Skv, D)
+    q8, sq = quantize_int8_per_token(q)
+    k8, sk = quantize_int8_per_block(ks, block_kv)
+    v8, sv = quantize_fp8_per_channel(v)
+    return dict(q8=q8, sq=sq, k8=k8, sk=sk, v8=v8, sv=sv, k_mean=k_mean)
+
+
+def sage8_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    block_kv: int = BLOCK_KV,
+):
+    """8-bit SageAttention, computed the way the kernel computes it.
+
+    Parameters
+    ----------
+    q : (B, Hq, Sq, D); k, v : (B, Hkv, Skv, D), Hq % Hkv == 0.
+    key_mask : bool (B, Skv), True = attend, or None.
+    is_causal : top-left aligned (query i sees keys j <= i), as torch SDPA.
+    scale : softmax scale, default 1/sqrt(D).
+
+    Returns
+    -------
+    out float32 (B, Hq, Sq, D) [, lse float32 (B, Hq, Sq), natural log of sum_j exp(scale q.k_j)].
+    """
+    b, hq, _, sq_len, skv, d = check_bhsd(q, k, v)
+    scale = default_scale(scale, d)
+    t = sage8_quantize(q, k, v, block_kv)
+    q8 = t["q8"].float()  # (B, Hq, Sq, D), exact small integers
+    k8 = expand_heads(t["k8"], hq).float()  # (B, Hq, Skv, D)
+    sk = expand_heads(t["sk"], hq)  # (B, Hq, nblocks)
+    v8 = expand_heads(t["v8"], hq).float()  # (B, Hq, Skv, D)
+    row_scale = t["sq"][..., None] * (scale * LOG2E)  # (B, Hq, Sq, 1)
+
+    def score(j0: int, j1: int) -> torch.Tensor:
+        # |q8 k8| <= 127 * 127 * D < 2**24 for D <= 1040: float32 sums of these integers are exact,
+        # like the kernel's int32 accumulator, on every device (MPS has no float64).
+        dots = q8 @ k8[:, :, j0:j1].transpose(-1, -2)  # (B, Hq, Sq, n)
+        return dots * row_scale * sk[:, :, j0 // block_kv, None, None]
+
+    def pv(j0: int, j1: int, p: torch.Tensor) -> torch.Tensor:
+        p8 = e4m3_round(p * E4M3_MAX).float()  # (B, Hq, Sq, n), FP8 codes of 448 * p
+        return p8 @ v8[:, :, j0:j1]  # (B, Hq, Sq, D), still scaled by 448 / sv
+
+    acc, l, m = online_softmax_attention(
+        score, pv, shape=(b, hq, sq_len, d), skv=skv, key_mask=key_mask,
+        is_causal=is_causal, device=q.device, block_kv=block_kv,
+    )
+    acc = acc * (expand_heads(t["sv"], hq)[:, :, None, :] / E4M3_MAX)
+    shift = scale * (q.float() @ expand_heads(t["k_mean"], hq)[..., None]).squeeze(-1)  # (B, Hq, Sq)
+    out, lse = finish(acc, l, m, shift)
+    return (out, lse) if return_lse else out
