@@ -1,0 +1,67 @@
+"""Option enums of the ComfyUI node; parsed once at the node boundary, compared as members below.
+
+This module must not import ComfyUI: CI tests it without ComfyUI installed.
+"""
+from __future__ import annotations
+
+import enum
+
+from sage_diffusers.options import Mode
+
+
+class NodeMode(str, enum.Enum):
+    """What the node does with the attention calls it is allowed to touch.
+
+    AUTO, FP4, INT8 and SDPA hand the call to ``sage_diffusers.attention`` with that mode (SDPA
+    checks the plumbing: same maths as ComfyUI, through our reshapes and mask conversion); OFF
+    passes every call to ComfyUI's own attention and only counts it.
+    """
+
+    AUTO = "auto"
+    FP4 = "fp4"
+    INT8 = "int8"
+    SDPA = "sdpa"
+    OFF = "off"
+
+    @classmethod
+    def parse(cls, value: "str | NodeMode") -> "NodeMode":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            accepted = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"mode: expected one of {accepted}, got {value!r}") from None
+
+    def api_mode(self) -> Mode:
+        """The ``sage_diffusers`` mode this node mode runs; OFF has none."""
+        if self is NodeMode.OFF:
+            raise ValueError("mode 'off' does not call sage_diffusers")
+        return Mode(self.value)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Route(str, enum.Enum):
+    """Where one attention call went; the first key of every counter entry."""
+
+    SAGE = "sage_diffusers"  # handed to sage_diffusers.attention (detail: the mode)
+    COMFY = "comfyui"  # handed back to ComfyUI's attention (detail: why)
+
+
+class Reason(str, enum.Enum):
+    """Why a call was handed back to ComfyUI's attention (``Route.COMFY``)."""
+
+    MODE_OFF = "mode is off"
+    FULL_PRECISION_STEP = "full-precision step"
+    BLOCK_NOT_SELECTED = "attention call not in the selected blocks"
+    UNSUPPORTED_KWARGS = "unsupported keyword arguments"
+    UNSUPPORTED_SHAPE = "unsupported tensor shapes"
+    UNSUPPORTED_MASK = "mask is not a key-padding mask"
+    API_REJECTED = "sage_diffusers.attention raised ValueError"
+
+    @property
+    def expected(self) -> bool:
+        """True for reasons the user asked for (logged quietly), False for limits of this node."""
+        return self in (Reason.MODE_OFF, Reason.FULL_PRECISION_STEP, Reason.BLOCK_NOT_SELECTED)

@@ -1,0 +1,70 @@
+"""Patch a ComfyUI MODEL (a ``ModelPatcher``) with the sage_diffusers attention override.
+
+Only :func:`patch_model` touches ComfyUI objects, and it imports ComfyUI lazily (for the wrapper
+type constant), so CI can test it with a stand-in model.
+"""
+from __future__ import annotations
+
+import logging
+
+from .override import OVERRIDE_KEY, SageAttentionOverride, make_config, make_sampling_summary_wrapper
+from .stats import LOG_PREFIX
+
+logger = logging.getLogger("sage_diffusers.comfyui")
+WRAPPER_KEY = "sage_diffusers"
+
+
+def patch_model(model, mode="auto", full_precision_first_steps: int = 0, full_precision_last_steps: int = 0,
+                blocks: str = ""):
+    """Return a clone of ``model`` whose attention goes through sage_diffusers.
+
+    Parameters
+    ----------
+    model : ComfyUI ``ModelPatcher`` (anything with ``clone()`` and ``model_options``).
+    mode : "auto", "fp4", "int8", "sdpa" or "off".
+    full_precision_first_steps, full_precision_last_steps : sampling steps at the start and end
+        that keep ComfyUI's own attention.
+    blocks : attention-call selection such as "0-3,10"; empty selects all.
+
+    Raises
+    ------
+    ValueError
+        On an invalid option, before anything is cloned.
+    """
+    config = make_config(mode, full_precision_first_steps, full_precision_last_steps, blocks)
+    _warn_if_comfyui_lacks_override()
+    patched = model.clone()
+    options = patched.model_options.setdefault("transformer_options", {})
+    previous = options.get(OVERRIDE_KEY)
+    if isinstance(previous, SageAttentionOverride):
+        previous = previous.previous  # applying the node twice replaces ours, keeps what was below
+    override = SageAttentionOverride(config, previous=previous)
+    options[OVERRIDE_KEY] = override
+    _add_summary_wrapper(patched, override)
+    logger.info("%s patched model: %s%s", LOG_PREFIX, config,
+                f" (chained to earlier override {previous!r})" if previous is not None else "")
+    return patched
+
+
+def _warn_if_comfyui_lacks_override() -> None:
+    # ComfyUI gained the override hook (attention.wrap_attn) in 0.3.60; before it the patch is inert.
+    try:
+        import comfy.ldm.modules.attention as comfy_attention
+    except ImportError:
+        return  # not inside ComfyUI (tests, scripts)
+    if not hasattr(comfy_attention, "wrap_attn"):
+        logger.warning("%s this ComfyUI has no optimized_attention_override hook (added in 0.3.60): "
+                       "the node will not change attention", LOG_PREFIX)
+
+
+def _add_summary_wrapper(patched, override: SageAttentionOverride) -> None:
+    try:
+        from comfy.patcher_extension import WrappersMP
+    except ImportError:
+        logger.debug("%s comfy.patcher_extension not importable: no per-run summary line", LOG_PREFIX)
+        return
+    if not hasattr(patched, "add_wrapper_with_key"):
+        logger.debug("%s this ComfyUI has no model wrappers: no per-run summary line", LOG_PREFIX)
+        return
+    patched.remove_wrappers_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
+    patched.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, make_sampling_summary_wrapper(override))
