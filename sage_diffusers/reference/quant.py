@@ -30,6 +30,15 @@ MXFP4_BLOCK = 32
 E8M0_BIAS = 127
 
 
+def _div(x: torch.Tensor, c: float) -> torch.Tensor:
+    """x / c with IEEE division, as the kernels' ``a / 127.f``.
+
+    torch turns division by a Python scalar into a multiplication by its rounded reciprocal,
+    which differs in the last bit for some inputs; dividing by a full tensor does not.
+    """
+    return x / torch.full_like(x, c)
+
+
 def _blocks_last(x: torch.Tensor, dim: int, block: int) -> torch.Tensor:
     """Move ``dim`` last and split it into blocks: [..., n] -> float32 [..., n/block, block]."""
     x = x.float().movedim(dim, -1)
@@ -57,7 +66,7 @@ def quantize_nvfp4(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.
     Returns packed uint8 (n/2 at ``dim``) and scales float8_e4m3fn (n/16 at ``dim``).
     """
     blocks = _blocks_last(x, dim, NVFP4_BLOCK)  # float32 [..., n/16, 16]
-    scale = e4m3_round(blocks.abs().amax(-1) / E2M1_MAX)  # e4m3 [..., n/16]
+    scale = e4m3_round(_div(blocks.abs().amax(-1), E2M1_MAX))  # e4m3 [..., n/16]
     packed = _encode_blocks(blocks, scale.float())  # uint8 [..., n/2]
     return packed.movedim(-1, dim), scale.movedim(-1, dim)
 
@@ -104,7 +113,7 @@ def _int8_from_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x float [..., S, D] -> (int8 [..., S, D], float32 scale [..., S]); scale = absmax / 127."""
     x = x.float()
-    scale = x.abs().amax(-1) / INT8_MAX  # [..., S]
+    scale = _div(x.abs().amax(-1), INT8_MAX)  # [..., S]
     return _int8_from_scale(x, scale[..., None]), scale
 
 
@@ -119,7 +128,7 @@ def quantize_int8_per_block(x: torch.Tensor, block: int = 128) -> tuple[torch.Te
     pad = nb * block - s
     padded = torch.nn.functional.pad(x, (0, 0, 0, pad))  # [..., nb*block, D], zeros change no absmax
     amax = padded.unflatten(-2, (nb, block)).abs().amax((-1, -2))  # [..., nb]
-    scale = amax / INT8_MAX
+    scale = _div(amax, INT8_MAX)
     per_token = scale.repeat_interleave(block, dim=-1)[..., :s]  # [..., S]
     return _int8_from_scale(x, per_token[..., None]), scale
 
@@ -127,7 +136,7 @@ def quantize_int8_per_block(x: torch.Tensor, block: int = 128) -> tuple[torch.Te
 def quantize_fp8_per_channel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x float [..., S, D] -> (float8_e4m3fn [..., S, D], float32 scale [..., D]); absmax over S / 448."""
     x = x.float()
-    scale = x.abs().amax(-2) / E4M3_MAX  # [..., D]
+    scale = _div(x.abs().amax(-2), E4M3_MAX)  # [..., D]
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = e4m3_round(torch.where(scale[..., None, :] > 0, x / safe[..., None, :], torch.zeros_like(x)))
     return q, scale

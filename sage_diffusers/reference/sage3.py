@@ -111,7 +111,7 @@ def sage3_reference(
 
     def pv(j0: int, j1: int, p: torch.Tensor) -> torch.Tensor:
         if p_quant is PQuant.TWO_LEVEL:
-            s1 = p.amax(-1, keepdim=True) / TWO_LEVEL_RANGE  # (B, Hq, Sq, 1), FP32 per row
+            s1 = p.amax(-1, keepdim=True) * (1.0 / TWO_LEVEL_RANGE)  # (B, Hq, Sq, 1), as the kernel
             p2 = torch.where(s1 > 0, p / torch.where(s1 > 0, s1, torch.ones_like(s1)), torch.zeros_like(p))
             pq = s1 * fp4_roundtrip(p2, -1, fmt)  # (B, Hq, Sq, n)
         else:

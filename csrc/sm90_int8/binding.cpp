@@ -1,0 +1,187 @@
+// Torch binding of the sm_90a 8-bit attention: tensor checks, workspace allocation, launches on
+// the current stream. The only file that sees torch; kernels get raw pointers (launch.h).
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "launch.h"
+
+namespace {
+
+using sage_sm90::DType;
+
+constexpr int kBlockKV = 128;
+constexpr int kBlockM = 128;
+constexpr int kQTileRows = 64;
+constexpr int kTargetStatBlocks = 4 * 132;  // ~4 waves of H100/H200 SMs for the reduction
+
+void check_qkv(const at::Tensor& x, const char* name, const at::Tensor& q) {
+  TORCH_CHECK(x.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(x.dim() == 4, name, " must be (B, H, S, D), got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == q.scalar_type(), name, " dtype ", x.scalar_type(), " != q dtype ",
+              q.scalar_type());
+  TORCH_CHECK(x.device() == q.device(), name, " is on ", x.device(), ", q on ", q.device());
+  TORCH_CHECK(x.stride(3) == 1, name, " needs a contiguous last dim, strides ", x.strides());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % 8 == 0 &&
+                  x.stride(1) % 8 == 0 && x.stride(2) % 8 == 0,
+              name, " rows must be 16-byte aligned (strides ", x.strides(), ")");
+}
+
+DType dtype_of(const at::Tensor& q) {
+  if (q.scalar_type() == at::kHalf) return DType::kF16;
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16, got ", q.scalar_type());
+  return DType::kBF16;
+}
+
+struct Prepared {
+  at::Tensor q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, ws_int, partial, mask_bits;
+  sage_sm90::PrepassParams p;
+};
+
+Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const c10::optional<at::Tensor>& key_mask, double scale, bool want_qkm) {
+  check_qkv(q, "q", q);
+  check_qkv(k, "k", q);
+  check_qkv(v, "v", q);
+  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Skv = k.size(2);
+  TORCH_CHECK(D == 64 || D == 128, "head dim must be 64 or 128, got ", D);
+  TORCH_CHECK(k.sizes() == v.sizes(), "k ", k.sizes(), " and v ", v.sizes(), " must match");
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D, "k ", k.sizes(), " does not match q ", q.sizes());
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "Hq (", Hq, ") must be a multiple of Hkv (", Hkv, ")");
+  TORCH_CHECK(Sq >= 1 && Skv >= 1, "empty sequences are not supported: Sq=", Sq, " Skv=", Skv);
+  TORCH_CHECK(Sq < (1 << 30) && Skv < (1 << 30), "sequence too long");
+  if (key_mask.has_value()) {
+    const at::Tensor& m = *key_mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 2 && m.size(0) == B && m.size(1) == Skv &&
+                    m.is_contiguous() && m.device() == q.device(),
+                "key_mask must be a contiguous bool (B, Skv) = (", B, ", ", Skv, ") tensor on ",
+                q.device(), ", got ", m.scalar_type(), " ", m.sizes());
+  }
+
+  Prepared r;
+  const int64_t n_q_tiles = 2 * ((Sq + kBlockM - 1) / kBlockM);
+  const int64_t n_kv_tiles = (Skv + kBlockKV - 1) / kBlockKV;
+  int64_t n_split = std::max<int64_t>(1, (kTargetStatBlocks + B * Hkv - 1) / (B * Hkv));
+  n_split = std::min<int64_t>(n_split, (Skv + 255) / 256);
+  n_split = std::max<int64_t>(n_split, 1);
+  const int64_t split_len = (Skv + n_split - 1) / n_split;
+  n_split = (Skv + split_len - 1) / split_len;
+
+  const auto u8 = q.options().dtype(at::kByte);
+  const auto i8 = q.options().dtype(at::kChar);
+  const auto f32 = q.options().dtype(at::kFloat);
+  const auto i32 = q.options().dtype(at::kInt);
+  r.q_img = at::empty({B, Hq, n_q_tiles, kQTileRows * D}, i8);
+  r.sq = at::empty({B, Hq, n_q_tiles * kQTileRows}, f32);
+  r.qkm = want_qkm ? at::empty({B, Hq, n_q_tiles * kQTileRows}, f32) : at::empty({0}, f32);
+  r.k_img = at::empty({B, Hkv, n_kv_tiles, kBlockKV * D}, i8);
+  r.sk = at::empty({B, Hkv, n_kv_tiles}, f32);
+  r.vt_img = at::empty({B, Hkv, n_kv_tiles, D * kBlockKV}, u8);
+  r.sv = at::empty({B, Hkv, D}, f32);
+  r.kmean = at::empty({B, Hkv, D}, f32);
+  r.partial = at::empty({B * Hkv, n_split, 2, D}, f32);
+  r.ws_int = at::zeros({B * Hkv + B}, i32);  // split counters, then kv_len per batch
+  r.mask_bits = key_mask.has_value() ? at::empty({B, 4 * n_kv_tiles}, i32) : at::empty({0}, i32);
+
+  sage_sm90::PrepassParams& p = r.p;
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.q_sb = q.stride(0); p.q_sh = q.stride(1); p.q_ss = q.stride(2);
+  p.k_sb = k.stride(0); p.k_sh = k.stride(1); p.k_ss = k.stride(2);
+  p.v_sb = v.stride(0); p.v_sh = v.stride(1); p.v_ss = v.stride(2);
+  p.key_mask = key_mask.has_value() ? reinterpret_cast<const uint8_t*>(key_mask->data_ptr()) : nullptr;
+  p.B = B; p.Hq = Hq; p.Hkv = Hkv; p.Sq = Sq; p.Skv = Skv;
+  p.n_q_tiles = n_q_tiles;
+  p.n_kv_tiles = n_kv_tiles;
+  p.n_split = n_split;
+  p.split_len = split_len;
+  p.scale = static_cast<float>(scale);
+  p.q_img = r.q_img.data_ptr<int8_t>();
+  p.sq = r.sq.data_ptr<float>();
+  p.qkm = want_qkm ? r.qkm.data_ptr<float>() : nullptr;
+  p.k_img = r.k_img.data_ptr<int8_t>();
+  p.sk = r.sk.data_ptr<float>();
+  p.vt_img = r.vt_img.data_ptr<uint8_t>();
+  p.sv = r.sv.data_ptr<float>();
+  p.kmean = r.kmean.data_ptr<float>();
+  p.partial = r.partial.data_ptr<float>();
+  p.counter = r.ws_int.data_ptr<int>();
+  p.kv_len = r.ws_int.data_ptr<int>() + B * Hkv;
+  p.mask_bits = key_mask.has_value() ? reinterpret_cast<uint32_t*>(r.mask_bits.data_ptr<int>()) : nullptr;
+
+  const cudaError_t err =
+      sage_sm90::run_prepass(p, static_cast<int>(D), dtype_of(q), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "sage sm90 pre-pass launch failed: ", cudaGetErrorString(err));
+  return r;
+}
+
+// Pre-pass only, for tests: the quantized images and scales (layouts in launch.h).
+std::vector<at::Tensor> prepass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const c10::optional<at::Tensor>& key_mask, double scale) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  Prepared r = prepare(q, k, v, key_mask, scale, /*want_qkm=*/true);
+  const int64_t B = q.size(0), Hkv = k.size(1);
+  at::Tensor kv_len = r.ws_int.slice(0, B * Hkv, B * Hkv + B);
+  return {r.q_img, r.sq, r.qkm, r.k_img, r.sk, r.vt_img, r.sv, r.kmean, kv_len, r.mask_bits};
+}
+
+std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const c10::optional<at::Tensor>& key_mask, bool is_causal, double scale,
+                            bool return_lse, int64_t exp_poly_every) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
+  TORCH_CHECK(sage_sm90::has_fwd_variant(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every)),
+              "no compiled variant for head dim ", D, ", causal ", is_causal, ", exp_poly_every ",
+              exp_poly_every);
+  Prepared r = prepare(q, k, v, key_mask, scale, return_lse);
+  at::Tensor out = at::empty_like(q);  // keeps q's memory layout: BSHD callers get BSHD back
+  at::Tensor lse = return_lse ? at::empty({B, Hq, Sq}, q.options().dtype(at::kFloat))
+                              : at::empty({0}, q.options().dtype(at::kFloat));
+  TORCH_CHECK(out.stride(3) == 1, "internal: output last dim must be contiguous");
+
+  sage_sm90::FwdParams p{};
+  p.q_img = r.q_img.data_ptr<int8_t>();
+  p.sq = r.sq.data_ptr<float>();
+  p.qkm = return_lse ? r.qkm.data_ptr<float>() : nullptr;
+  p.k_img = r.k_img.data_ptr<int8_t>();
+  p.sk = r.sk.data_ptr<float>();
+  p.vt_img = r.vt_img.data_ptr<uint8_t>();
+  p.sv = r.sv.data_ptr<float>();
+  p.kv_len = key_mask.has_value() ? r.p.kv_len : nullptr;
+  p.mask_bits = r.p.mask_bits;
+  p.out = out.data_ptr();
+  p.o_sb = out.stride(0); p.o_sh = out.stride(1); p.o_ss = out.stride(2);
+  p.lse = return_lse ? lse.data_ptr<float>() : nullptr;
+  p.B = B; p.Hq = Hq; p.Hkv = k.size(1); p.Sq = Sq; p.Skv = k.size(2);
+  p.n_q_tiles = r.p.n_q_tiles;
+  p.n_kv_tiles = r.p.n_kv_tiles;
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  const cudaError_t err = sage_sm90::run_fwd(p, static_cast<int>(D), dtype_of(q), is_causal,
+                                             static_cast<int>(exp_poly_every),
+                                             c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "sage sm90 attention launch failed: ", cudaGetErrorString(err));
+  return {out, lse};
+}
+
+bool has_variant(int64_t head_dim, bool causal, int64_t exp_poly_every) {
+  return sage_sm90::has_fwd_variant(static_cast<int>(head_dim), causal, static_cast<int>(exp_poly_every));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "sage_diffusers sm_90a 8-bit attention (see csrc/sm90_int8/)";
+  m.def("fwd", &fwd, "8-bit attention forward -> [out, lse (empty unless return_lse)]",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("is_causal"),
+        py::arg("scale"), py::arg("return_lse"), py::arg("exp_poly_every"));
+  m.def("prepass", &prepass,
+        "quantization pre-pass -> [q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, mask_bits]",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("scale"));
+  m.def("has_variant", &has_variant, py::arg("head_dim"), py::arg("causal"), py::arg("exp_poly_every"));
+}

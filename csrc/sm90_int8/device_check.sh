@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One-shot GPU check of the sm_90a 8-bit attention (run on the H200 machine from the repo root).
+# Each mode fits one 10-minute device command (a fresh machine rebuilds: ~1 min on 16 cores):
+#   bash csrc/sm90_int8/device_check.sh              # build + smoke + pytest -x -q
+#   bash csrc/sm90_int8/device_check.sh bench        # build + eval/bench_kernels.py (full table)
+#   bash csrc/sm90_int8/device_check.sh bench-quick  # build + smoke + bench --quick
+#   bash csrc/sm90_int8/device_check.sh overlap      # experimental overlap build: smoke + bench --quick
+# CUTLASS/CuTe headers: $CUTLASS_INCLUDE, the nvidia-cutlass package, or a carried copy at
+# .cutlass/include (see the report for the carry command). Logs go to $OUT when it is set.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+PY="${PYTHON:-python3}"
+LOG="${OUT:-/tmp}"
+export PYTHONUNBUFFERED=1
+export SAGE_DIFFUSERS_CACHE="${SAGE_DIFFUSERS_CACHE:-/tmp/sage_jit}"
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+if [ -z "${CUTLASS_INCLUDE:-}" ] && ! "$PY" -c "import cutlass_library" 2>/dev/null; then
+  for c in .cutlass/include .cutlass shared/cutlass/include; do
+    if [ -d "$c/cute" ]; then export CUTLASS_INCLUDE="$PWD/$c"; break; fi
+  done
+fi
+MODE="${1:-tests}"
+if [ "$MODE" = overlap ]; then export SAGE_DIFFUSERS_SM90_OVERLAP=1; fi
+echo "== device"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cap', torch.cuda.get_device_capability())"
+echo "CUTLASS_INCLUDE=${CUTLASS_INCLUDE:-<package>}"
+
+echo "== build (JIT, $MAX_JOBS jobs)"
+START=$(date +%s)
+timeout 300 "$PY" -c "from sage_diffusers.kernels import int8_sm90; int8_sm90.build(verbose=False); print('built')" \
+  2>&1 | tee "$LOG/build.log" | tail -40
+BUILD_RC=${PIPESTATUS[0]}
+echo "build rc=$BUILD_RC in $(( $(date +%s) - START )) s"
+[ "$BUILD_RC" = 0 ] || { echo "SUMMARY: build failed"; exit 1; }
+
+SMOKE_RC=skipped; TEST_RC=skipped; BENCH_RC=skipped
+touch "$LOG/smoke.log" "$LOG/pytest.log"
+if [ "$MODE" != bench ]; then
+  echo "== smoke (watchdog 150 s)"
+  timeout 150 "$PY" csrc/sm90_int8/smoke.py 2>&1 | tee "$LOG/smoke.log"
+  SMOKE_RC=${PIPESTATUS[0]}
+  [ "$SMOKE_RC" = 124 ] && echo "smoke TIMED OUT (kernel hang?)"
+fi
+if [ "$MODE" = tests ]; then
+  echo "== pytest"
+  PLUGIN=""
+  "$PY" -c "import pytest_timeout" 2>/dev/null && PLUGIN="-p pytest_timeout --timeout=200"
+  timeout 330 "$PY" -m pytest -x -q $PLUGIN tests/test_kernel_int8_sm90.py 2>&1 | tee "$LOG/pytest.log" | tail -60
+  TEST_RC=${PIPESTATUS[0]}
+fi
+if [ "$MODE" = bench ] || [ "$MODE" = bench-quick ] || [ "$MODE" = overlap ]; then
+  echo "== benchmark"
+  Q=""; [ "$MODE" != bench ] && Q="--quick"
+  timeout 420 "$PY" eval/bench_kernels.py $Q --out-dir "${OUT:-eval/results}" 2>&1 | tee "$LOG/bench.log" | tail -40
+  BENCH_RC=${PIPESTATUS[0]}
+  cat "${OUT:-eval/results}/kernels_h200.md" 2>/dev/null
+fi
+echo "SUMMARY: mode=$MODE build ok, smoke rc=$SMOKE_RC, pytest rc=$TEST_RC, bench rc=$BENCH_RC"
+grep -E "^(OK |BAD|ERR|time)" "$LOG/smoke.log" || true
+tail -3 "$LOG/pytest.log"
+for rc in "$SMOKE_RC" "$TEST_RC" "$BENCH_RC"; do [ "$rc" = skipped ] || [ "$rc" = 0 ] || exit 1; done

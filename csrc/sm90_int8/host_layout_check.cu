@@ -1,0 +1,122 @@
+// Host-only proof that the layouts the kernels rely on are the ones CuTe builds (no GPU needed).
+//
+// Checks, for both head dims:
+//   1. every (row, col, stage) of the Q/K/V^T smem layouts maps to stage*tile + image_offset(row,
+//      col): the pre-pass writes those images, the wgmma descriptors read them through CuTe;
+//   2. the wgmma accumulator (C) and register-A fragment maps of the TiledMMAs are the ones the
+//      softmax indexes by hand (see softmax.hpp).
+// Exit status 0 when everything matches. Built and run by compile_check.sh.
+#include <cstdio>
+
+#include "tile_config.hpp"
+
+using namespace cute;
+using namespace sage_sm90;
+
+static int g_fail = 0;
+#define CHECK_EQ(a, b, what)                                                                  \
+  do {                                                                                        \
+    long _a = (long)(a), _b = (long)(b);                                                      \
+    if (_a != _b) {                                                                           \
+      if (g_fail < 20) std::printf("MISMATCH %s: %ld vs %ld\n", what, _a, _b);                \
+      ++g_fail;                                                                               \
+    }                                                                                         \
+  } while (0)
+
+template <class Layout3>
+void check_staged(Layout3 layout, int rows, int cols, int stages, int tile_bytes, const char* name) {
+  auto sw = get_swizzle_portion(layout);
+  auto base = get_nonswizzle_portion(layout);
+  for (int s = 0; s < stages; ++s)
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < cols; ++c) {
+        long got = sw(base(r, c, s));
+        long want = (long)s * tile_bytes +
+                    (cols == 128 ? image_offset<128>(r, c) : image_offset<64>(r, c));
+        CHECK_EQ(got, want, name);
+      }
+}
+
+template <class Layout2>
+void check_single(Layout2 layout, int rows, int cols, const char* name) {
+  auto sw = get_swizzle_portion(layout);
+  auto base = get_nonswizzle_portion(layout);
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) {
+      long got = sw(base(r, c));
+      long want = cols == 128 ? image_offset<128>(r, c) : image_offset<64>(r, c);
+      CHECK_EQ(got, want, name);
+    }
+}
+
+template <int D>
+void check_config() {
+  using C = TileConfig<D>;
+  check_single(typename C::SmemLayoutQ{}, kRowsPerWG, D, "Q image");
+  check_staged(typename C::SmemLayoutK{}, kBlockKV, D, C::kStages, C::kKTileBytes, "K image");
+  check_staged(typename C::SmemLayoutVt{}, D, kBlockKV, C::kStages, C::kVTileBytes, "Vt image");
+
+  // Accumulator of S (64 x 128): value v of thread tid is row 16*warp + g + 8*((v>>1)&1),
+  // column 8*(v>>2) + 2*t + (v&1).
+  auto cS = typename C::TiledMmaQK{}.get_layoutC_TV();
+  for (int tid = 0; tid < 128; ++tid)
+    for (int v = 0; v < C::kSRegs; ++v) {
+      int idx = cS(tid, v);
+      int m = idx % 64, n = idx / 64;
+      int g = (tid & 31) >> 2, t = tid & 3, w = tid >> 5;
+      CHECK_EQ(m, 16 * w + g + 8 * ((v >> 1) & 1), "S acc row");
+      CHECK_EQ(n, 8 * (v >> 2) + 2 * t + (v & 1), "S acc col");
+    }
+  // Accumulator of O (64 x D): same rule.
+  auto cO = typename C::TiledMmaPV{}.get_layoutC_TV();
+  for (int tid = 0; tid < 128; ++tid)
+    for (int v = 0; v < C::kORegs; ++v) {
+      int idx = cO(tid, v);
+      int m = idx % 64, n = idx / 64;
+      int g = (tid & 31) >> 2, t = tid & 3, w = tid >> 5;
+      CHECK_EQ(m, 16 * w + g + 8 * ((v >> 1) & 1), "O acc row");
+      CHECK_EQ(n, 8 * (v >> 2) + 2 * t + (v & 1), "O acc col");
+    }
+  // Register A of the PV wgmma (64 x 32 per k-block): byte v of thread tid is row
+  // 16*warp + g + 8*((v>>2)&1), k = 4*t + (v&3) + 16*(v>>3).
+  auto aP = typename C::TiledMmaPV{}.get_layoutA_TV();
+  for (int tid = 0; tid < 128; ++tid)
+    for (int v = 0; v < 16; ++v) {
+      int idx = aP(tid, v);
+      int m = idx % 64, k = idx / 64;
+      int g = (tid & 31) >> 2, t = tid & 3, w = tid >> 5;
+      CHECK_EQ(m, 16 * w + g + 8 * ((v >> 2) & 1), "P A-frag row");
+      CHECK_EQ(k, 4 * t + (v & 3) + 16 * (v >> 3), "P A-frag k");
+    }
+  // End to end: the byte the softmax packs into A register (4*kb + r), byte i (softmax.hpp) is the
+  // accumulator value v it names; that value's S coordinate (row, key column) must equal the A
+  // fragment's (row, k position) once the position is mapped to the key V^T stores there.
+  for (int tid = 0; tid < 128; ++tid)
+    for (int kb = 0; kb < kBlockKV / 32; ++kb)
+      for (int r = 0; r < 4; ++r)
+        for (int i = 0; i < 4; ++i) {
+          const int v = 4 * (4 * kb + 2 * (r >> 1) + (i >> 1)) + 2 * (r & 1) + (i & 1);
+          const int s_idx = cS(tid, v);
+          const int a_idx = aP(tid, 4 * r + i);
+          const int pos = 32 * kb + a_idx / 64;
+          CHECK_EQ(s_idx % 64, a_idx % 64, "P fragment row");
+          CHECK_EQ(s_idx / 64, vt_position_to_key(pos), "P fragment key");
+        }
+  // The permutation is a bijection on each 32-key group.
+  int seen[32] = {0};
+  for (int p = 0; p < 32; ++p) seen[vt_position_to_key(p)]++;
+  for (int p = 0; p < 32; ++p) CHECK_EQ(seen[p], 1, "perm bijective");
+  std::printf("hd%d: smem Q %d B, K %d B, V %d B, total %d B, stages %d\n", D, C::kSmemQ,
+              C::kSmemK, C::kSmemV, C::kSmemBytes, C::kStages);
+}
+
+int main() {
+  check_config<64>();
+  check_config<128>();
+  if (g_fail) {
+    std::printf("host_layout_check: %d mismatches\n", g_fail);
+    return 1;
+  }
+  std::printf("host_layout_check: all layouts match\n");
+  return 0;
+}

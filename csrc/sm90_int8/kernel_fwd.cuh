@@ -1,0 +1,185 @@
+// sm_90a 8-bit attention forward: composes the producer, the consumer mainloop, the softmax and
+// the epilogue. One CTA = 128 query rows of one (b, h): warps 0-7 are two consumer warpgroups,
+// warp 8 the producer. Template axes: head dim, output dtype, causal, exp2 polynomial share.
+#pragma once
+
+#include <cstdint>
+
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "epilogue.hpp"
+#include "launch.h"
+#include "mainloop.hpp"
+#include "softmax.hpp"
+#include "tile_config.hpp"
+
+namespace sage_sm90 {
+
+// Build switch (-DSAGE_SM90_OVERLAP=1): overlap the softmax of tile t with the PV wgmma of tile
+// t-1 inside each warpgroup (FlashAttention-3's intra-warpgroup pipelining; +16 registers).
+#ifndef SAGE_SM90_OVERLAP
+#define SAGE_SM90_OVERLAP 0
+#endif
+constexpr bool kOverlapSoftmaxWithPV = SAGE_SM90_OVERLAP != 0;
+// The overlap needs ~200 registers per consumer thread. Register files are handed out per
+// warpgroup, so the producer warp costs a whole warpgroup's share anyway (288 threads compile to
+// 168 registers). With the overlap the producer becomes a full warpgroup that gives its registers
+// to the consumers with setmaxnreg: 128 * 40 + 256 * 232 = 64512 <= 65536.
+constexpr int kFwdThreads = kOverlapSoftmaxWithPV ? kConsumerThreads + 128 : kThreads;
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+
+template <int D, DType kOut, bool kCausal, int kPoly>
+__global__ void __launch_bounds__(kFwdThreads, 1) fwd_kernel(const __grid_constant__ FwdParams p) {
+  using C = TileConfig<D>;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const SmemPlan<D> sp(smem_raw);
+
+  // Causal CTAs near the diagonal end early: launch the longest ones first.
+  const int m_block = kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / (p.Hq / p.Hkv);
+  const int kv_len = p.kv_len != nullptr ? min(p.kv_len[b], p.Skv) : p.Skv;
+  int n_tiles = (kv_len + kBlockKV - 1) / kBlockKV;
+  if constexpr (kCausal) n_tiles = min(n_tiles, m_block + 1);  // keys j <= i < (m_block+1)*128
+
+  init_barriers<D>(sp);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (warp >= kProducerWarp) {
+    if constexpr (kOverlapSoftmaxWithPV) cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    if (warp == kProducerWarp && lane == 0) {
+      const int64_t bhk = static_cast<int64_t>(b) * p.Hkv + hk;
+      const int8_t* q_src = p.q_img + ((static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles +
+                                       kQTilesPerCTA * m_block) * C::kQTileBytes;
+      producer_loop<D>(sp, q_src, p.k_img + bhk * p.n_kv_tiles * C::kKTileBytes,
+                       p.vt_img + bhk * p.n_kv_tiles * C::kVTileBytes, n_tiles);
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  if constexpr (kOverlapSoftmaxWithPV) cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const int g = lane >> 2;
+  const int wg_row0 = m_block * kBlockM + wg * kRowsPerWG;
+  const int row[2] = {wg_row0 + 16 * (tid / 32) + g, wg_row0 + 16 * (tid / 32) + g + 8};
+  const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
+
+  OnlineSoftmax<kPoly> sm;
+  sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
+  const WarpgroupOperands<D> ops(sp, wg, tid);
+  const float* sk = p.sk + (static_cast<int64_t>(b) * p.Hkv + hk) * p.n_kv_tiles;
+  const uint32_t* bits =
+      p.mask_bits != nullptr ? p.mask_bits + static_cast<int64_t>(b) * 4 * p.n_kv_tiles : nullptr;
+
+  uint32_t s_acc[C::kSRegs];
+  uint32_t p_frag[C::kPRegs];
+  float o[C::kORegs];
+#pragma unroll
+  for (int i = 0; i < C::kORegs; ++i) o[i] = 0.f;
+
+  // Per-tile scalars; fetched before waiting on the tile so their latency hides behind the copy.
+  auto tile_mask = [&](int t) {
+    TileMask mk;
+    mk.key_base = t * kBlockKV;
+    mk.kv_len = kv_len;
+    mk.causal = kCausal;
+    mk.row[0] = row[0];
+    mk.row[1] = row[1];
+    if (bits != nullptr) {
+      const uint4 w = __ldg(reinterpret_cast<const uint4*>(bits + 4 * t));
+      mk.words[0] = w.x; mk.words[1] = w.y; mk.words[2] = w.z; mk.words[3] = w.w;
+    } else {
+      mk.words[0] = mk.words[1] = mk.words[2] = mk.words[3] = 0xffffffffu;
+    }
+    mk.active = mk.key_base + kBlockKV > kv_len ||
+                (mk.words[0] & mk.words[1] & mk.words[2] & mk.words[3]) != 0xffffffffu ||
+                (kCausal && mk.key_base + kBlockKV - 1 > wg_row0);
+    return mk;
+  };
+  auto release = [&](int stage) {
+    __syncwarp();
+    if (lane == 0) Barrier::arrive(&sp.empty[stage]);
+  };
+
+  Barrier::wait(sp.q_full, 0);
+  if constexpr (!kOverlapSoftmaxWithPV) {
+    // Plain order: S_t, softmax_t, O += P_t V_t, each retired before the next.
+    for (int t = 0; t < n_tiles; ++t) {
+      const int s = t % C::kStages;
+      const float sk_t = __ldg(sk + t);
+      const TileMask mk = tile_mask(t);
+      Barrier::wait(&sp.full[s], (t / C::kStages) & 1);
+      ops.qk(s, s_acc);
+      float alpha[2];
+      sm.step(s_acc, sk_t, mk, p_frag, alpha);
+#pragma unroll
+      for (int i = 0; i < C::kORegs; ++i) o[i] *= alpha[(i >> 1) & 1];
+      ops.pv(s, p_frag, o);
+      release(s);
+    }
+  } else if (n_tiles > 0) {
+    // FA3-style intra-warpgroup overlap: S_t and O += P_{t-1} V_{t-1} are issued back to back;
+    // softmax_t runs while the PV group is still on the tensor cores. O is rescaled by alpha_t
+    // only after that group retired (O_t = alpha_t O_{t-1} + P_t V_t). A tile's stage is
+    // released after its PV retired, i.e. one iteration later. P alternates between two register
+    // arrays so the one an in-flight wgmma reads is never redefined (else ptxas serializes).
+    uint32_t p_alt[C::kPRegs];
+    {
+      const float sk_t = __ldg(sk);
+      const TileMask mk = tile_mask(0);
+      Barrier::wait(&sp.full[0], 0);
+      ops.qk(0, s_acc);
+      float alpha[2];
+      sm.step(s_acc, sk_t, mk, p_frag, alpha);  // O is still 0: alpha unused
+    }
+    auto body = [&](int t, uint32_t (&p_prev)[C::kPRegs], uint32_t (&p_next)[C::kPRegs]) {
+      const int s = t % C::kStages, s_prev = (t - 1) % C::kStages;
+      const float sk_t = __ldg(sk + t);
+      const TileMask mk = tile_mask(t);
+      Barrier::wait(&sp.full[s], (t / C::kStages) & 1);
+      ops.qk_issue(s, s_acc);
+      ops.pv_issue(s_prev, p_prev, o, /*fence=*/false);  // the fence of qk_issue covers it
+      cute::warpgroup_wait<1>();  // S_t retired, PV_{t-1} may still run
+      fence_regs(s_acc);
+      float alpha[2];
+      sm.step(s_acc, sk_t, mk, p_next, alpha);
+      cute::warpgroup_wait<0>();
+      fence_regs(o);
+      fence_regs(p_prev);
+      release(s_prev);
+#pragma unroll
+      for (int i = 0; i < C::kORegs; ++i) o[i] *= alpha[(i >> 1) & 1];
+    };
+    for (int t = 1; t < n_tiles; ++t) {
+      if (t & 1) {
+        body(t, p_frag, p_alt);
+      } else {
+        body(t, p_alt, p_frag);
+      }
+    }
+    const int s_last = (n_tiles - 1) % C::kStages;
+    if ((n_tiles - 1) & 1) {
+      ops.pv(s_last, p_alt, o);
+    } else {
+      ops.pv(s_last, p_frag, o);
+    }
+    release(s_last);
+  }
+  epilogue_store<D, kOut, kPoly>(p, sm, o, row, b, h, hk);
+}
+
+template <int D, DType kOut, bool kCausal, int kPoly>
+cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
+  auto kernel = fwd_kernel<D, kOut, kCausal, kPoly>;
+  constexpr int kSmem = TileConfig<D>::kSmemBytes;
+  // Per device and cheap: set every launch instead of caching (multi-GPU safe).
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(p.n_q_tiles / kQTilesPerCTA, p.Hq, p.B);
+  kernel<<<grid, kFwdThreads, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace sage_sm90

@@ -1,0 +1,71 @@
+// Host-side interface of the sm_90a 8-bit attention: plain structs of raw pointers and strides.
+// No torch headers here: binding.cpp fills these from tensors, the .cu files launch kernels.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace sage_sm90 {
+
+enum class DType : int { kF16 = 0, kBF16 = 1 };
+
+// Everything the quantization pre-pass reads and writes. Strides are in elements; the last
+// (head) dimension of q, k, v is contiguous and rows are 16-byte aligned (checked by the binding).
+struct PrepassParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  int64_t q_sb, q_sh, q_ss;
+  int64_t k_sb, k_sh, k_ss;
+  int64_t v_sb, v_sh, v_ss;
+  const uint8_t* key_mask;  // (B, Skv) bool, or nullptr
+  int B, Hq, Hkv, Sq, Skv;
+  int n_q_tiles;   // 64-row Q image tiles per (b, h): 2 * ceil(Sq / 128)
+  int n_kv_tiles;  // ceil(Skv / 128)
+  int n_split;     // token chunks of the k-mean / v-absmax reduction
+  int split_len;   // tokens per chunk
+  float scale;     // softmax scale, for the LSE correction scale * q . k_mean
+  // outputs
+  int8_t* q_img;      // (B, Hq, n_q_tiles, 64*D) swizzled tile images
+  float* sq;          // (B, Hq, n_q_tiles*64)
+  float* qkm;         // (B, Hq, n_q_tiles*64) scale * q . k_mean, or nullptr (no LSE)
+  int8_t* k_img;      // (B, Hkv, n_kv_tiles, 128*D)
+  float* sk;          // (B, Hkv, n_kv_tiles)
+  uint8_t* vt_img;    // (B, Hkv, n_kv_tiles, D*128) fp8 e4m3, keys permuted (tile_config.hpp)
+  float* sv;          // (B, Hkv, D)
+  float* kmean;       // (B, Hkv, D)
+  // workspace
+  float* partial;     // (B*Hkv, n_split, 2, D)
+  int* counter;       // (B*Hkv) zero-initialised
+  int* kv_len;        // (B) zero-initialised; written only when key_mask != nullptr
+  uint32_t* mask_bits;  // (B, 4*n_kv_tiles) bit j%32 of word j/32 = key j attends
+};
+
+struct FwdParams {
+  const int8_t* q_img;
+  const float* sq;
+  const float* qkm;       // nullptr unless lse != nullptr
+  const int8_t* k_img;
+  const float* sk;
+  const uint8_t* vt_img;
+  const float* sv;
+  const int* kv_len;      // nullptr: every batch uses Skv
+  const uint32_t* mask_bits;  // nullptr: no key mask
+  void* out;              // (B, Hq, Sq, D) with strides below, last dim contiguous
+  int64_t o_sb, o_sh, o_ss;
+  float* lse;             // (B, Hq, Sq) contiguous, or nullptr
+  int B, Hq, Hkv, Sq, Skv, n_q_tiles, n_kv_tiles;
+  float scale_log2;       // scale * log2(e)
+};
+
+// Return cudaSuccess or the launch error. head_dim in {64, 128}.
+cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, cudaStream_t stream);
+// exp_poly_every: 0 = every exp2 on MUFU; N > 0 = every N-th exp2 from the FMA polynomial
+// (compiled variants only: see instantiations/).
+cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every,
+                    cudaStream_t stream);
+// Whether run_fwd has a compiled variant for these arguments.
+bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every);
+
+}  // namespace sage_sm90

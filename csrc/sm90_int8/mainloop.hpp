@@ -1,0 +1,179 @@
+// Data movement and tensor-core work of the attention mainloop.
+//
+// Producer (one elected lane of warp 8): bulk-copies the CTA's two Q tiles once, then each K and
+// V^T tile of the kv loop into a kStages-deep ring. Every tile is a pre-swizzled image written by
+// the pre-pass, so one cp.async.bulk per operand per tile suffices (no tensor maps).
+//   full[s]  : count 1 (producer's arrive.expect_tx) + the copies' transaction bytes
+//   empty[s] : count 8 (lane 0 of each consumer warp, after its PV wgmma retired)
+//   q_full   : count 1 + Q bytes
+// Phase rule: the n-th use (0-based) of stage s is tile t = n*kStages + s; consumers wait
+// full[s] with parity n & 1, the producer waits empty[s] with parity (n - 1) & 1 before use n >= 1.
+//
+// Consumers (two warpgroups, 64 query rows each): S = Q K^T with INT8 SS wgmma, softmax in
+// registers, O += P V^T with FP8 RS wgmma. The wgmma descriptors come from CuTe's smem layouts
+// (tile_config.hpp); accumulators are plain register arrays handed to the atoms.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "tile_config.hpp"
+
+namespace sage_sm90 {
+
+using Barrier = cutlass::arch::ClusterTransactionBarrier;  // mbarrier (+ transaction bytes)
+
+template <int D>
+struct SmemPlan {
+  using C = TileConfig<D>;
+  uint8_t* q;   // kConsumerWGs tiles of kQTileBytes
+  uint8_t* k;   // kStages tiles of kKTileBytes
+  uint8_t* v;   // kStages tiles of kVTileBytes (V^T)
+  uint64_t* full;
+  uint64_t* empty;
+  uint64_t* q_full;
+
+  __device__ __forceinline__ explicit SmemPlan(uint8_t* raw) {
+    // Swizzle atoms repeat every 1024 bytes of *address*: start the tiles on that boundary.
+    const uint32_t addr = cute::cast_smem_ptr_to_uint(raw);
+    uint8_t* base = raw + ((1024u - (addr & 1023u)) & 1023u);
+    q = base;
+    k = q + C::kSmemQ;
+    v = k + C::kSmemK;
+    full = reinterpret_cast<uint64_t*>(v + C::kSmemV);
+    empty = full + C::kStages;
+    q_full = empty + C::kStages;
+  }
+};
+
+template <int D>
+__device__ __forceinline__ void init_barriers(const SmemPlan<D>& sp) {
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < TileConfig<D>::kStages; ++s) {
+      Barrier::init(&sp.full[s], 1);
+      Barrier::init(&sp.empty[s], kConsumerThreads / 32);
+    }
+    Barrier::init(sp.q_full, 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+}
+
+// Runs on one lane only.
+template <int D>
+__device__ __forceinline__ void producer_loop(const SmemPlan<D>& sp, const int8_t* q_src,
+                                              const int8_t* k_src, const uint8_t* v_src,
+                                              int n_tiles) {
+  using C = TileConfig<D>;
+  Barrier::arrive_and_expect_tx(sp.q_full, C::kSmemQ);
+  cute::SM90_BULK_COPY_G2S::copy(q_src, sp.q_full, sp.q, C::kSmemQ);
+  for (int t = 0; t < n_tiles; ++t) {
+    const int s = t % C::kStages, n = t / C::kStages;
+    if (n > 0) Barrier::wait(&sp.empty[s], (n - 1) & 1);
+    Barrier::arrive_and_expect_tx(&sp.full[s], C::kKTileBytes + C::kVTileBytes);
+    cute::SM90_BULK_COPY_G2S::copy(k_src + static_cast<int64_t>(t) * C::kKTileBytes, &sp.full[s],
+                                   sp.k + s * C::kKTileBytes, C::kKTileBytes);
+    cute::SM90_BULK_COPY_G2S::copy(v_src + static_cast<int64_t>(t) * C::kVTileBytes, &sp.full[s],
+                                   sp.v + s * C::kVTileBytes, C::kVTileBytes);
+  }
+}
+
+// ---- wgmma calls with plain register arrays ---------------------------------------------------
+template <class Atom, class Acc, int N, size_t... I>
+__device__ __forceinline__ void wgmma_ss(uint64_t desc_a, uint64_t desc_b, Acc (&d)[N],
+                                         cute::GMMA::ScaleOut scale_d, std::index_sequence<I...>) {
+  Atom::fma(desc_a, desc_b, d[I]..., scale_d);
+}
+template <class Atom, class Acc, int N, size_t... I>
+__device__ __forceinline__ void wgmma_rs(const uint32_t* a, uint64_t desc_b, Acc (&d)[N],
+                                         cute::GMMA::ScaleOut scale_d, std::index_sequence<I...>) {
+  Atom::fma(a[0], a[1], a[2], a[3], desc_b, d[I]..., scale_d);
+}
+template <class Acc, int N>
+__device__ __forceinline__ void fence_regs(Acc (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+
+// Descriptor tensors of one consumer warpgroup (CuTe builds the GMMA descriptors).
+template <int D>
+struct WarpgroupOperands {
+  using C = TileConfig<D>;
+  using TQ = decltype(typename C::TiledMmaQK{}.get_slice(0).partition_fragment_A(
+      cute::make_tensor(cute::make_smem_ptr(static_cast<int8_t*>(nullptr)), typename C::SmemLayoutQ{})));
+  using TK = decltype(typename C::TiledMmaQK{}.get_slice(0).partition_fragment_B(
+      cute::make_tensor(cute::make_smem_ptr(static_cast<int8_t*>(nullptr)), typename C::SmemLayoutK{})));
+  using TV = decltype(typename C::TiledMmaPV{}.get_slice(0).partition_fragment_B(cute::make_tensor(
+      cute::make_smem_ptr(static_cast<cute::float_e4m3_t*>(nullptr)), typename C::SmemLayoutVt{})));
+  TQ q;  // (1, 1, D/32)
+  TK k;  // (1, 1, D/32, kStages)
+  TV v;  // (1, 1, 128/32, kStages)
+
+  __device__ __forceinline__ WarpgroupOperands(const SmemPlan<D>& sp, int wg, int tid_in_wg)
+      : q(typename C::TiledMmaQK{}.get_slice(tid_in_wg).partition_fragment_A(cute::make_tensor(
+            cute::make_smem_ptr(reinterpret_cast<int8_t*>(sp.q + wg * C::kQTileBytes)),
+            typename C::SmemLayoutQ{}))),
+        k(typename C::TiledMmaQK{}.get_slice(tid_in_wg).partition_fragment_B(cute::make_tensor(
+            cute::make_smem_ptr(reinterpret_cast<int8_t*>(sp.k)), typename C::SmemLayoutK{}))),
+        v(typename C::TiledMmaPV{}.get_slice(tid_in_wg).partition_fragment_B(cute::make_tensor(
+            cute::make_smem_ptr(reinterpret_cast<cute::float_e4m3_t*>(sp.v)),
+            typename C::SmemLayoutVt{}))) {
+    static_assert(cute::size<0>(TQ{}) == 1 && cute::size<1>(TQ{}) == 1 && cute::size<2>(TQ{}) == D / 32,
+                  "Q descriptors: one per 32-wide k-block");
+    static_assert(cute::size<1>(TK{}) == 1 && cute::size<2>(TK{}) == D / 32 &&
+                      cute::size<3>(TK{}) == C::kStages,
+                  "K descriptors: (k-block, stage)");
+    static_assert(cute::size<1>(TV{}) == 1 && cute::size<2>(TV{}) == kBlockKV / 32 &&
+                      cute::size<3>(TV{}) == C::kStages,
+                  "V^T descriptors: (k-block, stage)");
+  }
+
+  // S(64 x 128, int32) = Q_wg K_s^T as one committed wgmma group (not waited for). `fence`:
+  // issue wgmma.fence first (needed whenever registers the group uses were written since).
+  __device__ __forceinline__ void qk_issue(int stage, uint32_t (&s)[C::kSRegs]) const {
+    fence_regs(s);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kb = 0; kb < D / 32; ++kb) {
+      wgmma_ss<typename C::MmaQK>(uint64_t(q(0, 0, kb)), uint64_t(k(0, 0, kb, stage)), s,
+                                  kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+                                  std::make_index_sequence<C::kSRegs>{});
+    }
+    cute::warpgroup_commit_batch();
+  }
+
+  // O(64 x D, fp32) += P(64 x 128, e4m3 registers) V_s as one committed group (not waited for).
+  __device__ __forceinline__ void pv_issue(int stage, uint32_t (&p)[C::kPRegs], float (&o)[C::kORegs],
+                                           bool fence) const {
+    fence_regs(p);
+    fence_regs(o);
+    if (fence) cute::warpgroup_arrive();
+#pragma unroll
+    for (int kb = 0; kb < kBlockKV / 32; ++kb) {
+      wgmma_rs<typename C::MmaPV>(&p[4 * kb], uint64_t(v(0, 0, kb, stage)), o,
+                                  cute::GMMA::ScaleOut::One, std::make_index_sequence<C::kORegs>{});
+    }
+    cute::warpgroup_commit_batch();
+  }
+
+  // Issued and retired.
+  __device__ __forceinline__ void qk(int stage, uint32_t (&s)[C::kSRegs]) const {
+    qk_issue(stage, s);
+    cute::warpgroup_wait<0>();
+    fence_regs(s);
+  }
+  __device__ __forceinline__ void pv(int stage, uint32_t (&p)[C::kPRegs], float (&o)[C::kORegs]) const {
+    pv_issue(stage, p, o, /*fence=*/true);
+    cute::warpgroup_wait<0>();
+    fence_regs(o);
+    fence_regs(p);
+  }
+};
+
+}  // namespace sage_sm90

@@ -1,0 +1,18 @@
+// Instantiations of the quantization pre-pass (prepass.cuh) and its runtime dispatch.
+#include "prepass.cuh"
+
+namespace sage_sm90 {
+
+cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, cudaStream_t stream) {
+  if (head_dim == 64) {
+    return dtype == DType::kF16 ? launch_prepass<64, DType::kF16>(p, stream)
+                                : launch_prepass<64, DType::kBF16>(p, stream);
+  }
+  if (head_dim == 128) {
+    return dtype == DType::kF16 ? launch_prepass<128, DType::kF16>(p, stream)
+                                : launch_prepass<128, DType::kBF16>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace sage_sm90

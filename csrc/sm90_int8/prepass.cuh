@@ -1,0 +1,309 @@
+// Fused quantization pre-pass (sage8 spec steps 1-4) in two launches:
+//   stats_kernel: per (b, kv head) k mean and v channel absmax, split over token chunks with a
+//                 deterministic last-block reduction (no float atomics, so every run and every
+//                 CUDA-graph replay is bit-identical); extra blocks turn the bool key mask into
+//                 bit words and the per-batch kv_len = last attended key + 1 (no host sync).
+//   quant_kernel: INT8 Q per token, INT8 smoothed K per 128-key block, FP8 V per channel,
+//                 each written as the swizzled shared-memory image the attention kernel copies
+//                 with one bulk copy per tile (tile_config.hpp). V is transposed on the way, with
+//                 the key permutation that lets P stay in registers. Padding rows/keys are 0.
+// Inputs are read through arbitrary (b, h, s) strides, so BHSD views of BSHD tensors cost nothing.
+#pragma once
+
+#include <cstdint>
+
+#include "launch.h"
+#include "numerics.hpp"
+#include "tile_config.hpp"
+
+namespace sage_sm90 {
+
+constexpr int kPrepassThreads = 256;
+
+template <int D>
+struct RowTiling {
+  static constexpr int kLanes = D / 8;                        // threads per token row (8 elts each)
+  static constexpr int kRowsPerPass = kPrepassThreads / kLanes;
+};
+
+// ---- stats ---------------------------------------------------------------------------------------
+template <int D>
+__device__ void mask_bits_block(const PrepassParams& p, int mb) {
+  const int words_per_b = 4 * p.n_kv_tiles;
+  const int blocks_per_b = (words_per_b + 7) / 8;
+  const int b = mb / blocks_per_b;
+  const int w = (mb % blocks_per_b) * 8 + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (w >= words_per_b) return;
+  const int key = w * 32 + lane;
+  const bool on = key < p.Skv && p.key_mask[static_cast<int64_t>(b) * p.Skv + key] != 0;
+  const uint32_t word = __ballot_sync(0xffffffffu, on);
+  if (lane == 0) {
+    p.mask_bits[static_cast<int64_t>(b) * words_per_b + w] = word;
+    if (word != 0u) atomicMax(&p.kv_len[b], w * 32 + 32 - __clz(word));  // last set bit + 1
+  }
+}
+
+template <int D, DType kIn>
+__global__ void __launch_bounds__(kPrepassThreads) stats_kernel(const __grid_constant__ PrepassParams p) {
+  using RT = RowTiling<D>;
+  const int n_stat = p.B * p.Hkv * p.n_split;
+  if (static_cast<int>(blockIdx.x) >= n_stat) {
+    mask_bits_block<D>(p, blockIdx.x - n_stat);
+    return;
+  }
+  const int bh = blockIdx.x / p.n_split, split = blockIdx.x % p.n_split;
+  const int b = bh / p.Hkv, hk = bh % p.Hkv;
+  const int tid = threadIdx.x;
+  const int c0 = (tid % RT::kLanes) * 8, r0 = tid / RT::kLanes;
+  const int s_begin = split * p.split_len;
+  const int s_end = min(p.Skv, s_begin + p.split_len);
+  const char* kb = static_cast<const char*>(p.k) + 2 * (b * p.k_sb + hk * p.k_sh + c0);
+  const char* vb = static_cast<const char*>(p.v) + 2 * (b * p.v_sb + hk * p.v_sh + c0);
+
+  float sum[8], amax[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) sum[i] = amax[i] = 0.f;
+  for (int s = s_begin + r0; s < s_end; s += RT::kRowsPerPass) {
+    float kx[8], vx[8];
+    load8<kIn>(kb + 2 * s * p.k_ss, kx);
+    load8<kIn>(vb + 2 * s * p.v_ss, vx);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      sum[i] += kx[i];
+      amax[i] = fmaxf(amax[i], fabsf(vx[i]));
+    }
+  }
+  __shared__ float red[2][RT::kRowsPerPass][D];  // 16 KB at both head dims
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    red[0][r0][c0 + i] = sum[i];
+    red[1][r0][c0 + i] = amax[i];
+  }
+  __syncthreads();
+  float* part = p.partial + static_cast<int64_t>(bh) * p.n_split * 2 * D;
+  for (int d = tid; d < D; d += kPrepassThreads) {
+    float s = 0.f, a = 0.f;
+    for (int r = 0; r < RT::kRowsPerPass; ++r) {  // fixed order: deterministic
+      s += red[0][r][d];
+      a = fmaxf(a, red[1][r][d]);
+    }
+    part[(split * 2 + 0) * D + d] = s;
+    part[(split * 2 + 1) * D + d] = a;
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ int is_last;
+  if (tid == 0) is_last = atomicAdd(&p.counter[bh], 1) == p.n_split - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int d = tid; d < D; d += kPrepassThreads) {
+    float s = 0.f, a = 0.f;
+    for (int j = 0; j < p.n_split; ++j) {  // fixed order over chunks
+      s += __ldcg(&part[(j * 2 + 0) * D + d]);
+      a = fmaxf(a, __ldcg(&part[(j * 2 + 1) * D + d]));
+    }
+    p.kmean[bh * D + d] = s / static_cast<float>(p.Skv);
+    p.sv[bh * D + d] = a / kFp8Max;
+  }
+}
+
+// ---- quantization ----------------------------------------------------------------------------------
+__device__ __forceinline__ uint2 pack_int8x8(const int (&q)[8]) {
+  uint2 r;
+  r.x = (q[0] & 0xff) | ((q[1] & 0xff) << 8) | ((q[2] & 0xff) << 16) | ((q[3] & 0xff) << 24);
+  r.y = (q[4] & 0xff) | ((q[5] & 0xff) << 8) | ((q[6] & 0xff) << 16) | ((q[7] & 0xff) << 24);
+  return r;
+}
+
+template <int kWidth>
+__device__ __forceinline__ float group_max(float x) {
+#pragma unroll
+  for (int o = kWidth / 2; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+template <int kWidth>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int o = kWidth / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// One 64-row Q image tile of one (b, h).
+template <int D, DType kIn>
+__device__ void quant_q_block(const PrepassParams& p, int blk) {
+  using RT = RowTiling<D>;
+  const int tile = blk % p.n_q_tiles, bh = blk / p.n_q_tiles;
+  const int b = bh / p.Hq, h = bh % p.Hq, hk = h / (p.Hq / p.Hkv);
+  const int tid = threadIdx.x, c0 = (tid % RT::kLanes) * 8;
+  const char* qb = static_cast<const char*>(p.q) + 2 * (b * p.q_sb + h * p.q_sh + c0);
+  int8_t* img = p.q_img + (static_cast<int64_t>(bh) * p.n_q_tiles + tile) * (kRowsPerWG * D);
+  float km[8];
+  if (p.qkm != nullptr) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) km[i] = p.kmean[(b * p.Hkv + hk) * D + c0 + i];
+  }
+#pragma unroll
+  for (int pass = 0; pass < kRowsPerWG / RT::kRowsPerPass; ++pass) {
+    const int r = pass * RT::kRowsPerPass + tid / RT::kLanes;
+    const int i_tok = tile * kRowsPerWG + r;
+    float x[8];
+    if (i_tok < p.Sq) {
+      load8<kIn>(qb + 2 * static_cast<int64_t>(i_tok) * p.q_ss, x);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = 0.f;
+    }
+    float a = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(x[i]));
+    a = group_max<RT::kLanes>(a);
+    const float sq = a / kInt8Max;
+    int qi[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qi[i] = quant_int8(x[i], sq);
+    *reinterpret_cast<uint2*>(img + image_offset<D>(r, c0)) = pack_int8x8(qi);
+    const int64_t srow = static_cast<int64_t>(bh) * p.n_q_tiles * kRowsPerWG + i_tok;
+    if (tid % RT::kLanes == 0) p.sq[srow] = sq;
+    if (p.qkm != nullptr) {
+      float dot = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dot = fmaf(x[i], km[i], dot);
+      dot = group_sum<RT::kLanes>(dot);
+      if (tid % RT::kLanes == 0) p.qkm[srow] = p.scale * dot;
+    }
+  }
+}
+
+template <int D>
+__device__ __forceinline__ float block_max(float a, float* scratch) {
+  a = group_max<32>(a);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x / 32] = a;
+  __syncthreads();
+  float r = 0.f;
+#pragma unroll
+  for (int w = 0; w < kPrepassThreads / 32; ++w) r = fmaxf(r, scratch[w]);
+  return r;
+}
+
+// One 128-key K block of one (b, kv head): smooth, block absmax, INT8.
+template <int D, DType kIn>
+__device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
+  using RT = RowTiling<D>;
+  constexpr int kPasses = kBlockKV / RT::kRowsPerPass;
+  const int tile = blk % p.n_kv_tiles, bh = blk / p.n_kv_tiles;
+  const int b = bh / p.Hkv, hk = bh % p.Hkv;
+  const int tid = threadIdx.x, c0 = (tid % RT::kLanes) * 8;
+  const char* kb = static_cast<const char*>(p.k) + 2 * (b * p.k_sb + hk * p.k_sh + c0);
+  float km[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) km[i] = p.kmean[bh * D + c0 + i];
+  float x[kPasses][8];
+  float a = 0.f;
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
+    if (key < p.Skv) {
+      load8<kIn>(kb + 2 * static_cast<int64_t>(key) * p.k_ss, x[pass]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        x[pass][i] -= km[i];
+        a = fmaxf(a, fabsf(x[pass][i]));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[pass][i] = 0.f;  // padding keys: code 0, excluded from max
+    }
+  }
+  const float sk = block_max<D>(a, scratch) / kInt8Max;
+  int8_t* img = p.k_img + (static_cast<int64_t>(bh) * p.n_kv_tiles + tile) * (kBlockKV * D);
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int r = pass * RT::kRowsPerPass + tid / RT::kLanes;
+    int qi[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qi[i] = quant_int8(x[pass][i], sk);
+    *reinterpret_cast<uint2*>(img + image_offset<D>(r, c0)) = pack_int8x8(qi);
+  }
+  if (tid == 0) p.sk[static_cast<int64_t>(bh) * p.n_kv_tiles + tile] = sk;
+}
+
+// One 128-key V block of one (b, kv head): FP8 per channel, transposed to V^T with permuted keys.
+constexpr int kVtStride = kBlockKV + 8;  // bytes per staged V^T row (even: 16-bit reads)
+
+template <int D, DType kIn>
+__device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
+  using RT = RowTiling<D>;
+  constexpr int kPasses = kBlockKV / RT::kRowsPerPass;
+  const int tile = blk % p.n_kv_tiles, bh = blk / p.n_kv_tiles;
+  const int b = bh / p.Hkv, hk = bh % p.Hkv;
+  const int tid = threadIdx.x, c0 = (tid % RT::kLanes) * 8;
+  const char* vb = static_cast<const char*>(p.v) + 2 * (b * p.v_sb + hk * p.v_sh + c0);
+  float sv[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) sv[i] = p.sv[bh * D + c0 + i];
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int r = pass * RT::kRowsPerPass + tid / RT::kLanes;
+    const int key = tile * kBlockKV + r;
+    float x[8];
+    if (key < p.Skv) {
+      load8<kIn>(vb + 2 * static_cast<int64_t>(key) * p.v_ss, x);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+      const uint32_t two = quant_e4m3x2(x[i], x[i + 1], sv[i], sv[i + 1]);
+      stage[(c0 + i) * kVtStride + r] = static_cast<uint8_t>(two & 0xff);
+      stage[(c0 + i + 1) * kVtStride + r] = static_cast<uint8_t>(two >> 8);
+    }
+  }
+  __syncthreads();
+  uint8_t* img = p.vt_img + (static_cast<int64_t>(bh) * p.n_kv_tiles + tile) * (D * kBlockKV);
+  // 16-byte chunk c of channel d holds k positions 16c + 4t + i = keys 16c + 2t + (i&1) + 8(i>>1).
+  for (int ch = tid; ch < D * (kBlockKV / 16); ch += kPrepassThreads) {
+    const int d = ch / (kBlockKV / 16), c = ch % (kBlockKV / 16);
+    const uint8_t* row = stage + d * kVtStride + 16 * c;
+    uint32_t w[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const uint32_t lo = *reinterpret_cast<const uint16_t*>(row + 2 * t);
+      const uint32_t hi = *reinterpret_cast<const uint16_t*>(row + 8 + 2 * t);
+      w[t] = lo | (hi << 16);
+    }
+    *reinterpret_cast<uint4*>(img + image_offset<128>(d, 16 * c)) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+template <int D, DType kIn>
+__global__ void __launch_bounds__(kPrepassThreads) quant_kernel(const __grid_constant__ PrepassParams p) {
+  __shared__ __align__(16) uint8_t stage[D * kVtStride];
+  __shared__ float scratch[kPrepassThreads / 32];
+  const int n_qb = p.B * p.Hq * p.n_q_tiles;
+  const int n_kb = p.B * p.Hkv * p.n_kv_tiles;
+  const int blk = blockIdx.x;
+  if (blk < n_qb) {
+    quant_q_block<D, kIn>(p, blk);
+  } else if (blk < n_qb + n_kb) {
+    quant_k_block<D, kIn>(p, blk - n_qb, scratch);
+  } else {
+    quant_v_block<D, kIn>(p, blk - n_qb - n_kb, stage);
+  }
+}
+
+template <int D, DType kIn>
+cudaError_t launch_prepass(const PrepassParams& p, cudaStream_t stream) {
+  const int n_stat = p.B * p.Hkv * p.n_split;
+  const int n_mask = p.key_mask ? p.B * ((4 * p.n_kv_tiles + 7) / 8) : 0;
+  stats_kernel<D, kIn><<<n_stat + n_mask, kPrepassThreads, 0, stream>>>(p);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const int n_quant = p.B * p.Hq * p.n_q_tiles + 2 * p.B * p.Hkv * p.n_kv_tiles;
+  quant_kernel<D, kIn><<<n_quant, kPrepassThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace sage_sm90

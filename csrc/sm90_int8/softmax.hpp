@@ -1,0 +1,123 @@
+// Online softmax of one 64 x 128 score tile held in a warpgroup's wgmma accumulators, and the
+// conversion of P~ into the FP8 A-operand registers of the PV wgmma (sage8 spec, step 5).
+//
+// Register convention (checked by host_layout_check.cu): thread lane = 4*g + t of warp w holds
+// accumulator value v at row 16*w + g + 8*((v >> 1) & 1) and column 8*(v >> 2) + 2*t + (v & 1).
+// Each thread therefore owns two rows ("halves" rr = 0, 1) and 32 key columns of each.
+#pragma once
+
+#include <cstdint>
+
+#include "numerics.hpp"
+#include "tile_config.hpp"
+
+namespace sage_sm90 {
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Which keys of the current tile a thread may see. Built once per tile; `active` is uniform per
+// warpgroup so the common unmasked tile pays only one branch.
+struct TileMask {
+  bool active;
+  int key_base;       // first key of the tile
+  int kv_len;         // keys >= kv_len are masked (sequence end or last attended key + 1)
+  uint32_t words[4];  // key-mask bits of the tile's 128 keys (all ones without a mask)
+  bool causal;
+  int row[2];         // query index of each half (for causal)
+};
+
+template <int kPolyEvery>
+struct OnlineSoftmax {
+  static constexpr int kN = 64;  // accumulator values per thread
+  float m[2];       // running max of s (log2 domain), -inf before any unmasked key
+  float l[2];       // this thread's partial row sums of unquantized p (quad-reduced at the end)
+  float rowf[2];    // sq_i * scale * log2(e) of each half
+
+  __device__ __forceinline__ void init(float rowf0, float rowf1) {
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.f;
+    rowf[0] = rowf0;
+    rowf[1] = rowf1;
+  }
+
+  // s_int: the int32 accumulator of q8 . k8^T. Writes the FP8 A fragment (4 registers per
+  // 32-key k-block, see tile_config.hpp for why no shuffle is needed) and the per-half rescale
+  // factors alpha for the output accumulator.
+  __device__ __forceinline__ void step(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
+                                       uint32_t (&p_frag)[16], float (&alpha)[2]) {
+    const int t = threadIdx.x & 3;
+    float s[kN];
+#pragma unroll
+    for (int v = 0; v < kN; ++v) {
+      // Exact int32 -> fp32 without the conversion unit: |s| <= 127*127*128 < 2^22, so adding
+      // the bits of 1.5*2^23 gives the float 1.5*2^23 + s, and one exact FADD removes the bias.
+      s[v] = __int_as_float(static_cast<int>(s_int[v]) + 0x4B400000) - 12582912.f;
+    }
+    if (mk.active) {
+#pragma unroll
+      for (int v = 0; v < kN; ++v) {
+        const int col = 8 * (v >> 2) + 2 * t + (v & 1);
+        const int key = mk.key_base + col;
+        bool ok = key < mk.kv_len && ((mk.words[col >> 5] >> (col & 31)) & 1u);
+        if (mk.causal) ok = ok && key <= mk.row[(v >> 1) & 1];
+        s[v] = ok ? s[v] : -INFINITY;
+      }
+    }
+    // s = int * (sq * scale * log2e) * sk. c > 0 keeps c * (-inf) = -inf; c only underflows to
+    // 0 when q or the K block is all zero, and then every int product is 0 anyway.
+    float c[2], mx[2], muse[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      c[h] = fmaxf(rowf[h] * sk_tile, 1.17549435e-38f);
+      mx[h] = -INFINITY;
+    }
+#pragma unroll
+    for (int v = 0; v < kN; ++v) mx[(v >> 1) & 1] = fmaxf(mx[(v >> 1) & 1], s[v]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // max commutes with the positive scale c (rounding is monotonic), so scale once.
+      const float m_new = fmaxf(m[h], quad_max(mx[h]) * c[h]);
+      muse[h] = m_new == -INFINITY ? 0.f : m_new;  // all masked so far: p = 0, alpha = 0
+      alpha[h] = exp2_mufu(m[h] - muse[h]);
+      m[h] = m_new;
+    }
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int v = 0; v < kN; ++v) {
+      const int h = (v >> 1) & 1;
+      const float x = fmaf(s[v], c[h], -muse[h]);
+      float p;
+      if constexpr (kPolyEvery > 0) {
+        p = (v % kPolyEvery == kPolyEvery - 1) ? exp2_poly(x) : exp2_mufu(x);
+      } else {
+        p = exp2_mufu(x);
+      }
+      sum[h] += p;
+      s[v] = p * kFp8Max;  // exact fp32 multiply, in [0, 448]
+    }
+    l[0] = l[0] * alpha[0] + sum[0];
+    l[1] = l[1] * alpha[1] + sum[1];
+    // A fragment of k-block kb: reg 4kb + r, r = (k+16 half) * 2 + (row half); byte i of the
+    // register is k position 4t + i, i.e. accumulator columns 2t + (i & 1) + 8 * (i >> 1) of
+    // 8-column group 4kb + 2*(r >> 1): values v = 4 * (4kb + 2*(r>>1) + (i>>1)) + 2*(r&1) + (i&1).
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int v0 = 4 * (4 * kb + 2 * (r >> 1)) + 2 * (r & 1);  // i = 0
+        const uint32_t lo = pack_e4m3x2(s[v0], s[v0 + 1]);          // i = 0, 1
+        const uint32_t hi = pack_e4m3x2(s[v0 + 4], s[v0 + 5]);      // i = 2, 3 (next 8 cols)
+        p_frag[4 * kb + r] = lo | (hi << 16);
+      }
+    }
+  }
+};
+
+}  // namespace sage_sm90

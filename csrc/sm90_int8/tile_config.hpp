@@ -1,0 +1,107 @@
+// Tile shapes, shared-memory layouts and the byte "images" the pre-pass writes.
+//
+// One place decides every size both the pre-pass and the attention kernel depend on. The
+// pre-pass writes each quantized tile into global memory already laid out exactly as the
+// swizzled shared-memory tile that wgmma reads, so the attention kernel moves a whole tile with
+// one 1-D bulk copy (cp.async.bulk) and no per-thread address math. The image functions below
+// (image_offset_*) and the CuTe layouts used for the wgmma descriptors must agree;
+// host_layout_check.cu verifies that on the host for every coordinate.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+
+namespace sage_sm90 {
+
+// ---- constants fixed by the numerics spec (sage8) -------------------------------------------
+constexpr int kBlockKV = 128;          // keys per online-softmax tile == K quantization block
+constexpr float kInt8Max = 127.f;
+constexpr float kFp8Max = 448.f;       // E4M3 max; P~ is scaled by this before quantization
+
+// ---- CTA shape ----------------------------------------------------------------------------
+constexpr int kRowsPerWG = 64;         // wgmma M: one consumer warpgroup owns 64 query rows
+constexpr int kConsumerWGs = 2;
+constexpr int kBlockM = kRowsPerWG * kConsumerWGs;     // 128 query rows per CTA
+constexpr int kConsumerThreads = 128 * kConsumerWGs;   // 256
+constexpr int kProducerWarp = kConsumerThreads / 32;   // warp 8 issues the bulk copies
+constexpr int kThreads = kConsumerThreads + 32;        // 288: registers 65536/288 -> 224/thread
+constexpr int kQTilesPerCTA = kConsumerWGs;            // Q image tiles are 64 rows (one per WG)
+
+template <int D>
+struct TileConfig {
+  static_assert(D == 64 || D == 128, "head dims 64 and 128 only");
+  static constexpr int kHeadDim = D;
+
+  // Stages of the K/V ring. One CTA per SM (224 regs x 288 threads fill the register file), so
+  // shared memory is not shared with a second CTA: use it for depth.
+  //   hd128: Q 2*8 KB + 4 * (K 16 KB + V^T 16 KB) = 144 KB  (< 227 KB)
+  //   hd64 : Q 2*4 KB + 4 * (K  8 KB + V^T  8 KB) =  72 KB
+  static constexpr int kStages = 4;
+
+  static constexpr int kQTileBytes = kRowsPerWG * D;   // int8, 64 rows x D
+  static constexpr int kKTileBytes = kBlockKV * D;     // int8, 128 keys x D
+  static constexpr int kVTileBytes = D * kBlockKV;     // fp8, D channels x 128 keys (V^T)
+  static constexpr int kSmemQ = kQTileBytes * kConsumerWGs;
+  static constexpr int kSmemK = kKTileBytes * kStages;
+  static constexpr int kSmemV = kVTileBytes * kStages;
+  static constexpr int kSmemBarriers = 8 * (2 * kStages + 1);
+  // +1024: the dynamic smem base is rounded up to the 1024-byte swizzle period in the kernel.
+  static constexpr int kSmemBytes = kSmemQ + kSmemK + kSmemV + kSmemBarriers + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
+  static_assert(kQTileBytes % 1024 == 0 && kKTileBytes % 1024 == 0 && kVTileBytes % 1024 == 0,
+                "every tile must start on a 1024-byte swizzle period");
+
+  // Q/K rows are D bytes: one 128-byte swizzle atom per row at hd128, a 64-byte one at hd64.
+  using SmemAtomQK = std::conditional_t<D == 128, cute::GMMA::Layout_K_SW128_Atom<int8_t>,
+                                        cute::GMMA::Layout_K_SW64_Atom<int8_t>>;
+  // V^T rows are 128 keys = 128 bytes of fp8 at every head dim.
+  using SmemAtomV = cute::GMMA::Layout_K_SW128_Atom<cute::float_e4m3_t>;
+
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      SmemAtomQK{}, cute::Shape<cute::Int<kRowsPerWG>, cute::Int<D>>{}));
+  using SmemLayoutK = decltype(cute::tile_to_shape(
+      SmemAtomQK{}, cute::Shape<cute::Int<kBlockKV>, cute::Int<D>, cute::Int<kStages>>{}));
+  using SmemLayoutVt = decltype(cute::tile_to_shape(
+      SmemAtomV{}, cute::Shape<cute::Int<D>, cute::Int<kBlockKV>, cute::Int<kStages>>{}));
+
+  // S = Q K^T: INT8 x INT8 -> INT32, both operands K-major in smem.
+  using MmaQK = cute::SM90::GMMA::MMA_64x128x32_S32S8S8_SS_TN;
+  // O += P V: FP8 x FP8 -> FP32, P from registers, V^T K-major (keys contiguous) in smem.
+  using MmaPV = std::conditional_t<D == 128, cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_RS_TN<>,
+                                   cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_RS_TN<>>;
+  using TiledMmaQK = decltype(cute::make_tiled_mma(MmaQK{}));
+  using TiledMmaPV = decltype(cute::make_tiled_mma(MmaPV{}));
+
+  static constexpr int kSRegs = kRowsPerWG * kBlockKV / 128;  // 64 int32 per thread
+  static constexpr int kORegs = kRowsPerWG * D / 128;         // D/2 fp32 per thread
+  static constexpr int kPRegs = kRowsPerWG * kBlockKV / 128 / 4;  // 16 x (4 fp8) per thread
+};
+
+// ---- byte images of the swizzled tiles (shared by the pre-pass and host_layout_check) ----------
+// K-major tile with R rows of `kRowBytes` bytes, 16-byte chunks XOR-swizzled with the row as
+// CuTe's Swizzle<3,4,3> (128-byte rows) / Swizzle<2,4,3> (64-byte rows) on a 1024-byte-aligned
+// base. (r, c) is (row, byte column); the result is the byte offset inside the tile.
+template <int kRowBytes>
+__host__ __device__ __forceinline__ int image_offset(int r, int c) {
+  static_assert(kRowBytes == 128 || kRowBytes == 64, "swizzle atoms of 128 or 64 bytes");
+  if constexpr (kRowBytes == 128) {
+    return r * 128 + ((((c >> 4) ^ (r & 7)) << 4) | (c & 15));
+  } else {
+    return r * 64 + ((((c >> 4) ^ ((r >> 1) & 3)) << 4) | (c & 15));
+  }
+}
+
+// ---- key order inside the stored V^T tile -------------------------------------------------------
+// The fp32 accumulator of S gives a thread (lane = 4*g + t) the key columns 8j + 2t + {0,1}; the
+// 8-bit A operand of the PV wgmma wants k columns 4t..4t+3 and 16+4t..16+4t+3 of each 32-wide
+// k-block. Storing V^T with k position p holding key perm(p) makes the accumulator registers the
+// A fragment as they are (no shuffles):  within a 16-key half, position 4t+i holds key
+// 2t + (i & 1) + 8 * (i >> 1). Masks always use the real key index (the S column).
+__host__ __device__ __forceinline__ int vt_position_to_key(int p) {
+  const int q = p & 15, t = q >> 2, i = q & 3;
+  return (p & ~15) + 2 * t + (i & 1) + 8 * (i >> 1);
+}
+
+}  // namespace sage_sm90

@@ -1,0 +1,366 @@
+#!/usr/bin/env python3
+"""Side-by-side attention kernel benchmark on one GPU (H200 targeted), one process, same inputs.
+
+Columns: ours (sage8 on sm_90a, every quantization step included), SDPA cuDNN (bf16), SDPA flash
+(bf16), cuDNN FP8 (cudnn-frontend graph.sdpa_fp8, per-tensor scales; timed with and without its
+quantization), SageAttention (``sageattention`` if importable), and FP4 (``sage_diffusers.kernels.fp4``
+if importable and available on this device). Per row: time, TOPS = 4*B*H*Sq*Skv*D / t (halved for
+causal), speed-up vs cuDNN, and accuracy vs fp32 SDPA (cos, rel-L1, RMSE).
+
+Inputs: Q, V ~ N(0, 1); K = N(0, 1) + 4 N(0, 1) per channel (1 x H x 1 x D), bf16, BHSD.
+Timing: median of triton.testing.do_bench (CUDA events otherwise); inputs are rotated over enough
+copies to exceed L2 when one set would fit in it.
+
+    python eval/bench_kernels.py            # full table -> eval/results/kernels_h200.{json,md,png}
+    python eval/bench_kernels.py --quick    # three shapes, fewer repetitions
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sage_diffusers.reference import cosine, relative_l1, rmse  # noqa: E402
+
+# (B, H, S, D, causal)
+SHAPES = [
+    (1, 24, 4608, 128, False),   # Flux.1-dev 1024^2
+    (1, 38, 4429, 64, False),    # SD3.5-large 1024^2
+    (2, 24, 4096, 128, False),
+    (1, 24, 16384, 128, False),
+    (1, 24, 32768, 128, False),
+    (1, 48, 17776, 64, False),   # CogVideoX-5B
+    (1, 30, 17776, 64, False),   # CogVideoX-2B
+    (1, 24, 44776, 128, False),  # Mochi-1
+    (1, 24, 16384, 128, True),
+    (1, 48, 17776, 64, True),
+]
+QUICK_SHAPES = [(1, 24, 4608, 128, False), (1, 48, 17776, 64, False), (1, 24, 16384, 128, True)]
+L2_BYTES = 50 * 2**20  # H100/H200
+
+
+def make_inputs(b, h, s, d, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, h, s, d, generator=g, device="cuda")
+    k = torch.randn(b, h, s, d, generator=g, device="cuda") + 4 * torch.randn(1, h, 1, d, generator=g, device="cuda")
+    v = torch.randn(b, h, s, d, generator=g, device="cuda")
+    return [x.to(torch.bfloat16) for x in (q, k, v)]
+
+
+def bench_ms(fn: Callable[[int], object], reps: int) -> float:
+    """Median milliseconds of fn(i) (i rotates input copies)."""
+    counter = [0]
+
+    def step():
+        counter[0] += 1
+        fn(counter[0])
+
+    try:
+        import triton.testing
+
+        return float(triton.testing.do_bench(step, warmup=max(5, reps // 4), rep=reps * 10, return_mode="median"))
+    except ImportError:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+
+# ---- methods: each returns (run(q, k, v) -> out bf16 BHSD, note) or raises ------------------------
+def m_ours(poly: Optional[int] = None):
+    from sage_diffusers.kernels import int8_sm90
+
+    ok, why = int8_sm90.is_available()
+    if not ok:
+        raise RuntimeError(why)
+
+    def run(q, k, v, causal):
+        if poly is not None:
+            int8_sm90.set_exp_poly_every(poly)
+        try:
+            return int8_sm90.attention_int8_sm90(q, k, v, key_mask=None, is_causal=causal, scale=None,
+                                                 return_lse=False)[0]
+        finally:
+            if poly is not None:
+                int8_sm90.set_exp_poly_every(None)
+
+    return run
+
+
+def m_sdpa(backend_name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+class CudnnFp8:
+    """cuDNN FP8 SDPA (per-tensor E4M3 scales for Q, K, V, S, O; FP8 output on Hopper)."""
+
+    def __init__(self):
+        import cudnn  # nvidia-cudnn-frontend
+
+        self.cudnn = cudnn
+        self.handle = cudnn.create_handle()
+        self.cache = {}
+
+    def _graph(self, shape, causal, scale):
+        key = (shape, causal)
+        if key in self.cache:
+            return self.cache[key]
+        cudnn = self.cudnn
+        b, h, s, d = shape
+        e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+        graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32,
+                              handle=self.handle)
+        stride = (h * s * d, s * d, d, 1)
+        tq, tk, tv = (graph.tensor(name=n, dim=shape, stride=stride, data_type=e4m3) for n in "qkv")
+        scalars = [graph.tensor(name=n, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=f32)
+                   for n in ("dq", "dk", "dv", "ds", "ss", "so")]
+        o, _, amax_s, amax_o = graph.sdpa_fp8(
+            q=tq, k=tk, v=tv, descale_q=scalars[0], descale_k=scalars[1], descale_v=scalars[2],
+            descale_s=scalars[3], scale_s=scalars[4], scale_o=scalars[5], is_inference=True,
+            attn_scale=scale, use_causal_mask=causal)
+        o.set_output(True).set_dim(shape).set_stride(stride).set_data_type(e4m3)
+        for a in (amax_s, amax_o):
+            a.set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(f32)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        ws = torch.empty(graph.get_workspace_size(), device="cuda", dtype=torch.uint8)
+        entry = (graph, (tq, tk, tv), scalars, o, (amax_s, amax_o), ws)
+        self.cache[key] = entry
+        return entry
+
+    def quantize(self, q, k, v):
+        out = []
+        for x in (q, k, v):
+            amax = x.abs().amax().float().clamp_min(1e-12).reshape(1, 1, 1, 1)
+            scale = 448.0 / amax
+            out.append(((x.float() * scale).to(torch.float8_e4m3fn), 1.0 / scale))
+        return out
+
+    def run_quantized(self, qkv8, causal, v_amax_scale):
+        (q8, dq), (k8, dk), (v8, dv) = qkv8
+        shape = tuple(q8.shape)
+        graph, (tq, tk, tv), sc, o, (amax_s, amax_o), ws = self._graph(shape, causal, 1.0 / math.sqrt(shape[-1]))
+        one = torch.ones(1, 1, 1, 1, device="cuda")
+        scale_s = torch.full((1, 1, 1, 1), 448.0, device="cuda")
+        scale_o = 1.0 / dv  # O is a convex combination of V rows: same range as V
+        out8 = torch.empty(shape, device="cuda", dtype=torch.float8_e4m3fn)
+        a_s, a_o = torch.empty(1, 1, 1, 1, device="cuda"), torch.empty(1, 1, 1, 1, device="cuda")
+        self.cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream().cuda_stream)
+        graph.execute({tq: q8, tk: k8, tv: v8, sc[0]: dq, sc[1]: dk, sc[2]: dv, sc[3]: one / 448.0,
+                       sc[4]: scale_s, sc[5]: scale_o, o: out8, amax_s: a_s, amax_o: a_o}, ws,
+                      handle=self.handle)
+        return out8, dv
+
+    def method(self, include_quant: bool):
+        pre = {}
+
+        def run(q, k, v, causal):
+            if include_quant:
+                qkv8 = self.quantize(q, k, v)
+            else:
+                key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+                if key not in pre:
+                    pre[key] = self.quantize(q, k, v)
+                qkv8 = pre[key]
+            out8, dv = self.run_quantized(qkv8, causal, None)
+            return (out8.float() * dv).to(torch.bfloat16) if include_quant else out8
+
+        def run_checked(q, k, v, causal):
+            out = run(q, k, v, causal)
+            return out
+
+        return run_checked
+
+
+def m_sageattention():
+    from sageattention import sageattn
+
+    def run(q, k, v, causal):
+        return sageattn(q, k, v, tensor_layout="HND", is_causal=causal)
+
+    return run
+
+
+def m_fp4():
+    from sage_diffusers.kernels import fp4  # another helper's kernel; optional
+
+    ok, why = fp4.is_available()
+    if not ok:
+        raise RuntimeError(why)
+    fn = fp4.attention_fp4
+
+    def run(q, k, v, causal):
+        return fn(q, k, v, key_mask=None, is_causal=causal, scale=None, return_lse=False)[0]
+
+    return run
+
+
+def methods(args):
+    table = {}
+
+    def add(name, factory):
+        try:
+            table[name] = factory()
+        except Exception as exc:  # a missing peer is a note in the table, not a failure
+            table[name] = f"n/a: {type(exc).__name__}: {exc}"
+
+    add("ours", lambda: m_ours())
+    add("ours_exp_mufu_only", lambda: m_ours(poly=0))  # differs from "ours" at hd64 only
+    add("sdpa_cudnn", lambda: m_sdpa("CUDNN_ATTENTION"))
+    add("sdpa_flash", lambda: m_sdpa("FLASH_ATTENTION"))
+    try:
+        c = CudnnFp8()
+        table["cudnn_fp8"] = c.method(include_quant=True)
+        table["cudnn_fp8_kernel_only"] = c.method(include_quant=False)
+    except Exception as exc:
+        table["cudnn_fp8"] = table["cudnn_fp8_kernel_only"] = f"n/a: {type(exc).__name__}: {exc}"
+    add("sageattention", m_sageattention)
+    add("fp4", m_fp4)
+    return table
+
+
+def run(args) -> list[dict]:
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    reps = 10 if args.quick else 30
+    table = methods(args)
+    rows = []
+    for (b, h, s, d, causal) in shapes:
+        base = make_inputs(b, h, s, d)
+        set_bytes = sum(x.numel() * x.element_size() for x in base)
+        n_copies = 1 if set_bytes > 2 * L2_BYTES else int(math.ceil(4 * L2_BYTES / set_bytes))
+        inputs = [base] + [[x.clone() for x in base] for _ in range(n_copies - 1)]
+        # fp32 reference with SDPA's memory-efficient kernel (fp32 math, no S matrix in memory)
+        with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
+                                             torch.nn.attention.SDPBackend.MATH]):
+            ref = F.scaled_dot_product_attention(*(x.float() for x in base), is_causal=causal)
+        flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+        for name, fn in table.items():
+            row = dict(method=name, B=b, H=h, S=s, D=d, causal=causal)
+            if isinstance(fn, str):
+                row["error"] = fn
+                rows.append(row)
+                continue
+            if name == "ours_exp_mufu_only" and d != 64:
+                continue
+            try:
+                out = fn(*base, causal)
+                torch.cuda.synchronize()
+                if out.dtype == torch.float8_e4m3fn:  # kernel-only cuDNN FP8: dequantize for metrics
+                    out = out.float() * (base[2].abs().amax().float() / 448.0)
+                row.update(cos=cosine(out.float(), ref), rel_l1=relative_l1(out.float(), ref),
+                           rmse=rmse(out.float(), ref))
+                ms = bench_ms(lambda i: fn(*inputs[i % len(inputs)], causal), reps)
+                row.update(ms=ms, tops=flops / (ms * 1e-3) / 1e12)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"
+                if args.verbose:
+                    traceback.print_exc()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del inputs, base, ref
+        torch.cuda.empty_cache()
+    # speed-up vs cuDNN bf16 of the same shape
+    for r in rows:
+        base_row = next((x for x in rows if x["method"] == "sdpa_cudnn" and
+                         all(x[k] == r[k] for k in ("B", "H", "S", "D", "causal")) and "ms" in x), None)
+        if base_row and "ms" in r:
+            r["speedup_vs_cudnn"] = base_row["ms"] / r["ms"]
+    return rows
+
+
+def write_outputs(rows, out_dir: Path, meta: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "kernels_h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [f"# Attention kernels on {meta['device']}", "",
+             f"torch {meta['torch']}, {meta['date']}. TOPS = 4*B*H*Sq*Skv*D/t (x0.5 causal), "
+             "quantization included unless the method says kernel_only. Accuracy vs fp32 SDPA.", "",
+             "| shape (BxHxSxD) | causal | method | ms | TOPS | vs cuDNN | cos | rel-L1 | RMSE |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        shape = f"{r['B']}x{r['H']}x{r['S']}x{r['D']}"
+        if "ms" not in r:
+            lines.append(f"| {shape} | {r['causal']} | {r['method']} | {r.get('error', 'n/a')[:80]} | | | | | |")
+            continue
+        lines.append(f"| {shape} | {r['causal']} | {r['method']} | {r['ms']:.3f} | {r['tops']:.0f} | "
+                     f"{r.get('speedup_vs_cudnn', float('nan')):.2f}x | {r['cos']:.5f} | {r['rel_l1']:.4f} | "
+                     f"{r['rmse']:.4f} |")
+    (out_dir / "kernels_h200.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG")
+        return
+    shapes = []
+    for r in rows:
+        key = (r["B"], r["H"], r["S"], r["D"], r["causal"])
+        if key not in shapes:
+            shapes.append(key)
+    names = [n for n in dict.fromkeys(r["method"] for r in rows) if any("tops" in r for r in rows if r["method"] == n)]
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(shapes)), 5))
+    width = 0.8 / max(1, len(names))
+    for j, name in enumerate(names):
+        vals = []
+        for key in shapes:
+            r = next((x for x in rows if x["method"] == name and (x["B"], x["H"], x["S"], x["D"], x["causal"]) == key), None)
+            vals.append(r["tops"] if r and "tops" in r else 0.0)
+        ax.bar([i + j * width for i in range(len(shapes))], vals, width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))])
+    ax.set_xticklabels([f"{b}x{h}x{s}x{d}{' c' if c else ''}" for (b, h, s, d, c) in shapes], rotation=30, ha="right")
+    ax.set_ylabel("TOPS (quantization included)")
+    ax.set_title(f"Attention forward on {meta['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "kernels_h200.png", dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="three shapes, fewer repetitions")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "eval" / "results")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device")
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M"), quick=args.quick)
+    rows = run(args)
+    write_outputs(rows, args.out_dir, meta)
+    print(f"wrote {args.out_dir}/kernels_h200.json/.md/.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,433 @@
+"""FP4 microscaling attention (SageAttention3 numerics) as a CUDA kernel.
+
+One kernel source (``csrc/fp4/``) with the MMA atom as a template parameter:
+
+- native (sm_120a / sm_121a): ``mma.sync ... kind::mxf4nvf4.block_scale.scale_vec::4X.m16n8k64``
+  with E4M3 block scales;
+- emulated (sm_90a, and buildable for sm_120a to cross-check): the same register fragments decoded
+  to fp16 (exact) and multiplied with ``mma.sync.m16n8k16`` in fp32.
+
+Numerics follow ``sage_diffusers.reference.sage3_reference`` with fmt="nvfp4": K smoothed by its
+token mean and quantized along D by a pre-pass (which also permutes tokens within 64-key chunks
+into the order the P.V fragments need), V quantized in 16-token blocks (stored transposed), Q
+smoothed per 128-query block inside the kernel with the correction qbar.deq(K)^T computed per tile
+in the kernel, two-level (or direct) P~ quantization fused with the online softmax, FP32
+accumulation, row sums from unquantized P~. Only NVFP4 is compiled (MXFP4 raises ValueError).
+Known numeric deviations from the reference, all far below FP4 error: P~/s1 and P~/scale use
+reciprocal multiplies and exp2 is ``ex2.approx``; means are summed in a different order.
+
+Entry points
+------------
+attention_fp4(q, k, v, *, key_mask, is_causal, scale, return_lse, p_quant) -> (out, lse | None)
+    The backend contract of SPEC_FOR_HELPERS.md.
+prepass(k, v, k_mean=None) -> dict
+    The K/V quantization pre-pass alone (stored format, for bit-exact tests).
+key_positions(n) -> LongTensor
+    Real key index held by each stored K row (the permutation of the pre-pass).
+atom_gemm(a, sfa, b, sfb) -> Tensor
+    A tiny GEMM through one MMA atom's raw-register contract (tests of the fragment layout).
+is_available() -> (bool, reason);  selftest() -> bool;  benchmark(...) -> dict
+torch.ops.sage_diffusers.fp4_attention
+    The registered custom op (with a fake impl).
+
+``python -m sage_diffusers.kernels.fp4 [selftest|bench|build]``.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from ..options import FP4Format, PQuant
+from . import _jit
+
+__all__ = ["attention_fp4", "prepass", "key_positions", "atom_gemm", "is_available", "build",
+           "attention_atoms", "selftest", "benchmark", "HEAD_DIMS", "Atom"]
+
+HEAD_DIMS = (64, 128)
+BLOCK_KV = 128  # keys per tile, and the padding unit of the pre-pass outputs
+KEY_CHUNK = 64  # K tokens are permuted within chunks of this many keys
+_ATOM_ENV = "SAGE_DIFFUSERS_FP4_ATOM"  # "native" or "emulated": override the default per device
+_NO_HW_E2M1_ENV = "SAGE_DIFFUSERS_FP4_NO_HW_E2M1"  # "1": integer E2M1 encoder on sm_120 too
+_P_QUANT_CODE = {PQuant.TWO_LEVEL: 0, PQuant.DIRECT: 1}  # mirrors PQuantMode in fp4_api.h
+# Dynamic shared memory of the emulated atom's kernel at D = 128 (FwdConfig<128>::smem_bytes<
+# AtomSm90Emulated>() in csrc/fp4/tile_config.cuh): over sm_120's 99 KiB opt-in limit, so on
+# sm_120/121 the emulated build serves the atom tests only.
+_EMULATED_SMEM_BYTES = 141344
+
+
+class Atom:
+    """Which MMA atom a build uses (plain constants: they key the extension cache)."""
+
+    NATIVE = "native"
+    EMULATED = "emulated"
+
+
+def source_dir() -> Path:
+    return _jit.csrc_dir() / "fp4"
+
+
+def _device_arch(device: Optional[torch.device] = None) -> Optional[str]:
+    """nvcc arch suffix for the device ("120a", "121a", "90a"), or None when no atom runs there."""
+    cap = torch.cuda.get_device_capability(device)
+    return {(12, 0): "120a", (12, 1): "121a", (9, 0): "90a"}.get(cap)
+
+
+def attention_atoms(device: Optional[torch.device] = None) -> list[str]:
+    """Atoms whose attention kernel runs on the device (native first where it exists)."""
+    arch = _device_arch(device)
+    if arch is None:
+        return []
+    optin = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    atoms = [] if arch == "90a" else [Atom.NATIVE]
+    if optin >= _EMULATED_SMEM_BYTES:
+        atoms.append(Atom.EMULATED)
+    return atoms
+
+
+def _default_atom(arch: str) -> str:
+    env = os.environ.get(_ATOM_ENV)
+    if env:
+        if env not in (Atom.NATIVE, Atom.EMULATED):
+            raise ValueError(f"{_ATOM_ENV} must be 'native' or 'emulated', got {env!r}")
+        if env == Atom.NATIVE and arch == "90a":
+            raise ValueError("the native FP4 atom needs sm_120a/sm_121a; this device is sm_90a")
+        return env
+    return Atom.EMULATED if arch == "90a" else Atom.NATIVE
+
+
+def is_available() -> tuple[bool, str]:
+    """Whether this process can run the kernel (does not build it).
+
+    Returns
+    -------
+    (ok, reason) : reason says what is missing when ok is False.
+    """
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available"
+    if torch.version.cuda is None:
+        return False, "torch was built without CUDA"
+    if _device_arch() is None:
+        cap = torch.cuda.get_device_capability()
+        return False, (f"FP4 kernel needs compute capability 12.0/12.1 (native) or 9.0 (emulated), "
+                       f"device has {cap[0]}.{cap[1]}")
+    if not source_dir().is_dir():
+        return False, f"kernel sources not found at {source_dir()}"
+    return True, "ok"
+
+
+def build(atom: Optional[str] = None, arch: Optional[str] = None, verbose: bool = False) -> ModuleType:
+    """Compile (once per source hash) and load the extension for one atom and arch.
+
+    Parameters
+    ----------
+    atom : Atom.NATIVE or Atom.EMULATED; default: native on sm_120/121, emulated on sm_90.
+    arch : nvcc arch suffix ("120a", "121a", "90a"); default: the current device's.
+    """
+    arch = arch or _device_arch()
+    if arch is None:
+        raise RuntimeError(is_available()[1])
+    atom = atom or _default_atom(arch)
+    if atom == Atom.NATIVE and arch == "90a":
+        raise ValueError("the native FP4 atom needs sm_120a/sm_121a")
+    d = source_dir()
+    native = 1 if atom == Atom.NATIVE else 0
+    fwd = d / ("attention_fwd_native.cu" if native else "attention_fwd_emulated.cu")
+    # Debug switch: P~ codes from the integer encoder instead of cvt.rn.satfinite.e2m1x2 (sm_120).
+    no_hw = ["-DSAGE_FP4_NO_HW_E2M1"] if os.environ.get(_NO_HW_E2M1_ENV) == "1" else []
+    return _jit.load_extension(
+        f"sage_diffusers_fp4_{atom}_sm{arch}",
+        [d / "binding.cpp", d / "quant_prepass.cu", fwd],
+        extra_cuda_cflags=[f"-gencode=arch=compute_{arch},code=sm_{arch}", "-DNDEBUG", "-lineinfo",
+                           f"-DSAGE_FP4_NATIVE={native}", *no_hw],
+        extra_cflags=[f"-DSAGE_FP4_NATIVE={native}"],
+        extra_include_paths=[d],
+        verbose=verbose,
+    )
+
+
+def _rows_aligned(x: torch.Tensor) -> bool:
+    """16-byte aligned token rows with a contiguous last dim (the kernels' vector loads)."""
+    return x.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in x.stride()[:3]) and x.stride(3) == 1
+
+
+def _padded_len(skv: int) -> int:
+    return -(-skv // BLOCK_KV) * BLOCK_KV
+
+
+def key_positions(n: int, device=None) -> torch.Tensor:
+    """Real key index stored at each K row of the pre-pass output.
+
+    n : padded length (multiple of 128). Returns int64 (n,): row ``pos`` holds key
+    ``key_positions(n)[pos]`` (keys >= Skv are zero padding). Within each 64-key chunk, row
+    8j + 2t + e holds key 8t + 2j + e (j < 4) or 32 + 8t + 2(j - 4) + e (j >= 4).
+    """
+    pos = torch.arange(n, device=device)
+    p = pos % KEY_CHUNK
+    in_chunk = (p >> 5) * 32 + ((p >> 1) & 3) * 8 + ((p >> 3) & 3) * 2 + (p & 1)
+    return pos - p + in_chunk
+
+
+def _stream_handle(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _k_mean(k: torch.Tensor) -> torch.Tensor:
+    """float32 (B, Hkv, D) contiguous token mean of k (padded/masked keys included, as the spec)."""
+    return k.mean(dim=2, dtype=torch.float32).contiguous()
+
+
+def prepass(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor] = None,
+            atom: Optional[str] = None) -> dict:
+    """Run the K/V quantization pre-pass alone (stored format of reference.quantize_nvfp4).
+
+    Parameters
+    ----------
+    k, v : (B, Hkv, Skv, D) fp16/bf16 CUDA (views allowed).
+    k_mean : float32 (B, Hkv, D); default the token mean of k.
+
+    Returns
+    -------
+    dict with k_mean (B, Hkv, D) float32; kq uint8 (B, Hkv, P, D/2) and ksf float8_e4m3fn
+    (B, Hkv, P, D/16) of k - k_mean along D, rows permuted (see :func:`key_positions`); vq uint8
+    (B, Hkv, D, P/2) and vsf float8_e4m3fn (B, Hkv, D, P/16) of v transposed, along tokens; with
+    P = Skv rounded up to 128 and zero padding.
+    """
+    ext = build(atom)
+    kk, vv = (x if _rows_aligned(x) else x.contiguous() for x in (k, v))
+    if k_mean is None:
+        k_mean = _k_mean(k)
+    k_mean = k_mean.float().contiguous()
+    with torch.cuda.device(k.device):
+        kq, ksf, vq, vsf = ext.quantize_kv(kk, vv, k_mean, _padded_len(k.shape[2]), _stream_handle(k.device))
+    return {"k_mean": k_mean, "kq": kq, "ksf": ksf.view(torch.float8_e4m3fn), "vq": vq,
+            "vsf": vsf.view(torch.float8_e4m3fn)}
+
+
+def atom_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor,
+              atom: Optional[str] = None) -> torch.Tensor:
+    """deq(A) (M, K) . deq(B) (N, K)^T through one MMA atom, fragments loaded per the PTX layout.
+
+    a : uint8 (M, K/2) packed E2M1; sfa : E4M3 (M, K/16) as uint8 or float8_e4m3fn; b, sfb likewise
+    with N rows. M % 16 == 0, N % 8 == 0, K % 64 == 0. Returns float32 (M, N).
+    """
+    ext = build(atom)
+    as_u8 = lambda x: (x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x).contiguous()  # noqa: E731
+    with torch.cuda.device(a.device):
+        return ext.atom_gemm(as_u8(a), as_u8(sfa), as_u8(b), as_u8(sfb), _stream_handle(a.device))
+
+
+# ---- the custom op -------------------------------------------------------------------------------
+@torch.library.custom_op("sage_diffusers::fp4_attention", mutates_args=())
+def _fp4_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: Optional[torch.Tensor],
+    is_causal: bool,
+    scale: float,
+    return_lse: bool,
+    p_quant: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ext = build()
+    qq, kk, vv = (x if _rows_aligned(x) else x.contiguous() for x in (q, k, v))
+    skv = k.shape[2]
+    k_mean = _k_mean(kk)
+    with torch.cuda.device(q.device):
+        stream = _stream_handle(q.device)
+        kq, ksf, vq, vsf = ext.quantize_kv(kk, vv, k_mean, _padded_len(skv), stream)
+        out, lse = ext.attention_fwd(qq, kq, ksf, vq, vsf, k_mean, key_mask, skv, scale, is_causal,
+                                     p_quant, return_lse, stream)
+    if qq is not q:  # keep the layout promised by the fake impl: empty_like(q)
+        out = torch.empty_like(q).copy_(out)
+    if not return_lse:
+        lse = q.new_empty((0,), dtype=torch.float32)
+    return out, lse
+
+
+@_fp4_attention.register_fake
+def _(q, k, v, key_mask, is_causal, scale, return_lse, p_quant):
+    shape = (q.shape[0], q.shape[1], q.shape[2]) if return_lse else (0,)
+    return torch.empty_like(q), q.new_empty(shape, dtype=torch.float32)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"expected 4-D (B, H, S, D) q/k/v, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q/k/v must share dtype float16 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"head dim must be one of {HEAD_DIMS}, got {q.shape[-1]}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"Hq ({q.shape[1]}) must be a multiple of Hkv ({k.shape[1]})")
+    if q.shape[2] < 1 or k.shape[2] < 1:
+        raise ValueError(f"empty sequence: Sq={q.shape[2]}, Skv={k.shape[2]}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q/k/v need a contiguous last dim")
+
+
+def _normalize_mask(key_mask: Optional[torch.Tensor], b: int, skv: int) -> Optional[torch.Tensor]:
+    if key_mask is None:
+        return None
+    if key_mask.dim() == 4 and key_mask.shape[1] == 1 and key_mask.shape[2] == 1:
+        key_mask = key_mask.reshape(key_mask.shape[0], key_mask.shape[3])
+    if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (b, skv):
+        raise ValueError(f"key_mask must be bool (B, Skv) = ({b}, {skv}), got {key_mask.dtype} "
+                         f"{tuple(key_mask.shape)}")
+    return key_mask.contiguous()
+
+
+def attention_fp4(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    p_quant: "str | PQuant" = PQuant.TWO_LEVEL,
+    fmt: "str | FP4Format" = FP4Format.NVFP4,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """FP4 attention with sage3 numerics (native on sm_120/121, emulated on sm_90).
+
+    Parameters
+    ----------
+    q : (B, Hq, Sq, D) fp16/bf16, any strides with a contiguous last dim (BSHD callers pass
+        ``x.transpose(1, 2)``). D in {64, 128}.
+    k, v : (B, Hkv, Skv, D), Hq % Hkv == 0 (GQA).
+    key_mask : None or bool (B, Skv) (or (B, 1, 1, Skv)), True = attend.
+    is_causal : top-left aligned like torch SDPA: query i sees keys j <= i.
+    scale : softmax scale, default 1/sqrt(D).
+    return_lse : also return the natural-log LSE of scale * q.k (float32 (B, Hq, Sq)).
+    p_quant : PQuant.TWO_LEVEL (default) or PQuant.DIRECT (the paper's ablation).
+    fmt : only FP4Format.NVFP4 is compiled; MXFP4 raises ValueError.
+
+    Returns
+    -------
+    out : (B, Hq, Sq, D) in q.dtype, same memory layout as q. Rows with no visible key are 0.
+    lse : float32 (B, Hq, Sq) (-inf on such rows) or None.
+    """
+    if FP4Format.parse(fmt) is not FP4Format.NVFP4:
+        raise ValueError("the FP4 kernel implements NVFP4 only; use the reference for MXFP4")
+    _check(q, k, v)
+    key_mask = _normalize_mask(key_mask, q.shape[0], k.shape[2])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, lse = torch.ops.sage_diffusers.fp4_attention(
+        q, k, v, key_mask, bool(is_causal), scale, bool(return_lse), _P_QUANT_CODE[PQuant.parse(p_quant)])
+    return out, (lse if return_lse else None)
+
+
+# ---- self test and benchmark ---------------------------------------------------------------------
+def _selftest_inputs(b=1, hq=2, hkv=1, sq=300, skv=333, d=128, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, hq, sq, d, device="cuda", generator=g).to(dtype)
+    k = (torch.randn(b, hkv, skv, d, device="cuda", generator=g)
+         + 3 * torch.randn(1, 1, 1, d, device="cuda", generator=g)).to(dtype)  # channel bias: smoothing matters
+    v = torch.randn(b, hkv, skv, d, device="cuda", generator=g).to(dtype)
+    return q, k, v
+
+
+def selftest(verbose: bool = True) -> bool:
+    """Compare the available atoms with the reference on a small GQA case with a key mask.
+
+    Runs every atom whose kernel fits the device (:func:`attention_atoms`): the emulated one on
+    sm_90; the native one on sm_120/121 (plus the emulated one where shared memory allows, and the
+    two are then compared). Returns True when every cosine vs the reference is >= 0.9999, and when
+    no kernel can run here (a line says why).
+    """
+    from ..reference import cosine, sage3_reference
+
+    ok, reason = is_available()
+    if not ok:
+        if verbose:
+            print(f"fp4 selftest skipped: {reason}")
+        return True  # nothing here to check; is_available() tells callers why
+    arch = _device_arch()
+    atoms = attention_atoms()
+    q, k, v = _selftest_inputs()
+    mask = torch.ones(q.shape[0], k.shape[2], dtype=torch.bool, device="cuda")
+    mask[:, -37:] = False
+    ref = sage3_reference(q, k, v, key_mask=mask)
+    outs, good = {}, True
+    for atom in atoms:
+        ext = build(atom)
+        skv = k.shape[2]
+        k_mean = _k_mean(k)
+        stream = _stream_handle(q.device)
+        kq, ksf, vq, vsf = ext.quantize_kv(k, v, k_mean, _padded_len(skv), stream)
+        out, _ = ext.attention_fwd(q, kq, ksf, vq, vsf, k_mean, mask, skv, 1.0 / math.sqrt(q.shape[-1]),
+                                   False, 0, False, stream)
+        outs[atom] = out.float()
+        c = cosine(out.float(), ref)
+        good &= c >= 0.9999
+        if verbose:
+            print(f"fp4 selftest sm_{arch} {atom:8s}: cos vs sage3_reference = {c:.6f}")
+    if len(outs) == 2 and verbose:
+        print(f"fp4 selftest native vs emulated: cos = {cosine(outs[Atom.NATIVE], outs[Atom.EMULATED]):.6f}")
+    return bool(good)
+
+
+def benchmark(b=1, h=24, s=16384, d=128, dtype=torch.bfloat16, iters=20) -> dict:
+    """Time the FP4 path (pre-pass included) against torch SDPA (cuDNN / flash) on one shape.
+
+    Returns dict with milliseconds per call (fp4_ms includes the pre-pass, also timed alone as
+    prepass_ms) and the speed ratio sdpa_ms / fp4_ms.
+    """
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(3))
+
+    def timeit(fn):
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters
+
+    fp4_ms = timeit(lambda: attention_fp4(q, k, v))
+    prepass_ms = timeit(lambda: prepass(k, v))  # k mean + K/V quantization, included in fp4_ms
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            sdpa_ms = timeit(lambda: F.scaled_dot_product_attention(q, k, v))
+        which = "cudnn"
+    except Exception:  # cuDNN SDPA unavailable in this build: whatever SDPA picks
+        sdpa_ms = timeit(lambda: F.scaled_dot_product_attention(q, k, v))
+        which = "sdpa"
+    flops = 4 * b * h * s * s * d
+    return {"shape": (b, h, s, d), "atom": _default_atom(_device_arch()), "fp4_ms": round(fp4_ms, 3),
+            "prepass_ms": round(prepass_ms, 3), f"{which}_ms": round(sdpa_ms, 3),
+            "speed_vs_" + which: round(sdpa_ms / fp4_ms, 3), "fp4_tflops": round(flops / fp4_ms / 1e9, 1)}
+
+
+def _main(argv: list[str]) -> int:
+    cmd = argv[0] if argv else "selftest"
+    if cmd == "selftest":
+        return 0 if selftest() else 1
+    if cmd == "build":
+        build(verbose=True)
+        return 0
+    if cmd == "bench":
+        for shape in ((1, 24, 16384, 128), (1, 48, 17776, 64), (2, 24, 4096, 128)):
+            print(benchmark(*shape))
+        return 0
+    print("usage: python -m sage_diffusers.kernels.fp4 [selftest|build|bench]", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

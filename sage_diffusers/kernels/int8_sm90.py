@@ -1,0 +1,304 @@
+"""Hopper (sm_90a) 8-bit attention: the sage8 algorithm as a CUDA kernel.
+
+Numerics are exactly ``sage_diffusers.reference.sage8_reference``: INT8 Q per token, K smoothed by
+its token mean then INT8 per 128-key block, V FP8 E4M3 per channel, P~ = exp2(s - running max)
+scaled by 448 into FP8, FP32 accumulation, row sums from unquantized P~. Sources live in
+``csrc/sm90_int8/`` (README in the file headers); the extension is compiled on first use for
+``sm_90a`` only (wgmma needs the arch-specific target) into a cache keyed by the sources.
+
+Entry points
+------------
+attention_int8_sm90(q, k, v, *, key_mask, is_causal, scale, return_lse) -> (out, lse | None)
+    The backend contract (q (B, Hq, Sq, D), k/v (B, Hkv, Skv, D) views, any strides with a
+    contiguous last dim; fp16/bf16; D in {64, 128}).
+prepass(q, k, v, key_mask=None, scale=None) -> dict
+    The quantization pre-pass alone, decoded into plain tensors (for tests).
+is_available() -> (bool, reason)
+torch.ops.sage_diffusers.int8_attention_sm90
+    The registered custom op (fake impl included): torch.compile(fullgraph=True) and CUDA graphs
+    see one opaque op with no host synchronisation.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from . import _jit
+
+__all__ = ["attention_int8_sm90", "prepass", "is_available", "build", "compile_check",
+           "HEAD_DIMS", "default_exp_poly_every", "set_exp_poly_every", "has_variant"]
+
+ARCH = (9, 0)
+HEAD_DIMS = (64, 128)
+BLOCK_KV = 128
+Q_TILE_ROWS = 64
+# exp2 share computed on the FMA pipes (every N-th element; 0 = none). Only hd64 is bound by the
+# exp unit (NOTES.md); variants compiled: see csrc/sm90_int8/generate_instantiations.py.
+_DEFAULT_EXP_POLY = {64: 8, 128: 0}
+_EXP_POLY_ENV = "SAGE_DIFFUSERS_EXP_POLY"  # override, e.g. "0" to keep every exp2 on MUFU
+# Read once at import: the backend function is traced by torch.compile, which should not see
+# environment lookups. set_exp_poly_every() changes it at run time (benchmarks).
+_exp_poly_override: Optional[int] = int(os.environ[_EXP_POLY_ENV]) if _EXP_POLY_ENV in os.environ else None
+
+_NVCC_FLAGS = (
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "--expt-relaxed-constexpr",
+    "-DNDEBUG",
+    # torch's default flags hide the half/bf16 operators that CuTe's types rely on
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-U__CUDA_NO_HALF2_OPERATORS__",
+    "-lineinfo",
+)
+
+
+def source_dir() -> Path:
+    return _jit.csrc_dir() / "sm90_int8"
+
+
+def _sources() -> list[Path]:
+    d = source_dir()
+    return [d / "binding.cpp", d / "dispatch.cu", d / "prepass.cu",
+            *sorted((d / "instantiations").glob("fwd_*.cu"))]
+
+
+def is_available() -> tuple[bool, str]:
+    """Whether this process can run the kernel (does not build it).
+
+    Returns
+    -------
+    (ok, reason) : reason says what is missing when ok is False.
+    """
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available"
+    if torch.version.cuda is None:
+        return False, "torch was built without CUDA"
+    cap = torch.cuda.get_device_capability()
+    if cap != ARCH:
+        return False, f"needs compute capability 9.0 (H100/H200/H20), device has {cap[0]}.{cap[1]}"
+    try:
+        _jit.cutlass_include()
+    except RuntimeError as exc:
+        return False, str(exc)
+    if not source_dir().is_dir():
+        return False, f"kernel sources not found at {source_dir()}"
+    return True, "ok"
+
+
+# Experimental build switch (read once): FA3-style overlap of softmax_t with the PV wgmma of
+# tile t-1 inside each warpgroup, producer warpgroup + setmaxnreg (kernel_fwd.cuh). A separate
+# extension name, so the default build stays cached beside it.
+_OVERLAP = os.environ.get("SAGE_DIFFUSERS_SM90_OVERLAP", "0") == "1"
+
+
+def build(verbose: bool = False) -> ModuleType:
+    """Compile (once per source hash) and load the extension."""
+    overlap = ["-DSAGE_SM90_OVERLAP=1"] if _OVERLAP else []
+    return _jit.load_extension(
+        "sage_diffusers_int8_sm90" + ("_overlap" if _OVERLAP else ""),
+        _sources(),
+        extra_cuda_cflags=list(_NVCC_FLAGS) + overlap,
+        extra_include_paths=[source_dir()],
+        verbose=verbose,
+    )
+
+
+def default_exp_poly_every(head_dim: int) -> int:
+    """Share of exp2 computed by the FMA polynomial (every N-th element, 0 = none)."""
+    if _exp_poly_override is not None:
+        return _exp_poly_override
+    return _DEFAULT_EXP_POLY[head_dim]
+
+
+def set_exp_poly_every(n: Optional[int]) -> None:
+    """Force the exp2 polynomial share (None = per-head-dim default). Must be a compiled variant."""
+    global _exp_poly_override
+    _exp_poly_override = None if n is None else int(n)
+
+
+def has_variant(head_dim: int, is_causal: bool, exp_poly_every: int) -> bool:
+    """Whether the built extension has that compiled variant (builds on first call)."""
+    return bool(build().has_variant(head_dim, is_causal, exp_poly_every))
+
+
+def _rows_aligned(x: torch.Tensor) -> bool:
+    return x.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in x.stride()[:3]) and x.stride(3) == 1
+
+
+# ---- the custom op -------------------------------------------------------------------------------
+@torch.library.custom_op("sage_diffusers::int8_attention_sm90", mutates_args=())
+def _int8_attention_sm90(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: Optional[torch.Tensor],
+    is_causal: bool,
+    scale: float,
+    return_lse: bool,
+    exp_poly_every: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ext = build()
+    qq, kk, vv = (x if _rows_aligned(x) else x.contiguous() for x in (q, k, v))
+    out, lse = ext.fwd(qq, kk, vv, key_mask, is_causal, scale, return_lse, exp_poly_every)
+    if qq is not q:  # keep the layout promised by the fake impl: empty_like(q)
+        out = torch.empty_like(q).copy_(out)
+    return out, lse
+
+
+@_int8_attention_sm90.register_fake
+def _(q, k, v, key_mask, is_causal, scale, return_lse, exp_poly_every):
+    out = torch.empty_like(q)
+    shape = (q.shape[0], q.shape[1], q.shape[2]) if return_lse else (0,)
+    return out, q.new_empty(shape, dtype=torch.float32)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"expected 4-D (B, H, S, D) q/k/v, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q/k/v must share dtype float16 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"head dim must be one of {HEAD_DIMS}, got {q.shape[-1]}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"Hq ({q.shape[1]}) must be a multiple of Hkv ({k.shape[1]})")
+    if q.shape[2] < 1 or k.shape[2] < 1:
+        raise ValueError(f"empty sequence: Sq={q.shape[2]}, Skv={k.shape[2]}")
+
+
+def _normalize_mask(key_mask: Optional[torch.Tensor], b: int, skv: int) -> Optional[torch.Tensor]:
+    if key_mask is None:
+        return None
+    if key_mask.dim() == 4 and key_mask.shape[1] == 1 and key_mask.shape[2] == 1:
+        key_mask = key_mask.reshape(key_mask.shape[0], key_mask.shape[3])
+    if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (b, skv):
+        raise ValueError(f"key_mask must be bool (B, Skv) = ({b}, {skv}), got {key_mask.dtype} "
+                         f"{tuple(key_mask.shape)}")
+    return key_mask.contiguous()
+
+
+def attention_int8_sm90(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """8-bit attention on sm_90a with sage8 numerics.
+
+    Parameters
+    ----------
+    q : (B, Hq, Sq, D) fp16/bf16, any strides with a contiguous last dim (BSHD callers pass
+        ``x.transpose(1, 2)``).
+    k, v : (B, Hkv, Skv, D), Hq % Hkv == 0 (GQA).
+    key_mask : None or bool (B, Skv) (or (B, 1, 1, Skv)), True = attend.
+    is_causal : top-left aligned like torch SDPA: query i sees keys j <= i.
+    scale : softmax scale, default 1/sqrt(D).
+    return_lse : also return the natural-log LSE of scale * q.k (float32 (B, Hq, Sq)).
+
+    Returns
+    -------
+    out : (B, Hq, Sq, D) in q.dtype, same memory layout as q. Fully masked rows are 0.
+    lse : float32 (B, Hq, Sq) (-inf for fully masked rows) or None.
+    """
+    _check(q, k, v)
+    key_mask = _normalize_mask(key_mask, q.shape[0], k.shape[2])
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    out, lse = torch.ops.sage_diffusers.int8_attention_sm90(
+        q, k, v, key_mask, bool(is_causal), scale, bool(return_lse), default_exp_poly_every(d))
+    return out, (lse if return_lse else None)
+
+
+# ---- pre-pass, decoded (tests) -------------------------------------------------------------------
+def _image_offsets(rows: int, row_bytes: int, device) -> torch.Tensor:
+    """Byte offset of element (r, c) inside a swizzled tile image (tile_config.hpp:image_offset)."""
+    r = torch.arange(rows, device=device).view(-1, 1)
+    c = torch.arange(row_bytes, device=device).view(1, -1)
+    if row_bytes == 128:
+        chunk = (c >> 4) ^ (r & 7)
+    else:
+        chunk = (c >> 4) ^ ((r >> 1) & 3)
+    return r * row_bytes + ((chunk << 4) | (c & 15))  # (rows, row_bytes)
+
+
+def _vt_key_to_position(device) -> torch.Tensor:
+    """Inverse of tile_config.hpp:vt_position_to_key over one 128-key tile."""
+    p = torch.arange(BLOCK_KV, device=device)
+    q = p & 15
+    t, i = q >> 2, q & 3
+    key = (p & ~15) + 2 * t + (i & 1) + 8 * (i >> 1)
+    inv = torch.empty_like(p)
+    inv[key] = p
+    return inv
+
+
+def _decode_rows(img: torch.Tensor, rows: int, d: int, n_valid: int) -> torch.Tensor:
+    """(B, H, n_tiles, rows*d) images of row-major (rows, d) tiles -> (B, H, n_valid, d)."""
+    b, h, n, _ = img.shape
+    off = _image_offsets(rows, d, img.device).reshape(-1)
+    return img[..., off].reshape(b, h, n * rows, d)[:, :, :n_valid]
+
+
+def prepass(q, k, v, key_mask=None, scale=None) -> dict:
+    """Run only the quantization pre-pass and decode its outputs.
+
+    Returns
+    -------
+    dict with q8 (B, Hq, Sq, D) int8, sq (B, Hq, Sq) f32, qkm (B, Hq, Sq) f32 = scale * q.k_mean,
+    k8 (B, Hkv, Skv, D) int8, sk (B, Hkv, ceil(Skv/128)) f32, v8 (B, Hkv, Skv, D) float8_e4m3fn,
+    sv (B, Hkv, D) f32, k_mean (B, Hkv, D) f32, kv_len (B,) int32 (only with a mask),
+    mask_bits (B, 4*ceil(Skv/128)) int32.
+    """
+    _check(q, k, v)
+    key_mask = _normalize_mask(key_mask, q.shape[0], k.shape[2])
+    d, sq_len, skv = q.shape[-1], q.shape[2], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    qq, kk, vv = (x if _rows_aligned(x) else x.contiguous() for x in (q, k, v))
+    q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, bits = build().prepass(qq, kk, vv, key_mask, scale)
+    b, hkv = k.shape[0], k.shape[1]
+    n_kv = vt_img.shape[2]
+    # V^T tile (d, 128 positions): key j of the tile sits at position inv[j].
+    inv = _vt_key_to_position(q.device)
+    off = _image_offsets(d, BLOCK_KV, q.device)            # (d, 128) by (channel, position)
+    gather = off[:, inv].t().reshape(-1)                    # (key, channel) -> byte offset
+    v8 = vt_img[..., gather].reshape(b, hkv, n_kv * BLOCK_KV, d)[:, :, :skv]
+    return {
+        "q8": _decode_rows(q_img, Q_TILE_ROWS, d, sq_len),
+        "sq": sq[:, :, :sq_len],
+        "qkm": qkm[:, :, :sq_len],
+        "k8": _decode_rows(k_img, BLOCK_KV, d, skv),
+        "sk": sk,
+        "v8": v8.contiguous().view(torch.float8_e4m3fn),
+        "sv": sv,
+        "k_mean": kmean,
+        "kv_len": kv_len,
+        "mask_bits": bits,
+    }
+
+
+def compile_check(arch: str = "90a") -> int:
+    """nvcc-compile every .cu to objects in a temp dir (no GPU needed); returns the exit code."""
+    if arch != "90a":
+        raise ValueError(f"this kernel targets sm_90a only, got arch={arch!r}")
+    return subprocess.call(["bash", str(source_dir() / "compile_check.sh")])
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) > 1 and sys.argv[1] == "--compile-check":
+        sys.exit(compile_check())
+    print(is_available())
