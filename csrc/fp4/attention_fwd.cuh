@@ -1,0 +1,145 @@
+// The FP4 forward kernel: composes the prologue, the two-stage K/V pipeline, the MMA sweeps, the
+// fused softmax / P quantization and the epilogue. The MMA atom, head dim and element type are
+// template parameters; attention_fwd_sm{120,90}.cu instantiate the bounded set.
+#pragma once
+
+#include <cstdint>
+
+#include "epilogue.cuh"
+#include "fp4_api.h"
+#include "mainloop.cuh"
+#include "q_prologue.cuh"
+#include "softmax_pquant.cuh"
+#include "tile_config.cuh"
+
+namespace sage_fp4 {
+
+template <class Atom, int kHeadDim, typename T>
+__global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const FwdParams p) {
+  using Cfg = FwdConfig<kHeadDim>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int q0 = blockIdx.x * kBlockM, h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / (p.Hq / p.Hkv);  // GQA: query head h reads kv head h / group
+  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t bhk = int64_t(b) * p.Hkv + hk;
+
+  // Rebuilt where used rather than kept live across the main loop (registers are at the limit).
+  auto kv_head = [&]() {
+    KvHead kv;
+    kv.kq = p.kq + bhk * p.skv_pad * (kHeadDim / 2);
+    kv.ksf = p.ksf + bhk * p.skv_pad * (kHeadDim / 16);
+    kv.vq = p.vq + bhk * kHeadDim * (p.skv_pad / 2);
+    kv.vsf = p.vsf + bhk * kHeadDim * (p.skv_pad / 16);
+    kv.skv_pad = p.skv_pad;
+    return kv;
+  };
+
+  int n_tiles = (p.Skv + kBlockN - 1) / kBlockN;
+  if (p.causal) {  // top-left causal: the CTA's last row sees keys up to its own index
+    const int last_row = min(q0 + kBlockM, p.Sq) - 1;
+    n_tiles = min(n_tiles, last_row / kBlockN + 1);
+  }
+
+  auto stage = [&](int i) { return StageView<kHeadDim>{smem + i * Cfg::kStageBytes}; };
+  load_kv_tile<kHeadDim>(stage(0), kv_head(), 0);  // overlaps the Q prologue
+  cp_async_commit();
+
+  typename Atom::FragA qf[kHeadDim / 64];
+  q_prologue<Atom, kHeadDim, T>(p, smem, b, h, hk, q0, qf);
+  uint8_t* q_tile = smem + Cfg::kOffQ;
+  if constexpr (Atom::kStagesDecoded) {
+    __syncwarp();  // the warp's lanes are done reading its 16 Q rows
+#pragma unroll
+    for (int c = 0; c < kHeadDim / 64; ++c) Atom::store_a(staged_q_frag<Atom, kHeadDim>(q_tile, c), qf[c]);
+    __syncwarp();
+  }
+  const float* qbar = reinterpret_cast<const float*>(smem + Cfg::kOffQbar);
+  // Decoded staging (if the atom uses it): qbar A fragments, then the tile's B fragments.
+  uint32_t* qbar_frags = reinterpret_cast<uint32_t*>(smem + Cfg::template qbar_frag_offset<Atom>());
+  uint32_t* staged = reinterpret_cast<uint32_t*>(smem + Cfg::template staged_offset<Atom>());
+  if constexpr (Atom::kStagesDecoded) {
+    if (warp == 0) build_qbar_frags<Atom, kHeadDim>(qbar, qbar_frags);  // read after the loop's first barrier
+  }
+
+  float acc[kHeadDim / 8][4];
+#pragma unroll
+  for (int n = 0; n < kHeadDim / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+  }
+  RowState rs;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    rs.m[r] = -CUDART_INF_F;
+    rs.l[r] = 0.0f;
+  }
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const int warp_row0 = q0 + 16 * warp;
+
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    const int cur = tile & 1;
+    cp_async_wait<0>();  // this tile's copies, issued one iteration earlier
+    // Makes the tile visible to all threads, and every warp is past tile - 1: its stage (now
+    // refilled below) and the decoded fragments (restaged below) are free.
+    __syncthreads();
+    if (tile + 1 < n_tiles) {  // prefetch overlaps this tile's compute
+      load_kv_tile<kHeadDim>(stage(cur ^ 1), kv_head(), tile + 1);
+      cp_async_commit();
+    }
+    const StageView<kHeadDim> st = stage(cur);
+    float* corr = reinterpret_cast<float*>(smem + Cfg::kOffCorr) + cur * kBlockN;
+    uint32_t* valid = reinterpret_cast<uint32_t*>(smem + Cfg::kOffValid) + cur * (kBlockN / 32);
+    key_valid_bits(valid, tile, p.Skv, p.key_mask ? p.key_mask + int64_t(b) * p.Skv : nullptr);
+    if constexpr (Atom::kStagesDecoded) {
+      stage_decoded_b<Atom, kHeadDim>(st, staged, qbar_frags, corr);
+    } else {
+      correction_cuda_cores<kHeadDim>(st, qbar, corr);
+    }
+    __syncthreads();
+
+    float s[kBlockN / 8][4];
+    qk_tile<Atom, kHeadDim>(s, qf, q_tile, st, staged);
+
+    TileMask mk;
+    mk.corr = corr;
+    mk.valid_bits = valid;
+    mk.key0 = tile * kBlockN;
+    mk.row[0] = warp_row0 + (lane >> 2);
+    mk.row[1] = mk.row[0] + 8;
+    mk.causal = p.causal;
+    const int key_end = (tile + 1) * kBlockN;  // one past the tile's last key
+    mk.needed = p.key_mask != nullptr || key_end > p.Skv || (p.causal && key_end - 1 > warp_row0);
+    scores_to_log2(s, mk, scale_log2);
+
+    float alpha[2], s1[2];
+    typename Atom::FragA pf[kBlockN / kKeyChunk];
+    softmax_quantize_p<Atom>(s, rs, p.p_quant, alpha, s1, pf);
+    pv_tile<Atom, kHeadDim>(acc, pf, alpha, s1, st, staged);
+  }
+
+  const float* qk_mean = reinterpret_cast<const float*>(smem + Cfg::kOffQkMean);
+  store_output<kHeadDim, T>(p, acc, rs, qk_mean, b, h, q0);
+}
+
+template <class Atom, int kHeadDim, typename T>
+cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
+  using Cfg = FwdConfig<kHeadDim>;
+  auto kernel = fp4_attention_fwd_kernel<Atom, kHeadDim, T>;
+  constexpr int kSmem = Cfg::template smem_bytes<Atom>();
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) return err;
+  const dim3 grid((p.Sq + kBlockM - 1) / kBlockM, p.Hq, p.B);
+  kernel<<<grid, kThreads, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <class Atom>
+cudaError_t dispatch_fwd(const FwdParams& p, cudaStream_t stream) {
+  if (p.Sq == 0 || p.B == 0 || p.Hq == 0) return cudaSuccess;
+  const bool bf16 = p.dtype == ElemType::kBFloat16;
+  if (p.D == 64) return bf16 ? launch_fwd<Atom, 64, __nv_bfloat16>(p, stream) : launch_fwd<Atom, 64, __half>(p, stream);
+  if (p.D == 128) return bf16 ? launch_fwd<Atom, 128, __nv_bfloat16>(p, stream) : launch_fwd<Atom, 128, __half>(p, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace sage_fp4

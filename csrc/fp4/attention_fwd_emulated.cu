@@ -1,0 +1,22 @@
+// Emulated build (sm_90a; also buildable for sm_120a to cross-check the native atom): FP4
+// fragments decoded to fp16 and multiplied with mma.sync m16n8k16, same kernel source.
+#include "atom_gemm.cuh"
+#include "attention_fwd.cuh"
+#include "mma_atoms.cuh"
+
+namespace sage_fp4 {
+
+// kernels/fp4.py decides where this build's attention kernel can launch from this number.
+static_assert(FwdConfig<128>::smem_bytes<AtomSm90Emulated>() == 141344,
+              "update _EMULATED_SMEM_BYTES in sage_diffusers/kernels/fp4.py");
+
+cudaError_t launch_fp4_attention_emulated(const FwdParams& p, cudaStream_t stream) {
+  return dispatch_fwd<AtomSm90Emulated>(p, stream);
+}
+
+cudaError_t launch_mma_atom_gemm_emulated(const uint8_t* a, const uint8_t* sfa, const uint8_t* b, const uint8_t* sfb,
+                                      float* d, int M, int N, int K, cudaStream_t stream) {
+  return launch_atom_gemm<AtomSm90Emulated>(a, sfa, b, sfb, d, M, N, K, stream);
+}
+
+}  // namespace sage_fp4

@@ -1,0 +1,146 @@
+// Torch binding of the FP4 kernels: shape/dtype checks, allocation, current-stream launch.
+// Built for exactly one atom (SAGE_FP4_NATIVE = 1 native sm_120a, 0 emulated); see kernels/fp4.py.
+// The caller passes torch.cuda.current_stream().cuda_stream and runs under the tensors' device, so
+// this file needs no c10/cuda headers (it compile-checks against a CPU-only torch).
+#include <cuda_runtime.h>
+#include <torch/extension.h>
+
+#include "fp4_api.h"
+
+#ifndef SAGE_FP4_NATIVE
+#error "define SAGE_FP4_NATIVE (1: native sm_120a atom, 0: emulated atom)"
+#endif
+
+namespace {
+
+using sage_fp4::ElemType;
+
+#define FP4_CHECK_CUDA(expr)                                                              \
+  do {                                                                                    \
+    const cudaError_t err_ = (expr);                                                      \
+    TORCH_CHECK(err_ == cudaSuccess, #expr " failed: ", cudaGetErrorString(err_));        \
+  } while (0)
+
+ElemType elem_type(const torch::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == torch::kHalf || t.scalar_type() == torch::kBFloat16,
+              "expected float16 or bfloat16, got ", t.scalar_type());
+  return t.scalar_type() == torch::kHalf ? ElemType::kFloat16 : ElemType::kBFloat16;
+}
+
+void check_bhsd_16b(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.dim() == 4, name, ": expected a 4-D CUDA tensor (B, H, S, D)");
+  TORCH_CHECK(t.stride(3) == 1, name, ": last dim must be contiguous");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 &&
+                  t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0,
+              name, ": rows must be 16-byte aligned");
+}
+
+// k, v: (B, Hkv, Skv, D); k_mean float32 (B, Hkv, D). Returns kq, ksf, vq, vsf (see fp4_api.h).
+std::vector<torch::Tensor> quantize_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& k_mean,
+                                       int64_t skv_pad, int64_t stream_handle) {
+  check_bhsd_16b(k, "k");
+  TORCH_CHECK(v.is_cuda() && v.dim() == 4 && v.stride(3) == 1 && v.sizes() == k.sizes(), "v: shape of k, last dim contiguous");
+  TORCH_CHECK(v.scalar_type() == k.scalar_type(), "k and v dtypes differ");
+  const auto B = k.size(0), H = k.size(1), S = k.size(2), D = k.size(3);
+  TORCH_CHECK(D % 16 == 0, "head dim must be a multiple of 16, got ", D);
+  TORCH_CHECK(skv_pad % 128 == 0 && skv_pad >= S, "skv_pad must be a multiple of 128 >= Skv");
+  TORCH_CHECK(k_mean.scalar_type() == torch::kFloat32 && k_mean.is_contiguous() &&
+                  k_mean.sizes() == torch::IntArrayRef({B, H, D}),
+              "k_mean: float32 contiguous (B, H, D)");
+  auto u8 = k.options().dtype(torch::kUInt8);
+  auto kq = torch::empty({B, H, skv_pad, D / 2}, u8);
+  auto ksf = torch::empty({B, H, skv_pad, D / 16}, u8);
+  auto vq = torch::empty({B, H, D, skv_pad / 2}, u8);
+  auto vsf = torch::empty({B, H, D, skv_pad / 16}, u8);
+  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const ElemType dt = elem_type(k);
+  FP4_CHECK_CUDA(sage_fp4::launch_quantize_k(k.data_ptr(), dt, k.stride(0), k.stride(1), k.stride(2),
+                                             k_mean.data_ptr<float>(), kq.data_ptr<uint8_t>(), ksf.data_ptr<uint8_t>(),
+                                             B, H, S, skv_pad, D, stream));
+  FP4_CHECK_CUDA(sage_fp4::launch_quantize_v(v.data_ptr(), dt, v.stride(0), v.stride(1), v.stride(2),
+                                             vq.data_ptr<uint8_t>(), vsf.data_ptr<uint8_t>(), B, H, S, skv_pad, D,
+                                             stream));
+  return {kq, ksf, vq, vsf};
+}
+
+// q: (B, Hq, Sq, D) view; pre-pass outputs for (B, Hkv, ...). Returns out (like q) and lse (or empty).
+std::vector<torch::Tensor> attention_fwd(const torch::Tensor& q, const torch::Tensor& kq, const torch::Tensor& ksf,
+                                         const torch::Tensor& vq, const torch::Tensor& vsf, const torch::Tensor& k_mean,
+                                         const c10::optional<torch::Tensor>& key_mask, int64_t skv, double scale,
+                                         bool causal, int64_t p_quant, bool return_lse,
+                                         int64_t stream_handle) {
+  check_bhsd_16b(q, "q");
+  const auto B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
+  TORCH_CHECK(D == 64 || D == 128, "FP4 kernel head dims are 64 and 128, got ", D);
+  TORCH_CHECK(kq.dim() == 4 && kq.size(0) == B && kq.size(3) == D / 2 && kq.is_contiguous(), "kq shape");
+  const auto Hkv = kq.size(1), skv_pad = kq.size(2);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(skv >= 1 && skv <= skv_pad && skv_pad % 128 == 0, "Skv / padding mismatch");
+  TORCH_CHECK(ksf.is_contiguous() && vq.is_contiguous() && vsf.is_contiguous() && k_mean.is_contiguous(), "contiguity");
+  TORCH_CHECK(p_quant == 0 || p_quant == 1, "p_quant: 0 two-level, 1 direct");
+  const uint8_t* mask_ptr = nullptr;
+  if (key_mask.has_value()) {
+    const auto& m = *key_mask;
+    TORCH_CHECK(m.scalar_type() == torch::kBool && m.is_contiguous() && m.dim() == 2 && m.size(0) == B &&
+                    m.size(1) == skv,
+                "key_mask: contiguous bool (B, Skv)");
+    mask_ptr = reinterpret_cast<const uint8_t*>(m.data_ptr<bool>());
+  }
+  auto out = torch::empty_like(q);  // same memory layout as q: BSHD callers get a free transpose back
+  TORCH_CHECK(out.stride(3) == 1, "output layout");
+  torch::Tensor lse;
+  if (return_lse) lse = torch::empty({B, Hq, Sq}, q.options().dtype(torch::kFloat32));
+
+  sage_fp4::FwdParams p{};
+  p.q = q.data_ptr();
+  p.q_sb = q.stride(0); p.q_sh = q.stride(1); p.q_ss = q.stride(2);
+  p.kq = kq.data_ptr<uint8_t>(); p.ksf = ksf.data_ptr<uint8_t>();
+  p.vq = vq.data_ptr<uint8_t>(); p.vsf = vsf.data_ptr<uint8_t>();
+  p.k_mean = k_mean.data_ptr<float>();
+  p.key_mask = mask_ptr;
+  p.o = out.data_ptr();
+  p.o_sb = out.stride(0); p.o_sh = out.stride(1); p.o_ss = out.stride(2);
+  p.lse = return_lse ? lse.data_ptr<float>() : nullptr;
+  p.B = B; p.Hq = Hq; p.Hkv = Hkv; p.Sq = Sq; p.Skv = skv; p.skv_pad = skv_pad; p.D = D;
+  p.scale = static_cast<float>(scale);
+  p.causal = causal;
+  p.p_quant = static_cast<sage_fp4::PQuantMode>(p_quant);
+  p.dtype = elem_type(q);
+  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+#if SAGE_FP4_NATIVE
+  FP4_CHECK_CUDA(sage_fp4::launch_fp4_attention_native(p, stream));
+#else
+  FP4_CHECK_CUDA(sage_fp4::launch_fp4_attention_emulated(p, stream));
+#endif
+  return {out, return_lse ? lse : torch::Tensor()};
+}
+
+// Test GEMM of the MMA atom: a (M, K/2) uint8, sfa (M, K/16) uint8, b (N, K/2), sfb (N, K/16) -> (M, N) fp32.
+torch::Tensor atom_gemm(const torch::Tensor& a, const torch::Tensor& sfa, const torch::Tensor& b, const torch::Tensor& sfb,
+                        int64_t stream_handle) {
+  for (const auto* t : {&a, &sfa, &b, &sfb})
+    TORCH_CHECK(t->is_cuda() && t->is_contiguous() && t->scalar_type() == torch::kUInt8 && t->dim() == 2, "uint8 2-D contiguous");
+  const auto M = a.size(0), N = b.size(0), K = a.size(1) * 2;
+  TORCH_CHECK(b.size(1) * 2 == K && sfa.size(0) == M && sfb.size(0) == N && sfa.size(1) == K / 16 && sfb.size(1) == K / 16,
+              "atom_gemm shapes");
+  auto d = torch::empty({M, N}, a.options().dtype(torch::kFloat32));
+  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+#if SAGE_FP4_NATIVE
+  FP4_CHECK_CUDA(sage_fp4::launch_mma_atom_gemm_native(a.data_ptr<uint8_t>(), sfa.data_ptr<uint8_t>(), b.data_ptr<uint8_t>(),
+                                                      sfb.data_ptr<uint8_t>(), d.data_ptr<float>(), M, N, K, stream));
+#else
+  FP4_CHECK_CUDA(sage_fp4::launch_mma_atom_gemm_emulated(a.data_ptr<uint8_t>(), sfa.data_ptr<uint8_t>(), b.data_ptr<uint8_t>(),
+                                                     sfb.data_ptr<uint8_t>(), d.data_ptr<float>(), M, N, K, stream));
+#endif
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "sage_diffusers FP4 microscaling attention kernels";
+  m.attr("native") = bool(SAGE_FP4_NATIVE);
+  m.def("quantize_kv", &quantize_kv, "K/V quantization pre-pass");
+  m.def("attention_fwd", &attention_fwd, "FP4 attention forward");
+  m.def("atom_gemm", &atom_gemm, "MMA atom test GEMM");
+}

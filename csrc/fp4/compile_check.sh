@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Compile every FP4 .cu file for the archs it targets (no GPU needed), syntax-check the torch
+# binding, and print ptxas register / spill reports. Exits non-zero on any failure; warns on spills.
+#   usage: csrc/fp4/compile_check.sh            (NVCC, CUTLASS_INCLUDE, PYTHON may be overridden)
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+NVCC="${NVCC:-nvcc}"
+PYTHON="${PYTHON:-python}"
+OUT="$(mktemp -d)"
+trap 'rm -rf "$OUT"' EXIT
+# The flags torch's cpp_extension adds to every nvcc call, so this check sees what the JIT sees.
+TORCH_DEFS=(-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
+            -D__CUDA_NO_HALF2_OPERATORS__ --expt-relaxed-constexpr)
+SM120=(-gencode=arch=compute_120a,code=sm_120a)
+SM90=(-gencode=arch=compute_90a,code=sm_90a)
+status=0
+
+compile() {  # name, source, arch flags...
+  local name="$1" src="$2"; shift 2
+  local log="$OUT/$name.log" t0=$SECONDS
+  if "$NVCC" -std=c++17 -O3 "${TORCH_DEFS[@]}" "$@" -Xptxas -v -c "$HERE/$src" -o "$OUT/$name.o" >"$log" 2>&1; then
+    local regs spills
+    regs=$(grep -oE "Used [0-9]+ registers" "$log" | awk '{print $2}' | sort -n | tail -1)
+    spills=$(grep -oE "[0-9]+ bytes spill stores" "$log" | awk '{s+=$1} END {print s+0}')
+    echo "ok   $name: $((SECONDS - t0)) s, max ${regs:-?} registers, ${spills} bytes spilled"
+    [ "$spills" = "0" ] || echo "WARN $name spills registers" >&2
+  else
+    echo "FAIL $name"; cat "$log"; status=1
+  fi
+}
+
+compile prepass_sm120 quant_prepass.cu "${SM120[@]}"
+compile prepass_sm90 quant_prepass.cu "${SM90[@]}"
+compile fwd_native_sm120 attention_fwd_native.cu "${SM120[@]}"
+compile fwd_emulated_sm90 attention_fwd_emulated.cu "${SM90[@]}"
+if [ "${FP4_CHECK_ALL:-0}" = "1" ]; then
+  # the cross-check build (emulated atom on sm_120a: atom tests only, its attention kernel needs
+  # more shared memory than sm_120 has) and the native build without the hardware E2M1 encoder
+  compile fwd_emulated_sm120 attention_fwd_emulated.cu "${SM120[@]}"
+  compile fwd_native_sm120_no_hw_e2m1 attention_fwd_native.cu "${SM120[@]}" -DSAGE_FP4_NO_HW_E2M1
+fi
+
+# The binding against torch's headers (a CPU-only torch is enough: it uses no c10/cuda header).
+if inc=$("$PYTHON" -c "import torch.utils.cpp_extension as c, sysconfig; print(' '.join(['-I'+p for p in c.include_paths()] + ['-I'+sysconfig.get_paths()['include']]))" 2>/dev/null); then
+  cuda_inc="$(dirname "$(dirname "$(readlink -f "$(command -v "$NVCC")")")")/include"
+  [ -f "$cuda_inc/cuda_runtime.h" ] || cuda_inc="${CUDA_HOME:-/usr/local/cuda}/include"
+  t0=$SECONDS
+  for native in 0 1; do
+    # shellcheck disable=SC2086
+    if ! g++ -std=c++17 -fsyntax-only -w -DSAGE_FP4_NATIVE=$native -DTORCH_EXTENSION_NAME=sage_fp4_check \
+         $inc -I"$cuda_inc" "$HERE/binding.cpp" >"$OUT/binding$native.log" 2>&1; then
+      echo "FAIL binding (SAGE_FP4_NATIVE=$native)"; cat "$OUT/binding$native.log"; status=1
+    fi
+  done
+  [ $status -ne 0 ] || echo "ok   binding.cpp syntax (native and emulated): $((SECONDS - t0)) s"
+else
+  echo "skip binding.cpp: torch not importable with $PYTHON"
+fi
+exit $status

@@ -1,0 +1,62 @@
+// Host entry points of the FP4 kernels: raw pointers, element strides and a stream, no torch.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace sage_fp4 {
+
+enum class ElemType : int { kFloat16 = 0, kBFloat16 = 1 };
+enum class PQuantMode : int { kTwoLevel = 0, kDirect = 1 };  // mirrors sage_diffusers.options.PQuant
+
+// Pre-pass: K - k_mean quantized along D, tokens permuted within each 64-key chunk (see
+// tile_config.cuh), Skv padded with zeros to `skv_pad` (a multiple of 128).
+//   k: (B, H, Skv, D) with element strides; k_mean: float32 (B, H, D) contiguous.
+//   kq: uint8 (B, H, skv_pad, D/2); ksf: uint8 E4M3 (B, H, skv_pad, D/16).
+// k must be 16-byte aligned per token (last dim contiguous, strides multiples of 8 elements).
+cudaError_t launch_quantize_k(const void* k, ElemType dtype, int64_t sb, int64_t sh, int64_t ss,
+                              const float* k_mean, uint8_t* kq, uint8_t* ksf, int B, int H, int skv,
+                              int skv_pad, int D, cudaStream_t stream);
+
+// Pre-pass: V quantized along tokens (blocks of 16), stored transposed.
+//   v: (B, H, Skv, D) with element strides; vq: uint8 (B, H, D, skv_pad/2); vsf: uint8 (B, H, D, skv_pad/16).
+cudaError_t launch_quantize_v(const void* v, ElemType dtype, int64_t sb, int64_t sh, int64_t ss,
+                              uint8_t* vq, uint8_t* vsf, int B, int H, int skv, int skv_pad, int D,
+                              cudaStream_t stream);
+
+struct FwdParams {
+  const void* q;  // (B, Hq, Sq, D), strides in elements, last dim contiguous
+  int64_t q_sb, q_sh, q_ss;
+  const uint8_t* kq;   // pre-pass outputs, per kv head
+  const uint8_t* ksf;
+  const uint8_t* vq;
+  const uint8_t* vsf;
+  const float* k_mean;      // (B, Hkv, D): only read for the LSE
+  const uint8_t* key_mask;  // bool (B, Skv) or nullptr; true = attend
+  void* o;                  // (B, Hq, Sq, D), strides in elements
+  int64_t o_sb, o_sh, o_ss;
+  float* lse;  // float32 (B, Hq, Sq) contiguous or nullptr
+  int B, Hq, Hkv, Sq, Skv, skv_pad, D;
+  float scale;
+  bool causal;
+  PQuantMode p_quant;
+  ElemType dtype;
+};
+
+// Forward attention. One of the two is compiled per build: native needs sm_120a/sm_121a, emulated
+// runs on sm_90a (and on sm_120a, to cross-check).
+cudaError_t launch_fp4_attention_native(const FwdParams& p, cudaStream_t stream);
+cudaError_t launch_fp4_attention_emulated(const FwdParams& p, cudaStream_t stream);
+
+// Test GEMM of one MMA atom: d (M, N) float32 = deq(A) (M, K) . deq(B) (N, K)^T with
+// a: uint8 (M, K/2), sfa: uint8 E4M3 (M, K/16), b: uint8 (N, K/2), sfb (N, K/16);
+// M % 16 == 0, N % 8 == 0, K % 64 == 0. One warp per 16 x 8 output tile, fragments loaded exactly
+// as the PTX ISA lays them out for mma.m16n8k64.
+cudaError_t launch_mma_atom_gemm_native(const uint8_t* a, const uint8_t* sfa, const uint8_t* b,
+                                       const uint8_t* sfb, float* d, int M, int N, int K,
+                                       cudaStream_t stream);
+cudaError_t launch_mma_atom_gemm_emulated(const uint8_t* a, const uint8_t* sfa, const uint8_t* b,
+                                      const uint8_t* sfb, float* d, int M, int N, int K,
+                                      cudaStream_t stream);
+
+}  // namespace sage_fp4

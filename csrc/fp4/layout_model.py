@@ -1,0 +1,279 @@
+"""Lane-level numpy model of the FP4 kernel's register and index mappings (runs without a GPU).
+
+It re-states, in plain Python, what csrc/fp4 does per lane and checks the compositions that are
+easy to get wrong and expensive to debug on a device:
+  - decode8_half's PRMT table decode (bitwise) equals the E2M1 reference decode;
+  - the emulated atom (AtomSm90Emulated: fp16 decode + four m16n8k16 steps in the documented slot
+    order) equals the native m16n8k64 block-scaled semantics (PTX ISA / CuTe SM120 traits) on the
+    same registers, scale registers included;
+  - the pre-pass key permutation puts, in every lane, exactly the keys the P.V A fragment needs;
+  - Q.K^T from the swizzle-free fragment loads, P quantization from the accumulator layout
+    (codes and scale words bit-exact vs reference.quantize_nvfp4), P.V, and the tensor-core
+    smoothing correction (hi/lo fp16 qbar fragments).
+Run: python csrc/fp4/layout_model.py  (tests/test_kernel_fp4.py runs it on the CPU too).
+When you change a mapping in the .cuh files, change it here first.
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from sage_diffusers.reference.formats import E2M1_VALUES
+from sage_diffusers.reference.quant import quantize_nvfp4, dequantize_nvfp4
+from sage_diffusers.kernels.fp4 import key_positions
+
+rng = np.random.default_rng(0)
+E2M1 = np.array(E2M1_VALUES, dtype=np.float32)
+
+def code_val(c):
+    v = E2M1[c & 7]
+    return np.where(c & 8, -v, v)
+
+def prmt(a, b, sel):
+    src = [(a >> (8*i)) & 0xFF for i in range(4)] + [(b >> (8*i)) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        n = (sel >> (4*i)) & 0xF
+        byte = src[n & 7]
+        if n & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8*i)
+    return out
+
+def decode8_half(x, scale):
+    """bitwise model of decode8_half; returns 8 float values (elements 0..7) times scale."""
+    even_mag = (x << 4) & 0x70707070; odd_mag = x & 0x70707070
+    even_sign = (x << 4) & 0x80808080; odd_sign = x & 0x80808080
+    vals = []
+    for i in range(4):
+        sel = prmt(even_mag, odd_mag, i | ((4+i) << 4))
+        mag = prmt(0x3E3C3800, 0x46444240, sel)
+        sgn = prmt(even_sign, odd_sign, (i << 4) | ((4+i) << 12))
+        bits = (mag | (sgn & 0x80008000)) & 0xFFFFFFFF
+        lo = np.array([bits & 0xFFFF], dtype=np.uint16).view(np.float16)[0]
+        hi = np.array([bits >> 16], dtype=np.uint16).view(np.float16)[0]
+        vals += [float(lo) * scale, float(hi) * scale]
+    return vals
+
+# check decode8 against the reference decode for random words
+for _ in range(2000):
+    x = int(rng.integers(0, 2**32))
+    v = decode8_half(x, 1.0)
+    ref = [float(code_val(np.array((x >> (4*j)) & 0xF))) for j in range(8)]
+    assert v == ref, (hex(x), v, ref)
+print("decode8_half bitwise model OK")
+
+def e4m3_val(b):
+    return float(torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float())
+
+# ---------------- emulated atom model (same registers as the native one) ----------------
+def emu_make_a(regs, sf_lo, sf_hi, t):
+    """regs[4] words, returns h[4][4] pairs of floats (values)."""
+    f = [[None]*4 for _ in range(4)]
+    for reg in range(4):
+        h, row_hi = reg >> 1, reg & 1
+        sw = sf_hi if row_hi else sf_lo
+        byte = 2*h + (t >> 1)
+        s = e4m3_val((sw >> (8*byte)) & 0xFF)
+        dec = decode8_half(regs[reg], s)
+        dec = [(dec[2*i], dec[2*i+1]) for i in range(4)]
+        for q in range(2):
+            f[2*h+q][row_hi] = dec[2*q]
+            f[2*h+q][row_hi+2] = dec[2*q+1]
+    return f
+
+def emu_make_b(b0, b1, sf, t):
+    f = [[None]*2 for _ in range(4)]
+    for h, r in enumerate((b0, b1)):
+        s = e4m3_val((sf >> (8*(2*h + (t >> 1)))) & 0xFF)
+        dec = decode8_half(r, s)
+        dec = [(dec[2*i], dec[2*i+1]) for i in range(4)]
+        for q in range(2):
+            f[2*h+q][0] = dec[2*q]; f[2*h+q][1] = dec[2*q+1]
+    return f
+
+def mma16816(A, B):
+    """A[lane] = a0..a3 pairs, B[lane] = b0,b1 pairs -> D (16,8) via the PTX m16n8k16 layout."""
+    Am = np.zeros((16, 16)); Bm = np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        a = A[lane]
+        Am[g, 2*t:2*t+2] = a[0]; Am[g+8, 2*t:2*t+2] = a[1]
+        Am[g, 2*t+8:2*t+10] = a[2]; Am[g+8, 2*t+8:2*t+10] = a[3]
+        b = B[lane]
+        Bm[2*t:2*t+2, g] = b[0]; Bm[2*t+8:2*t+10, g] = b[1]
+    return Am @ Bm
+
+def emu_mma(FA, FB):
+    D = np.zeros((16, 8))
+    for j in range(4):
+        D += mma16816([FA[l][j] for l in range(32)], [FB[l][j] for l in range(32)])
+    return D
+
+def native_mma(regsA, sfa, regsB, sfb):
+    """PTX m16n8k64 e2m1 semantics with scale_vec::4X (thread-id 0): lane 4g -> row g, 4g+1 -> row g+8."""
+    Am = np.zeros((16, 64)); Bm = np.zeros((64, 8))
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for reg, (row, k0) in enumerate(((g, 8*t), (g+8, 8*t), (g, 32+8*t), (g+8, 32+8*t))):
+            for j in range(8):
+                Am[row, k0+j] = code_val(np.array((regsA[lane][reg] >> (4*j)) & 0xF))
+        for reg, k0 in enumerate((8*t, 32+8*t)):
+            for j in range(8):
+                Bm[k0+j, g] = code_val(np.array((regsB[lane][reg] >> (4*j)) & 0xF))
+    SA = np.zeros((16, 4)); SB = np.zeros((8, 4))
+    for g in range(8):
+        for blk in range(4):
+            SA[g, blk] = e4m3_val((sfa[4*g] >> (8*blk)) & 0xFF)
+            SA[g+8, blk] = e4m3_val((sfa[4*g+1] >> (8*blk)) & 0xFF)
+            SB[g, blk] = e4m3_val((sfb[4*g] >> (8*blk)) & 0xFF)
+    return (Am * np.repeat(SA, 16, 1)) @ (Bm * np.repeat(SB.T, 16, 0))
+
+# random registers: the emulated model must equal the native semantics
+for trial in range(20):
+    regsA = [[int(rng.integers(0, 2**32)) for _ in range(4)] for _ in range(32)]
+    regsB = [[int(rng.integers(0, 2**32)) for _ in range(2)] for _ in range(32)]
+    def rand_sf():
+        return sum(int(rng.choice([0x38, 0x30, 0x40, 0x01, 0x7E, 0x20])) << (8*i) for i in range(4))
+    rows_sf = [rand_sf() for _ in range(16)]; cols_sf = [rand_sf() for _ in range(8)]
+    sfa = [rows_sf[(l >> 2) + 8*(l & 1)] for l in range(32)]
+    sfb = [cols_sf[l >> 2] for l in range(32)]
+    Dn = native_mma(regsA, sfa, regsB, sfb)
+    FA = [emu_make_a(regsA[l], rows_sf[l >> 2], rows_sf[(l >> 2) + 8], l & 3) for l in range(32)]
+    FB = [emu_make_b(*regsB[l], cols_sf[l >> 2], l & 3) for l in range(32)]
+    De = emu_mma(FA, FB)
+    assert np.allclose(Dn, De, rtol=1e-12, atol=0), np.abs(Dn - De).max()
+print("emulated atom == native semantics on random fragments OK")
+
+# ---- permutation: P fragment slot of lane t, chunk c, slot i must hold real key 64c + k(i, t) ----
+kp = key_positions(128).numpy()
+for c in range(2):
+    for t in range(4):
+        for i in range(16):
+            j = 8*c + i // 2; e = i & 1
+            pos = 8*j + 2*t + e
+            k = 8*t + i if i < 8 else 32 + 8*t + (i - 8)
+            assert kp[pos] == 64*c + k, (c, t, i, pos, kp[pos])
+print("key permutation matches the P fragment slots OK")
+
+# ---- one warp, one tile, end to end with the emulated atom: S and P.V vs direct math ----
+D = 128
+qcodes = rng.integers(0, 16, (16, D)).astype(np.uint8)
+kcodes = rng.integers(0, 16, (128, D)).astype(np.uint8)   # real key order
+qs_b = rng.choice([0x30, 0x38, 0x40], (16, D // 16)).astype(np.uint8)
+ks_b = rng.choice([0x30, 0x38, 0x40], (128, D // 16)).astype(np.uint8)
+pack = lambda codes: (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+kq_stored = pack(kcodes[kp]); ksf_stored = ks_b[kp]       # what the pre-pass writes
+qq = pack(qcodes)
+deq = lambda codes, sb: np.vectorize(lambda c: float(code_val(np.array(c))))(codes) * np.repeat(np.vectorize(e4m3_val)(sb), 16, 1)
+Qd = deq(qcodes, qs_b); Kd = deq(kcodes, ks_b)
+word = lambda row_bytes, off: int(row_bytes[off]) | int(row_bytes[off+1]) << 8 | int(row_bytes[off+2]) << 16 | int(row_bytes[off+3]) << 24
+S = np.zeros((16, 128))
+for c in range(D // 64):
+    regsA, rows_sf = [], [word(qs_b[r], 4*c) for r in range(16)]
+    FA = []
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        r = [word(qq[g], 32*c + 4*t), word(qq[g+8], 32*c + 4*t), word(qq[g], 32*c + 16 + 4*t), word(qq[g+8], 32*c + 16 + 4*t)]
+        FA.append(emu_make_a(r, rows_sf[g], rows_sf[g+8], t))
+    for j in range(16):
+        FB = []
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            row = 8*j + g
+            FB.append(emu_make_b(word(kq_stored[row], 32*c + 4*t), word(kq_stored[row], 32*c + 16 + 4*t), word(ksf_stored[row], 4*c), t))
+        S[:, 8*j:8*j+8] += emu_mma(FA, FB)
+assert np.allclose(S, Qd @ Kd[kp].T), "S columns = stored positions"
+print("QK^T through staged-layout fragments OK")
+
+# ---- P quantization from the accumulator layout + P.V ----
+def quantize_a_chunk_model(vals_by_lane):
+    """vals_by_lane[lane][r][i] -> (codes[lane][4], sf_lo[lane], sf_hi[lane]) following fragment_quant.cuh."""
+
+    from sage_diffusers.reference.formats import e2m1_encode, e4m3_round
+    out_codes = [[0]*4 for _ in range(32)]; sfw = [[0, 0] for _ in range(32)]
+    amax = {}
+    for lane in range(32):
+        for r in range(2):
+            for h in range(2):
+                amax[lane, r, h] = max(abs(v) for v in vals_by_lane[lane][r][8*h:8*h+8])
+    for lane in range(32):
+        t = lane & 3
+        for r in range(2):
+            for h in range(2):
+                a = max(amax[lane, r, h], amax[lane ^ 1, r, h])      # shfl_xor 1
+                sb = int(e4m3_round(torch.tensor([np.float32(a) / np.float32(6)])).view(torch.uint8))
+                s = e4m3_val(sb)
+                inv = np.float32(1) / np.float32(s) if s > 0 else np.float32(0)
+                xs = torch.tensor([np.float32(v) * inv for v in vals_by_lane[lane][r][8*h:8*h+8]], dtype=torch.float32)
+                codes = e2m1_encode(xs).numpy()
+                out_codes[lane][2*h + r] = sum(int(codes[i]) << (4*i) for i in range(8))
+                sfw[lane][r] |= sb << (8 * (2*h + (t >> 1)))
+    merged = [[sfw[l][r] | sfw[l ^ 2][r] for r in range(2)] for l in range(32)]  # shfl_xor 2
+    return out_codes, [m[0] for m in merged], [m[1] for m in merged]
+
+P = np.abs(rng.standard_normal((16, 128))).astype(np.float32)  # columns = stored positions
+P[3, :] = 0.0
+vcodes = rng.integers(0, 16, (D, 128)).astype(np.uint8)   # V^T, real token order
+vs_b = rng.choice([0x30, 0x38, 0x40], (D, 8)).astype(np.uint8)
+vq = pack(vcodes)
+Vd = deq(vcodes, vs_b)   # (D, 128) channel x real key
+out = np.zeros((16, D))
+Preal = np.zeros((16, 128), dtype=np.float32); Preal[:, kp] = P  # real key order
+for c in range(2):
+    vals = []
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        vals.append([[float(P[g + 8*r, 8*(8*c + i // 2) + 2*t + (i & 1)]) for i in range(16)] for r in range(2)])
+    codes, lo, hi = quantize_a_chunk_model(vals)
+    # reference: nvfp4 of P along real keys
+    ref_q, ref_s = quantize_nvfp4(torch.from_numpy(Preal[:, 64*c:64*c+64]), dim=-1)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        rq = ref_q.numpy()
+        assert codes[lane][0] == word(rq[g], 4*t) and codes[lane][1] == word(rq[g+8], 4*t)
+        assert codes[lane][2] == word(rq[g], 16 + 4*t) and codes[lane][3] == word(rq[g+8], 16 + 4*t)
+        rs = ref_s.view(torch.uint8).numpy()
+        assert lo[lane] == word(rs[g], 0) and hi[lane] == word(rs[g+8], 0), (lane, hex(lo[lane]), rs[g])
+    FA = [emu_make_a(codes[l], lo[l], hi[l], l & 3) for l in range(32)]
+    for n in range(D // 8):
+        FB = []
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            row = 8*n + g
+            FB.append(emu_make_b(word(vq[row], 32*c + 4*t), word(vq[row], 32*c + 16 + 4*t), word(vs_b[row], 4*c), t))
+        out[:, 8*n:8*n+8] += emu_mma(FA, FB)
+Pdq = dequantize_nvfp4(*quantize_nvfp4(torch.from_numpy(Preal), dim=-1), dim=-1).numpy()
+assert np.allclose(out, Pdq @ Vd.T), np.abs(out - Pdq @ Vd.T).max()
+print("P quantization (codes and scale words bit-exact vs quantize_nvfp4) and P.V OK")
+
+# ---- qbar correction on the tensor cores (build_qbar_frags + stage_decoded_b) ----
+qbar = (rng.standard_normal(D) * 3).astype(np.float32)
+def qbar_frag(c, lane):
+    g, t = lane >> 2, lane & 3
+    def part(d):
+        hi = np.float32(np.float16(qbar[d]))
+        return float(hi) if g == 0 else (float(np.float16(qbar[d] - hi)) if g == 1 else 0.0)
+    f = [[None]*4 for _ in range(4)]
+    for h in range(2):
+        for q in range(2):
+            d = 64*c + 32*h + 8*t + 4*q
+            f[2*h+q][0] = (part(d), part(d+1)); f[2*h+q][1] = (0.0, 0.0)
+            f[2*h+q][2] = (part(d+2), part(d+3)); f[2*h+q][3] = (0.0, 0.0)
+    return f
+corr = np.zeros(128)
+for j in range(16):
+    dc = np.zeros((16, 8))
+    for c in range(D // 64):
+        FB = []
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            row = 8*j + g
+            FB.append(emu_make_b(word(kq_stored[row], 32*c + 4*t), word(kq_stored[row], 32*c + 16 + 4*t), word(ksf_stored[row], 4*c), t))
+        dc += emu_mma([qbar_frag(c, l) for l in range(32)], FB)
+    corr[8*j:8*j+8] = dc[0] + dc[1]
+ref = qbar.astype(np.float64) @ Kd[kp].T
+assert np.allclose(corr, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max()), np.abs(corr - ref).max()
+print("qbar correction via hi/lo fp16 fragments OK, max rel err", np.abs(corr - ref).max() / np.abs(ref).max())

@@ -1,0 +1,119 @@
+// Online softmax of one score tile fused with the quantization of P~ into FP4 A fragments
+// (two-level: per-row FP32 factor s1 = tile rowmax / (448 * 6), then NVFP4 of P~ / s1; or direct).
+#pragma once
+
+#include <cstdint>
+#include <math_constants.h>
+
+#include "fp4_api.h"
+#include "fragment_quant.cuh"
+#include "tile_config.cuh"
+
+namespace sage_fp4 {
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));  // exp2(-inf) = +0
+  return y;
+}
+
+// Per-thread softmax state of its two rows (g and g + 8 of the warp's 16).
+struct RowState {
+  float m[2];  // running max, log2 domain; -inf until a visible key is seen
+  float l[2];  // this lane's partial row sum of unquantized P~ (quad-reduced in the epilogue)
+};
+
+// Scores of the tile -> log2 domain with the smoothing correction and masks applied in place.
+// Column `pos` = 8j + 2t + e holds real key tile * 128 + tile_key(pos), which is what masks see.
+struct TileMask {
+  const float* corr;          // [kBlockN] qbar . deq(K) per column
+  const uint32_t* valid_bits; // [kBlockN / 32]
+  int key0;                   // tile * kBlockN
+  int row[2];                 // query index of rows g, g + 8
+  bool causal;
+  bool needed;                // false when every key of the tile is visible to every row of the warp
+};
+
+__device__ __forceinline__ void scores_to_log2(float (&s)[kBlockN / 8][4], const TileMask& mk,
+                                               float scale_log2) {
+  const int t = static_cast<int>(threadIdx.x & 3);
+#pragma unroll
+  for (int j = 0; j < kBlockN / 8; ++j) {
+    const float2 c2 = *reinterpret_cast<const float2*>(mk.corr + 8 * j + 2 * t);  // columns 8j+2t, +1
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int pos = 8 * j + 2 * t + e;
+      const float c = e == 0 ? c2.x : c2.y;
+      s[j][e] = (s[j][e] + c) * scale_log2;
+      s[j][2 + e] = (s[j][2 + e] + c) * scale_log2;
+      if (mk.needed) {
+        const int key = mk.key0 + tile_key(pos);
+        const bool ok = (mk.valid_bits[pos >> 5] >> (pos & 31)) & 1u;
+        if (!ok || (mk.causal && key > mk.row[0])) s[j][e] = -CUDART_INF_F;
+        if (!ok || (mk.causal && key > mk.row[1])) s[j][2 + e] = -CUDART_INF_F;
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+// s (log2-domain scores) -> P fragments; returns alpha (rescale of the old accumulator) and s1
+// (factor of the new P.V product) per row, and updates the running max and row sums.
+template <class Atom>
+__device__ __forceinline__ void softmax_quantize_p(float (&s)[kBlockN / 8][4], RowState& st,
+                                                   PQuantMode mode, float (&alpha)[2], float (&s1)[2],
+                                                   typename Atom::FragA (&pf)[kBlockN / kKeyChunk]) {
+  float inv_s1[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float tmax = -CUDART_INF_F;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) tmax = fmaxf(tmax, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+    tmax = quad_max(tmax);
+    const float m_new = fmaxf(st.m[r], tmax);
+    // Rows without a visible key so far keep m = -inf; subtract 0 so exp2 gives 0, not NaN.
+    const float m_use = m_new == -CUDART_INF_F ? 0.0f : m_new;
+    alpha[r] = fast_exp2(st.m[r] - m_use);
+    st.m[r] = m_new;
+    float sum = 0.0f, pmax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float p = fast_exp2(s[j][2 * r + e] - m_use);
+        s[j][2 * r + e] = p;
+        sum += p;
+        pmax = fmaxf(pmax, p);
+      }
+    }
+    st.l[r] = st.l[r] * alpha[r] + sum;  // unquantized P~: the two-level factor cancels exactly
+    if (mode == PQuantMode::kTwoLevel) {
+      pmax = quad_max(pmax);
+      s1[r] = pmax * (1.0f / kTwoLevelRange);
+      inv_s1[r] = s1[r] > 0.0f ? __frcp_rn(s1[r]) : 0.0f;  // s1 == 0: the whole row is 0
+    } else {
+      s1[r] = 1.0f;
+      inv_s1[r] = 1.0f;
+    }
+  }
+  // Fragment slot i of chunk c (k = 8t + i, or 32 + 8t + i - 8) is score column 8(8c + i/2) + 2t + i%2
+  // thanks to the key permutation, i.e. n-tile j = 8c + i/2, element e = i % 2.
+#pragma unroll
+  for (int c = 0; c < kBlockN / kKeyChunk; ++c) {
+    float vals[2][16];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) vals[r][i] = s[8 * c + i / 2][2 * r + (i & 1)] * inv_s1[r];
+    }
+    uint32_t codes[4], sf_lo, sf_hi;
+    quantize_a_chunk<Division::kReciprocal, true>(vals, codes, sf_lo, sf_hi);
+    pf[c] = Atom::make_a(codes, sf_lo, sf_hi);
+  }
+}
+
+}  // namespace sage_fp4

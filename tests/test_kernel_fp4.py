@@ -1,0 +1,285 @@
+"""GPU tests of the FP4 attention kernel (csrc/fp4, sage_diffusers.kernels.fp4).
+
+GPU tests are skipped cleanly without a GPU of capability 9.0 (emulated atom) or 12.0/12.1 (native
+atom); the lane-level layout model (csrc/fp4/layout_model.py) runs on the CPU. Set
+SAGE_FP4_REPORT=path to append one JSON line per attention case (accuracy vs the reference and vs
+fp32 SDPA).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sage_diffusers.options import PQuant
+from sage_diffusers.reference import (
+    cosine,
+    dequantize_nvfp4,
+    e4m3_round,
+    quantize_nvfp4,
+    relative_l1,
+    rmse,
+    sage3_reference,
+)
+
+fp4 = pytest.importorskip("sage_diffusers.kernels.fp4")
+
+_OK, _REASON = fp4.is_available() if torch.cuda.is_available() else (False, "CUDA is not available")
+gpu = pytest.mark.skipif(not _OK, reason=f"FP4 kernel unavailable: {_REASON}")
+
+
+def test_layout_model_cpu():
+    """The numpy lane model of the fragment layouts, permutation, P quantization and correction."""
+    model = fp4.source_dir() / "layout_model.py"
+    res = subprocess.run([sys.executable, str(model)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def _atoms() -> list[str]:
+    """Atoms whose MMA runs here: emulated everywhere, native too on sm_120/121."""
+    if not _OK:
+        return [fp4.Atom.EMULATED]
+    cap = torch.cuda.get_device_capability()
+    return [fp4.Atom.EMULATED] if cap == (9, 0) else [fp4.Atom.NATIVE, fp4.Atom.EMULATED]
+
+
+def _report(record: dict) -> None:
+    path = os.environ.get("SAGE_FP4_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+# ---- the MMA atom against the PTX fragment layout -----------------------------------------------
+def _random_nvfp4(rows: int, k: int, gen: torch.Generator):
+    """Random packed codes (all 16 values, -0 included) and E4M3 scales from 2^-8 (subnormal) to 2^8."""
+    packed = torch.randint(0, 256, (rows, k // 2), device="cuda", dtype=torch.uint8, generator=gen)
+    exps = torch.empty(rows, k // 16, device="cuda").uniform_(-8, 8, generator=gen)
+    scales = e4m3_round(torch.exp2(exps))  # float8_e4m3fn (rows, k/16)
+    return packed, scales
+
+
+@gpu
+@pytest.mark.parametrize("atom", _atoms())
+@pytest.mark.parametrize("mnk", [(16, 8, 64), (64, 32, 256)])
+def test_atom_gemm_matches_torch(atom, mnk):
+    m, n, k = mnk
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    a, sfa = _random_nvfp4(m, k, gen)
+    b, sfb = _random_nvfp4(n, k, gen)
+    d = fp4.atom_gemm(a, sfa, b, sfb, atom=atom)
+    ref = dequantize_nvfp4(a, sfa).double() @ dequantize_nvfp4(b, sfb).double().T  # (M, N)
+    bound = (dequantize_nvfp4(a, sfa).double().abs() @ dequantize_nvfp4(b, sfb).double().abs().T)
+    err = (d.double() - ref).abs()
+    # Products are exact; only the fp32 accumulation order may differ from float64.
+    assert torch.all(err <= 1e-4 * bound + 1e-30), f"max err {err.max().item()}"
+
+
+@gpu
+@pytest.mark.parametrize("atom", _atoms())
+def test_atom_gemm_single_nonzero_locates_layout(atom):
+    """One nonzero code in A and B at the same k: a wrong k/row/scale mapping moves or loses it."""
+    m, n, k = 16, 8, 64
+    for kk in (0, 7, 8, 31, 32, 40, 63):
+        for row, col in ((0, 0), (9, 5), (15, 7)):
+            a = torch.zeros(m, k // 2, dtype=torch.uint8, device="cuda")
+            b = torch.zeros(n, k // 2, dtype=torch.uint8, device="cuda")
+            a[row, kk // 2] = 0x2 << (4 * (kk % 2))  # code 2 = 1.0
+            b[col, kk // 2] = 0x3 << (4 * (kk % 2))  # code 3 = 1.5
+            sfa = torch.ones(m, k // 16, device="cuda")
+            sfb = torch.ones(n, k // 16, device="cuda")
+            sfa[row, kk // 16] = 2.0
+            sfb[col, kk // 16] = 4.0
+            d = fp4.atom_gemm(a, sfa.to(torch.float8_e4m3fn), b, sfb.to(torch.float8_e4m3fn), atom=atom)
+            expect = torch.zeros(m, n, device="cuda")
+            expect[row, col] = 1.0 * 2.0 * 1.5 * 4.0
+            assert torch.equal(d, expect), f"k={kk} row={row} col={col}"
+
+
+# ---- the quantization pre-pass, bit-exact -------------------------------------------------------
+def _unpermute_k(kq: torch.Tensor, ksf: torch.Tensor, skv: int):
+    """Pre-pass K rows (permuted, padded) -> real token order, plus the padding rows."""
+    pos = fp4.key_positions(kq.shape[2], device=kq.device)  # (P,) real key of each stored row
+    order = torch.argsort(pos)
+    kq_r, ksf_r = kq[:, :, order], ksf.view(torch.uint8)[:, :, order]
+    return kq_r[:, :, :skv], ksf_r[:, :, :skv], kq_r[:, :, skv:], ksf_r[:, :, skv:]
+
+
+@gpu
+@pytest.mark.parametrize("skv", [1, 113, 1023, 4097])
+@pytest.mark.parametrize("d,dtype,layout", [(128, torch.bfloat16, "bhsd"), (64, torch.float16, "bshd")])
+def test_prepass_bit_exact(skv, d, dtype, layout):
+    b, h = 2, 3
+    gen = torch.Generator(device="cuda").manual_seed(skv)
+    k = (torch.randn(b, skv, h, d, device="cuda", generator=gen) * 2 + 1).to(dtype).transpose(1, 2)
+    v = (torch.randn(b, skv, h, d, device="cuda", generator=gen) * 0.5).to(dtype).transpose(1, 2)
+    if layout == "bhsd":
+        k, v = k.contiguous(), v.contiguous()
+    k0, v0 = k.clone(), v.clone()
+    pre = fp4.prepass(k, v)
+    assert torch.equal(k, k0) and torch.equal(v, v0), "inputs must not be mutated"
+    k_mean = pre["k_mean"]  # (B, H, D), the kernel path's mean; the reference quantizes with it too
+    torch.testing.assert_close(k_mean, k.float().mean(2), rtol=1e-6, atol=1e-6)
+
+    ref_kq, ref_ksf = quantize_nvfp4(k.float() - k_mean[:, :, None], dim=-1)
+    kq, ksf, kq_pad, ksf_pad = _unpermute_k(pre["kq"], pre["ksf"], skv)
+    assert torch.equal(kq, ref_kq)
+    assert torch.equal(ksf, ref_ksf.view(torch.uint8))
+    assert not kq_pad.any() and not ksf_pad.any(), "padding rows must be zero"
+
+    padded = pre["vq"].shape[-1] * 2
+    v_t = F.pad(v.float(), (0, 0, 0, padded - skv)).transpose(-1, -2)  # (B, H, D, P)
+    ref_vq, ref_vsf = quantize_nvfp4(v_t, dim=-1)
+    assert torch.equal(pre["vq"], ref_vq)
+    assert torch.equal(pre["vsf"].view(torch.uint8), ref_vsf.view(torch.uint8))
+
+
+@gpu
+def test_prepass_rounding_ties_and_signs():
+    """Every E2M1 tie (0.25, 0.75, ..., 5), -0.1, +-0 in a block whose scale is exactly 1, and
+    saturation (6.2 / E4M3(6.2 / 6) = 6.2 > 6) in another."""
+    d = 64
+    ties = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.1, -0.25, -0.75, -5.0, 0.0, -0.0, 1.0, -6.0]
+    sat = [6.2, -6.2, 0.3, -0.3, 3.1, -3.1, 0.0, 1.6, 2.4, 4.4, 5.4, -5.6, 0.2, -0.2, 0.8, -0.7]
+    row = torch.tensor(ties + sat + ties[::-1] + sat[::-1], device="cuda")  # (64,)
+    k = row.reshape(1, 1, 1, d).repeat(1, 1, 3, 1).to(torch.float16)
+    v = k.clone()
+    pre = fp4.prepass(k, v, k_mean=torch.zeros(1, 1, d, device="cuda"))
+    ref_kq, ref_ksf = quantize_nvfp4(k.float(), dim=-1)
+    kq, ksf, _, _ = _unpermute_k(pre["kq"], pre["ksf"], 3)
+    assert torch.equal(kq, ref_kq) and torch.equal(ksf, ref_ksf.view(torch.uint8))
+
+
+# ---- attention against the reference ------------------------------------------------------------
+def _inputs(b, hq, hkv, sq, skv, d, dtype, layout, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def make(h, s, bias):
+        x = torch.randn(b, s, h, d, device="cuda", generator=gen)
+        if bias:  # per-channel offset, as real K has: the smoothing has something to remove
+            x = x + 2.0 * torch.randn(1, 1, 1, d, device="cuda", generator=gen)
+        x = x.to(dtype)
+        return x.transpose(1, 2) if layout == "bshd" else x.transpose(1, 2).contiguous()
+
+    return make(hq, sq, False), make(hkv, skv, True), make(hkv, skv, False)
+
+
+def _sdpa_fp32(q, k, v, key_mask, is_causal, scale):
+    """fp32 SDPA with the same masks; rows with no visible key -> 0."""
+    hq, hkv = q.shape[1], k.shape[1]
+    kf = k.float().repeat_interleave(hq // hkv, 1)
+    vf = v.float().repeat_interleave(hq // hkv, 1)
+    sq, skv = q.shape[2], k.shape[2]
+    vis = torch.ones(q.shape[0], 1, sq, skv, dtype=torch.bool, device=q.device)
+    if key_mask is not None:
+        vis &= key_mask[:, None, None, :]
+    if is_causal:
+        vis &= torch.ones(sq, skv, dtype=torch.bool, device=q.device).tril()
+    out = F.scaled_dot_product_attention(q.float(), kf, vf, attn_mask=vis, scale=scale)
+    return torch.nan_to_num(out) * vis.any(-1, keepdim=True)
+
+
+CASES = [
+    # (B, Hq, Hkv, Sq, Skv, D, dtype, causal, mask, layout)
+    (1, 2, 2, 1, 1, 128, torch.bfloat16, False, False, "bhsd"),
+    (2, 2, 2, 113, 113, 128, torch.float16, False, True, "bshd"),
+    (1, 4, 2, 1023, 1023, 64, torch.bfloat16, True, False, "bhsd"),
+    (1, 2, 1, 4097, 4097, 128, torch.bfloat16, False, False, "bshd"),
+    (2, 6, 2, 4097, 4097, 64, torch.float16, True, True, "bhsd"),
+    (1, 2, 2, 113, 1023, 128, torch.float16, False, False, "bhsd"),
+    (1, 2, 2, 1023, 113, 64, torch.bfloat16, True, True, "bshd"),
+    (2, 3, 1, 1, 4097, 128, torch.float16, False, True, "bshd"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(str(x) for x in c[:6]) + f"-{str(c[6])[6:]}"
+                         + ("-causal" if c[7] else "") + ("-mask" if c[8] else "") + f"-{c[9]}")
+@gpu
+def test_attention_matches_reference(case):
+    b, hq, hkv, sq, skv, d, dtype, causal, use_mask, layout = case
+    q, k, v = _inputs(b, hq, hkv, sq, skv, d, dtype, layout, seed=sq + skv)
+    key_mask = None
+    if use_mask:
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        key_mask = torch.rand(b, skv, device="cuda", generator=gen) > 0.3
+        key_mask[0, : max(1, skv // 3)] = False  # a masked prefix: rows that see few keys
+        if b > 1:
+            key_mask[-1] = False  # one sample with no visible key at all
+    snapshot = [x.clone() for x in (q, k, v)]
+    out, lse = fp4.attention_fp4(q, k, v, key_mask=key_mask, is_causal=causal, return_lse=True)
+    for x, x0 in zip((q, k, v), snapshot):
+        assert torch.equal(x, x0), "inputs must not be mutated"
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride() == torch.empty_like(q).stride()
+    assert torch.isfinite(out).all()
+
+    ref, ref_lse = sage3_reference(q, k, v, key_mask=key_mask, is_causal=causal, return_lse=True)
+    c = cosine(out.float(), ref)
+    assert c >= 0.9999, f"cos vs sage3_reference {c}"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse)), "LSE -inf rows differ"
+    if finite.any():
+        assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
+
+    ex = _sdpa_fp32(q, k, v, key_mask, causal, 1.0 / math.sqrt(d))
+    record = {"case": [b, hq, hkv, sq, skv, d, str(dtype), causal, use_mask, layout],
+              "cos_ref": c, "cos_sdpa": cosine(out.float(), ex), "rel_l1_sdpa": relative_l1(out.float(), ex),
+              "rmse_sdpa": rmse(out.float(), ex), "cos_ref_vs_sdpa": cosine(ref, ex)}
+    _report(record)
+    # FP4 itself costs accuracy on these random inputs; the kernel must cost nothing beyond it.
+    assert record["cos_sdpa"] >= record["cos_ref_vs_sdpa"] - 2e-4, record
+    if key_mask is not None and b > 1:
+        assert not out[-1].any(), "rows with no visible key must be 0"
+
+
+@gpu
+def test_attention_long_17776():
+    q, k, v = _inputs(1, 2, 2, 17776, 17776, 128, torch.bfloat16, "bshd", seed=3)
+    out, _ = fp4.attention_fp4(q, k, v)
+    ref = sage3_reference(q, k, v)
+    c = cosine(out.float(), ref)
+    ex = _sdpa_fp32(q, k, v, None, False, 1.0 / math.sqrt(128))
+    _report({"case": [1, 2, 2, 17776, 17776, 128, "bf16"], "cos_ref": c, "cos_sdpa": cosine(out.float(), ex),
+             "rel_l1_sdpa": relative_l1(out.float(), ex), "cos_ref_vs_sdpa": cosine(ref, ex)})
+    assert c >= 0.9999, c
+
+
+@gpu
+def test_attention_options_direct_and_scale():
+    q, k, v = _inputs(1, 2, 2, 600, 700, 64, torch.float16, "bhsd", seed=5)
+    out, _ = fp4.attention_fp4(q, k, v, p_quant=PQuant.DIRECT, scale=0.2)
+    ref = sage3_reference(q, k, v, p_quant="direct", scale=0.2)
+    c = cosine(out.float(), ref)
+    _report({"case": "direct scale=0.2", "cos_ref": c})
+    assert c >= 0.9995, c
+
+
+@gpu
+def test_attention_rejects_unsupported():
+    q, k, v = _inputs(1, 2, 2, 16, 16, 96, torch.float16, "bhsd", seed=0)
+    with pytest.raises(ValueError):
+        fp4.attention_fp4(q, k, v)
+    q, k, v = _inputs(1, 2, 2, 16, 16, 64, torch.float16, "bhsd", seed=0)
+    with pytest.raises(ValueError):
+        fp4.attention_fp4(q, k, v, fmt="mxfp4")
+
+
+@gpu
+def test_selftest():
+    """Every atom whose attention kernel fits the device vs the reference (and vs each other)."""
+    assert fp4.selftest(verbose=True)
+
+
+@gpu
+def test_custom_op_fake_and_compile():
+    q, k, v = _inputs(1, 2, 2, 256, 256, 64, torch.bfloat16, "bhsd", seed=9)
+    torch.library.opcheck(torch.ops.sage_diffusers.fp4_attention.default,
+                          (q, k, v, None, False, 0.125, True, 0),
+                          test_utils=("test_schema", "test_faketensor"))
+    fn = torch.compile(lambda a, b_, c: fp4.attention_fp4(a, b_, c)[0], fullgraph=True)
+    torch.testing.assert_close(fn(q, k, v), fp4.attention_fp4(q, k, v)[0], rtol=0, atol=0)
