@@ -1,0 +1,497 @@
+"""End-to-end benchmark: transformer forward time of real-size diffusion models, SDPA vs INT8 vs FP4 attention.
+
+Real transformer configs with random bf16 weights (no downloads) and the real sequence lengths of each model's
+standard generation size; one forward pass as the pipeline makes it (CFG batched where the pipeline batches it).
+Variants: ``original`` (diffusers' own processors), ``sdpa`` / ``int8`` / ``fp4`` (sage_diffusers processors in
+that mode). A low-bit mode is only timed where a GPU kernel runs it: where only the torch reference exists the
+variant is reported as skipped (``--allow-reference`` times it anyway).
+
+    python eval/bench_e2e.py                                  # all models, writes eval/results/e2e_h200.{md,json}
+    python eval/bench_e2e.py --models flux sd35 --quick       # a subset, fewer frames and iterations
+    python eval/bench_e2e.py --dry-run                        # configs and shapes only, on the meta device (CPU)
+
+Out-of-memory and errors are caught per (model, variant) and reported; ``--time-budget`` skips what would start
+after the budget is spent. Runs of different ``--models`` subsets merge into the same report (``--fresh``
+starts a new one), so a machine with a per-command time limit can run the models one or two at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import enum
+import gc
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sage_diffusers.options import Mode  # noqa: E402
+
+
+class Variant(str, enum.Enum):
+    """What runs the attention."""
+
+    ORIGINAL = "original"  # diffusers' processors, untouched (its SDPA)
+    SDPA = "sdpa"
+    INT8 = "int8"
+    FP4 = "fp4"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A real model: transformer class and config, and how to build one forward's inputs.
+
+    Parameters
+    ----------
+    name : str
+        Short name used on the command line.
+    title : str
+        Human-readable name with the generation size.
+    cls_name : str
+        diffusers transformer class.
+    config : dict
+        Transformer config (the checkpoint's ``config.json`` values that matter).
+    batch : int
+        Batch of one transformer call in the pipeline (2 where CFG is batched).
+    text_tokens : int
+        Text tokens per prompt.
+    latent : tuple of int
+        Latent shape without batch: (C, F, H, W) for video models (CogVideoX: (F, C, H, W)), (C, H, W) for images.
+    quick_frames : int or None
+        Latent frames with ``--quick`` (video models).
+    notes : str
+        Shown under the report's table.
+    """
+
+    name: str
+    title: str
+    cls_name: str
+    config: dict[str, Any]
+    batch: int
+    text_tokens: int
+    latent: tuple[int, ...]
+    quick_frames: int | None = None
+    notes: str = ""
+
+
+_COGVIDEOX_COMMON = dict(
+    attention_head_dim=64, in_channels=16, out_channels=16, text_embed_dim=4096, time_embed_dim=512,
+    sample_width=90, sample_height=60, sample_frames=49, patch_size=2, max_text_seq_length=226,
+)
+
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in [
+        ModelSpec(
+            "cogvideox-2b", "CogVideoX-2B 49x480x720", "CogVideoXTransformer3DModel",
+            dict(_COGVIDEOX_COMMON, num_attention_heads=30, num_layers=30, use_rotary_positional_embeddings=False),
+            batch=2, text_tokens=226, latent=(13, 16, 60, 90), quick_frames=13,
+        ),
+        ModelSpec(
+            "cogvideox-5b", "CogVideoX-5B 49x480x720", "CogVideoXTransformer3DModel",
+            dict(_COGVIDEOX_COMMON, num_attention_heads=48, num_layers=42, use_rotary_positional_embeddings=True),
+            batch=2, text_tokens=226, latent=(13, 16, 60, 90), quick_frames=13,
+        ),
+        ModelSpec(
+            "hunyuanvideo", "HunyuanVideo 720x1280, 33 frames", "HunyuanVideoTransformer3DModel",
+            dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
+                 num_single_layers=40, num_refiner_layers=2, patch_size=2, patch_size_t=1, qk_norm="rms_norm",
+                 guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768, rope_axes_dim=(16, 56, 56)),
+            batch=1, text_tokens=256, latent=(16, 9, 90, 160), quick_frames=3,
+            notes="129 frames (33 latent, 118800 tokens) do not fit a 10-minute run; 33 frames keep 720p",
+        ),
+        ModelSpec(
+            "mochi", "Mochi-1 163x480x848", "MochiTransformer3DModel",
+            dict(patch_size=2, num_attention_heads=24, attention_head_dim=128, num_layers=48,
+                 pooled_projection_dim=1536, in_channels=12, text_embed_dim=4096, time_embed_dim=256,
+                 max_sequence_length=256),
+            batch=2, text_tokens=256, latent=(12, 28, 60, 106), quick_frames=6,
+        ),
+        ModelSpec(
+            "flux", "FLUX.1-dev 1024x1024", "FluxTransformer2DModel",
+            dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                 axes_dims_rope=(16, 56, 56)),
+            batch=1, text_tokens=512, latent=(16, 128, 128),
+        ),
+        ModelSpec(
+            "sd35", "SD3.5-large 1024x1024", "SD3Transformer2DModel",
+            dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
+                 num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
+                 pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192, qk_norm="rms_norm"),
+            batch=2, text_tokens=333, latent=(16, 128, 128),
+        ),
+    ]
+}
+
+
+def latent_shape(spec: ModelSpec, quick: bool) -> tuple[int, ...]:
+    """Latent shape without batch, with the frame count of ``--quick`` applied."""
+    shape = list(spec.latent)
+    if quick and spec.quick_frames is not None:
+        shape[0 if spec.cls_name.startswith("CogVideoX") else 1] = spec.quick_frames
+    return tuple(shape)
+
+
+def image_tokens(spec: ModelSpec, quick: bool) -> int:
+    """Latent tokens of one sample after patchification."""
+    shape = latent_shape(spec, quick)
+    p = spec.config["patch_size"]
+    if spec.cls_name == "CogVideoXTransformer3DModel":
+        frames, _, h, w = shape
+        return frames * (h // p) * (w // p)
+    if len(shape) == 4:  # (C, F, H, W)
+        return shape[1] * (shape[2] // p) * (shape[3] // p)
+    if spec.cls_name == "FluxTransformer2DModel":
+        return (shape[1] // 2) * (shape[2] // 2)  # the pipeline packs 2x2 latent patches
+    return (shape[1] // p) * (shape[2] // p)
+
+
+def build_inputs(spec: ModelSpec, quick: bool, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Keyword arguments of one transformer forward, shaped as the model's pipeline makes them."""
+    b, st = spec.batch, spec.text_tokens
+    cfg = spec.config
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype)
+
+    def text_mask(valid: int) -> torch.Tensor:  # right-padded tokenizer mask, as the pipelines pass it
+        return (torch.arange(st, device=device) < valid).expand(b, st)
+
+    timestep = torch.full((b,), 500.0, device=device, dtype=dtype)
+    shape = latent_shape(spec, quick)
+    if spec.cls_name == "CogVideoXTransformer3DModel":
+        rope = None
+        if cfg["use_rotary_positional_embeddings"]:
+            rope = _cogvideox_rope(cfg, shape, device)
+        return dict(hidden_states=randn(b, *shape), encoder_hidden_states=randn(b, st, cfg["text_embed_dim"]),
+                    timestep=timestep, image_rotary_emb=rope)
+    if spec.cls_name == "HunyuanVideoTransformer3DModel":
+        return dict(hidden_states=randn(b, *shape), timestep=timestep,
+                    encoder_hidden_states=randn(b, st, cfg["text_embed_dim"]),
+                    encoder_attention_mask=text_mask(st * 3 // 4).long(),
+                    pooled_projections=randn(b, cfg["pooled_projection_dim"]),
+                    guidance=torch.full((b,), 6000.0, device=device, dtype=dtype))
+    if spec.cls_name == "MochiTransformer3DModel":
+        return dict(hidden_states=randn(b, *shape), encoder_hidden_states=randn(b, st, cfg["text_embed_dim"]),
+                    timestep=timestep, encoder_attention_mask=text_mask(st * 3 // 4))
+    if spec.cls_name == "FluxTransformer2DModel":
+        h, w = shape[1] // 2, shape[2] // 2
+        ids = torch.zeros(h, w, 3, device=device, dtype=dtype)
+        ids[..., 1] += torch.arange(h, device=device, dtype=dtype)[:, None]
+        ids[..., 2] += torch.arange(w, device=device, dtype=dtype)[None, :]
+        return dict(hidden_states=randn(b, h * w, cfg["in_channels"]),
+                    encoder_hidden_states=randn(b, st, cfg["joint_attention_dim"]),
+                    pooled_projections=randn(b, cfg["pooled_projection_dim"]), timestep=timestep / 1000,
+                    img_ids=ids.reshape(h * w, 3), txt_ids=torch.zeros(st, 3, device=device, dtype=dtype),
+                    guidance=torch.full((b,), 3.5, device=device, dtype=dtype))
+    return dict(hidden_states=randn(b, *shape), encoder_hidden_states=randn(b, st, cfg["joint_attention_dim"]),
+                pooled_projections=randn(b, cfg["pooled_projection_dim"]), timestep=timestep)
+
+
+def _cogvideox_rope(cfg: dict, shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """CogVideoX 1.0 RoPE for latent (F, C, H, W), as ``CogVideoXPipeline`` computes it."""
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+    from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
+
+    p = cfg["patch_size"]
+    grid = (shape[2] // p, shape[3] // p)
+    crops = get_resize_crop_region_for_grid(grid, cfg["sample_width"] // p, cfg["sample_height"] // p)
+    return get_3d_rotary_pos_embed(embed_dim=cfg["attention_head_dim"], crops_coords=crops, grid_size=grid,
+                                   temporal_size=shape[0], device=device)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The transformer with random weights, created directly on ``device`` in ``dtype`` (meta: no memory)."""
+    import diffusers
+
+    cls = getattr(diffusers, spec.cls_name)
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(**spec.config)
+    # .to(device) as well: a buffer built from numpy would otherwise stay on the CPU.
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def describe(spec: ModelSpec, quick: bool, model: torch.nn.Module | None = None) -> dict[str, Any]:
+    """Config summary: heads, head dim, attention layers, tokens, parameters."""
+    cfg = spec.config
+    info = dict(
+        model=spec.title, cls=spec.cls_name, batch=spec.batch, heads=cfg["num_attention_heads"],
+        head_dim=cfg["attention_head_dim"], image_tokens=image_tokens(spec, quick), text_tokens=spec.text_tokens,
+        latent=list(latent_shape(spec, quick)), notes=spec.notes,
+    )
+    info["joint_tokens"] = info["image_tokens"] + info["text_tokens"]
+    if model is not None:
+        from sage_diffusers.processors import PROCESSOR_FOR
+
+        info["params_billion"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 3)
+        info["attention_layers"] = sum(type(getattr(m, "processor", None)) in PROCESSOR_FOR for m in model.modules())
+    return info
+
+
+def attention_tflop(info: dict[str, Any]) -> float:
+    """Dense attention work of one forward (QK^T and PV, 4*B*H*S^2*D flop), in TFLOP."""
+    s = info["joint_tokens"]
+    return 4 * info["batch"] * info["heads"] * s * s * info["head_dim"] * info.get("attention_layers", 0) / 1e12
+
+
+def kernel_runs(mode: Mode, device: torch.device, head_dim: int) -> tuple[bool, str]:
+    """Whether ``sage_diffusers.attention`` runs ``mode`` with a GPU kernel here (not the slow torch reference)."""
+    if mode is Mode.SDPA:
+        return True, ""
+    from sage_diffusers import api
+
+    # api._plan is how the API itself decides; asking it avoids timing a reference by accident.
+    plan = api._plan(mode, device, torch.bfloat16, head_dim, head_dim, False)
+    if plan.path == "kernel":
+        return True, ""
+    return False, f"no {mode.value} kernel for this GPU ({plan.path} path)"
+
+
+def time_forward(model: torch.nn.Module, inputs: dict[str, Any], warmup: int, iters: int) -> list[float]:
+    """Milliseconds of each timed forward (CUDA events on the current stream; wall clock on CPU)."""
+    on_cuda = next(model.parameters()).is_cuda
+    times = []
+    with torch.inference_mode():
+        for i in range(warmup + iters):
+            if on_cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                model(**inputs, return_dict=False)
+                end.record()
+                torch.cuda.synchronize()
+                elapsed = start.elapsed_time(end)
+            else:
+                t0 = time.perf_counter()
+                model(**inputs, return_dict=False)
+                elapsed = (time.perf_counter() - t0) * 1e3
+            if i >= warmup:
+                times.append(elapsed)
+    return times
+
+
+def _free_cuda_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_variant(
+    model: torch.nn.Module, inputs: dict[str, Any], variant: Variant, args: argparse.Namespace, head_dim: int
+) -> dict[str, Any]:
+    """Time one variant; returns its result record (status ok / skipped / oom / error)."""
+    import sage_diffusers
+    from sage_diffusers import integration
+
+    device = torch.device(args.device)
+    if variant is not Variant.ORIGINAL:
+        mode = Mode.parse(variant.value)
+        ok, why = kernel_runs(mode, device, head_dim)
+        if not ok and not args.allow_reference:
+            return dict(status="skipped", reason=why)
+        integration.enable(model, mode=mode)
+    sage_diffusers.reset_fallback_stats()
+    try:
+        times = time_forward(model, inputs, args.warmup, args.iters)
+    except torch.cuda.OutOfMemoryError as exc:
+        return dict(status="oom", reason=str(exc).splitlines()[0])
+    except Exception as exc:  # noqa: BLE001 - one failing variant must not end the whole benchmark
+        return dict(status="error", reason=f"{type(exc).__name__}: {exc}")
+    finally:
+        integration.disable(model)
+        _free_cuda_memory(device)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return dict(status="ok", ms_median=statistics.median(times), ms_min=min(times), ms_all=times,
+                fallbacks=sage_diffusers.fallback_stats(), peak_gib=peak)
+
+
+def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    started = time.monotonic()
+    results: dict[str, Any] = {}
+    for name in args.models:
+        spec = MODELS[name]
+        print(f"== {spec.title}", flush=True)
+        record: dict[str, Any] = dict(variants={})
+        results[name] = record
+        try:
+            model = build_model(spec, device, torch.bfloat16)
+            inputs = build_inputs(spec, args.quick, device, torch.bfloat16)
+        except torch.cuda.OutOfMemoryError as exc:
+            record.update(describe(spec, args.quick), status="oom", reason=str(exc).splitlines()[0])
+            continue
+        record.update(describe(spec, args.quick, model))
+        for variant in args.variants:
+            if args.time_budget and time.monotonic() - started > args.time_budget:
+                record["variants"][variant.value] = dict(status="skipped", reason="time budget spent")
+                continue
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            result = run_variant(model, inputs, variant, args, spec.config["attention_head_dim"])
+            record["variants"][variant.value] = result
+            if result["status"] == "ok":
+                shown = f"{result['ms_median']:.1f} ms"
+            else:
+                shown = f"{result['status']}: {result['reason']}"
+            print(f"   {variant.value:9s} {shown}", flush=True)
+        del model, inputs
+        _free_cuda_memory(device)
+    return results
+
+
+def environment(args: argparse.Namespace) -> dict[str, Any]:
+    import diffusers
+
+    import sage_diffusers
+
+    env = dict(torch=torch.__version__, diffusers=diffusers.__version__, sage_diffusers=sage_diffusers.__version__,
+               python=platform.python_version(), quick=args.quick, warmup=args.warmup, iters=args.iters,
+               dtype="bfloat16", date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    if torch.cuda.is_available() and args.device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(args.device)
+        env["capability"] = "sm_%d%d" % torch.cuda.get_device_capability(args.device)
+        env["cudnn"] = torch.backends.cudnn.version()
+    return env
+
+
+def to_markdown(env: dict[str, Any], results: dict[str, Any], variants: list[Variant]) -> str:
+    lines = [
+        "# End-to-end transformer forward time",
+        "",
+        f"{env.get('gpu', 'no GPU')} ({env.get('capability', '-')}), torch {env['torch']}, diffusers "
+        f"{env['diffusers']}, bf16, random weights, median of {env['iters']} forwards after {env['warmup']} "
+        f"warm-up{' (--quick: fewer frames)' if env['quick'] else ''}; {env['date']}.",
+        "Speed-up = SDPA-mode time / variant time (sage processors in SDPA mode are the baseline).",
+        "",
+        "| model | B | heads x dim | tokens (img + txt) | layers | " + " | ".join(v.value for v in variants)
+        + " | speed-up " + " / ".join(v.value for v in variants if v in (Variant.INT8, Variant.FP4)) + " |",
+        "|---" * (6 + len(variants)) + "|",
+    ]
+    for record in results.values():
+        cells = []
+        for v in variants:
+            r = record["variants"].get(v.value, dict(status="skipped", reason="not run"))
+            cells.append(f"{r['ms_median']:.0f} ms" if r["status"] == "ok" else r["status"])
+        base = record["variants"].get(Variant.SDPA.value, {})
+        speedups = []
+        for v in variants:
+            if v not in (Variant.INT8, Variant.FP4):
+                continue
+            r = record["variants"].get(v.value, {})
+            ok = r.get("status") == "ok" and base.get("status") == "ok"
+            speedups.append(f"{base['ms_median'] / r['ms_median']:.2f}x" if ok else "-")
+        lines.append(
+            f"| {record['model']} | {record['batch']} | {record['heads']} x {record['head_dim']} | "
+            f"{record['image_tokens']} + {record['text_tokens']} | {record.get('attention_layers', '-')} | "
+            + " | ".join(cells) + " | " + " / ".join(speedups) + " |"
+        )
+    notes = []
+    for name, record in results.items():
+        for v, r in record["variants"].items():
+            if r.get("status") != "ok":
+                notes.append(f"- {name} {v}: {r['status']} ({r.get('reason', '')})")
+            elif r.get("fallbacks"):
+                notes.append(f"- {name} {v}: SDPA fallbacks {r['fallbacks']}")
+        if record.get("notes"):
+            notes.append(f"- {name}: {record['notes']}")
+    if notes:
+        lines += ["", "Notes:", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def merge_results(previous: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``previous`` updated with ``new``, per model and per variant (a variant timed again replaces its entry)."""
+    merged = {name: dict(record, variants=dict(record.get("variants", {}))) for name, record in previous.items()}
+    for name, record in new.items():
+        old_variants = merged.get(name, {}).get("variants", {})
+        merged[name] = dict(record, variants={**old_variants, **record.get("variants", {})})
+    return merged
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    """Build every selected model on the meta device and print its shapes (no GPU, no memory)."""
+    meta = torch.device("meta")
+    for name in args.models:
+        spec = MODELS[name]
+        model = build_model(spec, meta, torch.bfloat16)
+        inputs = build_inputs(spec, args.quick, meta, torch.bfloat16)
+        info = describe(spec, args.quick, model)
+        shapes = {k: tuple(v.shape) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        print(f"{name}: {info['params_billion']} B params, {info['attention_layers']} attention layers, "
+              f"{info['heads']}x{info['head_dim']}, B={info['batch']}, tokens {info['image_tokens']} + "
+              f"{info['text_tokens']}, attention {attention_tflop(info):.0f} TFLOP/forward; inputs {shapes}")
+        del model
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--variants", nargs="+", type=Variant, choices=list(Variant), default=list(Variant))
+    parser.add_argument("--quick", action="store_true", help="fewer video frames, 1 warm-up, 2 timed forwards")
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--time-budget", type=float, default=None, help="seconds; later variants are skipped")
+    parser.add_argument("--allow-reference", action="store_true", help="also time modes that only have a reference")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "e2e_h200",
+                        help="output path without suffix (.md and .json are written)")
+    parser.add_argument("--fresh", action="store_true", help="replace the report instead of merging into it")
+    parser.add_argument("--dry-run", action="store_true", help="build configs on the meta device only")
+    args = parser.parse_args(argv)
+    if args.warmup is None:
+        args.warmup = 1 if args.quick else 2
+    if args.iters is None:
+        args.iters = 2 if args.quick else 5
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        return dry_run(args)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench_e2e: no CUDA device (use --dry-run to check the configs)", file=sys.stderr)
+        return 2
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.set_verbosity_error()  # keep the per-model warnings of random-weight construction out
+    env = environment(args)
+    results = benchmark(args)
+    for record in results.values():
+        record["attention_tflop"] = round(attention_tflop(record), 1) if "heads" in record else math.nan
+    json_path = args.out.with_suffix(".json")
+    if json_path.exists() and not args.fresh:
+        # Subsets run one after another (each run must fit the time limit) accumulate in one report.
+        results = merge_results(json.loads(json_path.read_text()).get("results", {}), results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(dict(environment=env, results=results), indent=2))
+    shown = [v for v in Variant if any(v.value in r.get("variants", {}) for r in results.values())]
+    args.out.with_suffix(".md").write_text(to_markdown(env, results, shown))
+    print(f"wrote {args.out.with_suffix('.md')} and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,441 @@
+"""sage processors of the five diffusers families: exactness in SDPA mode, low-bit accuracy, masks, enable/disable.
+
+Tiny random transformers (``workflows/diffusers/_sage_tiny.py``) with real head dims (64: CogVideoX, SD3.5; 128:
+HunyuanVideo, Mochi, Flux) and joint sequences of 131-187 tokens (two 128-key tiles), batch 2, float32, CPU.
+
+Accuracy is checked where it is visible: with random weights a transformer's output barely depends on its
+attention (reversing V along the tokens still leaves the output cosine at ~0.9998), so each attention module is
+also run "in shadow": on the very inputs the original processor sees, the sage processor computes its output and
+the two are compared layer by layer (``test_shadow_check_detects_wrong_attention`` proves that check can fail).
+
+Measured on this machine (torch references of sage8 / sage3 on CPU, worst family):
+  per-layer attention-output cosine: int8 0.99988, fp4 0.9958 (bounds 0.999 / 0.99; V reversed: <= 0.97);
+  transformer-output cosine: int8 0.999995, fp4 0.99985 (bounds 0.9999 / 0.999).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflows" / "diffusers"))
+
+import _sage_tiny  # noqa: E402
+from _sage_cli import record_attention_calls  # noqa: E402
+from _sage_tiny import Family  # noqa: E402
+
+import sage_diffusers  # noqa: E402
+from sage_diffusers import integration  # noqa: E402
+from sage_diffusers.options import Mode  # noqa: E402
+from sage_diffusers.policy import FixedPolicy, PolicyState  # noqa: E402
+from sage_diffusers.processors import PROCESSOR_FOR, SageProcessorMixin  # noqa: E402
+from sage_diffusers.reference.metrics import cosine  # noqa: E402
+
+# Mochi's RoPE asks for float32 autocast, which CPU autocast refuses with a warning: diffusers' code, not ours.
+pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast, but the target dtype is not supported")
+
+FAMILIES = list(Family)
+LAYER_COSINE_MIN = {Mode.INT8: 0.999, Mode.FP4: 0.99}
+OUTPUT_COSINE_MIN = {Mode.INT8: 0.9999, Mode.FP4: 0.999}
+
+
+@functools.cache
+def _model(family: Family) -> torch.nn.Module:
+    return _sage_tiny.tiny_transformer(family)
+
+
+def _forward(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs, return_dict=False)[0]
+
+
+@functools.cache
+def _reference(family: Family) -> tuple[dict, torch.Tensor]:
+    """Inputs and the output of the untouched diffusers model."""
+    model = _model(family)
+    inputs = _sage_tiny.tiny_inputs(family, model)
+    return inputs, _forward(model, inputs)
+
+
+@pytest.fixture(autouse=True)
+def _restore_models():
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    # diffusers' set_attention_backend also changes the process-wide default backend (and reset does not undo it).
+    active = _AttentionBackendRegistry._active_backend
+    yield
+    _AttentionBackendRegistry._active_backend = active
+    for family in FAMILIES:
+        integration.disable(_model(family))
+
+
+def _flat(output) -> torch.Tensor:
+    return torch.cat([t.flatten() for t in (output if isinstance(output, tuple) else (output,))])
+
+
+@contextlib.contextmanager
+def shadow(model: torch.nn.Module, mode: Mode):
+    """While open, every supported attention module also runs its sage processor (``mode``) on the same inputs.
+
+    Yields a list that receives (layer, cosine, max abs diff) of sage vs original output per call; the model keeps
+    computing with the original processors.
+    """
+    state = PolicyState(FixedPolicy(mode))
+    integration.register_backend()
+    records: list[tuple[int, float, float]] = []
+    handles = []
+    supported = [m for m in model.modules() if type(getattr(m, "processor", None)) in PROCESSOR_FOR]
+    for layer, module in enumerate(supported):
+        original = module.processor
+        sage = PROCESSOR_FOR[type(original)](state, layer)
+
+        def hook(mod, args, kwargs, output, sage=sage, original=original):
+            mod.processor = sage
+            try:
+                out = mod.forward(*args, **kwargs)
+            finally:
+                mod.processor = original
+            a, b = _flat(out), _flat(output)
+            records.append((sage.layer, cosine(a, b), float((a - b).abs().max())))
+
+        handles.append(module.register_forward_hook(hook, with_kwargs=True))
+    try:
+        yield records
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _num_sage_layers(family: Family) -> int:
+    """Attention modules ``enable`` replaces (counted whether or not they are replaced right now)."""
+    processors = [getattr(m, "processor", None) for m in _model(family).modules()]
+    return sum(type(p) in PROCESSOR_FOR or isinstance(p, SageProcessorMixin) for p in processors)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.value)
+def test_sdpa_mode_matches_diffusers(family):
+    model = _model(family)
+    inputs, ref = _reference(family)
+    with shadow(model, Mode.SDPA) as records:
+        _forward(model, inputs)
+    assert len(records) == _num_sage_layers(family)
+    for layer, _, max_diff in records:
+        assert max_diff <= 1e-6, f"layer {layer}: sage processor differs from diffusers' by {max_diff}"
+
+    integration.enable(model, mode="sdpa")
+    with record_attention_calls() as calls:
+        out = _forward(model, inputs)
+    assert calls == {Mode.SDPA: _num_sage_layers(family)}
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", [Mode.INT8, Mode.FP4], ids=str)
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.value)
+def test_low_bit_modes_accuracy(family, mode):
+    model = _model(family)
+    inputs, ref = _reference(family)
+    sage_diffusers.reset_fallback_stats()
+    with shadow(model, mode) as records:
+        _forward(model, inputs)
+    worst = min(c for _, c, _ in records)
+    assert worst >= LAYER_COSINE_MIN[mode], f"per-layer cosines {[round(c, 5) for _, c, _ in records]}"
+
+    integration.enable(model, mode=mode)
+    with record_attention_calls() as calls:
+        out = _forward(model, inputs)
+    assert calls == {mode: _num_sage_layers(family)}
+    assert sage_diffusers.fallback_stats() == {}, "the low-bit path fell back to SDPA"
+    assert cosine(out, ref) >= OUTPUT_COSINE_MIN[mode]
+    assert not torch.equal(out, ref), "a low-bit mode must not be SDPA in disguise"
+
+
+@pytest.mark.parametrize("family", [Family.MOCHI, Family.FLUX], ids=lambda f: f.value)
+def test_bfloat16_models(family):
+    """bf16 end to end (the dtype the real models run in); Mochi's batched mask is not bitwise in bf16."""
+    model = _sage_tiny.tiny_transformer(family).to(torch.bfloat16)
+    inputs = {
+        k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in _sage_tiny.tiny_inputs(family, model).items()
+    }
+    ref = _forward(model, inputs)
+    for mode, bound in ((Mode.SDPA, 0.99999), (Mode.INT8, OUTPUT_COSINE_MIN[Mode.INT8]), (Mode.FP4, 0.999)):
+        integration.enable(model, mode=mode)
+        out = _forward(model, inputs)
+        integration.disable(model)
+        assert out.dtype == torch.bfloat16 and cosine(out, ref) >= bound, mode
+
+
+@pytest.mark.parametrize("family", [Family.FLUX, Family.SD35], ids=lambda f: f.value)
+def test_shadow_check_detects_wrong_attention(family, monkeypatch):
+    """Negative control: attention with V reversed along the tokens must fail the fp4 per-layer bound."""
+    model = _model(family)
+    inputs, _ = _reference(family)
+    original = sage_diffusers.attention
+
+    def wrong(q, k, v, attn_mask=None, **kwargs):
+        token_dim = 2 if kwargs["layout"] is sage_diffusers.Layout.BHSD else 1
+        return original(q, k, v.flip(token_dim), attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(sage_diffusers, "attention", wrong)
+    with shadow(model, Mode.SDPA) as records:
+        _forward(model, inputs)
+    assert max(c for _, c, _ in records) < LAYER_COSINE_MIN[Mode.FP4]
+
+
+def test_hunyuanvideo_key_mask_is_one_batched_call():
+    family = Family.HUNYUANVIDEO
+    model = _model(family)
+    inputs, _ = _reference(family)
+    text_keep = inputs["encoder_attention_mask"].bool()
+    assert not text_keep.all(), "the inputs must contain padding for this test to mean anything"
+    latent_tokens = 3 * 6 * 6
+    expected = torch.cat([torch.ones(2, latent_tokens, dtype=torch.bool), text_keep], dim=1)
+
+    seen = []
+    original = sage_diffusers.attention
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        seen.append((q.shape[0], attn_mask))
+        return original(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    integration.enable(model, mode="int8")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sage_diffusers, "attention", spy)
+        _forward(model, inputs)
+    assert len(seen) == _num_sage_layers(family)  # one call per layer for the whole batch
+    for batch, mask in seen:
+        assert batch == 2
+        assert mask is not None and mask.dtype == torch.bool and mask.shape == expected.shape  # native (B, Skv)
+        assert torch.equal(mask, expected)
+
+
+@pytest.mark.parametrize(
+    "valid",
+    [
+        [15, 23],  # right padding, as the T5 tokenizer gives
+        [23, 0],  # one prompt with no real token (force_zeros_for_empty_prompt)
+        [-1, 23],  # -1: a mask with holes (not right-padded), where diffusers packs valid tokens first
+    ],
+    ids=["right-padded", "empty-prompt", "holes"],
+)
+def test_mochi_one_batched_call_matches_per_sample_loop(valid):
+    family = Family.MOCHI
+    model = _model(family)
+    inputs, _ = _reference(family)
+    st = _sage_tiny.TEXT_LEN[family]
+    masks = []
+    for n in valid:
+        if n >= 0:
+            masks.append(torch.arange(st) < n)
+        else:
+            masks.append(torch.arange(st) % 3 != 1)
+    inputs = dict(inputs, encoder_attention_mask=torch.stack(masks))
+    ref = _forward(model, inputs)
+    with shadow(model, Mode.SDPA) as records:
+        _forward(model, inputs)
+    assert max(d for _, _, d in records) <= 1e-5
+
+    integration.enable(model, mode="sdpa")
+    with record_attention_calls() as calls:
+        out = _forward(model, inputs)
+    assert calls == {Mode.SDPA: _num_sage_layers(family)}  # diffusers makes batch x layers calls
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.value)
+def test_disable_restores_the_original_processor_objects(family):
+    model = _model(family)
+    before = {name: getattr(m, "processor", None) for name, m in model.named_modules()}
+    state = integration.enable(model, mode="fp4")
+    assert integration.is_enabled(model)
+    replaced = {n: getattr(m, "processor", None) for n, m in model.named_modules()}
+    sage = {n: p for n, p in replaced.items() if isinstance(p, SageProcessorMixin)}
+    assert len(sage) == _num_sage_layers(family) > 0
+    assert sorted(p.layer for p in sage.values()) == list(range(len(sage)))
+    for name, processor in sage.items():
+        assert isinstance(processor, type(before[name]))  # subclasses of the diffusers processor they replace
+        assert processor.mode is Mode.FP4 and processor._source is state
+
+    integration.enable(model, mode="int8")  # enabling again must not lose the originals
+    integration.disable(model)
+    integration.disable(model)  # idempotent
+    assert not integration.is_enabled(model)
+    after = {name: getattr(m, "processor", None) for name, m in model.named_modules()}
+    assert after.keys() == before.keys()
+    for name in before:
+        assert after[name] is before[name], name
+
+
+def test_sd35_dual_attention_keeps_its_shared_processor():
+    model = _model(Family.SD35)
+    block = model.transformer_blocks[0]
+    assert block.attn.processor is block.attn2.processor  # diffusers shares one object
+    integration.enable(model, mode="int8")
+    assert block.attn.processor is not block.attn2.processor
+    assert (block.attn.processor.layer, block.attn2.processor.layer) == (0, 1)
+    integration.disable(model)
+    assert block.attn.processor is block.attn2.processor
+
+
+def test_enable_rejects_unsupported_models_and_modes():
+    with pytest.raises(ValueError, match="no attention processor"):
+        integration.enable(torch.nn.Linear(4, 4))
+    model = _model(Family.FLUX)
+    with pytest.raises(ValueError):
+        integration.enable(model, mode="fp8")
+    assert not integration.is_enabled(model)
+    with pytest.raises(ValueError, match="pipeline"):
+        integration.enable(object())
+
+
+def test_fused_projection_processors_are_reported_and_left_alone(caplog):
+    model = _sage_tiny.tiny_transformer(Family.SD35)  # a private copy: fusing changes the weights' layout
+    model.fuse_qkv_projections()
+    with caplog.at_level("WARNING", logger="sage_diffusers"), pytest.raises(ValueError, match="no attention"):
+        integration.enable(model, mode="int8")
+    assert "FusedJointAttnProcessor2_0" in caplog.text and "unfuse_qkv_projections" in caplog.text
+    model.unfuse_qkv_projections()
+    integration.enable(model, mode="int8")
+    assert integration.is_enabled(model)
+
+
+# ---- diffusers dispatcher backend ---------------------------------------------------------------------------
+
+
+def _bshd(b, s, h, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, s, h, d, generator=g)
+
+
+def test_backend_has_the_registry_signature():
+    from diffusers.models import attention_dispatch as dispatch
+
+    native = inspect.signature(dispatch._AttentionBackendRegistry._backends[dispatch.AttentionBackendName.NATIVE])
+    members = integration.register_backend()
+    for mode, member in members.items():
+        fn = dispatch._AttentionBackendRegistry._backends[member]
+        params = inspect.signature(fn).parameters
+        assert [(p.name, p.default) for p in params.values()] == [
+            (p.name, p.default) for p in native.parameters.values()
+        ], mode
+    assert members[Mode.AUTO] is dispatch.AttentionBackendName("sage3")
+
+
+def test_backend_enum_extension_is_idempotent_and_complete():
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    first = integration.register_backend()
+    count = len(AttentionBackendName)
+    assert integration.register_backend() == first
+    assert len(AttentionBackendName) == count
+    for mode, name in integration.BACKEND_NAMES.items():
+        member = AttentionBackendName(name)
+        assert member is first[mode] and member.value == name
+        assert AttentionBackendName.__members__[name.upper()] is member
+        assert member in list(AttentionBackendName)
+        assert member in _AttentionBackendRegistry._backends
+    assert AttentionBackendName("native") is AttentionBackendName.NATIVE  # built-in members untouched
+
+
+def test_backend_masks_lse_and_gqa():
+    q, k, v = _bshd(2, 37, 4, 64, 0), _bshd(2, 41, 2, 64, 1), _bshd(2, 41, 2, 64, 2)
+    keep = torch.arange(41)[None, :] < torch.tensor([[30], [41]])
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    ref = sdpa(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=keep[:, None, None, :], enable_gqa=True)
+    ref = ref.transpose(1, 2)
+    fn = integration.sage_attention_backend
+    for mask in (keep, keep[:, None, None, :]):
+        torch.testing.assert_close(fn(q, k, v, attn_mask=mask, enable_gqa=True), ref, rtol=0, atol=1e-6)
+
+    out, lse = fn(q, k, v, attn_mask=keep, enable_gqa=True, return_lse=True)
+    scores = torch.einsum("bqhd,bkhd->bqhk", q, k.repeat_interleave(2, dim=2)) / 8.0
+    expected = scores.masked_fill(~keep[:, None, None, :], float("-inf")).logsumexp(-1)  # (B, Sq, H)
+    assert lse.shape == (2, 37, 4)
+    torch.testing.assert_close(lse, expected, rtol=1e-5, atol=1e-5)
+
+    with pytest.raises(ValueError, match="enable_gqa"):
+        fn(q, k, v)
+    with pytest.raises(ValueError, match="dropout"):
+        fn(q, k[:, :, :], v, dropout_p=0.1, enable_gqa=True)
+    with pytest.raises(ValueError, match="context parallel"):
+        fn(q, k, v, enable_gqa=True, _parallel_config=object())
+
+
+@pytest.mark.parametrize("family", [Family.FLUX, Family.HUNYUANVIDEO], ids=lambda f: f.value)
+def test_set_attention_backend_and_context_manager(family):
+    from diffusers.models.attention_dispatch import attention_backend
+
+    model = _model(family)
+    inputs, ref = _reference(family)
+    layers = _num_sage_layers(family)
+    integration.register_backend()
+    try:
+        model.set_attention_backend("sage3_int8")
+        with record_attention_calls() as calls:
+            out = _forward(model, inputs)
+        assert calls == {Mode.INT8: layers}
+        assert cosine(out, ref) >= OUTPUT_COSINE_MIN[Mode.INT8] and not torch.equal(out, ref)
+    finally:
+        model.reset_attention_backend()
+
+    with attention_backend("sage3"), record_attention_calls() as calls:
+        out = _forward(model, inputs)
+    assert calls == {Mode.AUTO: layers}
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)  # auto is SDPA on CPU
+
+
+def test_enabled_processor_honours_set_attention_backend_override():
+    model = _model(Family.FLUX)
+    inputs, ref = _reference(Family.FLUX)
+    integration.enable(model, mode="int8")
+    model.set_attention_backend("native")  # the user's explicit choice wins over the mode source
+    with record_attention_calls() as calls:
+        torch.testing.assert_close(_forward(model, inputs), ref, rtol=0, atol=1e-6)
+    assert calls == {}
+    model.reset_attention_backend()  # hands control back to the mode source
+    with record_attention_calls() as calls:
+        _forward(model, inputs)
+    assert calls == {Mode.INT8: _num_sage_layers(Family.FLUX)}
+
+
+# ---- torch.compile ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile unavailable")
+@pytest.mark.parametrize("family", [Family.FLUX, Family.MOCHI], ids=lambda f: f.value)
+def test_torch_compile_traces_enabled_processors_without_graph_breaks(family):
+    """fullgraph=True fails on any graph break in the processors, the dispatcher path or the masking code.
+
+    The "eager" backend keeps the test fast on CPU (Dynamo tracing is what our code affects; inductor code
+    generation takes 1-2 minutes per tiny model here).
+    """
+    import torch._dynamo
+
+    model = _model(family)
+    inputs, ref = _reference(family)
+    integration.enable(model, mode="sdpa")
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        with torch.no_grad():
+            out = compiled(**inputs, return_dict=False)[0]
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+
+
+def test_mode_counter_helper_counts_by_mode():
+    """The counting helper the tests rely on must itself see calls and modes."""
+    q = torch.randn(1, 2, 16, 64)
+    with record_attention_calls() as calls:
+        sage_diffusers.attention(q, q, q, mode="sdpa")
+        sage_diffusers.attention(q, q, q, mode=Mode.INT8)
+        sage_diffusers.attention(q, q, q)
+    assert calls == collections.Counter({Mode.SDPA: 1, Mode.INT8: 1, Mode.AUTO: 1})

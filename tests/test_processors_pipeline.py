@@ -1,0 +1,97 @@
+"""Whole tiny pipelines with sage attention: a precision policy over the steps; the workflow scripts' --tiny path."""
+
+from __future__ import annotations
+
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKFLOWS = Path(__file__).resolve().parents[1] / "workflows" / "diffusers"
+sys.path.insert(0, str(WORKFLOWS))
+
+import _sage_cli  # noqa: E402
+import _sage_tiny  # noqa: E402
+
+import sage_diffusers  # noqa: E402
+from sage_diffusers import integration  # noqa: E402
+from sage_diffusers.options import Mode  # noqa: E402
+from sage_diffusers.policy import LayerRule, StepLayerPolicy  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast, but the target dtype is not supported")
+
+S, F, I8 = Mode.SDPA, Mode.FP4, Mode.INT8
+
+
+class _Sequence:
+    """Records the mode of every sage_diffusers.attention call, in order."""
+
+    def __init__(self, monkeypatch):
+        self.modes: list[Mode] = []
+        original = sage_diffusers.attention
+
+        def spy(*args, **kwargs):
+            self.modes.append(Mode.parse(kwargs["mode"]))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(sage_diffusers, "attention", spy)
+
+    def take(self) -> list[Mode]:
+        modes, self.modes = self.modes, []
+        return modes
+
+
+def test_flux_pipeline_runs_a_step_and_layer_policy(monkeypatch):
+    family = _sage_tiny.Family.FLUX
+    pipe = _sage_tiny.tiny_pipeline(family)
+    pipe.set_progress_bar_config(disable=True)
+    reference = pipe(**_sage_tiny.tiny_call_kwargs(family, steps=4))[0]
+
+    # SDPA on the first and last step; in between INT8 in layer 1 (the single-stream block), FP4 elsewhere.
+    policy = StepLayerPolicy(first_steps=1, last_steps=1, layer_rules=(LayerRule(range(1, 2), Mode.INT8),))
+    state = integration.enable(pipe, policy=policy)
+    calls = _Sequence(monkeypatch)
+
+    out = pipe(**_sage_tiny.tiny_call_kwargs(family, steps=4))[0]
+    assert calls.take() == [S, S, F, I8, F, I8, S, S]
+    assert torch.isfinite(out).all() and not torch.equal(out, reference)
+    assert (out - reference).abs().max() < 0.1 * reference.abs().max()
+
+    # A new call with another number of steps starts again at step 0 (the scheduler's set_timesteps marks it).
+    pipe(**_sage_tiny.tiny_call_kwargs(family, steps=3))
+    assert calls.take() == [S, S, F, I8, S, S]
+
+    # The exact alternative: the state as the pipeline's step-end callback.
+    pipe(**_sage_tiny.tiny_call_kwargs(family, steps=4), callback_on_step_end=state)
+    assert calls.take() == [S, S, F, I8, F, I8, S, S]
+
+    integration.disable(pipe)
+    assert "set_timesteps" not in vars(pipe.scheduler) and not pipe.transformer._forward_pre_hooks
+    torch.testing.assert_close(pipe(**_sage_tiny.tiny_call_kwargs(family, steps=4))[0], reference, rtol=0, atol=0)
+    assert calls.take() == []
+
+
+def test_sd35_pipeline_with_cfg_batches_one_call_per_layer_and_step(monkeypatch):
+    family = _sage_tiny.Family.SD35
+    pipe = _sage_tiny.tiny_pipeline(family)
+    pipe.set_progress_bar_config(disable=True)
+    integration.enable(pipe, mode="int8")
+    calls = _Sequence(monkeypatch)
+    pipe(**_sage_tiny.tiny_call_kwargs(family, steps=2))
+    assert calls.take() == [I8] * 3 * 2  # 3 attention modules x 2 steps; CFG rides in the batch
+
+
+@pytest.mark.parametrize("script", ["cogvideox", "hunyuanvideo", "mochi", "flux", "sd35"])
+def test_workflow_script_tiny_path(script, capsys):
+    workflow = runpy.run_path(str(WORKFLOWS / f"{script}.py"), run_name="workflow_under_test")["WORKFLOW"]
+    assert workflow.hub_id.count("/") == 1 and workflow.family.value == script
+    status = _sage_cli.main(workflow, ["--tiny", "--policy", "sage3", "--steps", "5"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    layers = {"sd35": 3}.get(script, 2)
+    # sage3 policy over 5 steps: SDPA for steps 0, 1, 3, 4 and FP4 for step 2; one transformer call per step.
+    assert re.search(rf"attention calls by mode: fp4={layers}, sdpa={4 * layers}\b", printed), printed
+    assert "finite=True" in printed and "fallback" not in printed
