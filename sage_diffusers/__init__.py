@@ -11,6 +11,16 @@ from .options import FP4Format, Layout, Mode, PQuant
 __version__ = "0.1.0"
 
 __all__ = [
-    "FP4Format", "Layout", "Mode", "PQuant", "__version__", "attention", "fallback_stats",
-    "reset_fallback_stats",
+    "FP4Format", "Layout", "Mode", "PQuant", "__version__", "attention", "disable", "enable",
+    "fallback_stats", "reset_fallback_stats",
 ]
+
+_LAZY = {"enable", "disable"}  # need diffusers: imported on first use, not with the package
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        from . import integration
+
+        return getattr(integration, name)
+    raise AttributeError(f"module 'sage_diffusers' has no attribute {name!r}")

@@ -165,3 +165,9 @@ def test_causal_with_more_queries_than_keys_matches_sdpa():
         out = sd.attention(q, k, v, is_causal=True, mode=mode)
         expect = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # top-left aligned
         assert cosine(out, expect) > 0.998
+
+
+def test_top_level_enable_disable_are_the_integration_functions():
+    from sage_diffusers import integration
+
+    assert sd.enable is integration.enable and sd.disable is integration.disable
