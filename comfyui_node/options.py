@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import enum
 
-from sage_diffusers.options import Mode
+from sage_diffusers.options import Mode, ParsedEnum
 
 
-class NodeMode(str, enum.Enum):
+class NodeMode(ParsedEnum):
     """What the node does with the attention calls it is allowed to touch.
 
     AUTO, FP4, INT8 and SDPA hand the call to ``sage_diffusers.attention`` with that mode (SDPA
@@ -24,23 +24,14 @@ class NodeMode(str, enum.Enum):
     OFF = "off"
 
     @classmethod
-    def parse(cls, value: "str | NodeMode") -> "NodeMode":
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            accepted = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"mode: expected one of {accepted}, got {value!r}") from None
+    def option_name(cls) -> str:
+        return "mode"
 
     def api_mode(self) -> Mode:
         """The ``sage_diffusers`` mode this node mode runs; OFF has none."""
         if self is NodeMode.OFF:
             raise ValueError("mode 'off' does not call sage_diffusers")
         return Mode(self.value)
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class Route(str, enum.Enum):

@@ -8,24 +8,29 @@ from __future__ import annotations
 import enum
 
 
-class _StrEnum(str, enum.Enum):
+class ParsedEnum(str, enum.Enum):
     """String-valued enum whose ``parse`` gives a clear error naming the accepted values."""
 
     @classmethod
-    def parse(cls, value: "str | _StrEnum"):
+    def parse(cls, value: "str | ParsedEnum"):
         if isinstance(value, cls):
             return value
         try:
             return cls(str(value).lower())
         except ValueError:
             accepted = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"{cls.__name__}: expected one of {accepted}, got {value!r}") from None
+            raise ValueError(f"{cls.option_name()}: expected one of {accepted}, got {value!r}") from None
+
+    @classmethod
+    def option_name(cls) -> str:
+        """How error messages name the option."""
+        return cls.__name__
 
     def __str__(self) -> str:  # print as the plain value, e.g. "int8"
         return self.value
 
 
-class Mode(_StrEnum):
+class Mode(ParsedEnum):
     """Which attention implementation to run.
 
     AUTO picks the fastest accurate path for the device (8-bit kernel on sm_90, FP4 on sm_120,
@@ -39,21 +44,21 @@ class Mode(_StrEnum):
     SDPA = "sdpa"
 
 
-class Layout(_StrEnum):
+class Layout(ParsedEnum):
     """Memory order of the four attention dimensions: batch, heads, sequence, head dim."""
 
     BHSD = "bhsd"
     BSHD = "bshd"
 
 
-class PQuant(_StrEnum):
+class PQuant(ParsedEnum):
     """How the FP4 path quantizes the softmax probabilities P~."""
 
     TWO_LEVEL = "two_level"  # per-row FP32 factor s1 = rowmax/(448*6), then NVFP4 of P~/s1
     DIRECT = "direct"  # NVFP4 of P~ itself (the paper's ablation baseline)
 
 
-class FP4Format(_StrEnum):
+class FP4Format(ParsedEnum):
     """Microscaling format of the FP4 path."""
 
     NVFP4 = "nvfp4"  # E2M1 values, one E4M3 scale per 16 elements
