@@ -184,4 +184,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quantization pre-pass -> [q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, mask_bits]",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("scale"));
   m.def("has_variant", &has_variant, py::arg("head_dim"), py::arg("causal"), py::arg("exp_poly_every"));
+  m.def("set_fwd_flags", &sage_sm90::set_fwd_flags,
+        "benchmarks: forward variant flags to dispatch on (-1 = default; see launch.h)", py::arg("flags"));
 }

@@ -48,12 +48,12 @@ if [ "${1:-}" = "--quick" ]; then
 else
   PATTERN='\.cu$'
 fi
-find "$HERE" -name '*.cu' ! -name 'host_layout_check.cu' | grep -E "$PATTERN" | sort |
+find "$HERE" -name '*.cu' ! -name 'host_layout_check.cu' ! -name 'bench_*.cu' | grep -E "$PATTERN" | sort |
   xargs -P "$JOBS" -I{} bash -c 'FLAGS=($FLAGS_STR); compile_one "$@"' _ {}
 
-echo "== experimental overlap build (-DSAGE_SM90_OVERLAP=1), one variant"
-FLAGS=(${FLAGS[@]} -DSAGE_SM90_OVERLAP=1); FLAGS_STR="${FLAGS[*]}"
-compile_one "$HERE/instantiations/fwd_hd128_bf16_causal_poly0.cu"
+echo "== benchmark-build variants (flags 0 = the original plain loop, 5 = lean + ping-pong)"
+compile_one "$HERE/instantiations/bench_hd128_bf16_full_poly0_f0.cu"
+[ "${1:-}" = "--quick" ] || compile_one "$HERE/instantiations/bench_hd64_bf16_full_poly8_f5.cu"
 
 if "$PYTHON" -c 'import torch, pybind11' 2>/dev/null; then
   echo "== binding.cpp syntax (host compiler, torch headers)"

@@ -4,7 +4,7 @@
 #   bash csrc/sm90_int8/device_check.sh              # build + smoke + pytest -x -q
 #   bash csrc/sm90_int8/device_check.sh bench        # build + eval/bench_kernels.py (full table)
 #   bash csrc/sm90_int8/device_check.sh bench-quick  # build + smoke + bench --quick
-#   bash csrc/sm90_int8/device_check.sh overlap      # experimental overlap build: smoke + bench --quick
+#   bash csrc/sm90_int8/device_check.sh variants     # build the flag variants, time them vs cuDNN
 # CUTLASS/CuTe headers: $CUTLASS_INCLUDE, the nvidia-cutlass package, or a carried copy at
 # .cutlass/include (see the report for the carry command). Logs go to $OUT when it is set.
 set -uo pipefail
@@ -20,7 +20,7 @@ if [ -z "${CUTLASS_INCLUDE:-}" ] && ! "$PY" -c "import cutlass_library" 2>/dev/n
   done
 fi
 MODE="${1:-tests}"
-if [ "$MODE" = overlap ]; then export SAGE_DIFFUSERS_SM90_OVERLAP=1; fi
+if [ "$MODE" = variants ]; then exec timeout 500 "$PY" csrc/sm90_int8/variants_bench.py; fi
 echo "== device"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cap', torch.cuda.get_device_capability())"
@@ -49,7 +49,7 @@ if [ "$MODE" = tests ]; then
   timeout 330 "$PY" -m pytest -x -q $PLUGIN tests/test_kernel_int8_sm90.py 2>&1 | tee "$LOG/pytest.log" | tail -60
   TEST_RC=${PIPESTATUS[0]}
 fi
-if [ "$MODE" = bench ] || [ "$MODE" = bench-quick ] || [ "$MODE" = overlap ]; then
+if [ "$MODE" = bench ] || [ "$MODE" = bench-quick ]; then
   echo "== benchmark"
   Q=""; [ "$MODE" != bench ] && Q="--quick"
   timeout 420 "$PY" eval/bench_kernels.py $Q --out-dir "${OUT:-eval/results}" 2>&1 | tee "$LOG/bench.log" | tail -40

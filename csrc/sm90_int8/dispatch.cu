@@ -1,26 +1,42 @@
-// Runtime (head dim, dtype, causal, poly) -> compiled template variant. The table comes from
-// instantiations/variants.inc, written by generate_instantiations.py next to the variant files.
+// Runtime (head dim, dtype, causal, poly, flags) -> compiled template variant. The table comes
+// from instantiations/variants.inc (regular build: one flag set per head dim) or
+// instantiations/variants_bench.inc (-DSAGE_SM90_BENCH=1: a few shapes, several flag sets),
+// both written by generate_instantiations.py next to the variant files.
 #include "launch.h"
 
 namespace sage_sm90 {
 
-template <int D, DType kOut, bool kCausal, int kPoly>
+template <int D, DType kOut, bool kCausal, int kPoly, int kFlags>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream);  // instantiations/*.cu
 
+namespace {
+int g_flags = -1;  // set_fwd_flags (benchmarks); -1 = any (the regular table has one per key)
+bool flags_match(int flags) { return g_flags < 0 || g_flags == flags; }
+}  // namespace
+
+void set_fwd_flags(int flags) { g_flags = flags; }
+
+#if SAGE_SM90_BENCH
+#define SAGE_SM90_TABLE "instantiations/variants_bench.inc"
+#else
+#define SAGE_SM90_TABLE "instantiations/variants.inc"
+#endif
+
 bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every) {
-#define SAGE_SM90_VARIANT(D, DT, CAUSAL, POLY) \
-  if (head_dim == D && causal == CAUSAL && exp_poly_every == POLY) return true;
-#include "instantiations/variants.inc"
+#define SAGE_SM90_VARIANT(D, DT, CAUSAL, POLY, FLAGS) \
+  if (head_dim == D && causal == CAUSAL && exp_poly_every == POLY && flags_match(FLAGS)) return true;
+#include SAGE_SM90_TABLE
 #undef SAGE_SM90_VARIANT
   return false;
 }
 
 cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every,
                     cudaStream_t stream) {
-#define SAGE_SM90_VARIANT(D, DT, CAUSAL, POLY)                                              \
-  if (head_dim == D && dtype == DT && causal == CAUSAL && exp_poly_every == POLY) \
-    return launch_fwd<D, DT, CAUSAL, POLY>(p, stream);
-#include "instantiations/variants.inc"
+#define SAGE_SM90_VARIANT(D, DT, CAUSAL, POLY, FLAGS)                                          \
+  if (head_dim == D && dtype == DT && causal == CAUSAL && exp_poly_every == POLY &&           \
+      flags_match(FLAGS))                                                                      \
+    return launch_fwd<D, DT, CAUSAL, POLY, FLAGS>(p, stream);
+#include SAGE_SM90_TABLE
 #undef SAGE_SM90_VARIANT
   return cudaErrorInvalidValue;
 }

@@ -12,8 +12,8 @@
 
 namespace sage_sm90 {
 
-template <int D, DType kOut, int kPoly>
-__device__ __forceinline__ void epilogue_store(const FwdParams& p, const OnlineSoftmax<kPoly>& sm,
+template <int D, DType kOut, class Softmax>
+__device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax& sm,
                                                const float (&o)[D / 2], const int (&row)[2], int b,
                                                int h, int hk) {
   const int t = threadIdx.x & 3;
@@ -21,7 +21,8 @@ __device__ __forceinline__ void epilogue_store(const FwdParams& p, const OnlineS
 #pragma unroll
   for (int x = 0; x < 2; ++x) {
     l[x] = quad_sum(sm.l[x]);
-    inv[x] = l[x] > 0.f ? 1.f / (kFp8Max * l[x]) : 0.f;
+    // the lean softmax sums 448 * p already
+    inv[x] = l[x] > 0.f ? 1.f / (Softmax::kLean ? l[x] : kFp8Max * l[x]) : 0.f;
   }
   const float* sv = p.sv + static_cast<int64_t>(b * p.Hkv + hk) * D;
   char* ob = static_cast<char*>(p.out) + 2 * (b * p.o_sb + h * p.o_sh);
@@ -45,7 +46,9 @@ __device__ __forceinline__ void epilogue_store(const FwdParams& p, const OnlineS
       if (row[x] < p.Sq) {
         const float corr = p.qkm[bh * p.n_q_tiles * kRowsPerWG + row[x]];
         p.lse[bh * p.Sq + row[x]] =
-            l[x] > 0.f ? sm.m[x] * 0.69314718055994531f + logf(l[x]) + corr : -INFINITY;
+            l[x] > 0.f ? sm.m[x] * 0.69314718055994531f + logf(l[x]) + corr -
+                             (Softmax::kLean ? 6.1047932324f : 0.f)  // ln 448
+                       : -INFINITY;
       }
     }
   }

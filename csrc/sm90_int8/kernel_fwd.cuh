@@ -15,23 +15,49 @@
 
 namespace sage_sm90 {
 
-// Build switch (-DSAGE_SM90_OVERLAP=1): overlap the softmax of tile t with the PV wgmma of tile
-// t-1 inside each warpgroup (FlashAttention-3's intra-warpgroup pipelining; +16 registers).
-#ifndef SAGE_SM90_OVERLAP
-#define SAGE_SM90_OVERLAP 0
-#endif
-constexpr bool kOverlapSoftmaxWithPV = SAGE_SM90_OVERLAP != 0;
-// The overlap needs ~200 registers per consumer thread. Register files are handed out per
-// warpgroup, so the producer warp costs a whole warpgroup's share anyway (288 threads compile to
-// 168 registers). With the overlap the producer becomes a full warpgroup that gives its registers
-// to the consumers with setmaxnreg: 128 * 40 + 256 * 232 = 64512 <= 65536.
-constexpr int kFwdThreads = kOverlapSoftmaxWithPV ? kConsumerThreads + 128 : kThreads;
+// Variant flags (template axis kFlags; bits in launch.h, defaults per head dim in
+// generate_instantiations.DEFAULT_FLAGS):
+//   kFlagLean     : fewer instructions per score element in the softmax (softmax.hpp) and the
+//                   O rescale skipped when no row max of the warp moved;
+//   kFlagOverlap  : FA3-style intra-warpgroup overlap: the softmax of tile t runs while the PV
+//                   wgmma of tile t-1 is still on the tensor cores (+16 registers: producer
+//                   warpgroup + setmaxnreg, 384 threads);
+//   kFlagPingPong : the two consumer warpgroups take turns issuing their wgmmas (named barriers),
+//                   so one warpgroup's softmax runs while the other's GEMMs occupy the tensor
+//                   cores (FA3's inter-warpgroup schedule).
+// Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
+// share anyway (288 threads compile to <= 224 registers). With the overlap the producer becomes a
+// full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
+// The pipelined loops (overlap or ping-pong) hold two P arrays: they take the producer warpgroup.
+template <int kFlags>
+constexpr bool producer_warpgroup() {
+  return (kFlags & (kFlagOverlap | kFlagPingPong)) != 0;
+}
+template <int kFlags>
+constexpr int fwd_threads() {
+  return producer_warpgroup<kFlags>() ? kConsumerThreads + 128 : kThreads;
+}
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
 
-template <int D, DType kOut, bool kCausal, int kPoly>
-__global__ void __launch_bounds__(kFwdThreads, 1) fwd_kernel(const __grid_constant__ FwdParams p) {
+// Named barriers 1 and 2 (0 is __syncthreads): "warpgroup w may issue its wgmmas".
+__device__ __forceinline__ void sched_sync(int wg) {
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + wg), "n"(kConsumerThreads) : "memory");
+}
+__device__ __forceinline__ void sched_arrive(int wg) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(1 + wg), "n"(kConsumerThreads) : "memory");
+}
+
+template <int D, DType kOut, bool kCausal, int kPoly, int kFlags>
+__global__ void __launch_bounds__(fwd_threads<kFlags>(), 1)
+    fwd_kernel(const __grid_constant__ FwdParams p) {
   using C = TileConfig<D>;
+  constexpr bool kLean = (kFlags & kFlagLean) != 0;
+  constexpr bool kOverlapSoftmaxWithPV = (kFlags & kFlagOverlap) != 0;
+  constexpr bool kPingPong = (kFlags & kFlagPingPong) != 0;
+  // The plain loop (no overlap, no ping-pong) keeps its original order; the others share one
+  // software-pipelined loop (S_t and PV_{t-1} issued together).
+  constexpr bool kPipelined = kOverlapSoftmaxWithPV || kPingPong;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const SmemPlan<D> sp(smem_raw);
 
@@ -47,7 +73,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1) fwd_kernel(const __grid_consta
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   if (warp >= kProducerWarp) {
-    if constexpr (kOverlapSoftmaxWithPV) cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    if constexpr (producer_warpgroup<kFlags>()) cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     if (warp == kProducerWarp && lane == 0) {
       const int64_t bhk = static_cast<int64_t>(b) * p.Hkv + hk;
       const int8_t* q_src = p.q_img + ((static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles +
@@ -59,14 +85,14 @@ __global__ void __launch_bounds__(kFwdThreads, 1) fwd_kernel(const __grid_consta
   }
 
   // ---- consumers ----
-  if constexpr (kOverlapSoftmaxWithPV) cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+  if constexpr (producer_warpgroup<kFlags>()) cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   const int g = lane >> 2;
   const int wg_row0 = m_block * kBlockM + wg * kRowsPerWG;
   const int row[2] = {wg_row0 + 16 * (tid / 32) + g, wg_row0 + 16 * (tid / 32) + g + 8};
   const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
 
-  OnlineSoftmax<kPoly> sm;
+  OnlineSoftmax<kPoly, kLean> sm;
   sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
   const WarpgroupOperands<D> ops(sp, wg, tid);
   const float* sk = p.sk + (static_cast<int64_t>(b) * p.Hkv + hk) * p.n_kv_tiles;
@@ -103,8 +129,17 @@ __global__ void __launch_bounds__(kFwdThreads, 1) fwd_kernel(const __grid_consta
     if (lane == 0) Barrier::arrive(&sp.empty[stage]);
   };
 
+  // O *= alpha; with kLean skipped when no row of the warp changed its max (warp-uniform).
+  auto rescale = [&](const float (&alpha)[2]) {
+    if constexpr (kLean) {
+      if (__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
+    }
+#pragma unroll
+    for (int i = 0; i < C::kORegs; ++i) o[i] *= alpha[(i >> 1) & 1];
+  };
+
   Barrier::wait(sp.q_full, 0);
-  if constexpr (!kOverlapSoftmaxWithPV) {
+  if constexpr (!kPipelined) {
     // Plain order: S_t, softmax_t, O += P_t V_t, each retired before the next.
     for (int t = 0; t < n_tiles; ++t) {
       const int s = t % C::kStages;
@@ -114,23 +149,40 @@ __global__ void __launch_bounds__(kFwdThreads, 1) fwd_kernel(const __grid_consta
       ops.qk(s, s_acc);
       float alpha[2];
       sm.step(s_acc, sk_t, mk, p_frag, alpha);
-#pragma unroll
-      for (int i = 0; i < C::kORegs; ++i) o[i] *= alpha[(i >> 1) & 1];
+      rescale(alpha);
       ops.pv(s, p_frag, o);
       release(s);
     }
   } else if (n_tiles > 0) {
-    // FA3-style intra-warpgroup overlap: S_t and O += P_{t-1} V_{t-1} are issued back to back;
-    // softmax_t runs while the PV group is still on the tensor cores. O is rescaled by alpha_t
-    // only after that group retired (O_t = alpha_t O_{t-1} + P_t V_t). A tile's stage is
-    // released after its PV retired, i.e. one iteration later. P alternates between two register
-    // arrays so the one an in-flight wgmma reads is never redefined (else ptxas serializes).
+    // Pipelined order: S_t and O += P_{t-1} V_{t-1} are issued back to back; with the overlap
+    // the softmax of tile t starts as soon as S_t retired, while the PV group still runs. O is
+    // rescaled by alpha_t only after that group retired (O_t = alpha_t O_{t-1} + P_t V_t). A
+    // tile's stage is released after its PV retired, i.e. one iteration later. P alternates
+    // between two register arrays so the one an in-flight wgmma reads is never redefined (else
+    // ptxas serializes). Ping-pong: each issue block is bracketed by sched_sync(own) and
+    // sched_arrive(other); warpgroup 1 starts by letting warpgroup 0 go first and skips its last
+    // arrive, so both barriers see matching sync/arrive counts (n_tiles + 1 each).
     uint32_t p_alt[C::kPRegs];
+    if constexpr (kPingPong) {
+      if (wg == 1) sched_arrive(0);
+    }
+    auto turn_begin = [&] {
+      if constexpr (kPingPong) sched_sync(wg);
+    };
+    auto turn_end = [&](bool last) {
+      if constexpr (kPingPong) {
+        if (!(last && wg == 1)) sched_arrive(wg ^ 1);
+      }
+    };
     {
       const float sk_t = __ldg(sk);
       const TileMask mk = tile_mask(0);
       Barrier::wait(&sp.full[0], 0);
-      ops.qk(0, s_acc);
+      turn_begin();
+      ops.qk_issue(0, s_acc);
+      turn_end(false);
+      cute::warpgroup_wait<0>();
+      fence_regs(s_acc);
       float alpha[2];
       sm.step(s_acc, sk_t, mk, p_frag, alpha);  // O is still 0: alpha unused
     }
@@ -139,9 +191,15 @@ __global__ void __launch_bounds__(kFwdThreads, 1) fwd_kernel(const __grid_consta
       const float sk_t = __ldg(sk + t);
       const TileMask mk = tile_mask(t);
       Barrier::wait(&sp.full[s], (t / C::kStages) & 1);
+      turn_begin();
       ops.qk_issue(s, s_acc);
       ops.pv_issue(s_prev, p_prev, o, /*fence=*/false);  // the fence of qk_issue covers it
-      cute::warpgroup_wait<1>();  // S_t retired, PV_{t-1} may still run
+      turn_end(false);
+      if constexpr (kOverlapSoftmaxWithPV) {
+        cute::warpgroup_wait<1>();  // S_t retired, PV_{t-1} may still run
+      } else {
+        cute::warpgroup_wait<0>();
+      }
       fence_regs(s_acc);
       float alpha[2];
       sm.step(s_acc, sk_t, mk, p_next, alpha);
@@ -149,8 +207,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1) fwd_kernel(const __grid_consta
       fence_regs(o);
       fence_regs(p_prev);
       release(s_prev);
-#pragma unroll
-      for (int i = 0; i < C::kORegs; ++i) o[i] *= alpha[(i >> 1) & 1];
+      rescale(alpha);
     };
     for (int t = 1; t < n_tiles; ++t) {
       if (t & 1) {
@@ -160,25 +217,31 @@ __global__ void __launch_bounds__(kFwdThreads, 1) fwd_kernel(const __grid_consta
       }
     }
     const int s_last = (n_tiles - 1) % C::kStages;
+    turn_begin();
     if ((n_tiles - 1) & 1) {
-      ops.pv(s_last, p_alt, o);
+      ops.pv_issue(s_last, p_alt, o, /*fence=*/true);
     } else {
-      ops.pv(s_last, p_frag, o);
+      ops.pv_issue(s_last, p_frag, o, /*fence=*/true);
     }
+    turn_end(true);
+    cute::warpgroup_wait<0>();
+    fence_regs(o);
+    fence_regs(p_frag);
+    fence_regs(p_alt);
     release(s_last);
   }
-  epilogue_store<D, kOut, kPoly>(p, sm, o, row, b, h, hk);
+  epilogue_store<D, kOut>(p, sm, o, row, b, h, hk);
 }
 
-template <int D, DType kOut, bool kCausal, int kPoly>
+template <int D, DType kOut, bool kCausal, int kPoly, int kFlags>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
-  auto kernel = fwd_kernel<D, kOut, kCausal, kPoly>;
+  auto kernel = fwd_kernel<D, kOut, kCausal, kPoly, kFlags>;
   constexpr int kSmem = TileConfig<D>::kSmemBytes;
   // Per device and cheap: set every launch instead of caching (multi-GPU safe).
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   const dim3 grid(p.n_q_tiles / kQTilesPerCTA, p.Hq, p.B);
-  kernel<<<grid, kFwdThreads, kSmem, stream>>>(p);
+  kernel<<<grid, fwd_threads<kFlags>(), kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -10,6 +10,12 @@ namespace sage_sm90 {
 
 enum class DType : int { kF16 = 0, kBF16 = 1 };
 
+// Forward-kernel variant flags (kernel_fwd.cuh explains each); bit set, template axis kFlags.
+constexpr int kFlagLean = 1;
+constexpr int kFlagOverlap = 2;
+constexpr int kFlagPingPong = 4;
+// The regular build compiles one flag set per head dim (generate_instantiations.DEFAULT_FLAGS).
+
 // Everything the quantization pre-pass reads and writes. Strides are in elements; the last
 // (head) dimension of q, k, v is contiguous and rows are 16-byte aligned (checked by the binding).
 struct PrepassParams {
@@ -67,5 +73,8 @@ cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, 
                     cudaStream_t stream);
 // Whether run_fwd has a compiled variant for these arguments.
 bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every);
+// Benchmarks only: the variant flags run_fwd dispatches on from now on (-1 = whatever is compiled).
+// Builds with -DSAGE_SM90_BENCH=1 compile a set of flag variants (instantiations/bench_*.cu).
+void set_fwd_flags(int flags);
 
 }  // namespace sage_sm90

@@ -33,8 +33,17 @@ struct TileMask {
   int row[2];         // query index of each half (for causal)
 };
 
-template <int kPolyEvery>
+// kLean_ (variant flag kFlagLean): fewer instructions per score element, same algorithm.
+//  * the int32 score keeps its 1.5*2^23 float bias through the max and goes straight into the
+//    FFMA (the bias times c is folded into the per-row offset): no separate FADD;
+//  * the 448 scale of P~ is folded into the exponent, exp2(x + log2 448) = 448 exp2(x) up to the
+//    ex2.approx error: no FMUL. l then holds 448 * sum(p), which the epilogue divides back.
+// The offset carries one fp32 rounding of (bias * c) per row and tile: a relative error in p of
+// <= 0.75 c (c = sq sk scale log2e, ~1e-4 on typical data), common to the whole row of the tile,
+// far below the 2^-4 step of the E4M3 code P~ is rounded to.
+template <int kPolyEvery, bool kLean_ = false>
 struct OnlineSoftmax {
+  static constexpr bool kLean = kLean_;
   static constexpr int kN = 64;  // accumulator values per thread
   float m[2];       // running max of s (log2 domain), -inf before any unmasked key
   float l[2];       // this thread's partial row sums of unquantized p (quad-reduced at the end)
@@ -52,6 +61,16 @@ struct OnlineSoftmax {
   // factors alpha for the output accumulator.
   __device__ __forceinline__ void step(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
                                        uint32_t (&p_frag)[16], float (&alpha)[2]) {
+    if constexpr (kLean) {
+      step_lean(s_int, sk_tile, mk, p_frag, alpha);
+    } else {
+      step_plain(s_int, sk_tile, mk, p_frag, alpha);
+    }
+  }
+
+  __device__ __forceinline__ void step_plain(const uint32_t (&s_int)[kN], float sk_tile,
+                                             const TileMask& mk, uint32_t (&p_frag)[16],
+                                             float (&alpha)[2]) {
     const int t = threadIdx.x & 3;
     float s[kN];
 #pragma unroll
@@ -114,6 +133,71 @@ struct OnlineSoftmax {
         const int v0 = 4 * (4 * kb + 2 * (r >> 1)) + 2 * (r & 1);  // i = 0
         const uint32_t lo = pack_e4m3x2(s[v0], s[v0 + 1]);          // i = 0, 1
         const uint32_t hi = pack_e4m3x2(s[v0 + 4], s[v0 + 5]);      // i = 2, 3 (next 8 cols)
+        p_frag[4 * kb + r] = lo | (hi << 16);
+      }
+    }
+  }
+
+  __device__ __forceinline__ void step_lean(const uint32_t (&s_int)[kN], float sk_tile,
+                                            const TileMask& mk, uint32_t (&p_frag)[16],
+                                            float (&alpha)[2]) {
+    constexpr float kBias = 12582912.f;          // 1.5 * 2^23
+    constexpr float kLog2Fp8Max = 8.8073549221f;  // log2(448)
+    const int t = threadIdx.x & 3;
+    float s[kN];  // bias + int score, exact (|int| < 2^22)
+#pragma unroll
+    for (int v = 0; v < kN; ++v) s[v] = __int_as_float(static_cast<int>(s_int[v]) + 0x4B400000);
+    if (mk.active) {
+#pragma unroll
+      for (int v = 0; v < kN; ++v) {
+        const int col = 8 * (v >> 2) + 2 * t + (v & 1);
+        const int key = mk.key_base + col;
+        bool ok = key < mk.kv_len && ((mk.words[col >> 5] >> (col & 31)) & 1u);
+        if (mk.causal) ok = ok && key <= mk.row[(v >> 1) & 1];
+        s[v] = ok ? s[v] : -INFINITY;
+      }
+    }
+    float c[2], mx[2], off[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      c[h] = fmaxf(rowf[h] * sk_tile, 1.17549435e-38f);
+      mx[h] = -INFINITY;
+    }
+#pragma unroll
+    for (int v = 0; v < kN; ++v) mx[(v >> 1) & 1] = fmaxf(mx[(v >> 1) & 1], s[v]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // (biased max - bias) is the exact integer max; -inf stays -inf.
+      const float m_new = fmaxf(m[h], (quad_max(mx[h]) - kBias) * c[h]);
+      const float muse = m_new == -INFINITY ? 0.f : m_new;
+      alpha[h] = exp2_mufu(m[h] - muse);
+      m[h] = m_new;
+      // x = (bias + s) c - off = s c - m + log2 448
+      off[h] = fmaf(kBias, c[h], muse - kLog2Fp8Max);
+    }
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int v = 0; v < kN; ++v) {
+      const int h = (v >> 1) & 1;
+      const float x = fmaf(s[v], c[h], -off[h]);
+      float p;
+      if constexpr (kPolyEvery > 0) {
+        p = (v % kPolyEvery == kPolyEvery - 1) ? exp2_poly(x) : exp2_mufu(x);
+      } else {
+        p = exp2_mufu(x);
+      }
+      sum[h] += p;
+      s[v] = p;  // already P~ * 448 (cvt saturates the rare 448 * (1 + 1e-7))
+    }
+    l[0] = l[0] * alpha[0] + sum[0];
+    l[1] = l[1] * alpha[1] + sum[1];
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int v0 = 4 * (4 * kb + 2 * (r >> 1)) + 2 * (r & 1);
+        const uint32_t lo = pack_e4m3x2(s[v0], s[v0 + 1]);
+        const uint32_t hi = pack_e4m3x2(s[v0 + 4], s[v0 + 5]);
         p_frag[4 * kb + r] = lo | (hi << 16);
       }
     }

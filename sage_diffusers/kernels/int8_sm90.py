@@ -92,19 +92,27 @@ def is_available() -> tuple[bool, str]:
     return True, "ok"
 
 
-# Experimental build switch (read once): FA3-style overlap of softmax_t with the PV wgmma of
-# tile t-1 inside each warpgroup, producer warpgroup + setmaxnreg (kernel_fwd.cuh). A separate
-# extension name, so the default build stays cached beside it.
-_OVERLAP = os.environ.get("SAGE_DIFFUSERS_SM90_OVERLAP", "0") == "1"
+# Benchmark build (read once): bf16 non-causal variants for several kernel flag sets
+# (instantiations/bench_*.cu), selected at run time with ext.set_fwd_flags(flags); used by
+# csrc/sm90_int8/variants_bench.py. Never used by the backend.
+_BENCH = os.environ.get("SAGE_DIFFUSERS_SM90_BENCH", "0") == "1"
+
+
+def _build_sources() -> list[Path]:
+    if not _BENCH:
+        return _sources()
+    d = source_dir()
+    return [d / "binding.cpp", d / "dispatch.cu", d / "prepass.cu",
+            *sorted((d / "instantiations").glob("bench_*.cu"))]
 
 
 def build(verbose: bool = False) -> ModuleType:
     """Compile (once per source hash) and load the extension."""
-    overlap = ["-DSAGE_SM90_OVERLAP=1"] if _OVERLAP else []
+    flags = ["-DSAGE_SM90_BENCH=1"] if _BENCH else []
     return _jit.load_extension(
-        "sage_diffusers_int8_sm90" + ("_overlap" if _OVERLAP else ""),
-        _sources(),
-        extra_cuda_cflags=list(_NVCC_FLAGS) + overlap,
+        "sage_diffusers_int8_sm90" + ("_bench" if _BENCH else ""),
+        _build_sources(),
+        extra_cuda_cflags=list(_NVCC_FLAGS) + flags,
         extra_include_paths=[source_dir()],
         verbose=verbose,
     )
