@@ -382,7 +382,8 @@ def to_markdown(env: dict[str, Any], results: dict[str, Any], variants: list[Var
         f"{env.get('gpu', 'no GPU')} ({env.get('capability', '-')}), torch {env['torch']}, diffusers "
         f"{env['diffusers']}, bf16, random weights, median of {env['iters']} forwards after {env['warmup']} "
         f"warm-up{' (--quick: fewer frames)' if env['quick'] else ''}; {env['date']}.",
-        "Speed-up = SDPA-mode time / variant time (sage processors in SDPA mode are the baseline).",
+        "Speed-up = baseline time / variant time; the baseline is the sage processors in SDPA mode, or diffusers'"
+        " own processors (original) where SDPA mode was not timed.",
         "",
         "| model | B | heads x dim | tokens (img + txt) | layers | " + " | ".join(v.value for v in variants)
         + " | speed-up " + " / ".join(v.value for v in variants if v in (Variant.INT8, Variant.FP4)) + " |",
@@ -394,6 +395,8 @@ def to_markdown(env: dict[str, Any], results: dict[str, Any], variants: list[Var
             r = record["variants"].get(v.value, dict(status="skipped", reason="not run"))
             cells.append(f"{r['ms_median']:.0f} ms" if r["status"] == "ok" else r["status"])
         base = record["variants"].get(Variant.SDPA.value, {})
+        if base.get("status") != "ok":
+            base = record["variants"].get(Variant.ORIGINAL.value, {})
         speedups = []
         for v in variants:
             if v not in (Variant.INT8, Variant.FP4):
