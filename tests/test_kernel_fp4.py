@@ -41,6 +41,18 @@ def test_layout_model_cpu():
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_opt_bits_env(monkeypatch):
+    """SAGE_DIFFUSERS_FP4_OPT parses to the variant bits and sizes the emulated kernel's smem."""
+    monkeypatch.delenv("SAGE_DIFFUSERS_FP4_OPT", raising=False)
+    assert fp4._opt_bits() == 7 and fp4._emulated_smem_bytes() == 141344 + 65536  # the default
+    monkeypatch.setenv("SAGE_DIFFUSERS_FP4_OPT", "0")
+    assert fp4._opt_bits() == 0 and fp4._emulated_smem_bytes() == 141344
+    for bad in ("x", "8", "-1"):
+        monkeypatch.setenv("SAGE_DIFFUSERS_FP4_OPT", bad)
+        with pytest.raises(ValueError):
+            fp4._opt_bits()
+
+
 def _atoms() -> list[str]:
     """Atoms whose MMA runs here: emulated everywhere, native too on sm_120/121."""
     if not _OK:

@@ -7,7 +7,9 @@
 namespace sage_fp4 {
 
 // kernels/fp4.py decides where this build's attention kernel can launch from this number.
-static_assert(FwdConfig<128>::smem_bytes<AtomSm90Emulated>() == 141344,
+// (The double-buffered staging variant, SAGE_FP4_OPT bit 4, adds one more decoded tile.)
+static_assert(FwdConfig<128>::smem_bytes<AtomSm90Emulated>() ==
+                  (kOptPipelinedStaging ? 141344 + 65536 : 141344),
               "update _EMULATED_SMEM_BYTES in sage_diffusers/kernels/fp4.py");
 
 cudaError_t launch_fp4_attention_emulated(const FwdParams& p, cudaStream_t stream) {

@@ -40,6 +40,12 @@ if [ "${FP4_CHECK_ALL:-0}" = "1" ]; then
   compile fwd_native_sm120_no_hw_e2m1 attention_fwd_native.cu "${SM120[@]}" -DSAGE_FP4_NO_HW_E2M1
 fi
 
+if [ "${FP4_CHECK_VARIANTS:-0}" = "1" ]; then
+  # the performance variants (SAGE_FP4_OPT bits, tile_config.cuh) that variants_bench.sh times
+  for o in 1 3 4 7; do compile "fwd_emulated_sm90_opt$o" attention_fwd_emulated.cu "${SM90[@]}" -DSAGE_FP4_OPT=$o; done
+  compile fwd_native_sm120_opt3 attention_fwd_native.cu "${SM120[@]}" -DSAGE_FP4_OPT=3
+fi
+
 # The binding against torch's headers (a CPU-only torch is enough: it uses no c10/cuda header).
 if inc=$("$PYTHON" -c "import torch.utils.cpp_extension as c, sysconfig; print(' '.join(['-I'+p for p in c.include_paths()] + ['-I'+sysconfig.get_paths()['include']]))" 2>/dev/null); then
   cuda_inc="$(dirname "$(dirname "$(readlink -f "$(command -v "$NVCC")")")")/include"

@@ -37,6 +37,33 @@ struct TileMask {
 __device__ __forceinline__ void scores_to_log2(float (&s)[kBlockN / 8][4], const TileMask& mk,
                                                float scale_log2) {
   const int t = static_cast<int>(threadIdx.x & 3);
+  if constexpr (kOptHoistMask) {
+    // One uniform branch per tile instead of one per element: the common unmasked tile runs
+    // two FP32 ops per score and no branch bookkeeping.
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+      const float2 c2 = *reinterpret_cast<const float2*>(mk.corr + 8 * j + 2 * t);
+      s[j][0] = (s[j][0] + c2.x) * scale_log2;
+      s[j][1] = (s[j][1] + c2.y) * scale_log2;
+      s[j][2] = (s[j][2] + c2.x) * scale_log2;
+      s[j][3] = (s[j][3] + c2.y) * scale_log2;
+    }
+    if (mk.needed) {
+      const uint32_t bits[4] = {mk.valid_bits[0], mk.valid_bits[1], mk.valid_bits[2], mk.valid_bits[3]};
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int pos = 8 * j + 2 * t + e;
+          const int key = mk.key0 + tile_key(pos);
+          const bool ok = (bits[pos >> 5] >> (pos & 31)) & 1u;
+          if (!ok || (mk.causal && key > mk.row[0])) s[j][e] = -CUDART_INF_F;
+          if (!ok || (mk.causal && key > mk.row[1])) s[j][2 + e] = -CUDART_INF_F;
+        }
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < kBlockN / 8; ++j) {
     const float2 c2 = *reinterpret_cast<const float2*>(mk.corr + 8 * j + 2 * t);  // columns 8j+2t, +1
@@ -71,8 +98,15 @@ __device__ __forceinline__ void softmax_quantize_p(float (&s)[kBlockN / 8][4], R
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float tmax = -CUDART_INF_F;
+    if constexpr (kOptTreeReduce) {
+      float pm[4] = {-CUDART_INF_F, -CUDART_INF_F, -CUDART_INF_F, -CUDART_INF_F};
 #pragma unroll
-    for (int j = 0; j < kBlockN / 8; ++j) tmax = fmaxf(tmax, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+      for (int j = 0; j < kBlockN / 8; ++j) pm[j & 3] = fmaxf(pm[j & 3], fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+      tmax = fmaxf(fmaxf(pm[0], pm[1]), fmaxf(pm[2], pm[3]));
+    } else {
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) tmax = fmaxf(tmax, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+    }
     tmax = quad_max(tmax);
     const float m_new = fmaxf(st.m[r], tmax);
     // Rows without a visible key so far keep m = -inf; subtract 0 so exp2 gives 0, not NaN.
@@ -80,14 +114,31 @@ __device__ __forceinline__ void softmax_quantize_p(float (&s)[kBlockN / 8][4], R
     alpha[r] = fast_exp2(st.m[r] - m_use);
     st.m[r] = m_new;
     float sum = 0.0f, pmax = 0.0f;
+    if constexpr (kOptTreeReduce) {
+      // Four independent chains (the serial 32-deep FADD chain dominated this loop's latency).
+      float ps[4] = {0.0f, 0.0f, 0.0f, 0.0f}, pm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int j = 0; j < kBlockN / 8; ++j) {
+      for (int j = 0; j < kBlockN / 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float p = fast_exp2(s[j][2 * r + e] - m_use);
-        s[j][2 * r + e] = p;
-        sum += p;
-        pmax = fmaxf(pmax, p);
+        for (int e = 0; e < 2; ++e) {
+          const float p = fast_exp2(s[j][2 * r + e] - m_use);
+          s[j][2 * r + e] = p;
+          ps[j & 3] += p;
+          pm[j & 3] = fmaxf(pm[j & 3], p);
+        }
+      }
+      sum = (ps[0] + ps[1]) + (ps[2] + ps[3]);
+      pmax = fmaxf(fmaxf(pm[0], pm[1]), fmaxf(pm[2], pm[3]));
+    } else {
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float p = fast_exp2(s[j][2 * r + e] - m_use);
+          s[j][2 * r + e] = p;
+          sum += p;
+          pmax = fmaxf(pmax, p);
+        }
       }
     }
     st.l[r] = st.l[r] * alpha[r] + sum;  // unquantized P~: the two-level factor cancels exactly

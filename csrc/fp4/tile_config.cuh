@@ -4,7 +4,21 @@
 
 #include <cstdint>
 
+// Performance variants (build flag -DSAGE_FP4_OPT=<bits>, env SAGE_DIFFUSERS_FP4_OPT; 0 = the
+// original schedule). Bits: 1 mask test hoisted out of the score scaling loop (bit-identical);
+// 2 row max / row sum reduced with four independent partials (shorter dependency chains; the
+// row sum's fp32 order changes, last-bit differences in l only); 4 (atoms that stage decoded
+// fragments) decoded K/V staging double-buffered: tile i + 1 is decoded while tile i is
+// multiplied, one barrier per tile instead of two (bit-identical).
+#ifndef SAGE_FP4_OPT
+#define SAGE_FP4_OPT 7  // fastest correct variant on the H200 (variants_bench.sh, 2026-11-30)
+#endif
+
 namespace sage_fp4 {
+
+constexpr bool kOptHoistMask = (SAGE_FP4_OPT & 1) != 0;
+constexpr bool kOptTreeReduce = (SAGE_FP4_OPT & 2) != 0;
+constexpr bool kOptPipelinedStaging = (SAGE_FP4_OPT & 4) != 0;
 
 constexpr int kBlockN = 128;     // keys per online-softmax tile (the spec's BLOCK_KV)
 constexpr int kBlockM = 128;     // query rows per CTA = one Q smoothing block, so qbar is per CTA
@@ -68,10 +82,15 @@ struct FwdConfig {
       return kSmemBytes;  // nothing staged
     }
   }
+  // Words of one decoded staging buffer (K and V fragments of one tile).
+  template <class Atom>
+  static constexpr int staged_words() { return (kKFrags + kVFrags) * 32 * Atom::kFragWords; }
+  // Two buffers with kOptPipelinedStaging: 220 KiB at D = 128, under sm_90's 227 KiB.
+  static constexpr int kStagedBuffers = kOptPipelinedStaging ? 2 : 1;
   template <class Atom>
   static constexpr int smem_bytes() {
     if constexpr (Atom::kStagesDecoded) {
-      return staged_offset<Atom>() + (kKFrags + kVFrags) * 32 * Atom::kFragWords * 4;
+      return staged_offset<Atom>() + kStagedBuffers * staged_words<Atom>() * 4;
     } else {
       return kSmemBytes;
     }

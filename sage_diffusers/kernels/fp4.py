@@ -59,6 +59,27 @@ _P_QUANT_CODE = {PQuant.TWO_LEVEL: 0, PQuant.DIRECT: 1}  # mirrors PQuantMode in
 # AtomSm90Emulated>() in csrc/fp4/tile_config.cuh): over sm_120's 99 KiB opt-in limit, so on
 # sm_120/121 the emulated build serves the atom tests only.
 _EMULATED_SMEM_BYTES = 141344
+# Performance-variant bits of the kernel (SAGE_FP4_OPT in csrc/fp4/tile_config.cuh); 0 = original
+# schedule, 7 (all three) the default: fastest correct variant on the H200 (variants_bench.sh).
+_OPT_ENV = "SAGE_DIFFUSERS_FP4_OPT"
+_OPT_DEFAULT = 7
+_OPT_PIPELINED_STAGING = 4  # this bit adds one decoded tile (64 KiB) of shared memory
+
+
+def _opt_bits() -> int:
+    """The SAGE_FP4_OPT bits this process builds with (env SAGE_DIFFUSERS_FP4_OPT, default 7)."""
+    raw = os.environ.get(_OPT_ENV, str(_OPT_DEFAULT))
+    try:
+        bits = int(raw)
+    except ValueError:
+        raise ValueError(f"{_OPT_ENV} must be an integer bit mask, got {raw!r}") from None
+    if not 0 <= bits < 8:
+        raise ValueError(f"{_OPT_ENV} must be in [0, 8), got {bits}")
+    return bits
+
+
+def _emulated_smem_bytes() -> int:
+    return _EMULATED_SMEM_BYTES + (65536 if _opt_bits() & _OPT_PIPELINED_STAGING else 0)
 
 
 class Atom:
@@ -85,7 +106,7 @@ def attention_atoms(device: Optional[torch.device] = None) -> list[str]:
         return []
     optin = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
     atoms = [] if arch == "90a" else [Atom.NATIVE]
-    if optin >= _EMULATED_SMEM_BYTES:
+    if optin >= _emulated_smem_bytes():
         atoms.append(Atom.EMULATED)
     return atoms
 
@@ -140,11 +161,13 @@ def build(atom: Optional[str] = None, arch: Optional[str] = None, verbose: bool 
     fwd = d / ("attention_fwd_native.cu" if native else "attention_fwd_emulated.cu")
     # Debug switch: P~ codes from the integer encoder instead of cvt.rn.satfinite.e2m1x2 (sm_120).
     no_hw = ["-DSAGE_FP4_NO_HW_E2M1"] if os.environ.get(_NO_HW_E2M1_ENV) == "1" else []
+    opt = _opt_bits()
+    opt_flags, opt_suffix = [f"-DSAGE_FP4_OPT={opt}"], f"_opt{opt}"
     return _jit.load_extension(
-        f"sage_diffusers_fp4_{atom}_sm{arch}",
+        f"sage_diffusers_fp4_{atom}_sm{arch}{opt_suffix}",
         [d / "binding.cpp", d / "quant_prepass.cu", fwd],
         extra_cuda_cflags=[f"-gencode=arch=compute_{arch},code=sm_{arch}", "-DNDEBUG", "-lineinfo",
-                           f"-DSAGE_FP4_NATIVE={native}", *no_hw],
+                           f"-DSAGE_FP4_NATIVE={native}", *no_hw, *opt_flags],
         extra_cflags=[f"-DSAGE_FP4_NATIVE={native}"],
         extra_include_paths=[d],
         verbose=verbose,
