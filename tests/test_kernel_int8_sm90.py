@@ -201,6 +201,27 @@ def test_exp_poly_variants_hd64(poly):
     assert cosine(out, ref) >= 0.9999 and relative_l1(out, ref) <= 0.01
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_prepass_modes_bit_identical(d, causal):
+    """Every pre-pass mode (launch.h kPrepass* bits) writes the same bytes: same output bits."""
+    ext = int8_sm90.build()
+    q, k, v = make_qkv(2, 4, 2, 1500, 1777, d, torch.bfloat16, "bshd")
+    mask = make_mask(2, 1777)
+    default = ext.prepass_mode()
+    try:
+        ext.set_prepass_mode(0)
+        poly = int8_sm90.default_exp_poly_every(d)
+        want = [ext.fwd(q, k, v, m, causal, 0.1, False, poly)[0] for m in (None, mask)]
+        for mode in range(1, 8):
+            ext.set_prepass_mode(mode)
+            for m, w in zip((None, mask), want):
+                got = ext.fwd(q, k, v, m, causal, 0.1, False, poly)[0]
+                assert torch.equal(got, w), f"pre-pass mode {mode}, mask {m is not None}"
+    finally:
+        ext.set_prepass_mode(default)
+
+
 # ---- integration -----------------------------------------------------------------------------------
 def _call(q, k, v, mask=None):
     return int8_sm90.attention_int8_sm90(q, k, v, key_mask=mask, is_causal=False, scale=None,

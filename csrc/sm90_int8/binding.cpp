@@ -39,7 +39,19 @@ DType dtype_of(const at::Tensor& q) {
 
 struct Prepared {
   at::Tensor q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, ws_int, partial, mask_bits;
+  at::Tensor ws;  // kPrepassOneAlloc: every buffer above carved from this one (tensors undefined)
+  int n_ints = 0;  // split counters + kv_len, zeroed before the pre-pass
   sage_sm90::PrepassParams p;
+};
+
+// Byte layout of the single workspace (kPrepassOneAlloc): each buffer 256-byte aligned.
+struct Carver {
+  int64_t bytes = 0;
+  int64_t take(int64_t n) {
+    const int64_t at = bytes;
+    bytes += (n + 255) / 256 * 256;
+    return at;
+  }
 };
 
 Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -72,23 +84,58 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t split_len = (Skv + n_split - 1) / n_split;
   n_split = (Skv + split_len - 1) / split_len;
 
+  // Fewer host calls before the first launch (the GPU idles until then when the caller waits
+  // on each call): one caching-allocator request and a raw memset instead of ~12 tensors and a
+  // fill kernel. Calls that want qkm (tests' prepass(), LSE) keep the tensors.
+  const bool one_alloc = (sage_sm90::prepass_mode() & sage_sm90::kPrepassOneAlloc) != 0 && !want_qkm;
+  sage_sm90::PrepassParams& p = r.p;
+  r.n_ints = static_cast<int>(B * Hkv + B);
+  if (one_alloc) {
+    Carver c;
+    const int64_t o_q = c.take(B * Hq * n_q_tiles * kQTileRows * D);
+    const int64_t o_sq = c.take(4 * B * Hq * n_q_tiles * kQTileRows);
+    const int64_t o_k = c.take(B * Hkv * n_kv_tiles * kBlockKV * D);
+    const int64_t o_sk = c.take(4 * B * Hkv * n_kv_tiles);
+    const int64_t o_v = c.take(B * Hkv * n_kv_tiles * D * kBlockKV);
+    const int64_t o_sv = c.take(4 * B * Hkv * D);
+    const int64_t o_km = c.take(4 * B * Hkv * D);
+    const int64_t o_part = c.take(4 * B * Hkv * n_split * 2 * D);
+    const int64_t o_int = c.take(4 * (B * Hkv + B));
+    const int64_t o_bits = c.take(key_mask.has_value() ? 4 * B * 4 * n_kv_tiles : 0);
+    r.ws = at::empty({c.bytes}, q.options().dtype(at::kByte));
+    uint8_t* base = r.ws.data_ptr<uint8_t>();
+    p.q_img = reinterpret_cast<int8_t*>(base + o_q);
+    p.sq = reinterpret_cast<float*>(base + o_sq);
+    p.qkm = nullptr;
+    p.k_img = reinterpret_cast<int8_t*>(base + o_k);
+    p.sk = reinterpret_cast<float*>(base + o_sk);
+    p.vt_img = base + o_v;
+    p.sv = reinterpret_cast<float*>(base + o_sv);
+    p.kmean = reinterpret_cast<float*>(base + o_km);
+    p.partial = reinterpret_cast<float*>(base + o_part);
+    p.counter = reinterpret_cast<int*>(base + o_int);
+    p.kv_len = p.counter + B * Hkv;
+    p.mask_bits = key_mask.has_value() ? reinterpret_cast<uint32_t*>(base + o_bits) : nullptr;
+    const cudaError_t e = cudaMemsetAsync(p.counter, 0, sizeof(int) * r.n_ints, c10::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(e == cudaSuccess, "sage sm90 workspace memset failed: ", cudaGetErrorString(e));
+  }
   const auto u8 = q.options().dtype(at::kByte);
   const auto i8 = q.options().dtype(at::kChar);
   const auto f32 = q.options().dtype(at::kFloat);
   const auto i32 = q.options().dtype(at::kInt);
-  r.q_img = at::empty({B, Hq, n_q_tiles, kQTileRows * D}, i8);
-  r.sq = at::empty({B, Hq, n_q_tiles * kQTileRows}, f32);
-  r.qkm = want_qkm ? at::empty({B, Hq, n_q_tiles * kQTileRows}, f32) : at::empty({0}, f32);
-  r.k_img = at::empty({B, Hkv, n_kv_tiles, kBlockKV * D}, i8);
-  r.sk = at::empty({B, Hkv, n_kv_tiles}, f32);
-  r.vt_img = at::empty({B, Hkv, n_kv_tiles, D * kBlockKV}, u8);
-  r.sv = at::empty({B, Hkv, D}, f32);
-  r.kmean = at::empty({B, Hkv, D}, f32);
-  r.partial = at::empty({B * Hkv, n_split, 2, D}, f32);
-  r.ws_int = at::zeros({B * Hkv + B}, i32);  // split counters, then kv_len per batch
-  r.mask_bits = key_mask.has_value() ? at::empty({B, 4 * n_kv_tiles}, i32) : at::empty({0}, i32);
-
-  sage_sm90::PrepassParams& p = r.p;
+  if (!one_alloc) {
+    r.q_img = at::empty({B, Hq, n_q_tiles, kQTileRows * D}, i8);
+    r.sq = at::empty({B, Hq, n_q_tiles * kQTileRows}, f32);
+    r.qkm = want_qkm ? at::empty({B, Hq, n_q_tiles * kQTileRows}, f32) : at::empty({0}, f32);
+    r.k_img = at::empty({B, Hkv, n_kv_tiles, kBlockKV * D}, i8);
+    r.sk = at::empty({B, Hkv, n_kv_tiles}, f32);
+    r.vt_img = at::empty({B, Hkv, n_kv_tiles, D * kBlockKV}, u8);
+    r.sv = at::empty({B, Hkv, D}, f32);
+    r.kmean = at::empty({B, Hkv, D}, f32);
+    r.partial = at::empty({B * Hkv, n_split, 2, D}, f32);
+    r.ws_int = at::zeros({B * Hkv + B}, i32);  // split counters, then kv_len per batch
+    r.mask_bits = key_mask.has_value() ? at::empty({B, 4 * n_kv_tiles}, i32) : at::empty({0}, i32);
+  }
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
@@ -102,18 +149,22 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   p.n_split = n_split;
   p.split_len = split_len;
   p.scale = static_cast<float>(scale);
-  p.q_img = r.q_img.data_ptr<int8_t>();
-  p.sq = r.sq.data_ptr<float>();
-  p.qkm = want_qkm ? r.qkm.data_ptr<float>() : nullptr;
-  p.k_img = r.k_img.data_ptr<int8_t>();
-  p.sk = r.sk.data_ptr<float>();
-  p.vt_img = r.vt_img.data_ptr<uint8_t>();
-  p.sv = r.sv.data_ptr<float>();
-  p.kmean = r.kmean.data_ptr<float>();
-  p.partial = r.partial.data_ptr<float>();
-  p.counter = r.ws_int.data_ptr<int>();
-  p.kv_len = r.ws_int.data_ptr<int>() + B * Hkv;
-  p.mask_bits = key_mask.has_value() ? reinterpret_cast<uint32_t*>(r.mask_bits.data_ptr<int>()) : nullptr;
+  p.q_in_stats = (sage_sm90::prepass_mode() & sage_sm90::kPrepassQInStats) != 0 && !want_qkm;
+  p.batch_loads = (sage_sm90::prepass_mode() & sage_sm90::kPrepassBatchLoads) != 0;
+  if (!one_alloc) {
+    p.q_img = r.q_img.data_ptr<int8_t>();
+    p.sq = r.sq.data_ptr<float>();
+    p.qkm = want_qkm ? r.qkm.data_ptr<float>() : nullptr;
+    p.k_img = r.k_img.data_ptr<int8_t>();
+    p.sk = r.sk.data_ptr<float>();
+    p.vt_img = r.vt_img.data_ptr<uint8_t>();
+    p.sv = r.sv.data_ptr<float>();
+    p.kmean = r.kmean.data_ptr<float>();
+    p.partial = r.partial.data_ptr<float>();
+    p.counter = r.ws_int.data_ptr<int>();
+    p.kv_len = r.ws_int.data_ptr<int>() + B * Hkv;
+    p.mask_bits = key_mask.has_value() ? reinterpret_cast<uint32_t*>(r.mask_bits.data_ptr<int>()) : nullptr;
+  }
 
   const cudaError_t err =
       sage_sm90::run_prepass(p, static_cast<int>(D), dtype_of(q), c10::cuda::getCurrentCUDAStream());
@@ -146,13 +197,13 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(out.stride(3) == 1, "internal: output last dim must be contiguous");
 
   sage_sm90::FwdParams p{};
-  p.q_img = r.q_img.data_ptr<int8_t>();
-  p.sq = r.sq.data_ptr<float>();
-  p.qkm = return_lse ? r.qkm.data_ptr<float>() : nullptr;
-  p.k_img = r.k_img.data_ptr<int8_t>();
-  p.sk = r.sk.data_ptr<float>();
-  p.vt_img = r.vt_img.data_ptr<uint8_t>();
-  p.sv = r.sv.data_ptr<float>();
+  p.q_img = r.p.q_img;
+  p.sq = r.p.sq;
+  p.qkm = return_lse ? r.p.qkm : nullptr;
+  p.k_img = r.p.k_img;
+  p.sk = r.p.sk;
+  p.vt_img = r.p.vt_img;
+  p.sv = r.p.sv;
   p.kv_len = key_mask.has_value() ? r.p.kv_len : nullptr;
   p.mask_bits = r.p.mask_bits;
   p.out = out.data_ptr();
@@ -169,6 +220,69 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   return {out, lse};
 }
 
+// Benchmarks: GPU time of the two parts of fwd alone, without host overheads (allocations,
+// argument checks, the Python call): prepare once, then `reps` back-to-back launches of the
+// pre-pass (with the memset of its counters, as in every call) and of the attention kernel,
+// timed with events on the current stream. Returns {pre-pass ms, attention-kernel ms} per call.
+std::vector<double> bench_parts(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                bool is_causal, int64_t exp_poly_every, int64_t reps) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t D = q.size(3);
+  TORCH_CHECK(reps > 0, "reps must be positive");
+  TORCH_CHECK(sage_sm90::has_fwd_variant(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every)),
+              "no compiled variant for this call");
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  Prepared r = prepare(q, k, v, c10::nullopt, scale, /*want_qkm=*/false);
+  at::Tensor out = at::empty_like(q);
+  sage_sm90::FwdParams p{};
+  p.q_img = r.p.q_img;
+  p.sq = r.p.sq;
+  p.k_img = r.p.k_img;
+  p.sk = r.p.sk;
+  p.vt_img = r.p.vt_img;
+  p.sv = r.p.sv;
+  p.out = out.data_ptr();
+  p.o_sb = out.stride(0); p.o_sh = out.stride(1); p.o_ss = out.stride(2);
+  p.B = q.size(0); p.Hq = q.size(1); p.Hkv = k.size(1); p.Sq = q.size(2); p.Skv = k.size(2);
+  p.n_q_tiles = r.p.n_q_tiles;
+  p.n_kv_tiles = r.p.n_kv_tiles;
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DType dt = dtype_of(q);
+  cudaEvent_t ev[3];
+  for (auto& e : ev) TORCH_CHECK(cudaEventCreate(&e) == cudaSuccess, "cudaEventCreate failed");
+  auto prepass_once = [&] {
+    cudaMemsetAsync(r.p.counter, 0, sizeof(int) * r.n_ints, stream);
+    return sage_sm90::run_prepass(r.p, static_cast<int>(D), dt, stream);
+  };
+  auto fwd_once = [&] {
+    return sage_sm90::run_fwd(p, static_cast<int>(D), dt, is_causal, static_cast<int>(exp_poly_every), stream);
+  };
+  for (int i = 0; i < 3; ++i) {  // warm-up
+    TORCH_CHECK(prepass_once() == cudaSuccess && fwd_once() == cudaSuccess, "bench launch failed");
+  }
+  cudaEventRecord(ev[0], stream);
+  for (int64_t i = 0; i < reps; ++i) prepass_once();
+  cudaEventRecord(ev[1], stream);
+  for (int64_t i = 0; i < reps; ++i) fwd_once();
+  cudaEventRecord(ev[2], stream);
+  TORCH_CHECK(cudaEventSynchronize(ev[2]) == cudaSuccess, "bench sync failed");
+  float t_pre = 0.f, t_fwd = 0.f;
+  cudaEventElapsedTime(&t_pre, ev[0], ev[1]);
+  cudaEventElapsedTime(&t_fwd, ev[1], ev[2]);
+  for (auto& e : ev) cudaEventDestroy(e);
+  return {t_pre / reps, t_fwd / reps};
+}
+
+void set_prepass_mode(int64_t mode) {
+  TORCH_CHECK(mode >= 0 && mode <= sage_sm90::kPrepassModeMax,
+              "pre-pass mode is a bit set: 1 = Q in the stats launch, 2 = batched loads, "
+              "4 = one workspace allocation");
+  sage_sm90::set_prepass_mode(static_cast<int>(mode));
+}
+
+int64_t get_prepass_mode() { return sage_sm90::prepass_mode(); }
+
 bool has_variant(int64_t head_dim, bool causal, int64_t exp_poly_every) {
   return sage_sm90::has_fwd_variant(static_cast<int>(head_dim), causal, static_cast<int>(exp_poly_every));
 }
@@ -184,6 +298,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quantization pre-pass -> [q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, mask_bits]",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("scale"));
   m.def("has_variant", &has_variant, py::arg("head_dim"), py::arg("causal"), py::arg("exp_poly_every"));
+  m.def("bench_parts", &bench_parts,
+        "benchmarks: [pre-pass ms, attention-kernel ms] per call, back-to-back launches, no host work",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("is_causal"), py::arg("exp_poly_every"),
+        py::arg("reps"));
+  m.def("set_prepass_mode", &set_prepass_mode,
+        "benchmarks: pre-pass bit set (launch.h kPrepass*): 0 = original, 1 = Q in the stats "
+        "launch (no LSE), 2 = batched loads, 4 = one workspace allocation (no LSE)",
+        py::arg("mode"));
+  m.def("prepass_mode", &get_prepass_mode, "the current pre-pass mode bit set");
   m.def("set_fwd_flags", &sage_sm90::set_fwd_flags,
         "benchmarks: forward variant flags to dispatch on (-1 = default; see launch.h)", py::arg("flags"));
 }

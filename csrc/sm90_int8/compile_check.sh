@@ -51,9 +51,13 @@ fi
 find "$HERE" -name '*.cu' ! -name 'host_layout_check.cu' ! -name 'bench_*.cu' | grep -E "$PATTERN" | sort |
   xargs -P "$JOBS" -I{} bash -c 'FLAGS=($FLAGS_STR); compile_one "$@"' _ {}
 
-echo "== benchmark-build variants (flags 0 = the original plain loop, 5 = lean + ping-pong)"
+echo "== benchmark-build variants (flags 0 = the original plain loop, +8 = Q in registers, +16 = fp16 exp2)"
 compile_one "$HERE/instantiations/bench_hd128_bf16_full_poly0_f0.cu"
-[ "${1:-}" = "--quick" ] || compile_one "$HERE/instantiations/bench_hd64_bf16_full_poly8_f5.cu"
+compile_one "$HERE/instantiations/bench_hd128_bf16_full_poly0_f15.cu"
+if [ "${1:-}" != "--quick" ]; then
+  compile_one "$HERE/instantiations/bench_hd64_bf16_full_poly8_f11.cu"
+  compile_one "$HERE/instantiations/bench_hd64_bf16_full_poly0_f19.cu"
+fi
 
 if "$PYTHON" -c 'import torch, pybind11' 2>/dev/null; then
   echo "== binding.cpp syntax (host compiler, torch headers)"

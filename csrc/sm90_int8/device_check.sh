@@ -20,7 +20,7 @@ if [ -z "${CUTLASS_INCLUDE:-}" ] && ! "$PY" -c "import cutlass_library" 2>/dev/n
   done
 fi
 MODE="${1:-tests}"
-if [ "$MODE" = variants ]; then exec timeout 500 "$PY" csrc/sm90_int8/variants_bench.py; fi
+if [ "$MODE" = variants ]; then exec timeout 240 "$PY" csrc/sm90_int8/variants_bench.py; fi
 echo "== device"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cap', torch.cuda.get_device_capability())"

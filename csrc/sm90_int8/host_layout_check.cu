@@ -88,6 +88,17 @@ void check_config() {
       CHECK_EQ(m, 16 * w + g + 8 * ((v >> 2) & 1), "P A-frag row");
       CHECK_EQ(k, 4 * t + (v & 3) + 16 * (v >> 3), "P A-frag k");
     }
+  // Register A of the INT8 RS QK^T wgmma (kFlagQRegs; mainloop.hpp load_q_frag): same rule, byte
+  // i of register r = row 16*warp + g + 8*(r&1), k = 16*(r>>1) + 4*t + i.
+  auto aQ = decltype(cute::make_tiled_mma(typename C::MmaQKRS{})){}.get_layoutA_TV();
+  for (int tid = 0; tid < 128; ++tid)
+    for (int v = 0; v < 16; ++v) {
+      int idx = aQ(tid, v);
+      int m = idx % 64, k = idx / 64;
+      int g = (tid & 31) >> 2, t = tid & 3, w = tid >> 5, r = v >> 2;
+      CHECK_EQ(m, 16 * w + g + 8 * (r & 1), "Q A-frag row");
+      CHECK_EQ(k, 16 * (r >> 1) + 4 * t + (v & 3), "Q A-frag k");
+    }
   // End to end: the byte the softmax packs into A register (4*kb + r), byte i (softmax.hpp) is the
   // accumulator value v it names; that value's S coordinate (row, key column) must equal the A
   // fragment's (row, k position) once the position is mapped to the key V^T stores there.

@@ -24,7 +24,10 @@ namespace sage_sm90 {
 //                   warpgroup + setmaxnreg, 384 threads);
 //   kFlagPingPong : the two consumer warpgroups take turns issuing their wgmmas (named barriers),
 //                   so one warpgroup's softmax runs while the other's GEMMs occupy the tensor
-//                   cores (FA3's inter-warpgroup schedule).
+//                   cores (FA3's inter-warpgroup schedule);
+//   kFlagQRegs    : Q K^T as an RS wgmma with the loop-invariant Q tile held in registers (D/8 of
+//                   them), read once from smem: a third less smem operand traffic per tile;
+//   kFlagHalfExp  : (with kFlagLean) two exp2 per MUFU op in fp16 (softmax.hpp step_lean_half).
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 224 registers). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
@@ -55,6 +58,8 @@ __global__ void __launch_bounds__(fwd_threads<kFlags>(), 1)
   constexpr bool kLean = (kFlags & kFlagLean) != 0;
   constexpr bool kOverlapSoftmaxWithPV = (kFlags & kFlagOverlap) != 0;
   constexpr bool kPingPong = (kFlags & kFlagPingPong) != 0;
+  constexpr bool kQRegs = (kFlags & kFlagQRegs) != 0;
+  constexpr bool kHalfExp = kLean && (kFlags & kFlagHalfExp) != 0;
   // The plain loop (no overlap, no ping-pong) keeps its original order; the others share one
   // software-pipelined loop (S_t and PV_{t-1} issued together).
   constexpr bool kPipelined = kOverlapSoftmaxWithPV || kPingPong;
@@ -92,7 +97,7 @@ __global__ void __launch_bounds__(fwd_threads<kFlags>(), 1)
   const int row[2] = {wg_row0 + 16 * (tid / 32) + g, wg_row0 + 16 * (tid / 32) + g + 8};
   const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
 
-  OnlineSoftmax<kPoly, kLean> sm;
+  OnlineSoftmax<kPoly, kLean, kHalfExp> sm;
   sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
   const WarpgroupOperands<D> ops(sp, wg, tid);
   const float* sk = p.sk + (static_cast<int64_t>(b) * p.Hkv + hk) * p.n_kv_tiles;
@@ -139,6 +144,15 @@ __global__ void __launch_bounds__(fwd_threads<kFlags>(), 1)
   };
 
   Barrier::wait(sp.q_full, 0);
+  uint32_t q_frag[D / 8];
+  if constexpr (kQRegs) WarpgroupOperands<D>::load_q_frag(sp, wg, tid, q_frag);
+  auto qk_issue = [&](int stage) {
+    if constexpr (kQRegs) {
+      ops.qk_issue_rs(stage, q_frag, s_acc);
+    } else {
+      ops.qk_issue(stage, s_acc);
+    }
+  };
   if constexpr (!kPipelined) {
     // Plain order: S_t, softmax_t, O += P_t V_t, each retired before the next.
     for (int t = 0; t < n_tiles; ++t) {
@@ -146,7 +160,9 @@ __global__ void __launch_bounds__(fwd_threads<kFlags>(), 1)
       const float sk_t = __ldg(sk + t);
       const TileMask mk = tile_mask(t);
       Barrier::wait(&sp.full[s], (t / C::kStages) & 1);
-      ops.qk(s, s_acc);
+      qk_issue(s);
+      cute::warpgroup_wait<0>();
+      fence_regs(s_acc);
       float alpha[2];
       sm.step(s_acc, sk_t, mk, p_frag, alpha);
       rescale(alpha);
@@ -179,7 +195,7 @@ __global__ void __launch_bounds__(fwd_threads<kFlags>(), 1)
       const TileMask mk = tile_mask(0);
       Barrier::wait(&sp.full[0], 0);
       turn_begin();
-      ops.qk_issue(0, s_acc);
+      qk_issue(0);
       turn_end(false);
       cute::warpgroup_wait<0>();
       fence_regs(s_acc);
@@ -192,7 +208,7 @@ __global__ void __launch_bounds__(fwd_threads<kFlags>(), 1)
       const TileMask mk = tile_mask(t);
       Barrier::wait(&sp.full[s], (t / C::kStages) & 1);
       turn_begin();
-      ops.qk_issue(s, s_acc);
+      qk_issue(s);
       ops.pv_issue(s_prev, p_prev, o, /*fence=*/false);  // the fence of qk_issue covers it
       turn_end(false);
       if constexpr (kOverlapSoftmaxWithPV) {

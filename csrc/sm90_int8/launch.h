@@ -14,6 +14,8 @@ enum class DType : int { kF16 = 0, kBF16 = 1 };
 constexpr int kFlagLean = 1;
 constexpr int kFlagOverlap = 2;
 constexpr int kFlagPingPong = 4;
+constexpr int kFlagQRegs = 8;
+constexpr int kFlagHalfExp = 16;
 // The regular build compiles one flag set per head dim (generate_instantiations.DEFAULT_FLAGS).
 
 // Everything the quantization pre-pass reads and writes. Strides are in elements; the last
@@ -32,6 +34,8 @@ struct PrepassParams {
   int n_split;     // token chunks of the k-mean / v-absmax reduction
   int split_len;   // tokens per chunk
   float scale;     // softmax scale, for the LSE correction scale * q . k_mean
+  int q_in_stats;   // 1: Q blocks run in the stats launch (needs qkm == nullptr; PrepassMode)
+  int batch_loads;  // 1: each thread issues all loads of a block first (PrepassMode)
   // outputs
   int8_t* q_img;      // (B, Hq, n_q_tiles, 64*D) swizzled tile images
   float* sq;          // (B, Hq, n_q_tiles*64)
@@ -65,6 +69,19 @@ struct FwdParams {
   float scale_log2;       // scale * log2(e)
 };
 
+// Pre-pass variants (benchmarks: set_prepass_mode), a bit set; same output bits in every mode.
+//   0: stats launch: k mean, V absmax, mask bits; quant launch: Q, K, V (the original);
+//   bit kPrepassQInStats: Q quantization moves into the stats launch when no LSE (qkm) is wanted;
+//   bit kPrepassBatchLoads: each thread issues all its loads of a block before using them;
+//   bit kPrepassOneAlloc (binding.cpp, host only): one workspace allocation + a raw memset
+//   instead of ~12 tensors and a fill kernel (the forward path; prepass() keeps its tensors).
+constexpr int kPrepassQInStats = 1;
+constexpr int kPrepassBatchLoads = 2;
+constexpr int kPrepassOneAlloc = 4;
+constexpr int kPrepassModeMax = 7;
+// The mode every process starts with (prepass.cu); chosen from variants_bench.py's table.
+constexpr int kPrepassDefaultMode = 7;  // all three: 0.079 vs 0.118 ms at Flux, 0.245 vs 0.383 at 16K
+
 // Return cudaSuccess or the launch error. head_dim in {64, 128}.
 cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, cudaStream_t stream);
 // exp_poly_every: 0 = every exp2 on MUFU; N > 0 = every N-th exp2 from the FMA polynomial
@@ -76,5 +93,8 @@ bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every);
 // Benchmarks only: the variant flags run_fwd dispatches on from now on (-1 = whatever is compiled).
 // Builds with -DSAGE_SM90_BENCH=1 compile a set of flag variants (instantiations/bench_*.cu).
 void set_fwd_flags(int flags);
+// Benchmarks: the pre-pass mode used from now on (default kSplit).
+void set_prepass_mode(int mode);
+int prepass_mode();
 
 }  // namespace sage_sm90

@@ -148,6 +148,40 @@ struct WarpgroupOperands {
     cute::warpgroup_commit_batch();
   }
 
+  // kFlagQRegs: this warpgroup's Q tile as the A fragments of the RS atom, read once from the
+  // swizzled smem image. 8-bit A layout (as P's, tile_config.hpp): register 4kb + r, r =
+  // (k+16 half) * 2 + (row half), holds row 16w + g + 8(r & 1), bytes 32kb + 16(r >> 1) + 4t + i;
+  // 4 aligned bytes never straddle a 16-byte swizzle chunk.
+  __device__ __forceinline__ static void load_q_frag(const SmemPlan<D>& sp, int wg, int tid_in_wg,
+                                                     uint32_t (&qf)[D / 8]) {
+    const int lane = tid_in_wg & 31, g = lane >> 2, t = lane & 3;
+    const uint8_t* tile = sp.q + wg * C::kQTileBytes;
+#pragma unroll
+    for (int kb = 0; kb < D / 32; ++kb) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = 16 * (tid_in_wg / 32) + g + 8 * (r & 1);
+        const int col = 32 * kb + 16 * (r >> 1) + 4 * t;
+        qf[4 * kb + r] = *reinterpret_cast<const uint32_t*>(tile + image_offset<D>(row, col));
+      }
+    }
+  }
+
+  // S = Q K_s^T with Q from registers (kFlagQRegs): saves the 8 KB smem read of Q per tile and
+  // warpgroup (a third of the QK operand traffic).
+  __device__ __forceinline__ void qk_issue_rs(int stage, const uint32_t (&qf)[D / 8],
+                                              uint32_t (&s)[C::kSRegs]) const {
+    fence_regs(s);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kb = 0; kb < D / 32; ++kb) {
+      wgmma_rs<typename C::MmaQKRS>(&qf[4 * kb], uint64_t(k(0, 0, kb, stage)), s,
+                                    kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+                                    std::make_index_sequence<C::kSRegs>{});
+    }
+    cute::warpgroup_commit_batch();
+  }
+
   // O(64 x D, fp32) += P(64 x 128, e4m3 registers) V_s as one committed group (not waited for).
   __device__ __forceinline__ void pv_issue(int stage, uint32_t (&p)[C::kPRegs], float (&o)[C::kORegs],
                                            bool fence) const {

@@ -3,6 +3,13 @@
 
 namespace sage_sm90 {
 
+namespace {
+int g_mode = kPrepassDefaultMode;  // bit set of kPrepass*; benchmarks flip it (set_prepass_mode)
+}  // namespace
+
+void set_prepass_mode(int mode) { g_mode = mode; }
+int prepass_mode() { return g_mode; }
+
 cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, cudaStream_t stream) {
   if (head_dim == 64) {
     return dtype == DType::kF16 ? launch_prepass<64, DType::kF16>(p, stream)

@@ -26,6 +26,25 @@ struct RowTiling {
   static constexpr int kRowsPerPass = kPrepassThreads / kLanes;
 };
 
+template <int D, DType kIn, bool kBatch>
+__device__ void quant_q_block(const PrepassParams& p, int blk);
+
+// Eight 16-bit inputs kept as raw bits between load and use: half the registers of 8 floats, so
+// the batched-load paths keep the quant kernel's occupancy. Zero bits are +0 in fp16 and bf16.
+__device__ __forceinline__ uint4 load_raw8(const void* ptr) {
+  return __ldg(reinterpret_cast<const uint4*>(ptr));
+}
+template <DType kDType>
+__device__ __forceinline__ void raw_to_float8(const uint4& raw, float (&x)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = IO<kDType>::to_float2(w[i]);
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
+  }
+}
+
 // ---- stats ---------------------------------------------------------------------------------------
 template <int D>
 __device__ void mask_bits_block(const PrepassParams& p, int mb) {
@@ -44,12 +63,20 @@ __device__ void mask_bits_block(const PrepassParams& p, int mb) {
   }
 }
 
-template <int D, DType kIn>
+// kBatch (pre-pass mode bit kPrepassBatchLoads): every thread issues all its loads of a block
+// (or 4 rows of the stats loop) before using any, instead of leaving that to the scheduler:
+// 4-8x the bytes in flight per thread for these latency-bound, tiny-per-block passes.
+template <int D, DType kIn, bool kBatch>
 __global__ void __launch_bounds__(kPrepassThreads) stats_kernel(const __grid_constant__ PrepassParams p) {
   using RT = RowTiling<D>;
   const int n_stat = p.B * p.Hkv * p.n_split;
   if (static_cast<int>(blockIdx.x) >= n_stat) {
-    mask_bits_block<D>(p, blockIdx.x - n_stat);
+    const int n_mask = p.key_mask != nullptr ? p.B * ((4 * p.n_kv_tiles + 7) / 8) : 0;
+    if (static_cast<int>(blockIdx.x) < n_stat + n_mask) {
+      mask_bits_block<D>(p, blockIdx.x - n_stat);
+    } else {
+      quant_q_block<D, kIn, kBatch>(p, blockIdx.x - n_stat - n_mask);  // PrepassMode::kQInStats only
+    }
     return;
   }
   const int bh = blockIdx.x / p.n_split, split = blockIdx.x % p.n_split;
@@ -64,16 +91,37 @@ __global__ void __launch_bounds__(kPrepassThreads) stats_kernel(const __grid_con
   float sum[8], amax[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) sum[i] = amax[i] = 0.f;
-  for (int s = s_begin + r0; s < s_end; s += RT::kRowsPerPass) {
+  auto accumulate = [&](int s) {
     float kx[8], vx[8];
-    load8<kIn>(kb + 2 * s * p.k_ss, kx);
-    load8<kIn>(vb + 2 * s * p.v_ss, vx);
+    load8<kIn>(kb + 2 * static_cast<int64_t>(s) * p.k_ss, kx);
+    load8<kIn>(vb + 2 * static_cast<int64_t>(s) * p.v_ss, vx);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       sum[i] += kx[i];
       amax[i] = fmaxf(amax[i], fabsf(vx[i]));
     }
+  };
+  int s = s_begin + r0;
+  if constexpr (kBatch) {
+    // Four rows per trip, loads first; the sums keep the sequential order (same bits as below).
+    for (; s + 3 * RT::kRowsPerPass < s_end; s += 4 * RT::kRowsPerPass) {
+      float kx[4][8], vx[4][8];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        load8<kIn>(kb + 2 * static_cast<int64_t>(s + u * RT::kRowsPerPass) * p.k_ss, kx[u]);
+        load8<kIn>(vb + 2 * static_cast<int64_t>(s + u * RT::kRowsPerPass) * p.v_ss, vx[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          sum[i] += kx[u][i];
+          amax[i] = fmaxf(amax[i], fabsf(vx[u][i]));
+        }
+      }
+    }
   }
+  for (; s < s_end; s += RT::kRowsPerPass) accumulate(s);
   __shared__ float red[2][RT::kRowsPerPass][D];  // 16 KB at both head dims
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -131,9 +179,10 @@ __device__ __forceinline__ float group_sum(float x) {
 }
 
 // One 64-row Q image tile of one (b, h).
-template <int D, DType kIn>
+template <int D, DType kIn, bool kBatch>
 __device__ void quant_q_block(const PrepassParams& p, int blk) {
   using RT = RowTiling<D>;
+  constexpr int kPasses = kRowsPerWG / RT::kRowsPerPass;
   const int tile = blk % p.n_q_tiles, bh = blk / p.n_q_tiles;
   const int b = bh / p.Hq, h = bh % p.Hq, hk = h / (p.Hq / p.Hkv);
   const int tid = threadIdx.x, c0 = (tid % RT::kLanes) * 8;
@@ -144,17 +193,22 @@ __device__ void quant_q_block(const PrepassParams& p, int blk) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) km[i] = p.kmean[(b * p.Hkv + hk) * D + c0 + i];
   }
+  uint4 xs[kPasses];
+  auto load_pass = [&](int pass) {
+    const int i_tok = tile * kRowsPerWG + pass * RT::kRowsPerPass + tid / RT::kLanes;
+    xs[pass] = i_tok < p.Sq ? load_raw8(qb + 2 * static_cast<int64_t>(i_tok) * p.q_ss) : make_uint4(0, 0, 0, 0);
+  };
+  if constexpr (kBatch) {
 #pragma unroll
-  for (int pass = 0; pass < kRowsPerWG / RT::kRowsPerPass; ++pass) {
+    for (int pass = 0; pass < kPasses; ++pass) load_pass(pass);
+  }
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
     const int r = pass * RT::kRowsPerPass + tid / RT::kLanes;
     const int i_tok = tile * kRowsPerWG + r;
+    if constexpr (!kBatch) load_pass(pass);
     float x[8];
-    if (i_tok < p.Sq) {
-      load8<kIn>(qb + 2 * static_cast<int64_t>(i_tok) * p.q_ss, x);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) x[i] = 0.f;
-    }
+    raw_to_float8<kIn>(xs[pass], x);
     float a = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(x[i]));
@@ -188,7 +242,9 @@ __device__ __forceinline__ float block_max(float a, float* scratch) {
 }
 
 // One 128-key K block of one (b, kv head): smooth, block absmax, INT8.
-template <int D, DType kIn>
+// kBatch: the block's inputs stay raw 16-bit between the absmax and the quantization (converted
+// twice; same values) instead of 64 fp32 registers at hd128, the quant kernel's register peak.
+template <int D, DType kIn, bool kBatch>
 __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
   using RT = RowTiling<D>;
   constexpr int kPasses = kBlockKV / RT::kRowsPerPass;
@@ -199,6 +255,40 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
   float km[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) km[i] = p.kmean[bh * D + c0 + i];
+  if constexpr (kBatch) {
+    uint4 raw[kPasses];
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
+      raw[pass] = key < p.Skv ? load_raw8(kb + 2 * static_cast<int64_t>(key) * p.k_ss) : make_uint4(0, 0, 0, 0);
+    }
+    float a = 0.f;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
+      if (key < p.Skv) {  // padding keys: code 0, excluded from max
+        float x[8];
+        raw_to_float8<kIn>(raw[pass], x);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(x[i] - km[i]));
+      }
+    }
+    const float sk = block_max<D>(a, scratch) / kInt8Max;
+    int8_t* img = p.k_img + (static_cast<int64_t>(bh) * p.n_kv_tiles + tile) * (kBlockKV * D);
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int r = pass * RT::kRowsPerPass + tid / RT::kLanes;
+      const bool valid = tile * kBlockKV + r < p.Skv;
+      float x[8];
+      raw_to_float8<kIn>(raw[pass], x);
+      int qi[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) qi[i] = valid ? quant_int8(x[i] - km[i], sk) : 0;
+      *reinterpret_cast<uint2*>(img + image_offset<D>(r, c0)) = pack_int8x8(qi);
+    }
+    if (tid == 0) p.sk[static_cast<int64_t>(bh) * p.n_kv_tiles + tile] = sk;
+    return;
+  }
   float x[kPasses][8];
   float a = 0.f;
 #pragma unroll
@@ -230,9 +320,11 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
 }
 
 // One 128-key V block of one (b, kv head): FP8 per channel, transposed to V^T with permuted keys.
-constexpr int kVtStride = kBlockKV + 8;  // bytes per staged V^T row (even: 16-bit reads)
+// Bytes per staged V^T row: even (16-bit reads) and 33 words, so the byte stores of the 16 (8)
+// lanes of a token row, 8 channels apart, fall into 4 banks instead of 2 (136 bytes = 34 words).
+constexpr int kVtStride = kBlockKV + 4;
 
-template <int D, DType kIn>
+template <int D, DType kIn, bool kBatch>
 __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
   using RT = RowTiling<D>;
   constexpr int kPasses = kBlockKV / RT::kRowsPerPass;
@@ -243,17 +335,21 @@ __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
   float sv[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) sv[i] = p.sv[bh * D + c0 + i];
+  uint4 xs[kPasses];
+  auto load_pass = [&](int pass) {
+    const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
+    xs[pass] = key < p.Skv ? load_raw8(vb + 2 * static_cast<int64_t>(key) * p.v_ss) : make_uint4(0, 0, 0, 0);
+  };
+  if constexpr (kBatch) {
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) load_pass(pass);
+  }
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
     const int r = pass * RT::kRowsPerPass + tid / RT::kLanes;
-    const int key = tile * kBlockKV + r;
+    if constexpr (!kBatch) load_pass(pass);
     float x[8];
-    if (key < p.Skv) {
-      load8<kIn>(vb + 2 * static_cast<int64_t>(key) * p.v_ss, x);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) x[i] = 0.f;
-    }
+    raw_to_float8<kIn>(xs[pass], x);
 #pragma unroll
     for (int i = 0; i < 8; i += 2) {
       const uint32_t two = quant_e4m3x2(x[i], x[i + 1], sv[i], sv[i + 1]);
@@ -278,32 +374,46 @@ __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
   }
 }
 
-template <int D, DType kIn>
+// kBatch also brings hd128 from 92 to ~70 registers: 3 blocks per SM instead of 2 (a cap of 64
+// for 4 blocks spills).
+template <int D, DType kIn, bool kBatch>
 __global__ void __launch_bounds__(kPrepassThreads) quant_kernel(const __grid_constant__ PrepassParams p) {
   __shared__ __align__(16) uint8_t stage[D * kVtStride];
   __shared__ float scratch[kPrepassThreads / 32];
-  const int n_qb = p.B * p.Hq * p.n_q_tiles;
+  const int n_qb = p.q_in_stats ? 0 : p.B * p.Hq * p.n_q_tiles;
   const int n_kb = p.B * p.Hkv * p.n_kv_tiles;
   const int blk = blockIdx.x;
   if (blk < n_qb) {
-    quant_q_block<D, kIn>(p, blk);
+    quant_q_block<D, kIn, kBatch>(p, blk);
   } else if (blk < n_qb + n_kb) {
-    quant_k_block<D, kIn>(p, blk - n_qb, scratch);
+    quant_k_block<D, kIn, kBatch>(p, blk - n_qb, scratch);
   } else {
-    quant_v_block<D, kIn>(p, blk - n_qb - n_kb, stage);
+    quant_v_block<D, kIn, kBatch>(p, blk - n_qb - n_kb, stage);
   }
+}
+
+// p.q_in_stats (PrepassMode::kQInStats, only without qkm: qkm needs the k mean): the Q blocks
+// depend on nothing the stats compute, so they ride in the stats launch. Both launches then move
+// about the same bytes (stats: read K, V + Q in/out; quant: K, V in/out), the stats launch,
+// under one wave of long serial reductions otherwise, gets independent work to hide its latency,
+// and the quant launch has a third fewer blocks (fewer waves and a shorter tail).
+template <int D, DType kIn, bool kBatch>
+cudaError_t launch_prepass_impl(const PrepassParams& p, cudaStream_t stream) {
+  const int n_stat = p.B * p.Hkv * p.n_split;
+  const int n_mask = p.key_mask ? p.B * ((4 * p.n_kv_tiles + 7) / 8) : 0;
+  const int n_q = p.q_in_stats ? p.B * p.Hq * p.n_q_tiles : 0;
+  stats_kernel<D, kIn, kBatch><<<n_stat + n_mask + n_q, kPrepassThreads, 0, stream>>>(p);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const int n_quant = (p.q_in_stats ? 0 : p.B * p.Hq * p.n_q_tiles) + 2 * p.B * p.Hkv * p.n_kv_tiles;
+  quant_kernel<D, kIn, kBatch><<<n_quant, kPrepassThreads, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 template <int D, DType kIn>
 cudaError_t launch_prepass(const PrepassParams& p, cudaStream_t stream) {
-  const int n_stat = p.B * p.Hkv * p.n_split;
-  const int n_mask = p.key_mask ? p.B * ((4 * p.n_kv_tiles + 7) / 8) : 0;
-  stats_kernel<D, kIn><<<n_stat + n_mask, kPrepassThreads, 0, stream>>>(p);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  const int n_quant = p.B * p.Hq * p.n_q_tiles + 2 * p.B * p.Hkv * p.n_kv_tiles;
-  quant_kernel<D, kIn><<<n_quant, kPrepassThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return p.batch_loads ? launch_prepass_impl<D, kIn, true>(p, stream)
+                       : launch_prepass_impl<D, kIn, false>(p, stream);
 }
 
 }  // namespace sage_sm90

@@ -41,9 +41,16 @@ struct TileMask {
 // The offset carries one fp32 rounding of (bias * c) per row and tile: a relative error in p of
 // <= 0.75 c (c = sq sk scale log2e, ~1e-4 on typical data), common to the whole row of the tile,
 // far below the 2^-4 step of the E4M3 code P~ is rounded to.
-template <int kPolyEvery, bool kLean_ = false>
+// kHalfExp_ (variant flag kFlagHalfExp, needs kLean_): exp2 of two scores per MUFU op
+// (ex2.approx.f16x2), P~ = 448 p formed and rounded to E4M3 from fp16, row sums summed in fp16
+// over 8 values then in fp32. Halves the MUFU work that bounds hd64. x = s c - m <= 0 goes to
+// fp16 before the exp (the 448 factor is a separate HMUL2, so the large-p elements have |x| < 1
+// and an fp16 error < 2^-12): p carries ~2^-10 relative error against the 2^-4 E4M3 step.
+template <int kPolyEvery, bool kLean_ = false, bool kHalfExp_ = false>
 struct OnlineSoftmax {
   static constexpr bool kLean = kLean_;
+  static constexpr bool kHalfExp = kHalfExp_;
+  static_assert(!kHalfExp_ || kLean_, "the fp16 exp2 path is a variant of the lean softmax");
   static constexpr int kN = 64;  // accumulator values per thread
   float m[2];       // running max of s (log2 domain), -inf before any unmasked key
   float l[2];       // this thread's partial row sums of unquantized p (quad-reduced at the end)
@@ -61,7 +68,9 @@ struct OnlineSoftmax {
   // factors alpha for the output accumulator.
   __device__ __forceinline__ void step(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
                                        uint32_t (&p_frag)[16], float (&alpha)[2]) {
-    if constexpr (kLean) {
+    if constexpr (kHalfExp) {
+      step_lean_half(s_int, sk_tile, mk, p_frag, alpha);
+    } else if constexpr (kLean) {
       step_lean(s_int, sk_tile, mk, p_frag, alpha);
     } else {
       step_plain(s_int, sk_tile, mk, p_frag, alpha);
@@ -199,6 +208,87 @@ struct OnlineSoftmax {
         const uint32_t lo = pack_e4m3x2(s[v0], s[v0 + 1]);
         const uint32_t hi = pack_e4m3x2(s[v0 + 4], s[v0 + 5]);
         p_frag[4 * kb + r] = lo | (hi << 16);
+      }
+    }
+  }
+
+  __device__ __forceinline__ void step_lean_half(const uint32_t (&s_int)[kN], float sk_tile,
+                                                 const TileMask& mk, uint32_t (&p_frag)[16],
+                                                 float (&alpha)[2]) {
+    constexpr float kBias = 12582912.f;       // 1.5 * 2^23
+    constexpr uint32_t k448x2 = 0x5F005F00u;  // 448 in both fp16 halves
+    const int t = threadIdx.x & 3;
+    float s[kN];  // bias + int score, exact (|int| < 2^22)
+#pragma unroll
+    for (int v = 0; v < kN; ++v) s[v] = __int_as_float(static_cast<int>(s_int[v]) + 0x4B400000);
+    if (mk.active) {
+#pragma unroll
+      for (int v = 0; v < kN; ++v) {
+        const int col = 8 * (v >> 2) + 2 * t + (v & 1);
+        const int key = mk.key_base + col;
+        bool ok = key < mk.kv_len && ((mk.words[col >> 5] >> (col & 31)) & 1u);
+        if (mk.causal) ok = ok && key <= mk.row[(v >> 1) & 1];
+        s[v] = ok ? s[v] : -INFINITY;
+      }
+    }
+    float c[2], mx[2], off[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      c[h] = fmaxf(rowf[h] * sk_tile, 1.17549435e-38f);
+      mx[h] = -INFINITY;
+    }
+#pragma unroll
+    for (int v = 0; v < kN; ++v) mx[(v >> 1) & 1] = fmaxf(mx[(v >> 1) & 1], s[v]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(m[h], (quad_max(mx[h]) - kBias) * c[h]);
+      const float muse = m_new == -INFINITY ? 0.f : m_new;
+      alpha[h] = exp2_mufu(m[h] - muse);
+      m[h] = m_new;
+      off[h] = fmaf(kBias, c[h], muse);  // x = (bias + s) c - off = s c - m <= 0
+    }
+    // Pair j holds values 2j, 2j+1 (same row half (j & 1)), value 2j in the low half.
+    uint32_t ph[kN / 2];
+#pragma unroll
+    for (int j = 0; j < kN / 2; ++j) {
+      const int h = j & 1;
+      const float x0 = fmaf(s[2 * j], c[h], -off[h]);
+      const float x1 = fmaf(s[2 * j + 1], c[h], -off[h]);
+      uint32_t hx, hp;
+      asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(hx) : "f"(x1), "f"(x0));  // first source -> high
+      asm("ex2.approx.f16x2 %0, %1;" : "=r"(hp) : "r"(hx));
+      asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(ph[j]) : "r"(hp), "r"(k448x2));
+    }
+    // Row sums: 4 pairs (8 values <= 448 each) in fp16, then fp32.
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int grp = 0; grp < kN / 16; ++grp) {
+        const int j0 = h + 8 * grp;  // pairs j0, j0 + 2, j0 + 4, j0 + 6
+        uint32_t a, b2, acc;
+        asm("add.rn.f16x2 %0, %1, %2;" : "=r"(a) : "r"(ph[j0]), "r"(ph[j0 + 2]));
+        asm("add.rn.f16x2 %0, %1, %2;" : "=r"(b2) : "r"(ph[j0 + 4]), "r"(ph[j0 + 6]));
+        asm("add.rn.f16x2 %0, %1, %2;" : "=r"(acc) : "r"(a), "r"(b2));
+        __half2 hv;
+        *reinterpret_cast<uint32_t*>(&hv) = acc;
+        const float2 f = __half22float2(hv);
+        sum[h] += f.x + f.y;
+      }
+    }
+    l[0] = l[0] * alpha[0] + sum[0];
+    l[1] = l[1] * alpha[1] + sum[1];
+    // Same A-fragment assembly as step_lean: register 4kb + r takes values v0, v0+1 (pair v0/2)
+    // and v0+4, v0+5 (pair v0/2 + 2).
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int v0 = 4 * (4 * kb + 2 * (r >> 1)) + 2 * (r & 1);
+        uint16_t lo, hi;
+        asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(lo) : "r"(ph[v0 / 2]));
+        asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(hi) : "r"(ph[v0 / 2 + 2]));
+        p_frag[4 * kb + r] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
       }
     }
   }

@@ -68,6 +68,8 @@ struct TileConfig {
 
   // S = Q K^T: INT8 x INT8 -> INT32, both operands K-major in smem.
   using MmaQK = cute::SM90::GMMA::MMA_64x128x32_S32S8S8_SS_TN;
+  // Same product with Q from registers (kFlagQRegs): B descriptors are those of the SS atom.
+  using MmaQKRS = cute::SM90::GMMA::MMA_64x128x32_S32S8S8_RS_TN;
   // O += P V: FP8 x FP8 -> FP32, P from registers, V^T K-major (keys contiguous) in smem.
   using MmaPV = std::conditional_t<D == 128, cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_RS_TN<>,
                                    cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_RS_TN<>>;

@@ -1,13 +1,20 @@
 #!/usr/bin/env python3
-"""Time the forward-kernel flag variants side by side against cuDNN BF16 SDPA (one GPU, one process).
+"""Time the forward-kernel variants side by side against cuDNN BF16 SDPA (one GPU, one process).
 
-Builds the benchmark extension (env SAGE_DIFFUSERS_SM90_BENCH=1: bf16 non-causal variants of every
-flag set in generate_instantiations.BENCH_FLAGS, see kernel_fwd.cuh for the flags), then per shape
-and variant: median time of the full call (pre-pass included), TOPS, ratio to cuDNN, and
-correctness: cos vs sage8_reference on small awkward shapes (key mask included), cos vs the flag-0
-variant on the timed shapes (same algorithm: must stay >= 0.9999).
+Builds the benchmark extension (env SAGE_DIFFUSERS_SM90_BENCH=1: bf16 non-causal variants listed in
+generate_instantiations.BENCH_VARIANTS, flags explained in kernel_fwd.cuh), checks every variant and
+both pre-pass modes against sage8_reference on small awkward shapes (key mask included), then per
+timed shape and variant:
+  full  : median of the whole call (pre-pass + kernel + host work), synchronised per repetition
+          (the convention of eval/bench_kernels.py, host latency included like cuDNN's);
+  main  : the attention kernel alone, back-to-back launches (ext.bench_parts);
+and per shape, with the default variant: the pre-pass alone (GPU time) in modes 0-3 (launch.h
+kPrepass* bits: 1 = Q quantized inside the stats launch, 2 = batched loads; bit 4 = one workspace
+allocation is host-only), the full call in modes 0, 3, 4 and 7, and the full call pipelined (20
+calls between two events, no sync) in modes 0 and 7: full - pipelined ~ host latency per call.
+A compact table comes last (the device log keeps only its tail).
 
-    python csrc/sm90_int8/variants_bench.py [--shapes all|quick] [--reps 30]
+    python csrc/sm90_int8/variants_bench.py [--reps 20] [--shapes all|quick]
 """
 from __future__ import annotations
 
@@ -30,8 +37,14 @@ import torch.nn.functional as F  # noqa: E402
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
 from sage_diffusers.reference import cosine, sage8_reference  # noqa: E402
 
-SHAPES = [(1, 24, 16384, 128), (1, 48, 17776, 64), (1, 24, 4608, 128), (1, 38, 4429, 64)]
-NAMES = {-1: "default", 0: "base", 1: "lean", 3: "lean+ovl", 5: "lean+pp", 7: "lean+ovl+pp"}
+SHAPES = [(1, 24, 4608, 128), (1, 38, 4429, 64), (2, 24, 4096, 128), (1, 24, 16384, 128),
+          (1, 48, 17776, 64)]
+QUICK_SHAPES = [(1, 24, 4608, 128), (1, 38, 4429, 64), (1, 24, 16384, 128), (1, 48, 17776, 64)]
+NAMES = {-1: "default", 0: "base", 1: "lean", 3: "lean+ovl", 5: "lean+pp", 7: "lean+ovl+pp",
+         11: "lean+ovl+qreg", 15: "lean+ovl+pp+qreg", 19: "lean+ovl+h2exp", 23: "lean+ovl+pp+h2exp"}
+DEFAULT_FLAGS = {128: 15, 64: 11}  # generate_instantiations.DEFAULT_FLAGS
+CHECK_MODES = (1, 2, 3, 4, 7)  # pre-pass mode bit sets checked against the reference
+FULL_MODES = (0, 3, 4, 7)      # full-call timings (per-repetition sync)
 
 
 def inputs(b, h, s, d, seed=0):
@@ -43,6 +56,7 @@ def inputs(b, h, s, d, seed=0):
 
 
 def time_ms(fn, reps):
+    """Median of per-repetition event times, synchronised after each (host latency included)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -58,9 +72,23 @@ def time_ms(fn, reps):
     return ts[len(ts) // 2]
 
 
+def time_pipelined_ms(fn, n=20):
+    """Mean time of n back-to-back calls between two events (host work overlaps the GPU)."""
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / n
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--shapes", choices=("all", "quick"), default="all")
     ap.add_argument("--default", action="store_true")
     args = ap.parse_args()
     t0 = time.time()
@@ -75,61 +103,112 @@ def main():
         if line.startswith("SAGE_SM90_VARIANT("):
             d, _, _, poly, flags = [x.strip() for x in line[len("SAGE_SM90_VARIANT("):-1].split(",")]
             variants.append((int(d), int(poly), int(flags)))
+    has_modes = hasattr(ext, "set_prepass_mode")
 
-    def run(q, k, v, poly, flags, mask=None, scale=None):
+    def run(q, k, v, poly, flags, mask=None):
         ext.set_fwd_flags(flags)
-        sc = scale if scale is not None else q.shape[-1] ** -0.5
-        return ext.fwd(q, k, v, mask, False, sc, False, poly)[0]
+        return ext.fwd(q, k, v, mask, False, q.shape[-1] ** -0.5, False, poly)[0]
 
-    # correctness vs the reference (small, awkward, with a key mask)
+    def default_variant(d):
+        if DEFAULT_ONLY:
+            return int8_sm90.default_exp_poly_every(d), -1
+        return int8_sm90.default_exp_poly_every(d), DEFAULT_FLAGS[d]
+
+    # ---- correctness vs the reference (small, awkward, with and without a key mask) ----
     bad = 0
     for d in (64, 128):
         for (b, h, s) in ((1, 2, 1023), (2, 3, 4097)):
             q, k, v = inputs(b, h, s, d, seed=1)
             mask = torch.rand(b, s, device="cuda") > 0.2
             mask[:, :5] = True
-            ref = sage8_reference(q.float(), k.float(), v.float(), key_mask=mask).float()
-            ref0 = sage8_reference(q.float(), k.float(), v.float()).float()
-            for dd, poly, flags in variants:
-                if dd != d:
-                    continue
-                for m in (None, mask):
-                    out = run(q, k, v, poly, flags, mask=m)
-                    r = ref if m is not None else ref0
-                    c = cosine(out.float(), r)
+            refs = {False: sage8_reference(q.float(), k.float(), v.float()).float(),
+                    True: sage8_reference(q.float(), k.float(), v.float(), key_mask=mask).float()}
+            cases = [(poly, flags, 0) for dd, poly, flags in variants if dd == d]
+            if has_modes:
+                cases += [(*default_variant(d), mode) for mode in CHECK_MODES]
+            for poly, flags, mode in cases:
+                if has_modes:
+                    ext.set_prepass_mode(mode)
+                for masked in (False, True):
+                    out = run(q, k, v, poly, flags, mask=mask if masked else None)
+                    c = cosine(out.float(), refs[masked])
                     ok = c >= 0.9999 and torch.isfinite(out).all().item()
                     bad += not ok
-                    if not ok or s == 4097:
-                        print(f"{'OK ' if ok else 'BAD'} ref d={d} {b}x{h}x{s} mask={m is not None} "
-                              f"poly={poly} {NAMES.get(flags, flags)}: cos={c:.6f}", flush=True)
+                    if not ok:
+                        print(f"BAD ref d={d} {b}x{h}x{s} mask={masked} poly={poly} "
+                              f"{NAMES.get(flags, flags)} prepass={mode}: cos={c:.6f}", flush=True)
+            if has_modes:
+                ext.set_prepass_mode(0)
     ext.set_fwd_flags(-1)
-    print("correctness failures:", bad, flush=True)
+    print(f"correctness failures: {bad} ({time.time() - t0:.0f} s)", flush=True)
 
-    print("| shape | variant | poly | ms | TOPS | vs cuDNN | cos vs base |")
-    print("|---|---|---|---|---|---|---|")
-    for (b, h, s, d) in SHAPES:
+    # ---- timing ----
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    summary = []
+    print("| shape | variant | poly | full ms | main ms | TOPS(full) | vs cuDNN | cos vs base |")
+    print("|---|---|---|---|---|---|---|---|")
+    shapes = SHAPES if args.shapes == "all" else QUICK_SHAPES
+    for (b, h, s, d) in shapes:
         q, k, v = inputs(b, h, s, d)
         flops = 4 * b * h * s * s * d
-        from torch.nn.attention import SDPBackend, sdpa_kernel
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             t_cudnn = time_ms(lambda: F.scaled_dot_product_attention(q, k, v), args.reps)
-        print(f"| {b}x{h}x{s}x{d} | cuDNN bf16 | - | {t_cudnn:.3f} | {flops / t_cudnn / 1e9:.0f} | 1.00 | - |", flush=True)
-        base = run(q, k, v, 0 if not DEFAULT_ONLY else int8_sm90.default_exp_poly_every(d),
-                   -1 if DEFAULT_ONLY else 0).float()
+        tag = f"{b}x{h}x{s}x{d}"
+        print(f"| {tag} | cuDNN bf16 | - | {t_cudnn:.3f} | - | {flops / t_cudnn / 1e9:.0f} | 1.00 | - |", flush=True)
+        base = run(q, k, v, 0, -1 if DEFAULT_ONLY else 0).float()
+        best = None
         for dd, poly, flags in variants:
             if dd != d:
                 continue
             out = run(q, k, v, poly, flags)
             c = cosine(out.float(), base)
             t = time_ms(lambda: run(q, k, v, poly, flags), args.reps)
-            print(f"| {b}x{h}x{s}x{d} | {NAMES.get(flags, flags)} | {poly} | {t:.3f} | {flops / t / 1e9:.0f} | "
-                  f"{t_cudnn / t:.2f} | {c:.6f} |", flush=True)
-        # pre-pass alone
-        t_pre = time_ms(lambda: ext.prepass(q, k, v, None, d ** -0.5), args.reps)
-        print(f"| {b}x{h}x{s}x{d} | prepass only | - | {t_pre:.3f} | - | - | - |", flush=True)
+            ext.set_fwd_flags(flags)
+            t_pre, t_main = ext.bench_parts(q, k, v, False, poly, args.reps)
+            name = f"{NAMES.get(flags, flags)}/p{poly}"
+            print(f"| {tag} | {NAMES.get(flags, flags)} | {poly} | {t:.3f} | {t_main:.3f} | "
+                  f"{flops / t / 1e9:.0f} | {t_cudnn / t:.2f} | {c:.6f} |", flush=True)
+            if best is None or t_main < best[2]:
+                best = (name, t, t_main)
+        # pre-pass modes, pipelined call, with the default variant
+        poly, flags = default_variant(d)
+        ext.set_fwd_flags(flags)
+        row = {"shape": tag, "cudnn": t_cudnn, "best": best, "full": {}, "pre": {}, "pipe": {}}
+        for mode in (FULL_MODES if has_modes else (0,)):
+            if has_modes:
+                ext.set_prepass_mode(mode)
+            row["full"][mode] = time_ms(lambda: run(q, k, v, poly, flags), args.reps)
+            if mode in (0, 7):
+                row["pipe"][mode] = time_pipelined_ms(lambda: run(q, k, v, poly, flags))
+        for mode in ((0, 1, 2, 3) if has_modes else (0,)):
+            if has_modes:
+                ext.set_prepass_mode(mode)
+            row["pre"][mode], main_ms = ext.bench_parts(q, k, v, False, poly, args.reps)
+            row.setdefault("main", main_ms)
+        if has_modes:
+            ext.set_prepass_mode(0)
+        print(f"| {tag} | default | {poly} | " + ", ".join(
+            f"full m{m} {t:.3f}" for m, t in row["full"].items()) + " | " + ", ".join(
+            f"pre m{m} {t:.3f}" for m, t in row["pre"].items()) + f" | main {row['main']:.3f} | " +
+            ", ".join(f"pipelined m{m} {t:.3f}" for m, t in row["pipe"].items()) + " |", flush=True)
+        summary.append(row)
         del q, k, v, base
     ext.set_fwd_flags(-1)
-    print(f"total {time.time() - t0:.0f} s")
+
+    nan = float("nan")
+    print(f"\n== summary (ms; x = cuDNN / ours; m = pre-pass mode bits, launch.h; total "
+          f"{time.time() - t0:.0f} s, correctness failures {bad})")
+    print("| shape | cuDNN | full m0 | x | full m7 | x | best m | main | pre m0 | pre m1 | pre m2 | pre m3 "
+          "| pipe m0 | pipe m7 | best main (variant) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in summary:
+        f0, f7 = r["full"].get(0, nan), r["full"].get(7, nan)
+        bm = min(r["full"], key=r["full"].get)
+        pre = [r["pre"].get(m, nan) for m in range(4)]
+        print(f"| {r['shape']} | {r['cudnn']:.3f} | {f0:.3f} | {r['cudnn'] / f0:.2f} | {f7:.3f} | "
+              f"{r['cudnn'] / f7:.2f} | {bm} | {r['main']:.3f} | " + " | ".join(f"{x:.3f}" for x in pre) +
+              f" | {r['pipe'].get(0, nan):.3f} | {r['pipe'].get(7, nan):.3f} | "
+              f"{r['best'][2]:.3f} ({r['best'][0]}) |")
 
 
 if __name__ == "__main__":
