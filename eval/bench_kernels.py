@@ -213,7 +213,7 @@ def m_sageattention():
 
 
 def m_fp4():
-    from sage_diffusers.kernels import fp4  # another helper's kernel; optional
+    from sage_diffusers.kernels import fp4  # the FP4 kernel, where this GPU can run it
 
     ok, why = fp4.is_available()
     if not ok:

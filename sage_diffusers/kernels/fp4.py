@@ -19,7 +19,7 @@ reciprocal multiplies and exp2 is ``ex2.approx``; means are summed in a differen
 Entry points
 ------------
 attention_fp4(q, k, v, *, key_mask, is_causal, scale, return_lse, p_quant) -> (out, lse | None)
-    The backend contract of SPEC_FOR_HELPERS.md.
+    The backend contract of sage_diffusers.api (BHSD views, (out, lse | None)).
 prepass(k, v, k_mean=None) -> dict
     The K/V quantization pre-pass alone (stored format, for bit-exact tests).
 key_positions(n) -> LongTensor
