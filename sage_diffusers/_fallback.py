@@ -10,17 +10,24 @@ _lock = threading.Lock()
 _counts: Counter = Counter()
 
 
-def record(reason: str) -> None:
-    """Count one fallback; log the reason the first time it is seen."""
+def record(reason: str, ran: str = "SDPA") -> None:
+    """Count one call that did not take its requested path; log the reason the first time.
+
+    ``ran`` names what ran instead (SDPA, or the torch reference where no kernel exists).
+    """
     with _lock:
         first = reason not in _counts
         _counts[reason] += 1
     if first:
-        logger.warning("sage_diffusers: falling back to SDPA: %s", reason)
+        logger.warning("sage_diffusers: running %s instead: %s", ran, reason)
 
 
 def fallback_stats() -> dict[str, int]:
-    """Reasons for SDPA fallbacks so far and how often each happened."""
+    """Reasons calls did not take their requested path so far, and how often each happened.
+
+    Most are SDPA fallbacks (unsupported input, no kernel for "auto"); an explicit "int8"/"fp4"
+    call on a GPU without that kernel runs the torch reference and is counted here too.
+    """
     with _lock:
         return dict(_counts)
 

@@ -189,9 +189,12 @@ def _plan(mode: Mode, device: torch.device, dtype: torch.dtype, d: int, dv: int,
             return Plan("sdpa", Mode.SDPA)
         return Plan("kernel", algo, backend)
 
-    backend, _ = _kernel(mode, device) if device.type == "cuda" else (None, "")
+    if device.type != "cuda":
+        return Plan("reference", mode)
+    backend, why = _kernel(mode, device)
     if backend is not None:
         return Plan("kernel", mode, backend)
+    _fallback.record(f"{mode.value}: no kernel on {_arch_name(device)} ({why})", ran="the torch reference")
     return Plan("reference", mode)
 
 
@@ -225,7 +228,13 @@ def _kernel_cached(mode: Mode, capability: tuple[int, int]) -> tuple[Optional[Ba
     except ImportError as exc:
         return None, f"kernel module missing ({exc})"
     ok, why = module.is_available()
-    return (getattr(module, fn_name), "") if ok else (None, why)
+    if not ok:
+        return None, why
+    try:
+        module.build()  # JIT on first use; a failed build becomes a fallback reason, not a crash
+    except Exception as exc:  # compiler missing, headers missing, ...: report and fall back
+        return None, f"build failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return getattr(module, fn_name), ""
 
 
 def _kernel(mode: Mode, device: torch.device) -> tuple[Optional[Backend], str]:

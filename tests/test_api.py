@@ -171,3 +171,17 @@ def test_top_level_enable_disable_are_the_integration_functions():
     from sage_diffusers import integration
 
     assert sd.enable is integration.enable and sd.disable is integration.disable
+
+
+def test_a_kernel_that_fails_to_build_becomes_a_reason_not_a_crash(monkeypatch):
+    from sage_diffusers import api
+    from sage_diffusers.kernels import int8_sm90
+    from sage_diffusers.options import Mode
+
+    def broken_build(*args, **kwargs):
+        raise RuntimeError("nvcc not found\nmore detail")
+
+    monkeypatch.setattr(int8_sm90, "is_available", lambda: (True, "ok"))
+    monkeypatch.setattr(int8_sm90, "build", broken_build)
+    backend, why = api._kernel_cached.__wrapped__(Mode.INT8, (9, 0))
+    assert backend is None and why == "build failed: RuntimeError: nvcc not found"
