@@ -75,7 +75,7 @@ def attention(
     mode = Mode.parse(mode)
     qh, kh, vh = _to_bhsd(q, k, v, layout)
     b, hq, sq, d = qh.shape
-    hkv, skv, dv = kh.shape[1], kh.shape[2], vh.shape[3]
+    skv, dv = kh.shape[2], vh.shape[3]
     scale_f = _check_scale(scale, d)
     key_mask, general_mask = _split_mask(attn_mask, b, hq, sq, skv, q.device)
 

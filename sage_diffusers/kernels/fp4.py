@@ -45,6 +45,7 @@ import torch
 
 from ..options import FP4Format, PQuant
 from . import _jit
+from ._contract import check_qkv, normalize_key_mask
 
 __all__ = ["attention_fp4", "prepass", "key_positions", "atom_gemm", "is_available", "build",
            "attention_atoms", "selftest", "benchmark", "HEAD_DIMS", "Atom"]
@@ -279,35 +280,6 @@ def _(q, k, v, key_mask, is_causal, scale, return_lse, p_quant):
     return torch.empty_like(q), q.new_empty(shape, dtype=torch.float32)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"expected 4-D (B, H, S, D) q/k/v, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q/k/v must share dtype float16 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"head dim must be one of {HEAD_DIMS}, got {q.shape[-1]}")
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}")
-    if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"Hq ({q.shape[1]}) must be a multiple of Hkv ({k.shape[1]})")
-    if q.shape[2] < 1 or k.shape[2] < 1:
-        raise ValueError(f"empty sequence: Sq={q.shape[2]}, Skv={k.shape[2]}")
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("q/k/v need a contiguous last dim")
-
-
-def _normalize_mask(key_mask: Optional[torch.Tensor], b: int, skv: int) -> Optional[torch.Tensor]:
-    if key_mask is None:
-        return None
-    if key_mask.dim() == 4 and key_mask.shape[1] == 1 and key_mask.shape[2] == 1:
-        key_mask = key_mask.reshape(key_mask.shape[0], key_mask.shape[3])
-    if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (b, skv):
-        raise ValueError(f"key_mask must be bool (B, Skv) = ({b}, {skv}), got {key_mask.dtype} "
-                         f"{tuple(key_mask.shape)}")
-    return key_mask.contiguous()
-
-
 def attention_fp4(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -341,8 +313,8 @@ def attention_fp4(
     """
     if FP4Format.parse(fmt) is not FP4Format.NVFP4:
         raise ValueError("the FP4 kernel implements NVFP4 only; use the reference for MXFP4")
-    _check(q, k, v)
-    key_mask = _normalize_mask(key_mask, q.shape[0], k.shape[2])
+    check_qkv(q, k, v, HEAD_DIMS, unit_last_stride=True)
+    key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = torch.ops.sage_diffusers.fp4_attention(
         q, k, v, key_mask, bool(is_causal), scale, bool(return_lse), _P_QUANT_CODE[PQuant.parse(p_quant)])

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from . import _jit
+from ._contract import check_qkv, normalize_key_mask
 
 __all__ = ["attention_int8_sm90", "prepass", "is_available", "build", "compile_check",
            "HEAD_DIMS", "default_exp_poly_every", "set_exp_poly_every", "has_variant"]
@@ -167,33 +168,6 @@ def _(q, k, v, key_mask, is_causal, scale, return_lse, exp_poly_every):
     return out, q.new_empty(shape, dtype=torch.float32)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"expected 4-D (B, H, S, D) q/k/v, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q/k/v must share dtype float16 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"head dim must be one of {HEAD_DIMS}, got {q.shape[-1]}")
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}")
-    if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"Hq ({q.shape[1]}) must be a multiple of Hkv ({k.shape[1]})")
-    if q.shape[2] < 1 or k.shape[2] < 1:
-        raise ValueError(f"empty sequence: Sq={q.shape[2]}, Skv={k.shape[2]}")
-
-
-def _normalize_mask(key_mask: Optional[torch.Tensor], b: int, skv: int) -> Optional[torch.Tensor]:
-    if key_mask is None:
-        return None
-    if key_mask.dim() == 4 and key_mask.shape[1] == 1 and key_mask.shape[2] == 1:
-        key_mask = key_mask.reshape(key_mask.shape[0], key_mask.shape[3])
-    if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (b, skv):
-        raise ValueError(f"key_mask must be bool (B, Skv) = ({b}, {skv}), got {key_mask.dtype} "
-                         f"{tuple(key_mask.shape)}")
-    return key_mask.contiguous()
-
-
 def attention_int8_sm90(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -221,8 +195,8 @@ def attention_int8_sm90(
     out : (B, Hq, Sq, D) in q.dtype, same memory layout as q. Fully masked rows are 0.
     lse : float32 (B, Hq, Sq) (-inf for fully masked rows) or None.
     """
-    _check(q, k, v)
-    key_mask = _normalize_mask(key_mask, q.shape[0], k.shape[2])
+    check_qkv(q, k, v, HEAD_DIMS)
+    key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2])
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     out, lse = torch.ops.sage_diffusers.int8_attention_sm90(
@@ -270,8 +244,8 @@ def prepass(q, k, v, key_mask=None, scale=None) -> dict:
     sv (B, Hkv, D) f32, k_mean (B, Hkv, D) f32, kv_len (B,) int32 (only with a mask),
     mask_bits (B, 4*ceil(Skv/128)) int32.
     """
-    _check(q, k, v)
-    key_mask = _normalize_mask(key_mask, q.shape[0], k.shape[2])
+    check_qkv(q, k, v, HEAD_DIMS)
+    key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2])
     d, sq_len, skv = q.shape[-1], q.shape[2], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     qq, kk, vv = (x if _rows_aligned(x) else x.contiguous() for x in (q, k, v))

@@ -5,7 +5,6 @@ quantized per channel, FP32 accumulation, and the same 128-key online-softmax ti
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch

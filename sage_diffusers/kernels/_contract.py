@@ -1,0 +1,42 @@
+"""Argument checks shared by every kernel's backend function (the contract in ``sage_diffusers.api``)."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims: Sequence[int],
+              unit_last_stride: bool = False) -> None:
+    """Raise ValueError unless q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D) suit a kernel.
+
+    fp16/bf16 shared by all three, D in ``head_dims``, Hq % Hkv == 0, non-empty sequences and,
+    with ``unit_last_stride``, a contiguous last dim.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"expected 4-D (B, H, S, D) q/k/v, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q/k/v must share dtype float16 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[-1] not in head_dims:
+        raise ValueError(f"head dim must be one of {tuple(head_dims)}, got {q.shape[-1]}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"Hq ({q.shape[1]}) must be a multiple of Hkv ({k.shape[1]})")
+    if q.shape[2] < 1 or k.shape[2] < 1:
+        raise ValueError(f"empty sequence: Sq={q.shape[2]}, Skv={k.shape[2]}")
+    if unit_last_stride and (q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1):
+        raise ValueError("q/k/v need a contiguous last dim")
+
+
+def normalize_key_mask(key_mask: Optional[torch.Tensor], b: int, skv: int) -> Optional[torch.Tensor]:
+    """None, or a contiguous bool (B, Skv) from a (B, Skv) or (B, 1, 1, Skv) bool mask."""
+    if key_mask is None:
+        return None
+    if key_mask.dim() == 4 and key_mask.shape[1] == 1 and key_mask.shape[2] == 1:
+        key_mask = key_mask.reshape(key_mask.shape[0], key_mask.shape[3])
+    if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (b, skv):
+        raise ValueError(f"key_mask must be bool (B, Skv) = ({b}, {skv}), got {key_mask.dtype} "
+                         f"{tuple(key_mask.shape)}")
+    return key_mask.contiguous()

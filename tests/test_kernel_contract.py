@@ -1,0 +1,47 @@
+"""The argument checks every kernel backend shares (CPU: they only read shapes, dtypes, strides)."""
+import pytest
+import torch
+
+from sage_diffusers.kernels._contract import check_qkv, normalize_key_mask
+
+
+def _qkv(d=64, dtype=torch.bfloat16, hq=4, hkv=2):
+    return (torch.zeros(2, hq, 5, d, dtype=dtype), torch.zeros(2, hkv, 7, d, dtype=dtype),
+            torch.zeros(2, hkv, 7, d, dtype=dtype))
+
+
+def test_valid_inputs_pass():
+    check_qkv(*_qkv(), head_dims=(64, 128), unit_last_stride=True)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (_qkv(d=96), "head dim"),
+        (_qkv(dtype=torch.float32), "dtype"),
+        (_qkv(hq=3, hkv=2), "multiple"),
+        ((torch.zeros(2, 4, 0, 64, dtype=torch.bfloat16),) + _qkv()[1:], "empty"),
+    ],
+)
+def test_bad_inputs_raise(args, match):
+    with pytest.raises(ValueError, match=match):
+        check_qkv(*args, head_dims=(64, 128))
+
+
+def test_unit_last_stride_is_checked_only_when_asked():
+    q, k, v = _qkv()
+    q = torch.zeros(2, 4, 64, 5, dtype=torch.bfloat16).transpose(-1, -2)  # last dim strided
+    check_qkv(q, k, v, head_dims=(64,))
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        check_qkv(q, k, v, head_dims=(64,), unit_last_stride=True)
+
+
+def test_key_mask_forms():
+    m = torch.rand(2, 7) > 0.5
+    assert normalize_key_mask(None, 2, 7) is None
+    assert torch.equal(normalize_key_mask(m, 2, 7), m)
+    assert torch.equal(normalize_key_mask(m[:, None, None, :], 2, 7), m)
+    with pytest.raises(ValueError, match="key_mask"):
+        normalize_key_mask(m.float(), 2, 7)
+    with pytest.raises(ValueError, match="key_mask"):
+        normalize_key_mask(m[:1], 2, 7)
