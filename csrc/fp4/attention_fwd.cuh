@@ -1,6 +1,7 @@
 // The FP4 forward kernel: composes the prologue, the two-stage K/V pipeline, the MMA sweeps, the
-// fused softmax / P quantization and the epilogue. The MMA atom, head dim and element type are
-// template parameters; attention_fwd_sm{120,90}.cu instantiate the bounded set.
+// fused softmax / P quantization and the epilogue. The MMA atom (which carries the microscaling
+// format, NVFP4 or MXFP4), head dim and element type are template parameters;
+// attention_fwd_{native,emulated}.cu instantiate the bounded set.
 #pragma once
 
 #include <cstdint>
@@ -16,7 +17,9 @@ namespace sage_fp4 {
 
 template <class Atom, int kHeadDim, typename T>
 __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const FwdParams p) {
-  using Cfg = FwdConfig<kHeadDim>;
+  constexpr Fp4Format kFmt = Atom::kFormat;
+  using Cfg = FwdConfig<kHeadDim, kFmt>;
+  using Stage = StageView<kHeadDim, kFmt>;
   extern __shared__ __align__(128) uint8_t smem[];
   const int q0 = blockIdx.x * kBlockM, h = blockIdx.y, b = blockIdx.z;
   const int hk = h / (p.Hq / p.Hkv);  // GQA: query head h reads kv head h / group
@@ -27,9 +30,9 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
   auto kv_head = [&]() {
     KvHead kv;
     kv.kq = p.kq + bhk * p.skv_pad * (kHeadDim / 2);
-    kv.ksf = p.ksf + bhk * p.skv_pad * (kHeadDim / 16);
+    kv.ksf = p.ksf + bhk * p.skv_pad * Cfg::kKSfRowBytes;
     kv.vq = p.vq + bhk * kHeadDim * (p.skv_pad / 2);
-    kv.vsf = p.vsf + bhk * kHeadDim * (p.skv_pad / 16);
+    kv.vsf = p.vsf + bhk * kHeadDim * (p.skv_pad / Cfg::kSfBlock);
     kv.skv_pad = p.skv_pad;
     return kv;
   };
@@ -40,8 +43,8 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
     n_tiles = min(n_tiles, last_row / kBlockN + 1);
   }
 
-  auto stage = [&](int i) { return StageView<kHeadDim>{smem + i * Cfg::kStageBytes}; };
-  load_kv_tile<kHeadDim>(stage(0), kv_head(), 0);  // overlaps the Q prologue
+  auto stage = [&](int i) { return Stage{smem + i * Cfg::kStageBytes}; };
+  load_kv_tile<kHeadDim, kFmt>(stage(0), kv_head(), 0);  // overlaps the Q prologue
   cp_async_commit();
 
   typename Atom::FragA qf[kHeadDim / 64];
@@ -78,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
 
   // Scores, softmax, P~ quantization and P.V of one tile whose K/V fragments (raw stage `st`,
   // decoded `staged_buf`), corrections and key-valid bits are ready and visible.
-  auto compute_tile = [&](int tile, const StageView<kHeadDim>& st, uint32_t* staged_buf, const float* corr,
+  auto compute_tile = [&](int tile, const Stage& st, uint32_t* staged_buf, const float* corr,
                           const uint32_t* valid) {
     float s[kBlockN / 8][4];
     qk_tile<Atom, kHeadDim>(s, qf, q_tile, st, staged_buf);
@@ -109,7 +112,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
     // copy of tile i + 2 is in flight into the raw stage tile i occupied. One barrier per tile;
     // warps drift apart within a tile, so one warp's decode overlaps another's MMAs.
     constexpr int kStagedWords = Cfg::template staged_words<Atom>();
-    if (n_tiles > 1) load_kv_tile<kHeadDim>(stage(1), kv_head(), 1);
+    if (n_tiles > 1) load_kv_tile<kHeadDim, kFmt>(stage(1), kv_head(), 1);
     cp_async_commit();  // possibly empty: keeps the group count uniform
     cp_async_wait<1>();  // this thread's copies of tile 0
     __syncthreads();     // everyone's tile-0 copies and the qbar fragments are visible
@@ -122,7 +125,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
       // and raw stage `cur` (decoded last iteration) are free.
       __syncthreads();
       if (tile + 2 < n_tiles) {
-        load_kv_tile<kHeadDim>(stage(cur), kv_head(), tile + 2);
+        load_kv_tile<kHeadDim, kFmt>(stage(cur), kv_head(), tile + 2);
         cp_async_commit();
       }
       if (tile + 1 < n_tiles) {
@@ -139,15 +142,15 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
       // refilled below) and the decoded fragments (restaged below) are free.
       __syncthreads();
       if (tile + 1 < n_tiles) {  // prefetch overlaps this tile's compute
-        load_kv_tile<kHeadDim>(stage(cur ^ 1), kv_head(), tile + 1);
+        load_kv_tile<kHeadDim, kFmt>(stage(cur ^ 1), kv_head(), tile + 1);
         cp_async_commit();
       }
-      const StageView<kHeadDim> st = stage(cur);
+      const Stage st = stage(cur);
       key_valid_bits(valid_buf(cur), tile, p.Skv, key_mask_row);
       if constexpr (Atom::kStagesDecoded) {
         stage_decoded_b<Atom, kHeadDim>(st, staged, qbar_frags, corr_buf(cur));
       } else {
-        correction_cuda_cores<kHeadDim>(st, qbar, corr_buf(cur));
+        correction_cuda_cores<kHeadDim, kFmt>(st, qbar, corr_buf(cur));
       }
       __syncthreads();
       compute_tile(tile, st, staged, corr_buf(cur), valid_buf(cur));
@@ -160,7 +163,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
 
 template <class Atom, int kHeadDim, typename T>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = FwdConfig<kHeadDim>;
+  using Cfg = FwdConfig<kHeadDim, Atom::kFormat>;
   auto kernel = fp4_attention_fwd_kernel<Atom, kHeadDim, T>;
   constexpr int kSmem = Cfg::template smem_bytes<Atom>();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -171,11 +174,21 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
 }
 
 template <class Atom>
-cudaError_t dispatch_fwd(const FwdParams& p, cudaStream_t stream) {
-  if (p.Sq == 0 || p.B == 0 || p.Hq == 0) return cudaSuccess;
+cudaError_t dispatch_fwd_fmt(const FwdParams& p, cudaStream_t stream) {
   const bool bf16 = p.dtype == ElemType::kBFloat16;
   if (p.D == 64) return bf16 ? launch_fwd<Atom, 64, __nv_bfloat16>(p, stream) : launch_fwd<Atom, 64, __half>(p, stream);
   if (p.D == 128) return bf16 ? launch_fwd<Atom, 128, __nv_bfloat16>(p, stream) : launch_fwd<Atom, 128, __half>(p, stream);
+  return cudaErrorInvalidValue;
+}
+
+// The instantiated set: format (NVFP4, MXFP4) x head dim (64, 128) x element type (fp16, bf16).
+template <template <Fp4Format> class Atom>
+cudaError_t dispatch_fwd(const FwdParams& p, cudaStream_t stream) {
+  if (p.Sq == 0 || p.B == 0 || p.Hq == 0) return cudaSuccess;
+  switch (p.fmt) {
+    case Fp4Format::kNvfp4: return dispatch_fwd_fmt<Atom<Fp4Format::kNvfp4>>(p, stream);
+    case Fp4Format::kMxfp4: return dispatch_fwd_fmt<Atom<Fp4Format::kMxfp4>>(p, stream);
+  }
   return cudaErrorInvalidValue;
 }
 

@@ -14,6 +14,12 @@
 namespace {
 
 using sage_fp4::ElemType;
+using sage_fp4::Fp4Format;
+
+Fp4Format fp4_format(int64_t code) {
+  TORCH_CHECK(code == 0 || code == 1, "fmt: 0 NVFP4, 1 MXFP4, got ", code);
+  return static_cast<Fp4Format>(code);
+}
 
 #define FP4_CHECK_CUDA(expr)                                                              \
   do {                                                                                    \
@@ -35,29 +41,32 @@ void check_bhsd_16b(const torch::Tensor& t, const char* name) {
               name, ": rows must be 16-byte aligned");
 }
 
-// k, v: (B, Hkv, Skv, D); k_mean float32 (B, Hkv, D). Returns kq, ksf, vq, vsf (see fp4_api.h).
+// k, v: (B, Hkv, Skv, D); k_mean float32 (B, Hkv, D); fmt 0 NVFP4, 1 MXFP4. Returns kq, ksf, vq,
+// vsf (see fp4_api.h).
 std::vector<torch::Tensor> quantize_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& k_mean,
-                                       int64_t skv_pad, int64_t stream_handle) {
+                                       int64_t skv_pad, int64_t fmt_code, int64_t stream_handle) {
+  const Fp4Format fmt = fp4_format(fmt_code);
+  const int64_t blk = sage_fp4::fp4_block(fmt);
   check_bhsd_16b(k, "k");
   TORCH_CHECK(v.is_cuda() && v.dim() == 4 && v.stride(3) == 1 && v.sizes() == k.sizes(), "v: shape of k, last dim contiguous");
   TORCH_CHECK(v.scalar_type() == k.scalar_type(), "k and v dtypes differ");
   const auto B = k.size(0), H = k.size(1), S = k.size(2), D = k.size(3);
-  TORCH_CHECK(D % 16 == 0, "head dim must be a multiple of 16, got ", D);
+  TORCH_CHECK(D % blk == 0, "head dim must be a multiple of ", blk, ", got ", D);
   TORCH_CHECK(skv_pad % 128 == 0 && skv_pad >= S, "skv_pad must be a multiple of 128 >= Skv");
   TORCH_CHECK(k_mean.scalar_type() == torch::kFloat32 && k_mean.is_contiguous() &&
                   k_mean.sizes() == torch::IntArrayRef({B, H, D}),
               "k_mean: float32 contiguous (B, H, D)");
   auto u8 = k.options().dtype(torch::kUInt8);
   auto kq = torch::empty({B, H, skv_pad, D / 2}, u8);
-  auto ksf = torch::empty({B, H, skv_pad, D / 16}, u8);
+  auto ksf = torch::empty({B, H, skv_pad, D / blk}, u8);
   auto vq = torch::empty({B, H, D, skv_pad / 2}, u8);
-  auto vsf = torch::empty({B, H, D, skv_pad / 16}, u8);
+  auto vsf = torch::empty({B, H, D, skv_pad / blk}, u8);
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const ElemType dt = elem_type(k);
-  FP4_CHECK_CUDA(sage_fp4::launch_quantize_k(k.data_ptr(), dt, k.stride(0), k.stride(1), k.stride(2),
+  FP4_CHECK_CUDA(sage_fp4::launch_quantize_k(k.data_ptr(), dt, fmt, k.stride(0), k.stride(1), k.stride(2),
                                              k_mean.data_ptr<float>(), kq.data_ptr<uint8_t>(), ksf.data_ptr<uint8_t>(),
                                              B, H, S, skv_pad, D, stream));
-  FP4_CHECK_CUDA(sage_fp4::launch_quantize_v(v.data_ptr(), dt, v.stride(0), v.stride(1), v.stride(2),
+  FP4_CHECK_CUDA(sage_fp4::launch_quantize_v(v.data_ptr(), dt, fmt, v.stride(0), v.stride(1), v.stride(2),
                                              vq.data_ptr<uint8_t>(), vsf.data_ptr<uint8_t>(), B, H, S, skv_pad, D,
                                              stream));
   return {kq, ksf, vq, vsf};
@@ -67,8 +76,10 @@ std::vector<torch::Tensor> quantize_kv(const torch::Tensor& k, const torch::Tens
 std::vector<torch::Tensor> attention_fwd(const torch::Tensor& q, const torch::Tensor& kq, const torch::Tensor& ksf,
                                          const torch::Tensor& vq, const torch::Tensor& vsf, const torch::Tensor& k_mean,
                                          const c10::optional<torch::Tensor>& key_mask, int64_t skv, double scale,
-                                         bool causal, int64_t p_quant, bool return_lse,
+                                         bool causal, int64_t p_quant, int64_t fmt_code, bool return_lse,
                                          int64_t stream_handle) {
+  const Fp4Format fmt = fp4_format(fmt_code);
+  const int64_t blk = sage_fp4::fp4_block(fmt);
   check_bhsd_16b(q, "q");
   const auto B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
   TORCH_CHECK(D == 64 || D == 128, "FP4 kernel head dims are 64 and 128, got ", D);
@@ -77,6 +88,9 @@ std::vector<torch::Tensor> attention_fwd(const torch::Tensor& q, const torch::Te
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(skv >= 1 && skv <= skv_pad && skv_pad % 128 == 0, "Skv / padding mismatch");
   TORCH_CHECK(ksf.is_contiguous() && vq.is_contiguous() && vsf.is_contiguous() && k_mean.is_contiguous(), "contiguity");
+  TORCH_CHECK(ksf.dim() == 4 && ksf.size(2) == skv_pad && ksf.size(3) == D / blk && vsf.dim() == 4 &&
+                  vsf.size(2) == D && vsf.size(3) == skv_pad / blk,
+              "ksf / vsf shapes do not match fmt (scale per ", blk, " elements)");
   TORCH_CHECK(p_quant == 0 || p_quant == 1, "p_quant: 0 two-level, 1 direct");
   const uint8_t* mask_ptr = nullptr;
   if (key_mask.has_value()) {
@@ -106,6 +120,7 @@ std::vector<torch::Tensor> attention_fwd(const torch::Tensor& q, const torch::Te
   p.causal = causal;
   p.p_quant = static_cast<sage_fp4::PQuantMode>(p_quant);
   p.dtype = elem_type(q);
+  p.fmt = fmt;
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
 #if SAGE_FP4_NATIVE
   FP4_CHECK_CUDA(sage_fp4::launch_fp4_attention_native(p, stream));
@@ -115,21 +130,24 @@ std::vector<torch::Tensor> attention_fwd(const torch::Tensor& q, const torch::Te
   return {out, return_lse ? lse : torch::Tensor()};
 }
 
-// Test GEMM of the MMA atom: a (M, K/2) uint8, sfa (M, K/16) uint8, b (N, K/2), sfb (N, K/16) -> (M, N) fp32.
+// Test GEMM of the MMA atom: a (M, K/2) uint8, sfa (M, K/blk) uint8, b (N, K/2), sfb (N, K/blk) -> (M, N) fp32.
 torch::Tensor atom_gemm(const torch::Tensor& a, const torch::Tensor& sfa, const torch::Tensor& b, const torch::Tensor& sfb,
-                        int64_t stream_handle) {
+                        int64_t fmt_code, int64_t stream_handle) {
+  const Fp4Format fmt = fp4_format(fmt_code);
+  const int64_t blk = sage_fp4::fp4_block(fmt);
   for (const auto* t : {&a, &sfa, &b, &sfb})
     TORCH_CHECK(t->is_cuda() && t->is_contiguous() && t->scalar_type() == torch::kUInt8 && t->dim() == 2, "uint8 2-D contiguous");
   const auto M = a.size(0), N = b.size(0), K = a.size(1) * 2;
-  TORCH_CHECK(b.size(1) * 2 == K && sfa.size(0) == M && sfb.size(0) == N && sfa.size(1) == K / 16 && sfb.size(1) == K / 16,
+  TORCH_CHECK(b.size(1) * 2 == K && sfa.size(0) == M && sfb.size(0) == N && sfa.size(1) == K / blk &&
+                  sfb.size(1) == K / blk,
               "atom_gemm shapes");
   auto d = torch::empty({M, N}, a.options().dtype(torch::kFloat32));
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
 #if SAGE_FP4_NATIVE
-  FP4_CHECK_CUDA(sage_fp4::launch_mma_atom_gemm_native(a.data_ptr<uint8_t>(), sfa.data_ptr<uint8_t>(), b.data_ptr<uint8_t>(),
+  FP4_CHECK_CUDA(sage_fp4::launch_mma_atom_gemm_native(fmt, a.data_ptr<uint8_t>(), sfa.data_ptr<uint8_t>(), b.data_ptr<uint8_t>(),
                                                       sfb.data_ptr<uint8_t>(), d.data_ptr<float>(), M, N, K, stream));
 #else
-  FP4_CHECK_CUDA(sage_fp4::launch_mma_atom_gemm_emulated(a.data_ptr<uint8_t>(), sfa.data_ptr<uint8_t>(), b.data_ptr<uint8_t>(),
+  FP4_CHECK_CUDA(sage_fp4::launch_mma_atom_gemm_emulated(fmt, a.data_ptr<uint8_t>(), sfa.data_ptr<uint8_t>(), b.data_ptr<uint8_t>(),
                                                      sfb.data_ptr<uint8_t>(), d.data_ptr<float>(), M, N, K, stream));
 #endif
   return d;

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Compile every FP4 .cu file for the archs it targets (no GPU needed), syntax-check the torch
-# binding, and print ptxas register / spill reports. Exits non-zero on any failure; warns on spills.
+# binding, and print ptxas register / spill reports, per kernel instantiation with FP4_CHECK_VERBOSE=1.
+# The forward builds hold both formats (NVFP4 and MXFP4 instantiations of the same source); the
+# check fails if a build lacks the MXFP4 ones. Exits non-zero on any failure; warns on spills.
 #   usage: csrc/fp4/compile_check.sh            (NVCC, CUTLASS_INCLUDE, PYTHON may be overridden)
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -15,6 +17,14 @@ SM120=(-gencode=arch=compute_120a,code=sm_120a)
 SM90=(-gencode=arch=compute_90a,code=sm_90a)
 status=0
 
+# Per-kernel "registers spill-stores name" lines of a ptxas -v log (names demangled when c++filt exists).
+kernels() {
+  awk '/Compiling entry function/ {n=$0; sub(/.*function .?/, "", n); sub(/.? for .*/, "", n)}
+       /bytes spill stores/ {sp=$1}
+       /Used [0-9]+ registers/ {for (i=1;i<=NF;i++) if ($i=="Used") r=$(i+1); print r, sp+0, n}' "$1" |
+    { if command -v c++filt >/dev/null; then c++filt; else cat; fi; }
+}
+
 compile() {  # name, source, arch flags...
   local name="$1" src="$2"; shift 2
   local log="$OUT/$name.log" t0=$SECONDS
@@ -24,6 +34,13 @@ compile() {  # name, source, arch flags...
     spills=$(grep -oE "[0-9]+ bytes spill stores" "$log" | awk '{s+=$1} END {print s+0}')
     echo "ok   $name: $((SECONDS - t0)) s, max ${regs:-?} registers, ${spills} bytes spilled"
     [ "$spills" = "0" ] || echo "WARN $name spills registers" >&2
+    if [[ "$src" == attention_fwd_* ]]; then
+      # Fp4Format 1 = MXFP4 (mangled ...Fp4FormatE1E...): one attention kernel per head dim x dtype.
+      local mx
+      mx=$(grep "Compiling entry function" "$log" | grep "fp4_attention_fwd_kernel" | grep -c "Fp4FormatE1E" || true)
+      if [ "$mx" -lt 4 ]; then echo "FAIL $name: $mx MXFP4 attention instantiations (expected 4)"; status=1; fi
+    fi
+    if [ "${FP4_CHECK_VERBOSE:-0}" = "1" ]; then kernels "$log" | sed 's/sage_fp4:://g; s/^/       /'; fi
   else
     echo "FAIL $name"; cat "$log"; status=1
   fi

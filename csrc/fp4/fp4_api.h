@@ -8,19 +8,28 @@ namespace sage_fp4 {
 
 enum class ElemType : int { kFloat16 = 0, kBFloat16 = 1 };
 enum class PQuantMode : int { kTwoLevel = 0, kDirect = 1 };  // mirrors sage_diffusers.options.PQuant
+// Microscaling format of Q, K, V and P~ (mirrors sage_diffusers.options.FP4Format). Both store E2M1
+// codes two per byte (element 2j in the low nibble); they differ in the block scales:
+//   kNvfp4: one E4M3 byte per 16 elements, scale = E4M3(absmax / 6);
+//   kMxfp4: one E8M0 byte (biased exponent e, scale 2^(e - 127)) per 32 elements,
+//           e = clamp(floor(log2(absmax)) - 2 + 127, 0, 254), 0 for an all-zero block.
+enum class Fp4Format : int { kNvfp4 = 0, kMxfp4 = 1 };
+
+__host__ __device__ constexpr int fp4_block(Fp4Format f) { return f == Fp4Format::kNvfp4 ? 16 : 32; }
 
 // Pre-pass: K - k_mean quantized along D, tokens permuted within each 64-key chunk (see
-// tile_config.cuh), Skv padded with zeros to `skv_pad` (a multiple of 128).
+// tile_config.cuh), Skv padded with zeros to `skv_pad` (a multiple of 128). With blk =
+// fp4_block(fmt):
 //   k: (B, H, Skv, D) with element strides; k_mean: float32 (B, H, D) contiguous.
-//   kq: uint8 (B, H, skv_pad, D/2); ksf: uint8 E4M3 (B, H, skv_pad, D/16).
+//   kq: uint8 (B, H, skv_pad, D/2); ksf: uint8 E4M3 or E8M0 (B, H, skv_pad, D/blk).
 // k must be 16-byte aligned per token (last dim contiguous, strides multiples of 8 elements).
-cudaError_t launch_quantize_k(const void* k, ElemType dtype, int64_t sb, int64_t sh, int64_t ss,
+cudaError_t launch_quantize_k(const void* k, ElemType dtype, Fp4Format fmt, int64_t sb, int64_t sh, int64_t ss,
                               const float* k_mean, uint8_t* kq, uint8_t* ksf, int B, int H, int skv,
                               int skv_pad, int D, cudaStream_t stream);
 
-// Pre-pass: V quantized along tokens (blocks of 16), stored transposed.
-//   v: (B, H, Skv, D) with element strides; vq: uint8 (B, H, D, skv_pad/2); vsf: uint8 (B, H, D, skv_pad/16).
-cudaError_t launch_quantize_v(const void* v, ElemType dtype, int64_t sb, int64_t sh, int64_t ss,
+// Pre-pass: V quantized along tokens (blocks of blk), stored transposed.
+//   v: (B, H, Skv, D) with element strides; vq: uint8 (B, H, D, skv_pad/2); vsf: uint8 (B, H, D, skv_pad/blk).
+cudaError_t launch_quantize_v(const void* v, ElemType dtype, Fp4Format fmt, int64_t sb, int64_t sh, int64_t ss,
                               uint8_t* vq, uint8_t* vsf, int B, int H, int skv, int skv_pad, int D,
                               cudaStream_t stream);
 
@@ -41,6 +50,7 @@ struct FwdParams {
   bool causal;
   PQuantMode p_quant;
   ElemType dtype;
+  Fp4Format fmt;  // of the pre-pass outputs and of the in-kernel Q / P~ quantization
 };
 
 // Forward attention. One of the two is compiled per build: native needs sm_120a/sm_121a, emulated
@@ -49,13 +59,13 @@ cudaError_t launch_fp4_attention_native(const FwdParams& p, cudaStream_t stream)
 cudaError_t launch_fp4_attention_emulated(const FwdParams& p, cudaStream_t stream);
 
 // Test GEMM of one MMA atom: d (M, N) float32 = deq(A) (M, K) . deq(B) (N, K)^T with
-// a: uint8 (M, K/2), sfa: uint8 E4M3 (M, K/16), b: uint8 (N, K/2), sfb (N, K/16);
+// a: uint8 (M, K/2), sfa: uint8 E4M3 or E8M0 (M, K/blk), b: uint8 (N, K/2), sfb (N, K/blk);
 // M % 16 == 0, N % 8 == 0, K % 64 == 0. One warp per 16 x 8 output tile, fragments loaded exactly
 // as the PTX ISA lays them out for mma.m16n8k64.
-cudaError_t launch_mma_atom_gemm_native(const uint8_t* a, const uint8_t* sfa, const uint8_t* b,
+cudaError_t launch_mma_atom_gemm_native(Fp4Format fmt, const uint8_t* a, const uint8_t* sfa, const uint8_t* b,
                                        const uint8_t* sfb, float* d, int M, int N, int K,
                                        cudaStream_t stream);
-cudaError_t launch_mma_atom_gemm_emulated(const uint8_t* a, const uint8_t* sfa, const uint8_t* b,
+cudaError_t launch_mma_atom_gemm_emulated(Fp4Format fmt, const uint8_t* a, const uint8_t* sfa, const uint8_t* b,
                                       const uint8_t* sfb, float* d, int M, int N, int K,
                                       cudaStream_t stream);
 

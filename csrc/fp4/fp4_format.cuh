@@ -1,4 +1,5 @@
-// Element formats of the FP4 path: E2M1 codes, E4M3 block scales, and their decodes.
+// Element formats of the FP4 path: E2M1 codes, E4M3 (NVFP4) and E8M0 (MXFP4) block scales, and
+// their decodes.
 //
 // Rounding must agree bit for bit with sage_diffusers/reference/formats.py, so the encoders are
 // written with explicit comparisons rather than hardware conversions whose tie and sign rules
@@ -6,8 +7,11 @@
 #pragma once
 
 #include <cstdint>
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+
+#include "fp4_api.h"
 
 namespace sage_fp4 {
 
@@ -131,6 +135,111 @@ __device__ __forceinline__ void decode8_half(uint32_t x, __half2 scale, uint32_t
     __half2 h = *reinterpret_cast<const __half2*>(&bits);
     h = __hmul2(h, scale);
     out[i] = *reinterpret_cast<uint32_t*>(&h);
+  }
+}
+
+// ---- MXFP4: E8M0 block scales ----------------------------------------------------------------
+// Biased exponent of the block scale for absolute maximum `amax` (reference.quantize_mxfp4):
+// floor(log2(amax)) - 2 (E2M1's largest exponent), clamped to >= -127, biased by 127; 0 for a zero
+// block. For normal amax floor(log2) is the biased fp32 exponent - 127, so the byte is that
+// exponent - 2; a subnormal amax (exponent field 0) clamps to 0 like the reference. Range [0, 252].
+__device__ __forceinline__ uint32_t e8m0_byte(float amax) {
+  const int e = static_cast<int>(__float_as_uint(amax) >> 23) & 0xFF;  // amax >= 0
+  return static_cast<uint32_t>(max(e - 2, 0));
+}
+
+// 1 / 2^(byte - 127) = 2^(127 - byte) as fp32, exact and normal for every byte in [0, 252]; x / scale
+// and x * this reciprocal round the same exact quotient, so the codes match the reference's
+// true division bit for bit.
+__device__ __forceinline__ float e8m0_inverse(uint32_t byte) { return __uint_as_float((254u - byte) << 23); }
+
+// 2^(byte - 127) as fp32 (byte 0 is the subnormal 2^-127), exact.
+__device__ __forceinline__ float e8m0_to_float(uint32_t byte) {
+  return byte ? __uint_as_float(byte << 23) : __uint_as_float(0x00400000u);
+}
+
+// The same scale as a bf16 pair for decode8_bf16. BF16 has fp32's exponent range, so 2^(byte - 127)
+// is a normal bf16 for bytes 1..254. Byte 0 (2^-127, a bf16 subnormal) is encoded as 0: blocks with
+// that scale have absmax < 2^-124 and are flushed to zero by the emulated atom (see mma_atoms.cuh).
+__device__ __forceinline__ __nv_bfloat162 e8m0_bf16_pair(uint32_t byte) {
+  const uint32_t b = (byte & 0xFFu) << 7;
+  const uint32_t bits = b | (b << 16);
+  return *reinterpret_cast<const __nv_bfloat162*>(&bits);
+}
+
+// bf16 bit patterns of the 8 E2M1 magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} = {0000, 3F00, 3F80,
+// 3FC0, 4000, 4040, 4080, 40C0}: unlike fp16 the low bytes are not all zero, so one PRMT table
+// gives the high bytes and a second the low bytes (entry 0 is 00 in both).
+constexpr uint32_t kBf16HiLutLo = 0x3F3F3F00u;
+constexpr uint32_t kBf16HiLutHi = 0x40404040u;
+constexpr uint32_t kBf16LoLutLo = 0xC0800000u;
+constexpr uint32_t kBf16LoLutHi = 0xC0804000u;
+
+// Decode 8 packed E2M1 codes into 4 bf16x2 words (word i = elements 2i, 2i+1, low half first),
+// each multiplied by `scale` (an E8M0 power of two). Exact for every result in bf16's normal range,
+// i.e. unless the block scale is 2^-127 (byte 0, encoded as 0 by e8m0_bf16_pair) or 2^-126 with
+// code 0.5 (2^-127, a bf16 subnormal: exact if the multiply keeps subnormals, else 0).
+__device__ __forceinline__ void decode8_bf16(uint32_t x, __nv_bfloat162 scale, uint32_t out[4]) {
+  const uint32_t even_mag = (x << 4) & 0x70707070u;
+  const uint32_t odd_mag = x & 0x70707070u;
+  const uint32_t even_sign = (x << 4) & 0x80808080u;
+  const uint32_t odd_sign = x & 0x80808080u;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    // sel nibbles {0, mag(2i), 0, mag(2i+1), 0...}: the high-byte table fills bytes 1 and 3;
+    // sel >> 4 = {mag(2i), 0, mag(2i+1), 0}: the low-byte table fills bytes 0 and 2.
+    const uint32_t sel = prmt(even_mag, odd_mag, static_cast<uint32_t>(i | ((4 + i) << 4)));
+    const uint32_t hi = prmt(kBf16HiLutLo, kBf16HiLutHi, sel);
+    const uint32_t lo = prmt(kBf16LoLutLo, kBf16LoLutHi, (sel >> 4) & 0xFFFFu);
+    const uint32_t sgn = prmt(even_sign, odd_sign, static_cast<uint32_t>((i << 4) | ((4 + i) << 12)));
+    const uint32_t bits = (hi & 0xFF00FF00u) | (lo & 0x00FF00FFu) | (sgn & 0x80008000u);
+    __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&bits);
+    h = __hmul2(h, scale);
+    out[i] = *reinterpret_cast<uint32_t*>(&h);
+  }
+}
+
+// ---- one interface over both formats ----------------------------------------------------------
+// Block scale of a block with absolute maximum `amax`: the stored byte and how values are divided
+// by it. NVFP4 keeps the E4M3 value (true division or a rounded reciprocal, see fragment_quant.cuh);
+// MXFP4 keeps the exact power-of-two reciprocal (so every division mode is exact).
+template <Fp4Format F>
+struct Fp4Scale;
+
+template <>
+struct Fp4Scale<Fp4Format::kNvfp4> {
+  uint32_t byte;
+  float value;
+  __device__ __forceinline__ static Fp4Scale of(float amax) {
+    const BlockScale s = nvfp4_scale(amax);
+    return {s.byte, s.value};
+  }
+  __device__ __forceinline__ bool nonzero() const { return value > 0.0f; }
+  __device__ __forceinline__ float exact_code_input(float x) const { return __fdiv_rn(x, value); }
+  __device__ __forceinline__ float reciprocal() const { return value > 0.0f ? __frcp_rn(value) : 0.0f; }
+};
+
+template <>
+struct Fp4Scale<Fp4Format::kMxfp4> {
+  uint32_t byte;
+  float inv;   // 2^(127 - byte)
+  bool any;    // amax > 0: a zero block keeps byte 0 and all-zero codes (never -0)
+  __device__ __forceinline__ static Fp4Scale of(float amax) {
+    const uint32_t b = e8m0_byte(amax);
+    return {b, e8m0_inverse(b), amax > 0.0f};
+  }
+  __device__ __forceinline__ bool nonzero() const { return any; }
+  __device__ __forceinline__ float exact_code_input(float x) const { return x * inv; }  // exact
+  __device__ __forceinline__ float reciprocal() const { return any ? inv : 0.0f; }
+};
+
+// Scale byte -> float (the CUDA-core smoothing correction).
+template <Fp4Format F>
+__device__ __forceinline__ float scale_byte_to_float(uint32_t byte) {
+  if constexpr (F == Fp4Format::kNvfp4) {
+    return e4m3_to_float(byte);
+  } else {
+    return e8m0_to_float(byte);
   }
 }
 

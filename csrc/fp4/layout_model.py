@@ -9,7 +9,10 @@ easy to get wrong and expensive to debug on a device:
   - the pre-pass key permutation puts, in every lane, exactly the keys the P.V A fragment needs;
   - Q.K^T from the swizzle-free fragment loads, P quantization from the accumulator layout
     (codes and scale words bit-exact vs reference.quantize_nvfp4), P.V, and the tensor-core
-    smoothing correction (hi/lo fp16 qbar fragments).
+    smoothing correction (hi/lo fp16 qbar fragments);
+  - MXFP4: decode8_bf16's two-table decode, the bf16 emulated atom vs the native scale_vec::2X
+    semantics, P quantization (codes and E8M0 scale words bit-exact vs quantize_mxfp4) and P.V,
+    and the three-term bf16 split of qbar.
 Run: python csrc/fp4/layout_model.py  (tests/test_kernel_fp4.py runs it on the CPU too).
 When you change a mapping in the .cuh files, change it here first.
 """
@@ -277,3 +280,154 @@ for j in range(16):
 ref = qbar.astype(np.float64) @ Kd[kp].T
 assert np.allclose(corr, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max()), np.abs(corr - ref).max()
 print("qbar correction via hi/lo fp16 fragments OK, max rel err", np.abs(corr - ref).max() / np.abs(ref).max())
+
+# =============================== MXFP4 (E8M0 scale per 32 elements) ===============================
+# Same fragments; the scale word of a row/column holds 2 E8M0 bytes (byte h for k = 32h..32h+31,
+# scale_vec::2X), and the emulated atom decodes to bf16 (decode8_bf16) instead of fp16.
+from sage_diffusers.reference.quant import quantize_mxfp4, dequantize_mxfp4
+
+def bf16_bits_to_float(b):
+    return float(np.array([b << 16], dtype=np.uint32).view(np.float32)[0])
+
+def decode8_bf16(x, scale_byte):
+    """bitwise model of decode8_bf16 (two PRMT tables) times the E8M0 scale as bf16 (byte 0 -> 0)."""
+    even_mag = (x << 4) & 0x70707070; odd_mag = x & 0x70707070
+    even_sign = (x << 4) & 0x80808080; odd_sign = x & 0x80808080
+    scale = bf16_bits_to_float((scale_byte & 0xFF) << 7)
+    vals = []
+    for i in range(4):
+        sel = prmt(even_mag, odd_mag, i | ((4+i) << 4))
+        hi = prmt(0x3F3F3F00, 0x40404040, sel)
+        lo = prmt(0xC0800000, 0xC0804000, (sel >> 4) & 0xFFFF)
+        sgn = prmt(even_sign, odd_sign, (i << 4) | ((4+i) << 12))
+        bits = ((hi & 0xFF00FF00) | (lo & 0x00FF00FF) | (sgn & 0x80008000)) & 0xFFFFFFFF
+        vals += [bf16_bits_to_float(bits & 0xFFFF) * scale, bf16_bits_to_float(bits >> 16) * scale]
+    return vals
+
+for _ in range(2000):
+    x = int(rng.integers(0, 2**32))
+    assert decode8_bf16(x, 127) == [float(code_val(np.array((x >> (4*j)) & 0xF))) for j in range(8)], hex(x)
+print("decode8_bf16 bitwise model OK")
+
+e8m0_val = lambda b: 2.0 ** (int(b) - 127)
+
+def emu_make_a_mx(regs, sf_lo, sf_hi):
+    f = [[None]*4 for _ in range(4)]
+    for reg in range(4):
+        h, row_hi = reg >> 1, reg & 1
+        dec = decode8_bf16(regs[reg], ((sf_hi if row_hi else sf_lo) >> (8*h)) & 0xFF)
+        dec = [(dec[2*i], dec[2*i+1]) for i in range(4)]
+        for q in range(2):
+            f[2*h+q][row_hi] = dec[2*q]; f[2*h+q][row_hi+2] = dec[2*q+1]
+    return f
+
+def emu_make_b_mx(b0, b1, sf):
+    f = [[None]*2 for _ in range(4)]
+    for h, r in enumerate((b0, b1)):
+        dec = decode8_bf16(r, (sf >> (8*h)) & 0xFF)
+        dec = [(dec[2*i], dec[2*i+1]) for i in range(4)]
+        for q in range(2):
+            f[2*h+q][0] = dec[2*q]; f[2*h+q][1] = dec[2*q+1]
+    return f
+
+def native_mma_mx(regsA, sfa, regsB, sfb):
+    """m16n8k64 e2m1 with scale_vec::2X ue8m0 (byte-id 0, thread-id 0): byte h of the low half
+    scales k = 32h..32h+31; lane 4g -> row g, 4g+1 -> row g+8; column g from lane 4g."""
+    Am = np.zeros((16, 64)); Bm = np.zeros((64, 8))
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for reg, (row, k0) in enumerate(((g, 8*t), (g+8, 8*t), (g, 32+8*t), (g+8, 32+8*t))):
+            for j in range(8):
+                Am[row, k0+j] = code_val(np.array((regsA[lane][reg] >> (4*j)) & 0xF))
+        for reg, k0 in enumerate((8*t, 32+8*t)):
+            for j in range(8):
+                Bm[k0+j, g] = code_val(np.array((regsB[lane][reg] >> (4*j)) & 0xF))
+    SA = np.zeros((16, 2)); SB = np.zeros((8, 2))
+    for g in range(8):
+        for blk in range(2):
+            SA[g, blk] = e8m0_val((sfa[4*g] >> (8*blk)) & 0xFF)
+            SA[g+8, blk] = e8m0_val((sfa[4*g+1] >> (8*blk)) & 0xFF)
+            SB[g, blk] = e8m0_val((sfb[4*g] >> (8*blk)) & 0xFF)
+    return (Am * np.repeat(SA, 32, 1)) @ (Bm * np.repeat(SB.T, 32, 0))
+
+for trial in range(20):
+    regsA = [[int(rng.integers(0, 2**32)) for _ in range(4)] for _ in range(32)]
+    regsB = [[int(rng.integers(0, 2**32)) for _ in range(2)] for _ in range(32)]
+    rand_sf = lambda: sum(int(rng.integers(1, 253)) << (8*i) for i in range(2))  # bytes 1..252, all normal
+    rows_sf = [rand_sf() for _ in range(16)]; cols_sf = [rand_sf() for _ in range(8)]
+    sfa = [rows_sf[(l >> 2) + 8*(l & 1)] for l in range(32)]
+    sfb = [cols_sf[l >> 2] for l in range(32)]
+    Dn = native_mma_mx(regsA, sfa, regsB, sfb)
+    FA = [emu_make_a_mx(regsA[l], rows_sf[l >> 2], rows_sf[(l >> 2) + 8]) for l in range(32)]
+    FB = [emu_make_b_mx(*regsB[l], cols_sf[l >> 2]) for l in range(32)]
+    De = emu_mma(FA, FB)
+    assert np.allclose(Dn, De, rtol=1e-12, atol=0), np.abs(Dn - De).max()
+print("emulated MXFP4 atom (bf16) == native scale_vec::2X semantics on random fragments OK")
+
+def quantize_a_chunk_mx_model(vals_by_lane):
+    """fragment_quant.cuh, F = kMxfp4: amax over the quad (shfl_xor 1, 2) per half, E8M0 byte,
+    codes of x * 2^(127 - byte); scale word byte h = block h."""
+    from sage_diffusers.reference.formats import e2m1_encode
+    out_codes = [[0]*4 for _ in range(32)]; sfw = [[0, 0] for _ in range(32)]
+    for lane in range(32):
+        for r in range(2):
+            for h in range(2):
+                quad = [l for l in range(32) if l >> 2 == lane >> 2]
+                a = np.float32(max(abs(v) for l in quad for v in vals_by_lane[l][r][8*h:8*h+8]))
+                e = int(np.array([a], dtype=np.float32).view(np.uint32)[0] >> 23) & 0xFF
+                byte = max(e - 2, 0)
+                inv = np.float32(2.0 ** (127 - byte)) if a > 0 else np.float32(0)
+                xs = torch.tensor([np.float32(v) * inv for v in vals_by_lane[lane][r][8*h:8*h+8]], dtype=torch.float32)
+                codes = e2m1_encode(xs).numpy()
+                out_codes[lane][2*h + r] = sum(int(codes[i]) << (4*i) for i in range(8))
+                sfw[lane][r] |= byte << (8*h)
+    return out_codes, [s[0] for s in sfw], [s[1] for s in sfw]
+
+# P quantization (two-level style values spanning many binades, one zero row) + P.V, MXFP4
+P = (np.abs(rng.standard_normal((16, 128))) * np.exp2(rng.integers(-30, 12, (16, 1)))).astype(np.float32)
+P[3, :] = 0.0
+P[5, 64:] = 0.0  # a zero block: byte 0, +0 codes
+vcodes = rng.integers(0, 16, (D, 128)).astype(np.uint8)
+vs_b = rng.integers(100, 140, (D, 4)).astype(np.uint8)
+vq = pack(vcodes)
+Vd = np.vectorize(lambda c: float(code_val(np.array(c))))(vcodes) * np.repeat(2.0 ** (vs_b.astype(np.float64) - 127), 32, 1)
+out = np.zeros((16, D))
+Preal = np.zeros((16, 128), dtype=np.float32); Preal[:, kp] = P
+for c in range(2):
+    vals = []
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        vals.append([[float(P[g + 8*r, 8*(8*c + i // 2) + 2*t + (i & 1)]) for i in range(16)] for r in range(2)])
+    codes, lo, hi = quantize_a_chunk_mx_model(vals)
+    ref_q, ref_s = quantize_mxfp4(torch.from_numpy(Preal[:, 64*c:64*c+64]), dim=-1)
+    rq, rs = ref_q.numpy(), ref_s.numpy()
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        assert codes[lane][0] == word(rq[g], 4*t) and codes[lane][1] == word(rq[g+8], 4*t)
+        assert codes[lane][2] == word(rq[g], 16 + 4*t) and codes[lane][3] == word(rq[g+8], 16 + 4*t)
+        assert lo[lane] == int(rs[g, 0]) | int(rs[g, 1]) << 8 and hi[lane] == int(rs[g+8, 0]) | int(rs[g+8, 1]) << 8
+    FA = [emu_make_a_mx(codes[l], lo[l], hi[l]) for l in range(32)]
+    for n in range(D // 8):
+        FB = []
+        for lane in range(32):
+            g = lane >> 2; row = 8*n + g
+            sfw = int(vs_b[row, 2*c]) | int(vs_b[row, 2*c+1]) << 8  # load_raw_b: 2 bytes at 2c
+            FB.append(emu_make_b_mx(word(vq[row], 32*c + 4*(lane & 3)), word(vq[row], 32*c + 16 + 4*(lane & 3)), sfw))
+        out[:, 8*n:8*n+8] += emu_mma(FA, FB)
+Pdq = dequantize_mxfp4(*quantize_mxfp4(torch.from_numpy(Preal), dim=-1), dim=-1).double().numpy()
+ref = Pdq @ Vd.T
+assert np.allclose(out, ref, rtol=1e-9, atol=1e-12 * np.abs(ref).max()), np.abs(out - ref).max()
+print("MXFP4 P quantization (codes and E8M0 scale words bit-exact vs quantize_mxfp4) and P.V OK")
+
+# qbar correction with three bf16 terms (build_qbar_frags, kQbarTerms = 3)
+def bf16_round(x):
+    return float(torch.tensor([x], dtype=torch.float32).to(torch.bfloat16).float())
+qbar = (rng.standard_normal(D) * 30).astype(np.float32)
+terms = []
+rest = qbar.astype(np.float32).copy()
+for _ in range(3):
+    r = np.array([bf16_round(float(v)) for v in rest], dtype=np.float32)
+    terms.append(r); rest = (rest - r).astype(np.float32)
+approx = terms[0].astype(np.float64) + terms[1] + terms[2]
+assert np.abs(approx - qbar).max() <= 2.0 ** -23 * np.abs(qbar).max(), np.abs(approx - qbar).max()
+print("qbar split into three bf16 terms within 2^-23 relative OK")

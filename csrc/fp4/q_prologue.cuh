@@ -23,7 +23,7 @@ __device__ __forceinline__ float elem_to_float<__nv_bfloat16>(__nv_bfloat16 x) {
 template <class Atom, int kHeadDim, typename T>
 __device__ __forceinline__ void q_prologue(const FwdParams& p, uint8_t* smem, int b, int h, int hk, int q0,
                                            typename Atom::FragA (&qf)[kHeadDim / 64]) {
-  using Cfg = FwdConfig<kHeadDim>;
+  using Cfg = FwdConfig<kHeadDim, Atom::kFormat>;
   T* qs = reinterpret_cast<T*>(smem + Cfg::kOffQ);  // [kBlockM][kHeadDim]
   float* qbar = reinterpret_cast<float*>(smem + Cfg::kOffQbar);
   float* qk_mean = reinterpret_cast<float*>(smem + Cfg::kOffQkMean);
@@ -73,7 +73,7 @@ __device__ __forceinline__ void q_prologue(const FwdParams& p, uint8_t* smem, in
       }
     }
     uint32_t codes[4], sf_lo, sf_hi;
-    quantize_a_chunk<Division::kExact, false>(vals, codes, sf_lo, sf_hi);
+    quantize_a_chunk<Atom::kFormat, Division::kExact, false>(vals, codes, sf_lo, sf_hi);
     qf[c] = Atom::make_a(codes, sf_lo, sf_hi);
   }
 }

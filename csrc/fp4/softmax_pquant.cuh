@@ -1,5 +1,7 @@
 // Online softmax of one score tile fused with the quantization of P~ into FP4 A fragments
-// (two-level: per-row FP32 factor s1 = tile rowmax / (448 * 6), then NVFP4 of P~ / s1; or direct).
+// (two-level: per-row FP32 factor s1 = tile rowmax / (448 * 6), then NVFP4 / MXFP4 of P~ / s1; or
+// direct). MXFP4 keeps the reference's s1 = rowmax / 2688: its power-of-two block scales do not
+// use the E4M3 range the factor was chosen for, but the kernel mirrors sage3_reference exactly.
 #pragma once
 
 #include <cstdint>
@@ -162,7 +164,7 @@ __device__ __forceinline__ void softmax_quantize_p(float (&s)[kBlockN / 8][4], R
       for (int i = 0; i < 16; ++i) vals[r][i] = s[8 * c + i / 2][2 * r + (i & 1)] * inv_s1[r];
     }
     uint32_t codes[4], sf_lo, sf_hi;
-    quantize_a_chunk<Division::kReciprocal, true>(vals, codes, sf_lo, sf_hi);
+    quantize_a_chunk<Atom::kFormat, Division::kReciprocal, true>(vals, codes, sf_lo, sf_hi);
     pf[c] = Atom::make_a(codes, sf_lo, sf_hi);
   }
 }

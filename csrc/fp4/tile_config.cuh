@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "fp4_api.h"
+
 // Performance variants (build flag -DSAGE_FP4_OPT=<bits>, env SAGE_DIFFUSERS_FP4_OPT; 0 = the
 // original schedule). Bits: 1 mask test hoisted out of the score scaling loop (bit-identical);
 // 2 row max / row sum reduced with four independent partials (shorter dependency chains; the
@@ -39,15 +41,18 @@ __host__ __device__ __forceinline__ constexpr int tile_key(int pos) {
   return (pos / kKeyChunk) * kKeyChunk + chunk_key(pos % kKeyChunk);
 }
 
-template <int kHeadDim>
+template <int kHeadDim, Fp4Format kFmt = Fp4Format::kNvfp4>
 struct FwdConfig {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 are instantiated");
+  static constexpr int kSfBlock = fp4_block(kFmt);     // elements per scale byte: 16 or 32
+  static constexpr int kSfPerChunk = 64 / kSfBlock;    // scale bytes per k64 step: 4 or 2
   static constexpr int kDChunks = kHeadDim / 64;       // k64 steps of Q.K^T
   static constexpr int kKRowBytes = kHeadDim / 2;      // packed K token
-  static constexpr int kKSfRowBytes = kHeadDim / 16;   // its E4M3 scales
+  static constexpr int kKSfRowBytes = kHeadDim / kSfBlock;  // its scales
   static constexpr int kVRowBytes = kBlockN / 2;       // packed V^T channel within one tile
-  static constexpr int kVSfRowBytes = kBlockN / 16;
-  // One pipeline stage: K tile, its scales, V^T tile, its scales (18 KiB at D = 128).
+  static constexpr int kVSfRowBytes = kBlockN / kSfBlock;
+  // One pipeline stage: K tile, its scales, V^T tile, its scales (18 KiB at D = 128 with NVFP4,
+  // 17 KiB with MXFP4).
   static constexpr int kKBytes = kBlockN * kKRowBytes;
   static constexpr int kKSfBytes = kBlockN * kKSfRowBytes;
   static constexpr int kVBytes = kHeadDim * kVRowBytes;
@@ -64,12 +69,13 @@ struct FwdConfig {
   static constexpr int kOffQkMean = kOffValid + kStages * (kBlockN / 32) * 4;
   static constexpr int kSmemBytes = kOffQkMean + kBlockM * 4;
   static_assert(kSmemBytes % 16 == 0, "the decoded staging area that follows takes 16-byte accesses");
-  // 70 KiB at D = 128: under sm_120's ~99 KiB per block (the native atom needs nothing more).
+  // 70 KiB at D = 128 (NVFP4; MXFP4 less): under sm_120's ~99 KiB per block (the native atom
+  // needs nothing more).
   static_assert(kSmemBytes <= 99 * 1024, "shared memory budget of sm_120");
   // Atoms that stage decoded fragments (the emulated one) add the qbar A fragments (hi/lo rows,
   // one per k64 step) and one decoded K tile and one V tile: a fragment per (n-tile, k64 step),
-  // 32 lanes x kFragWords words each; 68 KiB at D = 128 with fp16 fragments, 138 KiB in all,
-  // within sm_90's 227 KiB.
+  // 32 lanes x kFragWords words each; 68 KiB at D = 128 with 16-bit fragments (fp16 for NVFP4,
+  // bf16 for MXFP4: the same size), 138 KiB in all, within sm_90's 227 KiB.
   static constexpr int kKFrags = (kBlockN / 8) * kDChunks;
   static constexpr int kVFrags = (kHeadDim / 8) * (kBlockN / kKeyChunk);
   template <class Atom>
@@ -97,6 +103,8 @@ struct FwdConfig {
   }
   static_assert(kStageBytes % 16 == 0 && kKBytes % 16 == 0 && kKSfBytes % 16 == 0 && kVBytes % 16 == 0,
                 "cp.async 16-byte destinations");
+  static_assert(kVSfRowBytes == 4 || kVSfRowBytes == 8, "one cp.async (4 or 8 bytes) per V^T scale row");
+  // The emulated atom's 227 KiB budget is checked in attention_fwd_emulated.cu (it needs the atom).
 };
 
 // 16-byte-chunk XOR swizzle of a packed row of `kRowBytes` (32 or 64). Lanes (g, t) read word t
