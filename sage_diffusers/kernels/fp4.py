@@ -3,34 +3,45 @@
 One kernel source (``csrc/fp4/``) with the MMA atom as a template parameter:
 
 - native (sm_120a / sm_121a): ``mma.sync ... kind::mxf4nvf4.block_scale.scale_vec::4X.m16n8k64``
-  with E4M3 block scales;
+  with E4M3 block scales (NVFP4), ``scale_vec::2X ... ue8m0`` with E8M0 scales (MXFP4);
 - emulated (sm_90a, and buildable for sm_120a to cross-check): the same register fragments decoded
-  to fp16 (exact) and multiplied with ``mma.sync.m16n8k16`` in fp32.
+  to fp16 (NVFP4) or bf16 (MXFP4; E8M0 scales exceed fp16's range) and multiplied with
+  ``mma.sync.m16n8k16`` in fp32.
 
-Numerics follow ``sage_diffusers.reference.sage3_reference`` with fmt="nvfp4": K smoothed by its
+The format is a runtime argument (``fmt``; both are compiled): NVFP4 (E2M1, one E4M3 scale per 16
+elements, the default) or MXFP4 (E2M1, one power-of-two E8M0 scale per 32 elements). The native
+MXFP4 atom compiles for sm_120a but has never run on hardware; the emulated MXFP4 path is tested
+on sm_90.
+
+Numerics follow ``sage_diffusers.reference.sage3_reference`` with the same fmt: K smoothed by its
 token mean and quantized along D by a pre-pass (which also permutes tokens within 64-key chunks
-into the order the P.V fragments need), V quantized in 16-token blocks (stored transposed), Q
-smoothed per 128-query block inside the kernel with the correction qbar.deq(K)^T computed per tile
-in the kernel, two-level (or direct) P~ quantization fused with the online softmax, FP32
-accumulation, row sums from unquantized P~. Only NVFP4 is compiled (MXFP4 raises ValueError).
-Known numeric deviations from the reference, all far below FP4 error: P~/s1 and P~/scale use
-reciprocal multiplies and exp2 is ``ex2.approx``; means are summed in a different order.
+into the order the P.V fragments need), V quantized in 16- or 32-token blocks (stored transposed),
+Q smoothed per 128-query block inside the kernel with the correction qbar.deq(K)^T computed per
+tile in the kernel, two-level (or direct) P~ quantization fused with the online softmax, FP32
+accumulation, row sums from unquantized P~. Known numeric deviations from the reference, all far
+below FP4 error: P~/s1 (and, NVFP4 only, P~/scale) use reciprocal multiplies and exp2 is
+``ex2.approx``; means are summed in a different order; the emulated MXFP4 atom flushes values
+below 2^-126 (blocks with scale 2^-127) to zero.
 
 Entry points
 ------------
-attention_fp4(q, k, v, *, key_mask, is_causal, scale, return_lse, p_quant) -> (out, lse | None)
-    The backend contract of sage_diffusers.api (BHSD views, (out, lse | None)).
-prepass(k, v, k_mean=None) -> dict
+attention_fp4(q, k, v, *, key_mask, is_causal, scale, return_lse, p_quant, fmt) -> (out, lse | None)
+    The backend contract of sage_diffusers.api (BHSD views, (out, lse | None)); the API itself
+    always runs NVFP4 (it has no format option), fmt is for direct callers and ablations.
+prepass(k, v, k_mean=None, fmt=...) -> dict
     The K/V quantization pre-pass alone (stored format, for bit-exact tests).
 key_positions(n) -> LongTensor
     Real key index held by each stored K row (the permutation of the pre-pass).
 atom_gemm(a, sfa, b, sfb) -> Tensor
     A tiny GEMM through one MMA atom's raw-register contract (tests of the fragment layout).
+ablation(...) -> list[dict]
+    NVFP4 vs MXFP4 x two-level vs direct through the kernel, accuracy vs fp32 SDPA per
+    combination (appended to $SAGE_FP4_REPORT as JSON lines when set).
 is_available() -> (bool, reason);  selftest() -> bool;  benchmark(...) -> dict
 torch.ops.sage_diffusers.fp4_attention
     The registered custom op (with a fake impl).
 
-``python -m sage_diffusers.kernels.fp4 [selftest|bench|build]``.
+``python -m sage_diffusers.kernels.fp4 [selftest|bench|ablation|build]``.
 """
 from __future__ import annotations
 
@@ -48,7 +59,7 @@ from . import _jit
 from ._contract import check_qkv, normalize_key_mask
 
 __all__ = ["attention_fp4", "prepass", "key_positions", "atom_gemm", "is_available", "build",
-           "attention_atoms", "selftest", "benchmark", "HEAD_DIMS", "Atom"]
+           "attention_atoms", "selftest", "benchmark", "ablation", "HEAD_DIMS", "Atom"]
 
 HEAD_DIMS = (64, 128)
 BLOCK_KV = 128  # keys per tile, and the padding unit of the pre-pass outputs
@@ -56,6 +67,7 @@ KEY_CHUNK = 64  # K tokens are permuted within chunks of this many keys
 _ATOM_ENV = "SAGE_DIFFUSERS_FP4_ATOM"  # "native" or "emulated": override the default per device
 _NO_HW_E2M1_ENV = "SAGE_DIFFUSERS_FP4_NO_HW_E2M1"  # "1": integer E2M1 encoder on sm_120 too
 _P_QUANT_CODE = {PQuant.TWO_LEVEL: 0, PQuant.DIRECT: 1}  # mirrors PQuantMode in fp4_api.h
+_FMT_CODE = {FP4Format.NVFP4: 0, FP4Format.MXFP4: 1}  # mirrors Fp4Format in fp4_api.h
 # Dynamic shared memory of the emulated atom's kernel at D = 128 (FwdConfig<128>::smem_bytes<
 # AtomSm90Emulated>() in csrc/fp4/tile_config.cuh): over sm_120's 99 KiB opt-in limit, so on
 # sm_120/121 the emulated build serves the atom tests only.
@@ -207,43 +219,51 @@ def _k_mean(k: torch.Tensor) -> torch.Tensor:
 
 
 def prepass(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor] = None,
-            atom: Optional[str] = None) -> dict:
-    """Run the K/V quantization pre-pass alone (stored format of reference.quantize_nvfp4).
+            atom: Optional[str] = None, fmt: "str | FP4Format" = FP4Format.NVFP4) -> dict:
+    """Run the K/V quantization pre-pass alone (stored format of reference.quantize_nvfp4 or
+    reference.quantize_mxfp4).
 
     Parameters
     ----------
     k, v : (B, Hkv, Skv, D) fp16/bf16 CUDA (views allowed).
     k_mean : float32 (B, Hkv, D); default the token mean of k.
+    fmt : FP4Format.NVFP4 (blk = 16, E4M3 scales) or FP4Format.MXFP4 (blk = 32, E8M0 scales).
 
     Returns
     -------
-    dict with k_mean (B, Hkv, D) float32; kq uint8 (B, Hkv, P, D/2) and ksf float8_e4m3fn
-    (B, Hkv, P, D/16) of k - k_mean along D, rows permuted (see :func:`key_positions`); vq uint8
-    (B, Hkv, D, P/2) and vsf float8_e4m3fn (B, Hkv, D, P/16) of v transposed, along tokens; with
-    P = Skv rounded up to 128 and zero padding.
+    dict with k_mean (B, Hkv, D) float32; kq uint8 (B, Hkv, P, D/2) and ksf (B, Hkv, P, D/blk) of
+    k - k_mean along D, rows permuted (see :func:`key_positions`); vq uint8 (B, Hkv, D, P/2) and
+    vsf (B, Hkv, D, P/blk) of v transposed, along tokens; with P = Skv rounded up to 128 and zero
+    padding. Scales are float8_e4m3fn for NVFP4 and uint8 biased exponents for MXFP4, the dtypes
+    the reference quantizers return.
     """
+    fmt = FP4Format.parse(fmt)
     ext = build(atom)
     kk, vv = (x if _rows_aligned(x) else x.contiguous() for x in (k, v))
     if k_mean is None:
         k_mean = _k_mean(k)
     k_mean = k_mean.float().contiguous()
     with torch.cuda.device(k.device):
-        kq, ksf, vq, vsf = ext.quantize_kv(kk, vv, k_mean, _padded_len(k.shape[2]), _stream_handle(k.device))
-    return {"k_mean": k_mean, "kq": kq, "ksf": ksf.view(torch.float8_e4m3fn), "vq": vq,
-            "vsf": vsf.view(torch.float8_e4m3fn)}
+        kq, ksf, vq, vsf = ext.quantize_kv(kk, vv, k_mean, _padded_len(k.shape[2]), _FMT_CODE[fmt],
+                                           _stream_handle(k.device))
+    if fmt is FP4Format.NVFP4:
+        ksf, vsf = ksf.view(torch.float8_e4m3fn), vsf.view(torch.float8_e4m3fn)
+    return {"k_mean": k_mean, "kq": kq, "ksf": ksf, "vq": vq, "vsf": vsf}
 
 
 def atom_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor,
-              atom: Optional[str] = None) -> torch.Tensor:
+              atom: Optional[str] = None, fmt: "str | FP4Format" = FP4Format.NVFP4) -> torch.Tensor:
     """deq(A) (M, K) . deq(B) (N, K)^T through one MMA atom, fragments loaded per the PTX layout.
 
-    a : uint8 (M, K/2) packed E2M1; sfa : E4M3 (M, K/16) as uint8 or float8_e4m3fn; b, sfb likewise
-    with N rows. M % 16 == 0, N % 8 == 0, K % 64 == 0. Returns float32 (M, N).
+    a : uint8 (M, K/2) packed E2M1; sfa : NVFP4: E4M3 (M, K/16) as uint8 or float8_e4m3fn; MXFP4:
+    uint8 E8M0 biased exponents (M, K/32). b, sfb likewise with N rows. M % 16 == 0, N % 8 == 0,
+    K % 64 == 0. Returns float32 (M, N).
     """
+    fmt = FP4Format.parse(fmt)
     ext = build(atom)
     as_u8 = lambda x: (x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x).contiguous()  # noqa: E731
     with torch.cuda.device(a.device):
-        return ext.atom_gemm(as_u8(a), as_u8(sfa), as_u8(b), as_u8(sfb), _stream_handle(a.device))
+        return ext.atom_gemm(as_u8(a), as_u8(sfa), as_u8(b), as_u8(sfb), _FMT_CODE[fmt], _stream_handle(a.device))
 
 
 # ---- the custom op -------------------------------------------------------------------------------
@@ -257,6 +277,7 @@ def _fp4_attention(
     scale: float,
     return_lse: bool,
     p_quant: int,
+    fmt: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ext = build()
     qq, kk, vv = (x if _rows_aligned(x) else x.contiguous() for x in (q, k, v))
@@ -264,9 +285,9 @@ def _fp4_attention(
     k_mean = _k_mean(kk)
     with torch.cuda.device(q.device):
         stream = _stream_handle(q.device)
-        kq, ksf, vq, vsf = ext.quantize_kv(kk, vv, k_mean, _padded_len(skv), stream)
+        kq, ksf, vq, vsf = ext.quantize_kv(kk, vv, k_mean, _padded_len(skv), fmt, stream)
         out, lse = ext.attention_fwd(qq, kq, ksf, vq, vsf, k_mean, key_mask, skv, scale, is_causal,
-                                     p_quant, return_lse, stream)
+                                     p_quant, fmt, return_lse, stream)
     if qq is not q:  # keep the layout promised by the fake impl: empty_like(q)
         out = torch.empty_like(q).copy_(out)
     if not return_lse:
@@ -275,7 +296,7 @@ def _fp4_attention(
 
 
 @_fp4_attention.register_fake
-def _(q, k, v, key_mask, is_causal, scale, return_lse, p_quant):
+def _(q, k, v, key_mask, is_causal, scale, return_lse, p_quant, fmt):
     shape = (q.shape[0], q.shape[1], q.shape[2]) if return_lse else (0,)
     return torch.empty_like(q), q.new_empty(shape, dtype=torch.float32)
 
@@ -304,20 +325,21 @@ def attention_fp4(
     scale : softmax scale, default 1/sqrt(D).
     return_lse : also return the natural-log LSE of scale * q.k (float32 (B, Hq, Sq)).
     p_quant : PQuant.TWO_LEVEL (default) or PQuant.DIRECT (the paper's ablation).
-    fmt : only FP4Format.NVFP4 is compiled; MXFP4 raises ValueError.
+    fmt : FP4Format.NVFP4 (default) or FP4Format.MXFP4 (E8M0 scales per 32 elements; the paper's
+        format ablation). The native MXFP4 atom (sm_120a) compiles but has never run on hardware.
 
     Returns
     -------
     out : (B, Hq, Sq, D) in q.dtype, same memory layout as q. Rows with no visible key are 0.
     lse : float32 (B, Hq, Sq) (-inf on such rows) or None.
     """
-    if FP4Format.parse(fmt) is not FP4Format.NVFP4:
-        raise ValueError("the FP4 kernel implements NVFP4 only; use the reference for MXFP4")
+    fmt_code = _FMT_CODE[FP4Format.parse(fmt)]
+    p_code = _P_QUANT_CODE[PQuant.parse(p_quant)]
     check_qkv(q, k, v, HEAD_DIMS, unit_last_stride=True)
     key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = torch.ops.sage_diffusers.fp4_attention(
-        q, k, v, key_mask, bool(is_causal), scale, bool(return_lse), _P_QUANT_CODE[PQuant.parse(p_quant)])
+        q, k, v, key_mask, bool(is_causal), scale, bool(return_lse), p_code, fmt_code)
     return out, (lse if return_lse else None)
 
 
@@ -334,10 +356,11 @@ def _selftest_inputs(b=1, hq=2, hkv=1, sq=300, skv=333, d=128, dtype=torch.bfloa
 def selftest(verbose: bool = True) -> bool:
     """Compare the available atoms with the reference on a small GQA case with a key mask.
 
-    Runs every atom whose kernel fits the device (:func:`attention_atoms`): the emulated one on
-    sm_90; the native one on sm_120/121 (plus the emulated one where shared memory allows, and the
-    two are then compared). Returns True when every cosine vs the reference is >= 0.9999, and when
-    no kernel can run here (a line says why).
+    Runs every atom whose kernel fits the device (:func:`attention_atoms`), in both formats (NVFP4
+    and MXFP4, each against sage3_reference of the same format): the emulated atom on sm_90; the
+    native one on sm_120/121 (plus the emulated one where shared memory allows, and the two are
+    then compared). Returns True when every cosine vs the reference is >= 0.9999, and when no
+    kernel can run here (a line says why).
     """
     from ..reference import cosine, sage3_reference
 
@@ -351,27 +374,91 @@ def selftest(verbose: bool = True) -> bool:
     q, k, v = _selftest_inputs()
     mask = torch.ones(q.shape[0], k.shape[2], dtype=torch.bool, device="cuda")
     mask[:, -37:] = False
-    ref = sage3_reference(q, k, v, key_mask=mask)
-    outs, good = {}, True
-    for atom in atoms:
-        ext = build(atom)
-        skv = k.shape[2]
-        k_mean = _k_mean(k)
-        stream = _stream_handle(q.device)
-        kq, ksf, vq, vsf = ext.quantize_kv(k, v, k_mean, _padded_len(skv), stream)
-        out, _ = ext.attention_fwd(q, kq, ksf, vq, vsf, k_mean, mask, skv, 1.0 / math.sqrt(q.shape[-1]),
-                                   False, 0, False, stream)
-        outs[atom] = out.float()
-        c = cosine(out.float(), ref)
-        good &= c >= 0.9999
-        if verbose:
-            print(f"fp4 selftest sm_{arch} {atom:8s}: cos vs sage3_reference = {c:.6f}")
-    if len(outs) == 2 and verbose:
-        print(f"fp4 selftest native vs emulated: cos = {cosine(outs[Atom.NATIVE], outs[Atom.EMULATED]):.6f}")
+    good = True
+    for fmt in (FP4Format.NVFP4, FP4Format.MXFP4):
+        ref = sage3_reference(q, k, v, key_mask=mask, fmt=fmt)
+        outs = {}
+        for atom in atoms:
+            ext = build(atom)
+            skv = k.shape[2]
+            k_mean = _k_mean(k)
+            stream = _stream_handle(q.device)
+            kq, ksf, vq, vsf = ext.quantize_kv(k, v, k_mean, _padded_len(skv), _FMT_CODE[fmt], stream)
+            out, _ = ext.attention_fwd(q, kq, ksf, vq, vsf, k_mean, mask, skv, 1.0 / math.sqrt(q.shape[-1]),
+                                       False, 0, _FMT_CODE[fmt], False, stream)
+            outs[atom] = out.float()
+            c = cosine(out.float(), ref)
+            good &= c >= 0.9999
+            if verbose:
+                print(f"fp4 selftest sm_{arch} {atom:8s} {fmt.value}: cos vs sage3_reference = {c:.6f}")
+        if len(outs) == 2 and verbose:
+            print(f"fp4 selftest {fmt.value} native vs emulated: "
+                  f"cos = {cosine(outs[Atom.NATIVE], outs[Atom.EMULATED]):.6f}")
     return bool(good)
 
 
-def benchmark(b=1, h=24, s=16384, d=128, dtype=torch.bfloat16, iters=20) -> dict:
+def peaked_inputs(b=1, h=2, s=2048, d=128, dtype=torch.bfloat16, gap=8.0, hot=4, seed=0, device="cuda"):
+    """Inputs whose attention rows are peaked: ``hot`` early keys score about ``gap`` (natural log)
+    above the rest, so later key tiles hold only small P~ values (where direct FP4 of P~ with E4M3
+    scales underflows), while the many small probabilities still carry a sizeable share of the
+    mass. K and V have per-channel offsets (V's makes the lost mass visible in the output's
+    direction, as real V does). Returns q, k, v (B, H, S, D).
+    """
+    g = torch.Generator(device=device).manual_seed(seed)
+    a = math.sqrt(gap / math.sqrt(d))
+    u = torch.randn(d, device=device, generator=g)
+    u = u / u.norm() * math.sqrt(d)
+    q = torch.randn(b, h, s, d, device=device, generator=g) + a * u
+    k = torch.randn(b, h, s, d, device=device, generator=g) + 2 * torch.randn(1, 1, 1, d, device=device, generator=g)
+    k[:, :, :hot] += a * u
+    v = torch.randn(b, h, s, d, device=device, generator=g) + torch.randn(1, 1, 1, d, device=device, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def ablation(shapes=((1, 2, 2048, 64), (1, 2, 2048, 128)), dtype=torch.bfloat16, report: Optional[str] = None,
+             verbose: bool = True) -> list[dict]:
+    """The paper's two ablations through the kernel: NVFP4 vs MXFP4 x two-level vs direct P~.
+
+    For each shape (B, H, S, D) of :func:`peaked_inputs`, runs the four (fmt, p_quant) combinations
+    and measures each against fp32 SDPA (cos, relative L1, RMSE) and against sage3_reference of
+    the same combination (cos_ref: the kernel must track its reference, so the ranking is the
+    algorithm's, not the kernel's). Returns one dict per combination; appends them as JSON lines
+    to ``report`` (default $SAGE_FP4_REPORT) when set.
+    """
+    import json
+
+    import torch.nn.functional as F
+
+    from ..reference import cosine, relative_l1, rmse, sage3_reference
+
+    report = report or os.environ.get("SAGE_FP4_REPORT")
+    records = []
+    for (b, h, s, d) in shapes:
+        q, k, v = peaked_inputs(b, h, s, d, dtype)
+        exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        for fmt in (FP4Format.NVFP4, FP4Format.MXFP4):
+            for pq in (PQuant.TWO_LEVEL, PQuant.DIRECT):
+                out = attention_fp4(q, k, v, fmt=fmt, p_quant=pq)[0].float()
+                ref = sage3_reference(q, k, v, fmt=fmt, p_quant=pq)
+                rec = {"case": f"ablation peaked {b}x{h}x{s}x{d} {str(dtype)[6:]}", "fmt": fmt.value,
+                       "p_quant": pq.value, "atom": _default_atom(_device_arch()),
+                       "cos_sdpa": cosine(out, exact), "rel_l1_sdpa": relative_l1(out, exact),
+                       "rmse_sdpa": rmse(out, exact), "cos_ref": cosine(out, ref),
+                       "cos_ref_vs_sdpa": cosine(ref, exact)}
+                records.append(rec)
+                if verbose:
+                    print(f"fp4 ablation {rec['case']} {fmt.value:5s} {pq.value:9s}: cos vs SDPA "
+                          f"{rec['cos_sdpa']:.5f} (reference {rec['cos_ref_vs_sdpa']:.5f}), "
+                          f"rel-L1 {rec['rel_l1_sdpa']:.4f}, cos vs reference {rec['cos_ref']:.6f}")
+    if report:
+        with open(report, "a") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+    return records
+
+
+def benchmark(b=1, h=24, s=16384, d=128, dtype=torch.bfloat16, iters=20,
+              fmt: "str | FP4Format" = FP4Format.NVFP4) -> dict:
     """Time the FP4 path (pre-pass included) against torch SDPA (cuDNN / flash) on one shape.
 
     Returns dict with milliseconds per call (fp4_ms includes the pre-pass, also timed alone as
@@ -392,8 +479,9 @@ def benchmark(b=1, h=24, s=16384, d=128, dtype=torch.bfloat16, iters=20) -> dict
         torch.cuda.synchronize()
         return start.elapsed_time(end) / iters
 
-    fp4_ms = timeit(lambda: attention_fp4(q, k, v))
-    prepass_ms = timeit(lambda: prepass(k, v))  # k mean + K/V quantization, included in fp4_ms
+    fmt = FP4Format.parse(fmt)
+    fp4_ms = timeit(lambda: attention_fp4(q, k, v, fmt=fmt))
+    prepass_ms = timeit(lambda: prepass(k, v, fmt=fmt))  # k mean + K/V quantization, included in fp4_ms
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -404,7 +492,7 @@ def benchmark(b=1, h=24, s=16384, d=128, dtype=torch.bfloat16, iters=20) -> dict
         sdpa_ms = timeit(lambda: F.scaled_dot_product_attention(q, k, v))
         which = "sdpa"
     flops = 4 * b * h * s * s * d
-    return {"shape": (b, h, s, d), "atom": _default_atom(_device_arch()), "fp4_ms": round(fp4_ms, 3),
+    return {"shape": (b, h, s, d), "atom": _default_atom(_device_arch()), "fmt": fmt.value, "fp4_ms": round(fp4_ms, 3),
             "prepass_ms": round(prepass_ms, 3), f"{which}_ms": round(sdpa_ms, 3),
             "speed_vs_" + which: round(sdpa_ms / fp4_ms, 3), "fp4_tflops": round(flops / fp4_ms / 1e9, 1)}
 
@@ -420,7 +508,14 @@ def _main(argv: list[str]) -> int:
         for shape in ((1, 24, 16384, 128), (1, 48, 17776, 64), (2, 24, 4096, 128)):
             print(benchmark(*shape))
         return 0
-    print("usage: python -m sage_diffusers.kernels.fp4 [selftest|build|bench]", file=sys.stderr)
+    if cmd == "ablation":
+        ok, reason = is_available()
+        if not ok:
+            print(f"fp4 ablation skipped: {reason}")
+            return 0
+        ablation()
+        return 0
+    print("usage: python -m sage_diffusers.kernels.fp4 [selftest|build|bench|ablation]", file=sys.stderr)
     return 2
 
 
