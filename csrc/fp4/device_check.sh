@@ -32,7 +32,8 @@ import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
     keys = [k for k in ("cos_ref", "cos_sdpa", "rel_l1_sdpa", "cos_ref_vs_sdpa") if k in r]
-    print(r["case"], " ".join(f"{k}={r[k]:.6f}" for k in keys))
+    tag = " ".join(str(r[k]) for k in ("fmt", "p_quant") if k in r)
+    print(r["case"], tag, " ".join(f"{k}={r[k]:.6f}" for k in keys))
 PY
 echo "device_check: rc=$rc in $((SECONDS - t0)) s"
 exit $rc
