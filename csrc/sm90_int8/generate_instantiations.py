@@ -20,21 +20,26 @@ POLY = {64: (0, 8), 128: (0,)}  # default per head dim = the last entry (see ker
 # (variants_bench.py, 2026-11-30 02:59): hd128 lean+overlap+ping-pong+Q-in-registers, main kernel
 # 3.99 ms vs 4.76 (flags 0) at 1x24x16384; hd64 lean+overlap+Q-in-registers with poly8, 7.82 ms
 # vs 9.86 at 1x48x17776 (ping-pong costs at hd64; fp16 exp2 pairs lost at both head dims).
-DEFAULT_FLAGS = {64: 11, 128: 15}
+# hd128 + 32 (row max / row sum as four chains): main kernel 3.953 vs 3.984 ms at 1x24x16384, 0.372
+# vs 0.375 at 1x24x4608; at hd64 it lost (8.53 vs 7.87 ms at 1x48x17776): eval/results/
+# int8_variants_h200.md (2026-11-30).
+DEFAULT_FLAGS = {64: 11, 128: 47}
 
 # Benchmark build (-DSAGE_SM90_BENCH=1, env SAGE_DIFFUSERS_SM90_BENCH=1): bf16, non-causal,
 # (head dim, exp2 polynomial share, flags) below (kernel_fwd.cuh: 1 lean, 2 overlap, 4 ping-pong,
-# 8 Q in registers, 16 fp16 exp2 pairs)
+# 8 Q in registers, 16 fp16 exp2 pairs, 32 split reductions)
 # -> bench_*.cu. Flags 0 is the reference of the "cos vs base" column; 1 and 5 lost on every shape
 # in the previous run and are dropped to keep the device build short. hd64 sweeps the polynomial
 # share at the default flags (3): issue slots vs MUFU balance near every 6th..8th exp2.
 BENCH_VARIANTS = (
-    (128, 0, 0), (128, 0, 3), (128, 0, 7),
-    (64, 0, 0), (64, 0, 3), (64, 4, 3), (64, 6, 3), (64, 8, 3), (64, 8, 7), (64, 12, 3),
-    # 8 = Q in registers (RS wgmma for Q K^T) on top of each head dim's default
-    (128, 0, 15), (64, 8, 11),
-    # 16 = exp2 in fp16 pairs (two per MUFU op; needs the lean softmax, no polynomial)
-    (64, 0, 19), (64, 0, 23), (128, 0, 23),
+    # the regular defaults, then the exp2 polynomial share swept on top of them: at hd128 the MUFU
+    # time per tile equals the tensor time (16 exp2/clk/SM vs 512 flops per score at 8192/clk),
+    # at hd64 it is twice the tensor time
+    # (2026-11-30, first run: poly 16 / 8 at hd128 -1.4 % / +0.2 % main-kernel time, poly 6 / 4 at
+    # hd64 +1 % / +7 %). 32 = row max / row sum as four chains of 8 (softmax.hpp): the previous
+    # defaults 15 / 11 against 47 / 43.
+    (128, 0, 15), (128, 0, 47), (128, 16, 47),
+    (64, 8, 11), (64, 8, 43), (64, 6, 43),
 )
 BENCH_CAUSAL = (False,)
 

@@ -27,7 +27,10 @@ namespace sage_sm90 {
 //                   cores (FA3's inter-warpgroup schedule);
 //   kFlagQRegs    : Q K^T as an RS wgmma with the loop-invariant Q tile held in registers (D/8 of
 //                   them), read once from smem: a third less smem operand traffic per tile;
-//   kFlagHalfExp  : (with kFlagLean) two exp2 per MUFU op in fp16 (softmax.hpp step_lean_half).
+//   kFlagHalfExp  : (with kFlagLean) two exp2 per MUFU op in fp16 (softmax.hpp step_lean_half);
+//   kFlagSplitReduce : (with kFlagLean) row max and row sum of a tile as four interleaved chains
+//                   of 8 instead of one chain of 32 per row: the chain latency was exposed, since
+//                   each scheduler holds only one warp of each consumer warpgroup.
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 224 registers). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
@@ -60,6 +63,7 @@ __global__ void __launch_bounds__(fwd_threads<kFlags>(), 1)
   constexpr bool kPingPong = (kFlags & kFlagPingPong) != 0;
   constexpr bool kQRegs = (kFlags & kFlagQRegs) != 0;
   constexpr bool kHalfExp = kLean && (kFlags & kFlagHalfExp) != 0;
+  constexpr bool kSplitReduce = kLean && (kFlags & kFlagSplitReduce) != 0;
   // The plain loop (no overlap, no ping-pong) keeps its original order; the others share one
   // software-pipelined loop (S_t and PV_{t-1} issued together).
   constexpr bool kPipelined = kOverlapSoftmaxWithPV || kPingPong;
@@ -97,7 +101,7 @@ __global__ void __launch_bounds__(fwd_threads<kFlags>(), 1)
   const int row[2] = {wg_row0 + 16 * (tid / 32) + g, wg_row0 + 16 * (tid / 32) + g + 8};
   const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
 
-  OnlineSoftmax<kPoly, kLean, kHalfExp> sm;
+  OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce> sm;
   sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
   const WarpgroupOperands<D> ops(sp, wg, tid);
   const float* sk = p.sk + (static_cast<int64_t>(b) * p.Hkv + hk) * p.n_kv_tiles;

@@ -16,6 +16,7 @@ constexpr int kFlagOverlap = 2;
 constexpr int kFlagPingPong = 4;
 constexpr int kFlagQRegs = 8;
 constexpr int kFlagHalfExp = 16;
+constexpr int kFlagSplitReduce = 32;
 // The regular build compiles one flag set per head dim (generate_instantiations.DEFAULT_FLAGS).
 
 // Everything the quantization pre-pass reads and writes. Strides are in elements; the last

@@ -46,10 +46,14 @@ struct TileMask {
 // over 8 values then in fp32. Halves the MUFU work that bounds hd64. x = s c - m <= 0 goes to
 // fp16 before the exp (the 448 factor is a separate HMUL2, so the large-p elements have |x| < 1
 // and an fp16 error < 2^-12): p carries ~2^-10 relative error against the 2^-4 E4M3 step.
-template <int kPolyEvery, bool kLean_ = false, bool kHalfExp_ = false>
+// kSplit_ (variant flag kFlagSplitReduce, lean path): the row max and the row sum of a tile are
+// four independent chains of 8 values each (columns 8j.. grouped by j mod 4), combined at the
+// end, instead of one dependent chain of 32: same max, sums rounded in another order.
+template <int kPolyEvery, bool kLean_ = false, bool kHalfExp_ = false, bool kSplit_ = false>
 struct OnlineSoftmax {
   static constexpr bool kLean = kLean_;
   static constexpr bool kHalfExp = kHalfExp_;
+  static constexpr int kChains = kSplit_ ? 4 : 1;
   static_assert(!kHalfExp_ || kLean_, "the fp16 exp2 path is a variant of the lean softmax");
   static constexpr int kN = 64;  // accumulator values per thread
   float m[2];       // running max of s (log2 domain), -inf before any unmasked key
@@ -168,12 +172,28 @@ struct OnlineSoftmax {
     }
     float c[2], mx[2], off[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      c[h] = fmaxf(rowf[h] * sk_tile, 1.17549435e-38f);
-      mx[h] = -INFINITY;
-    }
+    for (int h = 0; h < 2; ++h) c[h] = fmaxf(rowf[h] * sk_tile, 1.17549435e-38f);
+    {
+      float part[2][kChains];
 #pragma unroll
-    for (int v = 0; v < kN; ++v) mx[(v >> 1) & 1] = fmaxf(mx[(v >> 1) & 1], s[v]);
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < kChains; ++j) part[h][j] = -INFINITY;
+      }
+#pragma unroll
+      for (int v = 0; v < kN; ++v) {
+        float& acc = part[(v >> 1) & 1][(v >> 2) % kChains];
+        acc = fmaxf(acc, s[v]);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (kChains == 4) {
+          mx[h] = fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], part[h][3]));
+        } else {
+          mx[h] = part[h][0];
+        }
+      }
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // (biased max - bias) is the exact integer max; -inf stays -inf.
@@ -184,7 +204,12 @@ struct OnlineSoftmax {
       // x = (bias + s) c - off = s c - m + log2 448
       off[h] = fmaf(kBias, c[h], muse - kLog2Fp8Max);
     }
-    float sum[2] = {0.f, 0.f};
+    float part_sum[2][kChains];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int j = 0; j < kChains; ++j) part_sum[h][j] = 0.f;
+    }
 #pragma unroll
     for (int v = 0; v < kN; ++v) {
       const int h = (v >> 1) & 1;
@@ -195,8 +220,17 @@ struct OnlineSoftmax {
       } else {
         p = exp2_mufu(x);
       }
-      sum[h] += p;
+      part_sum[h][(v >> 2) % kChains] += p;
       s[v] = p;  // already P~ * 448 (cvt saturates the rare 448 * (1 + 1e-7))
+    }
+    float sum[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (kChains == 4) {
+        sum[h] = (part_sum[h][0] + part_sum[h][1]) + (part_sum[h][2] + part_sum[h][3]);
+      } else {
+        sum[h] = part_sum[h][0];
+      }
     }
     l[0] = l[0] * alpha[0] + sum[0];
     l[1] = l[1] * alpha[1] + sum[1];

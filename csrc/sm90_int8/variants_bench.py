@@ -41,8 +41,9 @@ SHAPES = [(1, 24, 4608, 128), (1, 38, 4429, 64), (2, 24, 4096, 128), (1, 24, 163
           (1, 48, 17776, 64)]
 QUICK_SHAPES = [(1, 24, 4608, 128), (1, 38, 4429, 64), (1, 24, 16384, 128), (1, 48, 17776, 64)]
 NAMES = {-1: "default", 0: "base", 1: "lean", 3: "lean+ovl", 5: "lean+pp", 7: "lean+ovl+pp",
-         11: "lean+ovl+qreg", 15: "lean+ovl+pp+qreg", 19: "lean+ovl+h2exp", 23: "lean+ovl+pp+h2exp"}
-DEFAULT_FLAGS = {128: 15, 64: 11}  # generate_instantiations.DEFAULT_FLAGS
+         11: "lean+ovl+qreg", 15: "lean+ovl+pp+qreg", 19: "lean+ovl+h2exp", 23: "lean+ovl+pp+h2exp",
+         43: "lean+ovl+qreg+split", 47: "lean+ovl+pp+qreg+split"}
+DEFAULT_FLAGS = {128: 47, 64: 11}  # generate_instantiations.DEFAULT_FLAGS
 CHECK_MODES = (1, 2, 3, 4, 7)  # pre-pass mode bit sets checked against the reference
 FULL_MODES = (0, 3, 4, 7)      # full-call timings (per-repetition sync)
 
@@ -155,7 +156,7 @@ def main():
             t_cudnn = time_ms(lambda: F.scaled_dot_product_attention(q, k, v), args.reps)
         tag = f"{b}x{h}x{s}x{d}"
         print(f"| {tag} | cuDNN bf16 | - | {t_cudnn:.3f} | - | {flops / t_cudnn / 1e9:.0f} | 1.00 | - |", flush=True)
-        base = run(q, k, v, 0, -1 if DEFAULT_ONLY else 0).float()
+        base = run(q, k, v, *default_variant(d)).float()
         best = None
         for dd, poly, flags in variants:
             if dd != d:

@@ -2,5 +2,5 @@
 #include "../kernel_fwd.cuh"
 
 namespace sage_sm90 {
-template cudaError_t launch_fwd<128, DType::kBF16, false, 0, 15>(const FwdParams&, cudaStream_t);
+template cudaError_t launch_fwd<128, DType::kBF16, false, 0, 47>(const FwdParams&, cudaStream_t);
 }  // namespace sage_sm90
