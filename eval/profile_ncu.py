@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Run one attention call per shape inside a CUDA profiler range, for Nsight Compute.
+
+Warm-up calls (JIT build, caches) run outside the range, so ``ncu --profile-from-start off``
+records exactly one call per (mode, shape): the pre-pass launches and the attention kernel.
+
+    ncu --clock-control none --profile-from-start off --section ComputeWorkloadAnalysis \\
+        python3 eval/profile_ncu.py --modes int8 --shapes 1x24x16384x128 1x48x17776x64
+
+Inputs follow eval/bench_kernels.py: Q, V ~ N(0, 1), K = N(0, 1) + 4 N(0, 1) per channel.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import sage_diffusers as sd  # noqa: E402
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    b, h, s, d = (int(x) for x in text.lower().split("x"))
+    return b, h, s, d
+
+
+def make_inputs(b, h, s, d, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, h, s, d, generator=g, device="cuda")
+    k = torch.randn(b, h, s, d, generator=g, device="cuda")
+    k = k + 4 * torch.randn(1, h, 1, d, generator=g, device="cuda")
+    v = torch.randn(b, h, s, d, generator=g, device="cuda")
+    return [x.to(torch.bfloat16) for x in (q, k, v)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", nargs="+", default=["int8"])
+    ap.add_argument("--shapes", nargs="+", default=["1x24x16384x128"])
+    ap.add_argument("--causal", action="store_true")
+    args = ap.parse_args()
+    cases = [(m, parse_shape(s)) for m in args.modes for s in args.shapes]
+    data = {}
+    for mode, shape in cases:
+        q, k, v = make_inputs(*shape)
+        for _ in range(2):
+            sd.attention(q, k, v, mode=mode, layout="bhsd", is_causal=args.causal)
+        data[(mode, shape)] = (q, k, v)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for mode, shape in cases:
+        q, k, v = data[(mode, shape)]
+        torch.cuda.nvtx.range_push(f"{mode} {'x'.join(map(str, shape))}")
+        sd.attention(q, k, v, mode=mode, layout="bhsd", is_causal=args.causal)
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print("profiled:", ", ".join(f"{m} {'x'.join(map(str, s))}" for m, s in cases))
+    print("fallbacks:", sd.fallback_stats())
+
+
+if __name__ == "__main__":
+    main()

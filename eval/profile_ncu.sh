@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Nsight Compute counters of one attention call per shape (GPU machine, repo root):
+#   bash eval/profile_ncu.sh MODE SHAPE... > log      e.g. int8 1x24x16384x128 1x48x17776x64
+# Prints, per kernel: duration, SM clock, per-pipe utilisation (tensor/gmma, FMA, ALU, XU = MUFU and
+# conversions), issue activity and warp-stall ratios. Clocks are left alone (--clock-control none).
+set -uo pipefail
+MODE="$1"; shift
+PY="${PYTHON:-python3}"
+NCU="${NCU:-ncu}"
+RUN=("$PY" eval/profile_ncu.py --modes "$MODE" --shapes "$@")
+common=(--clock-control none --profile-from-start off --print-units base)
+if [ "${SECTIONS:-1}" = 1 ]; then
+echo "== sections ($MODE $*)"
+"$NCU" "${common[@]}" --section SpeedOfLight --section LaunchStats --section Occupancy \
+  --section SchedulerStats --section WarpStateStats "${RUN[@]}" 2>&1 | grep -v "^==PROF=="
+fi
+echo "== pipes and stalls ($MODE $*)"
+M="regex:^sm__inst_executed_pipe_[a-z_0-9]*\.avg\.pct_of_peak_sustained_active$"
+M="$M,regex:^sm__pipe_[a-z_0-9]*_cycles_active\.avg\.pct_of_peak_sustained_active$"
+M="$M,regex:^smsp__average_warps_issue_stalled_[a-z_0-9]*_per_issue_active\.ratio$"
+M="$M,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum"
+M="$M,sm__cycles_elapsed.avg.per_second,gpu__time_duration.sum"
+"$NCU" "${common[@]}" --metrics "$M" "${RUN[@]}" 2>&1 | grep -v "^==PROF=="
