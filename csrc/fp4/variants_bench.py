@@ -93,7 +93,6 @@ def timing(iters: int, with_cudnn: bool) -> dict:
             except Exception as e:  # noqa: BLE001 - report, do not fail the table
                 entry["cudnn_error"] = str(e)[:120]
         res["x".join(map(str, shape))] = entry
-        del q, k, v
     return res
 
 
