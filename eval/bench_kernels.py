@@ -288,7 +288,7 @@ def run(args) -> list[dict]:
                     traceback.print_exc()
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del inputs, base, ref
+        inputs = base = ref = None  # free before the next shape (lambdas above close over them)
         torch.cuda.empty_cache()
     # speed-up vs cuDNN bf16 of the same shape
     for r in rows:

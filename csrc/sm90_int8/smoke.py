@@ -6,7 +6,6 @@ whole picture; then one timing of a large shape. Exit 1 if any case is off.
 """
 from __future__ import annotations
 
-import math
 import sys
 import time
 from pathlib import Path

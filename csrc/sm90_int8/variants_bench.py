@@ -193,7 +193,7 @@ def main():
             f"pre m{m} {t:.3f}" for m, t in row["pre"].items()) + f" | main {row['main']:.3f} | " +
             ", ".join(f"pipelined m{m} {t:.3f}" for m, t in row["pipe"].items()) + " |", flush=True)
         summary.append(row)
-        del q, k, v, base
+        q = k = v = base = None  # free before the next shape (lambdas above close over them)
     ext.set_fwd_flags(-1)
 
     nan = float("nan")
