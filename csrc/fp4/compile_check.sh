@@ -15,10 +15,13 @@ TORCH_DEFS=(-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA
             -D__CUDA_NO_HALF2_OPERATORS__ --expt-relaxed-constexpr)
 SM120=(-gencode=arch=compute_120a,code=sm_120a)
 SM90=(-gencode=arch=compute_90a,code=sm_90a)
+status=0
 # CuTe (the wgmma variant's descriptors), from the nvidia-cutlass package as the JIT build uses it.
 CUTLASS_INCLUDE="${CUTLASS_INCLUDE:-$("$PYTHON" -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))' 2>/dev/null || true)}"
-status=0
-
+if [ ! -f "$CUTLASS_INCLUDE/cute/tensor.hpp" ]; then
+  echo "FAIL CuTe headers not found: set CUTLASS_INCLUDE, or PYTHON to a python with nvidia-cutlass ($PYTHON has none)"
+  status=1
+fi
 # Per-kernel "registers spill-stores name" lines of a ptxas -v log (names demangled when c++filt exists).
 kernels() {
   awk '/Compiling entry function/ {n=$0; sub(/.*function .?/, "", n); sub(/.? for .*/, "", n)}
@@ -53,6 +56,15 @@ compile prepass_sm90 quant_prepass.cu "${SM90[@]}"
 compile fwd_native_sm120 attention_fwd_native.cu "${SM120[@]}"
 compile fwd_emulated_sm90 attention_fwd_emulated.cu "${SM90[@]}"
 compile fwd_emulated_wgmma_sm90 attention_fwd_emulated_wgmma.cu "${SM90[@]}"
+# The wgmma variant's shared-memory layouts (CuTe) on the host: bijective tiles, contiguous
+# 16-byte groups for the decode's vector stores.
+if [ -n "$CUTLASS_INCLUDE" ] && "$NVCC" -std=c++17 -O1 "${TORCH_DEFS[@]}" -I"$CUTLASS_INCLUDE" -I"$HERE" "${SM90[@]}" \
+     "$HERE/wgmma_layout_check.cu" -o "$OUT/wgmma_layout_check" >"$OUT/wlc.log" 2>&1; then
+  if "$OUT/wgmma_layout_check" >"$OUT/wlc.out"; then echo "ok   wgmma_layout_check: $(grep -c '^ok' "$OUT/wlc.out") checks"
+  else echo "FAIL wgmma_layout_check"; cat "$OUT/wlc.out"; status=1; fi
+else
+  echo "FAIL wgmma_layout_check (build)"; cat "$OUT/wlc.log" 2>/dev/null; status=1
+fi
 if [ "${FP4_CHECK_ALL:-0}" = "1" ]; then
   # the cross-check build (emulated atom on sm_120a: atom tests only, its attention kernel needs
   # more shared memory than sm_120 has) and the native build without the hardware E2M1 encoder
