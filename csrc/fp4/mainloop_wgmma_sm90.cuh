@@ -80,6 +80,15 @@ struct WgmmaConfig {
   static constexpr int kORegs = kRowsPerWg * kHeadDim / 128;  // D / 2 fp32 per thread
 };
 
+// Element (row, col[, buffer]) of a GMMA-swizzled tile at `base` (1024-byte aligned). The
+// GMMA::Layout_*_Atom swizzle acts on the byte address (CuTe moves it into the smem pointer, as
+// the wgmma descriptors assume); evaluating the layout alone would apply it to element indices.
+template <class Layout, class Elem, class... Coord>
+__host__ __device__ __forceinline__ Elem* tile_elem(Elem* base, Coord... coord) {
+  auto tile = cute::make_tensor(cute::make_smem_ptr(base), Layout{});
+  return &tile(coord...);
+}
+
 // ---- wgmma calls on plain register arrays ------------------------------------------------------
 template <class Mma, int N, size_t... I>
 __device__ __forceinline__ void wgmma_ss(uint64_t desc_a, uint64_t desc_b, float (&d)[N][4],
@@ -144,7 +153,6 @@ __device__ __forceinline__ void store_q_decoded(const WgmmaSmem<kHeadDim, Atom::
   const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
   const int g = lane >> 2, t = lane & 3;
   auto* q = sm.q(warp / 4);
-  constexpr typename W::SmemLayoutQ layout{};
 #pragma unroll
   for (int c = 0; c < kHeadDim / 64; ++c) {
 #pragma unroll
@@ -153,7 +161,7 @@ __device__ __forceinline__ void store_q_decoded(const WgmmaSmem<kHeadDim, Atom::
       for (int r = 0; r < 4; ++r) {
         const int row = 16 * (warp % 4) + g + 8 * (r & 1);
         const int col = 64 * c + 32 * (j >> 1) + 8 * t + 4 * (j & 1) + 2 * (r >> 1);
-        *reinterpret_cast<uint32_t*>(q + layout(row, col)) = qf[c].h[j][r];
+        *reinterpret_cast<uint32_t*>(tile_elem<typename W::SmemLayoutQ>(q, row, col)) = qf[c].h[j][r];
       }
     }
   }
@@ -191,7 +199,6 @@ __device__ __forceinline__ void decode_tile_wgmma(const StageView<kHeadDim, Atom
   };
   if ((warp & 1) == 0) {
     const int n = idx;
-    constexpr typename W::SmemLayoutK layout{};
     auto* kdec = sm.k();
     const uint8_t* sf_row = st.ksf() + n * Cfg::kKSfRowBytes;
     float sum = 0.0f;
@@ -226,7 +233,7 @@ __device__ __forceinline__ void decode_tile_wgmma(const StageView<kHeadDim, Atom
         out.y = hmul2_bits(c[1], s2);
         out.z = hmul2_bits(c[2], s2);
         out.w = hmul2_bits(c[3], s2);
-        *reinterpret_cast<uint4*>(kdec + layout(n, 32 * q + 8 * wi, buf)) = out;
+        *reinterpret_cast<uint4*>(tile_elem<typename W::SmemLayoutK>(kdec, n, 32 * q + 8 * wi, buf)) = out;
         if (kBf16 ? wi == 3 : (wi & 1) == 1) {  // end of a scale block
           sum = fmaf(part, scale_byte_to_float<F>(byte), sum);
           part = 0.0f;
@@ -238,7 +245,6 @@ __device__ __forceinline__ void decode_tile_wgmma(const StageView<kHeadDim, Atom
     constexpr int kGroupsPerThread = kHeadDim / 32;  // of the tile's kBlockN / 32 = 4 key groups
     static_assert(kHeadDim * (kBlockN / 32) == 128 * kGroupsPerThread, "128 threads cover V^T");
     const int d = idx % kHeadDim, g0 = (idx / kHeadDim) * kGroupsPerThread;
-    constexpr typename W::SmemLayoutVt layout{};
     auto* vdec = sm.vt();
     const uint8_t* sf_row = st.vsf() + d * Cfg::kVSfRowBytes;
 #pragma unroll
@@ -258,7 +264,7 @@ __device__ __forceinline__ void decode_tile_wgmma(const StageView<kHeadDim, Atom
       }
 #pragma unroll
       for (int pp = 0; pp < 4; ++pp) {
-        *reinterpret_cast<uint4*>(vdec + layout(d, 32 * grp + 8 * pp, buf)) =
+        *reinterpret_cast<uint4*>(tile_elem<typename W::SmemLayoutVt>(vdec, d, 32 * grp + 8 * pp, buf)) =
             make_uint4(dec[0][pp], dec[1][pp], dec[2][pp], dec[3][pp]);
       }
     }

@@ -1,48 +1,43 @@
-// Host check (no GPU) of the wgmma variant's shared-memory layouts (mainloop_wgmma_sm90.cuh):
-// every decoded tile is a bijection onto its buffer, every 8-element group the decode writes with
-// one 16-byte store (k = 8i .. 8i + 7 of a row) is contiguous and 16-byte aligned, the 4-byte Q
-// pairs (k even) are contiguous, and buffer 1 follows buffer 0. Run by compile_check.sh.
+// Host check (no GPU) of the wgmma variant's shared-memory tiles (mainloop_wgmma_sm90.cuh): the
+// element address tile_elem() gives every (row, col, buffer) of the decoded Q, K and V^T tiles is
+// the GMMA K-major 128-byte-swizzle address the wgmma descriptors read,
+//   buffer * tile bytes + (col / 64) * rows * 128 + row * 128 + (((col % 64) / 8) ^ (row % 8)) * 16
+//   + (col % 8) * 2   (bytes, from a 1024-byte aligned base),
+// so the decode's 16-byte stores (8 consecutive cols) and 4-byte Q pairs land where wgmma looks.
+// Also: vt_position_key is a permutation within 32-key groups. Run by compile_check.sh.
+#include <cstdint>
 #include <cstdio>
-#include <vector>
+#include <cstdlib>
 
 #include "mainloop_wgmma_sm90.cuh"
 
 namespace {
 
-template <class Layout>
+template <class Layout, class Elem>
 bool check(const char* name, int rows, int cols, int bufs) {
-  constexpr Layout layout{};
-  const int size = rows * cols * bufs;
-  if (int(cute::cosize(layout)) != size) {
-    std::printf("FAIL %s: cosize %d, expected %d\n", name, int(cute::cosize(layout)), size);
-    return false;
-  }
-  std::vector<int> hit(size, 0);
-  bool ok = true;
+  const int tile_bytes = rows * cols * 2;
+  Elem* base = static_cast<Elem*>(std::aligned_alloc(1024, size_t(tile_bytes) * bufs));
+  bool ok = int(cute::cosize(Layout{})) * 2 == tile_bytes * bufs;
   for (int b = 0; b < bufs; ++b) {
     for (int r = 0; r < rows; ++r) {
       for (int c = 0; c < cols; ++c) {
-        int off;
+        Elem* p;
         if constexpr (cute::rank(Layout{}) == 3) {
-          off = int(layout(r, c, b));
+          p = sage_fp4::tile_elem<Layout>(base, r, c, b);
         } else {
-          off = int(layout(r, c));
+          p = sage_fp4::tile_elem<Layout>(base, r, c);
         }
-        if (off < 0 || off >= size) { ok = false; continue; }
-        ++hit[off];
-        const int base = (c & ~7);
-        int off0;
-        if constexpr (cute::rank(Layout{}) == 3) {
-          off0 = int(layout(r, base, b));
-        } else {
-          off0 = int(layout(r, base));
+        const long got = reinterpret_cast<const char*>(p) - reinterpret_cast<const char*>(base);
+        const long want = long(b) * tile_bytes + (c / 64) * rows * 128 + r * 128 +
+                          (((c % 64) / 8) ^ (r % 8)) * 16 + (c % 8) * 2;
+        if (got != want && ok) {
+          std::printf("     %s (%d, %d, %d): byte %ld, expected %ld\n", name, r, c, b, got, want);
+          ok = false;
         }
-        if (off != off0 + (c & 7) || off0 % 8 != 0) ok = false;  // 16-byte groups of 8 elements
-        if (off / (rows * cols) != b) ok = false;                // buffer b is the b-th block
       }
     }
   }
-  for (int i = 0; i < size; ++i) ok &= hit[i] == 1;
+  std::free(base);
   std::printf("%s %s (%d x %d x %d)\n", ok ? "ok  " : "FAIL", name, rows, cols, bufs);
   return ok;
 }
@@ -50,16 +45,16 @@ bool check(const char* name, int rows, int cols, int bufs) {
 template <int D, sage_fp4::Fp4Format F>
 bool check_config() {
   using W = sage_fp4::WgmmaConfig<D, F>;
-  bool ok = check<typename W::SmemLayoutQ>("Q", 64, D, 1);
-  ok &= check<typename W::SmemLayoutK>("K", sage_fp4::kBlockN, D, 2);
-  ok &= check<typename W::SmemLayoutVt>("V^T", D, sage_fp4::kBlockN, 2);
+  using E = typename W::Elem;
+  bool ok = check<typename W::SmemLayoutQ, E>("Q", 64, D, 1);
+  ok &= check<typename W::SmemLayoutK, E>("K", sage_fp4::kBlockN, D, 2);
+  ok &= check<typename W::SmemLayoutVt, E>("V^T", D, sage_fp4::kBlockN, 2);
   return ok;
 }
 
 }  // namespace
 
 int main() {
-  // V^T k order: vt_position_key is a bijection within each 32-key group.
   bool ok = true;
   for (int kk = 0; kk < sage_fp4::kBlockN; ++kk) {
     int n = 0;
@@ -68,6 +63,8 @@ int main() {
   }
   std::printf("%s vt_position_key permutation\n", ok ? "ok  " : "FAIL");
   ok &= check_config<128, sage_fp4::Fp4Format::kNvfp4>();
+  ok &= check_config<64, sage_fp4::Fp4Format::kNvfp4>();
+  ok &= check_config<128, sage_fp4::Fp4Format::kMxfp4>();
   ok &= check_config<64, sage_fp4::Fp4Format::kMxfp4>();
   return ok ? 0 : 1;
 }
