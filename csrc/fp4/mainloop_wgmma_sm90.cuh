@@ -21,9 +21,10 @@
 //     layout_model.py): 16-byte chunk p of a decoded 32-key group gathers decoded pair p of each of
 //     its four raw words.
 //   Schedule per tile i (one __syncthreads): issue QK(i) async -> cp.async of raw tile i + 2 ->
-//     decode tile i + 1 (overlaps the QK wgmma of both warpgroups) -> wait QK -> masks, softmax,
-//     P~ -> PV(i) issued and retired -> O = O * alpha + s1 * PV (the per-row two-level factor s1
-//     keeps PV in its own accumulator, as the mma.sync path does).
+//     first half of the decode of tile i + 1 (overlaps the QK wgmma) -> wait QK -> masks, softmax,
+//     P~ -> issue PV(i) -> second half of the decode (overlaps the PV wgmma) -> wait PV ->
+//     O = O * alpha + s1 * PV (the per-row two-level factor s1 keeps PV in its own accumulator,
+//     as the mma.sync path does).
 #pragma once
 
 #include <cstdint>
@@ -171,11 +172,14 @@ __device__ __forceinline__ void store_q_decoded(const WgmmaSmem<kHeadDim, Atom::
 // tile's smoothing correction corr[n] = qbar . deq(K row n) (fp32 on the CUDA cores: per scale
 // block, qbar . codes (exact E2M1 values), times the block scale). Even warps: K, a thread per
 // stored key row n = 32 (w / 2) + lane, all D / 32 raw 16-byte chunks. Odd warps: V^T, a thread
-// per channel d and D / 32 of the tile's four 32-key groups.
-template <class Atom, int kHeadDim>
+// per channel d and D / 32 of the tile's four 32-key groups. The work is done in kParts calls
+// (part = 0 .. kParts - 1, each a 1 / kParts share of every thread's chunks or groups) so that
+// each share can hide a different wgmma; `corr_sum` carries the K row's partial correction from
+// part to part (corr[n] is written by the last).
+template <class Atom, int kHeadDim, int kParts, int kPart>
 __device__ __forceinline__ void decode_tile_wgmma(const StageView<kHeadDim, Atom::kFormat>& st,
                                                   const WgmmaSmem<kHeadDim, Atom::kFormat>& sm, int buf,
-                                                  const float* qbar, float* corr) {
+                                                  const float* qbar, float* corr, float& corr_sum) {
   constexpr Fp4Format F = Atom::kFormat;
   using W = WgmmaConfig<kHeadDim, F>;
   using Cfg = FwdConfig<kHeadDim, F>;
@@ -201,9 +205,11 @@ __device__ __forceinline__ void decode_tile_wgmma(const StageView<kHeadDim, Atom
     const int n = idx;
     auto* kdec = sm.k();
     const uint8_t* sf_row = st.ksf() + n * Cfg::kKSfRowBytes;
-    float sum = 0.0f;
+    constexpr int kChunks = kHeadDim / 32 / kParts;
+    static_assert(kChunks * kParts == kHeadDim / 32, "whole chunks per part");
+    float sum = kPart == 0 ? 0.0f : corr_sum;
 #pragma unroll
-    for (int q = 0; q < kHeadDim / 32; ++q) {
+    for (int q = kPart * kChunks; q < (kPart + 1) * kChunks; ++q) {
       const uint4 w4 = *reinterpret_cast<const uint4*>(st.k() + swizzled_offset<Cfg::kKRowBytes>(n, q));
       const uint32_t words[4] = {w4.x, w4.y, w4.z, w4.w};
       float part = 0.0f;
@@ -240,15 +246,21 @@ __device__ __forceinline__ void decode_tile_wgmma(const StageView<kHeadDim, Atom
         }
       }
     }
-    corr[n] = sum;
+    if constexpr (kPart == kParts - 1) {
+      corr[n] = sum;
+    } else {
+      corr_sum = sum;
+    }
   } else {
     constexpr int kGroupsPerThread = kHeadDim / 32;  // of the tile's kBlockN / 32 = 4 key groups
     static_assert(kHeadDim * (kBlockN / 32) == 128 * kGroupsPerThread, "128 threads cover V^T");
-    const int d = idx % kHeadDim, g0 = (idx / kHeadDim) * kGroupsPerThread;
+    constexpr int kGroups = kGroupsPerThread / kParts;
+    static_assert(kGroups * kParts == kGroupsPerThread, "whole key groups per part");
+    const int d = idx % kHeadDim, g0 = (idx / kHeadDim) * kGroupsPerThread + kPart * kGroups;
     auto* vdec = sm.vt();
     const uint8_t* sf_row = st.vsf() + d * Cfg::kVSfRowBytes;
 #pragma unroll
-    for (int gi = 0; gi < kGroupsPerThread; ++gi) {
+    for (int gi = 0; gi < kGroups; ++gi) {
       const int grp = g0 + gi;  // keys 32 grp .. 32 grp + 31
       const uint4 w4 = *reinterpret_cast<const uint4*>(st.v() + swizzled_offset<Cfg::kVRowBytes>(d, grp));
       const uint32_t words[4] = {w4.x, w4.y, w4.z, w4.w};
@@ -314,10 +326,11 @@ struct WgmmaOperands {
     cute::warpgroup_commit_batch();
   }
 
-  // o (64 x D, fp32) = P V_buf with P~ decoded in registers (k16 step 4c + j = pf[c].h[j]),
-  // issued and retired.
+  // o (64 x D, fp32) = P V_buf with P~ decoded in registers (k16 step 4c + j = pf[c].h[j]), one
+  // committed group (not waited for: pf and o stay untouched until pv_wait).
   template <class FragA>
-  __device__ __forceinline__ void pv(int buf, FragA (&pf)[kBlockN / kKeyChunk], float (&o)[kHeadDim / 8][4]) const {
+  __device__ __forceinline__ void pv_issue(int buf, FragA (&pf)[kBlockN / kKeyChunk],
+                                           float (&o)[kHeadDim / 8][4]) const {
     fence_frags(pf);
     fence_acc(o);
     cute::warpgroup_arrive();
@@ -328,6 +341,9 @@ struct WgmmaOperands {
                                   std::make_index_sequence<W::kORegs>{});
     }
     cute::warpgroup_commit_batch();
+  }
+  template <class FragA>
+  __device__ __forceinline__ static void pv_wait(FragA (&pf)[kBlockN / kKeyChunk], float (&o)[kHeadDim / 8][4]) {
     cute::warpgroup_wait<0>();
     fence_acc(o);
     fence_frags(pf);
@@ -360,7 +376,9 @@ __device__ __forceinline__ void mainloop_wgmma(const FwdParams& p, uint8_t* smem
   cp_async_wait<1>();  // this thread's copies of tile 0
   __syncthreads();     // everyone's tile-0 copies are visible
   key_valid_bits(valid_buf(0), 0, p.Skv, key_mask_row);
-  decode_tile_wgmma<Atom, kHeadDim>(stage(0), sm, 0, qbar, corr_buf(0));
+  float corr_sum;  // a K row's partial correction between the two decode parts
+  decode_tile_wgmma<Atom, kHeadDim, 2, 0>(stage(0), sm, 0, qbar, corr_buf(0), corr_sum);
+  decode_tile_wgmma<Atom, kHeadDim, 2, 1>(stage(0), sm, 0, qbar, corr_buf(0), corr_sum);
 
   const WgmmaOperands<kHeadDim, F> ops(sm, tid / 128, tid % 128);
   for (int tile = 0; tile < n_tiles; ++tile) {
@@ -376,9 +394,10 @@ __device__ __forceinline__ void mainloop_wgmma(const FwdParams& p, uint8_t* smem
       load_kv_tile<kHeadDim, F>(stage(cur), kv, tile + 2);
       cp_async_commit();
     }
-    if (tile + 1 < n_tiles) {  // overlaps the QK wgmma
+    const bool more = tile + 1 < n_tiles;
+    if (more) {  // first half of the next tile's decode: overlaps the QK wgmma
       key_valid_bits(valid_buf(nxt), tile + 1, p.Skv, key_mask_row);
-      decode_tile_wgmma<Atom, kHeadDim>(stage(nxt), sm, nxt, qbar, corr_buf(nxt));
+      decode_tile_wgmma<Atom, kHeadDim, 2, 0>(stage(nxt), sm, nxt, qbar, corr_buf(nxt), corr_sum);
     }
     cute::warpgroup_wait<0>();
     fence_acc(s);
@@ -387,7 +406,11 @@ __device__ __forceinline__ void mainloop_wgmma(const FwdParams& p, uint8_t* smem
     typename Atom::FragA pf[kBlockN / kKeyChunk];
     scores_to_p_tile<Atom>(s, p, tile, warp_row0, corr_buf(cur), valid_buf(cur), scale_log2, rs, alpha, s1, pf);
     float o[kHeadDim / 8][4];
-    ops.pv(cur, pf, o);
+    ops.pv_issue(cur, pf, o);
+    if (more) {  // second half: overlaps the PV wgmma
+      decode_tile_wgmma<Atom, kHeadDim, 2, 1>(stage(nxt), sm, nxt, qbar, corr_buf(nxt), corr_sum);
+    }
+    ops.pv_wait(pf, o);
 #pragma unroll
     for (int n = 0; n < kHeadDim / 8; ++n) {
       acc[n][0] = fmaf(acc[n][0], alpha[0], s1[0] * o[n][0]);
