@@ -81,13 +81,24 @@ struct WgmmaConfig {
   static constexpr int kORegs = kRowsPerWg * kHeadDim / 128;  // D / 2 fp32 per thread
 };
 
-// Element (row, col[, buffer]) of a GMMA-swizzled tile at `base` (1024-byte aligned). The
-// GMMA::Layout_*_Atom swizzle acts on the byte address (CuTe moves it into the smem pointer, as
-// the wgmma descriptors assume); evaluating the layout alone would apply it to element indices.
+// Element (row, col[, buffer]) of a GMMA-swizzled tile at `base` (1024-byte aligned), as CuTe
+// (and so the wgmma descriptors) sees it. The GMMA::Layout_*_Atom swizzle acts on the byte
+// address (CuTe moves it into the smem pointer); evaluating the layout alone would apply it to
+// element indices. Reference for wgmma_layout_check.cu; the kernel uses gmma_sw128_offset.
 template <class Layout, class Elem, class... Coord>
 __host__ __device__ __forceinline__ Elem* tile_elem(Elem* base, Coord... coord) {
   auto tile = cute::make_tensor(cute::make_smem_ptr(base), Layout{});
   return &tile(coord...);
+}
+
+// The same address as an element offset, for 16-bit elements (wgmma_layout_check.cu proves the
+// two equal for every coordinate of every tile here): K-major, 64-element (128-byte) rows in
+// 8-row swizzle atoms stacked along the rows (kRows of them per 64-column block), 16-byte chunk
+// c of row r stored at chunk c ^ (r % 8); buffer b of kRows x kCols tiles follows buffer b - 1.
+template <int kRows, int kCols>
+__host__ __device__ __forceinline__ constexpr int gmma_sw128_offset(int row, int col, int buf = 0) {
+  return buf * kRows * kCols + (col >> 6) * kRows * 64 + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) +
+         (col & 7);
 }
 
 // ---- wgmma calls on plain register arrays ------------------------------------------------------
@@ -162,7 +173,7 @@ __device__ __forceinline__ void store_q_decoded(const WgmmaSmem<kHeadDim, Atom::
       for (int r = 0; r < 4; ++r) {
         const int row = 16 * (warp % 4) + g + 8 * (r & 1);
         const int col = 64 * c + 32 * (j >> 1) + 8 * t + 4 * (j & 1) + 2 * (r >> 1);
-        *reinterpret_cast<uint32_t*>(tile_elem<typename W::SmemLayoutQ>(q, row, col)) = qf[c].h[j][r];
+        *reinterpret_cast<uint32_t*>(q + gmma_sw128_offset<W::kRowsPerWg, kHeadDim>(row, col)) = qf[c].h[j][r];
       }
     }
   }
@@ -239,7 +250,7 @@ __device__ __forceinline__ void decode_tile_wgmma(const StageView<kHeadDim, Atom
         out.y = hmul2_bits(c[1], s2);
         out.z = hmul2_bits(c[2], s2);
         out.w = hmul2_bits(c[3], s2);
-        *reinterpret_cast<uint4*>(tile_elem<typename W::SmemLayoutK>(kdec, n, 32 * q + 8 * wi, buf)) = out;
+        *reinterpret_cast<uint4*>(kdec + gmma_sw128_offset<kBlockN, kHeadDim>(n, 32 * q + 8 * wi, buf)) = out;
         if (kBf16 ? wi == 3 : (wi & 1) == 1) {  // end of a scale block
           sum = fmaf(part, scale_byte_to_float<F>(byte), sum);
           part = 0.0f;
@@ -276,7 +287,7 @@ __device__ __forceinline__ void decode_tile_wgmma(const StageView<kHeadDim, Atom
       }
 #pragma unroll
       for (int pp = 0; pp < 4; ++pp) {
-        *reinterpret_cast<uint4*>(tile_elem<typename W::SmemLayoutVt>(vdec, d, 32 * grp + 8 * pp, buf)) =
+        *reinterpret_cast<uint4*>(vdec + gmma_sw128_offset<kHeadDim, kBlockN>(d, 32 * grp + 8 * pp, buf)) =
             make_uint4(dec[0][pp], dec[1][pp], dec[2][pp], dec[3][pp]);
       }
     }

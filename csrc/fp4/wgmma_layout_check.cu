@@ -1,6 +1,7 @@
-// Host check (no GPU) of the wgmma variant's shared-memory tiles (mainloop_wgmma_sm90.cuh): the
-// element address tile_elem() gives every (row, col, buffer) of the decoded Q, K and V^T tiles is
-// the GMMA K-major 128-byte-swizzle address the wgmma descriptors read,
+// Host check (no GPU) of the wgmma variant's shared-memory tiles (mainloop_wgmma_sm90.cuh): for
+// every (row, col, buffer) of the decoded Q, K and V^T tiles, the address CuTe's layout gives
+// (tile_elem: what the wgmma descriptors read) equals the kernel's gmma_sw128_offset and the
+// GMMA K-major 128-byte-swizzle formula
 //   buffer * tile bytes + (col / 64) * rows * 128 + row * 128 + (((col % 64) / 8) ^ (row % 8)) * 16
 //   + (col % 8) * 2   (bytes, from a 1024-byte aligned base),
 // so the decode's 16-byte stores (8 consecutive cols) and 4-byte Q pairs land where wgmma looks.
@@ -13,8 +14,9 @@
 
 namespace {
 
-template <class Layout, class Elem>
-bool check(const char* name, int rows, int cols, int bufs) {
+template <class Layout, class Elem, int kRows, int kCols>
+bool check(const char* name, int bufs) {
+  const int rows = kRows, cols = kCols;
   const int tile_bytes = rows * cols * 2;
   Elem* base = static_cast<Elem*>(std::aligned_alloc(1024, size_t(tile_bytes) * bufs));
   bool ok = int(cute::cosize(Layout{})) * 2 == tile_bytes * bufs;
@@ -26,6 +28,10 @@ bool check(const char* name, int rows, int cols, int bufs) {
           p = sage_fp4::tile_elem<Layout>(base, r, c, b);
         } else {
           p = sage_fp4::tile_elem<Layout>(base, r, c);
+        }
+        if (p != base + sage_fp4::gmma_sw128_offset<kRows, kCols>(r, c, b) && ok) {
+          std::printf("     %s (%d, %d, %d): CuTe and gmma_sw128_offset differ\n", name, r, c, b);
+          ok = false;
         }
         const long got = reinterpret_cast<const char*>(p) - reinterpret_cast<const char*>(base);
         const long want = long(b) * tile_bytes + (c / 64) * rows * 128 + r * 128 +
@@ -46,9 +52,9 @@ template <int D, sage_fp4::Fp4Format F>
 bool check_config() {
   using W = sage_fp4::WgmmaConfig<D, F>;
   using E = typename W::Elem;
-  bool ok = check<typename W::SmemLayoutQ, E>("Q", 64, D, 1);
-  ok &= check<typename W::SmemLayoutK, E>("K", sage_fp4::kBlockN, D, 2);
-  ok &= check<typename W::SmemLayoutVt, E>("V^T", D, sage_fp4::kBlockN, 2);
+  bool ok = check<typename W::SmemLayoutQ, E, 64, D>("Q", 1);
+  ok &= check<typename W::SmemLayoutK, E, sage_fp4::kBlockN, D>("K", 2);
+  ok &= check<typename W::SmemLayoutVt, E, D, sage_fp4::kBlockN>("V^T", 2);
   return ok;
 }
 
