@@ -317,6 +317,9 @@ def _fp4_attention(
     emu: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ext = build()
+    if emu == EmuGemm.CODE[EmuGemm.WGMMA] and not getattr(ext, "wgmma", False):
+        raise ValueError("emu='wgmma' needs the emulated FP4 atom on an sm_90a device "
+                         f"(this build: {'native' if ext.native else 'emulated'}, no wgmma variant)")
     qq, kk, vv = (x if _rows_aligned(x) else x.contiguous() for x in (q, k, v))
     skv = k.shape[2]
     k_mean = _k_mean(kk)
@@ -377,9 +380,6 @@ def attention_fp4(
     fmt_code = _FMT_CODE[FP4Format.parse(fmt)]
     p_code = _P_QUANT_CODE[PQuant.parse(p_quant)]
     emu_code = EmuGemm.CODE[_emu_name(emu)]
-    if emu_code == EmuGemm.CODE[EmuGemm.WGMMA] and q.is_cuda and (
-            _device_arch(q.device) != "90a" or _default_atom("90a") != Atom.EMULATED):
-        raise ValueError("emu='wgmma' needs the emulated atom on an sm_90a device")
     check_qkv(q, k, v, HEAD_DIMS, unit_last_stride=True)
     key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
