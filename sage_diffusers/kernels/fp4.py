@@ -568,7 +568,11 @@ def _main(argv: list[str]) -> int:
         if "--emu" in argv:
             i = argv.index("--emu")
             choice = argv[i + 1] if i + 1 < len(argv) else ""
-            emus = (EmuGemm.MMA, EmuGemm.WGMMA) if choice == "both" else (_emu_name(choice),)
+            if choice == "both":  # the variants this device runs (mma only where the native atom serves)
+                emus = tuple(emu_gemms()) if _default_atom(_device_arch()) == Atom.EMULATED else ()
+                emus = emus or (EmuGemm.MMA,)
+            else:
+                emus = (_emu_name(choice),)
         for shape in ((1, 24, 16384, 128), (1, 48, 17776, 64), (2, 24, 4096, 128)):
             print(benchmark(*shape, emus=emus), flush=True)
         return 0
