@@ -5,9 +5,10 @@
 // owns rows 64 (w / 4) + 16 (w % 4) = 16 w .. 16 w + 15, the same rows as in the mma.sync path, so
 // the softmax, P~ quantization and epilogue are shared unchanged.
 //
-//   decode (all 256 threads, once per tile): even warps decode the K tile (a thread per stored key
-//     row: E2M1 x scale -> fp16 / bf16, exact, and the smoothing correction qbar . deq(K) of that
-//     row on the CUDA cores), odd warps the V^T tile; into GMMA K-major SW128 tiles, two buffers.
+//   decode (all 256 threads, once per tile): half the warps decode the K tile (a thread per stored
+//     key row: E2M1 x scale -> fp16 / bf16, exact, and the smoothing correction qbar . deq(K) of
+//     that row on the CUDA cores), the other half the V^T tile; into GMMA K-major SW128 tiles, two
+//     buffers.
 //   S = Q K^T: wgmma m64n128k16 SS (decoded Q of the warpgroup, written once after the prologue).
 //     The accumulator of warp w is the m16n8 D layout tiled along N (CuTe CLayout_64xN: value
 //     4j + e = row g + 8 (e >> 1), column 8j + 2t + (e & 1)), i.e. s[j][e] of the mma.sync path;
@@ -181,9 +182,11 @@ __device__ __forceinline__ void store_q_decoded(const WgmmaSmem<kHeadDim, Atom::
 
 // All threads: decode raw stage `st` (one key tile) into decoded buffer `buf` and write the
 // tile's smoothing correction corr[n] = qbar . deq(K row n) (fp32 on the CUDA cores: per scale
-// block, qbar . codes (exact E2M1 values), times the block scale). Even warps: K, a thread per
-// stored key row n = 32 (w / 2) + lane, all D / 32 raw 16-byte chunks. Odd warps: V^T, a thread
-// per channel d and D / 32 of the tile's four 32-key groups. The work is done in kParts calls
+// block, qbar . codes (exact E2M1 values), times the block scale). Warps 0, 2, 5, 7: K, a thread
+// per stored key row n = 32 (w / 2) + lane, all D / 32 raw 16-byte chunks. Warps 1, 3, 4, 6: V^T,
+// a thread per channel and D / 32 of the tile's four 32-key groups. (The K share, with the
+// correction, is the longer one: each SM sub-partition, which issues warps w and w + 4, gets one
+// warp of each role.) The work is done in kParts calls
 // (part = 0 .. kParts - 1, each a 1 / kParts share of every thread's chunks or groups) so that
 // each share can hide a different wgmma; `corr_sum` carries the K row's partial correction from
 // part to part (corr[n] is written by the last).
@@ -197,6 +200,7 @@ __device__ __forceinline__ void decode_tile_wgmma(const StageView<kHeadDim, Atom
   constexpr bool kBf16 = W::kBf16;
   const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
   const int idx = 32 * (warp >> 1) + lane;  // 0 .. 127 within the role
+  const bool k_role = ((warp ^ (warp >> 2)) & 1) == 0;
   auto codes = [](uint32_t x, uint32_t (&out)[4]) {
     if constexpr (kBf16) {
       decode8_bf16_codes(x, out);
@@ -212,7 +216,7 @@ __device__ __forceinline__ void decode_tile_wgmma(const StageView<kHeadDim, Atom
       return __half2half2(e4m3_to_half(byte));
     }
   };
-  if ((warp & 1) == 0) {
+  if (k_role) {
     const int n = idx;
     auto* kdec = sm.k();
     const uint8_t* sf_row = st.ksf() + n * Cfg::kKSfRowBytes;
