@@ -59,6 +59,30 @@ def test_opt_bits_env(monkeypatch):
             fp4._opt_bits()
 
 
+def test_emu_env(monkeypatch):
+    """SAGE_DIFFUSERS_FP4_EMU / emu= pick the emulated GEMM variant; default mma; typos raise."""
+    monkeypatch.delenv("SAGE_DIFFUSERS_FP4_EMU", raising=False)
+    assert fp4._emu_name(None) == "mma" and fp4._emu_name("wgmma") == "wgmma"
+    monkeypatch.setenv("SAGE_DIFFUSERS_FP4_EMU", "wgmma")
+    assert fp4._emu_name(None) == "wgmma" and fp4._emu_name("mma") == "mma"
+    for bad in ("WGMMA", "both", ""):
+        with pytest.raises(ValueError):
+            fp4._emu_name(bad)
+
+
+def _emus() -> list[str]:
+    """Emulated GEMM variants to run the attention tests with: mma and, on sm_90a, wgmma. On
+    devices where the native atom serves attention_fp4 the variant does not apply: mma only."""
+    if not _OK:
+        return [fp4.EmuGemm.MMA]
+    if torch.cuda.get_device_capability() != (9, 0):
+        return [fp4.EmuGemm.MMA]
+    return fp4.emu_gemms()
+
+
+EMUS = _emus()
+
+
 def _atoms() -> list[str]:
     """Atoms whose MMA runs here: emulated everywhere, native too on sm_120/121."""
     if not _OK:
@@ -277,10 +301,11 @@ def _case_id(c) -> str:
             + ("-mask" if c[8] else "") + f"-{c[9]}")
 
 
+@pytest.mark.parametrize("emu", EMUS)
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 @gpu
-def test_attention_matches_reference(case, fmt, p_quant=PQuant.TWO_LEVEL):
+def test_attention_matches_reference(case, fmt, emu, p_quant=PQuant.TWO_LEVEL):
     b, hq, hkv, sq, skv, d, dtype, causal, use_mask, layout = case
     q, k, v = _inputs(b, hq, hkv, sq, skv, d, dtype, layout, seed=sq + skv)
     key_mask = None
@@ -292,7 +317,7 @@ def test_attention_matches_reference(case, fmt, p_quant=PQuant.TWO_LEVEL):
             key_mask[-1] = False  # one sample with no visible key at all
     snapshot = [x.clone() for x in (q, k, v)]
     out, lse = fp4.attention_fp4(q, k, v, key_mask=key_mask, is_causal=causal, return_lse=True, fmt=fmt,
-                                 p_quant=p_quant)
+                                 p_quant=p_quant, emu=emu)
     for x, x0 in zip((q, k, v), snapshot):
         assert torch.equal(x, x0), "inputs must not be mutated"
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride() == torch.empty_like(q).stride()
@@ -309,7 +334,7 @@ def test_attention_matches_reference(case, fmt, p_quant=PQuant.TWO_LEVEL):
 
     ex = _sdpa_fp32(q, k, v, key_mask, causal, 1.0 / math.sqrt(d))
     record = {"case": [b, hq, hkv, sq, skv, d, str(dtype), causal, use_mask, layout], "fmt": fmt.value,
-              "p_quant": p_quant.value,
+              "p_quant": p_quant.value, "emu": emu,
               "cos_ref": c, "cos_sdpa": cosine(out.float(), ex), "rel_l1_sdpa": relative_l1(out.float(), ex),
               "rmse_sdpa": rmse(out.float(), ex), "cos_ref_vs_sdpa": cosine(ref, ex)}
     _report(record)
@@ -323,31 +348,34 @@ def test_attention_matches_reference(case, fmt, p_quant=PQuant.TWO_LEVEL):
 # (NVFP4 direct is test_attention_options_direct_and_scale: its reciprocal P~/scale deviates from
 # the reference's division in tiny E4M3-subnormal blocks. MXFP4's power-of-two scales make the
 # kernel's P~ codes exact for its P~ values, so the 0.9999 bound applies.)
+@pytest.mark.parametrize("emu", EMUS)
 @pytest.mark.parametrize("case", [CASES[i] for i in (1, 2, 3, 4, 6, 7)], ids=_case_id)
 @gpu
-def test_attention_mxfp4_direct_matches_reference(case):
-    test_attention_matches_reference(case, FP4Format.MXFP4, p_quant=PQuant.DIRECT)
+def test_attention_mxfp4_direct_matches_reference(case, emu):
+    test_attention_matches_reference(case, FP4Format.MXFP4, emu, p_quant=PQuant.DIRECT)
 
 
+@pytest.mark.parametrize("emu", EMUS)
 @gpu
-def test_attention_long_17776():
+def test_attention_long_17776(emu):
     q, k, v = _inputs(1, 2, 2, 17776, 17776, 128, torch.bfloat16, "bshd", seed=3)
-    out, _ = fp4.attention_fp4(q, k, v)
+    out, _ = fp4.attention_fp4(q, k, v, emu=emu)
     ref = sage3_reference(q, k, v)
     c = cosine(out.float(), ref)
     ex = _sdpa_fp32(q, k, v, None, False, 1.0 / math.sqrt(128))
-    _report({"case": [1, 2, 2, 17776, 17776, 128, "bf16"], "cos_ref": c, "cos_sdpa": cosine(out.float(), ex),
+    _report({"case": [1, 2, 2, 17776, 17776, 128, "bf16"], "emu": emu, "cos_ref": c, "cos_sdpa": cosine(out.float(), ex),
              "rel_l1_sdpa": relative_l1(out.float(), ex), "cos_ref_vs_sdpa": cosine(ref, ex)})
     assert c >= 0.9999, c
 
 
+@pytest.mark.parametrize("emu", EMUS)
 @gpu
-def test_attention_options_direct_and_scale():
+def test_attention_options_direct_and_scale(emu):
     q, k, v = _inputs(1, 2, 2, 600, 700, 64, torch.float16, "bhsd", seed=5)
-    out, _ = fp4.attention_fp4(q, k, v, p_quant=PQuant.DIRECT, scale=0.2)
+    out, _ = fp4.attention_fp4(q, k, v, p_quant=PQuant.DIRECT, scale=0.2, emu=emu)
     ref = sage3_reference(q, k, v, p_quant="direct", scale=0.2)
     c = cosine(out.float(), ref)
-    _report({"case": "direct scale=0.2", "cos_ref": c})
+    _report({"case": "direct scale=0.2", "emu": emu, "cos_ref": c})
     assert c >= 0.9995, c
 
 
@@ -367,15 +395,32 @@ def test_selftest():
     assert fp4.selftest(verbose=True)
 
 
+@pytest.mark.parametrize("emu", EMUS)
 @gpu
-def test_custom_op_fake_and_compile():
+def test_custom_op_fake_and_compile(emu):
     q, k, v = _inputs(1, 2, 2, 256, 256, 64, torch.bfloat16, "bhsd", seed=9)
     for fmt_code in (0, 1):  # NVFP4, MXFP4
         torch.library.opcheck(torch.ops.sage_diffusers.fp4_attention.default,
-                              (q, k, v, None, False, 0.125, True, 0, fmt_code),
+                              (q, k, v, None, False, 0.125, True, 0, fmt_code, fp4.EmuGemm.CODE[emu]),
                               test_utils=("test_schema", "test_faketensor"))
-    fn = torch.compile(lambda a, b_, c: fp4.attention_fp4(a, b_, c)[0], fullgraph=True)
-    torch.testing.assert_close(fn(q, k, v), fp4.attention_fp4(q, k, v)[0], rtol=0, atol=0)
+    fn = torch.compile(lambda a, b_, c: fp4.attention_fp4(a, b_, c, emu=emu)[0], fullgraph=True)
+    torch.testing.assert_close(fn(q, k, v), fp4.attention_fp4(q, k, v, emu=emu)[0], rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.skipif("wgmma" not in EMUS, reason="the wgmma variant runs on sm_90a only")
+@pytest.mark.parametrize("fmt", FMTS)
+def test_wgmma_matches_mma(fmt):
+    """The two emulated GEMM variants compute the same numerics: P~ codes are bit-identical, only
+    the fp32 summation order inside the MMAs differs (and the smoothing correction: CUDA-core fp32
+    in wgmma, hi/lo tensor-core terms in mma), so outputs agree far below the FP4 error."""
+    q, k, v = _inputs(1, 4, 2, 1023, 1500, 128, torch.bfloat16, "bshd", seed=11)
+    mask = torch.rand(1, 1500, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)) > 0.2
+    outs = [fp4.attention_fp4(q, k, v, key_mask=mask, fmt=fmt, return_lse=True, emu=e) for e in ("mma", "wgmma")]
+    c = cosine(outs[0][0].float(), outs[1][0].float())
+    _report({"case": "wgmma vs mma", "fmt": fmt.value, "cos": c})
+    assert c >= 0.99999, c
+    assert (outs[0][1] - outs[1][1]).abs().max().item() < 1e-4
 
 
 # ---- the paper's ablations through the kernel -------------------------------------------------

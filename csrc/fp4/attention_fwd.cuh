@@ -1,7 +1,8 @@
 // The FP4 forward kernel: composes the prologue, the two-stage K/V pipeline, the MMA sweeps, the
 // fused softmax / P quantization and the epilogue. The MMA atom (which carries the microscaling
-// format, NVFP4 or MXFP4), head dim and element type are template parameters;
-// attention_fwd_{native,emulated}.cu instantiate the bounded set.
+// format, NVFP4 or MXFP4), head dim, element type and, for the emulated atom, the GEMM variant
+// (EmuGemm: per-warp mma.sync, or warpgroup wgmma in mainloop_wgmma_sm90.cuh) are template
+// parameters; attention_fwd_{native,emulated,emulated_wgmma}.cu instantiate the bounded set.
 #pragma once
 
 #include <cstdint>
@@ -15,15 +16,29 @@
 
 namespace sage_fp4 {
 
-template <class Atom, int kHeadDim, typename T>
+// Defined in mainloop_wgmma_sm90.cuh, which only the EmuGemm::kWgmma instantiation file includes
+// (it needs CuTe; the other builds never instantiate it).
+template <class Atom, int kHeadDim>
+__device__ __forceinline__ void mainloop_wgmma(const FwdParams& p, uint8_t* smem, const KvHead& kv, int n_tiles,
+                                               const typename Atom::FragA (&qf)[kHeadDim / 64],
+                                               float (&acc)[kHeadDim / 8][4], RowState& rs, int warp_row0);
+
+template <class Atom, int kHeadDim, typename T, EmuGemm kGemm = EmuGemm::kMmaSync>
 __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const FwdParams p) {
   constexpr Fp4Format kFmt = Atom::kFormat;
   using Cfg = FwdConfig<kHeadDim, kFmt>;
   using Stage = StageView<kHeadDim, kFmt>;
-  extern __shared__ __align__(128) uint8_t smem[];
+  static_assert(kGemm == EmuGemm::kMmaSync || (!Atom::kNative && Atom::kStagesDecoded),
+                "the wgmma variant runs the emulated atom's decoded operands");
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw;
+  if constexpr (kGemm == EmuGemm::kWgmma) {
+    // GMMA-swizzled tiles need 1024-byte aligned addresses (the slack is in kWgmmaSmemBytes).
+    smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  }
   const int q0 = blockIdx.x * kBlockM, h = blockIdx.y, b = blockIdx.z;
   const int hk = h / (p.Hq / p.Hkv);  // GQA: query head h reads kv head h / group
-  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+  const int warp = static_cast<int>(threadIdx.x >> 5);
   const int64_t bhk = int64_t(b) * p.Hkv + hk;
 
   // Rebuilt where used rather than kept live across the main loop (registers are at the limit).
@@ -49,6 +64,24 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
 
   typename Atom::FragA qf[kHeadDim / 64];
   q_prologue<Atom, kHeadDim, T>(p, smem, b, h, hk, q0, qf);
+
+  float acc[kHeadDim / 8][4];
+#pragma unroll
+  for (int n = 0; n < kHeadDim / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+  }
+  RowState rs;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    rs.m[r] = -CUDART_INF_F;
+    rs.l[r] = 0.0f;
+  }
+  const int warp_row0 = q0 + 16 * warp;
+
+  if constexpr (kGemm == EmuGemm::kWgmma) {
+    mainloop_wgmma<Atom, kHeadDim>(p, smem, kv_head(), n_tiles, qf, acc, rs, warp_row0);
+  } else {
   uint8_t* q_tile = smem + Cfg::kOffQ;
   if constexpr (Atom::kStagesDecoded) {
     __syncwarp();  // the warp's lanes are done reading its 16 Q rows
@@ -64,20 +97,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
     if (warp == 0) build_qbar_frags<Atom, kHeadDim>(qbar, qbar_frags);  // read after the loop's first barrier
   }
 
-  float acc[kHeadDim / 8][4];
-#pragma unroll
-  for (int n = 0; n < kHeadDim / 8; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
-  }
-  RowState rs;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    rs.m[r] = -CUDART_INF_F;
-    rs.l[r] = 0.0f;
-  }
   const float scale_log2 = p.scale * 1.4426950408889634f;
-  const int warp_row0 = q0 + 16 * warp;
 
   // Scores, softmax, P~ quantization and P.V of one tile whose K/V fragments (raw stage `st`,
   // decoded `staged_buf`), corrections and key-valid bits are ready and visible.
@@ -85,21 +105,9 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
                           const uint32_t* valid) {
     float s[kBlockN / 8][4];
     qk_tile<Atom, kHeadDim>(s, qf, q_tile, st, staged_buf);
-
-    TileMask mk;
-    mk.corr = corr;
-    mk.valid_bits = valid;
-    mk.key0 = tile * kBlockN;
-    mk.row[0] = warp_row0 + (lane >> 2);
-    mk.row[1] = mk.row[0] + 8;
-    mk.causal = p.causal;
-    const int key_end = (tile + 1) * kBlockN;  // one past the tile's last key
-    mk.needed = p.key_mask != nullptr || key_end > p.Skv || (p.causal && key_end - 1 > warp_row0);
-    scores_to_log2(s, mk, scale_log2);
-
     float alpha[2], s1[2];
     typename Atom::FragA pf[kBlockN / kKeyChunk];
-    softmax_quantize_p<Atom>(s, rs, p.p_quant, alpha, s1, pf);
+    scores_to_p_tile<Atom>(s, p, tile, warp_row0, corr, valid, scale_log2, rs, alpha, s1, pf);
     pv_tile<Atom, kHeadDim>(acc, pf, alpha, s1, st, staged_buf);
   };
   auto corr_buf = [&](int i) { return reinterpret_cast<float*>(smem + Cfg::kOffCorr) + i * kBlockN; };
@@ -156,16 +164,17 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
       compute_tile(tile, st, staged, corr_buf(cur), valid_buf(cur));
     }
   }
+  }  // kGemm == EmuGemm::kMmaSync
 
   const float* qk_mean = reinterpret_cast<const float*>(smem + Cfg::kOffQkMean);
   store_output<kHeadDim, T>(p, acc, rs, qk_mean, b, h, q0);
 }
 
-template <class Atom, int kHeadDim, typename T>
+template <class Atom, int kHeadDim, typename T, EmuGemm kGemm>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   using Cfg = FwdConfig<kHeadDim, Atom::kFormat>;
-  auto kernel = fp4_attention_fwd_kernel<Atom, kHeadDim, T>;
-  constexpr int kSmem = Cfg::template smem_bytes<Atom>();
+  auto kernel = fp4_attention_fwd_kernel<Atom, kHeadDim, T, kGemm>;
+  constexpr int kSmem = Cfg::template kernel_smem_bytes<Atom, kGemm>();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   const dim3 grid((p.Sq + kBlockM - 1) / kBlockM, p.Hq, p.B);
@@ -173,21 +182,24 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <class Atom>
+template <class Atom, EmuGemm kGemm>
 cudaError_t dispatch_fwd_fmt(const FwdParams& p, cudaStream_t stream) {
   const bool bf16 = p.dtype == ElemType::kBFloat16;
-  if (p.D == 64) return bf16 ? launch_fwd<Atom, 64, __nv_bfloat16>(p, stream) : launch_fwd<Atom, 64, __half>(p, stream);
-  if (p.D == 128) return bf16 ? launch_fwd<Atom, 128, __nv_bfloat16>(p, stream) : launch_fwd<Atom, 128, __half>(p, stream);
+  if (p.D == 64)
+    return bf16 ? launch_fwd<Atom, 64, __nv_bfloat16, kGemm>(p, stream) : launch_fwd<Atom, 64, __half, kGemm>(p, stream);
+  if (p.D == 128)
+    return bf16 ? launch_fwd<Atom, 128, __nv_bfloat16, kGemm>(p, stream) : launch_fwd<Atom, 128, __half, kGemm>(p, stream);
   return cudaErrorInvalidValue;
 }
 
-// The instantiated set: format (NVFP4, MXFP4) x head dim (64, 128) x element type (fp16, bf16).
-template <template <Fp4Format> class Atom>
+// The instantiated set: format (NVFP4, MXFP4) x head dim (64, 128) x element type (fp16, bf16),
+// for one GEMM variant.
+template <template <Fp4Format> class Atom, EmuGemm kGemm = EmuGemm::kMmaSync>
 cudaError_t dispatch_fwd(const FwdParams& p, cudaStream_t stream) {
   if (p.Sq == 0 || p.B == 0 || p.Hq == 0) return cudaSuccess;
   switch (p.fmt) {
-    case Fp4Format::kNvfp4: return dispatch_fwd_fmt<Atom<Fp4Format::kNvfp4>>(p, stream);
-    case Fp4Format::kMxfp4: return dispatch_fwd_fmt<Atom<Fp4Format::kMxfp4>>(p, stream);
+    case Fp4Format::kNvfp4: return dispatch_fwd_fmt<Atom<Fp4Format::kNvfp4>, kGemm>(p, stream);
+    case Fp4Format::kMxfp4: return dispatch_fwd_fmt<Atom<Fp4Format::kMxfp4>, kGemm>(p, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -10,6 +10,11 @@
 #ifndef SAGE_FP4_NATIVE
 #error "define SAGE_FP4_NATIVE (1: native sm_120a atom, 0: emulated atom)"
 #endif
+// 1: the emulated build also holds the EmuGemm::kWgmma kernels (attention_fwd_emulated_wgmma.cu,
+// sm_90a builds only).
+#ifndef SAGE_FP4_WGMMA
+#define SAGE_FP4_WGMMA 0
+#endif
 
 namespace {
 
@@ -77,7 +82,7 @@ std::vector<torch::Tensor> attention_fwd(const torch::Tensor& q, const torch::Te
                                          const torch::Tensor& vq, const torch::Tensor& vsf, const torch::Tensor& k_mean,
                                          const c10::optional<torch::Tensor>& key_mask, int64_t skv, double scale,
                                          bool causal, int64_t p_quant, int64_t fmt_code, bool return_lse,
-                                         int64_t stream_handle) {
+                                         int64_t emu_gemm, int64_t stream_handle) {
   const Fp4Format fmt = fp4_format(fmt_code);
   const int64_t blk = sage_fp4::fp4_block(fmt);
   check_bhsd_16b(q, "q");
@@ -92,6 +97,9 @@ std::vector<torch::Tensor> attention_fwd(const torch::Tensor& q, const torch::Te
                   vsf.size(2) == D && vsf.size(3) == skv_pad / blk,
               "ksf / vsf shapes do not match fmt (scale per ", blk, " elements)");
   TORCH_CHECK(p_quant == 0 || p_quant == 1, "p_quant: 0 two-level, 1 direct");
+  // EmuGemm (fp4_api.h): 0 mma.sync, 1 wgmma (emulated build only).
+  TORCH_CHECK(emu_gemm == 0 || (emu_gemm == 1 && SAGE_FP4_WGMMA),
+              "emu_gemm: 0 mma.sync, 1 wgmma (emulated atom on sm_90a only), got ", emu_gemm);
   const uint8_t* mask_ptr = nullptr;
   if (key_mask.has_value()) {
     const auto& m = *key_mask;
@@ -125,7 +133,15 @@ std::vector<torch::Tensor> attention_fwd(const torch::Tensor& q, const torch::Te
 #if SAGE_FP4_NATIVE
   FP4_CHECK_CUDA(sage_fp4::launch_fp4_attention_native(p, stream));
 #else
+#if SAGE_FP4_WGMMA
+  if (emu_gemm == 1) {
+    FP4_CHECK_CUDA(sage_fp4::launch_fp4_attention_emulated_wgmma(p, stream));
+  } else {
+    FP4_CHECK_CUDA(sage_fp4::launch_fp4_attention_emulated(p, stream));
+  }
+#else
   FP4_CHECK_CUDA(sage_fp4::launch_fp4_attention_emulated(p, stream));
+#endif
 #endif
   return {out, return_lse ? lse : torch::Tensor()};
 }
@@ -158,6 +174,7 @@ torch::Tensor atom_gemm(const torch::Tensor& a, const torch::Tensor& sfa, const 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "sage_diffusers FP4 microscaling attention kernels";
   m.attr("native") = bool(SAGE_FP4_NATIVE);
+  m.attr("wgmma") = bool(SAGE_FP4_WGMMA);
   m.def("quantize_kv", &quantize_kv, "K/V quantization pre-pass");
   m.def("attention_fwd", &attention_fwd, "FP4 attention forward");
   m.def("atom_gemm", &atom_gemm, "MMA atom test GEMM");

@@ -16,7 +16,12 @@ TORCH_DEFS=(-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA
 SM120=(-gencode=arch=compute_120a,code=sm_120a)
 SM90=(-gencode=arch=compute_90a,code=sm_90a)
 status=0
-
+# CuTe (the wgmma variant's descriptors), from the nvidia-cutlass package as the JIT build uses it.
+CUTLASS_INCLUDE="${CUTLASS_INCLUDE:-$("$PYTHON" -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))' 2>/dev/null || true)}"
+if [ ! -f "$CUTLASS_INCLUDE/cute/tensor.hpp" ]; then
+  echo "FAIL CuTe headers not found: set CUTLASS_INCLUDE, or PYTHON to a python with nvidia-cutlass ($PYTHON has none)"
+  status=1
+fi
 # Per-kernel "registers spill-stores name" lines of a ptxas -v log (names demangled when c++filt exists).
 kernels() {
   awk '/Compiling entry function/ {n=$0; sub(/.*function .?/, "", n); sub(/.? for .*/, "", n)}
@@ -28,7 +33,7 @@ kernels() {
 compile() {  # name, source, arch flags...
   local name="$1" src="$2"; shift 2
   local log="$OUT/$name.log" t0=$SECONDS
-  if "$NVCC" -std=c++17 -O3 "${TORCH_DEFS[@]}" "$@" -Xptxas -v -c "$HERE/$src" -o "$OUT/$name.o" >"$log" 2>&1; then
+  if "$NVCC" -std=c++17 -O3 "${TORCH_DEFS[@]}" ${CUTLASS_INCLUDE:+-I"$CUTLASS_INCLUDE"} "$@" -Xptxas -v -c "$HERE/$src" -o "$OUT/$name.o" >"$log" 2>&1; then
     local regs spills
     regs=$(grep -oE "Used [0-9]+ registers" "$log" | awk '{print $2}' | sort -n | tail -1)
     spills=$(grep -oE "[0-9]+ bytes spill stores" "$log" | awk '{s+=$1} END {print s+0}')
@@ -50,6 +55,16 @@ compile prepass_sm120 quant_prepass.cu "${SM120[@]}"
 compile prepass_sm90 quant_prepass.cu "${SM90[@]}"
 compile fwd_native_sm120 attention_fwd_native.cu "${SM120[@]}"
 compile fwd_emulated_sm90 attention_fwd_emulated.cu "${SM90[@]}"
+compile fwd_emulated_wgmma_sm90 attention_fwd_emulated_wgmma.cu "${SM90[@]}"
+# The wgmma variant's shared-memory layouts (CuTe) on the host: bijective tiles, contiguous
+# 16-byte groups for the decode's vector stores.
+if [ -n "$CUTLASS_INCLUDE" ] && "$NVCC" -std=c++17 -O1 "${TORCH_DEFS[@]}" -I"$CUTLASS_INCLUDE" -I"$HERE" "${SM90[@]}" \
+     "$HERE/wgmma_layout_check.cu" -o "$OUT/wgmma_layout_check" >"$OUT/wlc.log" 2>&1; then
+  if "$OUT/wgmma_layout_check" >"$OUT/wlc.out"; then echo "ok   wgmma_layout_check: $(grep -c '^ok' "$OUT/wlc.out") checks"
+  else echo "FAIL wgmma_layout_check"; cat "$OUT/wlc.out"; status=1; fi
+else
+  echo "FAIL wgmma_layout_check (build)"; cat "$OUT/wlc.log" 2>/dev/null; status=1
+fi
 if [ "${FP4_CHECK_ALL:-0}" = "1" ]; then
   # the cross-check build (emulated atom on sm_120a: atom tests only, its attention kernel needs
   # more shared memory than sm_120 has) and the native build without the hardware E2M1 encoder
@@ -69,8 +84,9 @@ if inc=$("$PYTHON" -c "import torch.utils.cpp_extension as c, sysconfig; print('
   [ -f "$cuda_inc/cuda_runtime.h" ] || cuda_inc="${CUDA_HOME:-/usr/local/cuda}/include"
   t0=$SECONDS
   for native in 0 1; do
+    wgmma=$((1 - native))  # the sm_90a emulated build holds the wgmma variant
     # shellcheck disable=SC2086
-    if ! g++ -std=c++17 -fsyntax-only -w -DSAGE_FP4_NATIVE=$native -DTORCH_EXTENSION_NAME=sage_fp4_check \
+    if ! g++ -std=c++17 -fsyntax-only -w -DSAGE_FP4_NATIVE=$native -DSAGE_FP4_WGMMA=$wgmma -DTORCH_EXTENSION_NAME=sage_fp4_check \
          $inc -I"$cuda_inc" "$HERE/binding.cpp" >"$OUT/binding$native.log" 2>&1; then
       echo "FAIL binding (SAGE_FP4_NATIVE=$native)"; cat "$OUT/binding$native.log"; status=1
     fi

@@ -23,8 +23,8 @@ rc=$?
 echo "== selftest"
 "$PYTHON" -m sage_diffusers.kernels.fp4 selftest || rc=1
 if [ "${FP4_BENCH:-1}" = "1" ]; then
-  echo "== benchmark (pre-pass included, vs cuDNN BF16 SDPA)"
-  "$PYTHON" -m sage_diffusers.kernels.fp4 bench || rc=1
+  echo "== benchmark (pre-pass included, vs cuDNN BF16 SDPA; sm_90: both emulated GEMM variants)"
+  "$PYTHON" -m sage_diffusers.kernels.fp4 bench --emu both || rc=1
 fi
 echo "== accuracy records ($REPORT)"
 "$PYTHON" - "$REPORT" <<'PY'
@@ -32,7 +32,7 @@ import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
     keys = [k for k in ("cos_ref", "cos_sdpa", "rel_l1_sdpa", "cos_ref_vs_sdpa") if k in r]
-    tag = " ".join(str(r[k]) for k in ("fmt", "p_quant") if k in r)
+    tag = " ".join(str(r[k]) for k in ("fmt", "p_quant", "emu") if k in r)
     print(r["case"], tag, " ".join(f"{k}={r[k]:.6f}" for k in keys))
 PY
 echo "device_check: rc=$rc in $((SECONDS - t0)) s"

@@ -14,6 +14,12 @@ enum class PQuantMode : int { kTwoLevel = 0, kDirect = 1 };  // mirrors sage_dif
 //   kMxfp4: one E8M0 byte (biased exponent e, scale 2^(e - 127)) per 32 elements,
 //           e = clamp(floor(log2(absmax)) - 2 + 127, 0, 254), 0 for an all-zero block.
 enum class Fp4Format : int { kNvfp4 = 0, kMxfp4 = 1 };
+// How the emulated sm_90a build runs its two GEMMs on the decoded 16-bit operands (a template
+// axis of the kernel; the native atom always uses kMmaSync):
+//   kMmaSync: per-warp mma.sync.m16n8k16, decoded fragments staged per MMA (mainloop.cuh);
+//   kWgmma:   per-warpgroup wgmma (Q K^T from shared memory, P V with P~ from registers) on K / V
+//             decoded once per CTA into GMMA-swizzled tiles (mainloop_wgmma_sm90.cuh).
+enum class EmuGemm : int { kMmaSync = 0, kWgmma = 1 };
 
 __host__ __device__ constexpr int fp4_block(Fp4Format f) { return f == Fp4Format::kNvfp4 ? 16 : 32; }
 
@@ -57,6 +63,8 @@ struct FwdParams {
 // runs on sm_90a (and on sm_120a, to cross-check).
 cudaError_t launch_fp4_attention_native(const FwdParams& p, cudaStream_t stream);
 cudaError_t launch_fp4_attention_emulated(const FwdParams& p, cudaStream_t stream);
+// The emulated atom with EmuGemm::kWgmma (sm_90a only: attention_fwd_emulated_wgmma.cu).
+cudaError_t launch_fp4_attention_emulated_wgmma(const FwdParams& p, cudaStream_t stream);
 
 // Test GEMM of one MMA atom: d (M, N) float32 = deq(A) (M, K) . deq(B) (N, K)^T with
 // a: uint8 (M, K/2), sfa: uint8 E4M3 or E8M0 (M, K/blk), b: uint8 (N, K/2), sfb (N, K/blk);

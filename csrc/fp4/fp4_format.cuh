@@ -120,7 +120,8 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 // Decode 8 packed E2M1 codes (element 2i in the low nibble of byte i... i.e. nibble j = element j)
 // into 4 fp16x2 words (word i = elements 2i, 2i+1, low half first), each multiplied by `scale`.
 // Exact: |code| * E4M3 needs at most 6 significant bits and lies in [2^-10, 2688].
-__device__ __forceinline__ void decode8_half(uint32_t x, __half2 scale, uint32_t out[4]) {
+// decode8_half_codes: the same without the scale (the E2M1 values themselves, exact).
+__device__ __forceinline__ void decode8_half_codes(uint32_t x, uint32_t out[4]) {
   const uint32_t even_mag = (x << 4) & 0x70707070u;  // element 2i magnitude in bits 4-6 of byte i
   const uint32_t odd_mag = x & 0x70707070u;          // element 2i+1 magnitude, same place
   const uint32_t even_sign = (x << 4) & 0x80808080u;
@@ -131,11 +132,17 @@ __device__ __forceinline__ void decode8_half(uint32_t x, __half2 scale, uint32_t
     const uint32_t sel = prmt(even_mag, odd_mag, static_cast<uint32_t>(i | ((4 + i) << 4)));
     const uint32_t mag = prmt(kHalfLutLo, kHalfLutHi, sel);
     const uint32_t sgn = prmt(even_sign, odd_sign, static_cast<uint32_t>((i << 4) | ((4 + i) << 12)));
-    const uint32_t bits = mag | (sgn & 0x80008000u);
-    __half2 h = *reinterpret_cast<const __half2*>(&bits);
-    h = __hmul2(h, scale);
-    out[i] = *reinterpret_cast<uint32_t*>(&h);
+    out[i] = mag | (sgn & 0x80008000u);
   }
+}
+__device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, __half2 scale) {
+  __half2 h = __hmul2(*reinterpret_cast<const __half2*>(&a), scale);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+__device__ __forceinline__ void decode8_half(uint32_t x, __half2 scale, uint32_t out[4]) {
+  decode8_half_codes(x, out);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = hmul2_bits(out[i], scale);
 }
 
 // ---- MXFP4: E8M0 block scales ----------------------------------------------------------------
@@ -179,7 +186,8 @@ constexpr uint32_t kBf16LoLutHi = 0xC0804000u;
 // each multiplied by `scale` (an E8M0 power of two). Exact for every result in bf16's normal range,
 // i.e. unless the block scale is 2^-127 (byte 0, encoded as 0 by e8m0_bf16_pair) or 2^-126 with
 // code 0.5 (2^-127, a bf16 subnormal: exact if the multiply keeps subnormals, else 0).
-__device__ __forceinline__ void decode8_bf16(uint32_t x, __nv_bfloat162 scale, uint32_t out[4]) {
+// decode8_bf16_codes: the same without the scale (the E2M1 values themselves, exact).
+__device__ __forceinline__ void decode8_bf16_codes(uint32_t x, uint32_t out[4]) {
   const uint32_t even_mag = (x << 4) & 0x70707070u;
   const uint32_t odd_mag = x & 0x70707070u;
   const uint32_t even_sign = (x << 4) & 0x80808080u;
@@ -192,11 +200,17 @@ __device__ __forceinline__ void decode8_bf16(uint32_t x, __nv_bfloat162 scale, u
     const uint32_t hi = prmt(kBf16HiLutLo, kBf16HiLutHi, sel);
     const uint32_t lo = prmt(kBf16LoLutLo, kBf16LoLutHi, (sel >> 4) & 0xFFFFu);
     const uint32_t sgn = prmt(even_sign, odd_sign, static_cast<uint32_t>((i << 4) | ((4 + i) << 12)));
-    const uint32_t bits = (hi & 0xFF00FF00u) | (lo & 0x00FF00FFu) | (sgn & 0x80008000u);
-    __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&bits);
-    h = __hmul2(h, scale);
-    out[i] = *reinterpret_cast<uint32_t*>(&h);
+    out[i] = (hi & 0xFF00FF00u) | (lo & 0x00FF00FFu) | (sgn & 0x80008000u);
   }
+}
+__device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, __nv_bfloat162 scale) {
+  __nv_bfloat162 h = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), scale);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+__device__ __forceinline__ void decode8_bf16(uint32_t x, __nv_bfloat162 scale, uint32_t out[4]) {
+  decode8_bf16_codes(x, out);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = hmul2_bits(out[i], scale);
 }
 
 // ---- one interface over both formats ----------------------------------------------------------

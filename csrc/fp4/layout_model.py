@@ -281,6 +281,113 @@ ref = qbar.astype(np.float64) @ Kd[kp].T
 assert np.allclose(corr, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max()), np.abs(corr - ref).max()
 print("qbar correction via hi/lo fp16 fragments OK, max rel err", np.abs(corr - ref).max() / np.abs(ref).max())
 
+# ---- EmuGemm::kWgmma (mainloop_wgmma_sm90.cuh): warpgroup layouts, decoded smem tiles, P.V order ----
+# CuTe's SM90 GMMA traits (cute/atom/mma_traits_sm90_gmma.hpp), (thread, value) -> m + 64 k:
+#   ALayout_64x16 = ((4,8,4),(2,2,2)) : ((128,1,16),(64,8,512))   (16-bit A from registers)
+#   CLayout_64xN  = ((4,8,4),(2,2,N/8)) : ((128,1,16),(64,8,512)) (fp32 accumulator)
+def cute_layout(shape, stride, idx):
+    out = 0
+    for s, d in zip(shape, stride):
+        out += (idx % s) * d
+        idx //= s
+    return out
+
+def wg_a_mk(tid, v):
+    off = cute_layout((4, 8, 4), (128, 1, 16), tid) + cute_layout((2, 2, 2), (64, 8, 512), v)
+    return off % 64, off // 64
+
+def wg_c_mn(tid, v, n):
+    off = cute_layout((4, 8, 4), (128, 1, 16), tid) + cute_layout((2, 2, n // 8), (64, 8, 512), v)
+    return off % 64, off // 64
+
+for tid in range(128):
+    w, lane = tid >> 5, tid & 31
+    g, t = lane >> 2, lane & 3
+    # A register r (values 2r, 2r+1) = the mma.sync m16n8k16 A register r of warp w's 16 rows
+    mma_a = [(g, 2*t), (g+8, 2*t), (g, 2*t+8), (g+8, 2*t+8)]
+    for r in range(4):
+        for e in range(2):
+            m, k = wg_a_mk(tid, 2*r + e)
+            assert (m, k) == (16*w + mma_a[r][0], mma_a[r][1] + e), (tid, r, e, m, k)
+    # accumulator value 4j + e = s[j][e] of the mma.sync path (row g + 8 (e >> 1), col 8j + 2t + (e & 1))
+    for n in (64, 128):
+        for j in range(n // 8):
+            for e in range(4):
+                assert wg_c_mn(tid, 4*j + e, n) == (16*w + g + 8*(e >> 1), 8*j + 2*t + (e & 1))
+print("wgmma: per-warp A fragment = mma.sync m16n8k16 A, accumulator = m16n8 D tiled along N (CuTe traits) OK")
+
+def vt_position_key(kk):  # mainloop_wgmma_sm90.cuh
+    return (kk & ~31) + ((kk >> 1) & 3) * 8 + ((kk >> 3) & 3) * 2 + (kk & 1)
+
+# decode_tile_wgmma's V^T placement: 16-byte chunk p of key group grp gathers pair p of raw words
+# t = 0..3 (keys 32 grp + 8t + 2p, +1) at k positions 32 grp + 8p + 2t, +1.
+Vt_sm = np.zeros((D, 128)); placed = np.zeros((D, 128), dtype=int)
+for d in range(D):
+    for grp in range(4):
+        for t in range(4):
+            s_ = e4m3_val(int(vs_b[d, 2*grp + t // 2]))
+            vals = decode8_half(word(vq[d], 16*grp + 4*t), s_)   # keys 32 grp + 8t + i
+            for p_ in range(4):
+                for e in range(2):
+                    kk = 32*grp + 8*p_ + 2*t + e
+                    Vt_sm[d, kk] = vals[2*p_ + e]; placed[d, kk] += 1
+                    assert vt_position_key(kk) == 32*grp + 8*t + 2*p_ + e
+assert (placed == 1).all()
+assert np.array_equal(Vt_sm, Vd[:, [vt_position_key(kk) for kk in range(128)]])
+# P.V as the RS wgmma sees it: k-step ks = 4c + j takes FragA pf[c].h[j] (registers a0..a3) of each
+# warp; the warpgroup's A(64 x 128) is assembled through ALayout_64x16. One warp's rows suffice
+# (the others are the same map shifted by 16 rows), so the 16 modelled rows sit in warp 0.
+out_wg = np.zeros((16, D))
+A_wg = np.zeros((64, 128))
+for c in range(2):
+    vals = []
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        vals.append([[float(P[g + 8*r, 8*(8*c + i // 2) + 2*t + (i & 1)]) for i in range(16)] for r in range(2)])
+    codes, lo, hi = quantize_a_chunk_model(vals)
+    FA = [emu_make_a(codes[l], lo[l], hi[l], l & 3) for l in range(32)]
+    for j in range(4):
+        ks = 4*c + j
+        for lane in range(32):
+            for r in range(4):
+                for e in range(2):
+                    m, k = wg_a_mk(lane, 2*r + e)
+                    A_wg[m, 16*ks + k] = FA[lane][j][r][e]
+out_wg = (A_wg @ Vt_sm.T)[:16]
+assert np.allclose(out_wg, Pdq @ Vd.T), np.abs(out_wg - Pdq @ Vd.T).max()
+print("wgmma P.V: V^T k order (vt_position_key) x P~ FragA registers as the RS A operand OK")
+
+# Q decoded to smem (store_q_decoded): h[j][r] -> row g + 8 (r & 1), cols 64c + 32 (j >> 1) + 8t +
+# 4 (j & 1) + 2 (r >> 1) + {0, 1}; K decoded per stored row in real d order; S = Q K^T (SS wgmma).
+Q_sm = np.full((16, D), np.nan)
+for c in range(D // 64):
+    rows_sf = [word(qs_b[r], 4*c) for r in range(16)]
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        regs = [word(qq[g], 32*c + 4*t), word(qq[g+8], 32*c + 4*t), word(qq[g], 32*c + 16 + 4*t), word(qq[g+8], 32*c + 16 + 4*t)]
+        f = emu_make_a(regs, rows_sf[g], rows_sf[g+8], t)
+        for j in range(4):
+            for r in range(4):
+                col = 64*c + 32*(j >> 1) + 8*t + 4*(j & 1) + 2*(r >> 1)
+                Q_sm[g + 8*(r & 1), col:col+2] = f[j][r]
+assert np.array_equal(Q_sm, Qd), "decoded Q tile = deq(Q) in real k order"
+K_sm = np.zeros((128, D)); corr_cc = np.zeros(128)
+for n in range(128):
+    for q_ in range(D // 32):
+        part = 0.0
+        for wi in range(4):
+            s_ = e4m3_val(int(ksf_stored[n, 2*q_ + wi // 2]))
+            codes8 = decode8_half(word(kq_stored[n], 16*q_ + 4*wi), 1.0)
+            K_sm[n, 32*q_ + 8*wi:32*q_ + 8*wi + 8] = [v * s_ for v in codes8]
+            part += float(np.dot(qbar[32*q_ + 8*wi:32*q_ + 8*wi + 8].astype(np.float64), codes8))
+            if wi & 1:
+                corr_cc[n] += part * s_; part = 0.0
+S_wg = Q_sm @ K_sm.T
+assert np.allclose(S_wg, Qd @ Kd[kp].T), "S columns = stored positions, as in the mma.sync path"
+ref = qbar.astype(np.float64) @ Kd[kp].T
+assert np.allclose(corr_cc, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
+print("wgmma Q.K^T from decoded Q / K tiles, CUDA-core qbar correction per scale block OK")
+
 # =============================== MXFP4 (E8M0 scale per 32 elements) ===============================
 # Same fragments; the scale word of a row/column holds 2 E8M0 bytes (byte h for k = 32h..32h+31,
 # scale_vec::2X), and the emulated atom decodes to bf16 (decode8_bf16) instead of fp16.

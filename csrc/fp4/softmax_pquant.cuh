@@ -169,4 +169,26 @@ __device__ __forceinline__ void softmax_quantize_p(float (&s)[kBlockN / 8][4], R
   }
 }
 
+// One warp, one score tile: masks and the smoothing correction (scores_to_log2), online softmax
+// and P~ quantization (softmax_quantize_p). `s` holds Q.K^T of the warp's 16 rows (query rows
+// warp_row0 + g, + 8) in the m16n8 accumulator layout; `corr` / `valid` are the tile's columns.
+template <class Atom>
+__device__ __forceinline__ void scores_to_p_tile(float (&s)[kBlockN / 8][4], const FwdParams& p, int tile,
+                                                 int warp_row0, const float* corr, const uint32_t* valid,
+                                                 float scale_log2, RowState& rs, float (&alpha)[2], float (&s1)[2],
+                                                 typename Atom::FragA (&pf)[kBlockN / kKeyChunk]) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  TileMask mk;
+  mk.corr = corr;
+  mk.valid_bits = valid;
+  mk.key0 = tile * kBlockN;
+  mk.row[0] = warp_row0 + (lane >> 2);
+  mk.row[1] = mk.row[0] + 8;
+  mk.causal = p.causal;
+  const int key_end = (tile + 1) * kBlockN;  // one past the tile's last key
+  mk.needed = p.key_mask != nullptr || key_end > p.Skv || (p.causal && key_end - 1 > warp_row0);
+  scores_to_log2(s, mk, scale_log2);
+  softmax_quantize_p<Atom>(s, rs, p.p_quant, alpha, s1, pf);
+}
+
 }  // namespace sage_fp4

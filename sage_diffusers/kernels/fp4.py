@@ -5,8 +5,9 @@ One kernel source (``csrc/fp4/``) with the MMA atom as a template parameter:
 - native (sm_120a / sm_121a): ``mma.sync ... kind::mxf4nvf4.block_scale.scale_vec::4X.m16n8k64``
   with E4M3 block scales (NVFP4), ``scale_vec::2X ... ue8m0`` with E8M0 scales (MXFP4);
 - emulated (sm_90a, and buildable for sm_120a to cross-check): the same register fragments decoded
-  to fp16 (NVFP4) or bf16 (MXFP4; E8M0 scales exceed fp16's range) and multiplied with
-  ``mma.sync.m16n8k16`` in fp32.
+  to fp16 (NVFP4) or bf16 (MXFP4; E8M0 scales exceed fp16's range) and multiplied in fp32, by one
+  of two GEMM variants (``emu=``, env ``SAGE_DIFFUSERS_FP4_EMU``): ``"mma"`` (default: per-warp
+  ``mma.sync.m16n8k16``) or ``"wgmma"`` (sm_90a: warpgroup MMAs on K/V decoded once per CTA).
 
 The format is a runtime argument (``fmt``; both are compiled): NVFP4 (E2M1, one E4M3 scale per 16
 elements, the default) or MXFP4 (E2M1, one power-of-two E8M0 scale per 32 elements). The native
@@ -25,7 +26,7 @@ below 2^-126 (blocks with scale 2^-127) to zero.
 
 Entry points
 ------------
-attention_fp4(q, k, v, *, key_mask, is_causal, scale, return_lse, p_quant, fmt) -> (out, lse | None)
+attention_fp4(q, k, v, *, key_mask, is_causal, scale, return_lse, p_quant, fmt, emu) -> (out, lse | None)
     The backend contract of sage_diffusers.api (BHSD views, (out, lse | None)); the API itself
     always runs NVFP4 (it has no format option), fmt is for direct callers and ablations.
 prepass(k, v, k_mean=None, fmt=...) -> dict
@@ -41,7 +42,7 @@ is_available() -> (bool, reason);  selftest() -> bool;  benchmark(...) -> dict
 torch.ops.sage_diffusers.fp4_attention
     The registered custom op (with a fake impl).
 
-``python -m sage_diffusers.kernels.fp4 [selftest|bench|ablation|build]``.
+``python -m sage_diffusers.kernels.fp4 [selftest|bench [--emu mma|wgmma|both]|ablation|build]``.
 """
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ from . import _jit
 from ._contract import check_qkv, normalize_key_mask
 
 __all__ = ["attention_fp4", "prepass", "key_positions", "atom_gemm", "is_available", "build",
-           "attention_atoms", "selftest", "benchmark", "ablation", "HEAD_DIMS", "Atom"]
+           "attention_atoms", "emu_gemms", "selftest", "benchmark", "ablation", "HEAD_DIMS", "Atom",
+           "EmuGemm"]
 
 HEAD_DIMS = (64, 128)
 BLOCK_KV = 128  # keys per tile, and the padding unit of the pre-pass outputs
@@ -77,6 +79,10 @@ _EMULATED_SMEM_BYTES = 141344
 _OPT_ENV = "SAGE_DIFFUSERS_FP4_OPT"
 _OPT_DEFAULT = 7
 _OPT_PIPELINED_STAGING = 4  # this bit adds one decoded tile (64 KiB) of shared memory
+# GEMM variant of the emulated atom (EmuGemm in csrc/fp4/fp4_api.h): "mma" or "wgmma".
+_EMU_ENV = "SAGE_DIFFUSERS_FP4_EMU"
+# Dynamic shared memory of the wgmma variant at D = 128 (FwdConfig<128>::kWgmmaSmemBytes).
+_WGMMA_SMEM_BYTES = 204800
 
 
 def _opt_bits() -> int:
@@ -100,6 +106,33 @@ class Atom:
 
     NATIVE = "native"
     EMULATED = "emulated"
+
+
+class EmuGemm:
+    """How the emulated atom runs its GEMMs (mirrors EmuGemm in csrc/fp4/fp4_api.h)."""
+
+    MMA = "mma"      # per-warp mma.sync.m16n8k16 on staged decoded fragments
+    WGMMA = "wgmma"  # sm_90a warpgroup MMAs on K / V decoded once per CTA
+    CODE = {MMA: 0, WGMMA: 1}
+
+
+def _emu_name(emu: Optional[str]) -> str:
+    """The emulated GEMM variant: ``emu`` if given, else env SAGE_DIFFUSERS_FP4_EMU, else "mma"."""
+    name = emu if emu is not None else os.environ.get(_EMU_ENV, EmuGemm.MMA)
+    if name not in EmuGemm.CODE:
+        raise ValueError(f"emu / {_EMU_ENV} must be 'mma' or 'wgmma', got {name!r}")
+    return name
+
+
+def emu_gemms(device: Optional[torch.device] = None) -> list[str]:
+    """GEMM variants of the emulated atom whose attention kernel runs on the device."""
+    if Atom.EMULATED not in attention_atoms(device):
+        return []
+    out = [EmuGemm.MMA]
+    optin = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    if _device_arch(device) == "90a" and optin >= _WGMMA_SMEM_BYTES:
+        out.append(EmuGemm.WGMMA)
+    return out
 
 
 def source_dir() -> Path:
@@ -171,17 +204,20 @@ def build(atom: Optional[str] = None, arch: Optional[str] = None, verbose: bool 
         raise ValueError("the native FP4 atom needs sm_120a/sm_121a")
     d = source_dir()
     native = 1 if atom == Atom.NATIVE else 0
-    fwd = d / ("attention_fwd_native.cu" if native else "attention_fwd_emulated.cu")
+    fwd = [d / ("attention_fwd_native.cu" if native else "attention_fwd_emulated.cu")]
+    wgmma = int(not native and arch == "90a")  # the wgmma variant (EmuGemm) exists on sm_90a only
+    if wgmma:
+        fwd.append(d / "attention_fwd_emulated_wgmma.cu")
     # Debug switch: P~ codes from the integer encoder instead of cvt.rn.satfinite.e2m1x2 (sm_120).
     no_hw = ["-DSAGE_FP4_NO_HW_E2M1"] if os.environ.get(_NO_HW_E2M1_ENV) == "1" else []
     opt = _opt_bits()
     opt_flags, opt_suffix = [f"-DSAGE_FP4_OPT={opt}"], f"_opt{opt}"
     return _jit.load_extension(
         f"sage_diffusers_fp4_{atom}_sm{arch}{opt_suffix}",
-        [d / "binding.cpp", d / "quant_prepass.cu", fwd],
+        [d / "binding.cpp", d / "quant_prepass.cu", *fwd],
         extra_cuda_cflags=[f"-gencode=arch=compute_{arch},code=sm_{arch}", "-DNDEBUG", "-lineinfo",
                            f"-DSAGE_FP4_NATIVE={native}", *no_hw, *opt_flags],
-        extra_cflags=[f"-DSAGE_FP4_NATIVE={native}"],
+        extra_cflags=[f"-DSAGE_FP4_NATIVE={native}", f"-DSAGE_FP4_WGMMA={wgmma}"],
         extra_include_paths=[d],
         verbose=verbose,
     )
@@ -278,8 +314,12 @@ def _fp4_attention(
     return_lse: bool,
     p_quant: int,
     fmt: int,
+    emu: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ext = build()
+    if emu == EmuGemm.CODE[EmuGemm.WGMMA] and not getattr(ext, "wgmma", False):
+        raise ValueError("emu='wgmma' needs the emulated FP4 atom on an sm_90a device "
+                         f"(this build: {'native' if ext.native else 'emulated'}, no wgmma variant)")
     qq, kk, vv = (x if _rows_aligned(x) else x.contiguous() for x in (q, k, v))
     skv = k.shape[2]
     k_mean = _k_mean(kk)
@@ -287,7 +327,7 @@ def _fp4_attention(
         stream = _stream_handle(q.device)
         kq, ksf, vq, vsf = ext.quantize_kv(kk, vv, k_mean, _padded_len(skv), fmt, stream)
         out, lse = ext.attention_fwd(qq, kq, ksf, vq, vsf, k_mean, key_mask, skv, scale, is_causal,
-                                     p_quant, fmt, return_lse, stream)
+                                     p_quant, fmt, return_lse, emu, stream)
     if qq is not q:  # keep the layout promised by the fake impl: empty_like(q)
         out = torch.empty_like(q).copy_(out)
     if not return_lse:
@@ -296,7 +336,7 @@ def _fp4_attention(
 
 
 @_fp4_attention.register_fake
-def _(q, k, v, key_mask, is_causal, scale, return_lse, p_quant, fmt):
+def _(q, k, v, key_mask, is_causal, scale, return_lse, p_quant, fmt, emu):
     shape = (q.shape[0], q.shape[1], q.shape[2]) if return_lse else (0,)
     return torch.empty_like(q), q.new_empty(shape, dtype=torch.float32)
 
@@ -312,6 +352,7 @@ def attention_fp4(
     return_lse: bool = False,
     p_quant: "str | PQuant" = PQuant.TWO_LEVEL,
     fmt: "str | FP4Format" = FP4Format.NVFP4,
+    emu: Optional[str] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """FP4 attention with sage3 numerics (native on sm_120/121, emulated on sm_90).
 
@@ -327,6 +368,9 @@ def attention_fp4(
     p_quant : PQuant.TWO_LEVEL (default) or PQuant.DIRECT (the paper's ablation).
     fmt : FP4Format.NVFP4 (default) or FP4Format.MXFP4 (E8M0 scales per 32 elements; the paper's
         format ablation). The native MXFP4 atom (sm_120a) compiles but has never run on hardware.
+    emu : GEMM variant of the emulated atom, EmuGemm.MMA ("mma") or EmuGemm.WGMMA ("wgmma", sm_90a
+        only; same numerics); default env SAGE_DIFFUSERS_FP4_EMU, else "mma". Must be "mma" when
+        the native atom runs.
 
     Returns
     -------
@@ -335,11 +379,12 @@ def attention_fp4(
     """
     fmt_code = _FMT_CODE[FP4Format.parse(fmt)]
     p_code = _P_QUANT_CODE[PQuant.parse(p_quant)]
+    emu_code = EmuGemm.CODE[_emu_name(emu)]
     check_qkv(q, k, v, HEAD_DIMS, unit_last_stride=True)
     key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = torch.ops.sage_diffusers.fp4_attention(
-        q, k, v, key_mask, bool(is_causal), scale, bool(return_lse), p_code, fmt_code)
+        q, k, v, key_mask, bool(is_causal), scale, bool(return_lse), p_code, fmt_code, emu_code)
     return out, (lse if return_lse else None)
 
 
@@ -384,13 +429,15 @@ def selftest(verbose: bool = True) -> bool:
             k_mean = _k_mean(k)
             stream = _stream_handle(q.device)
             kq, ksf, vq, vsf = ext.quantize_kv(k, v, k_mean, _padded_len(skv), _FMT_CODE[fmt], stream)
-            out, _ = ext.attention_fwd(q, kq, ksf, vq, vsf, k_mean, mask, skv, 1.0 / math.sqrt(q.shape[-1]),
-                                       False, 0, _FMT_CODE[fmt], False, stream)
-            outs[atom] = out.float()
-            c = cosine(out.float(), ref)
-            good &= c >= 0.9999
-            if verbose:
-                print(f"fp4 selftest sm_{arch} {atom:8s} {fmt.value}: cos vs sage3_reference = {c:.6f}")
+            for emu in (emu_gemms() if atom == Atom.EMULATED else [EmuGemm.MMA]):
+                out, _ = ext.attention_fwd(q, kq, ksf, vq, vsf, k_mean, mask, skv, 1.0 / math.sqrt(q.shape[-1]),
+                                           False, 0, _FMT_CODE[fmt], False, EmuGemm.CODE[emu], stream)
+                if emu == EmuGemm.MMA:
+                    outs[atom] = out.float()
+                c = cosine(out.float(), ref)
+                good &= c >= 0.9999
+                if verbose:
+                    print(f"fp4 selftest sm_{arch} {atom:8s} {emu:5s} {fmt.value}: cos vs sage3_reference = {c:.6f}")
         if len(outs) == 2 and verbose:
             print(f"fp4 selftest {fmt.value} native vs emulated: "
                   f"cos = {cosine(outs[Atom.NATIVE], outs[Atom.EMULATED]):.6f}")
@@ -458,11 +505,15 @@ def ablation(shapes=((1, 2, 2048, 64), (1, 2, 2048, 128)), dtype=torch.bfloat16,
 
 
 def benchmark(b=1, h=24, s=16384, d=128, dtype=torch.bfloat16, iters=20,
-              fmt: "str | FP4Format" = FP4Format.NVFP4) -> dict:
+              fmt: "str | FP4Format" = FP4Format.NVFP4, emus: Optional[tuple] = None) -> dict:
     """Time the FP4 path (pre-pass included) against torch SDPA (cuDNN / flash) on one shape.
 
+    emus : emulated GEMM variants to time side by side (e.g. ("mma", "wgmma")); default: the one
+        attention_fp4 picks (env SAGE_DIFFUSERS_FP4_EMU).
+
     Returns dict with milliseconds per call (fp4_ms includes the pre-pass, also timed alone as
-    prepass_ms) and the speed ratio sdpa_ms / fp4_ms.
+    prepass_ms) and the speed ratio sdpa_ms / fp4_ms; with ``emus``, fp4_<emu>_ms,
+    speed_<emu>_vs_<sdpa> and fp4_<emu>_tflops per variant instead.
     """
     import torch.nn.functional as F
 
@@ -480,7 +531,9 @@ def benchmark(b=1, h=24, s=16384, d=128, dtype=torch.bfloat16, iters=20,
         return start.elapsed_time(end) / iters
 
     fmt = FP4Format.parse(fmt)
-    fp4_ms = timeit(lambda: attention_fp4(q, k, v, fmt=fmt))
+    fp4_times = {}
+    for emu in (emus or (None,)):
+        fp4_times[emu] = timeit(lambda: attention_fp4(q, k, v, fmt=fmt, emu=emu))
     prepass_ms = timeit(lambda: prepass(k, v, fmt=fmt))  # k mean + K/V quantization, included in fp4_ms
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -492,9 +545,14 @@ def benchmark(b=1, h=24, s=16384, d=128, dtype=torch.bfloat16, iters=20,
         sdpa_ms = timeit(lambda: F.scaled_dot_product_attention(q, k, v))
         which = "sdpa"
     flops = 4 * b * h * s * s * d
-    return {"shape": (b, h, s, d), "atom": _default_atom(_device_arch()), "fmt": fmt.value, "fp4_ms": round(fp4_ms, 3),
-            "prepass_ms": round(prepass_ms, 3), f"{which}_ms": round(sdpa_ms, 3),
-            "speed_vs_" + which: round(sdpa_ms / fp4_ms, 3), "fp4_tflops": round(flops / fp4_ms / 1e9, 1)}
+    res = {"shape": (b, h, s, d), "atom": _default_atom(_device_arch()), "fmt": fmt.value,
+           "prepass_ms": round(prepass_ms, 3), f"{which}_ms": round(sdpa_ms, 3)}
+    for emu, fp4_ms in fp4_times.items():
+        tag = "" if emu is None else f"_{emu}"
+        res[f"fp4{tag}_ms"] = round(fp4_ms, 3)
+        res[f"speed{tag}_vs_{which}"] = round(sdpa_ms / fp4_ms, 3)
+        res[f"fp4{tag}_tflops"] = round(flops / fp4_ms / 1e9, 1)
+    return res
 
 
 def _main(argv: list[str]) -> int:
@@ -505,8 +563,18 @@ def _main(argv: list[str]) -> int:
         build(verbose=True)
         return 0
     if cmd == "bench":
+        # --emu mma|wgmma|both: which emulated GEMM variants to time (default: env / "mma").
+        emus = None
+        if "--emu" in argv:
+            i = argv.index("--emu")
+            choice = argv[i + 1] if i + 1 < len(argv) else ""
+            if choice == "both":  # the variants this device runs (mma only where the native atom serves)
+                emus = tuple(emu_gemms()) if _default_atom(_device_arch()) == Atom.EMULATED else ()
+                emus = emus or (EmuGemm.MMA,)
+            else:
+                emus = (_emu_name(choice),)
         for shape in ((1, 24, 16384, 128), (1, 48, 17776, 64), (2, 24, 4096, 128)):
-            print(benchmark(*shape))
+            print(benchmark(*shape, emus=emus), flush=True)
         return 0
     if cmd == "ablation":
         ok, reason = is_available()
@@ -515,7 +583,8 @@ def _main(argv: list[str]) -> int:
             return 0
         ablation()
         return 0
-    print("usage: python -m sage_diffusers.kernels.fp4 [selftest|build|bench|ablation]", file=sys.stderr)
+    print("usage: python -m sage_diffusers.kernels.fp4 [selftest|build|bench [--emu mma|wgmma|both]|ablation]",
+          file=sys.stderr)
     return 2
 
 
