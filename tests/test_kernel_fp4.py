@@ -60,9 +60,9 @@ def test_opt_bits_env(monkeypatch):
 
 
 def test_emu_env(monkeypatch):
-    """SAGE_DIFFUSERS_FP4_EMU / emu= pick the emulated GEMM variant; default mma; typos raise."""
+    """SAGE_DIFFUSERS_FP4_EMU / emu= pick the emulated GEMM variant; default auto; typos raise."""
     monkeypatch.delenv("SAGE_DIFFUSERS_FP4_EMU", raising=False)
-    assert fp4._emu_name(None) == "mma" and fp4._emu_name("wgmma") == "wgmma"
+    assert fp4._emu_name(None) == "auto" and fp4._emu_name("wgmma") == "wgmma"
     monkeypatch.setenv("SAGE_DIFFUSERS_FP4_EMU", "wgmma")
     assert fp4._emu_name(None) == "wgmma" and fp4._emu_name("mma") == "mma"
     for bad in ("WGMMA", "both", ""):
@@ -366,6 +366,15 @@ def test_attention_long_17776(emu):
     _report({"case": [1, 2, 2, 17776, 17776, 128, "bf16"], "emu": emu, "cos_ref": c, "cos_sdpa": cosine(out.float(), ex),
              "rel_l1_sdpa": relative_l1(out.float(), ex), "cos_ref_vs_sdpa": cosine(ref, ex)})
     assert c >= 0.9999, c
+
+
+@pytest.mark.skipif("wgmma" not in EMUS, reason="the wgmma variant runs on sm_90a only")
+def test_default_emu_is_wgmma_where_built():
+    """emu="auto" (the default) resolves to the wgmma variant on sm_90a: bitwise the same output."""
+    q, k, v = fp4._selftest_inputs()
+    auto, _ = fp4.attention_fp4(q, k, v)
+    wg, _ = fp4.attention_fp4(q, k, v, emu="wgmma")
+    assert torch.equal(auto, wg)
 
 
 @pytest.mark.parametrize("emu", EMUS)

@@ -6,8 +6,10 @@ One kernel source (``csrc/fp4/``) with the MMA atom as a template parameter:
   with E4M3 block scales (NVFP4), ``scale_vec::2X ... ue8m0`` with E8M0 scales (MXFP4);
 - emulated (sm_90a, and buildable for sm_120a to cross-check): the same register fragments decoded
   to fp16 (NVFP4) or bf16 (MXFP4; E8M0 scales exceed fp16's range) and multiplied in fp32, by one
-  of two GEMM variants (``emu=``, env ``SAGE_DIFFUSERS_FP4_EMU``): ``"mma"`` (default: per-warp
-  ``mma.sync.m16n8k16``) or ``"wgmma"`` (sm_90a: warpgroup MMAs on K/V decoded once per CTA).
+  of two GEMM variants (``emu=``, env ``SAGE_DIFFUSERS_FP4_EMU``): ``"mma"`` (per-warp
+  ``mma.sync.m16n8k16``) or ``"wgmma"`` (sm_90a: warpgroup MMAs on K/V decoded once per CTA;
+  15-17 % faster on the H200, same numerics). The default ``"auto"`` takes wgmma where the build has
+  it (sm_90a) and mma elsewhere.
 
 The format is a runtime argument (``fmt``; both are compiled): NVFP4 (E2M1, one E4M3 scale per 16
 elements, the default) or MXFP4 (E2M1, one power-of-two E8M0 scale per 32 elements). The native
@@ -113,14 +115,15 @@ class EmuGemm:
 
     MMA = "mma"      # per-warp mma.sync.m16n8k16 on staged decoded fragments
     WGMMA = "wgmma"  # sm_90a warpgroup MMAs on K / V decoded once per CTA
-    CODE = {MMA: 0, WGMMA: 1}
+    AUTO = "auto"    # wgmma where the loaded build has it, else mma (resolved inside the op)
+    CODE = {MMA: 0, WGMMA: 1, AUTO: -1}  # -1 never reaches C++ (see _fp4_attention)
 
 
 def _emu_name(emu: Optional[str]) -> str:
-    """The emulated GEMM variant: ``emu`` if given, else env SAGE_DIFFUSERS_FP4_EMU, else "mma"."""
-    name = emu if emu is not None else os.environ.get(_EMU_ENV, EmuGemm.MMA)
+    """The emulated GEMM variant: ``emu`` if given, else env SAGE_DIFFUSERS_FP4_EMU, else "auto"."""
+    name = emu if emu is not None else os.environ.get(_EMU_ENV, EmuGemm.AUTO)
     if name not in EmuGemm.CODE:
-        raise ValueError(f"emu / {_EMU_ENV} must be 'mma' or 'wgmma', got {name!r}")
+        raise ValueError(f"emu / {_EMU_ENV} must be 'auto', 'mma' or 'wgmma', got {name!r}")
     return name
 
 
@@ -317,6 +320,8 @@ def _fp4_attention(
     emu: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ext = build()
+    if emu == EmuGemm.CODE[EmuGemm.AUTO]:
+        emu = EmuGemm.CODE[EmuGemm.WGMMA if getattr(ext, "wgmma", False) else EmuGemm.MMA]
     if emu == EmuGemm.CODE[EmuGemm.WGMMA] and not getattr(ext, "wgmma", False):
         raise ValueError("emu='wgmma' needs the emulated FP4 atom on an sm_90a device "
                          f"(this build: {'native' if ext.native else 'emulated'}, no wgmma variant)")
@@ -369,8 +374,8 @@ def attention_fp4(
     fmt : FP4Format.NVFP4 (default) or FP4Format.MXFP4 (E8M0 scales per 32 elements; the paper's
         format ablation). The native MXFP4 atom (sm_120a) compiles but has never run on hardware.
     emu : GEMM variant of the emulated atom, EmuGemm.MMA ("mma") or EmuGemm.WGMMA ("wgmma", sm_90a
-        only; same numerics); default env SAGE_DIFFUSERS_FP4_EMU, else "mma". Must be "mma" when
-        the native atom runs.
+        only; same numerics) or "auto" (wgmma where the build has it, else mma); default env
+        SAGE_DIFFUSERS_FP4_EMU, else "auto". "wgmma" raises ValueError where the native atom runs.
 
     Returns
     -------
@@ -563,7 +568,7 @@ def _main(argv: list[str]) -> int:
         build(verbose=True)
         return 0
     if cmd == "bench":
-        # --emu mma|wgmma|both: which emulated GEMM variants to time (default: env / "mma").
+        # --emu mma|wgmma|both: which emulated GEMM variants to time (default: env, else "auto").
         emus = None
         if "--emu" in argv:
             i = argv.index("--emu")
