@@ -115,8 +115,11 @@ def emu_mma(FA, FB):
         D += mma16816([FA[l][j] for l in range(32)], [FB[l][j] for l in range(32)])
     return D
 
-def native_mma(regsA, sfa, regsB, sfb):
-    """PTX m16n8k64 e2m1 semantics with scale_vec::4X (thread-id 0): lane 4g -> row g, 4g+1 -> row g+8."""
+def native_mma(regsA, sfa, regsB, sfb, blocks=4, scale_val=None):
+    """PTX m16n8k64 e2m1 semantics, thread-id 0 / byte-id 0: lane 4g -> row g, 4g+1 -> row g+8,
+    column g from lane 4g; byte j of a scale word scales k = (64/blocks) j ... NVFP4: blocks = 4
+    (scale_vec::4X, E4M3); MXFP4: blocks = 2 (scale_vec::2X, E8M0, scale_val=e8m0_val)."""
+    scale_val = e4m3_val if scale_val is None else scale_val
     Am = np.zeros((16, 64)); Bm = np.zeros((64, 8))
     for lane in range(32):
         g, t = lane >> 2, lane & 3
@@ -126,13 +129,14 @@ def native_mma(regsA, sfa, regsB, sfb):
         for reg, k0 in enumerate((8*t, 32+8*t)):
             for j in range(8):
                 Bm[k0+j, g] = code_val(np.array((regsB[lane][reg] >> (4*j)) & 0xF))
-    SA = np.zeros((16, 4)); SB = np.zeros((8, 4))
+    SA = np.zeros((16, blocks)); SB = np.zeros((8, blocks))
     for g in range(8):
-        for blk in range(4):
-            SA[g, blk] = e4m3_val((sfa[4*g] >> (8*blk)) & 0xFF)
-            SA[g+8, blk] = e4m3_val((sfa[4*g+1] >> (8*blk)) & 0xFF)
-            SB[g, blk] = e4m3_val((sfb[4*g] >> (8*blk)) & 0xFF)
-    return (Am * np.repeat(SA, 16, 1)) @ (Bm * np.repeat(SB.T, 16, 0))
+        for blk in range(blocks):
+            SA[g, blk] = scale_val((sfa[4*g] >> (8*blk)) & 0xFF)
+            SA[g+8, blk] = scale_val((sfa[4*g+1] >> (8*blk)) & 0xFF)
+            SB[g, blk] = scale_val((sfb[4*g] >> (8*blk)) & 0xFF)
+    width = 64 // blocks
+    return (Am * np.repeat(SA, width, 1)) @ (Bm * np.repeat(SB.T, width, 0))
 
 # random registers: the emulated model must equal the native semantics
 for trial in range(20):
@@ -438,24 +442,8 @@ def emu_make_b_mx(b0, b1, sf):
     return f
 
 def native_mma_mx(regsA, sfa, regsB, sfb):
-    """m16n8k64 e2m1 with scale_vec::2X ue8m0 (byte-id 0, thread-id 0): byte h of the low half
-    scales k = 32h..32h+31; lane 4g -> row g, 4g+1 -> row g+8; column g from lane 4g."""
-    Am = np.zeros((16, 64)); Bm = np.zeros((64, 8))
-    for lane in range(32):
-        g, t = lane >> 2, lane & 3
-        for reg, (row, k0) in enumerate(((g, 8*t), (g+8, 8*t), (g, 32+8*t), (g+8, 32+8*t))):
-            for j in range(8):
-                Am[row, k0+j] = code_val(np.array((regsA[lane][reg] >> (4*j)) & 0xF))
-        for reg, k0 in enumerate((8*t, 32+8*t)):
-            for j in range(8):
-                Bm[k0+j, g] = code_val(np.array((regsB[lane][reg] >> (4*j)) & 0xF))
-    SA = np.zeros((16, 2)); SB = np.zeros((8, 2))
-    for g in range(8):
-        for blk in range(2):
-            SA[g, blk] = e8m0_val((sfa[4*g] >> (8*blk)) & 0xFF)
-            SA[g+8, blk] = e8m0_val((sfa[4*g+1] >> (8*blk)) & 0xFF)
-            SB[g, blk] = e8m0_val((sfb[4*g] >> (8*blk)) & 0xFF)
-    return (Am * np.repeat(SA, 32, 1)) @ (Bm * np.repeat(SB.T, 32, 0))
+    """m16n8k64 e2m1 with scale_vec::2X ue8m0: byte h of the low half scales k = 32h..32h+31."""
+    return native_mma(regsA, sfa, regsB, sfb, blocks=2, scale_val=e8m0_val)
 
 for trial in range(20):
     regsA = [[int(rng.integers(0, 2**32)) for _ in range(4)] for _ in range(32)]
