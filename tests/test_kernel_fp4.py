@@ -107,22 +107,6 @@ def _random_nvfp4(rows: int, k: int, gen: torch.Generator):
     return packed, scales
 
 
-@gpu
-@pytest.mark.parametrize("atom", _atoms())
-@pytest.mark.parametrize("mnk", [(16, 8, 64), (64, 32, 256)])
-def test_atom_gemm_matches_torch(atom, mnk):
-    m, n, k = mnk
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    a, sfa = _random_nvfp4(m, k, gen)
-    b, sfb = _random_nvfp4(n, k, gen)
-    d = fp4.atom_gemm(a, sfa, b, sfb, atom=atom)
-    ref = dequantize_nvfp4(a, sfa).double() @ dequantize_nvfp4(b, sfb).double().T  # (M, N)
-    bound = (dequantize_nvfp4(a, sfa).double().abs() @ dequantize_nvfp4(b, sfb).double().abs().T)
-    err = (d.double() - ref).abs()
-    # Products are exact; only the fp32 accumulation order may differ from float64.
-    assert torch.all(err <= 1e-4 * bound + 1e-30), f"max err {err.max().item()}"
-
-
 def _random_mxfp4(rows: int, k: int, gen: torch.Generator, lo: int = 107, hi: int = 148):
     """Random packed codes and E8M0 biased exponents in [lo, hi) (scales 2^-20 .. 2^20 by default)."""
     packed = torch.randint(0, 256, (rows, k // 2), device="cuda", dtype=torch.uint8, generator=gen)
@@ -132,15 +116,19 @@ def _random_mxfp4(rows: int, k: int, gen: torch.Generator, lo: int = 107, hi: in
 
 @gpu
 @pytest.mark.parametrize("atom", _atoms())
+@pytest.mark.parametrize("fmt", [FP4Format.NVFP4, FP4Format.MXFP4])
 @pytest.mark.parametrize("mnk", [(16, 8, 64), (64, 32, 256)])
-def test_atom_gemm_mxfp4_matches_torch(atom, mnk):
+def test_atom_gemm_matches_torch(atom, fmt, mnk):
     m, n, k = mnk
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    a, sfa = _random_mxfp4(m, k, gen)
-    b, sfb = _random_mxfp4(n, k, gen)
-    d = fp4.atom_gemm(a, sfa, b, sfb, atom=atom, fmt="mxfp4")
-    da, db = dequantize_mxfp4(a, sfa).double(), dequantize_mxfp4(b, sfb).double()  # (M, K), (N, K)
+    nv = fmt is FP4Format.NVFP4
+    gen = torch.Generator(device="cuda").manual_seed(1 if nv else 2)
+    rand, deq = (_random_nvfp4, dequantize_nvfp4) if nv else (_random_mxfp4, dequantize_mxfp4)
+    a, sfa = rand(m, k, gen)
+    b, sfb = rand(n, k, gen)
+    d = fp4.atom_gemm(a, sfa, b, sfb, atom=atom, fmt=fmt)
+    da, db = deq(a, sfa).double(), deq(b, sfb).double()  # (M, K), (N, K)
     err = (d.double() - da @ db.T).abs()
+    # Products are exact; only the fp32 accumulation order may differ from float64.
     assert torch.all(err <= 1e-4 * (da.abs() @ db.abs().T) + 1e-30), f"max err {err.max().item()}"
 
 
