@@ -82,88 +82,88 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
   if constexpr (kGemm == EmuGemm::kWgmma) {
     mainloop_wgmma<Atom, kHeadDim>(p, smem, kv_head(), n_tiles, qf, acc, rs, warp_row0);
   } else {
-  uint8_t* q_tile = smem + Cfg::kOffQ;
-  if constexpr (Atom::kStagesDecoded) {
-    __syncwarp();  // the warp's lanes are done reading its 16 Q rows
-#pragma unroll
-    for (int c = 0; c < kHeadDim / 64; ++c) Atom::store_a(staged_q_frag<Atom, kHeadDim>(q_tile, c), qf[c]);
-    __syncwarp();
-  }
-  const float* qbar = reinterpret_cast<const float*>(smem + Cfg::kOffQbar);
-  // Decoded staging (if the atom uses it): qbar A fragments, then the tile's B fragments.
-  uint32_t* qbar_frags = reinterpret_cast<uint32_t*>(smem + Cfg::template qbar_frag_offset<Atom>());
-  uint32_t* staged = reinterpret_cast<uint32_t*>(smem + Cfg::template staged_offset<Atom>());
-  if constexpr (Atom::kStagesDecoded) {
-    if (warp == 0) build_qbar_frags<Atom, kHeadDim>(qbar, qbar_frags);  // read after the loop's first barrier
-  }
-
-  const float scale_log2 = p.scale * 1.4426950408889634f;
-
-  // Scores, softmax, P~ quantization and P.V of one tile whose K/V fragments (raw stage `st`,
-  // decoded `staged_buf`), corrections and key-valid bits are ready and visible.
-  auto compute_tile = [&](int tile, const Stage& st, uint32_t* staged_buf, const float* corr,
-                          const uint32_t* valid) {
-    float s[kBlockN / 8][4];
-    qk_tile<Atom, kHeadDim>(s, qf, q_tile, st, staged_buf);
-    float alpha[2], s1[2];
-    typename Atom::FragA pf[kBlockN / kKeyChunk];
-    scores_to_p_tile<Atom>(s, p, tile, warp_row0, corr, valid, scale_log2, rs, alpha, s1, pf);
-    pv_tile<Atom, kHeadDim>(acc, pf, alpha, s1, st, staged_buf);
-  };
-  auto corr_buf = [&](int i) { return reinterpret_cast<float*>(smem + Cfg::kOffCorr) + i * kBlockN; };
-  auto valid_buf = [&](int i) { return reinterpret_cast<uint32_t*>(smem + Cfg::kOffValid) + i * (kBlockN / 32); };
-  const uint8_t* key_mask_row = p.key_mask ? p.key_mask + int64_t(b) * p.Skv : nullptr;
-
-  if constexpr (Atom::kStagesDecoded && kOptPipelinedStaging) {
-    // Decoded staging double-buffered: iteration i multiplies tile i from decoded buffer i & 1
-    // while the same iteration has already decoded tile i + 1 into the other buffer, and the raw
-    // copy of tile i + 2 is in flight into the raw stage tile i occupied. One barrier per tile;
-    // warps drift apart within a tile, so one warp's decode overlaps another's MMAs.
-    constexpr int kStagedWords = Cfg::template staged_words<Atom>();
-    if (n_tiles > 1) load_kv_tile<kHeadDim, kFmt>(stage(1), kv_head(), 1);
-    cp_async_commit();  // possibly empty: keeps the group count uniform
-    cp_async_wait<1>();  // this thread's copies of tile 0
-    __syncthreads();     // everyone's tile-0 copies and the qbar fragments are visible
-    key_valid_bits(valid_buf(0), 0, p.Skv, key_mask_row);
-    stage_decoded_b<Atom, kHeadDim>(stage(0), staged, qbar_frags, corr_buf(0));
-    for (int tile = 0; tile < n_tiles; ++tile) {
-      const int cur = tile & 1, nxt = cur ^ 1;
-      cp_async_wait<0>();  // raw tile + 1 (issued one iteration earlier)
-      // Decoded tile `tile` is visible; every warp is done with tile - 1, so decoded buffer `nxt`
-      // and raw stage `cur` (decoded last iteration) are free.
-      __syncthreads();
-      if (tile + 2 < n_tiles) {
-        load_kv_tile<kHeadDim, kFmt>(stage(cur), kv_head(), tile + 2);
-        cp_async_commit();
-      }
-      if (tile + 1 < n_tiles) {
-        key_valid_bits(valid_buf(nxt), tile + 1, p.Skv, key_mask_row);
-        stage_decoded_b<Atom, kHeadDim>(stage(nxt), staged + nxt * kStagedWords, qbar_frags, corr_buf(nxt));
-      }
-      compute_tile(tile, stage(cur), staged + cur * kStagedWords, corr_buf(cur), valid_buf(cur));
+    uint8_t* q_tile = smem + Cfg::kOffQ;
+    if constexpr (Atom::kStagesDecoded) {
+      __syncwarp();  // the warp's lanes are done reading its 16 Q rows
+  #pragma unroll
+      for (int c = 0; c < kHeadDim / 64; ++c) Atom::store_a(staged_q_frag<Atom, kHeadDim>(q_tile, c), qf[c]);
+      __syncwarp();
     }
-  } else {
-    for (int tile = 0; tile < n_tiles; ++tile) {
-      const int cur = tile & 1;
-      cp_async_wait<0>();  // this tile's copies, issued one iteration earlier
-      // Makes the tile visible to all threads, and every warp is past tile - 1: its stage (now
-      // refilled below) and the decoded fragments (restaged below) are free.
-      __syncthreads();
-      if (tile + 1 < n_tiles) {  // prefetch overlaps this tile's compute
-        load_kv_tile<kHeadDim, kFmt>(stage(cur ^ 1), kv_head(), tile + 1);
-        cp_async_commit();
-      }
-      const Stage st = stage(cur);
-      key_valid_bits(valid_buf(cur), tile, p.Skv, key_mask_row);
-      if constexpr (Atom::kStagesDecoded) {
-        stage_decoded_b<Atom, kHeadDim>(st, staged, qbar_frags, corr_buf(cur));
-      } else {
-        correction_cuda_cores<kHeadDim, kFmt>(st, qbar, corr_buf(cur));
-      }
-      __syncthreads();
-      compute_tile(tile, st, staged, corr_buf(cur), valid_buf(cur));
+    const float* qbar = reinterpret_cast<const float*>(smem + Cfg::kOffQbar);
+    // Decoded staging (if the atom uses it): qbar A fragments, then the tile's B fragments.
+    uint32_t* qbar_frags = reinterpret_cast<uint32_t*>(smem + Cfg::template qbar_frag_offset<Atom>());
+    uint32_t* staged = reinterpret_cast<uint32_t*>(smem + Cfg::template staged_offset<Atom>());
+    if constexpr (Atom::kStagesDecoded) {
+      if (warp == 0) build_qbar_frags<Atom, kHeadDim>(qbar, qbar_frags);  // read after the loop's first barrier
     }
-  }
+
+    const float scale_log2 = p.scale * 1.4426950408889634f;
+
+    // Scores, softmax, P~ quantization and P.V of one tile whose K/V fragments (raw stage `st`,
+    // decoded `staged_buf`), corrections and key-valid bits are ready and visible.
+    auto compute_tile = [&](int tile, const Stage& st, uint32_t* staged_buf, const float* corr,
+                            const uint32_t* valid) {
+      float s[kBlockN / 8][4];
+      qk_tile<Atom, kHeadDim>(s, qf, q_tile, st, staged_buf);
+      float alpha[2], s1[2];
+      typename Atom::FragA pf[kBlockN / kKeyChunk];
+      scores_to_p_tile<Atom>(s, p, tile, warp_row0, corr, valid, scale_log2, rs, alpha, s1, pf);
+      pv_tile<Atom, kHeadDim>(acc, pf, alpha, s1, st, staged_buf);
+    };
+    auto corr_buf = [&](int i) { return reinterpret_cast<float*>(smem + Cfg::kOffCorr) + i * kBlockN; };
+    auto valid_buf = [&](int i) { return reinterpret_cast<uint32_t*>(smem + Cfg::kOffValid) + i * (kBlockN / 32); };
+    const uint8_t* key_mask_row = p.key_mask ? p.key_mask + int64_t(b) * p.Skv : nullptr;
+
+    if constexpr (Atom::kStagesDecoded && kOptPipelinedStaging) {
+      // Decoded staging double-buffered: iteration i multiplies tile i from decoded buffer i & 1
+      // while the same iteration has already decoded tile i + 1 into the other buffer, and the raw
+      // copy of tile i + 2 is in flight into the raw stage tile i occupied. One barrier per tile;
+      // warps drift apart within a tile, so one warp's decode overlaps another's MMAs.
+      constexpr int kStagedWords = Cfg::template staged_words<Atom>();
+      if (n_tiles > 1) load_kv_tile<kHeadDim, kFmt>(stage(1), kv_head(), 1);
+      cp_async_commit();  // possibly empty: keeps the group count uniform
+      cp_async_wait<1>();  // this thread's copies of tile 0
+      __syncthreads();     // everyone's tile-0 copies and the qbar fragments are visible
+      key_valid_bits(valid_buf(0), 0, p.Skv, key_mask_row);
+      stage_decoded_b<Atom, kHeadDim>(stage(0), staged, qbar_frags, corr_buf(0));
+      for (int tile = 0; tile < n_tiles; ++tile) {
+        const int cur = tile & 1, nxt = cur ^ 1;
+        cp_async_wait<0>();  // raw tile + 1 (issued one iteration earlier)
+        // Decoded tile `tile` is visible; every warp is done with tile - 1, so decoded buffer `nxt`
+        // and raw stage `cur` (decoded last iteration) are free.
+        __syncthreads();
+        if (tile + 2 < n_tiles) {
+          load_kv_tile<kHeadDim, kFmt>(stage(cur), kv_head(), tile + 2);
+          cp_async_commit();
+        }
+        if (tile + 1 < n_tiles) {
+          key_valid_bits(valid_buf(nxt), tile + 1, p.Skv, key_mask_row);
+          stage_decoded_b<Atom, kHeadDim>(stage(nxt), staged + nxt * kStagedWords, qbar_frags, corr_buf(nxt));
+        }
+        compute_tile(tile, stage(cur), staged + cur * kStagedWords, corr_buf(cur), valid_buf(cur));
+      }
+    } else {
+      for (int tile = 0; tile < n_tiles; ++tile) {
+        const int cur = tile & 1;
+        cp_async_wait<0>();  // this tile's copies, issued one iteration earlier
+        // Makes the tile visible to all threads, and every warp is past tile - 1: its stage (now
+        // refilled below) and the decoded fragments (restaged below) are free.
+        __syncthreads();
+        if (tile + 1 < n_tiles) {  // prefetch overlaps this tile's compute
+          load_kv_tile<kHeadDim, kFmt>(stage(cur ^ 1), kv_head(), tile + 1);
+          cp_async_commit();
+        }
+        const Stage st = stage(cur);
+        key_valid_bits(valid_buf(cur), tile, p.Skv, key_mask_row);
+        if constexpr (Atom::kStagesDecoded) {
+          stage_decoded_b<Atom, kHeadDim>(st, staged, qbar_frags, corr_buf(cur));
+        } else {
+          correction_cuda_cores<kHeadDim, kFmt>(st, qbar, corr_buf(cur));
+        }
+        __syncthreads();
+        compute_tile(tile, st, staged, corr_buf(cur), valid_buf(cur));
+      }
+    }
   }  // kGemm == EmuGemm::kMmaSync
 
   const float* qk_mean = reinterpret_cast<const float*>(smem + Cfg::kOffQkMean);

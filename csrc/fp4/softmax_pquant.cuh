@@ -64,22 +64,22 @@ __device__ __forceinline__ void scores_to_log2(float (&s)[kBlockN / 8][4], const
         }
       }
     }
-    return;
-  }
+  } else {  // kept for the variant benchmark (SAGE_FP4_OPT without bit 1)
 #pragma unroll
-  for (int j = 0; j < kBlockN / 8; ++j) {
-    const float2 c2 = *reinterpret_cast<const float2*>(mk.corr + 8 * j + 2 * t);  // columns 8j+2t, +1
+    for (int j = 0; j < kBlockN / 8; ++j) {
+      const float2 c2 = *reinterpret_cast<const float2*>(mk.corr + 8 * j + 2 * t);  // columns 8j+2t, +1
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int pos = 8 * j + 2 * t + e;
-      const float c = e == 0 ? c2.x : c2.y;
-      s[j][e] = (s[j][e] + c) * scale_log2;
-      s[j][2 + e] = (s[j][2 + e] + c) * scale_log2;
-      if (mk.needed) {
-        const int key = mk.key0 + tile_key(pos);
-        const bool ok = (mk.valid_bits[pos >> 5] >> (pos & 31)) & 1u;
-        if (!ok || (mk.causal && key > mk.row[0])) s[j][e] = -CUDART_INF_F;
-        if (!ok || (mk.causal && key > mk.row[1])) s[j][2 + e] = -CUDART_INF_F;
+      for (int e = 0; e < 2; ++e) {
+        const int pos = 8 * j + 2 * t + e;
+        const float c = e == 0 ? c2.x : c2.y;
+        s[j][e] = (s[j][e] + c) * scale_log2;
+        s[j][2 + e] = (s[j][2 + e] + c) * scale_log2;
+        if (mk.needed) {
+          const int key = mk.key0 + tile_key(pos);
+          const bool ok = (mk.valid_bits[pos >> 5] >> (pos & 31)) & 1u;
+          if (!ok || (mk.causal && key > mk.row[0])) s[j][e] = -CUDART_INF_F;
+          if (!ok || (mk.causal && key > mk.row[1])) s[j][2 + e] = -CUDART_INF_F;
+        }
       }
     }
   }
