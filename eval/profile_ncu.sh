@@ -9,6 +9,12 @@ PY="${PYTHON:-python3}"
 NCU="${NCU:-ncu}"
 RUN=("$PY" eval/profile_ncu.py --modes "$MODE" --shapes "$@")
 common=(--clock-control none --profile-from-start off --print-units base)
+# Build the kernels outside ncu: a JIT build under the profiler is slow, and a killed one leaves
+# compiler children holding the build lock.
+case "$MODE" in
+  int8) "$PY" -c "from sage_diffusers.kernels import int8_sm90; int8_sm90.build()" || exit 1 ;;
+  fp4) "$PY" -c "from sage_diffusers.kernels import fp4; fp4.build()" || exit 1 ;;
+esac
 if [ "${SECTIONS:-1}" = 1 ]; then
 echo "== sections ($MODE $*)"
 "$NCU" "${common[@]}" --section SpeedOfLight --section LaunchStats --section Occupancy \
