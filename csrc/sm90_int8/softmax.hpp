@@ -31,6 +31,22 @@ struct TileMask {
   uint32_t words[4];  // key-mask bits of the tile's 128 keys (all ones without a mask)
   bool causal;
   int row[2];         // query index of each half (for causal)
+
+  // Scores of hidden keys -> -inf (accumulator value v of this thread is key column
+  // 8 (v >> 2) + 2 t + (v & 1) of row half (v >> 1) & 1); nothing to do on unmasked tiles.
+  template <int kN>
+  __device__ __forceinline__ void apply(float (&s)[kN]) const {
+    if (!active) return;
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int v = 0; v < kN; ++v) {
+      const int col = 8 * (v >> 2) + 2 * t + (v & 1);
+      const int key = key_base + col;
+      bool ok = key < kv_len && ((words[col >> 5] >> (col & 31)) & 1u);
+      if (causal) ok = ok && key <= row[(v >> 1) & 1];
+      s[v] = ok ? s[v] : -INFINITY;
+    }
+  }
 };
 
 // kLean_ (variant flag kFlagLean): fewer instructions per score element, same algorithm.
@@ -84,7 +100,6 @@ struct OnlineSoftmax {
   __device__ __forceinline__ void step_plain(const uint32_t (&s_int)[kN], float sk_tile,
                                              const TileMask& mk, uint32_t (&p_frag)[16],
                                              float (&alpha)[2]) {
-    const int t = threadIdx.x & 3;
     float s[kN];
 #pragma unroll
     for (int v = 0; v < kN; ++v) {
@@ -92,16 +107,7 @@ struct OnlineSoftmax {
       // the bits of 1.5*2^23 gives the float 1.5*2^23 + s, and one exact FADD removes the bias.
       s[v] = __int_as_float(static_cast<int>(s_int[v]) + 0x4B400000) - 12582912.f;
     }
-    if (mk.active) {
-#pragma unroll
-      for (int v = 0; v < kN; ++v) {
-        const int col = 8 * (v >> 2) + 2 * t + (v & 1);
-        const int key = mk.key_base + col;
-        bool ok = key < mk.kv_len && ((mk.words[col >> 5] >> (col & 31)) & 1u);
-        if (mk.causal) ok = ok && key <= mk.row[(v >> 1) & 1];
-        s[v] = ok ? s[v] : -INFINITY;
-      }
-    }
+    mk.apply(s);
     // s = int * (sq * scale * log2e) * sk. c > 0 keeps c * (-inf) = -inf; c only underflows to
     // 0 when q or the K block is all zero, and then every int product is 0 anyway.
     float c[2], mx[2], muse[2];
@@ -156,20 +162,10 @@ struct OnlineSoftmax {
                                             float (&alpha)[2]) {
     constexpr float kBias = 12582912.f;          // 1.5 * 2^23
     constexpr float kLog2Fp8Max = 8.8073549221f;  // log2(448)
-    const int t = threadIdx.x & 3;
     float s[kN];  // bias + int score, exact (|int| < 2^22)
 #pragma unroll
     for (int v = 0; v < kN; ++v) s[v] = __int_as_float(static_cast<int>(s_int[v]) + 0x4B400000);
-    if (mk.active) {
-#pragma unroll
-      for (int v = 0; v < kN; ++v) {
-        const int col = 8 * (v >> 2) + 2 * t + (v & 1);
-        const int key = mk.key_base + col;
-        bool ok = key < mk.kv_len && ((mk.words[col >> 5] >> (col & 31)) & 1u);
-        if (mk.causal) ok = ok && key <= mk.row[(v >> 1) & 1];
-        s[v] = ok ? s[v] : -INFINITY;
-      }
-    }
+    mk.apply(s);
     float c[2], mx[2], off[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) c[h] = fmaxf(rowf[h] * sk_tile, 1.17549435e-38f);
@@ -251,20 +247,10 @@ struct OnlineSoftmax {
                                                  float (&alpha)[2]) {
     constexpr float kBias = 12582912.f;       // 1.5 * 2^23
     constexpr uint32_t k448x2 = 0x5F005F00u;  // 448 in both fp16 halves
-    const int t = threadIdx.x & 3;
     float s[kN];  // bias + int score, exact (|int| < 2^22)
 #pragma unroll
     for (int v = 0; v < kN; ++v) s[v] = __int_as_float(static_cast<int>(s_int[v]) + 0x4B400000);
-    if (mk.active) {
-#pragma unroll
-      for (int v = 0; v < kN; ++v) {
-        const int col = 8 * (v >> 2) + 2 * t + (v & 1);
-        const int key = mk.key_base + col;
-        bool ok = key < mk.kv_len && ((mk.words[col >> 5] >> (col & 31)) & 1u);
-        if (mk.causal) ok = ok && key <= mk.row[(v >> 1) & 1];
-        s[v] = ok ? s[v] : -INFINITY;
-      }
-    }
+    mk.apply(s);
     float c[2], mx[2], off[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
