@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from sage_diffusers.kernels._contract import check_qkv, normalize_key_mask
+from sage_diffusers.kernels._contract import (check_qkv, in_layout_of, kernel_views, normalize_key_mask,
+                                              rows_aligned)
 
 
 def _qkv(d=64, dtype=torch.bfloat16, hq=4, hkv=2):
@@ -45,3 +46,17 @@ def test_key_mask_forms():
         normalize_key_mask(m.float(), 2, 7)
     with pytest.raises(ValueError, match="key_mask"):
         normalize_key_mask(m[:1], 2, 7)
+
+
+def test_kernel_views_and_layout_restore():
+    """Aligned views pass through untouched; others are copied, and the output is handed back in
+    the caller's layout (what the custom ops' fake impls promise)."""
+    aligned = torch.randn(1, 2, 3, 64)
+    ragged = torch.randn(1, 2, 3, 66)[..., :64]  # row stride 66 elements: not 16-byte aligned
+    assert rows_aligned(aligned) and not rows_aligned(ragged)
+    a, r = kernel_views(aligned, ragged)
+    assert a is aligned and r is not ragged and r.is_contiguous() and torch.equal(r, ragged)
+    out = torch.randn(1, 2, 3, 64)
+    assert in_layout_of(out, aligned, a) is out
+    back = in_layout_of(out, ragged, r)
+    assert back.stride() == torch.empty_like(ragged).stride() and torch.equal(back, out)

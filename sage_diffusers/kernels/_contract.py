@@ -40,3 +40,20 @@ def normalize_key_mask(key_mask: Optional[torch.Tensor], b: int, skv: int) -> Op
         raise ValueError(f"key_mask must be bool (B, Skv) = ({b}, {skv}), got {key_mask.dtype} "
                          f"{tuple(key_mask.shape)}")
     return key_mask.contiguous()
+
+
+def rows_aligned(x: torch.Tensor) -> bool:
+    """16-byte aligned token rows with a contiguous last dim (the kernels' vector loads); else the
+    backends pass a contiguous copy."""
+    return x.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in x.stride()[:3]) and x.stride(3) == 1
+
+
+def kernel_views(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors as a kernel may read them: each itself when :func:`rows_aligned`, else a copy."""
+    return tuple(x if rows_aligned(x) else x.contiguous() for x in xs)
+
+
+def in_layout_of(out: torch.Tensor, q: torch.Tensor, qq: torch.Tensor) -> torch.Tensor:
+    """``out`` (computed for ``qq``) in the memory layout of ``q``, as the fake impls promise
+    (``empty_like(q)``): a copy only when ``qq`` was a contiguous stand-in for ``q``."""
+    return out if qq is q else torch.empty_like(q).copy_(out)

@@ -59,7 +59,7 @@ import torch
 
 from ..options import FP4Format, PQuant
 from . import _jit
-from ._contract import check_qkv, normalize_key_mask
+from ._contract import check_qkv, in_layout_of, kernel_views, normalize_key_mask
 
 __all__ = ["attention_fp4", "prepass", "key_positions", "atom_gemm", "is_available", "build",
            "attention_atoms", "emu_gemms", "selftest", "benchmark", "ablation", "HEAD_DIMS", "Atom",
@@ -226,9 +226,6 @@ def build(atom: Optional[str] = None, arch: Optional[str] = None, verbose: bool 
     )
 
 
-def _rows_aligned(x: torch.Tensor) -> bool:
-    """16-byte aligned token rows with a contiguous last dim (the kernels' vector loads)."""
-    return x.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in x.stride()[:3]) and x.stride(3) == 1
 
 
 def _padded_len(skv: int) -> int:
@@ -278,7 +275,7 @@ def prepass(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor] = N
     """
     fmt = FP4Format.parse(fmt)
     ext = build(atom)
-    kk, vv = (x if _rows_aligned(x) else x.contiguous() for x in (k, v))
+    kk, vv = kernel_views(k, v)
     if k_mean is None:
         k_mean = _k_mean(k)
     k_mean = k_mean.float().contiguous()
@@ -325,7 +322,7 @@ def _fp4_attention(
     if emu == EmuGemm.CODE[EmuGemm.WGMMA] and not getattr(ext, "wgmma", False):
         raise ValueError("emu='wgmma' needs the emulated FP4 atom on an sm_90a device "
                          f"(this build: {'native' if ext.native else 'emulated'}, no wgmma variant)")
-    qq, kk, vv = (x if _rows_aligned(x) else x.contiguous() for x in (q, k, v))
+    qq, kk, vv = kernel_views(q, k, v)
     skv = k.shape[2]
     k_mean = _k_mean(kk)
     with torch.cuda.device(q.device):
@@ -333,8 +330,7 @@ def _fp4_attention(
         kq, ksf, vq, vsf = ext.quantize_kv(kk, vv, k_mean, _padded_len(skv), fmt, stream)
         out, lse = ext.attention_fwd(qq, kq, ksf, vq, vsf, k_mean, key_mask, skv, scale, is_causal,
                                      p_quant, fmt, return_lse, emu, stream)
-    if qq is not q:  # keep the layout promised by the fake impl: empty_like(q)
-        out = torch.empty_like(q).copy_(out)
+    out = in_layout_of(out, q, qq)
     if not return_lse:
         lse = q.new_empty((0,), dtype=torch.float32)
     return out, lse

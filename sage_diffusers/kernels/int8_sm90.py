@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from . import _jit
-from ._contract import check_qkv, normalize_key_mask
+from ._contract import check_qkv, in_layout_of, kernel_views, normalize_key_mask
 
 __all__ = ["attention_int8_sm90", "prepass", "is_available", "build", "compile_check",
            "HEAD_DIMS", "default_exp_poly_every", "set_exp_poly_every", "has_variant"]
@@ -137,8 +137,6 @@ def has_variant(head_dim: int, is_causal: bool, exp_poly_every: int) -> bool:
     return bool(build().has_variant(head_dim, is_causal, exp_poly_every))
 
 
-def _rows_aligned(x: torch.Tensor) -> bool:
-    return x.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in x.stride()[:3]) and x.stride(3) == 1
 
 
 # ---- the custom op -------------------------------------------------------------------------------
@@ -154,10 +152,9 @@ def _int8_attention_sm90(
     exp_poly_every: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ext = build()
-    qq, kk, vv = (x if _rows_aligned(x) else x.contiguous() for x in (q, k, v))
+    qq, kk, vv = kernel_views(q, k, v)
     out, lse = ext.fwd(qq, kk, vv, key_mask, is_causal, scale, return_lse, exp_poly_every)
-    if qq is not q:  # keep the layout promised by the fake impl: empty_like(q)
-        out = torch.empty_like(q).copy_(out)
+    out = in_layout_of(out, q, qq)
     return out, lse
 
 
@@ -248,7 +245,7 @@ def prepass(q, k, v, key_mask=None, scale=None) -> dict:
     key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2])
     d, sq_len, skv = q.shape[-1], q.shape[2], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    qq, kk, vv = (x if _rows_aligned(x) else x.contiguous() for x in (q, k, v))
+    qq, kk, vv = kernel_views(q, k, v)
     q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, bits = build().prepass(qq, kk, vv, key_mask, scale)
     b, hkv = k.shape[0], k.shape[1]
     n_kv = vt_img.shape[2]
