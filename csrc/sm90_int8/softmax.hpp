@@ -62,9 +62,10 @@ struct TileMask {
 // over 8 values then in fp32. Halves the MUFU work that bounds hd64. x = s c - m <= 0 goes to
 // fp16 before the exp (the 448 factor is a separate HMUL2, so the large-p elements have |x| < 1
 // and an fp16 error < 2^-12): p carries ~2^-10 relative error against the 2^-4 E4M3 step.
-// kSplit_ (variant flag kFlagSplitReduce, lean path): the row max and the row sum of a tile are
-// four independent chains of 8 values each (columns 8j.. grouped by j mod 4), combined at the
-// end, instead of one dependent chain of 32: same max, sums rounded in another order.
+// kSplit_ (variant flag kFlagSplitReduce, with the lean flag): the row max (and, in step_lean,
+// the row sum) of a tile as four independent chains of 8 values each (columns 8j.. grouped by
+// j mod 4), combined at the end, instead of one dependent chain of 32: same max, sums rounded in
+// another order.
 template <int kPolyEvery, bool kLean_ = false, bool kHalfExp_ = false, bool kSplit_ = false>
 struct OnlineSoftmax {
   static constexpr bool kLean = kLean_;
@@ -81,6 +82,53 @@ struct OnlineSoftmax {
     l[0] = l[1] = 0.f;
     rowf[0] = rowf0;
     rowf[1] = rowf1;
+  }
+
+  // Per-row score scale c = sq_i * scale * log2(e) * sk of the tile. c > 0 keeps c * (-inf) = -inf;
+  // c only underflows to 0 when q or the K block is all zero, and then every int product is 0.
+  __device__ __forceinline__ void row_scale(float sk_tile, float (&c)[2]) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) c[h] = fmaxf(rowf[h] * sk_tile, 1.17549435e-38f);
+  }
+
+  // This thread's max of each row half over the tile, in kChains independent chains.
+  __device__ __forceinline__ static void tile_row_max(const float (&s)[kN], float (&mx)[2]) {
+    float part[2][kChains];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int j = 0; j < kChains; ++j) part[h][j] = -INFINITY;
+    }
+#pragma unroll
+    for (int v = 0; v < kN; ++v) {
+      float& acc = part[(v >> 1) & 1][(v >> 2) % kChains];
+      acc = fmaxf(acc, s[v]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (kChains == 4) {
+        mx[h] = fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], part[h][3]));
+      } else {
+        mx[h] = part[h][0];
+      }
+    }
+  }
+
+  // P~ (fp32, in [0, 448]) -> the FP8 A fragment of the PV wgmma. Register 4kb + r of k-block kb,
+  // r = (k+16 half) * 2 + (row half); byte i of the register is k position 4t + i, i.e.
+  // accumulator columns 2t + (i & 1) + 8 * (i >> 1) of 8-column group 4kb + 2*(r >> 1): values
+  // v = 4 * (4kb + 2*(r>>1) + (i>>1)) + 2*(r&1) + (i&1). No shuffles (tile_config.hpp).
+  __device__ __forceinline__ static void pack_p_frag(const float (&s)[kN], uint32_t (&p_frag)[16]) {
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int v0 = 4 * (4 * kb + 2 * (r >> 1)) + 2 * (r & 1);  // i = 0
+        const uint32_t lo = pack_e4m3x2(s[v0], s[v0 + 1]);          // i = 0, 1
+        const uint32_t hi = pack_e4m3x2(s[v0 + 4], s[v0 + 5]);      // i = 2, 3 (next 8 cols)
+        p_frag[4 * kb + r] = lo | (hi << 16);
+      }
+    }
   }
 
   // s_int: the int32 accumulator of q8 . k8^T. Writes the FP8 A fragment (4 registers per
@@ -108,16 +156,10 @@ struct OnlineSoftmax {
       s[v] = __int_as_float(static_cast<int>(s_int[v]) + 0x4B400000) - 12582912.f;
     }
     mk.apply(s);
-    // s = int * (sq * scale * log2e) * sk. c > 0 keeps c * (-inf) = -inf; c only underflows to
-    // 0 when q or the K block is all zero, and then every int product is 0 anyway.
+    // s = int * c, c from row_scale
     float c[2], mx[2], muse[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      c[h] = fmaxf(rowf[h] * sk_tile, 1.17549435e-38f);
-      mx[h] = -INFINITY;
-    }
-#pragma unroll
-    for (int v = 0; v < kN; ++v) mx[(v >> 1) & 1] = fmaxf(mx[(v >> 1) & 1], s[v]);
+    row_scale(sk_tile, c);
+    tile_row_max(s, mx);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // max commutes with the positive scale c (rounding is monotonic), so scale once.
@@ -142,19 +184,7 @@ struct OnlineSoftmax {
     }
     l[0] = l[0] * alpha[0] + sum[0];
     l[1] = l[1] * alpha[1] + sum[1];
-    // A fragment of k-block kb: reg 4kb + r, r = (k+16 half) * 2 + (row half); byte i of the
-    // register is k position 4t + i, i.e. accumulator columns 2t + (i & 1) + 8 * (i >> 1) of
-    // 8-column group 4kb + 2*(r >> 1): values v = 4 * (4kb + 2*(r>>1) + (i>>1)) + 2*(r&1) + (i&1).
-#pragma unroll
-    for (int kb = 0; kb < 4; ++kb) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int v0 = 4 * (4 * kb + 2 * (r >> 1)) + 2 * (r & 1);  // i = 0
-        const uint32_t lo = pack_e4m3x2(s[v0], s[v0 + 1]);          // i = 0, 1
-        const uint32_t hi = pack_e4m3x2(s[v0 + 4], s[v0 + 5]);      // i = 2, 3 (next 8 cols)
-        p_frag[4 * kb + r] = lo | (hi << 16);
-      }
-    }
+    pack_p_frag(s, p_frag);
   }
 
   __device__ __forceinline__ void step_lean(const uint32_t (&s_int)[kN], float sk_tile,
@@ -167,29 +197,8 @@ struct OnlineSoftmax {
     for (int v = 0; v < kN; ++v) s[v] = __int_as_float(static_cast<int>(s_int[v]) + 0x4B400000);
     mk.apply(s);
     float c[2], mx[2], off[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) c[h] = fmaxf(rowf[h] * sk_tile, 1.17549435e-38f);
-    {
-      float part[2][kChains];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int j = 0; j < kChains; ++j) part[h][j] = -INFINITY;
-      }
-#pragma unroll
-      for (int v = 0; v < kN; ++v) {
-        float& acc = part[(v >> 1) & 1][(v >> 2) % kChains];
-        acc = fmaxf(acc, s[v]);
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if constexpr (kChains == 4) {
-          mx[h] = fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], part[h][3]));
-        } else {
-          mx[h] = part[h][0];
-        }
-      }
-    }
+    row_scale(sk_tile, c);
+    tile_row_max(s, mx);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // (biased max - bias) is the exact integer max; -inf stays -inf.
@@ -230,16 +239,7 @@ struct OnlineSoftmax {
     }
     l[0] = l[0] * alpha[0] + sum[0];
     l[1] = l[1] * alpha[1] + sum[1];
-#pragma unroll
-    for (int kb = 0; kb < 4; ++kb) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int v0 = 4 * (4 * kb + 2 * (r >> 1)) + 2 * (r & 1);
-        const uint32_t lo = pack_e4m3x2(s[v0], s[v0 + 1]);
-        const uint32_t hi = pack_e4m3x2(s[v0 + 4], s[v0 + 5]);
-        p_frag[4 * kb + r] = lo | (hi << 16);
-      }
-    }
+    pack_p_frag(s, p_frag);
   }
 
   __device__ __forceinline__ void step_lean_half(const uint32_t (&s_int)[kN], float sk_tile,
@@ -252,13 +252,8 @@ struct OnlineSoftmax {
     for (int v = 0; v < kN; ++v) s[v] = __int_as_float(static_cast<int>(s_int[v]) + 0x4B400000);
     mk.apply(s);
     float c[2], mx[2], off[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      c[h] = fmaxf(rowf[h] * sk_tile, 1.17549435e-38f);
-      mx[h] = -INFINITY;
-    }
-#pragma unroll
-    for (int v = 0; v < kN; ++v) mx[(v >> 1) & 1] = fmaxf(mx[(v >> 1) & 1], s[v]);
+    row_scale(sk_tile, c);
+    tile_row_max(s, mx);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float m_new = fmaxf(m[h], (quad_max(mx[h]) - kBias) * c[h]);
