@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import sage_diffusers as sd  # noqa: E402
+from eval.bench_kernels import make_inputs  # noqa: E402  (the benchmark's inputs)
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int]:
@@ -27,13 +28,6 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
     return b, h, s, d
 
 
-def make_inputs(b, h, s, d, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, h, s, d, generator=g, device="cuda")
-    k = torch.randn(b, h, s, d, generator=g, device="cuda")
-    k = k + 4 * torch.randn(1, h, 1, d, generator=g, device="cuda")
-    v = torch.randn(b, h, s, d, generator=g, device="cuda")
-    return [x.to(torch.bfloat16) for x in (q, k, v)]
 
 
 def main() -> None:

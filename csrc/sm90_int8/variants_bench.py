@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
+from eval.bench_kernels import make_inputs  # noqa: E402  (the benchmark's inputs)
 from sage_diffusers.reference import cosine, sage8_reference  # noqa: E402
 
 SHAPES = [(1, 24, 4608, 128), (1, 38, 4429, 64), (2, 24, 4096, 128), (1, 24, 16384, 128),
@@ -48,12 +49,6 @@ CHECK_MODES = (1, 2, 3, 4, 7)  # pre-pass mode bit sets checked against the refe
 FULL_MODES = (0, 3, 4, 7)      # full-call timings (per-repetition sync)
 
 
-def inputs(b, h, s, d, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, h, s, d, generator=g, device="cuda")
-    k = torch.randn(b, h, s, d, generator=g, device="cuda") + 4 * torch.randn(1, h, 1, d, generator=g, device="cuda")
-    v = torch.randn(b, h, s, d, generator=g, device="cuda")
-    return [x.to(torch.bfloat16) for x in (q, k, v)]
 
 
 def time_ms(fn, reps):
@@ -119,7 +114,7 @@ def main():
     bad = 0
     for d in (64, 128):
         for (b, h, s) in ((1, 2, 1023), (2, 3, 4097)):
-            q, k, v = inputs(b, h, s, d, seed=1)
+            q, k, v = make_inputs(b, h, s, d, seed=1)
             mask = torch.rand(b, s, device="cuda") > 0.2
             mask[:, :5] = True
             refs = {False: sage8_reference(q.float(), k.float(), v.float()).float(),
@@ -150,7 +145,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     shapes = SHAPES if args.shapes == "all" else QUICK_SHAPES
     for (b, h, s, d) in shapes:
-        q, k, v = inputs(b, h, s, d)
+        q, k, v = make_inputs(b, h, s, d)
         flops = 4 * b * h * s * s * d
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             t_cudnn = time_ms(lambda: F.scaled_dot_product_attention(q, k, v), args.reps)
