@@ -1,8 +1,8 @@
-// The FP4 forward kernel: composes the prologue, the two-stage K/V pipeline, the MMA sweeps, the
-// fused softmax / P quantization and the epilogue. The MMA atom (which carries the microscaling
-// format, NVFP4 or MXFP4), head dim, element type and, for the emulated atom, the GEMM variant
-// (EmuGemm: per-warp mma.sync, or warpgroup wgmma in mainloop_wgmma_sm90.cuh) are template
-// parameters; attention_fwd_{native,emulated,emulated_wgmma}.cu instantiate the bounded set.
+// The FP4 forward kernel with per-warp mma.sync (EmuGemm::kMmaSync; the wgmma variant is
+// attention_fwd_wgmma_sm90.cuh): composes the prologue, the two-stage K/V pipeline, the MMA
+// sweeps, the fused softmax / P quantization and the epilogue. The MMA atom (which carries the
+// microscaling format, NVFP4 or MXFP4), head dim and element type are template parameters;
+// attention_fwd_{native,emulated}.cu instantiate the bounded set.
 #pragma once
 
 #include <cstdint>
@@ -16,26 +16,13 @@
 
 namespace sage_fp4 {
 
-// Defined in mainloop_wgmma_sm90.cuh, which only the EmuGemm::kWgmma instantiation file includes
-// (it needs CuTe; the other builds never instantiate it).
-template <class Atom, int kHeadDim>
-__device__ __forceinline__ void mainloop_wgmma(const FwdParams& p, uint8_t* smem, const KvHead& kv, int n_tiles,
-                                               const typename Atom::FragA (&qf)[kHeadDim / 64],
-                                               float (&acc)[kHeadDim / 8][4], RowState& rs, int warp_row0);
-
-template <class Atom, int kHeadDim, typename T, EmuGemm kGemm = EmuGemm::kMmaSync>
+template <class Atom, int kHeadDim, typename T>
 __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const FwdParams p) {
   constexpr Fp4Format kFmt = Atom::kFormat;
   using Cfg = FwdConfig<kHeadDim, kFmt>;
   using Stage = StageView<kHeadDim, kFmt>;
-  static_assert(kGemm == EmuGemm::kMmaSync || (!Atom::kNative && Atom::kStagesDecoded),
-                "the wgmma variant runs the emulated atom's decoded operands");
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* smem = smem_raw;
-  if constexpr (kGemm == EmuGemm::kWgmma) {
-    // GMMA-swizzled tiles need 1024-byte aligned addresses (the slack is in kWgmmaSmemBytes).
-    smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-  }
   const int q0 = blockIdx.x * kBlockM, h = blockIdx.y, b = blockIdx.z;
   const int hk = h / (p.Hq / p.Hkv);  // GQA: query head h reads kv head h / group
   const int warp = static_cast<int>(threadIdx.x >> 5);
@@ -79,9 +66,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
   }
   const int warp_row0 = q0 + 16 * warp;
 
-  if constexpr (kGemm == EmuGemm::kWgmma) {
-    mainloop_wgmma<Atom, kHeadDim>(p, smem, kv_head(), n_tiles, qf, acc, rs, warp_row0);
-  } else {
+  {
     uint8_t* q_tile = smem + Cfg::kOffQ;
     if constexpr (Atom::kStagesDecoded) {
       __syncwarp();  // the warp's lanes are done reading its 16 Q rows
@@ -164,17 +149,17 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
         compute_tile(tile, st, staged, corr_buf(cur), valid_buf(cur));
       }
     }
-  }  // kGemm == EmuGemm::kMmaSync
+  }
 
   const float* qk_mean = reinterpret_cast<const float*>(smem + Cfg::kOffQkMean);
   store_output<kHeadDim, T>(p, acc, rs, qk_mean, b, h, q0);
 }
 
-template <class Atom, int kHeadDim, typename T, EmuGemm kGemm>
+template <class Atom, int kHeadDim, typename T>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   using Cfg = FwdConfig<kHeadDim, Atom::kFormat>;
-  auto kernel = fp4_attention_fwd_kernel<Atom, kHeadDim, T, kGemm>;
-  constexpr int kSmem = Cfg::template kernel_smem_bytes<Atom, kGemm>();
+  auto kernel = fp4_attention_fwd_kernel<Atom, kHeadDim, T>;
+  constexpr int kSmem = Cfg::template smem_bytes<Atom>();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   const dim3 grid((p.Sq + kBlockM - 1) / kBlockM, p.Hq, p.B);
@@ -182,24 +167,29 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <class Atom, EmuGemm kGemm>
+template <class Atom>
 cudaError_t dispatch_fwd_fmt(const FwdParams& p, cudaStream_t stream) {
   const bool bf16 = p.dtype == ElemType::kBFloat16;
   if (p.D == 64)
-    return bf16 ? launch_fwd<Atom, 64, __nv_bfloat16, kGemm>(p, stream) : launch_fwd<Atom, 64, __half, kGemm>(p, stream);
+    return bf16 ? launch_fwd<Atom, 64, __nv_bfloat16>(p, stream) : launch_fwd<Atom, 64, __half>(p, stream);
   if (p.D == 128)
-    return bf16 ? launch_fwd<Atom, 128, __nv_bfloat16, kGemm>(p, stream) : launch_fwd<Atom, 128, __half, kGemm>(p, stream);
+    return bf16 ? launch_fwd<Atom, 128, __nv_bfloat16>(p, stream) : launch_fwd<Atom, 128, __half>(p, stream);
   return cudaErrorInvalidValue;
 }
 
-// The instantiated set: format (NVFP4, MXFP4) x head dim (64, 128) x element type (fp16, bf16),
-// for one GEMM variant.
-template <template <Fp4Format> class Atom, EmuGemm kGemm = EmuGemm::kMmaSync>
+// The instantiated set: format (NVFP4, MXFP4) x head dim (64, 128) x element type (fp16, bf16).
+// `Dispatch<Atom>` is the per-format entry (dispatch_fwd_fmt here, dispatch_fwd_wgmma_fmt for the
+// wgmma variant).
+template <class Atom>
+struct FwdFmtDispatch {
+  static cudaError_t run(const FwdParams& p, cudaStream_t stream) { return dispatch_fwd_fmt<Atom>(p, stream); }
+};
+template <template <Fp4Format> class Atom, template <class> class Dispatch = FwdFmtDispatch>
 cudaError_t dispatch_fwd(const FwdParams& p, cudaStream_t stream) {
   if (p.Sq == 0 || p.B == 0 || p.Hq == 0) return cudaSuccess;
   switch (p.fmt) {
-    case Fp4Format::kNvfp4: return dispatch_fwd_fmt<Atom<Fp4Format::kNvfp4>, kGemm>(p, stream);
-    case Fp4Format::kMxfp4: return dispatch_fwd_fmt<Atom<Fp4Format::kMxfp4>, kGemm>(p, stream);
+    case Fp4Format::kNvfp4: return Dispatch<Atom<Fp4Format::kNvfp4>>::run(p, stream);
+    case Fp4Format::kMxfp4: return Dispatch<Atom<Fp4Format::kMxfp4>>::run(p, stream);
   }
   return cudaErrorInvalidValue;
 }

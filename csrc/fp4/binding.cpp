@@ -135,6 +135,16 @@ std::vector<torch::Tensor> attention_fwd(const torch::Tensor& q, const torch::Te
 #else
 #if SAGE_FP4_WGMMA
   if (emu_gemm == 1) {
+    // K / V^T decoded once per kv head into the tiles' 16-bit shared-memory images (fp16 for
+    // NVFP4, bf16 for MXFP4: 2 bytes either way); 2 * B * Hkv * skv_pad * D * 2 bytes, freed on return.
+    const auto n_img = sage_fp4::kv_image_elems(B * Hkv, skv_pad, D);
+    auto k_img = torch::empty({n_img}, q.options().dtype(torch::kInt16));
+    auto v_img = torch::empty({n_img}, q.options().dtype(torch::kInt16));
+    FP4_CHECK_CUDA(sage_fp4::launch_decode_kv_images(fmt, p.kq, p.ksf, p.vq, p.vsf, k_img.data_ptr(), v_img.data_ptr(),
+                                                     static_cast<int>(B * Hkv), static_cast<int>(skv_pad),
+                                                     static_cast<int>(D), stream));
+    p.k_img = k_img.data_ptr();
+    p.v_img = v_img.data_ptr();
     FP4_CHECK_CUDA(sage_fp4::launch_fp4_attention_emulated_wgmma(p, stream));
   } else {
     FP4_CHECK_CUDA(sage_fp4::launch_fp4_attention_emulated(p, stream));

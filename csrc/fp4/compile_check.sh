@@ -42,7 +42,7 @@ compile() {  # name, source, arch flags...
     if [[ "$src" == attention_fwd_* ]]; then
       # Fp4Format 1 = MXFP4 (mangled ...Fp4FormatE1E...): one attention kernel per head dim x dtype.
       local mx
-      mx=$(grep "Compiling entry function" "$log" | grep "fp4_attention_fwd_kernel" | grep -c "Fp4FormatE1E" || true)
+      mx=$(grep "Compiling entry function" "$log" | grep -E "fp4_attention_fwd_(wgmma_)?kernel" | grep -c "Fp4FormatE1E" || true)
       if [ "$mx" -lt 4 ]; then echo "FAIL $name: $mx MXFP4 attention instantiations (expected 4)"; status=1; fi
     fi
     if [ "${FP4_CHECK_VERBOSE:-0}" = "1" ]; then kernels "$log" | sed 's/sage_fp4:://g; s/^/       /'; fi

@@ -17,8 +17,9 @@ enum class Fp4Format : int { kNvfp4 = 0, kMxfp4 = 1 };
 // How the emulated sm_90a build runs its two GEMMs on the decoded 16-bit operands (a template
 // axis of the kernel; the native atom always uses kMmaSync):
 //   kMmaSync: per-warp mma.sync.m16n8k16, decoded fragments staged per MMA (mainloop.cuh);
-//   kWgmma:   per-warpgroup wgmma (Q K^T from shared memory, P V with P~ from registers) on K / V
-//             decoded once per CTA into GMMA-swizzled tiles (mainloop_wgmma_sm90.cuh).
+//   kWgmma:   per-warpgroup wgmma (Q K^T from shared memory, P V with P~ from registers), K / V
+//             decoded once per head by a pre-pass into GMMA-swizzled 16-bit tile images that a
+//             producer warpgroup bulk-copies (kv_images_sm90.cuh, mainloop_wgmma_sm90.cuh).
 enum class EmuGemm : int { kMmaSync = 0, kWgmma = 1 };
 
 __host__ __device__ constexpr int fp4_block(Fp4Format f) { return f == Fp4Format::kNvfp4 ? 16 : 32; }
@@ -46,6 +47,8 @@ struct FwdParams {
   const uint8_t* ksf;
   const uint8_t* vq;
   const uint8_t* vsf;
+  const void* k_img;   // EmuGemm::kWgmma: decoded K / V^T tile images (launch_decode_kv_images)
+  const void* v_img;
   const float* k_mean;      // (B, Hkv, D): only read for the LSE
   const uint8_t* key_mask;  // bool (B, Skv) or nullptr; true = attend
   void* o;                  // (B, Hq, Sq, D), strides in elements
@@ -63,8 +66,18 @@ struct FwdParams {
 // runs on sm_90a (and on sm_120a, to cross-check).
 cudaError_t launch_fp4_attention_native(const FwdParams& p, cudaStream_t stream);
 cudaError_t launch_fp4_attention_emulated(const FwdParams& p, cudaStream_t stream);
-// The emulated atom with EmuGemm::kWgmma (sm_90a only: attention_fwd_emulated_wgmma.cu).
+// The emulated atom with EmuGemm::kWgmma (sm_90a only: attention_fwd_emulated_wgmma.cu); needs
+// p.k_img / p.v_img from launch_decode_kv_images.
 cudaError_t launch_fp4_attention_emulated_wgmma(const FwdParams& p, cudaStream_t stream);
+
+// Pre-pass of EmuGemm::kWgmma (sm_90a only): the quantized K / V^T (launch_quantize_k / _v
+// outputs, BH = B * Hkv heads) decoded exactly (E2M1 x scale, fp16 for NVFP4, bf16 for MXFP4)
+// into the GMMA K-major 128-byte-swizzled shared-memory images of each 128-key tile:
+//   k_img, v_img: 16-bit (BH, skv_pad / 128, 128 * D), kv_image_elems(BH, skv_pad, D) each.
+cudaError_t launch_decode_kv_images(Fp4Format fmt, const uint8_t* kq, const uint8_t* ksf, const uint8_t* vq,
+                                    const uint8_t* vsf, void* k_img, void* v_img, int BH, int skv_pad, int D,
+                                    cudaStream_t stream);
+inline int64_t kv_image_elems(int64_t BH, int64_t skv_pad, int64_t D) { return BH * skv_pad * D; }
 
 // Test GEMM of one MMA atom: d (M, N) float32 = deq(A) (M, K) . deq(B) (N, K)^T with
 // a: uint8 (M, K/2), sfa: uint8 E4M3 or E8M0 (M, K/blk), b: uint8 (N, K/2), sfb (N, K/blk);

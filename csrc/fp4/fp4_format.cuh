@@ -75,6 +75,44 @@ __device__ __forceinline__ uint32_t e2m1_pack8_nonneg(const float (&x)[8]) {
 #endif
 }
 
+// Two non-negative fp16 values (x in the low half) rounded to the E2M1 grid {0, 0.5, 1, 1.5, 2, 3,
+// 4, 6} as values, not codes: saturate at 6, then round to nearest even at the grid spacing of
+// x's binade, 2^floor(log2(max(x, 1))) / 2, by adding and subtracting M = that spacing * 1024
+// (fp16's ulp at M is the spacing; ties go to the even fp16 mantissa, i.e. the even E2M1 code).
+// Equals decode(e2m1_code(x)) for every fp16 x >= 0; 6 ops per pair instead of two encodes and a
+// decode. A NaN (0 * inf from a zero block scale) saturates to 6, which that zero scale cancels.
+__device__ __forceinline__ uint32_t e2m1_round_half2(uint32_t x) {
+  uint32_t r;
+  asm("{\n .reg .b32 c, m;\n"
+      " min.f16x2 c, %1, %2;\n"
+      " max.f16x2 m, c, %3;\n"
+      " and.b32 m, m, 0x7C007C00;\n"
+      " add.u32 m, m, 0x24002400;\n"  // exponent + 9: spacing * 1024
+      " add.rn.f16x2 c, c, m;\n"
+      " sub.rn.f16x2 %0, c, m;\n}"
+      : "=r"(r)
+      : "r"(x), "r"(0x46004600u), "r"(0x3C003C00u));
+  return r;
+}
+
+// Two fp32 values -> E4M3 bytes (b in the low byte, a in the high), round to nearest even,
+// saturating (e4m3_byte for two), and those bytes -> fp16x2 (exact).
+__device__ __forceinline__ uint32_t e4m3x2_half2(float a, float b) {
+  uint32_t r;
+  asm("{\n .reg .b16 e;\n"
+      " cvt.rn.satfinite.e4m3x2.f32 e, %1, %2;\n"
+      " cvt.rn.f16x2.e4m3x2 %0, e;\n}"
+      : "=r"(r)
+      : "f"(a), "f"(b));
+  return r;
+}
+
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // E4M3 byte of x, round to nearest even, saturating at +-448 (the reference clamps, then casts).
 __device__ __forceinline__ uint32_t e4m3_byte(float x) {
   return static_cast<uint32_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));

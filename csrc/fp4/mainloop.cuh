@@ -172,8 +172,9 @@ __device__ __forceinline__ void pv_tile(float (&acc)[kHeadDim / 8][4],
 }
 
 // Threads 0..kBlockN-1: bitmask of the tile's columns whose real key exists and is not masked.
-__device__ __forceinline__ void key_valid_bits(uint32_t* valid_bits, int tile, int skv, const uint8_t* mask_row) {
-  const int tid = static_cast<int>(threadIdx.x);
+// `tid`: the thread's index within the threads that run this (default threadIdx.x).
+__device__ __forceinline__ void key_valid_bits(uint32_t* valid_bits, int tile, int skv, const uint8_t* mask_row,
+                                               int tid = static_cast<int>(threadIdx.x)) {
   if (tid < kBlockN) {
     const int key = tile * kBlockN + tile_key(tid);
     const bool ok = key < skv && (mask_row == nullptr || mask_row[key] != 0);

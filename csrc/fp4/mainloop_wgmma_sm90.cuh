@@ -1,72 +1,90 @@
-// Main loop of the emulated atom with EmuGemm::kWgmma (sm_90a): the two GEMMs on Hopper warpgroup
-// MMAs, FA3-style, on operands decoded once per CTA.
+// Main loop of the emulated atom with EmuGemm::kWgmma (sm_90a): FA3-style warp specialization
+// over K / V^T tiles that a pre-pass decoded once per head (kv_images_sm90.cuh).
 //
-// CTA = 128 query rows = 2 warpgroups x 64 rows; warp w (0..7) is warp w % 4 of warpgroup w / 4 and
-// owns rows 64 (w / 4) + 16 (w % 4) = 16 w .. 16 w + 15, the same rows as in the mma.sync path, so
-// the softmax, P~ quantization and epilogue are shared unchanged.
+// CTA = 128 query rows (one Q smoothing block) = 2 consumer warpgroups x 64 rows + 1 producer
+// warpgroup. Consumer warp w (0..7) is warp w % 4 of warpgroup w / 4 and owns rows 16w .. 16w + 15,
+// the rows of the mma.sync path, so masks, softmax and epilogue are shared with it.
 //
-//   decode (all 256 threads, once per tile): half the warps decode the K tile (a thread per stored
-//     key row: E2M1 x scale -> fp16 / bf16, exact, and the smoothing correction qbar . deq(K) of
-//     that row on the CUDA cores), the other half the V^T tile; into GMMA K-major SW128 tiles, two
-//     buffers.
-//   S = Q K^T: wgmma m64n128k16 SS (decoded Q of the warpgroup, written once after the prologue).
-//     The accumulator of warp w is the m16n8 D layout tiled along N (CuTe CLayout_64xN: value
-//     4j + e = row g + 8 (e >> 1), column 8j + 2t + (e & 1)), i.e. s[j][e] of the mma.sync path;
-//     column n is stored key n (permuted in 64-key chunks by the pre-pass, tile_config.cuh).
-//   O += P V: wgmma m64nDk16 RS. The A fragment of a warp for one k16 step is the mma.sync
-//     m16n8k16 A fragment of its 16 rows (CuTe ALayout_64x16: registers a0..a3 = (row g, k 2t..+1),
-//     (g+8, 2t..+1), (g, 2t+8..+9), (g+8, 2t+8..+9)), so k-step 4c + j takes AtomSm90Emulated's
-//     FragA pf[c].h[j] as is. That fragment puts real key 64c + 32h + 8t + 4q + 2u + e (h, q: j =
-//     2h + q) in slot 2t + 8u + e; V^T is therefore stored with its k position
-//     kk = 32q' + 8p + 2t + e holding key 32q' + 8t + 2p + e (vt_position_key below; proven in
-//     layout_model.py): 16-byte chunk p of a decoded 32-key group gathers decoded pair p of each of
-//     its four raw words.
-//   Schedule per tile i (one __syncthreads): issue QK(i) async -> cp.async of raw tile i + 2 ->
-//     first half of the decode of tile i + 1 (overlaps the QK wgmma) -> wait QK -> masks, softmax,
-//     P~ -> issue PV(i) -> second half of the decode (overlaps the PV wgmma) -> wait PV ->
-//     O = O * alpha + s1 * PV (the per-row two-level factor s1 keeps PV in its own accumulator,
-//     as the mma.sync path does).
+//   producer (warps 8..11): lane 0 of warp 8 bulk-copies the decoded K and V^T images of each tile
+//     into a kStages ring (cp.async.bulk, one per operand and tile; full[s] counts the bytes). Then
+//     all 128 threads, per tile: the smoothing correction qbar . deq(K_n) of the tile's 128 key
+//     columns on the tensor cores (mma.sync m16n8k16: qbar split into kQbarTerms 16-bit rows, K
+//     B fragments by ldmatrix from the image; warp w' takes columns 32w'..32w'+31), pre-multiplied
+//     by scale * log2(e), and the key-valid bits; then arrive on ready[s]. The slot of tile t - 1 is
+//     refilled (after empty[s], the 8 consumer warps' release) once tile t's correction is out.
+//   consumers: S = Q K^T as wgmma m64n128k16 SS (Q decoded once into shared memory); masks,
+//     online softmax and P~ quantization in registers; O += P~ V as wgmma m64nDk16 RS with P~ as
+//     the A fragments (the S accumulator of n-tiles 2ks, 2ks + 1 is the A fragment of k16 step ks;
+//     V^T's key order, vt_position_key, makes that hold). Per tile: [O *= f_t; issue P~_t V_t and
+//     Q K_{t+1}^T] -> wait -> release t -> softmax / quantization of t + 1.
+//     The two-level factor s1 is folded into O's running scale: O = g O' with O' accumulating
+//     P~ / s1 products directly, f_t = alpha_t g_{t-1} / s1_t, g_t = s1_t (no second accumulator).
+//   kPingPong: the two consumer warpgroups take turns issuing their wgmmas (named barriers), so
+//     one warpgroup's softmax overlaps the other's GEMMs (FA3's inter-warpgroup schedule).
 #pragma once
 
 #include <cstdint>
 #include <type_traits>
 #include <utility>
 
+#include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 
 #include "fp4_api.h"
 #include "fp4_format.cuh"
+#include "kv_images_sm90.cuh"
 #include "mainloop.cuh"
 #include "softmax_pquant.cuh"
 #include "tile_config.cuh"
 
 namespace sage_fp4 {
 
-// Stored V^T column kk of a kBlockN tile -> real key (see the header comment).
-__host__ __device__ __forceinline__ constexpr int vt_position_key(int kk) {
-  // kk = 32 q' + 8 p + 2 t + e  ->  key = 32 q' + 8 t + 2 p + e
-  return (kk & ~31) + ((kk >> 1) & 3) * 8 + ((kk >> 3) & 3) * 2 + (kk & 1);
-}
-
 template <int kHeadDim, Fp4Format F>
 struct WgmmaConfig {
-  using Cfg = FwdConfig<kHeadDim, F>;
   static constexpr bool kBf16 = F == Fp4Format::kMxfp4;  // the emulated atom's decoded type
   using Elem = std::conditional_t<kBf16, cute::bfloat16_t, cute::half_t>;
   static constexpr int kRowsPerWg = 64;
-  static_assert(kBlockM == 2 * kRowsPerWg && kThreads == 256, "two consumer warpgroups of 64 rows");
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kThreads = kConsumerThreads + 128;  // + the producer warpgroup
+  static_assert(kBlockM == 2 * kRowsPerWg && kThreads == 384, "two consumer warpgroups of 64 rows");
+  // Register split (setmaxnreg): 384 threads launch with 168 registers each; the producer gives
+  // part of its share to the consumers: 128 * 72 + 256 * 216 = 64512 = 384 * 168 (ptxas: no
+  // spills for NVFP4; 4 bytes for the MXFP4 D = 128 consumers, whose P~ takes the codes path).
+  static constexpr int kProducerRegs = 72;
+  static constexpr int kConsumerRegs = 216;
+  // K + V^T of one tile: 64 KiB at D = 128 (2 stages), 32 KiB at D = 64 (4 stages).
+  static constexpr int kStages = kHeadDim == 128 ? 2 : 4;
   // 8 rows x 64 elements (128-byte rows, Swizzle<3,4,3>) tiled over each operand, K-major.
   using Atom = cute::GMMA::Layout_K_SW128_Atom<Elem>;
   using SmemLayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kRowsPerWg>, cute::Int<kHeadDim>>{}));
   using SmemLayoutK = decltype(cute::tile_to_shape(
-      Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<2>>{}));
+      Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
   using SmemLayoutVt = decltype(cute::tile_to_shape(
-      Atom{}, cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<2>>{}));
-  static_assert(cute::cosize(SmemLayoutQ{}) * 2 * 2 == Cfg::kQTileBytes, "decoded Q fills the prologue's Q tile");
-  static_assert(cute::cosize(SmemLayoutK{}) * 2 == 2 * Cfg::kWgmmaTileBytes, "two decoded K tiles");
-  static_assert(cute::cosize(SmemLayoutVt{}) * 2 == 2 * Cfg::kWgmmaTileBytes, "two decoded V^T tiles");
+      Atom{}, cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{}));
+
+  // Shared memory, from a 1024-byte aligned base: the Q tile (the prologue's 16-bit input rows,
+  // then overwritten by the decoded Q of both warpgroups: the same size), the K and V^T rings,
+  // qbar, q . k_mean per row, the corrections and key-valid bits per stage, the barriers.
+  // D = 128: 32 + 128 + 3 KiB + 1 KiB alignment slack = 163 KiB.
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kTileBytes = kBlockN * kHeadDim * 2;  // one decoded K or V^T tile
+  static constexpr int kOffK = kQBytes;
+  static constexpr int kOffV = kOffK + kStages * kTileBytes;
+  static constexpr int kOffQbar = kOffV + kStages * kTileBytes;
+  static constexpr int kOffQkMean = kOffQbar + kHeadDim * 4;
+  static constexpr int kOffBias = kOffQkMean + kBlockM * 4;
+  static constexpr int kOffValid = kOffBias + kStages * kBlockN * 4;
+  static constexpr int kOffBarriers = kOffValid + kStages * (kBlockN / 32) * 4;
+  static constexpr int kSmemBytes = kOffBarriers + 3 * kStages * 8 + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of sm_90");
+  static_assert(kQBytes % 1024 == 0 && kTileBytes % 1024 == 0, "GMMA tiles on the 1024-byte swizzle period");
+  static_assert(cute::cosize(SmemLayoutQ{}) * 2 * 2 == kQBytes, "decoded Q fills the prologue's Q tile");
+  static_assert(cute::cosize(SmemLayoutK{}) * 2 == kStages * kTileBytes, "K ring");
+  static_assert(cute::cosize(SmemLayoutVt{}) * 2 == kStages * kTileBytes, "V^T ring");
 
   using Major = cute::GMMA::Major;
   using MmaQK = std::conditional_t<kBf16, cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<Major::K, Major::K>,
@@ -82,25 +100,62 @@ struct WgmmaConfig {
   static constexpr int kORegs = kRowsPerWg * kHeadDim / 128;  // D / 2 fp32 per thread
 };
 
-// Element (row, col[, buffer]) of a GMMA-swizzled tile at `base` (1024-byte aligned), as CuTe
-// (and so the wgmma descriptors) sees it. The GMMA::Layout_*_Atom swizzle acts on the byte
-// address (CuTe moves it into the smem pointer); evaluating the layout alone would apply it to
-// element indices. Reference for wgmma_layout_check.cu; the kernel uses gmma_sw128_offset.
-template <class Layout, class Elem, class... Coord>
-__host__ __device__ __forceinline__ Elem* tile_elem(Elem* base, Coord... coord) {
-  auto tile = cute::make_tensor(cute::make_smem_ptr(base), Layout{});
-  return &tile(coord...);
-}
+using TxBarrier = cutlass::arch::ClusterTransactionBarrier;  // mbarrier (+ transaction bytes)
 
-// The same address as an element offset, for 16-bit elements (wgmma_layout_check.cu proves the
-// two equal for every coordinate of every tile here): K-major, 64-element (128-byte) rows in
-// 8-row swizzle atoms stacked along the rows (kRows of them per 64-column block), 16-byte chunk
-// c of row r stored at chunk c ^ (r % 8); buffer b of kRows x kCols tiles follows buffer b - 1.
-template <int kRows, int kCols>
-__host__ __device__ __forceinline__ constexpr int gmma_sw128_offset(int row, int col, int buf = 0) {
-  return buf * kRows * kCols + (col >> 6) * kRows * 64 + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) +
-         (col & 7);
+// Named barriers (0 is __syncthreads): 1 the consumers' own, 2 / 3 "warpgroup 0 / 1 may issue its
+// wgmmas" (kPingPong), 4 "qbar is in shared memory" (consumers arrive, producers wait).
+constexpr int kBarConsumers = 1;
+constexpr int kBarSchedBase = 2;
+constexpr int kBarQbar = 4;
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+struct ConsumerSync {
+  __device__ __forceinline__ void operator()() const { named_sync(kBarConsumers, 256); }
+};
+
+// Shared-memory pieces on the 1024-aligned base.
+template <int kHeadDim, Fp4Format F>
+struct WgmmaSmem {
+  using W = WgmmaConfig<kHeadDim, F>;
+  using Elem = typename W::Elem;
+  uint8_t* base;
+  __device__ __forceinline__ Elem* q(int wg) const {
+    return reinterpret_cast<Elem*>(base) + wg * cute::cosize(typename W::SmemLayoutQ{});
+  }
+  __device__ __forceinline__ Elem* k(int s = 0) const {
+    return reinterpret_cast<Elem*>(base + W::kOffK + s * W::kTileBytes);
+  }
+  __device__ __forceinline__ Elem* vt(int s = 0) const {
+    return reinterpret_cast<Elem*>(base + W::kOffV + s * W::kTileBytes);
+  }
+  __device__ __forceinline__ float* qbar() const { return reinterpret_cast<float*>(base + W::kOffQbar); }
+  __device__ __forceinline__ float* qk_mean() const { return reinterpret_cast<float*>(base + W::kOffQkMean); }
+  __device__ __forceinline__ float* bias(int s) const {
+    return reinterpret_cast<float*>(base + W::kOffBias) + s * kBlockN;
+  }
+  __device__ __forceinline__ uint32_t* valid(int s) const {
+    return reinterpret_cast<uint32_t*>(base + W::kOffValid) + s * (kBlockN / 32);
+  }
+  __device__ __forceinline__ uint64_t* full(int s) const {
+    return reinterpret_cast<uint64_t*>(base + W::kOffBarriers) + s;
+  }
+  __device__ __forceinline__ uint64_t* empty(int s) const { return full(0) + W::kStages + s; }
+  __device__ __forceinline__ uint64_t* ready(int s) const { return full(0) + 2 * W::kStages + s; }
+
+  __device__ __forceinline__ void init_barriers() const {
+#pragma unroll
+    for (int s = 0; s < W::kStages; ++s) {
+      TxBarrier::init(full(s), 1);
+      TxBarrier::init(empty(s), W::kConsumerThreads / 32);
+      TxBarrier::init(ready(s), 128);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+};
 
 // ---- wgmma calls on plain register arrays ------------------------------------------------------
 template <class Mma, int N, size_t... I>
@@ -113,52 +168,32 @@ __device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t desc_b
                                          cute::GMMA::ScaleOut scale_d, std::index_sequence<I...>) {
   Mma::fma(a[0], a[1], a[2], a[3], desc_b, d[I / 4][I % 4]..., scale_d);
 }
-template <int N>
-__device__ __forceinline__ void fence_acc(float (&d)[N][4]) {
+template <int N, int M>
+__device__ __forceinline__ void fence_regs(float (&d)[N][M]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(d[i][e]);
+    for (int e = 0; e < M; ++e) cute::warpgroup_fence_operand(d[i][e]);
   }
 }
-template <class FragA, int N>
-__device__ __forceinline__ void fence_frags(FragA (&f)[N]) {
+template <int N, int M>
+__device__ __forceinline__ void fence_regs(uint32_t (&d)[N][M]) {
 #pragma unroll
-  for (int c = 0; c < N; ++c) {
+  for (int i = 0; i < N; ++i) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) cute::warpgroup_fence_operand(f[c].h[j][r]);
-    }
+    for (int e = 0; e < M; ++e) cute::warpgroup_fence_operand(d[i][e]);
   }
 }
 
-// Generic-proxy stores to shared memory (the decode) made visible to the async proxy (wgmma);
-// each writing thread fences before the barrier that publishes the tile.
+// Generic-proxy stores to shared memory (the decoded Q) made visible to the async proxy (wgmma).
 __device__ __forceinline__ void fence_view_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// Shared-memory pieces of the wgmma variant on a 1024-byte aligned base (tile_config.cuh).
-template <int kHeadDim, Fp4Format F>
-struct WgmmaSmem {
-  using W = WgmmaConfig<kHeadDim, F>;
-  using Cfg = FwdConfig<kHeadDim, F>;
-  using Elem = typename W::Elem;
-  uint8_t* base;
-  __device__ __forceinline__ Elem* q(int wg) const {
-    return reinterpret_cast<Elem*>(base + Cfg::kOffQ) + wg * cute::cosize(typename W::SmemLayoutQ{});
-  }
-  __device__ __forceinline__ Elem* k() const { return reinterpret_cast<Elem*>(base + Cfg::kWgmmaOffDecoded); }
-  __device__ __forceinline__ Elem* vt() const {
-    return reinterpret_cast<Elem*>(base + Cfg::kWgmmaOffDecoded + 2 * Cfg::kWgmmaTileBytes);
-  }
-};
-
-// Each warp writes its decoded Q fragments (AtomSm90Emulated::FragA, one per k64 chunk) into its
-// warpgroup's Q tile in real k order: h[j][r] (j = 2h + q) holds row g + 8 (r & 1), columns
-// 64c + 32h + 8t + 4q + 2 (r >> 1) + {0, 1} (mma_atoms.cuh). Call after every thread is done
-// reading the prologue's Q tile (it is overwritten).
+// Each consumer warp writes its decoded Q fragments (AtomSm90Emulated::FragA, one per k64 chunk)
+// into its warpgroup's Q tile in real k order: h[j][r] (j = 2h + q) holds row g + 8 (r & 1),
+// columns 64c + 32h + 8t + 4q + 2 (r >> 1) + {0, 1} (mma_atoms.cuh). Call after every consumer is
+// done reading the prologue's Q rows (they are overwritten).
 template <class Atom, int kHeadDim>
 __device__ __forceinline__ void store_q_decoded(const WgmmaSmem<kHeadDim, Atom::kFormat>& sm,
                                                 const typename Atom::FragA (&qf)[kHeadDim / 64]) {
@@ -180,124 +215,120 @@ __device__ __forceinline__ void store_q_decoded(const WgmmaSmem<kHeadDim, Atom::
   }
 }
 
-// All threads: decode raw stage `st` (one key tile) into decoded buffer `buf` and write the
-// tile's smoothing correction corr[n] = qbar . deq(K row n) (fp32 on the CUDA cores: per scale
-// block, qbar . codes (exact E2M1 values), times the block scale). Warps 0, 2, 5, 7: K, a thread
-// per stored key row n = 32 (w / 2) + lane, all D / 32 raw 16-byte chunks. Warps 1, 3, 4, 6: V^T,
-// a thread per channel and D / 32 of the tile's four 32-key groups. (The K share, with the
-// correction, is the longer one: each SM sub-partition, which issues warps w and w + 4, gets one
-// warp of each role.) The work is done in kParts calls
-// (part = 0 .. kParts - 1, each a 1 / kParts share of every thread's chunks or groups) so that
-// each share can hide a different wgmma; `corr_sum` carries the K row's partial correction from
-// part to part (corr[n] is written by the last).
-template <class Atom, int kHeadDim, int kParts, int kPart>
-__device__ __forceinline__ void decode_tile_wgmma(const StageView<kHeadDim, Atom::kFormat>& st,
-                                                  const WgmmaSmem<kHeadDim, Atom::kFormat>& sm, int buf,
-                                                  const float* qbar, float* corr, float& corr_sum) {
-  constexpr Fp4Format F = Atom::kFormat;
-  using W = WgmmaConfig<kHeadDim, F>;
-  using Cfg = FwdConfig<kHeadDim, F>;
-  constexpr bool kBf16 = W::kBf16;
-  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
-  const int idx = 32 * (warp >> 1) + lane;  // 0 .. 127 within the role
-  const bool k_role = ((warp ^ (warp >> 2)) & 1) == 0;
-  auto codes = [](uint32_t x, uint32_t (&out)[4]) {
-    if constexpr (kBf16) {
-      decode8_bf16_codes(x, out);
-    } else {
-      decode8_half_codes(x, out);
-    }
-  };
-  // Scale byte -> (16-bit pair for the decode, fp32 for the correction).
-  auto scale2 = [](uint32_t byte) {
-    if constexpr (kBf16) {
-      return e8m0_bf16_pair(byte);
-    } else {
-      return __half2half2(e4m3_to_half(byte));
-    }
-  };
-  if (k_role) {
-    const int n = idx;
-    auto* kdec = sm.k();
-    const uint8_t* sf_row = st.ksf() + n * Cfg::kKSfRowBytes;
-    constexpr int kChunks = kHeadDim / 32 / kParts;
-    static_assert(kChunks * kParts == kHeadDim / 32, "whole chunks per part");
-    float sum = kPart == 0 ? 0.0f : corr_sum;
-#pragma unroll
-    for (int q = kPart * kChunks; q < (kPart + 1) * kChunks; ++q) {
-      const uint4 w4 = *reinterpret_cast<const uint4*>(st.k() + swizzled_offset<Cfg::kKRowBytes>(n, q));
-      const uint32_t words[4] = {w4.x, w4.y, w4.z, w4.w};
-      float part = 0.0f;
-#pragma unroll
-      for (int wi = 0; wi < 4; ++wi) {
-        // NVFP4: block 2q + wi / 2 (16 values, two words); MXFP4: block q (the whole chunk).
-        const uint32_t byte = kBf16 ? sf_row[q] : sf_row[2 * q + wi / 2];
-        uint32_t c[4];
-        codes(words[wi], c);
-        const float4 qa = *reinterpret_cast<const float4*>(qbar + 32 * q + 8 * wi);
-        const float4 qb = *reinterpret_cast<const float4*>(qbar + 32 * q + 8 * wi + 4);
-        const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float2 f;
-          if constexpr (kBf16) {
-            f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&c[i]));
-          } else {
-            f = __half22float2(*reinterpret_cast<const __half2*>(&c[i]));
-          }
-          part = fmaf(qv[2 * i], f.x, part);
-          part = fmaf(qv[2 * i + 1], f.y, part);
-        }
-        const auto s2 = scale2(byte);
-        uint4 out;
-        out.x = hmul2_bits(c[0], s2);
-        out.y = hmul2_bits(c[1], s2);
-        out.z = hmul2_bits(c[2], s2);
-        out.w = hmul2_bits(c[3], s2);
-        *reinterpret_cast<uint4*>(kdec + gmma_sw128_offset<kBlockN, kHeadDim>(n, 32 * q + 8 * wi, buf)) = out;
-        if (kBf16 ? wi == 3 : (wi & 1) == 1) {  // end of a scale block
-          sum = fmaf(part, scale_byte_to_float<F>(byte), sum);
-          part = 0.0f;
-        }
-      }
-    }
-    if constexpr (kPart == kParts - 1) {
-      corr[n] = sum;
-    } else {
-      corr_sum = sum;
-    }
+// ---- producer warpgroup --------------------------------------------------------------------------
+template <bool kBf16>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  // Rows g + 8 of A (a1, a3) are zero: only rows < kQbarTerms carry qbar terms.
+  if constexpr (kBf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
   } else {
-    constexpr int kGroupsPerThread = kHeadDim / 32;  // of the tile's kBlockN / 32 = 4 key groups
-    static_assert(kHeadDim * (kBlockN / 32) == 128 * kGroupsPerThread, "128 threads cover V^T");
-    constexpr int kGroups = kGroupsPerThread / kParts;
-    static_assert(kGroups * kParts == kGroupsPerThread, "whole key groups per part");
-    const int d = idx % kHeadDim, g0 = (idx / kHeadDim) * kGroupsPerThread + kPart * kGroups;
-    auto* vdec = sm.vt();
-    const uint8_t* sf_row = st.vsf() + d * Cfg::kVSfRowBytes;
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ void ldmatrix_x4(const void* row_addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(row_addr)));
+}
+
+// Term i of x split into the atom's 16-bit type: x = term 0 + term 1 + ... (kQbarTerms of them;
+// the same split as the mma.sync path's build_qbar_frags).
+template <class Atom>
+__device__ __forceinline__ float qbar_term(float x, int i) {
+  float rest = x, term = 0.0f;
 #pragma unroll
-    for (int gi = 0; gi < kGroups; ++gi) {
-      const int grp = g0 + gi;  // keys 32 grp .. 32 grp + 31
-      const uint4 w4 = *reinterpret_cast<const uint4*>(st.v() + swizzled_offset<Cfg::kVRowBytes>(d, grp));
-      const uint32_t words[4] = {w4.x, w4.y, w4.z, w4.w};
-      uint32_t dec[4][4];  // [word t][pair p]: keys 32 grp + 8t + 2p, +1
+  for (int k = 0; k < Atom::kQbarTerms; ++k) {
+    const float r = Atom::round_elem(rest);
+    if (k == i) term = r;
+    rest -= r;
+  }
+  return term;
+}
+
+// Producer warpgroup (threads 256..383). `k_img` / `v_img`: this kv head's tile images.
+template <class Atom, int kHeadDim>
+__device__ __forceinline__ void producer_wgmma(const FwdParams& p, const WgmmaSmem<kHeadDim, Atom::kFormat>& sm,
+                                               int n_tiles, const uint16_t* k_img, const uint16_t* v_img) {
+  using W = WgmmaConfig<kHeadDim, Atom::kFormat>;
+  constexpr int kStages = W::kStages;
+  const int ptid = static_cast<int>(threadIdx.x) - W::kConsumerThreads;
+  const int pw = ptid >> 5, lane = ptid & 31, g = lane >> 2, t = lane & 3;
+  constexpr int kTileElems = kBlockN * kHeadDim;
+  auto issue = [&](int tile) {
+    const int s = tile % kStages;
+    TxBarrier::arrive_and_expect_tx(sm.full(s), 2 * W::kTileBytes);
+    cute::SM90_BULK_COPY_G2S::copy(k_img + int64_t(tile) * kTileElems, sm.full(s), sm.k(s), W::kTileBytes);
+    cute::SM90_BULK_COPY_G2S::copy(v_img + int64_t(tile) * kTileElems, sm.full(s), sm.vt(s), W::kTileBytes);
+  };
+  if (ptid == 0) {
+    for (int tile = 0; tile < min(kStages, n_tiles); ++tile) issue(tile);
+  }
+  named_sync(kBarQbar, W::kThreads);  // the consumers' prologue wrote qbar
+
+  // A fragments of the qbar terms (rows g < kQbarTerms), k16 step ks: a0 = (row g, k 16ks + 2t,
+  // +1), a2 = (row g, k 16ks + 8 + 2t, +1).
+  uint32_t qa[kHeadDim / 16][2];
+  {
+    const float* qbar = sm.qbar();
 #pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const uint32_t byte = kBf16 ? sf_row[grp] : sf_row[2 * grp + t / 2];
-        uint32_t c[4];
-        codes(words[t], c);
-        const auto s2 = scale2(byte);
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
 #pragma unroll
-        for (int pp = 0; pp < 4; ++pp) dec[t][pp] = hmul2_bits(c[pp], s2);
+      for (int hf = 0; hf < 2; ++hf) {
+        const int d = 16 * ks + 8 * hf + 2 * t;
+        qa[ks][hf] = Atom::pack_pair(qbar_term<Atom>(qbar[d], g), qbar_term<Atom>(qbar[d + 1], g));
       }
+    }
+  }
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const uint8_t* key_mask_row = p.key_mask ? p.key_mask + int64_t(blockIdx.z) * p.Skv : nullptr;
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    const int s = tile % kStages;
+    TxBarrier::wait(sm.full(s), (tile / kStages) & 1);
+    const auto* kt = sm.k(s);
 #pragma unroll
-      for (int pp = 0; pp < 4; ++pp) {
-        *reinterpret_cast<uint4*>(vdec + gmma_sw128_offset<kHeadDim, kBlockN>(d, 32 * grp + 8 * pp, buf)) =
-            make_uint4(dec[0][pp], dec[1][pp], dec[2][pp], dec[3][pp]);
+    for (int nt = 0; nt < 4; ++nt) {
+      const int n0 = 32 * pw + 8 * nt;
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 32; ++kk) {
+        // Matrix m = lane / 8: rows n0 .. n0 + 7, columns 32kk + 8m .. + 7: b0 / b1 of k16 steps
+        // 2kk and 2kk + 1.
+        uint32_t b[4];
+        ldmatrix_x4(kt + gmma_sw128_offset<kBlockN, kHeadDim>(n0 + (lane & 7), 32 * kk + 8 * (lane >> 3)), b);
+        mma_m16n8k16<W::kBf16>(acc, qa[2 * kk][0], qa[2 * kk][1], b[0], b[1]);
+        mma_m16n8k16<W::kBf16>(acc, qa[2 * kk + 1][0], qa[2 * kk + 1][1], b[2], b[3]);
       }
+      // Sum the term rows g = 0..3 (rows >= kQbarTerms are zero) into the lanes g = 0.
+      float c0 = acc[0], c1 = acc[1];
+      c0 += __shfl_xor_sync(0xffffffffu, c0, 4);
+      c1 += __shfl_xor_sync(0xffffffffu, c1, 4);
+      c0 += __shfl_xor_sync(0xffffffffu, c0, 8);
+      c1 += __shfl_xor_sync(0xffffffffu, c1, 8);
+      if (g == 0) {
+        *reinterpret_cast<float2*>(sm.bias(s) + n0 + 2 * t) = make_float2(c0 * scale_log2, c1 * scale_log2);
+      }
+    }
+    key_valid_bits(sm.valid(s), tile, p.Skv, key_mask_row, ptid);
+    TxBarrier::arrive(sm.ready(s));
+    // Refill the slot of tile - 1 once all consumers released it (they are now on `tile`).
+    if (ptid == 0 && tile >= 1 && tile - 1 + kStages < n_tiles) {
+      const int sp = (tile - 1) % kStages;
+      TxBarrier::wait(sm.empty(sp), ((tile - 1) / kStages) & 1);
+      issue(tile - 1 + kStages);
     }
   }
 }
 
+// ---- consumer warpgroups -------------------------------------------------------------------------
 // One consumer warpgroup's wgmma descriptors (CuTe builds them from the smem layouts).
 template <int kHeadDim, Fp4Format F>
 struct WgmmaOperands {
@@ -310,8 +341,8 @@ struct WgmmaOperands {
   using TV = decltype(typename W::TiledMmaPV{}.get_slice(0).partition_fragment_B(
       cute::make_tensor(cute::make_smem_ptr(static_cast<Elem*>(nullptr)), typename W::SmemLayoutVt{})));
   TQ q;  // (1, 1, D / 16)
-  TK k;  // (1, 1, D / 16, 2)
-  TV v;  // (1, 1, kBlockN / 16, 2)
+  TK k;  // (1, 1, D / 16, kStages)
+  TV v;  // (1, 1, kBlockN / 16, kStages)
 
   __device__ __forceinline__ WgmmaOperands(const WgmmaSmem<kHeadDim, F>& sm, int wg, int tid_in_wg)
       : q(typename W::TiledMmaQK{}.get_slice(tid_in_wg).partition_fragment_A(
@@ -322,117 +353,149 @@ struct WgmmaOperands {
             cute::make_tensor(cute::make_smem_ptr(sm.vt()), typename W::SmemLayoutVt{}))) {
     static_assert(cute::size<0>(TQ{}) == 1 && cute::size<1>(TQ{}) == 1 && cute::size<2>(TQ{}) == kHeadDim / 16,
                   "Q descriptors: one per k16 step");
-    static_assert(cute::size<1>(TK{}) == 1 && cute::size<2>(TK{}) == kHeadDim / 16 && cute::size<3>(TK{}) == 2,
-                  "K descriptors: (k16 step, buffer)");
-    static_assert(cute::size<1>(TV{}) == 1 && cute::size<2>(TV{}) == kBlockN / 16 && cute::size<3>(TV{}) == 2,
-                  "V^T descriptors: (k16 step, buffer)");
+    static_assert(cute::size<1>(TK{}) == 1 && cute::size<2>(TK{}) == kHeadDim / 16 &&
+                      cute::size<3>(TK{}) == W::kStages,
+                  "K descriptors: (k16 step, stage)");
+    static_assert(cute::size<1>(TV{}) == 1 && cute::size<2>(TV{}) == kBlockN / 16 &&
+                      cute::size<3>(TV{}) == W::kStages,
+                  "V^T descriptors: (k16 step, stage)");
   }
 
-  // S (64 x 128, fp32) = Q_wg K_buf^T, one committed group (not waited for).
-  __device__ __forceinline__ void qk_issue(int buf, float (&s)[kBlockN / 8][4]) const {
-    fence_acc(s);
+  // S (64 x 128, fp32) = Q_wg K_s^T, one committed group (not waited for).
+  __device__ __forceinline__ void qk_issue(int s, float (&acc)[kBlockN / 8][4]) const {
+    fence_regs(acc);
     cute::warpgroup_arrive();
 #pragma unroll
     for (int kb = 0; kb < kHeadDim / 16; ++kb) {
-      wgmma_ss<typename W::MmaQK>(uint64_t(q(0, 0, kb)), uint64_t(k(0, 0, kb, buf)), s,
+      wgmma_ss<typename W::MmaQK>(uint64_t(q(0, 0, kb)), uint64_t(k(0, 0, kb, s)), acc,
                                   kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
                                   std::make_index_sequence<W::kSRegs>{});
     }
     cute::warpgroup_commit_batch();
   }
 
-  // o (64 x D, fp32) = P V_buf with P~ decoded in registers (k16 step 4c + j = pf[c].h[j]), one
-  // committed group (not waited for: pf and o stay untouched until pv_wait).
-  template <class FragA>
-  __device__ __forceinline__ void pv_issue(int buf, FragA (&pf)[kBlockN / kKeyChunk],
+  // o (64 x D, fp32) += P~ V_s with P~ in registers (pf[ks]: k16 step ks), one committed group.
+  __device__ __forceinline__ void pv_issue(int s, uint32_t (&pf)[kBlockN / 16][4],
                                            float (&o)[kHeadDim / 8][4]) const {
-    fence_frags(pf);
-    fence_acc(o);
+    fence_regs(pf);
+    fence_regs(o);
     cute::warpgroup_arrive();
 #pragma unroll
     for (int ks = 0; ks < kBlockN / 16; ++ks) {
-      wgmma_rs<typename W::MmaPV>(pf[ks / 4].h[ks % 4], uint64_t(v(0, 0, ks, buf)), o,
-                                  ks == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+      wgmma_rs<typename W::MmaPV>(pf[ks], uint64_t(v(0, 0, ks, s)), o, cute::GMMA::ScaleOut::One,
                                   std::make_index_sequence<W::kORegs>{});
     }
     cute::warpgroup_commit_batch();
   }
-  template <class FragA>
-  __device__ __forceinline__ static void pv_wait(FragA (&pf)[kBlockN / kKeyChunk], float (&o)[kHeadDim / 8][4]) {
-    cute::warpgroup_wait<0>();
-    fence_acc(o);
-    fence_frags(pf);
-  }
 };
 
-// The tile loop of the wgmma variant. On entry: raw tile 0 is in flight into stage 0 (committed),
-// the prologue has run (qbar, q.k_mean in shared memory; qf this warp's decoded Q fragments) and
-// every thread has passed the prologue's last barrier. `smem` is the 1024-aligned base.
-template <class Atom, int kHeadDim>
-__device__ __forceinline__ void mainloop_wgmma(const FwdParams& p, uint8_t* smem, const KvHead& kv, int n_tiles,
-                                               const typename Atom::FragA (&qf)[kHeadDim / 64],
-                                               float (&acc)[kHeadDim / 8][4], RowState& rs, int warp_row0) {
+// Consumers' tile loop. On entry the decoded Q tiles are visible to the async proxy. Returns O'
+// in `o` and the running scale g per row (O = g O').
+template <class Atom, int kHeadDim, bool kPingPong>
+__device__ __forceinline__ void consumer_wgmma(const FwdParams& p, const WgmmaSmem<kHeadDim, Atom::kFormat>& sm,
+                                               int n_tiles, int warp_row0, float (&o)[kHeadDim / 8][4],
+                                               RowState& rs, float (&g_scale)[2]) {
   constexpr Fp4Format F = Atom::kFormat;
-  using Cfg = FwdConfig<kHeadDim, F>;
-  using Stage = StageView<kHeadDim, F>;
-  const WgmmaSmem<kHeadDim, F> sm{smem};
-  const int tid = static_cast<int>(threadIdx.x);
-  auto stage = [&](int i) { return Stage{smem + i * Cfg::kStageBytes}; };
-  auto corr_buf = [&](int i) { return reinterpret_cast<float*>(smem + Cfg::kOffCorr) + i * kBlockN; };
-  auto valid_buf = [&](int i) { return reinterpret_cast<uint32_t*>(smem + Cfg::kOffValid) + i * (kBlockN / 32); };
-  const uint8_t* key_mask_row = p.key_mask ? p.key_mask + int64_t(blockIdx.z) * p.Skv : nullptr;
-  const float* qbar = reinterpret_cast<const float*>(smem + Cfg::kOffQbar);
+  using W = WgmmaConfig<kHeadDim, F>;
+  constexpr int kStages = W::kStages;
+  const int tid = static_cast<int>(threadIdx.x), wg = tid / 128, lane = tid & 31;
+  const WgmmaOperands<kHeadDim, F> ops(sm, wg, tid % 128);
   const float scale_log2 = p.scale * 1.4426950408889634f;
 
-  __syncthreads();  // every warp is done reading the prologue's Q tile: overwrite it decoded
-  store_q_decoded<Atom, kHeadDim>(sm, qf);
-  if (n_tiles > 1) load_kv_tile<kHeadDim, F>(stage(1), kv, 1);
-  cp_async_commit();   // possibly empty: keeps the group count uniform
-  cp_async_wait<1>();  // this thread's copies of tile 0
-  __syncthreads();     // everyone's tile-0 copies are visible
-  key_valid_bits(valid_buf(0), 0, p.Skv, key_mask_row);
-  float corr_sum;  // a K row's partial correction between the two decode parts
-  decode_tile_wgmma<Atom, kHeadDim, 2, 0>(stage(0), sm, 0, qbar, corr_buf(0), corr_sum);
-  decode_tile_wgmma<Atom, kHeadDim, 2, 1>(stage(0), sm, 0, qbar, corr_buf(0), corr_sum);
+  float s[kBlockN / 8][4];
+  uint32_t pf[kBlockN / 16][4];
+  float factor[2] = {1.0f, 1.0f};
 
-  const WgmmaOperands<kHeadDim, F> ops(sm, tid / 128, tid % 128);
-  for (int tile = 0; tile < n_tiles; ++tile) {
-    const int cur = tile & 1, nxt = cur ^ 1;
-    cp_async_wait<0>();          // raw tile + 1 (issued one iteration earlier)
-    fence_view_async_shared();   // this thread's decoded stores -> visible to wgmma
-    // Decoded tile `tile` (and Q) are visible; every warp is done with tile - 1 (its wgmmas
-    // retired), so decoded buffer `nxt`, its corr / valid slots and raw stage `cur` are free.
-    __syncthreads();
-    float s[kBlockN / 8][4];
-    ops.qk_issue(cur, s);
-    if (tile + 2 < n_tiles) {
-      load_kv_tile<kHeadDim, F>(stage(cur), kv, tile + 2);
-      cp_async_commit();
-    }
-    const bool more = tile + 1 < n_tiles;
-    if (more) {  // first half of the next tile's decode: overlaps the QK wgmma
-      key_valid_bits(valid_buf(nxt), tile + 1, p.Skv, key_mask_row);
-      decode_tile_wgmma<Atom, kHeadDim, 2, 0>(stage(nxt), sm, nxt, qbar, corr_buf(nxt), corr_sum);
-    }
-    cute::warpgroup_wait<0>();
-    fence_acc(s);
-
+  // Masks, softmax and P~ of tile `tile` (stage st) from s into pf; sets factor (O's rescale
+  // before this tile's P~ V is added) and g_scale.
+  auto softmax_tile = [&](int tile, int st) {
+    TileMask mk;
+    mk.corr = sm.bias(st);
+    mk.valid_bits = sm.valid(st);
+    mk.key0 = tile * kBlockN;
+    mk.row[0] = warp_row0 + (lane >> 2);
+    mk.row[1] = mk.row[0] + 8;
+    mk.causal = p.causal;
+    const int key_end = (tile + 1) * kBlockN;
+    mk.needed = p.key_mask != nullptr || key_end > p.Skv || (p.causal && key_end - 1 > warp_row0);
+    scores_to_log2<true>(s, mk, scale_log2);
     float alpha[2], s1[2];
-    typename Atom::FragA pf[kBlockN / kKeyChunk];
-    scores_to_p_tile<Atom>(s, p, tile, warp_row0, corr_buf(cur), valid_buf(cur), scale_log2, rs, alpha, s1, pf);
-    float o[kHeadDim / 8][4];
-    ops.pv_issue(cur, pf, o);
-    if (more) {  // second half: overlaps the PV wgmma
-      decode_tile_wgmma<Atom, kHeadDim, 2, 1>(stage(nxt), sm, nxt, qbar, corr_buf(nxt), corr_sum);
+    if constexpr (F == Fp4Format::kNvfp4) {
+      float inv_s1[2];
+      softmax_rows<true>(s, rs, p.p_quant, alpha, s1, inv_s1);
+      quantize_p_nvfp4_half(s, inv_s1, pf);
+    } else {
+      typename Atom::FragA pa[kBlockN / kKeyChunk];
+      softmax_quantize_p<Atom>(s, rs, p.p_quant, alpha, s1, pa);
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) pf[ks][r] = pa[ks / 4].h[ks % 4][r];
+      }
     }
-    ops.pv_wait(pf, o);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (s1[r] > 0.0f) {  // O_t = alpha g O'_{t-1} + s1 P~' V = s1 (f O'_{t-1} + P~' V)
+        factor[r] = alpha[r] * g_scale[r] / s1[r];
+        g_scale[r] = s1[r];
+      } else {  // P~ of the row is all zero: O_t = alpha O_{t-1}
+        factor[r] = 1.0f;
+        g_scale[r] *= alpha[r];
+      }
+    }
+  };
+  auto release = [&](int st) {
+    __syncwarp();
+    if (lane == 0) TxBarrier::arrive(sm.empty(st));
+  };
+  // kPingPong: each issue block is bracketed by sched_sync(own) and sched_arrive(other);
+  // warpgroup 1 starts by letting warpgroup 0 go first and skips its last arrive, so both
+  // barriers see n_tiles + 1 syncs and arrivals.
+  auto turn_begin = [&] {
+    if constexpr (kPingPong) named_sync(kBarSchedBase + wg, W::kConsumerThreads);
+  };
+  auto turn_end = [&](bool last) {
+    if constexpr (kPingPong) {
+      if (!(last && wg == 1)) named_arrive(kBarSchedBase + (wg ^ 1), W::kConsumerThreads);
+    }
+  };
+  if constexpr (kPingPong) {
+    if (wg == 1) named_arrive(kBarSchedBase, W::kConsumerThreads);
+  }
+  if (n_tiles <= 0) {
+    turn_begin();
+    turn_end(true);
+    return;
+  }
+  TxBarrier::wait(sm.ready(0), 0);
+  turn_begin();
+  ops.qk_issue(0, s);
+  turn_end(false);
+  cute::warpgroup_wait<0>();
+  fence_regs(s);
+  softmax_tile(0, 0);
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    const int st = tile % kStages;
+    const bool more = tile + 1 < n_tiles;
+    const int st_next = (tile + 1) % kStages;
+    if (more) TxBarrier::wait(sm.ready(st_next), ((tile + 1) / kStages) & 1);
 #pragma unroll
     for (int n = 0; n < kHeadDim / 8; ++n) {
-      acc[n][0] = fmaf(acc[n][0], alpha[0], s1[0] * o[n][0]);
-      acc[n][1] = fmaf(acc[n][1], alpha[0], s1[0] * o[n][1]);
-      acc[n][2] = fmaf(acc[n][2], alpha[1], s1[1] * o[n][2]);
-      acc[n][3] = fmaf(acc[n][3], alpha[1], s1[1] * o[n][3]);
+      o[n][0] *= factor[0];
+      o[n][1] *= factor[0];
+      o[n][2] *= factor[1];
+      o[n][3] *= factor[1];
     }
+    turn_begin();
+    ops.pv_issue(st, pf, o);
+    if (more) ops.qk_issue(st_next, s);
+    turn_end(!more);
+    cute::warpgroup_wait<0>();
+    fence_regs(o);
+    fence_regs(pf);
+    fence_regs(s);
+    release(st);
+    if (more) softmax_tile(tile + 1, st_next);
   }
 }
 

@@ -20,13 +20,16 @@ __device__ __forceinline__ float elem_to_float<__half>(__half x) { return __half
 template <>
 __device__ __forceinline__ float elem_to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-template <class Atom, int kHeadDim, typename T>
-__device__ __forceinline__ void q_prologue(const FwdParams& p, uint8_t* smem, int b, int h, int hk, int q0,
-                                           typename Atom::FragA (&qf)[kHeadDim / 64]) {
-  using Cfg = FwdConfig<kHeadDim, Atom::kFormat>;
-  T* qs = reinterpret_cast<T*>(smem + Cfg::kOffQ);  // [kBlockM][kHeadDim]
-  float* qbar = reinterpret_cast<float*>(smem + Cfg::kOffQbar);
-  float* qk_mean = reinterpret_cast<float*>(smem + Cfg::kOffQkMean);
+struct CtaSync {
+  __device__ __forceinline__ void operator()() const { __syncthreads(); }
+};
+
+// Threads 0 .. kThreads - 1 (warp w quantizes rows 16w .. 16w + 15); `sync` is a barrier over
+// exactly those threads. Shared memory: qs [kBlockM][kHeadDim] of T (the Q tile), qbar
+// [kHeadDim], qk_mean [kBlockM] (written when p.lse is set).
+template <class Atom, int kHeadDim, typename T, class Sync>
+__device__ __forceinline__ void q_prologue(const FwdParams& p, T* qs, float* qbar, float* qk_mean, int b, int h,
+                                           int hk, int q0, typename Atom::FragA (&qf)[kHeadDim / 64], Sync sync) {
   const int tid = static_cast<int>(threadIdx.x);
   const int rows = min(kBlockM, p.Sq - q0);
   const T* qg = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh;
@@ -38,7 +41,7 @@ __device__ __forceinline__ void q_prologue(const FwdParams& p, uint8_t* smem, in
     if (row < rows) v = *reinterpret_cast<const uint4*>(qg + int64_t(q0 + row) * p.q_ss + c * 8);
     *reinterpret_cast<uint4*>(qs + row * kHeadDim + c * 8) = v;
   }
-  __syncthreads();
+  sync();
 
   // qbar over the block's real rows (the tail block averages only its real tokens, as the spec).
   for (int d = tid; d < kHeadDim; d += kThreads) {
@@ -57,7 +60,7 @@ __device__ __forceinline__ void q_prologue(const FwdParams& p, uint8_t* smem, in
     dot += __shfl_xor_sync(0xffffffffu, dot, 1);
     if (half == 0) qk_mean[row] = dot;
   }
-  __syncthreads();
+  sync();
 
   const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -76,6 +79,15 @@ __device__ __forceinline__ void q_prologue(const FwdParams& p, uint8_t* smem, in
     quantize_a_chunk<Atom::kFormat, Division::kExact, false>(vals, codes, sf_lo, sf_hi);
     qf[c] = Atom::make_a(codes, sf_lo, sf_hi);
   }
+}
+
+template <class Atom, int kHeadDim, typename T>
+__device__ __forceinline__ void q_prologue(const FwdParams& p, uint8_t* smem, int b, int h, int hk, int q0,
+                                           typename Atom::FragA (&qf)[kHeadDim / 64]) {
+  using Cfg = FwdConfig<kHeadDim, Atom::kFormat>;
+  q_prologue<Atom, kHeadDim, T>(p, reinterpret_cast<T*>(smem + Cfg::kOffQ),
+                                reinterpret_cast<float*>(smem + Cfg::kOffQbar),
+                                reinterpret_cast<float*>(smem + Cfg::kOffQkMean), b, h, hk, q0, qf, CtaSync{});
 }
 
 }  // namespace sage_fp4

@@ -36,8 +36,12 @@ struct TileMask {
   bool needed;                // false when every key of the tile is visible to every row of the warp
 };
 
+// kPrescaled: corr already holds qbar . deq(K) * scale_log2 (the wgmma variant's producer writes
+// it so), one FMA per score instead of an add and a multiply.
+template <bool kPrescaled = false>
 __device__ __forceinline__ void scores_to_log2(float (&s)[kBlockN / 8][4], const TileMask& mk,
                                                float scale_log2) {
+  auto log2_score = [&](float x, float c) { return kPrescaled ? fmaf(x, scale_log2, c) : (x + c) * scale_log2; };
   const int t = static_cast<int>(threadIdx.x & 3);
   if constexpr (kOptHoistMask) {
     // One uniform branch per tile instead of one per element: the common unmasked tile runs
@@ -45,10 +49,10 @@ __device__ __forceinline__ void scores_to_log2(float (&s)[kBlockN / 8][4], const
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j) {
       const float2 c2 = *reinterpret_cast<const float2*>(mk.corr + 8 * j + 2 * t);
-      s[j][0] = (s[j][0] + c2.x) * scale_log2;
-      s[j][1] = (s[j][1] + c2.y) * scale_log2;
-      s[j][2] = (s[j][2] + c2.x) * scale_log2;
-      s[j][3] = (s[j][3] + c2.y) * scale_log2;
+      s[j][0] = log2_score(s[j][0], c2.x);
+      s[j][1] = log2_score(s[j][1], c2.y);
+      s[j][2] = log2_score(s[j][2], c2.x);
+      s[j][3] = log2_score(s[j][3], c2.y);
     }
     if (mk.needed) {
       const uint32_t bits[4] = {mk.valid_bits[0], mk.valid_bits[1], mk.valid_bits[2], mk.valid_bits[3]};
@@ -72,8 +76,8 @@ __device__ __forceinline__ void scores_to_log2(float (&s)[kBlockN / 8][4], const
       for (int e = 0; e < 2; ++e) {
         const int pos = 8 * j + 2 * t + e;
         const float c = e == 0 ? c2.x : c2.y;
-        s[j][e] = (s[j][e] + c) * scale_log2;
-        s[j][2 + e] = (s[j][2 + e] + c) * scale_log2;
+        s[j][e] = log2_score(s[j][e], c);
+        s[j][2 + e] = log2_score(s[j][2 + e], c);
         if (mk.needed) {
           const int key = mk.key0 + tile_key(pos);
           const bool ok = (mk.valid_bits[pos >> 5] >> (pos & 31)) & 1u;
@@ -90,13 +94,14 @@ __device__ __forceinline__ float quad_max(float x) {
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
-// s (log2-domain scores) -> P fragments; returns alpha (rescale of the old accumulator) and s1
-// (factor of the new P.V product) per row, and updates the running max and row sums.
-template <class Atom>
-__device__ __forceinline__ void softmax_quantize_p(float (&s)[kBlockN / 8][4], RowState& st,
-                                                   PQuantMode mode, float (&alpha)[2], float (&s1)[2],
-                                                   typename Atom::FragA (&pf)[kBlockN / kKeyChunk]) {
-  float inv_s1[2];
+// Online softmax of one tile in place: s (log2-domain scores) -> P~; returns alpha (rescale of
+// the old accumulator), s1 (two-level factor of the new P.V product, 1 for direct) and 1 / s1 per
+// row, and updates the running max and row sums. kPmaxFromRowMax: the row's largest P~ (for s1)
+// is exp2 of the row's largest score (the same ex2 input as that element's, and ex2 is monotone),
+// not a max over the 32 exponentials.
+template <bool kPmaxFromRowMax = false>
+__device__ __forceinline__ void softmax_rows(float (&s)[kBlockN / 8][4], RowState& st, PQuantMode mode,
+                                             float (&alpha)[2], float (&s1)[2], float (&inv_s1)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float tmax = -CUDART_INF_F;
@@ -126,11 +131,11 @@ __device__ __forceinline__ void softmax_quantize_p(float (&s)[kBlockN / 8][4], R
           const float p = fast_exp2(s[j][2 * r + e] - m_use);
           s[j][2 * r + e] = p;
           ps[j & 3] += p;
-          pm[j & 3] = fmaxf(pm[j & 3], p);
+          if constexpr (!kPmaxFromRowMax) pm[j & 3] = fmaxf(pm[j & 3], p);
         }
       }
       sum = (ps[0] + ps[1]) + (ps[2] + ps[3]);
-      pmax = fmaxf(fmaxf(pm[0], pm[1]), fmaxf(pm[2], pm[3]));
+      pmax = kPmaxFromRowMax ? fast_exp2(tmax - m_use) : fmaxf(fmaxf(pm[0], pm[1]), fmaxf(pm[2], pm[3]));
     } else {
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j) {
@@ -139,13 +144,14 @@ __device__ __forceinline__ void softmax_quantize_p(float (&s)[kBlockN / 8][4], R
           const float p = fast_exp2(s[j][2 * r + e] - m_use);
           s[j][2 * r + e] = p;
           sum += p;
-          pmax = fmaxf(pmax, p);
+          if constexpr (!kPmaxFromRowMax) pmax = fmaxf(pmax, p);
         }
       }
+      if constexpr (kPmaxFromRowMax) pmax = fast_exp2(tmax - m_use);
     }
     st.l[r] = st.l[r] * alpha[r] + sum;  // unquantized P~: the two-level factor cancels exactly
     if (mode == PQuantMode::kTwoLevel) {
-      pmax = quad_max(pmax);
+      if constexpr (!kPmaxFromRowMax) pmax = quad_max(pmax);  // (tmax is already the quad's)
       s1[r] = pmax * (1.0f / kTwoLevelRange);
       inv_s1[r] = s1[r] > 0.0f ? __frcp_rn(s1[r]) : 0.0f;  // s1 == 0: the whole row is 0
     } else {
@@ -153,6 +159,16 @@ __device__ __forceinline__ void softmax_quantize_p(float (&s)[kBlockN / 8][4], R
       inv_s1[r] = 1.0f;
     }
   }
+}
+
+// s (log2-domain scores) -> P fragments of the atom (codes and scales, decoded by Atom::make_a
+// for the emulated one); alpha, s1 as softmax_rows.
+template <class Atom>
+__device__ __forceinline__ void softmax_quantize_p(float (&s)[kBlockN / 8][4], RowState& st,
+                                                   PQuantMode mode, float (&alpha)[2], float (&s1)[2],
+                                                   typename Atom::FragA (&pf)[kBlockN / kKeyChunk]) {
+  float inv_s1[2];
+  softmax_rows(s, st, mode, alpha, s1, inv_s1);
   // Fragment slot i of chunk c (k = 8t + i, or 32 + 8t + i - 8) is score column 8(8c + i/2) + 2t + i%2
   // thanks to the key permutation, i.e. n-tile j = 8c + i/2, element e = i % 2.
 #pragma unroll
@@ -166,6 +182,49 @@ __device__ __forceinline__ void softmax_quantize_p(float (&s)[kBlockN / 8][4], R
     uint32_t codes[4], sf_lo, sf_hi;
     quantize_a_chunk<Atom::kFormat, Division::kReciprocal, true>(vals, codes, sf_lo, sf_hi);
     pf[c] = Atom::make_a(codes, sf_lo, sf_hi);
+  }
+}
+
+// NVFP4 P~ (in s, after softmax_rows) straight to the fp16 A fragments of the P.V wgmma, for the
+// emulated sm_90a path that only needs P~ decoded: per 16-key block, E4M3 scale sb = E4M3(amax /
+// (6 s1)), values E2M1(P~ / (s1 sb)) times sb, exact in fp16. The same quantizer as the codes path
+// up to the order of its fp32 roundings: the value is rounded to fp16 before the E2M1 rounding, and
+// 1 / (s1 sb) is one approximate reciprocal, so a value within ~2^-11 of a rounding boundary can
+// take the neighbouring code. pf[ks] is the A fragment of k16 step ks: registers (row g, n-tile
+// 2ks), (g + 8, 2ks), (g, 2ks + 1), (g + 8, 2ks + 1), columns 2t, 2t + 1 of each.
+__device__ __forceinline__ void quantize_p_nvfp4_half(const float (&s)[kBlockN / 8][4], const float (&inv_s1)[2],
+                                                      uint32_t (&pf)[kBlockN / 16][4]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float k6 = inv_s1[r] * (1.0f / kE2M1Max);
+#pragma unroll
+    for (int c = 0; c < kBlockN / 64; ++c) {
+      // Block (c, h) of this lane: n-tiles 8c + 4h .. + 3, the other half in lane t ^ 1.
+      float amax[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = 8 * c + 4 * h;
+        const float m01 = fmaxf(fmaxf(s[j][2 * r], s[j][2 * r + 1]), fmaxf(s[j + 1][2 * r], s[j + 1][2 * r + 1]));
+        const float m23 =
+            fmaxf(fmaxf(s[j + 2][2 * r], s[j + 2][2 * r + 1]), fmaxf(s[j + 3][2 * r], s[j + 3][2 * r + 1]));
+        amax[h] = fmaxf(m01, m23);
+        amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 1));
+      }
+      const uint32_t sb2 = e4m3x2_half2(amax[1] * k6, amax[0] * k6);  // block h in half h
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t sb = prmt(sb2, 0u, h ? 0x3232u : 0x1010u);  // broadcast to both halves
+        const uint16_t sb_bits = static_cast<uint16_t>(h ? sb2 >> 16 : sb2 & 0xFFFFu);
+        const float fb = inv_s1[r] * fast_rcp(__half2float(__ushort_as_half(sb_bits)));
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int j = 8 * c + 4 * h + q;
+          const __half2 x = __floats2half2_rn(s[j][2 * r] * fb, s[j][2 * r + 1] * fb);
+          const uint32_t v = e2m1_round_half2(*reinterpret_cast<const uint32_t*>(&x));
+          pf[4 * c + 2 * h + q / 2][r + 2 * (q & 1)] = hmul2_bits(v, *reinterpret_cast<const __half2*>(&sb));
+        }
+      }
+    }
   }
 }
 

@@ -12,6 +12,8 @@
 // row sum's fp32 order changes, last-bit differences in l only); 4 (atoms that stage decoded
 // fragments) decoded K/V staging double-buffered: tile i + 1 is decoded while tile i is
 // multiplied, one barrier per tile instead of two (bit-identical).
+// 8 (EmuGemm::kWgmma) the consumer warpgroups issue their wgmmas without taking turns
+// (attention_fwd_wgmma_sm90.cuh; bit-identical).
 #ifndef SAGE_FP4_OPT
 #define SAGE_FP4_OPT 7  // fastest correct variant on the H200 (variants_bench.sh, 2026-11-30)
 #endif
@@ -99,26 +101,6 @@ struct FwdConfig {
       return staged_offset<Atom>() + kStagedBuffers * staged_words<Atom>() * 4;
     } else {
       return kSmemBytes;
-    }
-  }
-  // EmuGemm::kWgmma (emulated atom, sm_90a): the decoded Q tile (2 warpgroups x 64 rows x D,
-  // 16-bit) overwrites the prologue's Q tile in place (same size; kOffQ is a multiple of 1024, the
-  // GMMA swizzle period), and two decoded K tiles (kBlockN x D) and two V^T tiles (D x kBlockN),
-  // 16-bit, GMMA-swizzled, follow the regular layout on a 1024-byte boundary. The dynamic base is
-  // aligned up at run time (1024 bytes of slack). D = 128: 71 + 128 + 1 = 200 KiB (NVFP4), within
-  // sm_90's 227 KiB; D = 64: 36 + 64 + 1 KiB.
-  static constexpr int kWgmmaOffDecoded = (kSmemBytes + 1023) / 1024 * 1024;
-  static constexpr int kWgmmaTileBytes = kBlockN * kHeadDim * 2;  // one decoded K or V^T tile
-  static constexpr int kWgmmaSmemBytes = kWgmmaOffDecoded + 4 * kWgmmaTileBytes + 1024;
-  static_assert(kOffQ % 1024 == 0 && kWgmmaOffDecoded % 1024 == 0, "GMMA tiles on the 1024-byte swizzle period");
-  static_assert(kWgmmaSmemBytes <= 227 * 1024, "shared memory budget of sm_90 (wgmma variant)");
-  // Dynamic shared memory of the kernel instantiated with this atom and GEMM variant.
-  template <class Atom, EmuGemm kGemm>
-  static constexpr int kernel_smem_bytes() {
-    if constexpr (kGemm == EmuGemm::kWgmma) {
-      return kWgmmaSmemBytes;
-    } else {
-      return smem_bytes<Atom>();
     }
   }
   static_assert(kStageBytes % 16 == 0 && kKBytes % 16 == 0 && kKSfBytes % 16 == 0 && kVBytes % 16 == 0,

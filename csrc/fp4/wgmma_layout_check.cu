@@ -4,12 +4,14 @@
 // GMMA K-major 128-byte-swizzle formula
 //   buffer * tile bytes + (col / 64) * rows * 128 + row * 128 + (((col % 64) / 8) ^ (row % 8)) * 16
 //   + (col % 8) * 2   (bytes, from a 1024-byte aligned base),
-// so the decode's 16-byte stores (8 consecutive cols) and 4-byte Q pairs land where wgmma looks.
+// so the image pre-pass's 16-byte stores (8 consecutive cols), the decoded Q pairs and the
+// producer's ldmatrix rows land where wgmma looks.
 // Also: vt_position_key is a permutation within 32-key groups. Run by compile_check.sh.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 
+#include "kv_images_sm90.cuh"
 #include "mainloop_wgmma_sm90.cuh"
 
 namespace {
@@ -53,8 +55,8 @@ bool check_config() {
   using W = sage_fp4::WgmmaConfig<D, F>;
   using E = typename W::Elem;
   bool ok = check<typename W::SmemLayoutQ, E, 64, D>("Q", 1);
-  ok &= check<typename W::SmemLayoutK, E, sage_fp4::kBlockN, D>("K", 2);
-  ok &= check<typename W::SmemLayoutVt, E, D, sage_fp4::kBlockN>("V^T", 2);
+  ok &= check<typename W::SmemLayoutK, E, sage_fp4::kBlockN, D>("K", W::kStages);
+  ok &= check<typename W::SmemLayoutVt, E, D, sage_fp4::kBlockN>("V^T", W::kStages);
   return ok;
 }
 

@@ -77,14 +77,15 @@ _FMT_CODE = {FP4Format.NVFP4: 0, FP4Format.MXFP4: 1}  # mirrors Fp4Format in fp4
 # sm_120/121 the emulated build serves the atom tests only.
 _EMULATED_SMEM_BYTES = 141344
 # Performance-variant bits of the kernel (SAGE_FP4_OPT in csrc/fp4/tile_config.cuh); 0 = original
-# schedule, 7 (all three) the default: fastest correct variant on the H200 (variants_bench.sh).
+# schedule, 7 (bits 1, 2, 4) the default: fastest correct variant on the H200 (variants_bench.sh);
+# bit 8 turns the wgmma variant's warpgroup ping-pong off.
 _OPT_ENV = "SAGE_DIFFUSERS_FP4_OPT"
 _OPT_DEFAULT = 7
 _OPT_PIPELINED_STAGING = 4  # this bit adds one decoded tile (64 KiB) of shared memory
 # GEMM variant of the emulated atom (EmuGemm in csrc/fp4/fp4_api.h): "mma" or "wgmma".
 _EMU_ENV = "SAGE_DIFFUSERS_FP4_EMU"
-# Dynamic shared memory of the wgmma variant at D = 128 (FwdConfig<128>::kWgmmaSmemBytes).
-_WGMMA_SMEM_BYTES = 204800
+# Dynamic shared memory of the wgmma variant at D = 128 (WgmmaConfig<128>::kSmemBytes).
+_WGMMA_SMEM_BYTES = 166992
 
 
 def _opt_bits() -> int:
@@ -94,8 +95,8 @@ def _opt_bits() -> int:
         bits = int(raw)
     except ValueError:
         raise ValueError(f"{_OPT_ENV} must be an integer bit mask, got {raw!r}") from None
-    if not 0 <= bits < 8:
-        raise ValueError(f"{_OPT_ENV} must be in [0, 8), got {bits}")
+    if not 0 <= bits < 16:
+        raise ValueError(f"{_OPT_ENV} must be in [0, 16), got {bits}")
     return bits
 
 
@@ -114,7 +115,7 @@ class EmuGemm:
     """How the emulated atom runs its GEMMs (mirrors EmuGemm in csrc/fp4/fp4_api.h)."""
 
     MMA = "mma"      # per-warp mma.sync.m16n8k16 on staged decoded fragments
-    WGMMA = "wgmma"  # sm_90a warpgroup MMAs on K / V decoded once per CTA
+    WGMMA = "wgmma"  # sm_90a warpgroup MMAs, K / V decoded once per head (warp-specialized)
     AUTO = "auto"    # wgmma where the loaded build has it, else mma (resolved inside the op)
     CODE = {MMA: 0, WGMMA: 1, AUTO: -1}  # -1 never reaches C++ (see _fp4_attention)
 
