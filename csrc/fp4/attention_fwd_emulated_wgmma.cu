@@ -10,7 +10,7 @@
 namespace sage_fp4 {
 
 // kernels/fp4.py decides where this variant can launch from this number (D = 128: the largest).
-static_assert(WgmmaConfig<128, Fp4Format::kNvfp4>::kSmemBytes == 166992,
+static_assert(WgmmaConfig<128, Fp4Format::kNvfp4>::kSmemBytes == 208536,
               "update _WGMMA_SMEM_BYTES in sage_diffusers/kernels/fp4.py");
 static_assert(WgmmaConfig<128, Fp4Format::kMxfp4>::kSmemBytes <= WgmmaConfig<128, Fp4Format::kNvfp4>::kSmemBytes &&
                   WgmmaConfig<64, Fp4Format::kNvfp4>::kSmemBytes <= WgmmaConfig<128, Fp4Format::kNvfp4>::kSmemBytes &&

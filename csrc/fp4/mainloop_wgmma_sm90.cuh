@@ -5,18 +5,20 @@
 // warpgroup. Consumer warp w (0..7) is warp w % 4 of warpgroup w / 4 and owns rows 16w .. 16w + 15,
 // the rows of the mma.sync path, so masks, softmax and epilogue are shared with it.
 //
-//   producer (warps 8..11): lane 0 of warp 8 bulk-copies the decoded K and V^T images of each tile
-//     into a kStages ring (cp.async.bulk, one per operand and tile; full[s] counts the bytes). Then
-//     all 128 threads, per tile: the smoothing correction qbar . deq(K_n) of the tile's 128 key
-//     columns on the tensor cores (mma.sync m16n8k16: qbar split into kQbarTerms 16-bit rows, K
-//     B fragments by ldmatrix from the image; warp w' takes columns 32w'..32w'+31), pre-multiplied
-//     by scale * log2(e), and the key-valid bits; then arrive on ready[s]. The slot of tile t - 1 is
-//     refilled (after empty[s], the 8 consumer warps' release) once tile t's correction is out.
+//   producer (warps 8..11): lane 0 of warp 8 bulk-copies the decoded K image of each tile into a
+//     kStagesK ring, lane 0 of warp 9 the V^T image into a kStagesV ring (cp.async.bulk, one per
+//     tile; full_k / full_v count the bytes): separate rings, so K runs ahead of V (each slot is
+//     refilled as soon as the 8 consumer warps released it: K after the softmax that reads its
+//     correction, V after its P.V). All 128 threads, per tile: the smoothing correction
+//     qbar . deq(K_n) of the tile's 128 key columns on the tensor cores (mma.sync m16n8k16: qbar
+//     split into kQbarTerms 16-bit rows, K B fragments by ldmatrix from the image; warp w' takes
+//     columns 32w'..32w'+31), pre-multiplied by scale * log2(e), and the key-valid bits, beside
+//     the K slot; then arrive on ready[s].
 //   consumers: S = Q K^T as wgmma m64n128k16 SS (Q decoded once into shared memory); masks,
 //     online softmax and P~ quantization in registers; O += P~ V as wgmma m64nDk16 RS with P~ as
 //     the A fragments (the S accumulator of n-tiles 2ks, 2ks + 1 is the A fragment of k16 step ks;
-//     V^T's key order, vt_position_key, makes that hold). Per tile: [O *= f_t; issue P~_t V_t and
-//     Q K_{t+1}^T] -> wait -> release t -> softmax / quantization of t + 1.
+//     V^T's key order, vt_position_key, makes that hold). Per tile: [O *= f_t; issue Q K_{t+1}^T and
+//     P~_t V_t] -> wait -> release t -> softmax / quantization of t + 1.
 //     The two-level factor s1 is folded into O's running scale: O = g O' with O' accumulating
 //     P~ / s1 products directly, f_t = alpha_t g_{t-1} / s1_t, g_t = s1_t (no second accumulator).
 //   kPingPong: the two consumer warpgroups take turns issuing their wgmmas (named barriers), so
@@ -53,38 +55,43 @@ struct WgmmaConfig {
   static_assert(kBlockM == 2 * kRowsPerWg && kThreads == 384, "two consumer warpgroups of 64 rows");
   // Register split (setmaxnreg): 384 threads launch with 168 registers each; the producer gives
   // part of its share to the consumers: 128 * 72 + 256 * 216 = 64512 = 384 * 168 (ptxas: no
-  // spills for NVFP4; 4 bytes for the MXFP4 D = 128 consumers, whose P~ takes the codes path).
+  // spills for NVFP4; 16 bytes for the MXFP4 D = 128 consumers, whose P~ takes the codes path;
+  // 40 / 232 spills in the producer).
   static constexpr int kProducerRegs = 72;
   static constexpr int kConsumerRegs = 216;
-  // K + V^T of one tile: 64 KiB at D = 128 (2 stages), 32 KiB at D = 64 (4 stages).
-  static constexpr int kStages = kHeadDim == 128 ? 2 : 4;
+  // Ring depths (a K or V^T tile is 32 KiB at D = 128, 16 KiB at D = 64). With one 2-deep ring
+  // of K + V at D = 128 the copy of tile t + 1 left only the softmax of tile t to land.
+  static constexpr int kStagesK = kHeadDim == 128 ? 3 : 4;
+  static constexpr int kStagesV = kHeadDim == 128 ? 2 : 4;
   // 8 rows x 64 elements (128-byte rows, Swizzle<3,4,3>) tiled over each operand, K-major.
   using Atom = cute::GMMA::Layout_K_SW128_Atom<Elem>;
   using SmemLayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kRowsPerWg>, cute::Int<kHeadDim>>{}));
   using SmemLayoutK = decltype(cute::tile_to_shape(
-      Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+      Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStagesK>>{}));
   using SmemLayoutVt = decltype(cute::tile_to_shape(
-      Atom{}, cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{}));
+      Atom{}, cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStagesV>>{}));
 
   // Shared memory, from a 1024-byte aligned base: the Q tile (the prologue's 16-bit input rows,
   // then overwritten by the decoded Q of both warpgroups: the same size), the K and V^T rings,
   // qbar, q . k_mean per row, the corrections and key-valid bits per stage, the barriers.
-  // D = 128: 32 + 128 + 3 KiB + 1 KiB alignment slack = 163 KiB.
+  // D = 128: 32 + 96 + 64 + 11 KiB + 1 KiB alignment slack = 204 KiB.
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kTileBytes = kBlockN * kHeadDim * 2;  // one decoded K or V^T tile
   static constexpr int kOffK = kQBytes;
-  static constexpr int kOffV = kOffK + kStages * kTileBytes;
-  static constexpr int kOffQbar = kOffV + kStages * kTileBytes;
+  static constexpr int kOffV = kOffK + kStagesK * kTileBytes;
+  static constexpr int kOffQbar = kOffV + kStagesV * kTileBytes;
   static constexpr int kOffQkMean = kOffQbar + kHeadDim * 4;
   static constexpr int kOffBias = kOffQkMean + kBlockM * 4;
-  static constexpr int kOffValid = kOffBias + kStages * kBlockN * 4;
-  static constexpr int kOffBarriers = kOffValid + kStages * (kBlockN / 32) * 4;
-  static constexpr int kSmemBytes = kOffBarriers + 3 * kStages * 8 + 1024;
+  static constexpr int kOffValid = kOffBias + kStagesK * kBlockN * 4;
+  static constexpr int kOffQa = kOffValid + kStagesK * (kBlockN / 32) * 4;  // producer's qbar A fragments
+  static constexpr int kQaWords = kHeadDim / 16 * 2;  // per producer thread
+  static constexpr int kOffBarriers = kOffQa + 128 * kQaWords * 4;
+  static constexpr int kSmemBytes = kOffBarriers + (3 * kStagesK + 2 * kStagesV) * 8 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of sm_90");
   static_assert(kQBytes % 1024 == 0 && kTileBytes % 1024 == 0, "GMMA tiles on the 1024-byte swizzle period");
   static_assert(cute::cosize(SmemLayoutQ{}) * 2 * 2 == kQBytes, "decoded Q fills the prologue's Q tile");
-  static_assert(cute::cosize(SmemLayoutK{}) * 2 == kStages * kTileBytes, "K ring");
-  static_assert(cute::cosize(SmemLayoutVt{}) * 2 == kStages * kTileBytes, "V^T ring");
+  static_assert(cute::cosize(SmemLayoutK{}) * 2 == kStagesK * kTileBytes, "K ring");
+  static_assert(cute::cosize(SmemLayoutVt{}) * 2 == kStagesV * kTileBytes, "V^T ring");
 
   using Major = cute::GMMA::Major;
   using MmaQK = std::conditional_t<kBf16, cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<Major::K, Major::K>,
@@ -140,18 +147,27 @@ struct WgmmaSmem {
   __device__ __forceinline__ uint32_t* valid(int s) const {
     return reinterpret_cast<uint32_t*>(base + W::kOffValid) + s * (kBlockN / 32);
   }
-  __device__ __forceinline__ uint64_t* full(int s) const {
+  // Producer thread i's qbar A fragments: uint4 j of thread i at j * 128 + i (conflict-free).
+  __device__ __forceinline__ uint4* qa() const { return reinterpret_cast<uint4*>(base + W::kOffQa); }
+  __device__ __forceinline__ uint64_t* full_k(int s) const {
     return reinterpret_cast<uint64_t*>(base + W::kOffBarriers) + s;
   }
-  __device__ __forceinline__ uint64_t* empty(int s) const { return full(0) + W::kStages + s; }
-  __device__ __forceinline__ uint64_t* ready(int s) const { return full(0) + 2 * W::kStages + s; }
+  __device__ __forceinline__ uint64_t* empty_k(int s) const { return full_k(0) + W::kStagesK + s; }
+  __device__ __forceinline__ uint64_t* ready(int s) const { return full_k(0) + 2 * W::kStagesK + s; }
+  __device__ __forceinline__ uint64_t* full_v(int s) const { return full_k(0) + 3 * W::kStagesK + s; }
+  __device__ __forceinline__ uint64_t* empty_v(int s) const { return full_v(0) + W::kStagesV + s; }
 
   __device__ __forceinline__ void init_barriers() const {
 #pragma unroll
-    for (int s = 0; s < W::kStages; ++s) {
-      TxBarrier::init(full(s), 1);
-      TxBarrier::init(empty(s), W::kConsumerThreads / 32);
+    for (int s = 0; s < W::kStagesK; ++s) {
+      TxBarrier::init(full_k(s), 1);
+      TxBarrier::init(empty_k(s), W::kConsumerThreads / 32);
       TxBarrier::init(ready(s), 128);
+    }
+#pragma unroll
+    for (int s = 0; s < W::kStagesV; ++s) {
+      TxBarrier::init(full_v(s), 1);
+      TxBarrier::init(empty_v(s), W::kConsumerThreads / 32);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -259,40 +275,48 @@ template <class Atom, int kHeadDim>
 __device__ __forceinline__ void producer_wgmma(const FwdParams& p, const WgmmaSmem<kHeadDim, Atom::kFormat>& sm,
                                                int n_tiles, const uint16_t* k_img, const uint16_t* v_img) {
   using W = WgmmaConfig<kHeadDim, Atom::kFormat>;
-  constexpr int kStages = W::kStages;
+  constexpr int kStagesK = W::kStagesK, kStagesV = W::kStagesV;
   const int ptid = static_cast<int>(threadIdx.x) - W::kConsumerThreads;
   const int pw = ptid >> 5, lane = ptid & 31, g = lane >> 2, t = lane & 3;
   constexpr int kTileElems = kBlockN * kHeadDim;
-  auto issue = [&](int tile) {
-    const int s = tile % kStages;
-    TxBarrier::arrive_and_expect_tx(sm.full(s), 2 * W::kTileBytes);
-    cute::SM90_BULK_COPY_G2S::copy(k_img + int64_t(tile) * kTileElems, sm.full(s), sm.k(s), W::kTileBytes);
-    cute::SM90_BULK_COPY_G2S::copy(v_img + int64_t(tile) * kTileElems, sm.full(s), sm.vt(s), W::kTileBytes);
+  auto issue_k = [&](int tile) {
+    const int s = tile % kStagesK;
+    TxBarrier::arrive_and_expect_tx(sm.full_k(s), W::kTileBytes);
+    cute::SM90_BULK_COPY_G2S::copy(k_img + int64_t(tile) * kTileElems, sm.full_k(s), sm.k(s), W::kTileBytes);
+  };
+  auto issue_v = [&](int tile) {
+    const int s = tile % kStagesV;
+    TxBarrier::arrive_and_expect_tx(sm.full_v(s), W::kTileBytes);
+    cute::SM90_BULK_COPY_G2S::copy(v_img + int64_t(tile) * kTileElems, sm.full_v(s), sm.vt(s), W::kTileBytes);
   };
   if (ptid == 0) {
-    for (int tile = 0; tile < min(kStages, n_tiles); ++tile) issue(tile);
+    for (int tile = 0; tile < min(kStagesK, n_tiles); ++tile) issue_k(tile);
+  } else if (ptid == 32) {
+    for (int tile = 0; tile < min(kStagesV, n_tiles); ++tile) issue_v(tile);
   }
   named_sync(kBarQbar, W::kThreads);  // the consumers' prologue wrote qbar
 
   // A fragments of the qbar terms (rows g < kQbarTerms), k16 step ks: a0 = (row g, k 16ks + 2t,
   // +1), a2 = (row g, k 16ks + 8 + 2t, +1).
-  uint32_t qa[kHeadDim / 16][2];
+  // Kept in shared memory (registers are scarce here): uint4 kk holds k16 steps 2kk, 2kk + 1.
   {
     const float* qbar = sm.qbar();
 #pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+    for (int kk = 0; kk < kHeadDim / 32; ++kk) {
+      uint32_t w[4];
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int d = 16 * ks + 8 * hf + 2 * t;
-        qa[ks][hf] = Atom::pack_pair(qbar_term<Atom>(qbar[d], g), qbar_term<Atom>(qbar[d + 1], g));
+      for (int i = 0; i < 4; ++i) {  // (step 2kk + i / 2, a0 / a2)
+        const int d = 32 * kk + 16 * (i >> 1) + 8 * (i & 1) + 2 * t;
+        w[i] = Atom::pack_pair(qbar_term<Atom>(qbar[d], g), qbar_term<Atom>(qbar[d + 1], g));
       }
+      sm.qa()[kk * 128 + ptid] = make_uint4(w[0], w[1], w[2], w[3]);
     }
   }
   const float scale_log2 = p.scale * 1.4426950408889634f;
   const uint8_t* key_mask_row = p.key_mask ? p.key_mask + int64_t(blockIdx.z) * p.Skv : nullptr;
   for (int tile = 0; tile < n_tiles; ++tile) {
-    const int s = tile % kStages;
-    TxBarrier::wait(sm.full(s), (tile / kStages) & 1);
+    const int s = tile % kStagesK;
+    TxBarrier::wait(sm.full_k(s), (tile / kStagesK) & 1);
     const auto* kt = sm.k(s);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
@@ -304,8 +328,9 @@ __device__ __forceinline__ void producer_wgmma(const FwdParams& p, const WgmmaSm
         // 2kk and 2kk + 1.
         uint32_t b[4];
         ldmatrix_x4(kt + gmma_sw128_offset<kBlockN, kHeadDim>(n0 + (lane & 7), 32 * kk + 8 * (lane >> 3)), b);
-        mma_m16n8k16<W::kBf16>(acc, qa[2 * kk][0], qa[2 * kk][1], b[0], b[1]);
-        mma_m16n8k16<W::kBf16>(acc, qa[2 * kk + 1][0], qa[2 * kk + 1][1], b[2], b[3]);
+        const uint4 a = sm.qa()[kk * 128 + ptid];
+        mma_m16n8k16<W::kBf16>(acc, a.x, a.y, b[0], b[1]);
+        mma_m16n8k16<W::kBf16>(acc, a.z, a.w, b[2], b[3]);
       }
       // Sum the term rows g = 0..3 (rows >= kQbarTerms are zero) into the lanes g = 0.
       float c0 = acc[0], c1 = acc[1];
@@ -319,11 +344,16 @@ __device__ __forceinline__ void producer_wgmma(const FwdParams& p, const WgmmaSm
     }
     key_valid_bits(sm.valid(s), tile, p.Skv, key_mask_row, ptid);
     TxBarrier::arrive(sm.ready(s));
-    // Refill the slot of tile - 1 once all consumers released it (they are now on `tile`).
-    if (ptid == 0 && tile >= 1 && tile - 1 + kStages < n_tiles) {
-      const int sp = (tile - 1) % kStages;
-      TxBarrier::wait(sm.empty(sp), ((tile - 1) / kStages) & 1);
-      issue(tile - 1 + kStages);
+    // Refill the slots of tile - 1 once all consumers released them (one lane per ring, so a
+    // wait for V does not hold up the next K copy).
+    if (tile >= 1) {
+      if (ptid == 0 && tile - 1 + kStagesK < n_tiles) {
+        TxBarrier::wait(sm.empty_k((tile - 1) % kStagesK), ((tile - 1) / kStagesK) & 1);
+        issue_k(tile - 1 + kStagesK);
+      } else if (ptid == 32 && tile - 1 + kStagesV < n_tiles) {
+        TxBarrier::wait(sm.empty_v((tile - 1) % kStagesV), ((tile - 1) / kStagesV) & 1);
+        issue_v(tile - 1 + kStagesV);
+      }
     }
   }
 }
@@ -341,8 +371,8 @@ struct WgmmaOperands {
   using TV = decltype(typename W::TiledMmaPV{}.get_slice(0).partition_fragment_B(
       cute::make_tensor(cute::make_smem_ptr(static_cast<Elem*>(nullptr)), typename W::SmemLayoutVt{})));
   TQ q;  // (1, 1, D / 16)
-  TK k;  // (1, 1, D / 16, kStages)
-  TV v;  // (1, 1, kBlockN / 16, kStages)
+  TK k;  // (1, 1, D / 16, kStagesK)
+  TV v;  // (1, 1, kBlockN / 16, kStagesV)
 
   __device__ __forceinline__ WgmmaOperands(const WgmmaSmem<kHeadDim, F>& sm, int wg, int tid_in_wg)
       : q(typename W::TiledMmaQK{}.get_slice(tid_in_wg).partition_fragment_A(
@@ -354,10 +384,10 @@ struct WgmmaOperands {
     static_assert(cute::size<0>(TQ{}) == 1 && cute::size<1>(TQ{}) == 1 && cute::size<2>(TQ{}) == kHeadDim / 16,
                   "Q descriptors: one per k16 step");
     static_assert(cute::size<1>(TK{}) == 1 && cute::size<2>(TK{}) == kHeadDim / 16 &&
-                      cute::size<3>(TK{}) == W::kStages,
+                      cute::size<3>(TK{}) == W::kStagesK,
                   "K descriptors: (k16 step, stage)");
     static_assert(cute::size<1>(TV{}) == 1 && cute::size<2>(TV{}) == kBlockN / 16 &&
-                      cute::size<3>(TV{}) == W::kStages,
+                      cute::size<3>(TV{}) == W::kStagesV,
                   "V^T descriptors: (k16 step, stage)");
   }
 
@@ -397,7 +427,7 @@ __device__ __forceinline__ void consumer_wgmma(const FwdParams& p, const WgmmaSm
                                                RowState& rs, float (&g_scale)[2]) {
   constexpr Fp4Format F = Atom::kFormat;
   using W = WgmmaConfig<kHeadDim, F>;
-  constexpr int kStages = W::kStages;
+  constexpr int kStagesK = W::kStagesK, kStagesV = W::kStagesV;
   const int tid = static_cast<int>(threadIdx.x), wg = tid / 128, lane = tid & 31;
   const WgmmaOperands<kHeadDim, F> ops(sm, wg, tid % 128);
   const float scale_log2 = p.scale * 1.4426950408889634f;
@@ -406,8 +436,8 @@ __device__ __forceinline__ void consumer_wgmma(const FwdParams& p, const WgmmaSm
   uint32_t pf[kBlockN / 16][4];
   float factor[2] = {1.0f, 1.0f};
 
-  // Masks, softmax and P~ of tile `tile` (stage st) from s into pf; sets factor (O's rescale
-  // before this tile's P~ V is added) and g_scale.
+  // Masks, softmax and P~ of tile `tile` (K slot st: its correction and key bits) from s into pf;
+  // sets factor (O's rescale before this tile's P~ V is added) and g_scale.
   auto softmax_tile = [&](int tile, int st) {
     TileMask mk;
     mk.corr = sm.bias(st);
@@ -421,9 +451,7 @@ __device__ __forceinline__ void consumer_wgmma(const FwdParams& p, const WgmmaSm
     scores_to_log2<true>(s, mk, scale_log2);
     float alpha[2], s1[2];
     if constexpr (F == Fp4Format::kNvfp4) {
-      float inv_s1[2];
-      softmax_rows<true>(s, rs, p.p_quant, alpha, s1, inv_s1);
-      quantize_p_nvfp4_half(s, inv_s1, pf);
+      softmax_p_nvfp4_half(s, rs, p.p_quant, alpha, s1, pf);
     } else {
       typename Atom::FragA pa[kBlockN / kKeyChunk];
       softmax_quantize_p<Atom>(s, rs, p.p_quant, alpha, s1, pa);
@@ -436,7 +464,7 @@ __device__ __forceinline__ void consumer_wgmma(const FwdParams& p, const WgmmaSm
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (s1[r] > 0.0f) {  // O_t = alpha g O'_{t-1} + s1 P~' V = s1 (f O'_{t-1} + P~' V)
-        factor[r] = alpha[r] * g_scale[r] / s1[r];
+        factor[r] = alpha[r] * g_scale[r] * fast_rcp(s1[r]);
         g_scale[r] = s1[r];
       } else {  // P~ of the row is all zero: O_t = alpha O_{t-1}
         factor[r] = 1.0f;
@@ -444,9 +472,9 @@ __device__ __forceinline__ void consumer_wgmma(const FwdParams& p, const WgmmaSm
       }
     }
   };
-  auto release = [&](int st) {
+  auto release = [&](uint64_t* empty) {
     __syncwarp();
-    if (lane == 0) TxBarrier::arrive(sm.empty(st));
+    if (lane == 0) TxBarrier::arrive(empty);
   };
   // kPingPong: each issue block is bracketed by sched_sync(own) and sched_arrive(other);
   // warpgroup 1 starts by letting warpgroup 0 go first and skips its last arrive, so both
@@ -474,11 +502,17 @@ __device__ __forceinline__ void consumer_wgmma(const FwdParams& p, const WgmmaSm
   cute::warpgroup_wait<0>();
   fence_regs(s);
   softmax_tile(0, 0);
+  release(sm.empty_k(0));  // K tile 0, its correction and bits are no longer read
+  // Iteration `tile`: O *= factor_tile; issue Q K_{tile+1}^T and P~_tile V_tile; wait; softmax of
+  // tile + 1. (Running that softmax while P~_tile V_tile is still in flight, FA3's intra-warpgroup
+  // overlap, needs a second P~ array: ptxas then serializes the wgmmas at this register budget,
+  // 16.5 vs 10.1 ms at 1x24x16384x128 on the H200.)
   for (int tile = 0; tile < n_tiles; ++tile) {
-    const int st = tile % kStages;
+    const int sv = tile % kStagesV;
     const bool more = tile + 1 < n_tiles;
-    const int st_next = (tile + 1) % kStages;
-    if (more) TxBarrier::wait(sm.ready(st_next), ((tile + 1) / kStages) & 1);
+    const int sk_next = (tile + 1) % kStagesK;
+    if (more) TxBarrier::wait(sm.ready(sk_next), ((tile + 1) / kStagesK) & 1);
+    TxBarrier::wait(sm.full_v(sv), (tile / kStagesV) & 1);
 #pragma unroll
     for (int n = 0; n < kHeadDim / 8; ++n) {
       o[n][0] *= factor[0];
@@ -487,15 +521,18 @@ __device__ __forceinline__ void consumer_wgmma(const FwdParams& p, const WgmmaSm
       o[n][3] *= factor[1];
     }
     turn_begin();
-    ops.pv_issue(st, pf, o);
-    if (more) ops.qk_issue(st_next, s);
+    if (more) ops.qk_issue(sk_next, s);
+    ops.pv_issue(sv, pf, o);
     turn_end(!more);
     cute::warpgroup_wait<0>();
     fence_regs(o);
     fence_regs(pf);
     fence_regs(s);
-    release(st);
-    if (more) softmax_tile(tile + 1, st_next);
+    release(sm.empty_v(sv));
+    if (more) {
+      softmax_tile(tile + 1, sk_next);
+      release(sm.empty_k(sk_next));
+    }
   }
 }
 

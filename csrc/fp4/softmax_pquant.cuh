@@ -96,10 +96,7 @@ __device__ __forceinline__ float quad_max(float x) {
 
 // Online softmax of one tile in place: s (log2-domain scores) -> P~; returns alpha (rescale of
 // the old accumulator), s1 (two-level factor of the new P.V product, 1 for direct) and 1 / s1 per
-// row, and updates the running max and row sums. kPmaxFromRowMax: the row's largest P~ (for s1)
-// is exp2 of the row's largest score (the same ex2 input as that element's, and ex2 is monotone),
-// not a max over the 32 exponentials.
-template <bool kPmaxFromRowMax = false>
+// row, and updates the running max and row sums.
 __device__ __forceinline__ void softmax_rows(float (&s)[kBlockN / 8][4], RowState& st, PQuantMode mode,
                                              float (&alpha)[2], float (&s1)[2], float (&inv_s1)[2]) {
 #pragma unroll
@@ -131,11 +128,11 @@ __device__ __forceinline__ void softmax_rows(float (&s)[kBlockN / 8][4], RowStat
           const float p = fast_exp2(s[j][2 * r + e] - m_use);
           s[j][2 * r + e] = p;
           ps[j & 3] += p;
-          if constexpr (!kPmaxFromRowMax) pm[j & 3] = fmaxf(pm[j & 3], p);
+          pm[j & 3] = fmaxf(pm[j & 3], p);
         }
       }
       sum = (ps[0] + ps[1]) + (ps[2] + ps[3]);
-      pmax = kPmaxFromRowMax ? fast_exp2(tmax - m_use) : fmaxf(fmaxf(pm[0], pm[1]), fmaxf(pm[2], pm[3]));
+      pmax = fmaxf(fmaxf(pm[0], pm[1]), fmaxf(pm[2], pm[3]));
     } else {
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j) {
@@ -144,14 +141,13 @@ __device__ __forceinline__ void softmax_rows(float (&s)[kBlockN / 8][4], RowStat
           const float p = fast_exp2(s[j][2 * r + e] - m_use);
           s[j][2 * r + e] = p;
           sum += p;
-          if constexpr (!kPmaxFromRowMax) pmax = fmaxf(pmax, p);
+          pmax = fmaxf(pmax, p);
         }
       }
-      if constexpr (kPmaxFromRowMax) pmax = fast_exp2(tmax - m_use);
     }
     st.l[r] = st.l[r] * alpha[r] + sum;  // unquantized P~: the two-level factor cancels exactly
     if (mode == PQuantMode::kTwoLevel) {
-      if constexpr (!kPmaxFromRowMax) pmax = quad_max(pmax);  // (tmax is already the quad's)
+      pmax = quad_max(pmax);
       s1[r] = pmax * (1.0f / kTwoLevelRange);
       inv_s1[r] = s1[r] > 0.0f ? __frcp_rn(s1[r]) : 0.0f;  // s1 == 0: the whole row is 0
     } else {
@@ -185,46 +181,90 @@ __device__ __forceinline__ void softmax_quantize_p(float (&s)[kBlockN / 8][4], R
   }
 }
 
-// NVFP4 P~ (in s, after softmax_rows) straight to the fp16 A fragments of the P.V wgmma, for the
-// emulated sm_90a path that only needs P~ decoded: per 16-key block, E4M3 scale sb = E4M3(amax /
-// (6 s1)), values E2M1(P~ / (s1 sb)) times sb, exact in fp16. The same quantizer as the codes path
-// up to the order of its fp32 roundings: the value is rounded to fp16 before the E2M1 rounding, and
-// 1 / (s1 sb) is one approximate reciprocal, so a value within ~2^-11 of a rounding boundary can
-// take the neighbouring code. pf[ks] is the A fragment of k16 step ks: registers (row g, n-tile
-// 2ks), (g + 8, 2ks), (g, 2ks + 1), (g + 8, 2ks + 1), columns 2t, 2t + 1 of each.
-__device__ __forceinline__ void quantize_p_nvfp4_half(const float (&s)[kBlockN / 8][4], const float (&inv_s1)[2],
-                                                      uint32_t (&pf)[kBlockN / 16][4]) {
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));  // lg2(0) = -inf
+  return y;
+}
+
+// Online softmax of one tile fused with NVFP4 P~ quantization straight to the fp16 A fragments of
+// the P.V wgmma (the emulated sm_90a path, which only needs P~ decoded). s: log2-domain scores
+// (masked = -inf). Per 16-key block b of a row: E4M3 scale sb = E4M3(amax_b / (6 s1)), values
+// E2M1(P~ / (s1 sb)) times sb (exact in fp16). Reordered so each score costs ~9 instructions:
+//  - block maxima of the scores first; the row max is their max (no separate pass), amax_b =
+//    exp2(block max - m) and s1 = exp2(row max - m) / 2688 need one exp2 each;
+//  - P~ / (s1 sb) comes out of the exp2 directly: exp2(x - (m + log2 s1 + log2 sb)); the row
+//    sum of unquantized P~ adds each block's sum times s1 sb;
+//  - the E2M1 rounding runs on fp16 pairs (e2m1_round_half2).
+// The same quantizer as the codes path up to the order of its fp32 roundings (log2 / exp2 instead
+// of a division, the fp16 step before the E2M1 rounding): a value within ~2^-11 of an E2M1 tie
+// can take the neighbouring code. A block whose scale rounds to 0 gets P~ = 0 (x 0); its values
+// still enter the row sum (through sb_eff = max(sb, 2^-9), the smallest nonzero E4M3). A row
+// whose s1 is below FLT_MIN (all of its P~ in this tile < 3e-35) contributes 0 and reports s1 = 0.
+// pf[ks] is the A fragment of k16 step ks: registers (row g, n-tile 2ks), (g + 8, 2ks),
+// (g, 2ks + 1), (g + 8, 2ks + 1), columns 2t, 2t + 1 of each.
+__device__ __forceinline__ void softmax_p_nvfp4_half(float (&s)[kBlockN / 8][4], RowState& st, PQuantMode mode,
+                                                     float (&alpha)[2], float (&s1)[2],
+                                                     uint32_t (&pf)[kBlockN / 16][4]) {
+  constexpr float kMinE4m3 = 1.0f / 512.0f;  // 2^-9
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float k6 = inv_s1[r] * (1.0f / kE2M1Max);
+    // Block (c, h): n-tiles 8c + 4h .. + 3 of this lane, the other half in lane t ^ 1.
+    float bmax[kBlockN / 64][2];
 #pragma unroll
     for (int c = 0; c < kBlockN / 64; ++c) {
-      // Block (c, h) of this lane: n-tiles 8c + 4h .. + 3, the other half in lane t ^ 1.
-      float amax[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int j = 8 * c + 4 * h;
         const float m01 = fmaxf(fmaxf(s[j][2 * r], s[j][2 * r + 1]), fmaxf(s[j + 1][2 * r], s[j + 1][2 * r + 1]));
         const float m23 =
             fmaxf(fmaxf(s[j + 2][2 * r], s[j + 2][2 * r + 1]), fmaxf(s[j + 3][2 * r], s[j + 3][2 * r + 1]));
-        amax[h] = fmaxf(m01, m23);
-        amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 1));
+        const float m = fmaxf(m01, m23);
+        bmax[c][h] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
       }
-      const uint32_t sb2 = e4m3x2_half2(amax[1] * k6, amax[0] * k6);  // block h in half h
+    }
+    float tmax = fmaxf(fmaxf(bmax[0][0], bmax[0][1]), fmaxf(bmax[1][0], bmax[1][1]));
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+    const float m_new = fmaxf(st.m[r], tmax);
+    // Rows without a visible key so far keep m = -inf; subtract 0 so exp2 gives 0, not NaN.
+    const float m_use = m_new == -CUDART_INF_F ? 0.0f : m_new;
+    alpha[r] = fast_exp2(st.m[r] - m_use);
+    st.m[r] = m_new;
+    float ls1, inv_s1;
+    if (mode == PQuantMode::kTwoLevel) {
+      s1[r] = fast_exp2(tmax - m_use) * (1.0f / kTwoLevelRange);
+      if (s1[r] < 1.17549435e-38f) s1[r] = 0.0f;
+      ls1 = s1[r] > 0.0f ? fast_log2(s1[r]) : CUDART_INF_F;  // +inf: every P~' of the row is 0
+      inv_s1 = s1[r] > 0.0f ? fast_rcp(s1[r]) : 0.0f;
+    } else {
+      s1[r] = 1.0f;
+      ls1 = 0.0f;
+      inv_s1 = 1.0f;
+    }
+    const float k6 = inv_s1 * (1.0f / kE2M1Max);
+    float lsum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kBlockN / 64; ++c) {
+      const uint32_t sb2 = e4m3x2_half2(fast_exp2(bmax[c][1] - m_use) * k6, fast_exp2(bmax[c][0] - m_use) * k6);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint32_t sb = prmt(sb2, 0u, h ? 0x3232u : 0x1010u);  // broadcast to both halves
-        const uint16_t sb_bits = static_cast<uint16_t>(h ? sb2 >> 16 : sb2 & 0xFFFFu);
-        const float fb = inv_s1[r] * fast_rcp(__half2float(__ushort_as_half(sb_bits)));
+        const float sb_eff = fmaxf(__half2float(__ushort_as_half(static_cast<uint16_t>(h ? sb2 >> 16 : sb2))), kMinE4m3);
+        const float shift = m_use + ls1 + fast_log2(sb_eff);  // P~' = exp2(x - shift) = P~ / (s1 sb)
+        float bsum = 0.0f;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           const int j = 8 * c + 4 * h + q;
-          const __half2 x = __floats2half2_rn(s[j][2 * r] * fb, s[j][2 * r + 1] * fb);
+          const float p0 = fast_exp2(s[j][2 * r] - shift), p1 = fast_exp2(s[j][2 * r + 1] - shift);
+          bsum += p0 + p1;
+          const __half2 x = __floats2half2_rn(p0, p1);
           const uint32_t v = e2m1_round_half2(*reinterpret_cast<const uint32_t*>(&x));
           pf[4 * c + 2 * h + q / 2][r + 2 * (q & 1)] = hmul2_bits(v, *reinterpret_cast<const __half2*>(&sb));
         }
+        lsum = fmaf(bsum, s1[r] * sb_eff, lsum);  // back to unquantized P~
       }
     }
+    st.l[r] = st.l[r] * alpha[r] + lsum;
   }
 }
 

@@ -55,8 +55,8 @@ bool check_config() {
   using W = sage_fp4::WgmmaConfig<D, F>;
   using E = typename W::Elem;
   bool ok = check<typename W::SmemLayoutQ, E, 64, D>("Q", 1);
-  ok &= check<typename W::SmemLayoutK, E, sage_fp4::kBlockN, D>("K", W::kStages);
-  ok &= check<typename W::SmemLayoutVt, E, D, sage_fp4::kBlockN>("V^T", W::kStages);
+  ok &= check<typename W::SmemLayoutK, E, sage_fp4::kBlockN, D>("K", W::kStagesK);
+  ok &= check<typename W::SmemLayoutVt, E, D, sage_fp4::kBlockN>("V^T", W::kStagesV);
   return ok;
 }
 

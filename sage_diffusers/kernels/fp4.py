@@ -85,7 +85,7 @@ _OPT_PIPELINED_STAGING = 4  # this bit adds one decoded tile (64 KiB) of shared 
 # GEMM variant of the emulated atom (EmuGemm in csrc/fp4/fp4_api.h): "mma" or "wgmma".
 _EMU_ENV = "SAGE_DIFFUSERS_FP4_EMU"
 # Dynamic shared memory of the wgmma variant at D = 128 (WgmmaConfig<128>::kSmemBytes).
-_WGMMA_SMEM_BYTES = 166992
+_WGMMA_SMEM_BYTES = 208536
 
 
 def _opt_bits() -> int:
