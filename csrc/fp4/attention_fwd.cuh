@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "epilogue.cuh"
 #include "fp4_api.h"
@@ -53,17 +54,8 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
   q_prologue<Atom, kHeadDim, T>(p, smem, b, h, hk, q0, qf);
 
   float acc[kHeadDim / 8][4];
-#pragma unroll
-  for (int n = 0; n < kHeadDim / 8; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
-  }
-  RowState rs;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    rs.m[r] = -CUDART_INF_F;
-    rs.l[r] = 0.0f;
-  }
+  zero_acc(acc);
+  RowState rs = RowState::start();
   const int warp_row0 = q0 + 16 * warp;
 
   {
@@ -155,26 +147,41 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
   store_output<kHeadDim, T>(p, acc, rs, qk_mean, b, h, q0);
 }
 
-template <class Atom, int kHeadDim, typename T>
-cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = FwdConfig<kHeadDim, Atom::kFormat>;
-  auto kernel = fp4_attention_fwd_kernel<Atom, kHeadDim, T>;
-  constexpr int kSmem = Cfg::template smem_bytes<Atom>();
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+// One forward kernel over (Sq / kBlockM, Hq, B) CTAs; `kernel` takes the FwdParams by value.
+template <class Kernel>
+cudaError_t launch_row_blocks(Kernel kernel, int threads, int smem, const FwdParams& p, cudaStream_t stream) {
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   const dim3 grid((p.Sq + kBlockM - 1) / kBlockM, p.Hq, p.B);
-  kernel<<<grid, kThreads, kSmem, stream>>>(p);
+  kernel<<<grid, threads, smem, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <class T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls launch(std::integral_constant<int, D>, TypeTag<T>) for the head dim (64, 128) and element
+// type (fp16, bf16) of p.
+template <class Launch>
+cudaError_t dispatch_dim_dtype(const FwdParams& p, Launch&& launch) {
+  const bool bf16 = p.dtype == ElemType::kBFloat16;
+  using D64 = std::integral_constant<int, 64>;
+  using D128 = std::integral_constant<int, 128>;
+  if (p.D == 64) return bf16 ? launch(D64{}, TypeTag<__nv_bfloat16>{}) : launch(D64{}, TypeTag<__half>{});
+  if (p.D == 128) return bf16 ? launch(D128{}, TypeTag<__nv_bfloat16>{}) : launch(D128{}, TypeTag<__half>{});
+  return cudaErrorInvalidValue;
 }
 
 template <class Atom>
 cudaError_t dispatch_fwd_fmt(const FwdParams& p, cudaStream_t stream) {
-  const bool bf16 = p.dtype == ElemType::kBFloat16;
-  if (p.D == 64)
-    return bf16 ? launch_fwd<Atom, 64, __nv_bfloat16>(p, stream) : launch_fwd<Atom, 64, __half>(p, stream);
-  if (p.D == 128)
-    return bf16 ? launch_fwd<Atom, 128, __nv_bfloat16>(p, stream) : launch_fwd<Atom, 128, __half>(p, stream);
-  return cudaErrorInvalidValue;
+  return dispatch_dim_dtype(p, [&](auto dim, auto tag) {
+    constexpr int kHeadDim = decltype(dim)::value;
+    using T = typename decltype(tag)::type;
+    return launch_row_blocks(fp4_attention_fwd_kernel<Atom, kHeadDim, T>, kThreads,
+                             FwdConfig<kHeadDim, Atom::kFormat>::template smem_bytes<Atom>(), p, stream);
+  });
 }
 
 // The instantiated set: format (NVFP4, MXFP4) x head dim (64, 128) x element type (fp16, bf16).

@@ -8,6 +8,7 @@
 
 #include <cutlass/arch/reg_reconfig.h>
 
+#include "attention_fwd.cuh"
 #include "epilogue.cuh"
 #include "fp4_api.h"
 #include "mainloop_wgmma_sm90.cuh"
@@ -60,49 +61,22 @@ __global__ void __launch_bounds__(WgmmaConfig<kHeadDim, Atom::kFormat>::kThreads
   ConsumerSync{}();
 
   float o[kHeadDim / 8][4];
-#pragma unroll
-  for (int n = 0; n < kHeadDim / 8; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
-  }
-  RowState rs;
-  float g_scale[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    rs.m[r] = -CUDART_INF_F;
-    rs.l[r] = 0.0f;
-    g_scale[r] = 0.0f;
-  }
+  zero_acc(o);
+  RowState rs = RowState::start();
+  float g_scale[2] = {0.0f, 0.0f};
   consumer_wgmma<Atom, kHeadDim, kWgmmaPingPong>(p, sm, n_tiles, q0 + 16 * warp, o, rs, g_scale);
-#pragma unroll
-  for (int n = 0; n < kHeadDim / 8; ++n) {
-    o[n][0] *= g_scale[0];
-    o[n][1] *= g_scale[0];
-    o[n][2] *= g_scale[1];
-    o[n][3] *= g_scale[1];
-  }
+  scale_rows(o, g_scale);
   store_output<kHeadDim, T>(p, o, rs, sm.qk_mean(), b, h, q0);
-}
-
-template <class Atom, int kHeadDim, typename T>
-cudaError_t launch_fwd_wgmma(const FwdParams& p, cudaStream_t stream) {
-  using W = WgmmaConfig<kHeadDim, Atom::kFormat>;
-  auto kernel = fp4_attention_fwd_wgmma_kernel<Atom, kHeadDim, T>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, W::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  const dim3 grid((p.Sq + kBlockM - 1) / kBlockM, p.Hq, p.B);
-  kernel<<<grid, W::kThreads, W::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
 }
 
 template <class Atom>
 cudaError_t dispatch_fwd_wgmma_fmt(const FwdParams& p, cudaStream_t stream) {
-  const bool bf16 = p.dtype == ElemType::kBFloat16;
-  if (p.D == 64)
-    return bf16 ? launch_fwd_wgmma<Atom, 64, __nv_bfloat16>(p, stream) : launch_fwd_wgmma<Atom, 64, __half>(p, stream);
-  if (p.D == 128)
-    return bf16 ? launch_fwd_wgmma<Atom, 128, __nv_bfloat16>(p, stream) : launch_fwd_wgmma<Atom, 128, __half>(p, stream);
-  return cudaErrorInvalidValue;
+  return dispatch_dim_dtype(p, [&](auto dim, auto tag) {
+    constexpr int kHeadDim = decltype(dim)::value;
+    using W = WgmmaConfig<kHeadDim, Atom::kFormat>;
+    return launch_row_blocks(fp4_attention_fwd_wgmma_kernel<Atom, kHeadDim, typename decltype(tag)::type>,
+                             W::kThreads, W::kSmemBytes, p, stream);
+  });
 }
 
 }  // namespace sage_fp4

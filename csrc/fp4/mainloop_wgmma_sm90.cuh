@@ -201,6 +201,18 @@ __device__ __forceinline__ void fence_regs(uint32_t (&d)[N][M]) {
   }
 }
 
+// Rows g (elements 0, 1) and g + 8 (2, 3) of an m16n8-tiled accumulator times f[0] / f[1].
+template <int N>
+__device__ __forceinline__ void scale_rows(float (&acc)[N][4], const float (&f)[2]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    acc[n][0] *= f[0];
+    acc[n][1] *= f[0];
+    acc[n][2] *= f[1];
+    acc[n][3] *= f[1];
+  }
+}
+
 // Generic-proxy stores to shared memory (the decoded Q) made visible to the async proxy (wgmma).
 __device__ __forceinline__ void fence_view_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -513,13 +525,7 @@ __device__ __forceinline__ void consumer_wgmma(const FwdParams& p, const WgmmaSm
     const int sk_next = (tile + 1) % kStagesK;
     if (more) TxBarrier::wait(sm.ready(sk_next), ((tile + 1) / kStagesK) & 1);
     TxBarrier::wait(sm.full_v(sv), (tile / kStagesV) & 1);
-#pragma unroll
-    for (int n = 0; n < kHeadDim / 8; ++n) {
-      o[n][0] *= factor[0];
-      o[n][1] *= factor[0];
-      o[n][2] *= factor[1];
-      o[n][3] *= factor[1];
-    }
+    scale_rows(o, factor);
     turn_begin();
     if (more) ops.qk_issue(sk_next, s);
     ops.pv_issue(sv, pf, o);

@@ -23,7 +23,18 @@ __device__ __forceinline__ float fast_exp2(float x) {
 struct RowState {
   float m[2];  // running max, log2 domain; -inf until a visible key is seen
   float l[2];  // this lane's partial row sum of unquantized P~ (quad-reduced in the epilogue)
+  __device__ __forceinline__ static RowState start() { return {{-CUDART_INF_F, -CUDART_INF_F}, {0.0f, 0.0f}}; }
 };
+
+// An m16n8-tiled fp32 accumulator (the O of a warp's 16 rows) set to zero.
+template <int N>
+__device__ __forceinline__ void zero_acc(float (&acc)[N][4]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+  }
+}
 
 // Scores of the tile -> log2 domain with the smoothing correction and masks applied in place.
 // Column `pos` = 8j + 2t + e holds real key tile * 128 + tile_key(pos), which is what masks see.
