@@ -375,6 +375,31 @@ def test_attention_long_17776(emu):
     assert c >= 0.9999, c
 
 
+@pytest.mark.parametrize("emu", EMUS)
+@pytest.mark.parametrize("p_quant", [PQuant.TWO_LEVEL, PQuant.DIRECT])
+@gpu
+def test_attention_extreme_score_range(emu, p_quant):
+    """Regression for the wgmma path's P~ corner cases (softmax_pquant.softmax_p_nvfp4_half):
+    the first key tile holds scores ~500 (log2 units) above the rest, so later tiles have s1 below
+    FLT_MIN (their P~ underflows: the row must keep O and l, not turn NaN), and within tiles many
+    16-key blocks get an E4M3 scale of 0 (their P~ is dropped but must still enter the row sum);
+    the reference quantizes the same way."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    b, h, s, d = 1, 2, 1000, 128
+    q = torch.randn(b, h, s, d, device="cuda", generator=g).mul(0.3).add(3.0).to(torch.bfloat16)
+    k = torch.randn(b, h, s, d, device="cuda", generator=g).mul(2.0)
+    k[:, :, :100] += 4.0  # keys of tile 0 dominate every row by ~12 * 0.3 * 128 / sqrt(128) * log2(e)
+    k = k.to(torch.bfloat16)
+    v = torch.randn(b, h, s, d, device="cuda", generator=g).to(torch.bfloat16)
+    out, lse = fp4.attention_fp4(q, k, v, p_quant=p_quant, return_lse=True, emu=emu)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    ref, ref_lse = sage3_reference(q, k, v, p_quant=p_quant, return_lse=True)
+    c = cosine(out.float(), ref)
+    _report({"case": "extreme score range", "p_quant": p_quant.value, "emu": emu, "cos_ref": c})
+    assert c >= 0.9999, c
+    assert (lse - ref_lse).abs().max().item() < 1e-3
+
+
 @pytest.mark.skipif("wgmma" not in EMUS, reason="the wgmma variant runs on sm_90a only")
 def test_default_emu_is_wgmma_where_built():
     """emu="auto" (the default) resolves to the wgmma variant on sm_90a: bitwise the same output."""
