@@ -105,6 +105,25 @@ __device__ __forceinline__ float quad_max(float x) {
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
+// Row max, row sum and largest P~ of a tile are kept in kRowChains independent partials (4 with
+// kOptTreeReduce: the serial 32-deep FADD / FMNMX chains dominated the loop's latency), combined
+// by these two.
+constexpr int kRowChains = kOptTreeReduce ? 4 : 1;
+__device__ __forceinline__ float chains_sum(const float (&x)[kRowChains]) {
+  if constexpr (kRowChains == 4) {
+    return (x[0] + x[1]) + (x[2] + x[3]);
+  } else {
+    return x[0];
+  }
+}
+__device__ __forceinline__ float chains_max(const float (&x)[kRowChains]) {
+  if constexpr (kRowChains == 4) {
+    return fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+  } else {
+    return x[0];
+  }
+}
+
 // Online softmax of one tile in place: s (log2-domain scores) -> P~; returns alpha (rescale of
 // the old accumulator), s1 (two-level factor of the new P.V product, 1 for direct) and 1 / s1 per
 // row, and updates the running max and row sums.
@@ -112,50 +131,34 @@ __device__ __forceinline__ void softmax_rows(float (&s)[kBlockN / 8][4], RowStat
                                              float (&alpha)[2], float (&s1)[2], float (&inv_s1)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float tmax = -CUDART_INF_F;
-    if constexpr (kOptTreeReduce) {
-      float pm[4] = {-CUDART_INF_F, -CUDART_INF_F, -CUDART_INF_F, -CUDART_INF_F};
+    float mx[kRowChains];
 #pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) pm[j & 3] = fmaxf(pm[j & 3], fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-      tmax = fmaxf(fmaxf(pm[0], pm[1]), fmaxf(pm[2], pm[3]));
-    } else {
+    for (int c = 0; c < kRowChains; ++c) mx[c] = -CUDART_INF_F;
 #pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) tmax = fmaxf(tmax, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+    for (int j = 0; j < kBlockN / 8; ++j) {
+      mx[j % kRowChains] = fmaxf(mx[j % kRowChains], fmaxf(s[j][2 * r], s[j][2 * r + 1]));
     }
-    tmax = quad_max(tmax);
+    const float tmax = quad_max(chains_max(mx));
     const float m_new = fmaxf(st.m[r], tmax);
     // Rows without a visible key so far keep m = -inf; subtract 0 so exp2 gives 0, not NaN.
     const float m_use = m_new == -CUDART_INF_F ? 0.0f : m_new;
     alpha[r] = fast_exp2(st.m[r] - m_use);
     st.m[r] = m_new;
-    float sum = 0.0f, pmax = 0.0f;
-    if constexpr (kOptTreeReduce) {
-      // Four independent chains (the serial 32-deep FADD chain dominated this loop's latency).
-      float ps[4] = {0.0f, 0.0f, 0.0f, 0.0f}, pm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float ps[kRowChains], pm[kRowChains];
 #pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
+    for (int c = 0; c < kRowChains; ++c) ps[c] = pm[c] = 0.0f;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p = fast_exp2(s[j][2 * r + e] - m_use);
-          s[j][2 * r + e] = p;
-          ps[j & 3] += p;
-          pm[j & 3] = fmaxf(pm[j & 3], p);
-        }
-      }
-      sum = (ps[0] + ps[1]) + (ps[2] + ps[3]);
-      pmax = fmaxf(fmaxf(pm[0], pm[1]), fmaxf(pm[2], pm[3]));
-    } else {
+    for (int j = 0; j < kBlockN / 8; ++j) {
 #pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p = fast_exp2(s[j][2 * r + e] - m_use);
-          s[j][2 * r + e] = p;
-          sum += p;
-          pmax = fmaxf(pmax, p);
-        }
+      for (int e = 0; e < 2; ++e) {
+        const float p = fast_exp2(s[j][2 * r + e] - m_use);
+        s[j][2 * r + e] = p;
+        ps[j % kRowChains] += p;
+        pm[j % kRowChains] = fmaxf(pm[j % kRowChains], p);
       }
     }
+    const float sum = chains_sum(ps);
+    float pmax = chains_max(pm);
     st.l[r] = st.l[r] * alpha[r] + sum;  // unquantized P~: the two-level factor cancels exactly
     if (mode == PQuantMode::kTwoLevel) {
       pmax = quad_max(pmax);

@@ -91,10 +91,9 @@ struct IO<DType::kBF16> {
   }
 };
 
-// Eight consecutive 16-bit elements (one 16-byte load) as fp32.
+// Eight 16-bit elements (one 16-byte word) as fp32.
 template <DType kDType>
-__device__ __forceinline__ void load8(const void* ptr, float (&x)[8]) {
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(ptr));
+__device__ __forceinline__ void raw_to_float8(const uint4& raw, float (&x)[8]) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -102,6 +101,12 @@ __device__ __forceinline__ void load8(const void* ptr, float (&x)[8]) {
     x[2 * i] = f.x;
     x[2 * i + 1] = f.y;
   }
+}
+
+// Eight consecutive 16-bit elements (one 16-byte load) as fp32.
+template <DType kDType>
+__device__ __forceinline__ void load8(const void* ptr, float (&x)[8]) {
+  raw_to_float8<kDType>(__ldg(reinterpret_cast<const uint4*>(ptr)), x);
 }
 
 }  // namespace sage_sm90

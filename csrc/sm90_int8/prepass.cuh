@@ -34,16 +34,6 @@ __device__ void quant_q_block(const PrepassParams& p, int blk);
 __device__ __forceinline__ uint4 load_raw8(const void* ptr) {
   return __ldg(reinterpret_cast<const uint4*>(ptr));
 }
-template <DType kDType>
-__device__ __forceinline__ void raw_to_float8(const uint4& raw, float (&x)[8]) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = IO<kDType>::to_float2(w[i]);
-    x[2 * i] = f.x;
-    x[2 * i + 1] = f.y;
-  }
-}
 
 // ---- stats ---------------------------------------------------------------------------------------
 template <int D>

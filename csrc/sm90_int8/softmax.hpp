@@ -187,16 +187,16 @@ struct OnlineSoftmax {
     pack_p_frag(s, p_frag);
   }
 
-  __device__ __forceinline__ void step_lean(const uint32_t (&s_int)[kN], float sk_tile,
-                                            const TileMask& mk, uint32_t (&p_frag)[16],
-                                            float (&alpha)[2]) {
-    constexpr float kBias = 12582912.f;          // 1.5 * 2^23
-    constexpr float kLog2Fp8Max = 8.8073549221f;  // log2(448)
-    float s[kN];  // bias + int score, exact (|int| < 2^22)
+  // Shared start of the lean steps: s = bias + int score (exact, |int| < 2^22), masks, row scale
+  // c and max; updates m and alpha. Returns off with x = s c - off = int c - m + log2_gain.
+  __device__ __forceinline__ void lean_scores(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
+                                              float log2_gain, float (&s)[kN], float (&c)[2], float (&off)[2],
+                                              float (&alpha)[2]) {
+    constexpr float kBias = 12582912.f;  // 1.5 * 2^23
 #pragma unroll
     for (int v = 0; v < kN; ++v) s[v] = __int_as_float(static_cast<int>(s_int[v]) + 0x4B400000);
     mk.apply(s);
-    float c[2], mx[2], off[2];
+    float mx[2];
     row_scale(sk_tile, c);
     tile_row_max(s, mx);
 #pragma unroll
@@ -206,9 +206,16 @@ struct OnlineSoftmax {
       const float muse = m_new == -INFINITY ? 0.f : m_new;
       alpha[h] = exp2_mufu(m[h] - muse);
       m[h] = m_new;
-      // x = (bias + s) c - off = s c - m + log2 448
-      off[h] = fmaf(kBias, c[h], muse - kLog2Fp8Max);
+      off[h] = fmaf(kBias, c[h], muse - log2_gain);
     }
+  }
+
+  __device__ __forceinline__ void step_lean(const uint32_t (&s_int)[kN], float sk_tile,
+                                            const TileMask& mk, uint32_t (&p_frag)[16],
+                                            float (&alpha)[2]) {
+    constexpr float kLog2Fp8Max = 8.8073549221f;  // log2(448): x = s c - m + log2 448
+    float s[kN], c[2], off[2];
+    lean_scores(s_int, sk_tile, mk, kLog2Fp8Max, s, c, off, alpha);
     float part_sum[2][kChains];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -245,23 +252,9 @@ struct OnlineSoftmax {
   __device__ __forceinline__ void step_lean_half(const uint32_t (&s_int)[kN], float sk_tile,
                                                  const TileMask& mk, uint32_t (&p_frag)[16],
                                                  float (&alpha)[2]) {
-    constexpr float kBias = 12582912.f;       // 1.5 * 2^23
     constexpr uint32_t k448x2 = 0x5F005F00u;  // 448 in both fp16 halves
-    float s[kN];  // bias + int score, exact (|int| < 2^22)
-#pragma unroll
-    for (int v = 0; v < kN; ++v) s[v] = __int_as_float(static_cast<int>(s_int[v]) + 0x4B400000);
-    mk.apply(s);
-    float c[2], mx[2], off[2];
-    row_scale(sk_tile, c);
-    tile_row_max(s, mx);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float m_new = fmaxf(m[h], (quad_max(mx[h]) - kBias) * c[h]);
-      const float muse = m_new == -INFINITY ? 0.f : m_new;
-      alpha[h] = exp2_mufu(m[h] - muse);
-      m[h] = m_new;
-      off[h] = fmaf(kBias, c[h], muse);  // x = (bias + s) c - off = s c - m <= 0
-    }
+    float s[kN], c[2], off[2];
+    lean_scores(s_int, sk_tile, mk, 0.f, s, c, off, alpha);  // x = s c - m <= 0
     // Pair j holds values 2j, 2j+1 (same row half (j & 1)), value 2j in the low half.
     uint32_t ph[kN / 2];
 #pragma unroll
