@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from sage_diffusers.kernels._contract import (check_qkv, in_layout_of, kernel_views, normalize_key_mask,
+from sage_diffusers.kernels._contract import (check_qkv, fake_out_lse, in_layout_of, kernel_views, normalize_key_mask,
                                               rows_aligned)
 
 
@@ -60,3 +60,12 @@ def test_kernel_views_and_layout_restore():
     assert in_layout_of(out, aligned, a) is out
     back = in_layout_of(out, ragged, r)
     assert back.stride() == torch.empty_like(ragged).stride() and torch.equal(back, out)
+
+
+def test_fake_out_lse_shapes():
+    """The custom ops' fake outputs: out like q (layout included), lse (B, H, Sq) float32 or (0,)."""
+    q = torch.randn(2, 5, 3, 64, dtype=torch.bfloat16).transpose(1, 2)  # (B, H, S, D) view of BSHD
+    out, lse = fake_out_lse(q, True)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride() == q.stride()
+    assert lse.shape == (2, 3, 5) and lse.dtype == torch.float32
+    assert fake_out_lse(q, False)[1].shape == (0,)

@@ -185,16 +185,9 @@ __device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t desc_b
                                          cute::GMMA::ScaleOut scale_d, std::index_sequence<I...>) {
   Mma::fma(a[0], a[1], a[2], a[3], desc_b, d[I / 4][I % 4]..., scale_d);
 }
-template <int N, int M>
-__device__ __forceinline__ void fence_regs(float (&d)[N][M]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-#pragma unroll
-    for (int e = 0; e < M; ++e) cute::warpgroup_fence_operand(d[i][e]);
-  }
-}
-template <int N, int M>
-__device__ __forceinline__ void fence_regs(uint32_t (&d)[N][M]) {
+// Accumulators (float) and A fragments (uint32_t) an in-flight wgmma uses stay in place.
+template <class E, int N, int M>
+__device__ __forceinline__ void fence_regs(E (&d)[N][M]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) {
 #pragma unroll

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from sage_diffusers.kernels import fp4
+from sage_diffusers.kernels._timing import pipelined_ms
 from sage_diffusers.reference import cosine, sage3_reference
 
 OPT = int(os.environ.get("SAGE_DIFFUSERS_FP4_OPT", "0"))
@@ -67,15 +68,7 @@ def check() -> dict:
 
 
 def _timeit(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return pipelined_ms(fn, iters, warmup=1)
 
 
 def timing(iters: int, with_cudnn: bool) -> dict:

@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
+from sage_diffusers.kernels._timing import pipelined_ms  # noqa: E402
 from sage_diffusers.reference import cosine, relative_l1, sage8_quantize, sage8_reference  # noqa: E402
 
 
@@ -82,26 +83,9 @@ def main() -> int:
         q, k, v = qkv(b, h, h, s, s, d)
         fn = lambda: int8_sm90.attention_int8_sm90(q, k, v, key_mask=None, is_causal=False, scale=None,
                                                    return_lse=False)
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            fn()
-        end.record()
-        end.synchronize()
-        ms = start.elapsed_time(end) / 10
+        ms = pipelined_ms(fn, 10, warmup=3)
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-            f2 = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)
-            for _ in range(3):
-                f2()
-            start.record()
-            for _ in range(10):
-                f2()
-            end.record()
-            end.synchronize()
-        ms2 = start.elapsed_time(end) / 10
+            ms2 = pipelined_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), 10, warmup=3)
         tops = 4 * b * h * s * s * d / (ms * 1e-3) / 1e12
         print(f"time {b}x{h}x{s}x{d}: ours {ms:.3f} ms ({tops:.0f} TOPS, prepass incl.), cuDNN bf16 {ms2:.3f} ms "
               f"-> {ms2 / ms:.2f}x", flush=True)

@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
+from sage_diffusers.kernels._timing import pipelined_ms  # noqa: E402
 from eval.bench_kernels import make_inputs  # noqa: E402  (the benchmark's inputs)
 from sage_diffusers.reference import cosine, sage8_reference  # noqa: E402
 
@@ -70,15 +71,7 @@ def time_ms(fn, reps):
 
 def time_pipelined_ms(fn, n=20):
     """Mean time of n back-to-back calls between two events (host work overlaps the GPU)."""
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / n
+    return pipelined_ms(fn, n, warmup=1)
 
 
 def main():

@@ -6,6 +6,12 @@ from typing import Optional, Sequence
 import torch
 
 
+def fake_out_lse(q: torch.Tensor, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Meta outputs of the kernels' custom ops: out like q, lse float32 (B, H, Sq) or empty (0,)."""
+    shape = (q.shape[0], q.shape[1], q.shape[2]) if return_lse else (0,)
+    return torch.empty_like(q), q.new_empty(shape, dtype=torch.float32)
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims: Sequence[int],
               unit_last_stride: bool = False) -> None:
     """Raise ValueError unless q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D) suit a kernel.

@@ -61,7 +61,7 @@ import torch
 
 from ..options import FP4Format, PQuant
 from . import _jit
-from ._contract import check_qkv, in_layout_of, kernel_views, normalize_key_mask
+from ._contract import check_qkv, fake_out_lse, in_layout_of, kernel_views, normalize_key_mask
 
 __all__ = ["attention_fp4", "prepass", "key_positions", "atom_gemm", "is_available", "build",
            "attention_atoms", "emu_gemms", "selftest", "benchmark", "ablation", "HEAD_DIMS", "Atom",
@@ -341,8 +341,7 @@ def _fp4_attention(
 
 @_fp4_attention.register_fake
 def _(q, k, v, key_mask, is_causal, scale, return_lse, p_quant, fmt, emu):
-    shape = (q.shape[0], q.shape[1], q.shape[2]) if return_lse else (0,)
-    return torch.empty_like(q), q.new_empty(shape, dtype=torch.float32)
+    return fake_out_lse(q, return_lse)
 
 
 def attention_fp4(
@@ -523,16 +522,10 @@ def benchmark(b=1, h=24, s=16384, d=128, dtype=torch.bfloat16, iters=20,
 
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(3))
 
+    from ._timing import pipelined_ms
+
     def timeit(fn):
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters
+        return pipelined_ms(fn, iters, warmup=3)
 
     fmt = FP4Format.parse(fmt)
     fp4_times = {}

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from . import _jit
-from ._contract import check_qkv, in_layout_of, kernel_views, normalize_key_mask
+from ._contract import check_qkv, fake_out_lse, in_layout_of, kernel_views, normalize_key_mask
 
 __all__ = ["attention_int8_sm90", "prepass", "is_available", "build", "compile_check",
            "HEAD_DIMS", "default_exp_poly_every", "set_exp_poly_every", "has_variant"]
@@ -160,9 +160,7 @@ def _int8_attention_sm90(
 
 @_int8_attention_sm90.register_fake
 def _(q, k, v, key_mask, is_causal, scale, return_lse, exp_poly_every):
-    out = torch.empty_like(q)
-    shape = (q.shape[0], q.shape[1], q.shape[2]) if return_lse else (0,)
-    return out, q.new_empty(shape, dtype=torch.float32)
+    return fake_out_lse(q, return_lse)
 
 
 def attention_int8_sm90(

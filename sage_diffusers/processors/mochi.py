@@ -73,21 +73,16 @@ class SageMochiAttnProcessor(SageProcessorMixin, MochiAttnProcessor2_0):
             (video (B, Sv, C), text (B, St, C_out)).
         """
         # (B, S, H*D) -> (B, S, H, D) throughout: the joint sequence is attended in BSHD layout.
-        query = attn.to_q(hidden_states).unflatten(2, (attn.heads, -1))
-        key = attn.to_k(hidden_states).unflatten(2, (attn.heads, -1))
-        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
+        def heads(proj, x, norm=None):  # (B, S, C) -> (B, S, H, D), normed when the module has one
+            y = proj(x).unflatten(2, (attn.heads, -1))
+            return y if norm is None else norm(y)
 
-        encoder_query = attn.add_q_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-        encoder_key = attn.add_k_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-        encoder_value = attn.add_v_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-        if attn.norm_added_q is not None:
-            encoder_query = attn.norm_added_q(encoder_query)
-        if attn.norm_added_k is not None:
-            encoder_key = attn.norm_added_k(encoder_key)
+        query = heads(attn.to_q, hidden_states, attn.norm_q)
+        key = heads(attn.to_k, hidden_states, attn.norm_k)
+        value = heads(attn.to_v, hidden_states)
+        encoder_query = heads(attn.add_q_proj, encoder_hidden_states, attn.norm_added_q)
+        encoder_key = heads(attn.add_k_proj, encoder_hidden_states, attn.norm_added_k)
+        encoder_value = heads(attn.add_v_proj, encoder_hidden_states)
 
         if image_rotary_emb is not None:
             query = _rotate(query, *image_rotary_emb)
