@@ -1,0 +1,60 @@
+"""The measured "auto" dispatch table: parsing, calibration override, the shape rule."""
+import json
+
+import pytest
+
+from sage_diffusers.kernels import auto_table
+
+
+def test_shipped_sm90_rules_cover_both_head_dims_and_masks():
+    rules = auto_table.rules_for((9, 0), None)
+    assert set(rules) == {(64, False), (64, True), (128, False), (128, True)}
+
+
+def test_unknown_gpu_has_no_rules_so_auto_keeps_sdpa():
+    assert auto_table.rules_for((8, 0), None) is None
+    assert not auto_table.kernel_is_faster(None, 128, False, 100_000, 100_000)
+
+
+def test_rule_needs_both_lengths_and_honours_never():
+    rules = {(128, False): 8192, (64, True): None}
+    assert auto_table.kernel_is_faster(rules, 128, False, 8192, 8192)
+    assert not auto_table.kernel_is_faster(rules, 128, False, 8191, 100_000)
+    assert not auto_table.kernel_is_faster(rules, 128, False, 100_000, 4096)  # short cross-attention
+    assert not auto_table.kernel_is_faster(rules, 64, True, 100_000, 100_000)
+    assert not auto_table.kernel_is_faster(rules, 96, False, 100_000, 100_000)  # class not measured
+
+
+def test_json_round_trip_and_bad_entries():
+    rules = {(128, False): 6144, (128, True): None, (64, False): 12288}
+    assert auto_table.rules_from_json(auto_table.rules_to_json(rules)) == rules
+    with pytest.raises(ValueError, match="bad class key"):
+        auto_table.rules_from_json({"128": 4096})
+    with pytest.raises(ValueError, match="bad entry"):
+        auto_table.rules_from_json({"d128_full": -1})
+    with pytest.raises(ValueError, match="bad entry"):
+        auto_table.rules_from_json({"d128_sideways": 4096})
+
+
+def test_calibration_file_overrides_shipped_table(tmp_path):
+    measured = {(128, False): 4096, (128, True): 4096, (64, False): None, (64, True): None}
+    (tmp_path / auto_table.TABLE_FILE).write_text(json.dumps(
+        {"sm_90": {"rules": auto_table.rules_to_json(measured), "gpu": "test"}}))
+    auto_table.rules_for.cache_clear()
+    try:
+        assert auto_table.rules_for((9, 0), str(tmp_path)) == measured
+        # another arch in the same folder falls back to what ships for it
+        assert auto_table.rules_for((12, 0), str(tmp_path)) is None
+    finally:
+        auto_table.rules_for.cache_clear()
+
+
+def test_corrupt_calibration_file_is_ignored_with_a_warning(tmp_path, caplog):
+    (tmp_path / auto_table.TABLE_FILE).write_text("{not json")
+    auto_table.rules_for.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="sage_diffusers"):
+            assert auto_table.rules_for((9, 0), str(tmp_path)) == dict(auto_table.SM90_RULES)
+        assert "ignoring calibration file" in caplog.text
+    finally:
+        auto_table.rules_for.cache_clear()
