@@ -1,0 +1,214 @@
+"""Every quantizer of sage_diffusers.reference, byte for byte against the independent encoders.
+
+``independent_quant`` is written from the format definitions with numpy and ml_dtypes only. Each test
+compares every storage byte (packed E2M1 nibbles, E4M3 / E8M0 block scales, INT8 codes, FP8 codes) and
+every float32 scale bit for bit, on inputs built to hit the edge cases of each format: both signs,
+exact ties, saturation, E4M3 subnormal and underflowing scales, float32 subnormals, zero blocks, and
+scales where ``x * (1/127)`` and IEEE ``x / 127`` differ in the last bit.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import independent_quant as ind
+from sage_diffusers.reference import (
+    e2m1_encode,
+    e4m3_round,
+    quantize_fp8_per_channel,
+    quantize_int8_per_block,
+    quantize_int8_per_token,
+    quantize_mxfp4,
+    quantize_nvfp4,
+)
+
+F32 = np.float32
+E2M1_MAGS = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=F32)
+E2M1_MIDS = (E2M1_MAGS[1:] + E2M1_MAGS[:-1]) / 2  # 0.25 ... 5.0: every E2M1 tie
+
+
+def _u8(t: torch.Tensor) -> np.ndarray:
+    """Storage bytes of a uint8 / float8 tensor."""
+    return t.contiguous().view(torch.uint8).numpy() if t.dtype != torch.uint8 else t.numpy()
+
+
+def _bits(t) -> np.ndarray:
+    a = t.numpy() if isinstance(t, torch.Tensor) else t
+    return np.ascontiguousarray(a, dtype=F32).view(np.uint32)
+
+
+def _assert_bytes_equal(ours: np.ndarray, theirs: np.ndarray, what: str):
+    bad = np.argwhere(ours != theirs)
+    assert ours.shape == theirs.shape, f"{what}: shape {ours.shape} vs {theirs.shape}"
+    assert bad.size == 0, f"{what}: {len(bad)} bytes differ, first at {bad[:3].tolist()}: ours {ours[tuple(bad[0])]}, independent {theirs[tuple(bad[0])]}"
+
+
+def _reciprocal_differs(amax: np.ndarray, c: float) -> np.ndarray:
+    """Where amax * (1/c) and IEEE amax / c differ in float32 (the mutant the tests must see)."""
+    return (amax * F32(1.0 / c)).astype(F32) != (amax / F32(c)).astype(F32)
+
+
+# ---- element formats, exhaustively over every finite float16 and bfloat16 value -------------------
+def _all_half_values() -> np.ndarray:
+    h = np.arange(0, 0x10000, dtype=np.uint16)
+    f16 = h.view(np.float16).astype(F32)
+    bf16 = (h.astype(np.uint32) << 16).view(F32)
+    x = np.concatenate([f16, bf16])
+    return x[np.isfinite(x)]
+
+
+def test_e2m1_encode_every_half_value():
+    x = _all_half_values()
+    _assert_bytes_equal(e2m1_encode(torch.from_numpy(x)).numpy(), ind.e2m1_codes(x), "E2M1 codes")
+
+
+def test_e4m3_round_every_half_value():
+    x = _all_half_values()
+    _assert_bytes_equal(_u8(e4m3_round(torch.from_numpy(x))), ind.e4m3_bytes(x), "E4M3 bytes")
+
+
+# ---- FP4 block formats -----------------------------------------------------------------------------
+def _fp4_edge_blocks(block: int, fmt: str) -> np.ndarray:
+    """Rows of ``block`` values, each row one edge case (both signs everywhere)."""
+    rows = []
+    # scales of the block: E4M3-exact for NVFP4 (normal, subnormal, max) / powers of two for MXFP4
+    bases = [1.0, 0.5, 2.0**-9, 2.0**-7 * 1.5, 448.0, 3.0] if fmt == "nv" else [1.0, 2.0**-20, 2.0**60, 2.0**-126, 0.25]
+    for base in bases:
+        # the block max maps exactly to 6 (scale = base); every other element is an exact E2M1 tie
+        vals = np.resize(np.concatenate([E2M1_MIDS, -E2M1_MIDS, E2M1_MAGS, -E2M1_MAGS]), block - 1)
+        rows.append(np.concatenate([[6.0], vals]) * base)
+        rows.append(-rows[-1])
+    rows.append(np.zeros(block))  # zero block: scale 0 / exponent byte 0, codes 0, never NaN
+    rows.append(-np.zeros(block))  # negative zeros
+    one = np.zeros(block)
+    one[block // 2] = -3.0  # a single non-zero of either sign
+    rows.append(one)
+    rows.append(np.full(block, 1e-4))  # NVFP4: absmax / 6 below E4M3's subnormals -> scale 0
+    rows.append(np.full(block, 6 * 2.0**-10))  # NVFP4: absmax / 6 = 2**-10, the tie between 0 and 2**-9
+    rows.append(np.linspace(-1e4, 3e4, block))  # NVFP4: scale saturates at 448, codes saturate at +-6
+    rows.append(np.linspace(-7.5, 7.5, block))  # MXFP4: amax 7.5 -> exponent 0, 7.5 and 6.5 saturate
+    rows.append(np.linspace(-1e-40, 3e-40, block))  # float32 subnormal inputs
+    rows.append(np.linspace(1e38, -3e38, block))  # near float32 max
+    # E4M3 scale ties: absmax / 6 exactly halfway between two E4M3 values
+    for mid in (1.0625, 2.0**-8 * 1.0625, 200.0, 2.0**-9 * 1.5):
+        r = np.linspace(-1, 1, block) * 6 * mid
+        rows.append(r)
+    return np.stack(rows).astype(F32)
+
+
+def _random_blocks(n_rows: int, width: int, seed: int) -> np.ndarray:
+    """Gaussian rows with a per-row magnitude from 1e-6 to 1e6 and a few outliers."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n_rows, width)) * 10.0 ** rng.uniform(-6, 6, (n_rows, 1))
+    x[rng.random(x.shape) < 0.01] *= 50
+    return x.astype(F32)
+
+
+QUANT_FP4 = {"nvfp4": (quantize_nvfp4, ind.nvfp4, ind.NV_BLOCK, "nv"), "mxfp4": (quantize_mxfp4, ind.mxfp4, ind.MX_BLOCK, "mx")}
+
+
+@pytest.mark.parametrize("fmt", list(QUANT_FP4))
+@pytest.mark.parametrize("suite", ["edges", "random"])
+def test_fp4_every_storage_byte(fmt, suite):
+    quant, independent, block, tag = QUANT_FP4[fmt]
+    if suite == "edges":
+        x = np.concatenate([_fp4_edge_blocks(block, "nv"), _fp4_edge_blocks(block, "mx")])
+        x = np.tile(x, (1, 2))  # two blocks per row: the scales of neighbouring blocks are independent
+    else:
+        x = _random_blocks(512, 4 * block, seed=3)
+    packed, scales = quant(torch.from_numpy(x))
+    want_packed, want_scales = independent(x)
+    _assert_bytes_equal(_u8(packed), want_packed, f"{fmt} packed codes")
+    _assert_bytes_equal(_u8(scales), want_scales, f"{fmt} block scales")
+
+
+@pytest.mark.parametrize("fmt", list(QUANT_FP4))
+def test_fp4_quantized_dim_moves_the_same_bytes(fmt):
+    """Quantizing along a middle dim stores exactly the bytes of quantizing its transpose along the last."""
+    quant, independent, block, _ = QUANT_FP4[fmt]
+    x = _random_blocks(6 * 2 * block, 24, seed=4).reshape(6, 2 * block, 24)
+    packed, scales = quant(torch.from_numpy(x), dim=1)
+    want_packed, want_scales = independent(np.ascontiguousarray(x.transpose(0, 2, 1)))
+    _assert_bytes_equal(_u8(packed.transpose(1, 2)), want_packed, f"{fmt} packed, dim=1")
+    _assert_bytes_equal(_u8(scales.transpose(1, 2)), want_scales, f"{fmt} scales, dim=1")
+
+
+def test_edge_blocks_hit_what_they_claim():
+    """The edge suite really contains ties, saturation and subnormal / zero scales (else it proves nothing)."""
+    x = _fp4_edge_blocks(ind.NV_BLOCK, "nv")
+    _, scale_bits = ind.nvfp4(x)
+    scale = ind.e4m3_value(scale_bits)[:, 0]
+    assert (scale == 0).any() and ((scale > 0) & (scale < 2.0**-6)).any() and (scale == 448).any()
+    ratio = np.abs(x) / np.where(scale > 0, scale, 1)[:, None]
+    assert np.isin(ratio, E2M1_MIDS).sum() > 50 and (ratio > 6).any()
+
+
+# ---- INT8 and FP8 ----------------------------------------------------------------------------------
+def _int8_rows(seed: int, batch: int = 4) -> np.ndarray:
+    """[batch, 300, 64]: random tokens at many magnitudes, zero tokens, exact .5 ties (scale 1)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, 300, 64)) * 10.0 ** rng.uniform(-5, 5, (batch, 300, 1))
+    x[0, 7] = 0.0
+    ties = np.resize(np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 63.5]), 63)
+    x[1, 11] = np.concatenate([[127.0], ties])  # scale exactly 1: every .5 is a tie
+    x[2, 128:256] = 0.0  # a whole zero block for the per-block scales
+    x[3, 299, 0] = 1e30  # one huge value
+    return x.astype(F32)
+
+
+def test_int8_per_token_codes_and_scales():
+    x = _int8_rows(5)
+    q, s = quantize_int8_per_token(torch.from_numpy(x))
+    want_q, want_s = ind.int8_per_token(x)
+    assert np.array_equal(_bits(s), _bits(want_s)), "INT8 per-token scales (IEEE absmax / 127)"
+    assert np.array_equal(q.numpy(), want_q), "INT8 per-token codes"
+    assert _reciprocal_differs(np.abs(x).max(-1), 127.0).sum() > 10, "inputs must expose x * (1/127)"
+
+
+@pytest.mark.parametrize("block", [128, 64])
+def test_int8_per_block_codes_and_scales(block):
+    x = _int8_rows(6, batch=48)
+    q, s = quantize_int8_per_block(torch.from_numpy(x), block)
+    want_q, want_s = ind.int8_per_block(x, block)
+    assert s.shape == want_s.shape and np.array_equal(_bits(s), _bits(want_s)), "INT8 block scales, the short last block included"
+    assert np.array_equal(q.numpy(), want_q), "INT8 per-block codes"
+    amax = np.stack([np.abs(x[:, i:i + block]).max((-1, -2)) for i in range(0, x.shape[1], block)], -1)
+    assert _reciprocal_differs(amax, 127.0).sum() > 5, "inputs must expose x * (1/127)"
+
+
+def test_int8_scale_division_is_ieee_on_purpose_built_values():
+    """Absmaxes where amax * (1/127) is one ulp off amax / 127: the scale and the codes must be IEEE's."""
+    cand = (np.arange(1, 20000, dtype=F32) * F32(0.013)).astype(F32)
+    amax = cand[_reciprocal_differs(cand, 127.0)][:64]
+    assert amax.size == 64
+    x = np.zeros((64, 32), F32)
+    x[:, 0] = amax
+    x[:, 1:] = amax[:, None] * np.linspace(-1, 1, 31, dtype=F32)
+    q, s = quantize_int8_per_token(torch.from_numpy(x))
+    assert np.array_equal(_bits(s), _bits(amax / F32(127))), "scale must be IEEE amax / 127"
+    assert np.array_equal(q.numpy(), ind.int8_per_token(x)[0])
+
+
+def test_fp8_per_channel_codes_and_scales():
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((3, 200, 48)) * 10.0 ** rng.uniform(-6, 6, (3, 1, 48))).astype(F32)
+    x[0, :, 5] = 0.0  # a zero channel: scale 0, codes 0
+    x[1, :, 6] = np.linspace(-448, 448, 200)  # scale exactly 1: the codes are E4M3 of the inputs
+    x[2, :, 7] = 1e-38  # subnormal-adjacent scale
+    q, s = quantize_fp8_per_channel(torch.from_numpy(x))
+    want_q, want_s = ind.fp8_per_channel(x)
+    assert np.array_equal(_bits(s), _bits(want_s)), "FP8 per-channel scales (IEEE absmax / 448)"
+    _assert_bytes_equal(_u8(q), want_q, "FP8 codes")
+    assert _reciprocal_differs(np.abs(x).max(-2).ravel(), 448.0).any(), "inputs must expose x * (1/448)"
+
+
+def test_independent_encoders_agree_with_ml_dtypes_decoding():
+    """Sanity of the independent side itself: decode(encode(x)) is ml_dtypes' own rounding of x / scale."""
+    x = _random_blocks(64, 64, seed=8)
+    packed, sb = ind.nvfp4(x)
+    scale = np.repeat(ind.e4m3_value(sb), ind.NV_BLOCK, -1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want = np.where(scale > 0, np.clip(x / scale, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(F32) * scale, 0)
+    np.testing.assert_array_equal(ind.nvfp4_decode(packed, sb), want)
