@@ -2,33 +2,101 @@
 
 The cache key covers everything that changes the binary: the bytes of every source and header
 under the kernel's folder, the target arch flags, the torch and CUDA versions. A second process
-that races the first waits on the lock, then finds the finished build and only loads it.
+that races the first waits on the lock (``filelock``: works on Linux, macOS and Windows), then
+finds the finished build and only loads it. The first build says on stderr what it builds and
+roughly how long that takes, and keeps saying it is still busy, instead of minutes of silence.
+
+Where the sources live: ``csrc/`` of a checkout (editable installs), or ``sage_diffusers/_csrc``
+inside an installed wheel (``setup.py`` copies ``csrc/`` there when it builds a wheel).
 """
 from __future__ import annotations
 
-import fcntl
+import contextlib
+import contextvars
 import hashlib
 import importlib.util
+import math
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 from types import ModuleType
-from typing import Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence, TextIO, Union
 
+import filelock
 import torch
 
-REPO_CSRC = Path(__file__).resolve().parents[2] / "csrc"
+_PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # .../sage_diffusers
+CHECKOUT_CSRC = _PACKAGE_ROOT.parent / "csrc"  # the source of truth in a checkout
+PACKAGED_CSRC = _PACKAGE_ROOT / "_csrc"  # the copy a wheel carries (setup.py's build_py)
+KERNEL_FOLDERS = ("fp4", "sm90_int8")  # one folder per kernel module under csrc/
+HASHED_SUFFIXES = frozenset({".cu", ".cuh", ".h", ".hpp", ".cpp", ".inc"})
+# One nvcc translation unit of these kernels (CUTLASS/CuTe templates, one head dim x dtype
+# instantiation) takes about this long on one core of a 2024 server CPU; ninja runs
+# ~cpu_count of them at once. Only used for the "roughly how long" line of the first build.
+_SECONDS_PER_CUDA_FILE = 90.0
+_HEARTBEAT_SECONDS = 30.0
 _loaded: dict[str, ModuleType] = {}
 
 
+class BuildInfo(NamedTuple):
+    """What :func:`load_extension` would build, returned instead of building under :func:`dry_run`."""
+
+    name: str  # extension module name
+    key: str  # name-digest: the cache folder name, changes with every input of the binary
+    build_dir: Path
+    built: bool  # the compiled module is already in the cache
+    cuda_files: int  # translation units nvcc compiles on a cold build
+
+
+_dry_run: contextvars.ContextVar[bool] = contextvars.ContextVar("sage_diffusers_jit_dry_run", default=False)
+
+
+@contextlib.contextmanager
+def dry_run() -> Iterator[None]:
+    """Inside this context :func:`load_extension` returns a :class:`BuildInfo` and builds nothing.
+
+    Lets tools ask a kernel module's own ``build()`` which cache entry it would use (``doctor``,
+    the self-check's kernel hash) without repeating its sources and flags.
+    """
+    token = _dry_run.set(True)
+    try:
+        yield
+    finally:
+        _dry_run.reset(token)
+
+
+def build_info(build: Callable[[], object]) -> BuildInfo:
+    """The :class:`BuildInfo` of one kernel module's ``build`` function, without building."""
+    with dry_run():
+        info = build()
+    if not isinstance(info, BuildInfo):
+        raise TypeError(f"{build!r} did not go through _jit.load_extension")
+    return info
+
+
+def _is_checkout() -> bool:
+    return (_PACKAGE_ROOT.parent / "pyproject.toml").is_file() and CHECKOUT_CSRC.is_dir()
+
+
 def csrc_dir() -> Path:
-    """Folder that holds the kernel sources (``csrc/`` of the checkout or the installed copy)."""
+    """Folder that holds the kernel sources.
+
+    ``$SAGE_DIFFUSERS_CSRC`` if set; else ``csrc/`` when running from a checkout (editable
+    install, source tree on ``sys.path``); else the copy an installed wheel carries in
+    ``sage_diffusers/_csrc``.
+    """
     env = os.environ.get("SAGE_DIFFUSERS_CSRC")
     if env:
         return Path(env)
-    if REPO_CSRC.is_dir():
-        return REPO_CSRC
-    return Path(__file__).resolve().parent / "csrc"  # installed wheel ships a copy here
+    return CHECKOUT_CSRC if _is_checkout() else PACKAGED_CSRC
+
+
+def missing_kernel_sources(root: Path | None = None) -> list[str]:
+    """Kernel folders under ``root`` (default :func:`csrc_dir`) that hold no CUDA source: [] if complete."""
+    root = csrc_dir() if root is None else root
+    return [name for name in KERNEL_FOLDERS if not any((root / name).glob("*.cu"))]
 
 
 def cutlass_include() -> Path:
@@ -49,6 +117,7 @@ def cutlass_include() -> Path:
 
 
 def cache_root() -> Path:
+    """JIT cache folder: ``$SAGE_DIFFUSERS_CACHE/jit``, else ``$XDG_CACHE_HOME`` or ``~/.cache``, ``/sage_diffusers/jit``."""
     env = os.environ.get("SAGE_DIFFUSERS_CACHE")
     base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return (base if env else base / "sage_diffusers") / "jit"
@@ -66,6 +135,64 @@ def _source_digest(files: Sequence[Path], flags: Sequence[str]) -> str:
     return h.hexdigest()[:16]
 
 
+def _library_path(build_dir: Path, name: str) -> Path:
+    from torch.utils import cpp_extension
+
+    return build_dir / f"{name}{getattr(cpp_extension, 'LIB_EXT', '.so')}"
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, what: str, stream: TextIO | None = None) -> Iterator[None]:
+    """Hold the cross-process lock of one cache entry; say so when another process holds it."""
+    stream = sys.stderr if stream is None else stream
+    lock = filelock.FileLock(str(build_dir / ".lock"))
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        print(f"sage_diffusers: waiting for another process that is building {what} ({build_dir})",
+              file=stream, flush=True)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _build_estimate(cuda_files: int) -> str:
+    jobs = int(os.environ.get("MAX_JOBS") or (os.cpu_count() or 1))
+    seconds = math.ceil(max(cuda_files, 1) / max(jobs, 1)) * _SECONDS_PER_CUDA_FILE
+    minutes = max(1, round(seconds / 60))
+    return f"about {minutes} min with {jobs} parallel job{'s' if jobs > 1 else ''}"
+
+
+@contextlib.contextmanager
+def build_progress(name: str, cuda_files: int, build_dir: Path, stream: TextIO | None = None,
+                   heartbeat_s: float = _HEARTBEAT_SECONDS) -> Iterator[None]:
+    """Console lines for a cold build: what, roughly how long, still busy every ``heartbeat_s``, done."""
+    stream = sys.stderr if stream is None else stream
+    print(f"sage_diffusers: first use: compiling {name} ({cuda_files} CUDA files, "
+          f"{_build_estimate(cuda_files)}; later runs load it from {build_dir})", file=stream, flush=True)
+    start = time.monotonic()
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(heartbeat_s):
+            print(f"sage_diffusers: still compiling {name} ({time.monotonic() - start:.0f} s so far)",
+                  file=stream, flush=True)
+
+    thread = threading.Thread(target=beat, name="sage_diffusers-jit-heartbeat", daemon=True)
+    thread.start()
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        done.set()
+        thread.join()
+        status = "built" if ok else "build FAILED"
+        print(f"sage_diffusers: {status} {name} in {time.monotonic() - start:.0f} s", file=stream, flush=True)
+
+
 def load_extension(
     name: str,
     sources: Sequence[Path],
@@ -74,7 +201,7 @@ def load_extension(
     extra_cflags: Sequence[str] = (),
     extra_include_paths: Sequence[Path] = (),
     verbose: bool = False,
-) -> ModuleType:
+) -> Union[ModuleType, BuildInfo]:
     """Compile (once) and import a torch C++/CUDA extension.
 
     Parameters
@@ -83,31 +210,40 @@ def load_extension(
     sources : .cpp/.cu files to compile. Every file beside them (headers included) is hashed,
         so editing a header rebuilds.
     extra_cuda_cflags : nvcc flags, e.g. ``["-gencode=arch=compute_90a,code=sm_90a"]``.
-    """
-    if name in _loaded:
-        return _loaded[name]
-    from torch.utils import cpp_extension
 
+    Returns
+    -------
+    The loaded module; a :class:`BuildInfo` instead (nothing built) inside :func:`dry_run`.
+    """
+    if name in _loaded and not _dry_run.get():
+        return _loaded[name]
     sources = [Path(s) for s in sources]
     hashed: list[Path] = []
     for folder in {s.parent for s in sources}:
-        hashed += [p for p in folder.rglob("*") if p.suffix in {".cu", ".cuh", ".h", ".hpp", ".cpp", ".inc"}]
+        hashed += [p for p in folder.rglob("*") if p.suffix in HASHED_SUFFIXES]
     flags = list(extra_cuda_cflags) + ["|"] + list(extra_cflags)
     key = f"{name}-{_source_digest(hashed, flags)}"
     build_dir = cache_root() / key
+    cuda_files = sum(s.suffix == ".cu" for s in sources)
+    if _dry_run.get():
+        return BuildInfo(name, key, build_dir, _library_path(build_dir, name).is_file(), cuda_files)
+    from torch.utils import cpp_extension
+
     build_dir.mkdir(parents=True, exist_ok=True)
     includes = [str(p) for p in extra_include_paths] + [str(cutlass_include())]
-    with open(build_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per key; others wait, then just load
-        module = cpp_extension.load(
-            name=name,
-            sources=[str(s) for s in sources],
-            # No -std here: torch picks the standard its headers need (C++20 from torch 2.10 on).
-            extra_cuda_cflags=["-O3", *extra_cuda_cflags],
-            extra_cflags=["-O3", *extra_cflags],
-            extra_include_paths=includes,
-            build_directory=str(build_dir),
-            verbose=verbose,
-        )
+    with build_lock(build_dir, name):  # one builder per key; others wait, then just load
+        cold = not _library_path(build_dir, name).is_file()
+        progress = build_progress(name, cuda_files, build_dir) if cold else contextlib.nullcontext()
+        with progress:
+            module = cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in sources],
+                # No -std here: torch picks the standard its headers need (C++20 from torch 2.10 on).
+                extra_cuda_cflags=["-O3", *extra_cuda_cflags],
+                extra_cflags=["-O3", *extra_cflags],
+                extra_include_paths=includes,
+                build_directory=str(build_dir),
+                verbose=verbose,
+            )
     _loaded[name] = module
     return module
