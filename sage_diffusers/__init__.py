@@ -7,12 +7,13 @@ which calls could not take the requested path and why.
 from ._fallback import fallback_stats, reset_fallback_stats
 from .api import attention
 from .options import FP4Format, Layout, Mode, PQuant
+from .sagebwd import sagebwd
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FP4Format", "Layout", "Mode", "PQuant", "__version__", "attention", "disable", "enable",
-    "fallback_stats", "reset_fallback_stats",
+    "fallback_stats", "reset_fallback_stats", "sagebwd",
 ]
 
 _LAZY = {"enable", "disable"}  # need diffusers: imported on first use, not with the package

@@ -1,0 +1,154 @@
+"""SageBwd: trainable INT8 attention (forward and backward quantized), as a ``torch.autograd.Function``.
+
+:func:`sagebwd` is the public entry point; ``sage_diffusers.attention(..., mode="int8")`` routes
+here whenever autograd will need gradients. On CUDA the Triton kernels of
+``sage_diffusers.kernels.sagebwd_triton`` run; elsewhere the torch reference
+(``sage_diffusers.reference.sagebwd``), which computes the same quantized operands bit for bit.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import torch
+
+from . import _fallback
+from .options import Layout
+from .reference import sagebwd as ref
+from .reference.sagebwd import DoVPrecision, PVPrecision, SageBwdState
+
+SUPPORTED_HEAD_DIMS = ref.SUPPORTED_HEAD_DIMS
+_NATIVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class Impl(enum.Enum):
+    """Which implementation computes the quantized forward and backward."""
+
+    REFERENCE = "reference"  # plain torch, any device
+    TRITON = "triton"  # the Triton kernels (CUDA, or the CPU interpreter under TRITON_INTERPRET=1)
+
+
+def _impl_module(impl: Impl):
+    if impl is Impl.TRITON:
+        from .kernels import sagebwd_triton
+
+        return sagebwd_triton
+    return ref
+
+
+def default_impl(device: torch.device) -> Impl:
+    """Triton on CUDA when it imports, the torch reference otherwise."""
+    if device.type == "cuda":
+        from .kernels import sagebwd_triton
+
+        ok, why = sagebwd_triton.is_available()
+        if ok:
+            return Impl.TRITON
+        _fallback.record(f"sagebwd: Triton kernels unavailable ({why})", ran="the torch reference")
+    return Impl.REFERENCE
+
+
+class SageBwdFunction(torch.autograd.Function):
+    """Autograd function over BHSD tensors; see :func:`sagebwd` for the arguments."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_mask, is_causal: bool, scale: float, dov: DoVPrecision, impl: Impl):
+        module = _impl_module(impl)
+        state = module.sagebwd_forward(q, k, v, key_mask, is_causal, scale, PVPrecision.INT8)
+        ctx.is_causal, ctx.scale, ctx.dov, ctx.impl = is_causal, scale, dov, impl
+        ctx.has_mask = key_mask is not None
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        extra = (key_mask,) if key_mask is not None else ()
+        ctx.save_for_backward(*state, *extra)
+        return state.out
+
+    @staticmethod
+    def backward(ctx, do):
+        saved = ctx.saved_tensors
+        n = len(SageBwdState._fields)
+        state = SageBwdState(*saved[:n])
+        key_mask = saved[n] if ctx.has_mask else None
+        module = _impl_module(ctx.impl)
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        dq, dk, dv = module.sagebwd_backward(
+            do.contiguous(), state, key_mask, ctx.is_causal, ctx.scale, ctx.dov,
+        )
+        tq, tk, tv = ctx.dtypes
+        return (dq.to(tq) if need_q else None, dk.to(tk) if need_k else None,
+                dv.to(tv) if need_v else None, None, None, None, None, None)
+
+
+def _fallback_reason(q: torch.Tensor, d: int, dv: int, general_mask: bool) -> Optional[str]:
+    if q.dtype not in _NATIVE_DTYPES:
+        return f"dtype {q.dtype} (supported: float16, bfloat16, float32)"
+    if d not in SUPPORTED_HEAD_DIMS:
+        return f"head dim {d} (supported: {SUPPORTED_HEAD_DIMS})"
+    if dv != d:
+        return f"value head dim {dv} differs from query head dim {d}"
+    if general_mask:
+        return "attn_mask is not a key-padding mask (only bool (B, Skv) / (B, 1, 1, Skv) run natively)"
+    return None
+
+
+def sagebwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    *,
+    key_mask: Optional[torch.Tensor] = None,
+    layout: "str | Layout" = "BHSD",
+    dov: "str | DoVPrecision" = "fp16",
+    impl: "Impl | None" = None,
+) -> torch.Tensor:
+    """Trainable INT8 attention (SageBwd): quantized forward and backward.
+
+    Parameters
+    ----------
+    q : (B, Hq, Sq, D) for layout "BHSD", (B, Sq, Hq, D) for "BSHD"; float16, bfloat16 or float32
+        (float32 is quantized directly; its 16-bit products run in bfloat16).
+    k, v : (B, Hkv, Skv, D) or (B, Skv, Hkv, D); Hq a multiple of Hkv (grouped-query attention).
+    attn_mask : as torch SDPA; a bool key-padding mask ((B, Skv) or (B, 1, 1, Skv), True = attend)
+        runs natively, any other mask runs SDPA (forward and backward) with a counted reason.
+    is_causal : query i sees keys j <= i (top-left aligned, as torch SDPA).
+    scale : softmax scale, default 1/sqrt(D).
+    key_mask : bool (B, Skv), True = attended; combined with a key-padding ``attn_mask`` by AND.
+    layout : "BHSD" or "BSHD"; the output uses the same layout.
+    dov : precision of the backward's dP = dO.V^T: "fp16" (16-bit operands, the default) or
+        "int8" (the paper's ablation, less accurate).
+    impl : force an implementation; default Triton on CUDA, the torch reference elsewhere.
+
+    Returns
+    -------
+    out : like q (dtype and layout); rows with no visible key are 0 and get zero gradients.
+
+    Head dims other than 32/64/128 (and float64, or value head dims that differ) run SDPA's
+    forward and backward, counted in :func:`sage_diffusers.fallback_stats` with the reason.
+    """
+    from . import api  # the shared argument checks; imported here because api routes to this module
+
+    layout = Layout.parse(layout)
+    dov = DoVPrecision.parse(dov)
+    qh, kh, vh = api._to_bhsd(q, k, v, layout)
+    b, hq, sq, d = qh.shape
+    skv, dv = kh.shape[2], vh.shape[3]
+    scale_f = api._check_scale(scale, d)
+    mask_keys, general_mask = api._split_mask(attn_mask, b, hq, sq, skv, q.device)
+    if key_mask is not None:
+        if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (b, skv):
+            raise ValueError(f"key_mask: expected bool (B, Skv) = ({b}, {skv}), got {key_mask.dtype} "
+                             f"{tuple(key_mask.shape)}")
+        if key_mask.device != q.device:
+            raise ValueError(f"key_mask: expected device {q.device}, got {key_mask.device}")
+        mask_keys = key_mask if mask_keys is None else mask_keys & key_mask
+    reason = _fallback_reason(q, d, dv, general_mask is not None)
+    if reason is not None:
+        _fallback.record(f"sagebwd: {reason}")
+        out, _ = api._sdpa(qh, kh, vh, mask_keys, general_mask, is_causal, scale_f, False)
+    else:
+        impl = default_impl(q.device) if impl is None else impl
+        out = SageBwdFunction.apply(qh, kh, vh, mask_keys, bool(is_causal), scale_f, dov, impl)
+    out = out.to(q.dtype)
+    return out.transpose(1, 2) if layout is Layout.BSHD else out
