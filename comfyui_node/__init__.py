@@ -9,9 +9,16 @@ Load it either way:
 
 With ``comfy_api.latest`` available the mapping holds the V3 node (it also serves the V1 loader,
 which is the path ComfyUI takes when ``NODE_CLASS_MAPPINGS`` exists); otherwise the legacy node.
+
+One module identity: ComfyUI imports a ``custom_nodes`` folder under the folder's own name. Run
+that way, this file only re-exports the package imported as ``comfyui_node`` (the pip-installed
+one, else this folder under that name), so counters, the step state and the node classes exist
+once per process however the node was installed.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -40,33 +47,36 @@ def _ensure_sage_diffusers() -> None:
 
 _ensure_sage_diffusers()
 
-from . import node_spec  # noqa: E402
-from .nodes_legacy import SageDiffusersAttentionLegacy  # noqa: E402
-from .patch import patch_model  # noqa: E402
-from .stats import GLOBAL_STATS  # noqa: E402
+CANONICAL_NAME = "comfyui_node"
 
-try:
-    import comfy_api.latest  # noqa: F401  (only to learn whether this ComfyUI has the V3 API)
-except ImportError:
-    HAS_V3 = False
+
+def _canonical_package():
+    """The package as ``comfyui_node``: installed (or on sys.path), else this folder under that name."""
+    try:
+        return importlib.import_module(CANONICAL_NAME)
+    except ImportError:
+        pass
+    folder = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location(CANONICAL_NAME, os.path.join(folder, "__init__.py"),
+                                                  submodule_search_locations=[folder])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[CANONICAL_NAME] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[CANONICAL_NAME]
+        raise
+    return module
+
+
+if __name__ != CANONICAL_NAME:
+    # Loaded by ComfyUI from custom_nodes/<folder>: hand out the one canonical package's objects.
+    _package = _canonical_package()
+    if os.path.realpath(os.path.dirname(_package.__file__)) != os.path.realpath(os.path.dirname(__file__)):
+        logger.info("sage_diffusers[comfyui] %s re-exports the installed comfyui_node from %s", __name__,
+                    os.path.dirname(_package.__file__))
+    globals().update({name: getattr(_package, name) for name in _package.__all__})
+    __all__ = list(_package.__all__)
 else:
-    HAS_V3 = True
-
-if HAS_V3:
-    from .nodes_v3 import SageDiffusersAttention, SageDiffusersExtension, comfy_entrypoint  # noqa: E402
-
-    NODE_CLASS_MAPPINGS = {node_spec.NODE_ID: SageDiffusersAttention}
-else:
-    NODE_CLASS_MAPPINGS = {node_spec.NODE_ID: SageDiffusersAttentionLegacy}
-NODE_DISPLAY_NAME_MAPPINGS = {node_spec.NODE_ID: node_spec.DISPLAY_NAME}
-
-
-def attention_stats():
-    """Process-wide counters of every patched model (a :class:`~comfyui_node.stats.StatsSnapshot`)."""
-    return GLOBAL_STATS.snapshot()
-
-
-__all__ = [
-    "HAS_V3", "NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "SageDiffusersAttentionLegacy",
-    "attention_stats", "patch_model",
-] + (["SageDiffusersAttention", "SageDiffusersExtension", "comfy_entrypoint"] if HAS_V3 else [])
+    from ._package import *  # noqa: F401,F403,E402
+    from ._package import __all__  # noqa: F401,E402

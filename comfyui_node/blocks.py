@@ -1,11 +1,16 @@
-"""Strict parser for the node's block selection string, e.g. ``"0-3,10"``.
+"""Which transformer block each attention call belongs to, and the node's ``blocks`` selection.
 
-A "block" here is the position of an attention call within one forward pass of the diffusion
-model, counted from 0 in execution order. ComfyUI's DiTs do not publish a block index to the
-attention function, so the call order is the only index that works for every model. For models
-with one attention call per transformer block (Flux double then single blocks, SD3 joint blocks,
-Mochi, HunyuanVideo after its token refiner) it equals the block index; Wan calls attention twice
-per block (self, then cross), so block i is calls 2i and 2i+1 there.
+The selection (a strict string such as ``"0-3,10"``) names transformer blocks, counted from 0:
+double-stream blocks first, then single-stream blocks (Flux, Chroma, HunyuanVideo), as a model
+runs them. The block of a call is found, in this order:
+
+1. from ComfyUI itself: current releases (0.38.x) put ``block_index`` (within its kind),
+   ``block_type`` ("double" / "single") and ``total_blocks`` (blocks of that kind) into
+   ``transformer_options`` before each block;
+2. from the model's structure read at patch time (:mod:`comfyui_node.model_layout`), for models
+   whose blocks make more than one call: SD3.5 MMDiT-X blocks (``x_block_self_attn``: joint then
+   self attention), Wan (self then cross attention; i2v adds an image cross-attention);
+3. otherwise from the call order, one call per block (Flux, SD3, Mochi on 0.3.x).
 
 This module must not import ComfyUI.
 """
@@ -13,7 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 # One item: a non-negative integer or an inclusive range "a-b"; spaces allowed around tokens.
 _ITEM = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
@@ -22,9 +27,9 @@ MAX_INDEX = 1_000_000  # far above any model's attention calls per forward; catc
 
 @dataclass(frozen=True)
 class BlockSelection:
-    """Which attention calls (by position in the forward pass) the node may replace.
+    """Which transformer blocks the node may replace.
 
-    ``indices`` is None for "all calls".
+    ``indices`` is None for "all blocks".
     """
 
     indices: Optional[frozenset] = None
@@ -86,3 +91,53 @@ def validate_blocks(text: str) -> "bool | str":
     except ValueError as exc:
         return str(exc)
     return True
+
+
+# transformer_options keys ComfyUI 0.38+ sets before each block (comfy/ldm/*/model.py).
+BLOCK_INDEX_KEY, BLOCK_TYPE_KEY, TOTAL_BLOCKS_KEY = "block_index", "block_type", "total_blocks"
+
+
+class BlockCounter:
+    """Maps the attention calls of one forward pass to transformer blocks (see the module doc).
+
+    Parameters
+    ----------
+    calls_per_block : attention calls each block makes, in order (from the model's structure),
+        or None when unknown (one call per block is assumed).
+    """
+
+    def __init__(self, calls_per_block: Optional[Sequence[int]] = None):
+        self._call_to_block: list = []
+        for block, calls in enumerate(calls_per_block or ()):
+            self._call_to_block.extend([block] * calls)
+        self._calls = 0
+        self._kinds: dict = {}  # block_type -> [offset, size], in the order the kinds ran
+
+    def block_of_next_call(self, transformer_options) -> int:
+        """The block of the next attention call; counts the call."""
+        call = self._calls
+        self._calls += 1
+        real = self._from_options(transformer_options)
+        if real is not None:
+            return real
+        if call < len(self._call_to_block):
+            return self._call_to_block[call]
+        last = self._call_to_block[-1] if self._call_to_block else -1
+        return last + 1 + call - len(self._call_to_block)  # beyond the known structure: one call per block
+
+    def _from_options(self, options) -> Optional[int]:
+        if not isinstance(options, dict):
+            return None
+        index, kind = options.get(BLOCK_INDEX_KEY), options.get(BLOCK_TYPE_KEY)
+        # ComfyUI's UNet SpatialTransformer sets block_index (within one transformer) without a
+        # block_type; only DiTs that also name the kind give a model-wide block.
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0 or not isinstance(kind, str):
+            return None
+        total = options.get(TOTAL_BLOCKS_KEY)
+        entry = self._kinds.get(kind)
+        if entry is None:
+            entry = [sum(size for _, size in self._kinds.values()), 0]  # kinds run one after another
+            self._kinds[kind] = entry
+        known_total = total if isinstance(total, int) and not isinstance(total, bool) and total > 0 else 0
+        entry[1] = max(entry[1], known_total, index + 1)
+        return entry[0] + index

@@ -45,6 +45,7 @@ class Reason(str, enum.Enum):
     """Why a call was handed back to ComfyUI's attention (``Route.COMFY``)."""
 
     MODE_OFF = "mode is off"
+    LOW_PRECISION_OFF = "the model asked for full precision (low_precision_attention=False)"
     FULL_PRECISION_STEP = "full-precision step"
     BLOCK_NOT_SELECTED = "attention call not in the selected blocks"
     UNSUPPORTED_KWARGS = "unsupported keyword arguments"
@@ -55,4 +56,5 @@ class Reason(str, enum.Enum):
     @property
     def expected(self) -> bool:
         """True for reasons the user asked for (logged quietly), False for limits of this node."""
-        return self in (Reason.MODE_OFF, Reason.FULL_PRECISION_STEP, Reason.BLOCK_NOT_SELECTED)
+        return self in (Reason.MODE_OFF, Reason.LOW_PRECISION_OFF, Reason.FULL_PRECISION_STEP,
+                        Reason.BLOCK_NOT_SELECTED)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from .model_layout import calls_per_block
 from .override import OVERRIDE_KEY, SageAttentionOverride, make_config, make_sampling_summary_wrapper
 from .stats import LOG_PREFIX
 
@@ -24,7 +25,7 @@ def patch_model(model, mode="auto", full_precision_first_steps: int = 0, full_pr
     mode : "auto", "fp4", "int8", "sdpa" or "off".
     full_precision_first_steps, full_precision_last_steps : sampling steps at the start and end
         that keep ComfyUI's own attention.
-    blocks : attention-call selection such as "0-3,10"; empty selects all.
+    blocks : transformer-block selection such as "0-3,10"; empty selects all.
 
     Raises
     ------
@@ -38,12 +39,29 @@ def patch_model(model, mode="auto", full_precision_first_steps: int = 0, full_pr
     previous = options.get(OVERRIDE_KEY)
     if isinstance(previous, SageAttentionOverride):
         previous = previous.previous  # applying the node twice replaces ours, keeps what was below
-    override = SageAttentionOverride(config, previous=previous)
+    layout = calls_per_block(_diffusion_model(patched))
+    override = SageAttentionOverride(config, previous=previous, calls_per_block=layout)
     options[OVERRIDE_KEY] = override
     _add_summary_wrapper(patched, override)
-    logger.info("%s patched model: %s%s", LOG_PREFIX, config,
+    logger.info("%s patched model: %s%s%s", LOG_PREFIX, config,
+                f" (attention calls per block: {_runs(layout)})" if layout is not None else "",
                 f" (chained to earlier override {previous!r})" if previous is not None else "")
     return patched
+
+
+def _diffusion_model(patched):
+    # ModelPatcher.model is comfy.model_base.BaseModel; its diffusion_model is the DiT / UNet module.
+    return getattr(getattr(patched, "model", None), "diffusion_model", None)
+
+
+def _runs(layout: tuple) -> str:
+    """(2, 2, 1) -> "2 x2, 1 x1": short enough for one log line with 40 blocks."""
+    parts, start = [], 0
+    for i in range(1, len(layout) + 1):
+        if i == len(layout) or layout[i] != layout[start]:
+            parts.append(f"{layout[start]} x{i - start}")
+            start = i
+    return ", ".join(parts)
 
 
 def _warn_if_comfyui_lacks_override() -> None:

@@ -1,8 +1,9 @@
 """Counters that prove (or disprove) that the node changed attention, and their log lines.
 
-Every attention call the override sees is counted under (Route, detail): ``(SAGE, "int8")`` for a
-call handed to ``sage_diffusers.attention``, ``(COMFY, "<reason>: <detail>")`` for one handed back
-to ComfyUI. Fallbacks that ``sage_diffusers.attention`` itself takes (its own SDPA path) are counted
+Every attention call the override sees is counted under (Route, detail): ``(SAGE, "int8 -> int8
+kernel")`` for a call handed to ``sage_diffusers.attention`` (the mode asked for, then what ran:
+``int8 kernel``, ``fp4 kernel``, ``int8 reference`` / ``fp4 reference`` (the torch reference) or
+``SDPA``), ``(COMFY, "<reason>: <detail>")`` for one handed back to ComfyUI. Fallbacks that ``sage_diffusers.attention`` itself takes (its own SDPA path) are counted
 apart, by its reason. The first call of each kind is logged at INFO (WARNING for limits of the
 node), every call at DEBUG. This module must not import ComfyUI.
 """
@@ -28,6 +29,7 @@ class StatsSnapshot:
     notes: dict = field(default_factory=dict)  # other facts (e.g. step unknown) -> count
     forwards: int = 0  # model forward passes that reached the override
     max_calls_per_forward: int = 0  # cumulative, not a difference
+    max_blocks_per_forward: int = 0  # highest block index seen + 1; cumulative, not a difference
 
     def __sub__(self, other: "StatsSnapshot") -> "StatsSnapshot":
         def diff(a: dict, b: dict) -> dict:
@@ -39,6 +41,7 @@ class StatsSnapshot:
             notes=diff(self.notes, other.notes),
             forwards=self.forwards - other.forwards,
             max_calls_per_forward=self.max_calls_per_forward,
+            max_blocks_per_forward=self.max_blocks_per_forward,
         )
 
     def count(self, route: Route, detail: "str | None" = None) -> int:
@@ -62,7 +65,8 @@ class StatsSnapshot:
             f"to sage_diffusers {sum(sage.values())} ({fmt(sage)}); "
             f"to ComfyUI attention {sum(comfy.values())} ({fmt(comfy)}); "
             f"sage_diffusers SDPA fallbacks: {fmt(self.api_fallbacks)}; notes: {fmt(self.notes)}; "
-            f"max attention calls per forward: {self.max_calls_per_forward}"
+            f"max attention calls per forward: {self.max_calls_per_forward}, "
+            f"transformer blocks: {self.max_blocks_per_forward}"
         )
 
 
@@ -76,6 +80,7 @@ class AttentionStats:
         self._notes: Counter = Counter()
         self._forwards = 0
         self._max_calls = 0
+        self._max_blocks = 0
         self._parent = parent
 
     def record(self, route: Route, detail: str, reason: "Reason | None" = None) -> None:
@@ -121,17 +126,20 @@ class AttentionStats:
         if self._parent is not None:
             self._parent.new_forward()
 
-    def calls_in_forward(self, n: int) -> None:
+    def calls_in_forward(self, n: int, block: int) -> None:
+        """The forward pass has made ``n`` calls so far; the latest was in block ``block``."""
         with self._lock:
             self._max_calls = max(self._max_calls, n)
+            self._max_blocks = max(self._max_blocks, block + 1)
         if self._parent is not None:
-            self._parent.calls_in_forward(n)
+            self._parent.calls_in_forward(n, block)
 
     def snapshot(self) -> StatsSnapshot:
         with self._lock:
             return StatsSnapshot(
                 calls=dict(self._calls), api_fallbacks=dict(self._api), notes=dict(self._notes),
                 forwards=self._forwards, max_calls_per_forward=self._max_calls,
+                max_blocks_per_forward=self._max_blocks,
             )
 
 

@@ -298,7 +298,7 @@ def test_override_sdpa_matches_comfy(skip_reshape, skip_output_reshape, mask_nam
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert ORIGINAL_CALLS == []  # ComfyUI's attention did not run
     snap = ov.stats.snapshot()
-    assert snap.count(Route.SAGE, "sdpa") == 1 and snap.count(Route.COMFY) == 0
+    assert snap.count(Route.SAGE, "sdpa -> SDPA") == 1 and snap.count(Route.COMFY) == 0
     assert all(torch.equal(a, b) for a, b in zip((q, k, v), originals))
 
 
@@ -345,7 +345,7 @@ def test_override_low_bit_within_bound(mode, min_cos, max_rel_l1, skip_reshape, 
     assert ORIGINAL_CALLS == []
     assert sage_diffusers.fallback_stats() == before  # no SDPA fallback inside the API either
     snap = ov.stats.snapshot()
-    assert snap.count(Route.SAGE, mode) == 1 and snap.api_fallbacks == {}
+    assert snap.count(Route.SAGE, f"{mode} -> {mode} reference") == 1 and snap.api_fallbacks == {}  # CPU: the torch reference
     # the low-bit result is not just SDPA's: the node really changed the computation
     assert not torch.allclose(got, want, rtol=1e-4, atol=1e-5)
 
@@ -356,7 +356,7 @@ def test_override_counts_api_fallbacks():
     got = _call(ov, q, k, v, 2)
     torch.testing.assert_close(got, _comfy_attention_pytorch(q, k, v, 2), rtol=1e-5, atol=1e-6)
     snap = ov.stats.snapshot()
-    assert snap.count(Route.SAGE, "int8") == 1
+    assert snap.count(Route.SAGE, "int8 -> SDPA") == 1  # what ran, not what was asked for
     assert any("head dim 32" in reason for reason in snap.api_fallbacks)
 
 
@@ -466,8 +466,8 @@ def test_summary_wrapper_logs_counts(caplog):
     with caplog.at_level(logging.INFO, logger="sage_diffusers.comfyui"):
         assert wrapper(lambda: sample()) == "samples"
     text = "\n".join(r.getMessage() for r in caplog.records)
-    assert "3 attention calls in 1 forward passes; to sage_diffusers 3 (sdpa: 3)" in text
-    assert "blocks selection goes up to 7 but forward passes made at most 3" in text
+    assert "3 attention calls in 1 forward passes; to sage_diffusers 3 (sdpa -> SDPA: 3)" in text
+    assert "blocks selection goes up to 7 but forward passes ran at most 3 transformer blocks" in text
 
 
 def test_summary_wrapper_warns_when_no_call_reached_the_node(caplog):
