@@ -37,8 +37,9 @@ from sage_diffusers.kernels import _jit, auto_table  # noqa: E402
 
 # head dim -> heads used in the sweep (real models: Flux/HunyuanVideo 24x128, CogVideoX-5B 48x64)
 SWEEP_HEADS = {128: 24, 64: 48}
-SWEEP_LENGTHS = [1024, 2048, 3072, 4096, 5120, 6144, 8192, 10240, 12288, 16384]
+SWEEP_LENGTHS = [1024, 2048, 3072, 4096, 5120, 6144, 8192, 10240, 12288, 16384, 20480]
 QUICK_LENGTHS = [2048, 4096, 6144, 8192, 12288]
+RAGGED_OFFSET = 72  # L - 72 is a multiple of neither 128 nor 64, like 17776 or 4429
 
 
 def _sdpa(q, k, v, causal):
@@ -98,14 +99,14 @@ def sweep(kernel, lengths, rounds: int, margin: float) -> tuple[list[dict], dict
     rows = []
     rules = {}
     for d, h in SWEEP_HEADS.items():
-        for causal in (False, True):
+        for causal, ragged in ((c, r) for c in (False, True) for r in (False, True)):
             ratios = {}
-            for s in lengths:
+            for s in (L - RAGGED_OFFSET if ragged else L for L in lengths):
                 q, k, v = make_inputs(1, h, s, d)
                 t = interleaved({"kernel": kernel, "sdpa": _sdpa}, lambda: (q, k, v, causal), rounds)
                 ks, ss = _stats(t["kernel"]), _stats(t["sdpa"])
                 ratios[s] = ks["median"] / ss["median"]
-                rows.append(dict(D=d, H=h, S=s, causal=causal, kernel=ks, sdpa=ss,
+                rows.append(dict(D=d, H=h, S=s, causal=causal, ragged=ragged, kernel=ks, sdpa=ss,
                                  kernel_over_sdpa=ratios[s]))
                 print(json.dumps(rows[-1]), flush=True)
                 del q, k, v
@@ -117,7 +118,7 @@ def sweep(kernel, lengths, rounds: int, margin: float) -> tuple[list[dict], dict
                     crossover = s
                 else:
                     break
-            rules[(d, causal)] = crossover
+            rules[(d, causal, ragged)] = crossover
     return rows, rules
 
 
@@ -145,9 +146,9 @@ def write(out_dir: Path, meta: dict, sweep_rows, rules, check_rows) -> None:
              f"SDPA = torch's default backend for bf16 (cuDNN on this GPU). Median of {meta['rounds']} "
              "interleaved rounds (min-max in brackets), each round the mean of back-to-back calls.", "",
              "## Crossovers (kernel runs when Sq and Skv are at least this long)", "",
-             "| head dim | causal | min length |", "|---:|---|---:|"]
-    for (d, c), v in sorted(rules.items()):
-        lines.append(f"| {d} | {c} | {v if v is not None else 'never (SDPA)'} |")
+             "| head dim | causal | ragged (not a multiple of 128) | min length |", "|---:|---|---|---:|"]
+    for (d, c, rg), v in sorted(rules.items()):
+        lines.append(f"| {d} | {c} | {rg} | {v if v is not None else 'never (SDPA)'} |")
     lines += ["", "## Sweep", "", "| D | H | S | causal | kernel ms | SDPA ms | kernel / SDPA |",
               "|---:|---:|---:|---|---:|---:|---:|"]
     fmt = lambda s: f"{s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}]"  # noqa: E731

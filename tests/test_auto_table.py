@@ -8,7 +8,7 @@ from sage_diffusers.kernels import auto_table
 
 def test_shipped_sm90_rules_cover_both_head_dims_and_masks():
     rules = auto_table.rules_for((9, 0), None)
-    assert set(rules) == {(64, False), (64, True), (128, False), (128, True)}
+    assert set(rules) == {(d, c, r) for d in (64, 128) for c in (False, True) for r in (False, True)}
 
 
 def test_unknown_gpu_has_no_rules_so_auto_keeps_sdpa():
@@ -17,16 +17,18 @@ def test_unknown_gpu_has_no_rules_so_auto_keeps_sdpa():
 
 
 def test_rule_needs_both_lengths_and_honours_never():
-    rules = {(128, False): 8192, (64, True): None}
+    rules = {(128, False, False): 8192, (128, False, True): 4000, (64, True, False): None}
     assert auto_table.kernel_is_faster(rules, 128, False, 8192, 8192)
-    assert not auto_table.kernel_is_faster(rules, 128, False, 8191, 100_000)
-    assert not auto_table.kernel_is_faster(rules, 128, False, 100_000, 4096)  # short cross-attention
-    assert not auto_table.kernel_is_faster(rules, 64, True, 100_000, 100_000)
-    assert not auto_table.kernel_is_faster(rules, 96, False, 100_000, 100_000)  # class not measured
+    assert not auto_table.kernel_is_faster(rules, 128, False, 8064, 8064)  # aligned, too short
+    assert auto_table.kernel_is_faster(rules, 128, False, 8191, 100_000)  # ragged class
+    assert not auto_table.kernel_is_faster(rules, 128, False, 100_000, 3968)  # short cross-attention
+    assert not auto_table.kernel_is_faster(rules, 64, True, 16384, 16384)
+    assert not auto_table.kernel_is_faster(rules, 64, True, 100_001, 100_001)  # class not measured
+    assert not auto_table.kernel_is_faster(rules, 96, False, 100_000, 100_000)
 
 
 def test_json_round_trip_and_bad_entries():
-    rules = {(128, False): 6144, (128, True): None, (64, False): 12288}
+    rules = {(128, False, False): 6144, (128, True, True): None, (64, False, True): 12288}
     assert auto_table.rules_from_json(auto_table.rules_to_json(rules)) == rules
     with pytest.raises(ValueError, match="bad class key"):
         auto_table.rules_from_json({"128": 4096})
@@ -34,10 +36,14 @@ def test_json_round_trip_and_bad_entries():
         auto_table.rules_from_json({"d128_full": -1})
     with pytest.raises(ValueError, match="bad entry"):
         auto_table.rules_from_json({"d128_sideways": 4096})
+    with pytest.raises(ValueError, match="bad entry"):
+        auto_table.rules_from_json({"d128_full_wobbly": 4096})
+    with pytest.raises(ValueError, match="bad entry"):
+        auto_table.rules_from_json({"d128_full": True})
 
 
 def test_calibration_file_overrides_shipped_table(tmp_path):
-    measured = {(128, False): 4096, (128, True): 4096, (64, False): None, (64, True): None}
+    measured = {(128, False, False): 4096, (128, True, True): 4096, (64, False, False): None}
     (tmp_path / auto_table.TABLE_FILE).write_text(json.dumps(
         {"sm_90": {"rules": auto_table.rules_to_json(measured), "gpu": "test"}}))
     auto_table.rules_for.cache_clear()

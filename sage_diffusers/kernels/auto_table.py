@@ -8,7 +8,9 @@ side by side with cuDNN SDPA (``python -m eval.calibrate_auto``, results in
 ``auto_table.json`` into the JIT cache, and that file, when present, replaces the shipped table.
 
 A rule reads: the kernel runs when both ``Sq`` and ``Skv`` are at least ``min_len`` for that
-(head dim, causal) class; ``None`` means SDPA at every length measured.
+(head dim, causal, ragged) class; ``None`` means SDPA at every length measured. "Ragged" means a
+length that is not a multiple of 128: cuDNN's attention is markedly slower there (it pads), while
+our kernels are not, so the crossover differs (e.g. CogVideoX's 17776 tokens at head dim 64).
 """
 from __future__ import annotations
 
@@ -21,40 +23,52 @@ from typing import Mapping, Optional
 logger = logging.getLogger("sage_diffusers")
 
 TABLE_FILE = "auto_table.json"
-# (head_dim, causal) -> min_len; the class key in JSON is "d{head_dim}_{causal|full}".
-Rules = Mapping[tuple[int, bool], Optional[int]]
+ALIGN = 128  # lengths that are multiples of this are "aligned" for SDPA
+# (head_dim, causal, ragged) -> min_len; the class key in JSON is "d{head_dim}_{causal|full}[_ragged]".
+Key = tuple[int, bool, bool]
+Rules = Mapping[Key, Optional[int]]
 
 # sm_90 (H100 / H200): measured on an H200 against cuDNN SDPA (bf16), quantization included.
 # Refreshed by eval/calibrate_auto.py; see eval/results/auto_calibration_h200.md for the sweep.
-SM90_RULES: dict[tuple[int, bool], Optional[int]] = {
-    (128, False): 8192,
-    (128, True): 8192,
-    (64, False): 8192,
-    (64, True): None,
+SM90_RULES: dict[Key, Optional[int]] = {
+    (128, False, False): 16384,
+    (128, True, False): 16384,
+    (64, False, False): None,
+    (64, True, False): None,
+    (128, False, True): 16384,
+    (128, True, True): 16384,
+    (64, False, True): 16384,
+    (64, True, True): None,
 }
 SHIPPED: dict[tuple[int, int], Rules] = {(9, 0): SM90_RULES}
 
 
-def class_key(head_dim: int, causal: bool) -> str:
-    return f"d{head_dim}_{'causal' if causal else 'full'}"
+def class_key(head_dim: int, causal: bool, ragged: bool) -> str:
+    return f"d{head_dim}_{'causal' if causal else 'full'}{'_ragged' if ragged else ''}"
+
+
+def is_ragged(sq: int, skv: int) -> bool:
+    return sq % ALIGN != 0 or skv % ALIGN != 0
 
 
 def rules_to_json(rules: Rules) -> dict:
-    return {class_key(d, c): v for (d, c), v in sorted(rules.items())}
+    return {class_key(*key): v for key, v in sorted(rules.items())}
 
 
-def rules_from_json(data: Mapping) -> dict[tuple[int, bool], Optional[int]]:
-    """Parse ``{"d128_full": 8192, "d64_causal": null, ...}``; ValueError on anything else."""
-    out: dict[tuple[int, bool], Optional[int]] = {}
+def rules_from_json(data: Mapping) -> dict[Key, Optional[int]]:
+    """Parse ``{"d128_full": 16384, "d64_causal_ragged": null, ...}``; ValueError on anything else."""
+    out: dict[Key, Optional[int]] = {}
     for key, value in data.items():
+        parts = str(key).split("_")
         try:
-            d_part, kind = key.split("_")
-            d = int(d_part.lstrip("d"))
+            d = int(parts[0][1:]) if parts[0].startswith("d") else int("x")
         except ValueError:
             raise ValueError(f"auto table: bad class key {key!r} (expected e.g. 'd128_full')") from None
-        if kind not in ("full", "causal") or not (value is None or (isinstance(value, int) and value >= 0)):
+        kind, ragged = parts[1] if len(parts) > 1 else "", parts[2:] == ["ragged"]
+        if (kind not in ("full", "causal") or len(parts) not in (2, 3) or (len(parts) == 3 and not ragged)
+                or not (value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0))):
             raise ValueError(f"auto table: bad entry {key!r}: {value!r}")
-        out[(d, kind == "causal")] = value
+        out[(d, kind == "causal", ragged)] = value
     return out
 
 
@@ -82,5 +96,5 @@ def kernel_is_faster(rules: Optional[Rules], head_dim: int, causal: bool, sq: in
     """True when the measured rules say the kernel beats SDPA for this shape."""
     if rules is None:
         return False
-    min_len = rules.get((head_dim, causal))
+    min_len = rules.get((head_dim, causal, is_ragged(sq, skv)))
     return min_len is not None and sq >= min_len and skv >= min_len
