@@ -8,8 +8,12 @@ if importable and available on this device). Per row: time, TOPS = 4*B*H*Sq*Skv*
 causal), speed-up vs cuDNN, and accuracy vs fp32 SDPA (cos, rel-L1, RMSE).
 
 Inputs: Q, V ~ N(0, 1); K = N(0, 1) + 4 N(0, 1) per channel (1 x H x 1 x D), bf16, BHSD.
-Timing: median of triton.testing.do_bench (CUDA events otherwise); inputs are rotated over enough
-copies to exceed L2 when one set would fit in it.
+Timing: each method's time per round is the median of triton.testing.do_bench (CUDA events
+otherwise); ``--rounds`` rounds interleave the methods (rotated order) and the table gives the
+median over rounds with min-max. Inputs are rotated over enough copies to exceed L2 when one set
+would fit in it. Peers a user might pick instead, when importable: ``sageattention`` (1.0.6,
+Triton), ``comfy_kitchen`` (ComfyUI's INT8 attention), cuDNN FP8; ``auto`` is what
+``sd.attention`` does by default.
 
     python eval/bench_kernels.py            # full table -> eval/results/kernels_h200.{json,md,png}
     python eval/bench_kernels.py --quick    # three shapes, fewer repetitions
@@ -212,6 +216,28 @@ def m_sageattention():
     return run
 
 
+def m_comfy_kitchen():
+    """ComfyUI's own INT8 attention (comfy-kitchen, ``--use-ck-attention``); no causal mask."""
+    from comfy_kitchen.sage_attention import int8_attention
+
+    def run(q, k, v, causal):
+        if causal:
+            raise NotImplementedError("comfy-kitchen int8_attention has no causal mode")
+        return int8_attention(q, k, v)
+
+    return run
+
+
+def m_auto():
+    """What users get by default: ``sd.attention(mode="auto")`` (measured dispatch table)."""
+    import sage_diffusers as sd
+
+    def run(q, k, v, causal):
+        return sd.attention(q, k, v, is_causal=causal, mode="auto")
+
+    return run
+
+
 def m_fp4():
     from sage_diffusers.kernels import fp4  # the FP4 kernel, where this GPU can run it
 
@@ -246,11 +272,15 @@ def methods(args):
     except Exception as exc:
         table["cudnn_fp8"] = table["cudnn_fp8_kernel_only"] = f"n/a: {type(exc).__name__}: {exc}"
     add("sageattention", m_sageattention)
+    add("comfy_kitchen", m_comfy_kitchen)
+    add("auto", m_auto)
     add("fp4", m_fp4)
     return table
 
 
 def run(args) -> list[dict]:
+    """Per shape: accuracy once per method, then ``args.rounds`` rounds that time every method once
+    each, in an order rotated every round, so slow drifts (clocks, heat) hit all methods alike."""
     shapes = QUICK_SHAPES if args.quick else SHAPES
     reps = 10 if args.quick else 30
     table = methods(args)
@@ -265,13 +295,16 @@ def run(args) -> list[dict]:
                                              torch.nn.attention.SDPBackend.MATH]):
             ref = F.scaled_dot_product_attention(*(x.float() for x in base), is_causal=causal)
         flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+        timed = {}
+        shape_rows = []
         for name, fn in table.items():
             row = dict(method=name, B=b, H=h, S=s, D=d, causal=causal)
+            shape_rows.append(row)
             if isinstance(fn, str):
                 row["error"] = fn
-                rows.append(row)
                 continue
             if name == "ours_exp_mufu_only" and d != 64:
+                shape_rows.pop()
                 continue
             try:
                 out = fn(*base, causal)
@@ -280,15 +313,31 @@ def run(args) -> list[dict]:
                     out = out.float() * (base[2].abs().amax().float() / 448.0)
                 row.update(cos=cosine(out.float(), ref), rel_l1=relative_l1(out.float(), ref),
                            rmse=rmse(out.float(), ref))
-                ms = bench_ms(lambda i: fn(*inputs[i % len(inputs)], causal), reps)
-                row.update(ms=ms, tops=flops / (ms * 1e-3) / 1e12)
+                timed[name] = (row, fn)
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"
                 if args.verbose:
                     traceback.print_exc()
-            rows.append(row)
+        names = list(timed)
+        per_round = {n: [] for n in names}
+        for r in range(args.rounds):
+            for n in names[r % max(1, len(names)):] + names[:r % max(1, len(names))]:
+                row, fn = timed[n]
+                if "error" in row:
+                    continue
+                try:
+                    per_round[n].append(bench_ms(lambda i: fn(*inputs[i % len(inputs)], causal), reps))
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {exc}"
+        for n in names:
+            row, ts = timed[n][0], per_round[n]
+            if ts and "error" not in row:
+                ms = statistics.median(ts)
+                row.update(ms=ms, ms_min=min(ts), ms_max=max(ts), rounds=len(ts), tops=flops / (ms * 1e-3) / 1e12)
+        for row in shape_rows:
             print(json.dumps(row), flush=True)
-        inputs = base = ref = None  # free before the next shape (lambdas above close over them)
+        rows += shape_rows
+        inputs = base = ref = timed = None  # free before the next shape (lambdas above close over them)
         torch.cuda.empty_cache()
     # speed-up vs cuDNN bf16 of the same shape
     for r in rows:
@@ -305,14 +354,16 @@ def write_outputs(rows, out_dir: Path, meta: dict) -> None:
     lines = [f"# Attention kernels on {meta['device']}", "",
              f"torch {meta['torch']}, {meta['date']}. TOPS = 4*B*H*Sq*Skv*D/t (x0.5 causal), "
              "quantization included unless the method says kernel_only. Accuracy vs fp32 SDPA.", "",
-             "| shape (BxHxSxD) | causal | method | ms | TOPS | vs cuDNN | cos | rel-L1 | RMSE |",
+             f"Times: median of {meta.get('rounds', 1)} interleaved rounds [min-max].", "",
+             "| shape (BxHxSxD) | causal | method | ms [min-max] | TOPS | vs cuDNN | cos | rel-L1 | RMSE |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         shape = f"{r['B']}x{r['H']}x{r['S']}x{r['D']}"
         if "ms" not in r:
             lines.append(f"| {shape} | {r['causal']} | {r['method']} | {r.get('error', 'n/a')[:80]} | | | | | |")
             continue
-        lines.append(f"| {shape} | {r['causal']} | {r['method']} | {r['ms']:.3f} | {r['tops']:.0f} | "
+        spread = f" [{r['ms_min']:.3f}-{r['ms_max']:.3f}]" if "ms_min" in r else ""
+        lines.append(f"| {shape} | {r['causal']} | {r['method']} | {r['ms']:.3f}{spread} | {r['tops']:.0f} | "
                      f"{r.get('speedup_vs_cudnn', float('nan')):.2f}x | {r['cos']:.5f} | {r['rel_l1']:.4f} | "
                      f"{r['rmse']:.4f} |")
     (out_dir / "kernels_h200.md").write_text("\n".join(lines) + "\n")
@@ -351,12 +402,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="three shapes, fewer repetitions")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "eval" / "results")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                date=time.strftime("%Y-%m-%d %H:%M"), quick=args.quick)
+                date=time.strftime("%Y-%m-%d %H:%M"), quick=args.quick, rounds=args.rounds)
     rows = run(args)
     write_outputs(rows, args.out_dir, meta)
     print(f"wrote {args.out_dir}/kernels_h200.json/.md/.png")
