@@ -9,7 +9,8 @@ runs them. The block of a call is found, in this order:
    ``transformer_options`` before each block;
 2. from the model's structure read at patch time (:mod:`comfyui_node.model_layout`), for models
    whose blocks make more than one call: SD3.5 MMDiT-X blocks (``x_block_self_attn``: joint then
-   self attention), Wan (self then cross attention; i2v adds an image cross-attention);
+   self attention), Wan (self then cross attention; i2v adds an image cross-attention), LTX-Video
+   (self then cross attention);
 3. otherwise from the call order, one call per block (Flux, SD3, Mochi on 0.3.x).
 
 This module must not import ComfyUI.

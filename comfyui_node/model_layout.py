@@ -19,6 +19,7 @@ class AttentionCalls(enum.IntEnum):
     MMDIT_X = 2  # SD3.5 MMDiT-X block (x_block_self_attn): joint attention, then the image self-attention
     WAN_T2V = 2  # Wan block: self-attention, then text cross-attention
     WAN_I2V = 3  # Wan i2v block: self-attention, then image cross-attention, then text cross-attention
+    LTXV = 2  # LTX-Video block: attn1 (self), then attn2 (text cross-attention, masked)
 
 
 def calls_per_block(diffusion_model) -> Optional[tuple]:
@@ -50,4 +51,10 @@ def calls_per_block(diffusion_model) -> Optional[tuple]:
                 return None
             layout.append(AttentionCalls.WAN_I2V if hasattr(cross, "k_img") else AttentionCalls.WAN_T2V)
         return tuple(int(n) for n in layout) or None
+    transformer_blocks = getattr(diffusion_model, "transformer_blocks", None)
+    if transformer_blocks is not None and hasattr(diffusion_model, "patchify_proj"):
+        # comfy/ldm/lightricks/model.py: LTXVModel (QwenImage also has transformer_blocks, one joint call each).
+        if all(getattr(b, "attn1", None) is not None and getattr(b, "attn2", None) is not None
+               for b in transformer_blocks):
+            return tuple(int(AttentionCalls.LTXV) for _ in transformer_blocks) or None
     return None

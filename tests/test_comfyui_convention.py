@@ -313,6 +313,8 @@ def _wan(i2v, vace=False):
     (_wan(False), (2, 2, 2)),
     (_wan(True), (3, 3, 3)),
     (_wan(True, vace=True), None),
+    (_Mod(patchify_proj=object(), transformer_blocks=[_Mod(attn1=1, attn2=2)] * 2), (2, 2)),  # LTX-Video
+    (_Mod(transformer_blocks=[_Mod(attn=1)] * 2), None),  # QwenImage: one joint call per block
     (_Mod(double_blocks=[1], single_blocks=[2]), None),
     (None, None),
 ])

@@ -44,6 +44,7 @@ NODE_ID = "SageDiffusersAttention"
 # Tiny MMDiT dims; context/pooled widths are what the test conditioning must produce.
 CONTEXT_DIM, POOLED_DIM, CONTEXT_TOKENS = 64, 32, 8
 ATTN_CALLS_PER_FORWARD = 3  # block 0 joint + block 0 x-self-attention + block 1 joint
+BLOCKS_PER_FORWARD = 2  # the node reads block 0's two calls from the model (x_block_self_attn)
 
 
 # --- child-process side (imports ComfyUI) ------------------------------------------------------
@@ -179,7 +180,7 @@ def cmd_ksampler(model_path: str, out_path: str) -> None:
         "sdpa": dict(mode="sdpa", full_precision_first_steps=0, full_precision_last_steps=0, blocks=""),
         "off": dict(mode="off", full_precision_first_steps=0, full_precision_last_steps=0, blocks=""),
         "int8": dict(mode="int8", full_precision_first_steps=0, full_precision_last_steps=0, blocks=""),
-        "fp4_policy_blocks": dict(mode="fp4", full_precision_first_steps=1, full_precision_last_steps=1, blocks="0,2"),
+        "fp4_policy_blocks": dict(mode="fp4", full_precision_first_steps=1, full_precision_last_steps=1, blocks="0"),
         "legacy_int8": dict(cls=legacy_cls, mode="int8", full_precision_first_steps=0, full_precision_last_steps=0,
                             blocks=""),
     }.items():
@@ -190,7 +191,7 @@ def cmd_ksampler(model_path: str, out_path: str) -> None:
         report["runs"][label] = {
             "calls": {f"{r.value}|{d}": n for (r, d), n in snap.calls.items()},
             "api_fallbacks": snap.api_fallbacks, "notes": snap.notes, "forwards": snap.forwards,
-            "max_calls_per_forward": snap.max_calls_per_forward,
+            "max_calls_per_forward": snap.max_calls_per_forward, "max_blocks_per_forward": snap.max_blocks_per_forward,
             "max_abs_diff_vs_unpatched": float(diff.max()), "baseline_max_abs": float(baseline.abs().max()),
             "finite": bool(torch.isfinite(samples).all()),
             "model_unchanged": "optimized_attention_override" not in model.model_options.get("transformer_options", {}),
@@ -252,25 +253,28 @@ def test_node_patches_real_model_and_ksampler_uses_it(checkpoint, tmp_path):
     for label, run in runs.items():
         assert run["finite"] and run["model_unchanged"], label
         assert run["forwards"] == forwards and run["max_calls_per_forward"] == ATTN_CALLS_PER_FORWARD, label
+        assert run["max_blocks_per_forward"] == BLOCKS_PER_FORWARD, label
 
-    assert runs["sdpa"]["calls"] == {"sage_diffusers|sdpa": calls}
+    assert runs["sdpa"]["calls"] == {"sage_diffusers|sdpa -> SDPA": calls}
     assert runs["sdpa"]["max_abs_diff_vs_unpatched"] <= 1e-4 * max(1.0, runs["sdpa"]["baseline_max_abs"])
 
     assert runs["off"]["calls"] == {"comfyui|mode is off": calls}
     assert runs["off"]["max_abs_diff_vs_unpatched"] == 0.0
 
-    assert runs["int8"]["calls"] == {"sage_diffusers|int8": calls} and runs["int8"]["api_fallbacks"] == {}
+    # what ran is reported: on CPU the torch reference of the 8-bit algorithm
+    assert runs["int8"]["calls"] == {"sage_diffusers|int8 -> int8 reference": calls}
+    assert runs["int8"]["api_fallbacks"] == {}
     assert runs["int8"]["max_abs_diff_vs_unpatched"] > 0.0  # quantized attention changed the numbers
-    assert runs["legacy_int8"]["calls"] == {"sage_diffusers|int8": calls}  # the V1 node class works too
+    assert runs["legacy_int8"]["calls"] == {"sage_diffusers|int8 -> int8 reference": calls}  # the V1 class too
     assert runs["legacy_int8"]["max_abs_diff_vs_unpatched"] == runs["int8"]["max_abs_diff_vs_unpatched"]
     assert report["entrypoint_nodes"] == [NODE_ID]
 
-    # fp4, steps 0 and 3 at full precision, only calls 0 and 2 of each forward replaced
+    # fp4, steps 0 and 3 at full precision, only block 0 (its joint and its x-self-attention call)
     fp4 = runs["fp4_policy_blocks"]["calls"]
     assert fp4 == {
-        "sage_diffusers|fp4": 2 * 2,  # steps 1, 2 x calls 0, 2
-        "comfyui|attention call not in the selected blocks": steps * 1,  # call 1 of every step
-        "comfyui|full-precision step": 2 * 2,  # steps 0, 3 x calls 0, 2
+        "sage_diffusers|fp4 -> fp4 reference": 2 * 2,  # steps 1, 2 x block 0's 2 calls
+        "comfyui|attention call not in the selected blocks": steps * 1,  # block 1 (1 call) of every step
+        "comfyui|full-precision step": 2 * 2,  # steps 0, 3 x block 0's 2 calls
     }, fp4
 
 
@@ -448,7 +452,8 @@ def test_headless_server_end_to_end(checkpoint, tmp_path):
     log_text = log_path.read_text()
     # 3 steps, cfg batched: 3 forwards x 3 attention calls; the last step keeps ComfyUI's attention.
     summary = re.findall(r"sage_diffusers\[comfyui\] 9 attention calls in 3 forward passes; "
-                         r"to sage_diffusers 6 \(int8: 6\); to ComfyUI attention 3 \(full-precision step: 3\)",
+                         r"to sage_diffusers 6 \(int8 -> int8 reference: 6\); "
+                         r"to ComfyUI attention 3 \(full-precision step: 3\)",
                          log_text)
     assert len(summary) == 1, log_text[-6000:]
     assert "sage_diffusers[comfyui] patched model: mode=int8" in log_text
