@@ -157,7 +157,10 @@ def synthetic_cases(small: bool, device: str) -> list[Case]:
 
 
 def captured_cases(paths: Iterable[Path], device: str, limit: Optional[int] = None) -> list[Case]:
-    """Cases from ``eval.capture`` files (one safetensors file per captured attention call)."""
+    """Cases from ``eval.capture`` files (one safetensors file per captured attention call).
+
+    Calls captured with a general ``attn_mask`` (varying over queries or heads) are skipped.
+    """
     from safetensors import safe_open
 
     files = []
@@ -172,6 +175,8 @@ def captured_cases(paths: Iterable[Path], device: str, limit: Optional[int] = No
         with safe_open(str(f), framework="pt") as sf:
             meta = sf.metadata() or {}
             t = {name: sf.get_tensor(name).to(device) for name in sf.keys()}
+        if "attn_mask" in t:
+            continue  # a general (query-dependent) mask: outside what the kernels take
         name = f"{meta.get('model', '?')}/s{meta.get('step', '?')}/{meta.get('layer', f.stem)}"
         cases.append(Case(name, t["q"], t["k"], t["v"], t.get("key_mask"), meta))
     return cases
