@@ -1,0 +1,352 @@
+"""Self-checked dispatch: "auto" picks a kernel only where it is known to compute the right thing.
+
+A kernel counts as known on a GPU arch when this project ran it on that hardware
+(:data:`VERIFIED_ON_HARDWARE`, the one table of such runs). Anywhere else (today: the native FP4
+kernel on sm_120/sm_121, which compiles in CI but has never run here) the first time a process
+would let ``mode="auto"`` pick it, the kernel runs once on a small fixed problem (key padding,
+grouped-query heads, causal, head dims 64 and 128) and is compared with the torch reference of
+the same algorithm. Only a pass lets "auto" use it; a fail is an SDPA fallback counted in
+``sage_diffusers.fallback_stats()`` with the measured error in its reason. The verdict is cached
+on disk per (arch, driver, kernel build hash) in the JIT cache folder, so each new driver or
+kernel build is checked once, and ``python -m sage_diffusers selftest`` shows the same verdicts.
+
+Explicit modes (``mode="fp4"``/``"int8"``) are not gated: asking for a kernel by name runs it.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import enum
+import importlib
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from .kernels import _jit
+from .options import Mode
+from .reference import cosine, relative_l1, sage3_reference, sage8_reference
+
+# (mode, arch) pairs whose kernel this project has run and tested on that hardware (an H200):
+# "auto" uses these without a self-check. Add an arch here only after a recorded run on it.
+VERIFIED_ON_HARDWARE: frozenset[tuple[Mode, str]] = frozenset({
+    (Mode.INT8, "sm_90"),
+    (Mode.FP4, "sm_90"),  # the emulated FP4 atom
+})
+KERNEL_MODULES = {Mode.INT8: "int8_sm90", Mode.FP4: "fp4"}  # sage_diffusers.kernels.<name>
+REFERENCES = {Mode.INT8: sage8_reference, Mode.FP4: sage3_reference}
+# A correct kernel matches the reference of its own algorithm to cos >= 0.9999 (measured: the
+# emulated FP4 wgmma variant >= 0.99996); a wrong layout, mask or scale lands far below 0.99.
+MIN_COSINE = 0.999
+# |LSE - reference LSE| where both are finite; a wrong LSE is off by O(1), FP4 noise by < 0.01.
+MAX_LSE_ERROR = 0.05
+CHECK_HEAD_DIMS = (64, 128)
+VERDICT_FOLDER = "selftest"  # under the JIT cache root
+
+Backend = Callable[..., tuple]
+
+
+class Status(str, enum.Enum):
+    """Outcome of the check of one (mode, arch) kernel."""
+
+    VERIFIED = "verified on hardware"  # in VERIFIED_ON_HARDWARE
+    PASSED = "passed"
+    FAILED = "failed"
+    PENDING = "pending"  # not checked yet and cannot be now (inside torch.compile / graph capture)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Whether "auto" may use a kernel, and the numbers behind it.
+
+    cosine / rel_l1 are the worst over the fixed problems (None when nothing ran); ``reason``
+    says what was measured (or what went wrong) in one line.
+    """
+
+    status: Status
+    reason: str
+    cosine: Optional[float] = None
+    rel_l1: Optional[float] = None
+    lse_error: Optional[float] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status in (Status.VERIFIED, Status.PASSED)
+
+    def to_json(self) -> dict:
+        return dict(dataclasses.asdict(self), status=self.status.value)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Verdict":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in fields and k != "status"}, status=Status(data["status"]))
+
+
+class CheckKey(NamedTuple):
+    """What a cached verdict holds for: a new driver or a rebuilt kernel is checked again."""
+
+    mode: Mode
+    arch: str  # "sm_120"
+    driver: str  # NVIDIA driver version
+    kernel_hash: str  # the JIT cache key of the build that ran
+
+    def path(self) -> Path:
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{self.mode.value}-{self.arch}-driver{self.driver}-{self.kernel_hash}")
+        return _jit.cache_root() / VERDICT_FOLDER / f"{safe}.json"
+
+
+class Problem(NamedTuple):
+    """One fixed input of the check: BHSD tensors and the call's options."""
+
+    name: str
+    q: torch.Tensor  # (B, Hq, Sq, D)
+    k: torch.Tensor  # (B, Hkv, Skv, D)
+    v: torch.Tensor  # (B, Hkv, Skv, D)
+    key_mask: Optional[torch.Tensor]  # bool (B, Skv), True = attend
+    is_causal: bool
+
+
+def arch_name(capability: tuple[int, int]) -> str:
+    return f"sm_{capability[0]}{capability[1]}"
+
+
+def problems(device: "str | torch.device", dtype: torch.dtype = torch.bfloat16) -> list[Problem]:
+    """The fixed problems: awkward lengths, key padding with GQA, and causal, per head dim.
+
+    Generated on the CPU from a fixed seed (the same numbers on every machine), then moved.
+    K carries a per-channel bias, as real DiT keys do, so K smoothing is exercised.
+    """
+    g = torch.Generator().manual_seed(20261201)
+    out = []
+    for d in CHECK_HEAD_DIMS:
+        for name, (b, hq, hkv, sq, skv, causal) in (("key mask + GQA", (2, 4, 2, 200, 333, False)),
+                                                    ("causal", (1, 2, 2, 257, 257, True))):
+            q = torch.randn(b, hq, sq, d, generator=g)
+            k = torch.randn(b, hkv, skv, d, generator=g) + 3 * torch.randn(1, 1, 1, d, generator=g)
+            v = torch.randn(b, hkv, skv, d, generator=g)
+            mask = None
+            if not causal:
+                mask = torch.ones(b, skv, dtype=torch.bool)
+                mask[0, -37:] = False  # batch 0 pads its last 37 keys, batch 1 attends to all
+                mask = mask.to(device)
+            q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
+            out.append(Problem(f"{name}, head dim {d}", q, k, v, mask, causal))
+    return out
+
+
+def run_check(mode: Mode, backend: Backend, device: "str | torch.device") -> Verdict:
+    """Run ``backend`` on :func:`problems` and compare with the reference of ``mode``'s algorithm.
+
+    Returns PASSED when every output has cos >= MIN_COSINE and matching LSE, else FAILED with
+    the worst measured numbers (or the exception) in the reason.
+    """
+    reference = REFERENCES[mode]
+    rows = []  # (problem name, cos, rel-L1, LSE error)
+    with torch.no_grad():
+        for p in problems(device):
+            scale = 1.0 / math.sqrt(p.q.shape[-1])
+            kw = dict(key_mask=p.key_mask, is_causal=p.is_causal, scale=scale, return_lse=True)
+            try:
+                out, lse = backend(p.q, p.k, p.v, **kw)
+            except Exception as exc:  # a kernel that raises fails its check; say how
+                return Verdict(Status.FAILED, f"raised {type(exc).__name__} on {p.name}: {exc}")
+            ref_out, ref_lse = reference(p.q, p.k, p.v, **kw)
+            out = out.float()
+            c = cosine(out, ref_out) if torch.isfinite(out).all() else -math.inf  # NaN/Inf: worst
+            rows.append((p.name, c, relative_l1(out, ref_out), _lse_error(lse, ref_lse)))
+    worst_cos = min(r[1] for r in rows)
+    worst_rl1 = max(r[2] for r in rows)
+    worst_lse = max(r[3] for r in rows)
+    numbers = (f"cos {worst_cos:.6f} (needs >= {MIN_COSINE}), rel-L1 {worst_rl1:.4f}, "
+               f"LSE error {worst_lse:.3g} (needs <= {MAX_LSE_ERROR}) vs the torch reference")
+    bad = [r[0] for r in rows if not (r[1] >= MIN_COSINE and r[3] <= MAX_LSE_ERROR)]
+    if not bad:
+        return Verdict(Status.PASSED, numbers, worst_cos, worst_rl1, worst_lse)
+    return Verdict(Status.FAILED, f"{numbers}; failed on {', '.join(bad)}", worst_cos, worst_rl1, worst_lse)
+
+
+def _lse_error(lse: Optional[torch.Tensor], ref: torch.Tensor) -> float:
+    """Max |lse - ref| where ref is finite; inf when lse is missing or its -inf rows differ."""
+    if lse is None or lse.shape != ref.shape:
+        return math.inf
+    lse, ref = lse.float(), ref.float()
+    finite = torch.isfinite(ref)
+    if not torch.equal(torch.isfinite(lse), finite):
+        return math.inf
+    return float((lse - ref)[finite].abs().max()) if finite.any() else 0.0
+
+
+def cached_verdict(key: CheckKey) -> Optional[Verdict]:
+    """The verdict stored for ``key``, or None (also for an unreadable file: it is re-checked)."""
+    try:
+        return Verdict.from_json(json.loads(key.path().read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def check(key: CheckKey, backend: Backend, device: "str | torch.device", *, force: bool = False) -> Verdict:
+    """The verdict for ``key``: from the cache, else by :func:`run_check` (then stored).
+
+    A numeric pass or fail is stored; a kernel that raised is not (it may be a transient error
+    such as out-of-memory), so the next process checks again.
+    """
+    if not force:
+        cached = cached_verdict(key)
+        if cached is not None:
+            return cached
+    verdict = run_check(key.mode, backend, device)
+    if verdict.cosine is not None:
+        path = key.path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{id(verdict)}.tmp")
+        tmp.write_text(json.dumps(dict(verdict.to_json(), key=[key.mode.value, *key[1:]]), indent=1))
+        tmp.replace(path)  # atomic: a racing process reads either nothing or a whole verdict
+    return verdict
+
+
+# ---- the dispatcher's hook ------------------------------------------------------------------------
+_memo: dict[tuple[Mode, int], Verdict] = {}
+_memo_lock = threading.Lock()
+
+
+def driver_version() -> str:
+    """The NVIDIA driver version ("580.65.06"), else the CUDA driver API version, else "unknown"."""
+    return _driver_version()
+
+
+def _query_driver() -> str:
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            res = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            if res.returncode == 0 and res.stdout.strip():
+                return res.stdout.strip().splitlines()[0].strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    proc = Path("/proc/driver/nvidia/version")
+    if proc.is_file():
+        m = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9][0-9.]+)", proc.read_text())
+        if m:
+            return m.group(1)
+    for lib in ("libcuda.so.1", "nvcuda.dll", "libcuda.dylib"):
+        try:
+            version = ctypes.c_int()
+            if ctypes.CDLL(lib).cuDriverGetVersion(ctypes.byref(version)) == 0:
+                return f"cuda{version.value}"
+        except (OSError, AttributeError):
+            continue
+    return "unknown"
+
+
+_driver_cache: list[str] = []
+
+
+def _driver_version() -> str:
+    if not _driver_cache:
+        _driver_cache.append(_query_driver())
+    return _driver_cache[0]
+
+
+def kernel_hash(mode: Mode) -> str:
+    """JIT cache key of the build ``mode``'s kernel module makes for the current device."""
+    module = importlib.import_module(f"{__package__}.kernels.{KERNEL_MODULES[mode]}")
+    return _jit.build_info(module.build).key
+
+
+def _cannot_run_now() -> bool:
+    """Inside torch.compile tracing or CUDA graph capture a real kernel run must not happen."""
+    compiling = getattr(torch.compiler, "is_compiling", lambda: False)()
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return compiling or capturing
+
+
+def verdict_for(mode: Mode, device: torch.device, backend: Backend) -> Verdict:
+    """The verdict "auto" acts on for ``mode``'s kernel on ``device`` (checked once per process)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    memo_key = (mode, index)
+    with _memo_lock:
+        if memo_key in _memo:
+            return _memo[memo_key]
+    arch = arch_name(torch.cuda.get_device_capability(device))
+    if (mode, arch) in VERIFIED_ON_HARDWARE:
+        verdict = Verdict(Status.VERIFIED, f"{mode.value} kernel verified on {arch} hardware by the project")
+    elif _cannot_run_now():
+        return Verdict(Status.PENDING, f"{mode.value} kernel on {arch} not self-checked yet (first call is "
+                       "inside torch.compile or CUDA graph capture); run one call outside it, or "
+                       "`python -m sage_diffusers selftest`")
+    else:
+        key = CheckKey(mode, arch, _driver_version(), kernel_hash(mode))
+        with torch.cuda.device(device):
+            verdict = check(key, backend, device)
+        if not verdict.ok:
+            verdict = dataclasses.replace(verdict, reason=f"failed its self-check on {arch}: {verdict.reason} "
+                                          "(`python -m sage_diffusers selftest` shows it)")
+    with _memo_lock:
+        _memo[memo_key] = verdict
+    return verdict
+
+
+def gate(mode: Mode, device: torch.device, backend: Backend) -> tuple[Optional[Backend], str]:
+    """The dispatcher's hook for "auto": ``(backend, "")`` if it may run, else ``(None, reason)``."""
+    verdict = verdict_for(mode, device, backend)
+    return (backend, "") if verdict.ok else (None, verdict.reason)
+
+
+def reset() -> None:
+    """Forget this process's verdicts (the disk cache stays)."""
+    with _memo_lock:
+        _memo.clear()
+
+
+# ---- python -m sage_diffusers selftest ------------------------------------------------------------
+def main(force: bool = False, details: bool = True, stream=None) -> int:
+    """Check every kernel this GPU can run, print one verdict per kernel; 1 if any failed.
+
+    ``force`` re-runs checks whose verdict is cached; ``details`` adds the FP4 module's
+    comparison of its atoms (native vs emulated vs reference, both formats).
+    """
+    stream = sys.stdout if stream is None else stream
+    if not torch.cuda.is_available():
+        print("selftest: no CUDA device; nothing to check (mode=\"auto\" runs SDPA here)", file=stream)
+        return 0
+    from . import api
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    arch = arch_name(torch.cuda.get_device_capability(device))
+    print(f"selftest on {torch.cuda.get_device_name(device)} ({arch}), driver {_driver_version()}", file=stream)
+    failed = False
+    for mode, name in KERNEL_MODULES.items():
+        module = importlib.import_module(f"{__package__}.kernels.{name}")
+        available, why = module.is_available()
+        if not available:
+            print(f"  {mode.value}: no kernel for this device ({why})", file=stream)
+            continue
+        backend, why = api._kernel(mode, device)
+        if backend is None:
+            failed = True
+            print(f"  {mode.value}: {why}", file=stream)
+            continue
+        key = CheckKey(mode, arch, _driver_version(), kernel_hash(mode))
+        verdict = check(key, backend, device, force=force)
+        verified = (mode, arch) in VERIFIED_ON_HARDWARE
+        failed |= not verdict.ok
+        gate_note = ("verified on this arch by the project" if verified
+                     else "auto may use it" if verdict.ok else "auto runs SDPA instead")
+        print(f"  {mode.value}: {verdict.status.value.upper()} ({gate_note}): {verdict.reason}", file=stream)
+    if details:
+        from .kernels import fp4
+
+        if fp4.is_available()[0]:
+            failed |= not fp4.selftest()
+    return 1 if failed else 0
