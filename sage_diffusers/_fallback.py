@@ -3,21 +3,28 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
+
+import torch
 
 logger = logging.getLogger("sage_diffusers")
 _lock = threading.Lock()
-_counts: Counter = Counter()
+_counts: dict[str, int] = {}
 
 
 def record(reason: str, ran: str = "SDPA") -> None:
     """Count one call that did not take its requested path; log the reason the first time.
 
     ``ran`` names what ran instead (SDPA, or the torch reference where no kernel exists).
+    Inside a ``torch.compile`` graph the count is a plain dict update, which dynamo replays on
+    every run of the compiled code (it cannot trace the lock or the logging call); the warning
+    is then left to eager calls.
     """
+    if torch.compiler.is_compiling():
+        _counts[reason] = _counts.get(reason, 0) + 1
+        return
     with _lock:
         first = reason not in _counts
-        _counts[reason] += 1
+        _counts[reason] = _counts.get(reason, 0) + 1
     if first:
         logger.warning("sage_diffusers: running %s instead: %s", ran, reason)
 
@@ -25,8 +32,9 @@ def record(reason: str, ran: str = "SDPA") -> None:
 def fallback_stats() -> dict[str, int]:
     """Reasons calls did not take their requested path so far, and how often each happened.
 
-    Most are SDPA fallbacks (unsupported input, no kernel for "auto"); an explicit "int8"/"fp4"
-    call on a GPU without that kernel runs the torch reference and is counted here too.
+    Most are SDPA fallbacks (unsupported input, dropout, gradients needed, no kernel for "auto");
+    an explicit "int8"/"fp4" call on a GPU without that kernel runs the torch reference and is
+    counted here too.
     """
     with _lock:
         return dict(_counts)

@@ -2,11 +2,27 @@
 
 Everything a user reaches (processors, the ComfyUI node, the demo) calls :func:`attention`; the
 kernels behind it all follow one backend contract, see ``sage_diffusers/kernels``.
+
+Masks
+-----
+``attn_mask`` means exactly what it means to torch SDPA. The low-bit paths take one kind of mask,
+a bool key-padding mask (B, Skv); :func:`attention` derives it from the arguments where it can:
+
+- ``key_mask`` (B, Skv) is that mask already;
+- an ``attn_mask`` whose only non-trivial dims are batch and keys ((B, 1, 1, Skv), (Skv,), ...)
+  is one when it is bool; a float one is when it holds only 0 and -inf;
+- any other ``attn_mask`` ((B, 1, Sq, Skv) from Chroma, say) may still be key padding in disguise:
+  every query row equal. Checking that needs its values on the host, so the answer is kept in a
+  small cache (:class:`_MaskClassCache`) keyed on the tensor's identity and version counter: a
+  model that passes the same mask tensor to every block pays one check per forward, not one per
+  call. The float-valued (B, 1, 1, Skv) case uses the same cache.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import math
+import weakref
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -19,7 +35,12 @@ from .reference import sage3_reference, sage8_reference
 SUPPORTED_HEAD_DIMS = (64, 128)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 ACCEPTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_LSE_CHUNK_ELEMENTS = 1 << 26  # score elements per chunk when SDPA's LSE is computed by hand
+# float32 inputs of the low-bit paths are rounded to this dtype first, on the kernels and the
+# references alike (so both compute from the same values); bfloat16 keeps float32's range.
+LOW_BIT_FLOAT32_AS = torch.bfloat16
+# Score elements per query chunk wherever the SDPA path works chunk by chunk (LSE, causal with a
+# mask): 2**24 float32 scores = 64 MiB, whatever the sequence length.
+_CHUNK_ELEMENTS = 1 << 24
 
 # fn(q, k, v, *, key_mask, is_causal, scale, return_lse) -> (out, lse | None), BHSD views.
 Backend = Callable[..., tuple]
@@ -38,24 +59,38 @@ def attention(
     k: torch.Tensor,
     v: torch.Tensor,
     attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: Optional[float] = None,
+    enable_gqa: bool = False,
     *,
+    key_mask: Optional[torch.Tensor] = None,
     layout: "str | Layout" = "BHSD",
     mode: "str | Mode" = "auto",
     return_lse: bool = False,
 ):
     """Scaled dot-product attention with SageAttention's low-bit algorithms.
 
+    The positional arguments are those of ``torch.nn.functional.scaled_dot_product_attention``
+    and mean the same.
+
     Parameters
     ----------
     q : (B, Hq, Sq, D) for layout "BHSD", (B, Sq, Hq, D) for "BSHD"; float16, bfloat16 or float32.
-    k, v : (B, Hkv, Skv, D) or (B, Skv, Hkv, D); Hq must be a multiple of Hkv (grouped-query).
-    attn_mask : None; a bool key-padding mask (B, Skv) or broadcastable (B, 1, 1, Skv), True =
-        attend (runs natively); any other SDPA-style mask (bool or additive float, broadcastable to
-        (B, Hq, Sq, Skv)) runs through SDPA with a counted fallback reason.
+    k, v : (B, Hkv, Skv, D) or (B, Skv, Hkv, D); Hq must be a multiple of Hkv (grouped-query
+        attention is always accepted).
+    attn_mask : None, or torch SDPA's mask: bool (True = attend) or additive float, broadcastable
+        to (B, Hq, Sq, Skv); a 2-D mask is (Sq, Skv). Masks whose only non-trivial dims are B and
+        Skv (bool, or float holding only 0 / -inf) run natively, and so does a larger one whose
+        query rows are all equal (checked once per mask tensor, see the module docstring); any
+        other mask runs through SDPA with a counted fallback reason.
+    dropout_p : dropout on the attention weights, as SDPA; > 0 runs SDPA (counted, "dropout").
     is_causal : query i sees keys j <= i (top-left aligned, as torch SDPA).
-    scale : softmax scale, default 1/sqrt(D); must be finite.
+    scale : softmax scale, default 1/sqrt(D); a finite float (zero and negative are computed
+        exactly as SDPA would: the sign is folded into q on the low-bit paths). bool is refused.
+    enable_gqa : accepted for SDPA compatibility; Hq != Hkv works either way.
+    key_mask : bool (B, Skv), True = attended: the native key-padding mask. May be combined with
+        ``attn_mask`` (a key is visible when both allow it).
     layout : "BHSD" or "BSHD"; the output uses the same layout.
     mode : "auto" (8-bit kernel on sm_90, FP4 on sm_120, SDPA elsewhere), "int8", "fp4" (the
         kernel where one exists for the device, else the torch reference of the same algorithm),
@@ -67,6 +102,16 @@ def attention(
     out : like q (same dtype and layout); rows with no visible key are 0.
     lse : float32 (B, Hq, Sq), only with ``return_lse``; -inf on rows with no visible key.
 
+    Notes
+    -----
+    - When autograd will need gradients (grad mode on and an input requires grad), the low-bit
+      modes run SDPA, counted with reason "backward": their kernels have no backward.
+    - float32 inputs of the low-bit modes are rounded to bfloat16 first (kernels and references
+      alike); the output is float32 again.
+    - Masked keys never influence the result, whatever their values (NaN and Inf included), on
+      every path; a non-finite value in one query row affects that row only.
+    - Empty inputs (B, Sq or Skv = 0) give empty outputs, or zeros with lse -inf when Skv = 0.
+
     Unsupported input (head dim other than 64/128, float64, another mask kind, no kernel for
     "auto") falls back to SDPA, logged once per reason and counted in
     :func:`sage_diffusers.fallback_stats`; malformed input raises ``ValueError``.
@@ -77,17 +122,26 @@ def attention(
     b, hq, sq, d = qh.shape
     skv, dv = kh.shape[2], vh.shape[3]
     scale_f = _check_scale(scale, d)
-    key_mask, general_mask = _split_mask(attn_mask, b, hq, sq, skv, q.device)
+    dropout = _check_dropout(dropout_p)
+    key_mask = _check_key_mask(key_mask, b, skv, q.device)
+    attn_mask = _check_attn_mask(attn_mask, (b, hq, sq, skv), q.device)
 
-    plan = _plan(mode, q.device, q.dtype, d, dv, general_mask is not None)
-    if plan.path == "sdpa":
-        out, lse = _sdpa(qh, kh, vh, key_mask, general_mask, is_causal, scale_f, return_lse)
+    if b == 0 or hq == 0 or sq == 0 or skv == 0:
+        out, lse = _empty_result(qh, kh, vh, return_lse)
     else:
-        out, lse = _run_sage(plan, qh, kh, vh, key_mask, is_causal, scale_f, return_lse)
+        plan, native_mask = _plan(mode, qh, kh, vh, attn_mask, key_mask, dropout)
+        if plan.path == "sdpa":
+            out, lse = _sdpa(qh, kh, vh, key_mask, attn_mask, dropout, bool(is_causal), scale_f, return_lse)
+        else:
+            out, lse = _run_sage(plan, qh, kh, vh, native_mask, bool(is_causal), scale_f, return_lse)
     out = out.to(q.dtype)
     if layout is Layout.BSHD:
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
 
 
 def _to_bhsd(q, k, v, layout: Layout):
@@ -105,14 +159,17 @@ def _to_bhsd(q, k, v, layout: Layout):
     if layout is Layout.BSHD:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     b, hq, _, d = q.shape
+    hkv = k.shape[1]
     if k.shape[0] != b or v.shape[0] != b:
         raise ValueError(f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
     if k.shape[1:3] != v.shape[1:3]:
         raise ValueError(f"k and v must agree on heads and length, got (H, S) {tuple(k.shape[1:3])} vs {tuple(v.shape[1:3])}")
     if k.shape[3] != d:
         raise ValueError(f"q and k head dims differ: expected {d}, got {k.shape[3]}")
-    if hq % k.shape[1]:
-        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({k.shape[1]})")
+    if d == 0:
+        raise ValueError("q and k: head dim must be at least 1")
+    if (hkv == 0 and hq != 0) or (hkv != 0 and hq % hkv):
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     return q, k, v
 
 
@@ -121,6 +178,8 @@ def _check_scale(scale, d: int) -> float:
         return 1.0 / math.sqrt(d)
     if isinstance(scale, torch.Tensor):
         raise ValueError("scale: expected a Python float, got a tensor")
+    if isinstance(scale, bool):  # float(True) == 1.0 would pass silently
+        raise ValueError(f"scale: expected a finite float, got the bool {scale}")
     try:
         value = float(scale)
     except (TypeError, ValueError):
@@ -130,72 +189,198 @@ def _check_scale(scale, d: int) -> float:
     return value
 
 
-def _split_mask(mask, b: int, hq: int, sq: int, skv: int, device):
-    """Return (key_mask bool (B, Skv) or None, other_mask or None).
+def _check_dropout(dropout_p) -> float:
+    if isinstance(dropout_p, (bool, torch.Tensor)):
+        raise ValueError(f"dropout_p: expected a float in [0, 1], got {dropout_p!r}")
+    try:
+        value = float(dropout_p)
+    except (TypeError, ValueError):
+        raise ValueError(f"dropout_p: expected a float in [0, 1], got {dropout_p!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"dropout_p: expected a float in [0, 1], got {value}")
+    return value
 
-    A bool mask whose only non-trivial dims are batch and keys is a key-padding mask and runs
-    natively; any other valid mask is returned as ``other_mask`` for the SDPA path.
-    """
+
+def _check_key_mask(key_mask, b: int, skv: int, device) -> Optional[torch.Tensor]:
+    """None, or the bool (B, Skv) key mask itself (validated, never copied)."""
+    if key_mask is None:
+        return None
+    if not isinstance(key_mask, torch.Tensor):
+        raise ValueError(f"key_mask: expected a tensor or None, got {type(key_mask).__name__}")
+    if key_mask.dtype != torch.bool:
+        raise ValueError(f"key_mask: expected a bool tensor (True = attended), got {key_mask.dtype}")
+    if key_mask.device != device:
+        raise ValueError(f"key_mask: expected device {device}, got {key_mask.device}")
+    if key_mask.dim() != 2 or key_mask.shape[0] not in (1, b) or key_mask.shape[1] != skv:
+        raise ValueError(f"key_mask: expected shape (B={b}, Skv={skv}), got {tuple(key_mask.shape)}")
+    return key_mask.expand(b, skv)
+
+
+def _check_attn_mask(mask, full: tuple[int, int, int, int], device) -> Optional[torch.Tensor]:
+    """Validate an SDPA mask; return it as a 4-D view broadcastable to ``full`` = (B, Hq, Sq, Skv)."""
     if mask is None:
-        return None, None
+        return None
     if not isinstance(mask, torch.Tensor):
         raise ValueError(f"attn_mask: expected a tensor or None, got {type(mask).__name__}")
     if mask.device != device:
         raise ValueError(f"attn_mask: expected device {device}, got {mask.device}")
-    if mask.dtype == torch.bool and mask.dim() == 2:
-        if mask.shape[0] not in (1, b) or mask.shape[1] != skv:
-            raise ValueError(f"attn_mask: a 2-D key mask must be (B={b}, Skv={skv}), got {tuple(mask.shape)}")
-        return mask.expand(b, skv).contiguous(), None
-    if mask.dim() > 4:
-        raise ValueError(f"attn_mask: expected at most 4 dims, got shape {tuple(mask.shape)}")
-    full = (b, hq, sq, skv)
-    shape4 = (1,) * (4 - mask.dim()) + tuple(mask.shape)
-    for got, want in zip(shape4, full):
-        if got not in (1, want):
-            raise ValueError(f"attn_mask: shape {tuple(mask.shape)} does not broadcast to (B, H, Sq, Skv) = {full}")
-    if mask.dtype == torch.bool and shape4[1] == 1 and shape4[2] == 1:
-        return mask.reshape(shape4[0], skv).expand(b, skv).contiguous(), None
     if not (mask.dtype == torch.bool or mask.is_floating_point()):
         raise ValueError(f"attn_mask: expected bool or floating dtype, got {mask.dtype}")
-    return None, mask
+    if not 1 <= mask.dim() <= 4:
+        raise ValueError(f"attn_mask: expected 1 to 4 dims, got shape {tuple(mask.shape)}")
+    shape4 = (1,) * (4 - mask.dim()) + tuple(mask.shape)  # SDPA broadcasting: right-aligned
+    for got, want in zip(shape4, full):
+        if got not in (1, want):
+            raise ValueError(
+                f"attn_mask: shape {tuple(mask.shape)} does not broadcast to (B, H, Sq, Skv) = {full}"
+                " (a 2-D mask is (Sq, Skv), as in torch SDPA; pass key padding as key_mask=(B, Skv))"
+            )
+    return mask.reshape(shape4)
 
 
-def _plan(mode: Mode, device: torch.device, dtype: torch.dtype, d: int, dv: int, general_mask: bool) -> Plan:
+# ---------------------------------------------------------------------------------------------
+# Planning
+
+
+def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether autograd will need gradients of this call: grad mode on and an input requires them.
+
+    Decided before any custom op runs (the kernels have no autograd formula). The one place that
+    routes gradient-carrying calls; SageBwd (issue 15) hooks in here.
+    """
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _plan(mode: Mode, q, k, v, attn_mask, key_mask, dropout: float) -> tuple[Plan, Optional[torch.Tensor]]:
+    """Choose the path; return it with the native key mask (B, Skv) it runs with (or None)."""
     if mode is Mode.SDPA:
-        return Plan("sdpa", Mode.SDPA)
+        return Plan("sdpa", Mode.SDPA), None
+    device = q.device
     if mode is Mode.AUTO and device.type != "cuda":
-        return Plan("sdpa", Mode.SDPA)  # by design: the references are for checking, not speed
+        return Plan("sdpa", Mode.SDPA), None  # by design: the references are for checking, not speed
+    d, dv = q.shape[3], v.shape[3]
     reason = None
-    if dtype not in ACCEPTED_DTYPES:
-        reason = f"dtype {dtype} (supported: float16, bfloat16, float32)"
+    native = None
+    if q.dtype not in ACCEPTED_DTYPES:
+        reason = f"dtype {q.dtype} (supported: float16, bfloat16, float32)"
     elif d not in SUPPORTED_HEAD_DIMS:
         reason = f"head dim {d} (supported: {SUPPORTED_HEAD_DIMS})"
     elif dv != d:
         reason = f"value head dim {dv} differs from query head dim {d}"
-    elif general_mask:
-        reason = "attn_mask is not a key-padding mask (only bool (B, Skv) / (B, 1, 1, Skv) run natively)"
+    elif dropout > 0.0:
+        reason = "dropout"
+    elif _needs_grad(q, k, v, attn_mask if attn_mask is not None and attn_mask.is_floating_point() else None):
+        reason = "backward"
+    else:
+        native, ok = _native_key_mask(attn_mask, key_mask, q.shape[0], k.shape[2])
+        if not ok:
+            reason = "attn_mask is not a key-padding mask (only masks over batch and keys run natively)"
     if reason is not None:
         _fallback.record(f"{mode.value}: {reason}")
-        return Plan("sdpa", Mode.SDPA)
+        return Plan("sdpa", Mode.SDPA), None
 
     if mode is Mode.AUTO:
         algo = _auto_algorithm(device)
         if algo is None:
             _fallback.record(f"auto: no low-bit kernel for {_arch_name(device)}")
-            return Plan("sdpa", Mode.SDPA)
+            return Plan("sdpa", Mode.SDPA), None
         backend, why = _kernel(algo, device)
+        if backend is not None:  # a kernel never run on this arch by the project: checked once first
+            from . import selftest
+
+            backend, why = selftest.gate(algo, device, backend)
         if backend is None:
             _fallback.record(f"auto: {algo.value} kernel unavailable on {_arch_name(device)}: {why}")
-            return Plan("sdpa", Mode.SDPA)
-        return Plan("kernel", algo, backend)
+            return Plan("sdpa", Mode.SDPA), None
+        return Plan("kernel", algo, backend), native
 
     if device.type != "cuda":
-        return Plan("reference", mode)
+        return Plan("reference", mode), native
     backend, why = _kernel(mode, device)
     if backend is not None:
-        return Plan("kernel", mode, backend)
+        return Plan("kernel", mode, backend), native
     _fallback.record(f"{mode.value}: no kernel on {_arch_name(device)} ({why})", ran="the torch reference")
-    return Plan("reference", mode)
+    return Plan("reference", mode), native
+
+
+def _native_key_mask(attn_mask, key_mask, b: int, skv: int) -> tuple[Optional[torch.Tensor], bool]:
+    """The bool (B, Skv) key mask equivalent to ``attn_mask`` and ``key_mask`` together.
+
+    Returns (mask or None, True), or (None, False) when ``attn_mask`` is not key padding.
+    """
+    derived = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool and attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1:
+            derived = attn_mask.reshape(attn_mask.shape[0], skv)  # free: a view, no value read
+        else:
+            derived = _MASK_CLASSES.key_mask_of(attn_mask)
+            if derived is None:
+                return None, False
+        derived = derived.expand(b, skv)
+    if key_mask is None and derived is None:
+        return None, True
+    if key_mask is None or derived is None:
+        return (key_mask if derived is None else derived).contiguous(), True
+    return key_mask & derived, True
+
+
+class _MaskClassCache:
+    """Whether a mask tensor is key padding in disguise, decided once per tensor and version.
+
+    The check reads the mask's values (one host sync), so it runs once per distinct tensor; the
+    answer is kept under a key of the tensor's data pointer, version counter (bumped by every
+    in-place write, shared by views), shape, strides and dtype, together with a weak reference to
+    the tensor that owns the memory: while that owner lives, the memory cannot hold another
+    tensor, and once it dies the entry no longer matches. Under torch.compile or CUDA-graph
+    capture nothing is read and the mask counts as general (SDPA).
+    """
+
+    def __init__(self, size: int = 16):
+        self._size = size
+        self._entries: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+
+    @staticmethod
+    def _key(mask: torch.Tensor) -> tuple:
+        return (mask.data_ptr(), mask._version, tuple(mask.shape), tuple(mask.stride()), mask.dtype, mask.device)
+
+    def key_mask_of(self, mask: torch.Tensor) -> Optional[torch.Tensor]:
+        """bool (B or 1, Skv) if every query row and head of ``mask`` (4-D) is the same key mask."""
+        if torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return None
+        owner = mask._base if mask._base is not None else mask
+        key = self._key(mask)
+        hit = self._entries.get(key)
+        if hit is not None and hit[0]() is owner:
+            self._entries.move_to_end(key)
+            return hit[1]
+        result = _classify_key_padding(mask)
+        self._entries[key] = (weakref.ref(owner), result)
+        while len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+        return result
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def _classify_key_padding(mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """mask (B|1, H|1, Sq|1, Skv) bool or float -> bool (B|1, Skv) when it is key padding, else None.
+
+    Key padding: every head and query row equal, and (float) only the values 0 and -inf.
+    """
+    first = mask[:, :1, :1, :]  # (B|1, 1, 1, Skv)
+    same = (mask == first).all()
+    if mask.dtype == torch.bool:
+        keep = first
+    else:
+        same = same & ((first == 0) | (first == -math.inf)).all()
+        keep = first == 0
+    if not bool(same):  # the one host sync, once per mask tensor
+        return None
+    return keep.reshape(mask.shape[0], mask.shape[3])
+
+
+_MASK_CLASSES = _MaskClassCache()
 
 
 def _arch_name(device: torch.device) -> str:
@@ -241,57 +426,143 @@ def _kernel(mode: Mode, device: torch.device) -> tuple[Optional[Backend], str]:
     return _kernel_cached(mode, torch.cuda.get_device_capability(device))
 
 
+# ---------------------------------------------------------------------------------------------
+# Paths
+
+
+def _empty_result(q, k, v, return_lse: bool):
+    """Exact result when B, Hq, Sq or Skv is 0: empty, or zeros with lse -inf (no visible key).
+
+    With autograd on, the zeros are tied to the inputs through empty slices, so backward runs
+    and gives zero gradients, as SDPA's would be.
+    """
+    b, hq, sq, _ = q.shape
+    out = torch.zeros(b, hq, sq, v.shape[3], dtype=q.dtype, device=q.device)
+    if _needs_grad(q, k, v):
+        out = out + sum(t.narrow(0, 0, 0).sum() for t in (q, k, v)).to(q.dtype)
+    lse = torch.full((b, hq, sq), -math.inf, dtype=torch.float32, device=q.device) if return_lse else None
+    return out, lse
+
+
+def _fold_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """(q, scale) with scale > 0 and the same scores scale * q.k: the kernels assume a positive
+    scale (their running max and exp2 offsets), so the sign goes into a private copy of q."""
+    if scale > 0:
+        return q, scale
+    if scale < 0:
+        return -q, -scale
+    return q * 0.0, 1.0  # scale 0: every score 0 (NaN rows stay NaN, as in SDPA)
+
+
 def _run_sage(plan: Plan, q, k, v, key_mask, is_causal: bool, scale: float, return_lse: bool):
+    q, scale = _fold_scale(q, scale)
+    if q.dtype not in KERNEL_DTYPES:
+        q, k, v = (t.to(LOW_BIT_FLOAT32_AS) for t in (q, k, v))
     if plan.path == "kernel":
-        # Kernels read fp16/bf16 with a unit-stride head dim; anything else gets a private copy.
-        dtype = q.dtype if q.dtype in KERNEL_DTYPES else torch.bfloat16
-        q, k, v = (t.to(dtype) if t.stride(-1) == 1 else t.to(dtype).contiguous() for t in (q, k, v))
         return plan.backend(q, k, v, key_mask=key_mask, is_causal=is_causal, scale=scale, return_lse=return_lse)
     ref = sage8_reference if plan.mode is Mode.INT8 else sage3_reference
     res = ref(q, k, v, key_mask=key_mask, is_causal=is_causal, scale=scale, return_lse=return_lse)
     return res if return_lse else (res, None)
 
 
-def _combined_mask(key_mask, general_mask, is_causal: bool, sq: int, skv: int, device):
-    """One SDPA mask (bool or additive float) equivalent to the arguments, or None."""
-    mask = key_mask[:, None, None, :] if key_mask is not None else general_mask
+def _query_chunks(sq: int, skv: int, per_row: int, is_causal: bool):
+    """Yield (i0, i1, kend): query rows i0..i1-1 and the keys 0..kend-1 they can see.
+
+    ``per_row`` is the number of score elements one query row costs per key; chunks hold about
+    ``_CHUNK_ELEMENTS`` scores. Causal rows i < i1 see no key beyond i1 - 1 (top-left aligned).
+    """
+    step = max(1, _CHUNK_ELEMENTS // max(1, per_row * skv))
+    for i0 in range(0, sq, step):
+        i1 = min(i0 + step, sq)
+        yield i0, i1, (min(i1, skv) if is_causal else skv)
+
+
+def _chunk_mask(key_mask, attn_mask, is_causal: bool, i0: int, i1: int, kend: int, device):
+    """The SDPA mask of query rows i0..i1-1 and keys 0..kend-1, or None: bool (True = attend), or
+    additive float when ``attn_mask`` is float. Shape broadcastable to (B, Hq, i1 - i0, kend)."""
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask[..., :kend] if attn_mask.shape[2] == 1 else attn_mask[:, :, i0:i1, :kend]
+    bool_parts = []
+    if key_mask is not None:
+        bool_parts.append(key_mask[:, None, None, :kend])  # (B, 1, 1, kend)
     if is_causal:
-        causal = torch.ones(sq, skv, dtype=torch.bool, device=device).tril()
+        rows = torch.arange(i0, i1, device=device)[:, None]
+        cols = torch.arange(kend, device=device)[None, :]
+        bool_parts.append(cols <= rows)  # (n, kend)
+    for part in bool_parts:
         if mask is None:
-            mask = causal
+            mask = part
         elif mask.dtype == torch.bool:
-            mask = mask & causal
+            mask = mask & part
         else:
-            mask = mask + torch.zeros(sq, skv, dtype=mask.dtype, device=device).masked_fill(~causal, -math.inf)
+            mask = mask.masked_fill(~part, -math.inf)
     return mask
 
 
-def _sdpa(q, k, v, key_mask, general_mask, is_causal: bool, scale: float, return_lse: bool):
-    """torch SDPA on BHSD views, with rows that see no key set to 0 (SDPA gives NaN there)."""
-    hq, sq, skv = q.shape[1], q.shape[2], k.shape[2]
+def _visible(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask > -math.inf
+
+
+def _sdpa(q, k, v, key_mask, attn_mask, dropout: float, is_causal: bool, scale: float, return_lse: bool):
+    """torch SDPA on BHSD views, plus what SDPA itself does not promise.
+
+    - Keys that no query may see (masked for every row) get zero K and V rows first, so that
+      NaN/Inf there cannot leak (SDPA's math path computes 0 * NaN).
+    - Rows that see no key are 0 (some SDPA backends give NaN there).
+    - A causal call never builds an Sq x Skv mask: without other masks SDPA gets ``is_causal``;
+      with them, queries go in chunks, each with its own small mask and only the keys it sees.
+    """
+    b, hq, sq, _ = q.shape
+    skv = k.shape[2]
     gqa = hq != k.shape[1]
-    mask = _combined_mask(key_mask, general_mask, is_causal, sq, skv, q.device)
-    if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        attn_mask = attn_mask.to(q.dtype)  # SDPA wants a float mask in the query dtype
+    if key_mask is not None or attn_mask is not None:
+        seen = key_mask if key_mask is not None else torch.ones((), dtype=torch.bool, device=q.device)
+        if attn_mask is not None:
+            seen = seen & _visible(attn_mask).any(dim=(1, 2))  # (B|1, Skv): keys some row may see
+        keep = seen[:, None, :, None]  # (B|1, 1, Skv, 1)
+        zero = torch.zeros((), dtype=k.dtype, device=k.device)
+        k, v = torch.where(keep, k, zero), torch.where(keep, v, zero)
+
+    if key_mask is None and attn_mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=is_causal, scale=scale,
+                                             enable_gqa=gqa)
+    elif not is_causal:
+        mask = _chunk_mask(key_mask, attn_mask, False, 0, sq, skv, q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale,
+                                             enable_gqa=gqa)
+        out = torch.where(_visible(mask).any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype, device=out.device))
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        visible = mask if mask.dtype == torch.bool else mask > -math.inf
-        has_key = visible.any(-1, keepdim=True)  # broadcastable to (B, H, Sq, 1)
-        out = torch.where(has_key, out, torch.zeros((), dtype=out.dtype, device=out.device))
-    lse = _lse(q, k, mask, scale) if return_lse else None
+        out = q.new_empty(b, hq, sq, v.shape[3])
+        for i0, i1, kend in _query_chunks(sq, skv, b * hq, True):
+            mask = _chunk_mask(key_mask, attn_mask, True, i0, i1, kend, q.device)
+            part = F.scaled_dot_product_attention(q[:, :, i0:i1], k[:, :, :kend], v[:, :, :kend], attn_mask=mask,
+                                                  dropout_p=dropout, scale=scale, enable_gqa=gqa)
+            out[:, :, i0:i1] = torch.where(_visible(mask).any(-1, keepdim=True), part,
+                                           torch.zeros((), dtype=part.dtype, device=part.device))
+    lse = _lse(q, k, key_mask, attn_mask, is_causal, scale) if return_lse else None
     return out, lse
 
 
-def _lse(q, k, mask, scale: float) -> torch.Tensor:
-    """Exact float32 log-sum-exp of the masked scores, computed in query chunks: (B, Hq, Sq)."""
-    b, hq, sq, _ = q.shape
-    kf = k.float().repeat_interleave(hq // k.shape[1], dim=1)  # (B, Hq, Skv, D)
-    step = max(1, _LSE_CHUNK_ELEMENTS // max(1, b * hq * k.shape[2]))
-    parts = []
-    for i0 in range(0, sq, step):
-        s = (q[:, :, i0:i0 + step].float() @ kf.transpose(-1, -2)) * scale  # (B, Hq, n, Skv)
+def _lse(q, k, key_mask, attn_mask, is_causal: bool, scale: float) -> torch.Tensor:
+    """Exact float32 log-sum-exp of the masked scores: (B, Hq, Sq).
+
+    Query chunks of about ``_CHUNK_ELEMENTS`` scores; grouped-query heads are handled by viewing
+    q as (B, Hkv, g * n, D) per chunk, so K is never repeated per query head.
+    """
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    kf = k.float()  # (B, Hkv, Skv, D)
+    lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    for i0, i1, kend in _query_chunks(sq, skv, b * hq, is_causal):
+        n = i1 - i0
+        qc = q[:, :, i0:i1].float().reshape(b, hkv, g * n, d)  # (B, Hkv, g*n, D): head h = kv head h // g
+        s = (qc @ kf[:, :, :kend].transpose(-1, -2)).reshape(b, hq, n, kend) * scale  # (B, Hq, n, kend)
+        mask = _chunk_mask(key_mask, attn_mask, is_causal, i0, i1, kend, q.device)
         if mask is not None:
-            m = mask[..., i0:i0 + step, :] if mask.dim() >= 2 and mask.shape[-2] == sq else mask
-            s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.float()
-        parts.append(torch.logsumexp(s, dim=-1))
-    return torch.cat(parts, dim=-1)
+            s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.float()
+        lse[:, :, i0:i1] = torch.logsumexp(s, dim=-1)
+    return lse

@@ -62,7 +62,7 @@ def test_bad_mask_shapes_raise(shape):
 def test_sdpa_mode_is_torch_sdpa():
     q, k, v = qkv(b=2, h=4, hkv=2, s=33, skv=50)
     mask = torch.rand(2, 50) > 0.3
-    out = sd.attention(q, k, v, mask, mode="sdpa")
+    out = sd.attention(q, k, v, key_mask=mask, mode="sdpa")
     expect = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None], enable_gqa=True)
     torch.testing.assert_close(out, expect)
     assert sd.fallback_stats() == {}
@@ -153,9 +153,11 @@ def test_key_mask_forms_agree():
     q, k, v = qkv(b=2, s=20, skv=33)
     mask2 = torch.rand(2, 33) > 0.4
     mask2[:, 0] = True
-    a = sd.attention(q, k, v, mask2, mode="int8")
+    a = sd.attention(q, k, v, key_mask=mask2, mode="int8")
     b = sd.attention(q, k, v, mask2[:, None, None, :], mode="int8")
+    c = sd.attention(q, k, v, mask2[:, None, None, :].expand(2, 1, 20, 33), mode="int8")  # in disguise
     torch.testing.assert_close(a, b)
+    torch.testing.assert_close(a, c)
     assert sd.fallback_stats() == {}
 
 

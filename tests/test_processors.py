@@ -94,7 +94,7 @@ def shadow(model: torch.nn.Module, mode: Mode):
     supported = [m for m in model.modules() if type(getattr(m, "processor", None)) in PROCESSOR_FOR]
     for layer, module in enumerate(supported):
         original = module.processor
-        sage = PROCESSOR_FOR[type(original)](state, layer)
+        sage = PROCESSOR_FOR[type(original)](state=state, layer=layer)
 
         def hook(mod, args, kwargs, output, sage=sage, original=original):
             mod.processor = sage
@@ -201,17 +201,17 @@ def test_hunyuanvideo_key_mask_is_one_batched_call():
     seen = []
     original = sage_diffusers.attention
 
-    def spy(q, k, v, attn_mask=None, **kwargs):
-        seen.append((q.shape[0], attn_mask))
-        return original(q, k, v, attn_mask=attn_mask, **kwargs)
+    def spy(q, k, v, attn_mask=None, key_mask=None, **kwargs):
+        seen.append((q.shape[0], key_mask))
+        return original(q, k, v, attn_mask=attn_mask, key_mask=key_mask, **kwargs)
 
     integration.enable(model, mode="int8")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sage_diffusers, "attention", spy)
         _forward(model, inputs)
     assert len(seen) == _num_sage_layers(family)  # one call per layer for the whole batch
-    for batch, mask in seen:
-        assert batch == 2
+    for batch, attn_mask, mask in seen:
+        assert batch == 2 and attn_mask is None
         assert mask is not None and mask.dtype == torch.bool and mask.shape == expected.shape  # native (B, Skv)
         assert torch.equal(mask, expected)
 
@@ -261,7 +261,7 @@ def test_disable_restores_the_original_processor_objects(family):
     assert sorted(p.layer for p in sage.values()) == list(range(len(sage)))
     for name, processor in sage.items():
         assert isinstance(processor, type(before[name]))  # subclasses of the diffusers processor they replace
-        assert processor.mode is Mode.FP4 and processor._source is state
+        assert processor.mode is Mode.FP4 and processor.state is state
 
     integration.enable(model, mode="int8")  # enabling again must not lose the originals
     integration.disable(model)
@@ -325,7 +325,7 @@ def test_backend_has_the_registry_signature():
         assert [(p.name, p.default) for p in params.values()] == [
             (p.name, p.default) for p in native.parameters.values()
         ], mode
-    assert members[Mode.AUTO] is dispatch.AttentionBackendName("sage3")
+    assert members[Mode.AUTO] is dispatch.AttentionBackendName("sage_diffusers_auto")
 
 
 def test_backend_enum_extension_is_idempotent_and_complete():
@@ -377,7 +377,7 @@ def test_set_attention_backend_and_context_manager(family):
     layers = _num_sage_layers(family)
     integration.register_backend()
     try:
-        model.set_attention_backend("sage3_int8")
+        model.set_attention_backend("sage_diffusers_int8")
         with record_attention_calls() as calls:
             out = _forward(model, inputs)
         assert calls == {Mode.INT8: layers}
@@ -385,7 +385,7 @@ def test_set_attention_backend_and_context_manager(family):
     finally:
         model.reset_attention_backend()
 
-    with attention_backend("sage3"), record_attention_calls() as calls:
+    with attention_backend("sage_diffusers_auto"), record_attention_calls() as calls:
         out = _forward(model, inputs)
     assert calls == {Mode.AUTO: layers}
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)  # auto is SDPA on CPU

@@ -64,7 +64,7 @@ def test_reference_modes_vs_float64_sdpa(mode, length, case):
     ref = exact_attention(q, k, v, key_mask, causal)
     args = [t.transpose(1, 2) if layout == "BSHD" else t for t in (q, k, v)]
     before = snapshot(*args)
-    out = sd.attention(*args, attn_mask=key_mask, is_causal=causal, layout=layout, mode=mode)
+    out = sd.attention(*args, key_mask=key_mask, is_causal=causal, layout=layout, mode=mode)
     assert_unchanged(before, args)
     assert out.dtype == dtype and out.shape == args[0].shape
     out = out.transpose(1, 2) if layout == "BSHD" else out
@@ -94,7 +94,7 @@ def test_rows_without_visible_keys_are_zero(mode):
     mask = torch.ones(2, 40, dtype=torch.bool)
     mask[1] = False  # batch 1 sees nothing
     mask[0, 0] = False  # causal row 0 of batch 0 sees only key 0, which is masked
-    out, lse = sd.attention(q, k, v, mask, is_causal=True, mode=mode, return_lse=True)
+    out, lse = sd.attention(q, k, v, key_mask=mask, is_causal=True, mode=mode, return_lse=True)
     assert torch.isfinite(out).all()
     assert out[1].abs().max() == 0 and out[0, :, 0].abs().max() == 0
     assert torch.isneginf(lse[1]).all() and torch.isneginf(lse[0, :, 0]).all()

@@ -1,82 +1,119 @@
 """sage_diffusers as a backend of diffusers' attention dispatcher (``attention_dispatch.py``, 0.36+).
 
-diffusers routes the core attention of dispatcher-based processors (Flux, HunyuanVideo, Wan, ...) through
-``dispatch_attention_fn``, which looks the backend function up in ``_AttentionBackendRegistry._backends`` by an
-``AttentionBackendName`` member. That enum is closed (no public way to add a name), and both
-``ModelMixin.set_attention_backend(name)`` and ``attention_backend(name)`` validate names against it.
+diffusers routes the core attention of dispatcher-based processors (Flux, Chroma, HunyuanVideo and 1.5, Wan,
+LTX-Video, QwenImage, Flux.2, ...) through ``dispatch_attention_fn``, which looks the backend function up in
+``_AttentionBackendRegistry._backends`` by an ``AttentionBackendName`` member. That enum is closed (no public way
+to add a name), and both ``ModelMixin.set_attention_backend(name)`` and ``attention_backend(name)`` validate names
+against it.
 
 Mechanism (``register_backend``), the least invasive we found in 0.42.1:
 
 1. Create one pseudo-member of ``AttentionBackendName`` per mode, exactly as ``Enum`` builds its own members
    (``str.__new__`` + ``_name_``/``_value_``), and insert it into the enum's lookup tables ``_member_map_``,
-   ``_value2member_map_`` and ``_member_names_``. ``AttentionBackendName("sage3")``, ``__members__`` and
-   iteration then know it; no diffusers function is patched or replaced.
+   ``_value2member_map_`` and ``_member_names_``. ``AttentionBackendName("sage_diffusers_int8")``,
+   ``__members__`` and iteration then know it; no diffusers function is patched or replaced, and no default
+   changes (``_AttentionBackendRegistry._active_backend`` is left alone).
 2. Register our function for that member with the registry's own decorator, as diffusers does for its built-in
    backends, so ``dispatch_attention_fn`` filters kwargs by our signature and runs the constraint checks when
    ``DIFFUSERS_ATTN_CHECKS`` is on.
 
-Names: ``"sage3"`` (mode auto), ``"sage3_fp4"``, ``"sage3_int8"``, ``"sage3_sdpa"``. After
-``register_backend()`` (``sage_diffusers.integration.enable`` calls it too)::
+Names (all prefixed ``sage_diffusers_`` so they cannot be mistaken for diffusers' own ``sage*`` backends, which
+call the ``sageattention`` package): ``"sage_diffusers_auto"``, ``"sage_diffusers_fp4"``,
+``"sage_diffusers_int8"``, ``"sage_diffusers_sdpa"``; ``"sage_diffusers_policy"`` is the one policy-driven sage
+processors select (it reads the mode of the call they are making). After ``register_backend()``::
 
-    transformer.set_attention_backend("sage3")
-    with attention_backend("sage3"):
+    transformer.set_attention_backend("sage_diffusers_int8")
+    with attention_backend("sage_diffusers_auto"):
         pipe(...)
 
-diffusers' ``set_attention_backend`` also makes the backend the process-wide default (for processors without
-one of their own), and ``reset_attention_backend`` does not undo that.
+Note that diffusers' ``set_attention_backend`` itself also makes the backend the process-wide default for
+processors without one of their own, and ``reset_attention_backend`` does not undo that (diffusers' behaviour);
+``attention_backend(...)`` as a context manager does not leak.
+
+Masks: bool masks whose only structure is key padding run natively as a ``key_mask``: (B, Skv), (B, 1, 1, Skv),
+per-head copies (B, H, 1, Skv), and the outer products (B, 1, S, S) = keep[:, None, :, None] & keep[:, None, None,
+:] that Chroma and HunyuanVideo 1.5 build (rows of padded queries see no key and come out 0, as in SDPA). The
+factorization is checked: eagerly a mask that is not of this form goes to ``sage_diffusers.attention`` as a full
+``attn_mask`` (SDPA, counted in ``fallback_stats``); under ``torch.compile`` the check is an asynchronous assert.
 
 Limits: the ``DIFFUSERS_ATTN_BACKEND`` environment variable is read when diffusers is imported, before any
 registration, so it cannot name these backends. Processors that call SDPA directly (CogVideoX, Mochi, SD3's
-``JointAttnProcessor2_0``) never reach the dispatcher: use ``sage_diffusers.integration.enable`` for them.
+``JointAttnProcessor2_0``) never reach the dispatcher: use ``sage_diffusers.enable`` or the sage processors.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-import sage_diffusers
 from sage_diffusers.options import Layout, Mode
+from sage_diffusers.processors._core import Choice, attend
 
-# Backend name of each mode; the auto mode gets the short public name.
-BACKEND_NAMES: dict[Mode, str] = {
-    Mode.AUTO: "sage3",
-    Mode.FP4: "sage3_fp4",
-    Mode.INT8: "sage3_int8",
-    Mode.SDPA: "sage3_sdpa",
-}
+# Backend name of each mode.
+BACKEND_NAMES: dict[Mode, str] = {mode: f"sage_diffusers_{mode.value}" for mode in Mode}
+# The backend policy-driven processors select; the mode comes from the call they are making (``ACTIVE``).
+POLICY_BACKEND_NAME = "sage_diffusers_policy"
 
 
-def _key_mask_of(attn_mask: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:
-    """Turn the dispatcher's bool key-padding masks into the API's native (B, Skv) form.
+class _ActiveCall:
+    """The mode of the dispatcher call a policy-driven processor is making (set around diffusers' ``__call__``).
 
-    (B, Skv) and (B or 1, 1, 1, Skv) bool masks become (B, Skv). Anything else (additive float masks, full
-    (B, H, Sq, Skv) masks) is returned unchanged; the API then falls back to SDPA and logs why.
+    A plain module-level object: dynamo traces its attribute writes as side effects, so the slot works inside a
+    compiled graph as well.
     """
-    if attn_mask is None or attn_mask.dtype != torch.bool:
-        return attn_mask
-    if attn_mask.ndim == 4 and attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1:
-        attn_mask = attn_mask[:, 0, 0, :]
-    if attn_mask.ndim == 2 and attn_mask.shape[-1] == kv_len and attn_mask.shape[0] in (1, batch):
-        return attn_mask.expand(batch, kv_len)
-    return attn_mask
+
+    choice: Choice | None = None
+
+
+ACTIVE = _ActiveCall()
+
+
+def _factorize_mask(
+    attn_mask: torch.Tensor | None, batch: int, heads: int, q_len: int, kv_len: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Split a dispatcher mask into (key_mask (B, Skv), row_keep (B, Sq, H|1, 1), other_mask), unused ones None.
+
+    Key-padding structure (see the module docstring) becomes ``key_mask`` plus, when some query rows see no key,
+    ``row_keep`` (those rows are zeroed afterwards). Additive float masks and bool masks of any other structure are
+    returned as ``other_mask``, unchanged.
+    """
+    if attn_mask is None or attn_mask.dtype != torch.bool or attn_mask.ndim not in (2, 4):
+        return None, None, attn_mask
+    if attn_mask.ndim == 2:
+        if attn_mask.shape[0] in (1, batch) and attn_mask.shape[1] == kv_len:
+            return attn_mask.expand(batch, kv_len), None, None
+        return None, None, attn_mask
+    mb, mh, mq, mk = attn_mask.shape
+    if mb not in (1, batch) or mh not in (1, heads) or mq not in (1, q_len) or mk != kv_len:
+        return None, None, attn_mask  # let the API report the shape error
+    if mh == 1 and mq == 1:
+        return attn_mask[:, 0, 0, :].expand(batch, kv_len), None, None
+    keys = attn_mask.any(dim=2).any(dim=1)  # (B, Skv): keys any query row sees
+    rows = attn_mask.any(dim=-1)  # (B, H, Sq): rows that see any key
+    exact = attn_mask == (rows[..., None] & keys[:, None, None, :])
+    if torch.compiler.is_compiling():
+        torch._assert_async(exact.all(), "sage_diffusers: attn_mask is not a key-padding mask (outer product)")
+    elif not bool(exact.all()):
+        return None, None, attn_mask
+    row_keep = rows.transpose(1, 2)[..., None]  # (B, Sq, H, 1) like the BSHD output
+    return keys.expand(batch, kv_len), row_keep, None
 
 
 def _sage_backend(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    return_lse: bool = False,
-    _parallel_config: Any = None,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    return_lse: bool,
+    _parallel_config: Any,
     *,
-    mode: Mode,
+    mode: Choice,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if dropout_p != 0.0:
         raise ValueError(f"sage_diffusers attention has no dropout; got dropout_p={dropout_p}")
@@ -87,16 +124,22 @@ def _sage_backend(
         raise ValueError(
             f"query has {query.shape[2]} heads and key {key.shape[2]}; pass enable_gqa=True for grouped-query attention"
         )
-    key_mask = _key_mask_of(attn_mask, query.shape[0], key.shape[1])
-    result = sage_diffusers.attention(
-        query, key, value, attn_mask=key_mask, is_causal=is_causal, scale=scale,
-        layout=Layout.BSHD, mode=mode, return_lse=return_lse,
-    )
-    if not return_lse:
-        return result
-    out, lse = result
+    b, sq, hq, _ = query.shape
+    key_mask, row_keep, other = _factorize_mask(attn_mask, b, hq, sq, key.shape[1])
+    extra: dict[str, Any] = dict(is_causal=is_causal, scale=scale, return_lse=return_lse)
+    if other is not None:
+        extra["attn_mask"] = other  # not key padding: the API runs it through SDPA and counts why
+    result = attend(query, key, value, mode=mode, layout=Layout.BSHD, key_mask=key_mask, **extra)
+    out, lse = result if return_lse else (result, None)
+    if row_keep is not None:
+        out = torch.where(row_keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
+    if lse is None:
+        return out
     # The API gives lse as (B, H, S); diffusers' backends return (B, S, H) next to a (B, S, H, D) output.
-    return out, lse.transpose(1, 2).contiguous()
+    lse = lse.transpose(1, 2)
+    if row_keep is not None:
+        lse = torch.where(row_keep[..., 0], lse, torch.full((), float("-inf"), device=lse.device))
+    return out, lse.contiguous()
 
 
 def sage_attention_backend(
@@ -111,7 +154,7 @@ def sage_attention_backend(
     return_lse: bool = False,
     _parallel_config: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention backend for diffusers' dispatcher (mode auto), registered as ``"sage3"``.
+    """Attention backend for diffusers' dispatcher (mode auto), registered as ``"sage_diffusers_auto"``.
 
     Parameters
     ----------
@@ -120,8 +163,8 @@ def sage_attention_backend(
     key, value : torch.Tensor
         (B, Skv, Hkv, D); Hkv may divide Hq only when ``enable_gqa`` is True.
     attn_mask : torch.Tensor or None
-        Bool key-padding mask (B, Skv) or (B, 1, 1, Skv), True = attend (run natively); other masks fall back to
-        SDPA inside ``sage_diffusers.attention``.
+        Bool key-padding masks run natively (see the module docstring); other masks run SDPA inside
+        ``sage_diffusers.attention`` (counted in ``fallback_stats``).
     dropout_p : float
         Must be 0.0 (ValueError otherwise).
     is_causal : bool
@@ -146,20 +189,49 @@ def sage_attention_backend(
     )
 
 
-def _make_mode_backend(mode: Mode) -> Callable[..., Any]:
-    """``sage_attention_backend`` with another mode, under the same signature."""
-    if mode is Mode.AUTO:
-        return sage_attention_backend
+def _active_choice() -> Choice:
+    choice = ACTIVE.choice
+    if choice is None:
+        fixed = ", ".join(repr(BACKEND_NAMES[m]) for m in Mode)
+        raise ValueError(
+            f"the {POLICY_BACKEND_NAME!r} backend is selected by policy-driven sage processors during their own "
+            f"call; to choose a backend by name use one of {fixed}"
+        )
+    return choice
 
-    # functools.wraps sets __wrapped__, so inspect.signature (which the registry reads to filter the dispatcher's
-    # kwargs) sees sage_attention_backend's exact parameters.
-    @functools.wraps(sage_attention_backend)
-    def backend(*args: Any, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return _sage_backend(*args, **kwargs, mode=mode)
 
-    backend.__name__ = backend.__qualname__ = f"sage_attention_backend_{mode.value}"
-    backend.__doc__ = f"``sage_attention_backend`` in mode {mode.value}, registered as {BACKEND_NAMES[mode]!r}."
-    return backend
+class _ModeBackend:
+    """``sage_attention_backend`` with another mode (or the active policy choice), under the same signature.
+
+    A class, not a closure: registered functions stay picklable and ``inspect.signature`` (which the registry reads
+    to filter the dispatcher's kwargs) sees ``sage_attention_backend``'s exact parameters via ``__wrapped__``.
+    """
+
+    def __init__(self, mode: Mode | None) -> None:
+        self.mode = mode
+        functools.update_wrapper(self, sage_attention_backend)
+        name = POLICY_BACKEND_NAME if mode is None else BACKEND_NAMES[mode]
+        self.__name__ = self.__qualname__ = f"sage_attention_backend_{name}"
+        self.__doc__ = f"``sage_attention_backend`` registered as {name!r}."
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        return_lse: bool = False,
+        _parallel_config: Any = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        mode = _active_choice() if self.mode is None else self.mode
+        return _sage_backend(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, _parallel_config,
+            mode=mode,
+        )
 
 
 def _add_enum_member(enum_cls: type, name: str, value: str) -> Any:
@@ -178,33 +250,41 @@ def _add_enum_member(enum_cls: type, name: str, value: str) -> Any:
     return member
 
 
-# Mode -> registered AttentionBackendName member; filled once by register_backend(). A plain dict (not a cached
-# function) so that torch.compile can read it inside a traced processor without a graph break.
-_MEMBERS: dict[Mode, Any] = {}
+# Mode (None: the policy backend) -> registered AttentionBackendName member; filled once by register_backend().
+# A plain dict (not a cached function) so that torch.compile can read it inside a traced processor.
+_MEMBERS: dict[Mode | None, Any] = {}
 
 
 def register_backend() -> dict[Mode, Any]:
-    """Register the ``sage3*`` backends with diffusers' dispatcher (idempotent).
+    """Register the ``sage_diffusers_*`` backends with diffusers' dispatcher (idempotent; changes no default).
 
     Returns
     -------
     dict of Mode to AttentionBackendName
         The registered backend member of each mode.
     """
-    if _MEMBERS:
-        return dict(_MEMBERS)
-    from diffusers.models import attention_dispatch as dispatch
+    if not _MEMBERS:
+        from diffusers.models import attention_dispatch as dispatch
 
-    constraints = [c for c in (getattr(dispatch, "_check_device", None), getattr(dispatch, "_check_shape", None)) if c]
-    members = {}
-    for mode, value in BACKEND_NAMES.items():
-        member = _add_enum_member(dispatch.AttentionBackendName, value.upper(), value)
-        dispatch._AttentionBackendRegistry.register(member, constraints=constraints)(_make_mode_backend(mode))
-        members[mode] = member
-    _MEMBERS.update(members)
-    return dict(members)
+        constraints = [
+            c for c in (getattr(dispatch, "_check_device", None), getattr(dispatch, "_check_shape", None)) if c
+        ]
+        names: dict[Mode | None, str] = {**BACKEND_NAMES, None: POLICY_BACKEND_NAME}
+        for mode, value in names.items():
+            member = _add_enum_member(dispatch.AttentionBackendName, value.upper(), value)
+            function = sage_attention_backend if mode is Mode.AUTO else _ModeBackend(mode)
+            dispatch._AttentionBackendRegistry.register(member, constraints=constraints)(function)
+            _MEMBERS[mode] = member
+    return {mode: member for mode, member in _MEMBERS.items() if mode is not None}
 
 
-def backend_member(mode: Mode) -> Any:
-    """The ``AttentionBackendName`` member that runs ``mode``; ``register_backend()`` must have run."""
+def backend_member(mode: Mode | None) -> Any:
+    """The ``AttentionBackendName`` member that runs ``mode`` (None: the policy backend); registers on first use."""
+    if not _MEMBERS:
+        register_backend()
     return _MEMBERS[mode]
+
+
+__all__ = [
+    "ACTIVE", "BACKEND_NAMES", "POLICY_BACKEND_NAME", "backend_member", "register_backend", "sage_attention_backend",
+]
