@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ._cli import device_argument, positive_int
 from .api import attention
 from .options import Mode
 from .reference.metrics import cosine, relative_l1
@@ -78,6 +79,8 @@ def _timed(fn, device: torch.device, repeats: int) -> tuple[torch.Tensor, float]
 
 def run(tokens: int | None = None, device: str | None = None, dtype: str = "bfloat16", repeats: int | None = None):
     """Run every block in every mode; return rows of (block, mode, cos, rel-L1, ms)."""
+    if tokens is not None and tokens < 1:
+        raise ValueError(f"tokens: expected a positive sequence length or None, got {tokens}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = getattr(torch, dtype)
     if tokens is None and dev.type == "cpu":
@@ -86,7 +89,7 @@ def run(tokens: int | None = None, device: str | None = None, dtype: str = "bflo
     torch.manual_seed(0)
     rows = []
     for cfg in BLOCKS:
-        s = tokens or cfg.tokens
+        s = cfg.tokens if tokens is None else tokens
         block = AttentionBlock(cfg).to(dev, dt).eval()
         x = torch.randn(1, s, cfg.hidden, device=dev, dtype=dt)
         with torch.no_grad():
@@ -101,19 +104,31 @@ def run(tokens: int | None = None, device: str | None = None, dtype: str = "bflo
     return rows
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sage_diffusers demo", description=__doc__)
-    parser.add_argument("--tokens", type=int, default=None, help="sequence length (default: real lengths on GPU, 1024 on CPU)")
-    parser.add_argument("--device", default=None)
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The demo's options (shared by ``python -m sage_diffusers demo`` and :func:`main`)."""
+    parser.add_argument("--tokens", type=positive_int, default=None,
+                        help="sequence length of every block (default: the real lengths on GPU, 1024 on CPU)")
+    parser.add_argument("--device", type=device_argument, default=None,
+                        help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--repeats", type=int, default=None)
-    args = parser.parse_args(argv)
+    parser.add_argument("--repeats", type=positive_int, default=None,
+                        help="timed repeats per mode after one warm-up (default: 10 on GPU, 1 on CPU)")
+    return parser
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run the demo with parsed options and print its table."""
     rows = run(args.tokens, args.device, args.dtype, args.repeats)
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     print(f"sage_diffusers demo on {dev} ({args.dtype}); accuracy vs fp32 SDPA of the same q, k, v")
     print(f"{'block':48s} {'mode':5s} {'cos':>9s} {'rel-L1':>8s} {'ms':>9s}")
     for name, mode, cos, rl1, ms in rows:
         print(f"{name:48s} {mode:5s} {cos:9.6f} {rl1:8.4f} {ms:9.2f}")
-    if dev == "cpu":
+    if torch.device(dev).type == "cpu":
         print("(CPU: int8/fp4 run the torch references of the kernels' algorithms; times are not kernel times)")
     return 0
+
+
+def main(argv=None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(prog="python -m sage_diffusers demo", description=__doc__))
+    return run_cli(parser.parse_args(argv))

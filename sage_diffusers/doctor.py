@@ -1,0 +1,139 @@
+"""``python -m sage_diffusers doctor``: what this machine has, and what each mode will run on it.
+
+Paste its output into bug reports. It builds nothing and runs no kernel: it reports versions,
+the GPU, where the kernel sources, nvcc, the CUTLASS headers and the JIT cache are, whether each
+kernel for this GPU is built and how its self-check stands (:mod:`sage_diffusers.selftest`),
+and what ``mode="auto"`` will do for head dims 64 and 128.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, TextIO
+
+import torch
+
+from . import __version__, selftest
+from .kernels import _jit
+from .options import Mode
+from .selftest import CheckKey, Status
+
+AUTO_HEAD_DIMS = (64, 128)
+
+
+def _nvcc() -> tuple[Optional[Path], str]:
+    """nvcc torch's JIT would use (``$CUDA_HOME/bin``, else PATH) and its release line."""
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    candidates = [Path(home) / "bin" / ("nvcc.exe" if os.name == "nt" else "nvcc")] if home else []
+    on_path = shutil.which("nvcc")
+    candidates += [Path(on_path)] if on_path else []
+    for nvcc in candidates:
+        if nvcc.is_file():
+            try:
+                res = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=30)
+            except (OSError, subprocess.SubprocessError) as exc:
+                return nvcc, f"does not run: {exc}"
+            release = [line for line in res.stdout.splitlines() if "release" in line]
+            return nvcc, (release[-1].strip() if release else "version unknown")
+    return None, "not found: the kernels cannot be built (install the CUDA toolkit or set CUDA_HOME)"
+
+
+def _kernel_status(mode: Mode, device: Optional[torch.device]) -> str:
+    """One line: available here? built? self-check verdict? (nothing is built or run)."""
+    module = importlib.import_module(f"{__package__}.kernels.{selftest.KERNEL_MODULES[mode]}")
+    available, why = module.is_available()
+    if not available:
+        return f"not for this device ({why})"
+    info = _jit.build_info(module.build)
+    built = f"built ({info.build_dir})" if info.built else f"not built yet ({info.cuda_files} CUDA files on first use)"
+    arch = selftest.arch_name(torch.cuda.get_device_capability(device))
+    if (mode, arch) in selftest.VERIFIED_ON_HARDWARE:
+        check = f"verified on {arch} hardware"
+    else:
+        verdict = selftest.cached_verdict(CheckKey(mode, arch, selftest.driver_version(), info.key))
+        if verdict is None:
+            check = "not self-checked yet (runs on the first auto call, or `python -m sage_diffusers selftest`)"
+        elif verdict.status is Status.PASSED:
+            check = f"self-check passed: {verdict.reason}"
+        else:
+            check = f"self-check FAILED: {verdict.reason}"
+    return f"{built}; {check}"
+
+
+def _auto_lines(device: Optional[torch.device]) -> list[str]:
+    """What mode="auto" does per head dim on this device (the api's own choice of algorithm)."""
+    from . import api
+
+    if device is None:
+        return [f"head dim {d}: SDPA (no CUDA device: auto never runs the slow torch references)"
+                for d in AUTO_HEAD_DIMS]
+    algo = api._auto_algorithm(device)
+    arch = selftest.arch_name(torch.cuda.get_device_capability(device))
+    lines = []
+    for d in AUTO_HEAD_DIMS:
+        if d not in api.SUPPORTED_HEAD_DIMS:
+            lines.append(f"head dim {d}: SDPA (no kernel for this head dim)")
+        elif algo is None:
+            lines.append(f"head dim {d}: SDPA (no low-bit kernel for {arch})")
+        else:
+            lines.append(f"head dim {d}: {algo.value} kernel if usable ({_kernel_status(algo, device)}), "
+                         "else SDPA" + _shape_rules(device, d))
+    return lines
+
+
+def _shape_rules(device: torch.device, head_dim: int) -> str:
+    """The measured sequence-length crossovers auto applies on this GPU, if a table exists."""
+    from .kernels import auto_table
+
+    rules = auto_table.rules_for(torch.cuda.get_device_capability(device), str(_jit.cache_root()))
+    if not rules:
+        return ""
+    parts = [f"{auto_table.class_key(*key)}: " + ("SDPA" if n is None else f"kernel from {n} tokens")
+             for key, n in sorted(rules.items(), key=str) if key[0] == head_dim]
+    return f"; by shape: {', '.join(parts)}" if parts else ""
+
+
+def report(stream: Optional[TextIO] = None) -> int:
+    """Print the report; returns 0 (it diagnoses, it does not judge)."""
+    out = sys.stdout if stream is None else stream
+
+    def line(label: str, value: str) -> None:
+        print(f"{label + ':':22s}{value}", file=out)
+
+    line("sage_diffusers", f"{__version__} ({Path(__file__).resolve().parent})")
+    line("python", f"{platform.python_version()} on {platform.platform()}")
+    line("torch", f"{torch.__version__}, CUDA build {torch.version.cuda or 'none (CPU-only torch)'}")
+    device = None
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        cap = torch.cuda.get_device_capability(device)
+        line("GPU", f"{torch.cuda.get_device_name(device)} ({selftest.arch_name(cap)}), "
+                    f"{torch.cuda.device_count()} visible")
+        line("driver", selftest.driver_version())
+    else:
+        hint = ("torch has no CUDA: install a CUDA build of torch for the kernels" if torch.version.cuda is None
+                else "torch has CUDA but sees no GPU (driver or CUDA_VISIBLE_DEVICES)")
+        line("GPU", f"none ({hint})")
+    missing = _jit.missing_kernel_sources()
+    line("kernel sources", f"{_jit.csrc_dir()} " + (f"(MISSING: {', '.join(missing)})" if missing else "(complete)"))
+    nvcc, nvcc_info = _nvcc()
+    line("nvcc", f"{nvcc} ({nvcc_info})" if nvcc else nvcc_info)
+    try:
+        line("CUTLASS headers", str(_jit.cutlass_include()))
+    except RuntimeError as exc:
+        line("CUTLASS headers", f"not found: {exc}")
+    line("JIT cache", str(_jit.cache_root()))
+    print("kernels:", file=out)
+    for mode in selftest.KERNEL_MODULES:
+        print(f"  {mode.value:5s} {_kernel_status(mode, device)}", file=out)
+    print('mode="auto":', file=out)
+    for text in _auto_lines(device):
+        print(f"  {text}", file=out)
+    return 0

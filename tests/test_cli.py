@@ -1,0 +1,133 @@
+"""Command line: per-subcommand help, rejections that list the valid values, doctor on the CPU."""
+import argparse
+import enum
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sage_diffusers import __main__ as cli
+from sage_diffusers._cli import enum_argument, positive_int
+from sage_diffusers.options import Mode
+
+SUBCOMMANDS = ("demo", "selftest", "doctor", "build")
+
+
+def _run(argv, capsys):
+    """(exit status, stdout, stderr) of ``python -m sage_diffusers <argv>``, in process."""
+    try:
+        status = cli.main(argv)
+    except SystemExit as exc:
+        status = exc.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_subcommand_has_its_own_help(command, capsys):
+    status, out, _ = _run([command, "--help"], capsys)
+    assert status == 0
+    assert out.startswith(f"usage: python -m sage_diffusers {command} [-h]")
+
+
+def test_help_through_the_real_entry_point():
+    res = subprocess.run([sys.executable, "-m", "sage_diffusers", "demo", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0 and "--tokens TOKENS" in res.stdout and "--dtype {bfloat16,float16,float32}" in res.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--tokens", "0"], "argument --tokens: expected a positive integer, got 0"),
+    (["demo", "--tokens", "ten"], "argument --tokens: expected a positive integer, got 'ten'"),
+    (["demo", "--repeats", "-2"], "argument --repeats: expected a positive integer, got -2"),
+    (["demo", "--dtype", "float64"], "invalid choice: 'float64' (choose from"),
+    (["demo", "--device", "tpu"], "argument --device: not a torch device: 'tpu'"),
+    (["demotest"], "invalid choice: 'demotest' (choose from"),
+    (["selftest", "--tokens", "5"], "unrecognized arguments: --tokens 5"),
+    (["doctor", "--force"], "unrecognized arguments: --force"),
+    ([], "the following arguments are required"),
+])
+def test_invalid_values_are_rejected_with_the_valid_ones(argv, message, capsys):
+    status, _, err = _run(argv, capsys)
+    assert status == 2
+    assert message in err
+    if "invalid choice" in message:
+        assert ("bfloat16" in err) if "--dtype" in argv else all(c in err for c in SUBCOMMANDS)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_cuda_device_rejected_without_cuda(capsys):
+    status, _, err = _run(["demo", "--device", "cuda"], capsys)
+    assert status == 2 and "CUDA is not available here (use cpu)" in err
+
+
+def test_demo_runs_small(capsys, monkeypatch):
+    from sage_diffusers import demo
+
+    # Two small blocks instead of the real-size ones (their random weights alone take CPU seconds).
+    monkeypatch.setattr(demo, "BLOCKS", (demo.BlockConfig("small hd64", 2, 64, 4096),
+                                         demo.BlockConfig("small hd128", 2, 128, 4096)))
+    status, out, _ = _run(["demo", "--tokens", "48", "--device", "cpu", "--repeats", "1"], capsys)
+    assert status == 0
+    rows = [line for line in out.splitlines() if "[48 tok" in line]
+    assert len(rows) == 6 and {row.split()[-4] for row in rows} == {"sdpa", "int8", "fp4"}
+    assert all(float(row.split()[-3]) > 0.95 for row in rows)  # cos vs fp32 SDPA
+
+
+def test_demo_api_rejects_zero_tokens():
+    from sage_diffusers import demo
+
+    with pytest.raises(ValueError, match="tokens: expected a positive sequence length"):
+        demo.run(tokens=0, device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU report")
+def test_doctor_on_cpu(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("SAGE_DIFFUSERS_CACHE", str(tmp_path))
+    status, out, _ = _run(["doctor"], capsys)
+    assert status == 0
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line and not line.startswith(" "))
+    assert torch.__version__ in fields["torch"]
+    assert fields["GPU"].strip().startswith("none (")
+    assert fields["kernel sources"].strip().endswith("(complete)")
+    assert fields["JIT cache"].strip() == str(tmp_path / "jit")
+    assert {"python", "nvcc", "CUTLASS headers", "sage_diffusers"} <= set(fields)
+    assert "  int8  not for this device (CUDA is not available)" in out
+    assert "  fp4   not for this device (CUDA is not available)" in out
+    for d in (64, 128):
+        assert f"  head dim {d}: SDPA (no CUDA device" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answers")
+def test_selftest_and_build_on_cpu(capsys):
+    status, out, _ = _run(["selftest"], capsys)
+    assert status == 0 and "no CUDA device; nothing to check" in out
+    status, out, _ = _run(["build"], capsys)
+    assert status == 1 and "no CUDA device" in out
+
+
+class Flavour(str, enum.Enum):  # a str enum, whose plain repr argparse would print as Flavour.SAGE3
+    FIXED = "fixed"
+    SAGE3 = "sage3"
+
+
+@pytest.mark.parametrize("enum_cls, good, member", [(Mode, "INT8", Mode.INT8), (Flavour, "sage3", Flavour.SAGE3)])
+def test_enum_argument_prints_and_parses_values(enum_cls, good, member, capsys):
+    parser = argparse.ArgumentParser(prog="p")
+    parser.add_argument("--x", default=list(enum_cls)[0], **enum_argument(enum_cls))
+    assert parser.parse_args(["--x", good]).x is member
+    values = ",".join(m.value for m in enum_cls)
+    assert "{" + values + "}" in parser.format_help()
+    assert enum_cls.__name__ + "." not in parser.format_help()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--x", "bogus"])
+    err = capsys.readouterr().err
+    assert f"argument --x: invalid choice 'bogus' (choose from {', '.join(m.value for m in enum_cls)})" in err
+
+
+def test_positive_int():
+    assert positive_int("3") == 3
+    for bad in ("0", "-1", "1.5", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            positive_int(bad)
