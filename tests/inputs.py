@@ -54,6 +54,7 @@ def dit_qkv(
     outlier_channels: int = 0,
     outlier_scale: float = 20.0,
     magnitude: float = 1.0,
+    grid: Optional[float] = None,
     dtype: torch.dtype = torch.float32,
     device="cpu",
 ) -> QKV:
@@ -66,6 +67,9 @@ def dit_qkv(
     outlier_channels : how many channels of Q and K (the same ones) are multiplied by ``outlier_scale``.
     magnitude : every tensor is multiplied by it (Q and K by its square root, so the scores scale by
         ``magnitude`` and V by ``magnitude``), to sweep the range a low-bit format must cover.
+    grid : round every value to a multiple of ``grid`` (e.g. 2**-8). Sums of such values are exact in
+        float32 in any order, so token means agree bit for bit between implementations that sum in
+        different orders (what a bit-level comparison of two references needs).
 
     Returns
     -------
@@ -82,6 +86,8 @@ def dit_qkv(
         q, k = q * gain / math.sqrt(outlier_scale), k * gain / math.sqrt(outlier_scale)
     root = math.sqrt(magnitude)
     q, k, v = q * root, k * root, v * magnitude
+    if grid is not None:
+        q, k, v = (torch.round(t / grid) * grid for t in (q, k, v))
     return QKV(*(t.to(device=device, dtype=dtype) for t in (q, k, v)))
 
 
