@@ -7,6 +7,7 @@ time), using this file's command-line entry points:
     python tests/test_comfyui_real.py make-checkpoint OUT.safetensors
     python tests/test_comfyui_real.py ksampler MODEL.safetensors OUT.json
     python tests/test_comfyui_real.py validate BASE_DIR WORKFLOW_API.json...
+    python tests/test_comfyui_real.py layouts OUT.json                 # multi-call blocks of real models
 
 and one headless server (`main.py --cpu`) for the end-to-end pass. The tiny model is ComfyUI's own
 SD3 MMDiT (depth 2: hidden 128, 2 heads of 64, plus an MMDiT-X self-attention in block 0, so 3
@@ -199,6 +200,83 @@ def cmd_ksampler(model_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(report, indent=1))
 
 
+def _seeded(model):
+    """Small seeded values in every tensor (comfy.ops.disable_weight_init leaves memory uninitialised)."""
+    import torch
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in list(model.parameters()) + list(model.buffers()):
+            if p.is_floating_point():
+                p.copy_(torch.randn_like(p) * (0.02 if p.dim() > 1 else 0.01))
+    return model.eval()
+
+
+def cmd_layouts(out_path: str) -> None:
+    """Real ComfyUI models whose blocks make several attention calls: the layout the node reads
+    from the model against the calls one forward pass makes, and sdpa mode against unpatched."""
+    _bootstrap()
+    import torch
+    import comfy.ops
+    from comfy.ldm.lightricks.model import LTXVModel
+    from comfy.ldm.modules.diffusionmodules.mmdit import MMDiT
+    from comfy.ldm.wan.model import WanModel
+    from comfyui_node.model_layout import calls_per_block
+    from comfyui_node.override import SageAttentionOverride, make_config
+
+    ops = comfy.ops.disable_weight_init
+    g = torch.Generator().manual_seed(1)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    def wan(model_type):
+        model = WanModel(model_type=model_type, patch_size=(1, 2, 2), text_len=8, in_dim=4, dim=128, ffn_dim=256,
+                         freq_dim=32, text_dim=32, out_dim=4, num_heads=2, num_layers=3, operations=ops)
+        clip = rand(1, 257, 1280) if model_type == "i2v" else None
+        return model, lambda m, options: m(rand_x["wan"], torch.tensor([0.5]), rand_ctx["wan"], clip_fea=clip,
+                                           transformer_options=options)
+
+    rand_x = {"mmdit": rand(1, 16, 16, 16), "wan": rand(1, 4, 2, 8, 8), "ltxv": rand(1, 16, 2, 4, 4)}
+    rand_ctx = {"mmdit": rand(1, 8, CONTEXT_DIM), "wan": rand(1, 8, 32), "ltxv": rand(1, 8, 32)}
+    rand_y = rand(1, POOLED_DIM)
+    text_mask = torch.ones(1, 8, dtype=torch.long)
+    text_mask[0, 6:] = 0  # LTX-Video: two padded text tokens, turned into an additive mask by the model
+    cases = {
+        "sd35_medium_like": (
+            MMDiT(patch_size=2, in_channels=16, out_channels=16, depth=3, adm_in_channels=POOLED_DIM,
+                  context_embedder_config={"target": "torch.nn.Linear",  # hidden = 64 * depth
+                                           "params": {"in_features": CONTEXT_DIM, "out_features": 192}},
+                  pos_embed_max_size=16, num_patches=256, x_block_self_attn_layers=[0, 1], operations=ops),
+            lambda m, options: m(rand_x["mmdit"], torch.tensor([0.5]), y=rand_y, context=rand_ctx["mmdit"],
+                                 transformer_options=options)),
+        "wan_t2v": wan("t2v"),
+        "wan_i2v": wan("i2v"),
+        "ltxv": (
+            LTXVModel(in_channels=16, cross_attention_dim=128, attention_head_dim=64, num_attention_heads=2,
+                      caption_channels=32, num_layers=3, operations=ops),
+            lambda m, options: m(rand_x["ltxv"], torch.tensor([0.5]), rand_ctx["ltxv"], text_mask,
+                                 transformer_options=options)),
+    }
+    report = {}
+    for name, (model, forward) in cases.items():
+        _seeded(model)
+        layout = calls_per_block(model)
+        with torch.no_grad():
+            want = forward(model, {})
+            ov = SageAttentionOverride(make_config("sdpa"), calls_per_block=layout)
+            got = forward(model, {"optimized_attention_override": ov})
+        snap = ov.stats.snapshot()
+        blocks = getattr(model, "joint_blocks", None) or getattr(model, "blocks", None) or model.transformer_blocks
+        report[name] = {
+            "layout": list(layout) if layout else None, "blocks": len(blocks),
+            "calls": {f"{r.value}|{d}": n for (r, d), n in snap.calls.items()},
+            "max_calls_per_forward": snap.max_calls_per_forward, "max_blocks_per_forward": snap.max_blocks_per_forward,
+            "max_abs_diff": float((got - want).abs().max()), "max_abs": float(want.abs().max()),
+        }
+    Path(out_path).write_text(json.dumps(report, indent=1))
+
+
 def cmd_validate(base_dir: str, *workflow_paths: str) -> None:
     """Run ComfyUI's own prompt validation (class types, inputs, link types, combo values)."""
     _bootstrap(base_dir)
@@ -276,6 +354,22 @@ def test_node_patches_real_model_and_ksampler_uses_it(checkpoint, tmp_path):
         "comfyui|attention call not in the selected blocks": steps * 1,  # block 1 (1 call) of every step
         "comfyui|full-precision step": 2 * 2,  # steps 0, 3 x block 0's 2 calls
     }, fp4
+
+
+def test_block_layouts_match_real_models(tmp_path):
+    """SD3.5-medium-like MMDiT-X, Wan t2v/i2v and LTX-Video built from ComfyUI's classes: the calls
+    per block the node reads from the model are the calls one forward makes, and sdpa mode
+    through the node matches ComfyUI's own attention (LTX-Video's text mask included)."""
+    out = tmp_path / "layouts.json"
+    _child("layouts", str(out))
+    report = json.loads(out.read_text())
+    expected = {"sd35_medium_like": [2, 2, 1], "wan_t2v": [2, 2, 2], "wan_i2v": [3, 3, 3], "ltxv": [2, 2, 2]}
+    for name, layout in expected.items():
+        run = report[name]
+        assert run["layout"] == layout, (name, run)
+        assert run["max_calls_per_forward"] == sum(layout) and run["max_blocks_per_forward"] == run["blocks"], (name, run)
+        assert run["calls"] == {"sage_diffusers|sdpa -> SDPA": sum(layout)}, (name, run)
+        assert run["max_abs_diff"] <= 1e-4 * max(1.0, run["max_abs"]), (name, run)
 
 
 def test_api_workflows_pass_comfyui_validation(tmp_path):
@@ -466,4 +560,4 @@ if __name__ == "__main__":
         sys.exit("set COMFYUI_PATH to a ComfyUI checkout")
     command, *rest = sys.argv[1:]
     {"object-info": cmd_object_info, "make-checkpoint": cmd_make_checkpoint, "ksampler": cmd_ksampler,
-     "validate": cmd_validate}[command](*rest)
+     "validate": cmd_validate, "layouts": cmd_layouts}[command](*rest)
