@@ -1,31 +1,36 @@
 """One call to run a diffusers pipeline's (or transformer's) attention through sage_diffusers, one to undo it.
 
-Supported families (exact diffusers processor types replaced): CogVideoX (``CogVideoXAttnProcessor2_0``),
-HunyuanVideo (``HunyuanVideoAttnProcessor2_0``), Mochi (``MochiAttnProcessor2_0``), Flux
-(``FluxAttnProcessor``), SD3/SD3.5 (``JointAttnProcessor2_0``). Other processors (e.g. HunyuanVideo's token
-refiner, VAEs, IP-adapter and fused-projection processors) are left alone.
+Supported families (exact diffusers processor types replaced, ``sage_diffusers.processors.PROCESSOR_FOR``):
+CogVideoX, HunyuanVideo, HunyuanVideo 1.5, Mochi, Flux.1, Chroma, Flux.2, SD3/SD3.5, Wan 2.1/2.2 (``transformer``
+and ``transformer_2``), LTX-Video and QwenImage. Other processors (e.g. HunyuanVideo's token refiner, VAEs,
+IP-adapter processors) are left alone; a model with none of the supported processors gets a ``ValueError`` that
+says what to do instead.
 
-For dispatcher-based models (Flux, HunyuanVideo, ...) the registered backend also works without ``enable``::
+What ``enable`` leaves behind is plain picklable objects (processors, the policy state, a run watch on the
+pipeline): ``torch.save(pipe.transformer)`` and pickling the scheduler work, before and after ``disable``.
+``fuse_qkv_projections()`` after ``enable`` keeps the sage processors (diffusers' fused processors for SD3 and
+CogVideoX would replace them; ours read the unfused projections, which fusing keeps).
+
+For dispatcher-based models the registered backends also work without ``enable``::
 
     register_backend()
-    transformer.set_attention_backend("sage3")      # or "sage3_fp4", "sage3_int8", "sage3_sdpa"
-    with attention_backend("sage3"): ...
+    transformer.set_attention_backend("sage_diffusers_int8")   # or _auto, _fp4, _sdpa
+    with attention_backend("sage_diffusers_auto"): ...
 
 (see ``sage_diffusers.processors.backend`` for how the closed ``AttentionBackendName`` enum learns these names).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from sage_diffusers.options import Mode
 from sage_diffusers.policy import FixedPolicy, Policy, PolicyState
-from sage_diffusers.processors import PROCESSOR_FOR
+from sage_diffusers.processors import PROCESSOR_FOR, SageProcessorMixin
 from sage_diffusers.processors.backend import BACKEND_NAMES, register_backend, sage_attention_backend
 
 __all__ = ["BACKEND_NAMES", "disable", "enable", "is_enabled", "register_backend", "sage_attention_backend"]
@@ -40,21 +45,50 @@ _RECORD = "_sage_diffusers_record"
 class _Record:
     """What ``enable`` changed on one model."""
 
-    originals: list[tuple[torch.nn.Module, Any]]  # (attention module, its original processor object)
+    replaced: list[tuple[torch.nn.Module, Any, SageProcessorMixin]]  # (attention module, original, sage)
     hook: torch.utils.hooks.RemovableHandle | None
     state: PolicyState
-    undo_run_watch: Callable[[], None] | None = None
+    pipe: Any = None  # the pipeline whose runs drive the state (first transformer's record only)
+
+
+class _FuseGuard:
+    """``model.fuse_qkv_projections`` while enabled: fuses, then puts back sage processors fusing replaced.
+
+    diffusers' SD3 and CogVideoX models install their ``Fused*`` processors when fusing; the sage processors read
+    ``to_q``/``to_k``/``to_v``, which fusing keeps, so they stay correct. ``unfuse_qkv_projections`` then restores
+    the processors saved at fusing time (ours). A plain object, so the model stays picklable.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = type(self.model).fuse_qkv_projections(self.model, *args, **kwargs)
+        record: _Record | None = getattr(self.model, _RECORD, None)
+        if record is not None:
+            reapplied = 0
+            for module, _, sage in record.replaced:
+                if module.processor is not sage:
+                    _set_processor(module, sage)
+                    reapplied += 1
+            if reapplied:
+                logger.info("sage_diffusers: fuse_qkv_projections replaced %d sage processors; re-applied", reapplied)
+            if getattr(self.model, "original_attn_processors", None) is not None:
+                # What unfuse_qkv_projections restores: the sage processors, not the fused ones.
+                self.model.original_attn_processors = self.model.attn_processors
+        return result
 
 
 def _transformers_of(pipe_or_model: Any) -> list[torch.nn.Module]:
-    """The denoiser(s) of a pipeline, or the model itself."""
+    """The denoiser(s) of a pipeline (``transformer`` and Wan 2.2's ``transformer_2``), or the model itself."""
     if isinstance(pipe_or_model, torch.nn.Module):
         return [pipe_or_model]
     models = [getattr(pipe_or_model, name, None) for name in ("transformer", "transformer_2")]
     models = [m for m in models if isinstance(m, torch.nn.Module)]
     if not models:
         raise ValueError(
-            f"expected a diffusers pipeline with a `transformer` or an nn.Module, got {type(pipe_or_model).__name__}"
+            f"expected a diffusers pipeline with a `transformer` or an nn.Module, got {type(pipe_or_model).__name__}; "
+            "UNet pipelines (SD 1.5, SDXL) are not supported: call sage_diffusers.attention from your own processor"
         )
     return models
 
@@ -66,38 +100,27 @@ def _is_fused(processor: Any) -> bool:
 
 
 def _set_processor(module: torch.nn.Module, processor: Any) -> None:
-    # MochiAttention has no set_processor; the others' set_processor also drops a module-type processor's entry.
+    # The modules' set_processor also drops a module-type processor's entry in _modules.
     if hasattr(module, "set_processor"):
         module.set_processor(processor)
     else:
         module.processor = processor
 
 
-def _watch_runs(pipe: Any, state: PolicyState) -> Callable[[], None] | None:
-    """Reset ``state`` whenever the pipeline starts a run; return the undo function (None if not possible).
-
-    Every diffusers pipeline call starts with ``scheduler.set_timesteps``; an instance attribute wrapping it marks
-    the run start exactly, also when the number of steps changes between calls (which the step counter's
-    wrap-around alone cannot see).
-    """
-    scheduler = getattr(pipe, "scheduler", None)
-    original = getattr(scheduler, "set_timesteps", None)
-    if original is None:
-        return None
-
-    # functools.wraps keeps the signature visible: pipelines inspect it to see whether sigmas/timesteps are accepted.
-    @functools.wraps(original)
-    def set_timesteps(*args: Any, **kwargs: Any) -> Any:
-        state.reset()
-        return original(*args, **kwargs)
-
-    scheduler.set_timesteps = set_timesteps
-
-    def undo() -> None:
-        if scheduler.__dict__.get("set_timesteps") is set_timesteps:
-            del scheduler.set_timesteps
-
-    return undo
+def _unsupported_message(model: torch.nn.Module) -> str:
+    processors = [getattr(m, "processor", None) for m in model.modules()]
+    processors = [p for p in processors if p is not None]
+    names = sorted({type(p).__name__ for p in processors})
+    families = ", ".join(sorted(cls.__name__ for cls in PROCESSOR_FOR))
+    message = f"{type(model).__name__} has no attention processor of a supported type (found {names or 'none'}; supported: {families}). "
+    if any(_is_fused(p) for p in processors):
+        return message + "Its projections are fused: call unfuse_qkv_projections() first, then enable()."
+    if any(hasattr(p, "_attention_backend") for p in processors):
+        return message + (
+            "Its processors use diffusers' attention dispatcher: call sage_diffusers.integration.register_backend() "
+            f"and model.set_attention_backend({BACKEND_NAMES[Mode.AUTO]!r}) (or another sage_diffusers_* name)."
+        )
+    return message + "Call sage_diffusers.attention from a processor of your own for this model."
 
 
 def enable(
@@ -116,35 +139,32 @@ def enable(
     mode : Mode or str
         Mode of every call when ``policy`` is None.
     policy : Policy or None
-        Per-step, per-layer modes (``sage_diffusers.policy``); overrides ``mode``. The step advances through a
-        forward pre-hook on each transformer, or through ``callback_on_step_end=<returned state>``.
+        Per-step, per-layer modes (``sage_diffusers.policy``); overrides ``mode``. With a pipeline the steps come
+        from its runs (first-, second-order and multistep schedulers alike; a swapped scheduler is followed);
+        with a bare transformer from a forward pre-hook that watches ``timestep``. ``callback_on_step_end=<the
+        returned state>`` gives the same schedule.
     num_steps : int or None
-        Number of denoising steps, for policies with trailing steps when no pipeline is given (a pipeline
-        reports its own).
+        Number of denoising steps, for policies with trailing steps when no pipeline is given.
 
     Returns
     -------
     PolicyState
-        The mode source shared by the new processors (its ``step`` can be read or set).
+        The state shared by the new processors (``step`` and ``num_steps`` can be read or set).
 
     Raises
     ------
     ValueError
-        If no supported attention processor is found, or ``mode`` is not a ``Mode``.
+        If a model has no supported attention processor (the message says what to do instead), or ``mode`` is not
+        a ``Mode``.
 
     Notes
     -----
     Calling ``enable`` again first restores the original processors, then installs new ones. ``disable``
-    restores the original processor objects. With a policy and a pipeline, the pipeline's
-    ``scheduler.set_timesteps`` is wrapped (an instance attribute, removed by ``disable``) so that every pipeline
-    call restarts the policy at step 0. Enable before ``torch.compile``: the processors are read at trace time.
+    restores the original processor objects. Enable before ``torch.compile``.
     """
     models = _transformers_of(pipe_or_model)
     state = PolicyState(policy if policy is not None else FixedPolicy(Mode.parse(mode)), num_steps=num_steps)
     is_pipeline = not isinstance(pipe_or_model, torch.nn.Module)
-    if is_pipeline:
-        # Pipelines set _num_timesteps at the start of every call, before the first transformer call.
-        state.num_steps_fn = lambda: getattr(pipe_or_model, "_num_timesteps", None)
     register_backend()
     disable(pipe_or_model)
 
@@ -153,6 +173,8 @@ def enable(
     targets = []
     for model in models:
         found = [(m, m.processor) for m in model.modules() if type(getattr(m, "processor", None)) in PROCESSOR_FOR]
+        if not found:
+            raise ValueError(_unsupported_message(model))
         fused = {type(m.processor).__name__ for m in model.modules() if _is_fused(getattr(m, "processor", None))}
         if fused:
             logger.warning(
@@ -160,23 +182,26 @@ def enable(
                 "enable() to run them through sage_diffusers",
                 sorted(fused),
             )
-        if not found:
-            supported = ", ".join(sorted(cls.__name__ for cls in PROCESSOR_FOR))
-            raise ValueError(f"{type(model).__name__} has no attention processor of a supported type ({supported})")
         targets.append((model, found))
 
     for index, (model, found) in enumerate(targets):
+        replaced = []
         for layer, (module, processor) in enumerate(found):
-            _set_processor(module, PROCESSOR_FOR[type(processor)](state, layer))
-        hook = state.attach(model) if policy is not None else None
-        # One run watcher per pipeline, kept in the first transformer's record.
-        undo = _watch_runs(pipe_or_model, state) if policy is not None and is_pipeline and index == 0 else None
-        setattr(model, _RECORD, _Record(found, hook, state, undo))
+            sage = PROCESSOR_FOR[type(processor)](state=state, layer=layer)
+            _set_processor(module, sage)
+            replaced.append((module, processor, sage))
+        hook = state.attach(model) if policy is not None and not is_pipeline else None
+        watched = pipe_or_model if policy is not None and is_pipeline and index == 0 else None
+        if hasattr(type(model), "fuse_qkv_projections"):
+            model.fuse_qkv_projections = _FuseGuard(model)
+        setattr(model, _RECORD, _Record(replaced, hook, state, watched))
+    if policy is not None and is_pipeline:
+        state.watch(pipe_or_model)
     return state
 
 
 def disable(pipe_or_model: Any) -> None:
-    """Restore the processors ``enable`` replaced (the original objects) and remove its hook; no-op if not enabled.
+    """Restore the processors ``enable`` replaced (the original objects) and remove its hooks; no-op if not enabled.
 
     Parameters
     ----------
@@ -187,12 +212,14 @@ def disable(pipe_or_model: Any) -> None:
         record: _Record | None = getattr(model, _RECORD, None)
         if record is None:
             continue
-        for module, processor in record.originals:
+        for module, processor, _ in record.replaced:
             _set_processor(module, processor)
         if record.hook is not None:
             record.hook.remove()
-        if record.undo_run_watch is not None:
-            record.undo_run_watch()
+        if record.pipe is not None:
+            record.state.unwatch(record.pipe)
+        if isinstance(vars(model).get("fuse_qkv_projections"), _FuseGuard):
+            del model.fuse_qkv_projections
         delattr(model, _RECORD)
 
 

@@ -1,10 +1,14 @@
-"""Precision policies and the step state that drives them (no pipeline needed).
+"""Precision policies and the step state that drives them: tables, the tensor form, the schedules of first- and
+second-order schedulers, the pipeline watch and the callback (one schedule), torch.compile without recompiles,
+pickling.
 
-The end-to-end check with a real tiny pipeline is in ``test_processors_pipeline.py``.
+More end-to-end pipeline checks are in ``test_processors_pipeline.py``.
 """
 
 from __future__ import annotations
 
+import io
+import pickle
 import sys
 from pathlib import Path
 
@@ -19,11 +23,14 @@ from _sage_cli import record_attention_calls  # noqa: E402
 from sage_diffusers import integration  # noqa: E402
 from sage_diffusers.options import Mode  # noqa: E402
 from sage_diffusers.policy import (  # noqa: E402
+    ALL_MODES,
     DEFAULT_POLICY,
+    UNKNOWN_STEPS,
     FixedPolicy,
     LayerRule,
     PolicyState,
     StepLayerPolicy,
+    user_step,
 )
 
 S, F, I8, A = Mode.SDPA, Mode.FP4, Mode.INT8, Mode.AUTO
@@ -107,10 +114,20 @@ def test_forward_hook_ignores_calls_without_timestep_and_reset_starts_over():
     assert module.seen[-1][0] == 0
 
 
-def test_callback_on_step_end_drives_the_step_exactly():
-    class Pipe:
-        _num_timesteps = 3
+class _Scheduler:
+    order = 1
 
+    def __init__(self, calls):
+        self.timesteps = torch.arange(calls, 0, -1)
+
+
+class _Pipe:
+    def __init__(self, calls, order=1):
+        self.scheduler = _Scheduler(calls)
+        self.scheduler.order = order
+
+
+def test_callback_on_step_end_drives_the_step_exactly():
     state = PolicyState(DEFAULT_POLICY)
     module = _Timestepped(state)
     state.attach(module)
@@ -119,11 +136,47 @@ def test_callback_on_step_end_drives_the_step_exactly():
     for i in range(3):
         module(torch.zeros(1), timestep=torch.tensor([float(10 - i)]))
         observed.append(state.step)
-        assert state(Pipe(), i, torch.tensor(1.0), kwargs) is kwargs  # usable as callback_on_step_end
+        assert state(_Pipe(3), i, torch.tensor(1.0), kwargs) is kwargs  # usable as callback_on_step_end
     assert observed == [0, 1, 2]
     assert state.step == 0 and state.total_steps() == 3  # wrapped: ready for the next call
     module(torch.zeros(1), timestep=torch.tensor([99.0]))  # once driven by the callback, the hook stays passive
     assert state.step == 0
+
+
+def test_tensor_form_of_the_policies_matches_the_python_form():
+    policies = [
+        DEFAULT_POLICY,
+        FixedPolicy("int8"),
+        StepLayerPolicy(default="fp4", first_steps=1, last_steps=3, layer_rules=(LayerRule(range(1, 3), "int8"),)),
+    ]
+    for policy in policies:
+        for n in (None, 1, 4, 7):
+            for step in range(8):
+                for layer in range(4):
+                    code = policy.mode_code(
+                        torch.tensor(step), layer, torch.tensor(UNKNOWN_STEPS if n is None else n)
+                    )
+                    assert ALL_MODES[int(code)] is policy.mode(step, layer, n), (policy, n, step, layer)
+                    assert policy.mode(step, layer, n) in policy.modes()
+
+
+def test_user_steps_of_first_and_second_order_schedules():
+    # First-order and multistep schedulers: one call per step.
+    assert [user_step(j, 5, 1) for j in range(6)] == [(0, 5), (1, 5), (2, 5), (3, 5), (4, 5), (0, 5)]
+    # Heun: 2N - 1 calls for N steps; the last step is first-order only.
+    assert [user_step(j, 7, 2)[0] for j in range(7)] == [0, 0, 1, 1, 2, 2, 3]
+    assert user_step(0, 7, 2)[1] == 4
+    for n in range(1, 30):
+        assert [user_step(j, 2 * n - 1, 2)[0] for j in range(2 * n - 1)] == [j // 2 for j in range(2 * n - 1)]
+
+
+def test_forward_hook_restarts_when_the_first_timestep_comes_back():
+    state = PolicyState(DEFAULT_POLICY)  # number of steps unknown
+    module = _Timestepped(state)
+    state.attach(module)
+    for t in [1.0, 0.5, 0.25, 1.0, 0.5]:
+        module(torch.zeros(1), timestep=t)
+    assert [s for s, _, _ in module.seen] == [0, 1, 2, 0, 1]
 
 
 def test_policy_switches_modes_by_step_on_a_real_transformer():
@@ -150,3 +203,122 @@ def test_policy_switches_modes_by_step_on_a_real_transformer():
     ]
     assert not model._forward_pre_hooks, "disable must remove the step hook"
 
+
+
+# ---- pipelines: one schedule for any scheduler, the callback, a swapped scheduler, pickling ---------------------
+
+
+class _ModeSequence:
+    """Records the mode of every sage_diffusers.attention call, in order."""
+
+    def __init__(self, monkeypatch):
+        import sage_diffusers
+
+        self.modes: list[Mode] = []
+        original = sage_diffusers.attention
+
+        def spy(*args, **kwargs):
+            self.modes.append(Mode.parse(kwargs["mode"]))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(sage_diffusers, "attention", spy)
+
+    def take(self) -> list[Mode]:
+        modes, self.modes = self.modes, []
+        return modes
+
+
+def _sd35_pipeline(scheduler):
+    pipe = _sage_tiny.tiny_pipeline(_sage_tiny.Family.SD35)
+    pipe.scheduler = scheduler
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_second_order_scheduler_callback_and_swapped_scheduler_share_one_schedule(monkeypatch):
+    from diffusers import FlowMatchEulerDiscreteScheduler, FlowMatchHeunDiscreteScheduler
+
+    family = _sage_tiny.Family.SD35
+    pipe = _sd35_pipeline(FlowMatchHeunDiscreteScheduler())
+    policy = StepLayerPolicy(first_steps=1, last_steps=1)
+    state = integration.enable(pipe, policy=policy)
+    calls = _ModeSequence(monkeypatch)
+    layers = 3
+    # Heun, 4 steps: 7 transformer calls on user steps [0, 0, 1, 1, 2, 2, 3]; the last step is at full precision.
+    heun = [m for m in [S, S, F, F, F, F, S] for _ in range(layers)]
+    pipe(**_sage_tiny.tiny_call_kwargs(family, steps=4))
+    assert calls.take() == heun
+    assert state.step == 0 and state.num_steps == 4  # ready for the next run
+    pipe(**_sage_tiny.tiny_call_kwargs(family, steps=4), callback_on_step_end=state)
+    assert calls.take() == heun  # the callback path agrees with the pipeline watch
+
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler()  # swapped after enable: followed from the next run
+    pipe(**_sage_tiny.tiny_call_kwargs(family, steps=3))
+    assert calls.take() == [m for m in [S, F, S] for _ in range(layers)]
+
+    integration.disable(pipe)
+    assert "progress_bar" not in vars(pipe) and "step" not in vars(pipe.scheduler)
+
+
+def test_enabled_pipeline_and_transformer_stay_picklable():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    family = _sage_tiny.Family.SD35
+    pipe = _sd35_pipeline(FlowMatchEulerDiscreteScheduler())
+    kwargs = _sage_tiny.tiny_call_kwargs(family, steps=3)
+    integration.enable(pipe, policy=StepLayerPolicy(first_steps=1, last_steps=1, default="int8"))
+    reference = pipe(**kwargs)[0]
+    scheduler = pickle.loads(pickle.dumps(pipe.scheduler))
+    assert type(scheduler) is type(pipe.scheduler)
+    buffer = io.BytesIO()
+    torch.save(pipe.transformer, buffer)  # the whole module, processors and policy state included
+    transformer = pickle.loads(pickle.dumps(pipe.transformer))
+    assert buffer.tell() > 0
+    loaded = pickle.loads(pickle.dumps(pipe))
+    torch.testing.assert_close(loaded(**_sage_tiny.tiny_call_kwargs(family, steps=3))[0], reference, rtol=0, atol=0)
+    assert type(transformer) is type(pipe.transformer)
+    integration.disable(pipe)
+    pickle.dumps(pipe)
+
+
+# ---- torch.compile: the step is a tensor the graph reads --------------------------------------------------------
+
+
+def test_policy_under_torch_compile_needs_no_recompiles_and_no_graph_breaks():
+    """fullgraph=True (a graph break would raise), a counting backend: at most 2 graphs for 5 calls over 4 steps,
+    and every call computes the mode its step asks for (int8 differs from sdpa on CPU, so a wrong branch shows)."""
+    import torch._dynamo
+
+    family = _sage_tiny.Family.FLUX
+    model = _sage_tiny.tiny_transformer(family)
+    inputs = _sage_tiny.tiny_inputs(family, model)
+    policy = StepLayerPolicy(first_steps=1, last_steps=1, default="int8")
+    timesteps = [1.0, 0.75, 0.75, 0.5, 0.25]
+
+    def run(forward):
+        outs = []
+        with torch.no_grad():
+            for t in timesteps:
+                outs.append(forward(**dict(inputs, timestep=torch.full((2,), t)), return_dict=False)[0])
+        return outs
+
+    state = integration.enable(model, policy=policy, num_steps=4)
+    eager = run(model)
+    state.reset()
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend=counting_backend, fullgraph=True)
+        outs = run(compiled)
+    finally:
+        torch._dynamo.reset()
+        integration.disable(model)
+    assert 1 <= len(graphs) <= 2, f"{len(graphs)} graphs for {len(timesteps)} calls"
+    for t, out, ref in zip(timesteps, outs, eager):
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5, msg=f"timestep {t}")
+    assert not torch.allclose(eager[0], eager[1], atol=1e-6)  # step 0 (sdpa) and step 1 (int8) differ

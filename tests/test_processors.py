@@ -210,8 +210,8 @@ def test_hunyuanvideo_key_mask_is_one_batched_call():
         mp.setattr(sage_diffusers, "attention", spy)
         _forward(model, inputs)
     assert len(seen) == _num_sage_layers(family)  # one call per layer for the whole batch
-    for batch, attn_mask, mask in seen:
-        assert batch == 2 and attn_mask is None
+    for batch, mask in seen:
+        assert batch == 2
         assert mask is not None and mask.dtype == torch.bool and mask.shape == expected.shape  # native (B, Skv)
         assert torch.equal(mask, expected)
 
@@ -295,15 +295,31 @@ def test_enable_rejects_unsupported_models_and_modes():
         integration.enable(object())
 
 
-def test_fused_projection_processors_are_reported_and_left_alone(caplog):
+def test_fused_projection_processors_are_refused_with_what_to_do():
     model = _sage_tiny.tiny_transformer(Family.SD35)  # a private copy: fusing changes the weights' layout
     model.fuse_qkv_projections()
-    with caplog.at_level("WARNING", logger="sage_diffusers"), pytest.raises(ValueError, match="no attention"):
+    with pytest.raises(ValueError, match="FusedJointAttnProcessor2_0.*unfuse_qkv_projections"):
         integration.enable(model, mode="int8")
-    assert "FusedJointAttnProcessor2_0" in caplog.text and "unfuse_qkv_projections" in caplog.text
     model.unfuse_qkv_projections()
     integration.enable(model, mode="int8")
     assert integration.is_enabled(model)
+
+
+def test_fuse_qkv_projections_after_enable_keeps_the_sage_processors():
+    model = _sage_tiny.tiny_transformer(Family.SD35)
+    inputs = _sage_tiny.tiny_inputs(Family.SD35, model)
+    ref = _forward(model, inputs)
+    integration.enable(model, mode="sdpa")
+    model.fuse_qkv_projections()  # diffusers would install FusedJointAttnProcessor2_0 everywhere
+    assert all(isinstance(p, SageProcessorMixin) for p in model.attn_processors.values())
+    with record_attention_calls() as calls:
+        torch.testing.assert_close(_forward(model, inputs), ref, rtol=0, atol=1e-5)
+    assert calls == {Mode.SDPA: 3}
+    model.unfuse_qkv_projections()
+    assert all(isinstance(p, SageProcessorMixin) for p in model.attn_processors.values())
+    integration.disable(model)
+    assert not any(isinstance(p, SageProcessorMixin) for p in model.attn_processors.values())
+    assert "fuse_qkv_projections" not in vars(model)
 
 
 # ---- diffusers dispatcher backend ---------------------------------------------------------------------------

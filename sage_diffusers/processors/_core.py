@@ -119,13 +119,20 @@ def run_choice(choice: Choice, fn: Callable[..., Any], *operands: torch.Tensor) 
         return fn(ALL_MODES[int(choice.code)], *operands)
 
     def branch(mode: Mode) -> Callable[..., Any]:
-        return lambda *ops: fn(mode, *ops)
+        # torch.cond needs both branches' outputs laid out alike; the paths differ (SDPA vs the references).
+        return lambda *ops: _contiguous(fn(mode, *ops))
 
     *tried, last = choice.modes
     result = branch(last)
     for mode in reversed(tried):
         result = _cond_of(choice.code == MODE_CODE[mode], branch(mode), result)
     return result(*operands)
+
+
+def _contiguous(result: Any) -> Any:
+    if isinstance(result, tuple):
+        return tuple(t.contiguous() for t in result)
+    return result.contiguous()
 
 
 def _cond_of(pred: torch.Tensor, true_fn: Callable[..., Any], false_fn: Callable[..., Any]) -> Callable[..., Any]:

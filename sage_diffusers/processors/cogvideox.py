@@ -11,23 +11,14 @@ from diffusers.models.attention_processor import Attention, CogVideoXAttnProcess
 from diffusers.models.embeddings import apply_rotary_emb
 
 from sage_diffusers.options import Layout
-from sage_diffusers.processors._core import ModeSource, SageProcessorMixin, attend
+from sage_diffusers.processors._core import SageProcessorMixin, attend
 
 
 class SageCogVideoXAttnProcessor(SageProcessorMixin, CogVideoXAttnProcessor2_0):
     """``CogVideoXAttnProcessor2_0`` whose core attention runs through ``sage_diffusers.attention``.
 
-    Parameters
-    ----------
-    source : ModeSource
-        Gives the mode of each call.
-    layer : int
-        Transformer block index.
+    Parameters are those of ``SageProcessorMixin``: ``mode``, ``policy``, ``layer``, ``state``.
     """
-
-    def __init__(self, source: ModeSource, layer: int) -> None:
-        CogVideoXAttnProcessor2_0.__init__(self)
-        SageProcessorMixin.__init__(self, source, layer)
 
     def __call__(
         self,
@@ -48,7 +39,7 @@ class SageCogVideoXAttnProcessor(SageProcessorMixin, CogVideoXAttnProcessor2_0):
         encoder_hidden_states : torch.Tensor
             Text tokens (B, St, C).
         attention_mask : torch.Tensor or None
-            Unused by CogVideoX pipelines; any mask is passed on (the API falls back to SDPA for it).
+            Unused by CogVideoX pipelines; any mask is passed on as ``attn_mask`` with SDPA's meaning.
         image_rotary_emb : tuple of torch.Tensor or None
             (cos, sin), each (Sv, D), applied to the video part of q and k.
 
@@ -82,7 +73,7 @@ class SageCogVideoXAttnProcessor(SageProcessorMixin, CogVideoXAttnProcessor2_0):
             if not attn.is_cross_attention:
                 key[:, :, text_seq_length:] = apply_rotary_emb(key[:, :, text_seq_length:], image_rotary_emb)
 
-        hidden_states = attend(query, key, value, mode=self.mode, layout=Layout.BHSD, key_mask=attention_mask)
+        hidden_states = attend(query, key, value, mode=self.choice(attn), layout=Layout.BHSD, attn_mask=attention_mask)
         hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
 
         hidden_states = attn.to_out[0](hidden_states)  # linear

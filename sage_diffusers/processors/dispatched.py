@@ -1,77 +1,165 @@
 """Processors of the families whose diffusers processor already calls the attention dispatcher.
 
-Flux (``FluxAttnProcessor``) and HunyuanVideo (``HunyuanVideoAttnProcessor2_0``) pass
-``backend=self._attention_backend`` to ``dispatch_attention_fn``. Their sage processors therefore keep
-diffusers' ``__call__`` untouched (projections, norms, RoPE, token order, outputs are diffusers' own code) and
-only answer ``_attention_backend`` with the registered ``sage3_<mode>`` backend of the current mode.
+Flux and Chroma (``FluxAttnProcessor``), HunyuanVideo (``HunyuanVideoAttnProcessor2_0``), HunyuanVideo 1.5
+(``HunyuanVideo15AttnProcessor2_0``), Wan 2.1/2.2 (``WanAttnProcessor``), LTX-Video (``LTXVideoAttnProcessor``),
+QwenImage (``QwenDoubleStreamAttnProcessor2_0``) and Flux.2 (``Flux2AttnProcessor``,
+``Flux2ParallelSelfAttnProcessor`` and their KV-cache variants) pass ``backend=self._attention_backend`` to
+``dispatch_attention_fn``. Their sage processors keep diffusers' ``__call__`` (projections, norms, RoPE, token
+order, outputs are diffusers' own code) and only answer ``_attention_backend`` with a ``sage_diffusers_*``
+backend: the fixed mode's, or, with a policy, ``sage_diffusers_policy`` while the processor publishes the mode of
+the call it is making (``backend.ACTIVE``).
 
-HunyuanVideo's pipeline mask arrives as bool (B, 1, 1, N) (latent then text, padding False); the backend hands it
-to ``sage_diffusers.attention`` as a (B, N) key-padding mask, one batched call.
+Masks reach the backend as diffusers builds them; the backend turns key-padding structure into the API's native
+``key_mask`` (HunyuanVideo's (B, 1, 1, N), QwenImage's (B, 1, 1, N), HunyuanVideo 1.5's and Chroma's (B, 1, N, N)
+outer products). LTX-Video's cross-attention mask is an additive float bias, (1 - keep) * -10000; its processor
+turns it back into the bool mask it encodes (exact: exp(-10000) is 0 in every float type) before diffusers' code
+runs.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
+import torch
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+from diffusers.models.transformers.transformer_flux2 import (
+    Flux2AttnProcessor,
+    Flux2KVAttnProcessor,
+    Flux2KVParallelSelfAttnProcessor,
+    Flux2ParallelSelfAttnProcessor,
+)
 from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
+from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
+from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
+from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-from sage_diffusers.processors._core import ModeSource, SageProcessorMixin
-from sage_diffusers.processors.backend import backend_member, register_backend
+from sage_diffusers.processors._core import SageProcessorMixin
+from sage_diffusers.processors.backend import ACTIVE, backend_member
+
+# An additive bias at or below this drops its key exactly: exp(-10000 + s - max) is 0 in fp32/bf16/fp16.
+_DROPPED_BIAS = -1.0e4
 
 
 class _DispatchedSageMixin(SageProcessorMixin):
-    """Answers ``_attention_backend`` with the sage backend of the current mode.
+    """Answers ``_attention_backend`` with the sage backend of this processor's mode or policy.
 
     ``ModelMixin.set_attention_backend(name)`` assigns ``_attention_backend`` on every processor; an explicit
     assignment is kept as an override (the user asked for that backend) until ``reset_attention_backend()``
-    assigns None, which gives control back to the mode source.
+    assigns None, which gives control back to the processor's mode.
     """
 
-    def __init__(self, source: ModeSource, layer: int) -> None:
-        register_backend()
-        SageProcessorMixin.__init__(self, source, layer)
-        self._backend_override = None
+    _backend_override: Any = None
 
     @property
     def _attention_backend(self) -> Any:
         if self._backend_override is not None:
             return self._backend_override
-        return backend_member(self.mode)
+        return backend_member(self._fixed)  # None (a policy): the backend that reads ACTIVE
 
     @_attention_backend.setter
     def _attention_backend(self, backend: Any) -> None:
         self._backend_override = backend
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__call__" in cls.__dict__:
+            return
+        base = next(b for b in cls.__mro__ if b.__module__.startswith("diffusers.") and "__call__" in b.__dict__)
+
+        def __call__(self: _DispatchedSageMixin, attn: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return self._dispatch(attn, *args, **kwargs)
+
+        # diffusers' attention modules pass only the keywords the processor's signature names: show the base's.
+        __call__.__signature__ = inspect.signature(base.__call__)  # type: ignore[attr-defined]
+        __call__.__doc__ = base.__call__.__doc__
+        cls.__call__ = __call__  # type: ignore[method-assign]
+
+    def _dispatch(self, attn: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """diffusers' ``__call__``, with the mode of this call published for the policy backend."""
+        call = super(_DispatchedSageMixin, self).__call__
+        if self._fixed is not None or self._backend_override is not None:
+            return call(attn, *args, **kwargs)
+        ACTIVE.choice = self.choice(attn)
+        try:
+            return call(attn, *args, **kwargs)
+        finally:
+            ACTIVE.choice = None
+
+
+def _mixin_doc(base: type, note: str = "") -> str:
+    return (
+        f"``{base.__name__}`` whose core attention runs through ``sage_diffusers.attention``.{note}\n\n"
+        "    Parameters are those of ``SageProcessorMixin``: ``mode``, ``policy``, ``layer``, ``state``.\n"
+    )
+
 
 class SageFluxAttnProcessor(_DispatchedSageMixin, FluxAttnProcessor):
-    """``FluxAttnProcessor`` whose core attention runs through ``sage_diffusers.attention``.
-
-    Parameters
-    ----------
-    source : ModeSource
-        Gives the mode of each call.
-    layer : int
-        Index of this attention module (double-stream blocks first, then single-stream blocks).
-    """
-
-    def __init__(self, source: ModeSource, layer: int) -> None:
-        FluxAttnProcessor.__init__(self)
-        _DispatchedSageMixin.__init__(self, source, layer)
+    __doc__ = _mixin_doc(FluxAttnProcessor, " Flux.1 and Chroma.")
 
 
 class SageHunyuanVideoAttnProcessor(_DispatchedSageMixin, HunyuanVideoAttnProcessor2_0):
-    """``HunyuanVideoAttnProcessor2_0`` whose core attention runs through ``sage_diffusers.attention``.
+    __doc__ = _mixin_doc(HunyuanVideoAttnProcessor2_0, " Its bool (B, 1, 1, N) mask runs as a key mask.")
 
-    Parameters
-    ----------
-    source : ModeSource
-        Gives the mode of each call.
-    layer : int
-        Index of this attention module (dual-stream blocks first, then single-stream blocks; the token refiner's
-        attention keeps its own processor and is not counted).
+
+class SageHunyuanVideo15AttnProcessor(_DispatchedSageMixin, HunyuanVideo15AttnProcessor2_0):
+    __doc__ = _mixin_doc(HunyuanVideo15AttnProcessor2_0, " Its (B, 1, N, N) outer-product mask runs as a key mask.")
+
+
+class SageWanAttnProcessor(_DispatchedSageMixin, WanAttnProcessor):
+    __doc__ = _mixin_doc(WanAttnProcessor, " Wan 2.1 and 2.2 (t2v, i2v: both attention calls).")
+
+
+class SageQwenDoubleStreamAttnProcessor(_DispatchedSageMixin, QwenDoubleStreamAttnProcessor2_0):
+    __doc__ = _mixin_doc(QwenDoubleStreamAttnProcessor2_0, " Its (B, 1, 1, N) text-padding mask runs as a key mask.")
+
+
+class SageFlux2AttnProcessor(_DispatchedSageMixin, Flux2AttnProcessor):
+    __doc__ = _mixin_doc(Flux2AttnProcessor)
+
+
+class SageFlux2ParallelSelfAttnProcessor(_DispatchedSageMixin, Flux2ParallelSelfAttnProcessor):
+    __doc__ = _mixin_doc(Flux2ParallelSelfAttnProcessor)
+
+
+class SageFlux2KVAttnProcessor(_DispatchedSageMixin, Flux2KVAttnProcessor):
+    __doc__ = _mixin_doc(Flux2KVAttnProcessor)
+
+
+class SageFlux2KVParallelSelfAttnProcessor(_DispatchedSageMixin, Flux2KVParallelSelfAttnProcessor):
+    __doc__ = _mixin_doc(Flux2KVParallelSelfAttnProcessor)
+
+
+def padding_bias_to_keep(bias: torch.Tensor) -> torch.Tensor:
+    """The bool keep-mask an additive padding bias encodes (0 = keep, <= -10000 = drop), same shape.
+
+    A row whose keys are all dropped keeps them all: with one bias on every key, SDPA attends uniformly, which
+    is the unmasked result. A bias with other values (a real bias, not padding) is returned unchanged; under
+    ``torch.compile`` that is an asynchronous assert instead.
     """
+    keep = bias == 0
+    padding = keep | (bias <= _DROPPED_BIAS)
+    if torch.compiler.is_compiling():
+        torch._assert_async(padding.all(), "sage_diffusers: LTX attention bias is not a padding mask")
+    elif not bool(padding.all()):
+        return bias
+    return keep | ~keep.any(dim=-1, keepdim=True)
 
-    def __init__(self, source: ModeSource, layer: int) -> None:
-        HunyuanVideoAttnProcessor2_0.__init__(self)
-        _DispatchedSageMixin.__init__(self, source, layer)
+
+class SageLTXVideoAttnProcessor(_DispatchedSageMixin, LTXVideoAttnProcessor):
+    __doc__ = _mixin_doc(
+        LTXVideoAttnProcessor, " The cross-attention bias (1 - keep) * -10000 runs as the bool key mask it encodes."
+    )
+
+    def __call__(
+        self,
+        attn: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if attention_mask is not None and attention_mask.is_floating_point():
+            attention_mask = padding_bias_to_keep(attention_mask)  # (B, 1, St) bias -> bool, diffusers' shape
+        return self._dispatch(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)

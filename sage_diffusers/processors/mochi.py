@@ -14,7 +14,7 @@ import torch
 from diffusers.models.attention_processor import MochiAttention, MochiAttnProcessor2_0
 
 from sage_diffusers.options import Layout
-from sage_diffusers.processors._core import ModeSource, SageProcessorMixin, attend
+from sage_diffusers.processors._core import SageProcessorMixin, attend
 
 
 def _rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -32,17 +32,8 @@ def _rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -
 class SageMochiAttnProcessor(SageProcessorMixin, MochiAttnProcessor2_0):
     """``MochiAttnProcessor2_0`` with one batched ``sage_diffusers.attention`` call and a key-padding mask.
 
-    Parameters
-    ----------
-    source : ModeSource
-        Gives the mode of each call.
-    layer : int
-        Transformer block index.
+    Parameters are those of ``SageProcessorMixin``: ``mode``, ``policy``, ``layer``, ``state``.
     """
-
-    def __init__(self, source: ModeSource, layer: int) -> None:
-        MochiAttnProcessor2_0.__init__(self)
-        SageProcessorMixin.__init__(self, source, layer)
 
     def __call__(
         self,
@@ -97,7 +88,7 @@ class SageMochiAttnProcessor(SageProcessorMixin, MochiAttnProcessor2_0):
             torch.cat([query, encoder_query], dim=1),
             torch.cat([key, encoder_key], dim=1),
             torch.cat([value, encoder_value], dim=1),
-            mode=self.mode,
+            mode=self.choice(attn),
             layout=Layout.BSHD,
             key_mask=key_mask,
         ).flatten(2, 3)  # (B, Sv + St, H*D)

@@ -11,23 +11,14 @@ import torch
 from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
 
 from sage_diffusers.options import Layout
-from sage_diffusers.processors._core import ModeSource, SageProcessorMixin, attend
+from sage_diffusers.processors._core import SageProcessorMixin, attend
 
 
 class SageJointAttnProcessor(SageProcessorMixin, JointAttnProcessor2_0):
     """``JointAttnProcessor2_0`` (SD3, SD3.5) whose core attention runs through ``sage_diffusers.attention``.
 
-    Parameters
-    ----------
-    source : ModeSource
-        Gives the mode of each call.
-    layer : int
-        Index of this attention module (the block index unless the model has dual-attention blocks).
+    Parameters are those of ``SageProcessorMixin``: ``mode``, ``policy``, ``layer``, ``state``.
     """
-
-    def __init__(self, source: ModeSource, layer: int) -> None:
-        JointAttnProcessor2_0.__init__(self)
-        SageProcessorMixin.__init__(self, source, layer)
 
     def __call__(
         self,
@@ -87,7 +78,7 @@ class SageJointAttnProcessor(SageProcessorMixin, JointAttnProcessor2_0):
             key = torch.cat([key, encoder_key], dim=2)
             value = torch.cat([value, encoder_value], dim=2)
 
-        hidden_states = attend(query, key, value, mode=self.mode, layout=Layout.BHSD)
+        hidden_states = attend(query, key, value, mode=self.choice(attn), layout=Layout.BHSD)
         hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
         hidden_states = hidden_states.to(query.dtype)
 
