@@ -180,6 +180,7 @@ def cmd_ksampler(model_path: str, out_path: str) -> None:
     for label, inputs in {
         "sdpa": dict(mode="sdpa", full_precision_first_steps=0, full_precision_last_steps=0, blocks=""),
         "off": dict(mode="off", full_precision_first_steps=0, full_precision_last_steps=0, blocks=""),
+        "auto": dict(mode="auto", full_precision_first_steps=0, full_precision_last_steps=0, blocks=""),
         "int8": dict(mode="int8", full_precision_first_steps=0, full_precision_last_steps=0, blocks=""),
         "fp4_policy_blocks": dict(mode="fp4", full_precision_first_steps=1, full_precision_last_steps=1, blocks="0"),
         "legacy_int8": dict(cls=legacy_cls, mode="int8", full_precision_first_steps=0, full_precision_last_steps=0,
@@ -335,6 +336,10 @@ def test_node_patches_real_model_and_ksampler_uses_it(checkpoint, tmp_path):
 
     assert runs["sdpa"]["calls"] == {"sage_diffusers|sdpa -> SDPA": calls}
     assert runs["sdpa"]["max_abs_diff_vs_unpatched"] <= 1e-4 * max(1.0, runs["sdpa"]["baseline_max_abs"])
+
+    # on CPU "auto" has no kernel: it runs SDPA and says so
+    assert runs["auto"]["calls"] == {"sage_diffusers|auto -> SDPA": calls}
+    assert runs["auto"]["max_abs_diff_vs_unpatched"] <= 1e-4 * max(1.0, runs["auto"]["baseline_max_abs"])
 
     assert runs["off"]["calls"] == {"comfyui|mode is off": calls}
     assert runs["off"]["max_abs_diff_vs_unpatched"] == 0.0
