@@ -34,8 +34,11 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_collectreport(report):
+    path = report.nodeid.split("::", 1)[0]
     if report.skipped:  # the whole module skipped at import time (pytest.skip(allow_module_level=True))
-        _COUNTS[report.nodeid.split("::", 1)[0]]["skipped_module"] += 1
+        _COUNTS[path]["skipped_module"] += 1
+    elif report.failed:  # import error: pytest fails the run; the table shows where
+        _COUNTS[path]["collect_error"] += 1
 
 
 def pytest_sessionfinish(session):
