@@ -1,0 +1,195 @@
+"""SageBwd's torch reference and autograd function against float64 autograd of exact attention.
+
+Bounds are two-sided where it matters: the error must stay small, and must not vanish (a
+vanishing error would mean a product silently ran unquantized).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sage_diffusers as sd
+from sage_diffusers.reference import cosine, relative_l1
+from sage_diffusers.reference import sagebwd as ref
+from sage_diffusers.sagebwd import Impl
+
+
+def make_inputs(b, hq, hkv, sq, skv, d, dtype=torch.bfloat16, k_bias=2.0):
+    """Q, V ~ N(0, 1); K = N(0, 1) + a per-channel bias (what smoothing removes); dO ~ N(0, 1)."""
+    q = torch.randn(b, hq, sq, d).to(dtype)
+    k = (torch.randn(b, hkv, skv, d) + k_bias * torch.randn(d)).to(dtype)
+    v = torch.randn(b, hkv, skv, d).to(dtype)
+    do = torch.randn(b, hq, sq, d).to(dtype)
+    return q, k, v, do
+
+
+def exact_grads(q, k, v, do, key_mask=None, is_causal=False, scale=None):
+    """float64 SDPA output and gradients; rows with no visible key give 0."""
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    sq, skv = q.shape[2], k.shape[2]
+    mask = None if key_mask is None else key_mask[:, None, None, :]
+    if is_causal:
+        causal = torch.ones(sq, skv, dtype=torch.bool).tril()
+        mask = causal if mask is None else mask & causal
+    out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    if mask is not None:
+        out = torch.where(mask.any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype))
+    out.backward(do.double())
+    return out.detach(), qd.grad, kd.grad, vd.grad
+
+
+def sage_grads(q, k, v, do, dov="fp16", **kw):
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = sd.sagebwd(qs, ks, vs, dov=dov, impl=Impl.REFERENCE, **kw)
+    out.backward(do)
+    return out.detach(), qs.grad, ks.grad, vs.grad
+
+
+CASES = [
+    # (b, hq, hkv, sq, skv, d, causal, masked)
+    (1, 2, 2, 128, 128, 64, False, False),
+    (2, 4, 2, 113, 77, 32, True, True),
+    (1, 2, 1, 130, 200, 128, False, True),
+    (1, 3, 3, 200, 64, 64, True, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:6])) + f"-c{int(c[6])}m{int(c[7])}")
+def test_reference_vs_float64_autograd(case):
+    b, hq, hkv, sq, skv, d, causal, masked = case
+    q, k, v, do = make_inputs(b, hq, hkv, sq, skv, d)
+    key_mask = (torch.rand(b, skv) > 0.3) if masked else None
+    got = sage_grads(q, k, v, do, key_mask=key_mask, is_causal=causal)
+    want = exact_grads(q, k, v, do, key_mask, causal)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        cos, rl1 = cosine(g, w), relative_l1(g, w)
+        assert cos > 0.998, (name, cos)
+        assert 0.003 < rl1 < 0.07, (name, rl1)  # quantized (error > 0), yet accurate
+
+
+def test_dk_exact_wrt_unsmoothed_k():
+    """A large per-channel K bias changes no softmax, so it must change no gradient either."""
+    q, k, v, do = make_inputs(1, 2, 2, 96, 160, 64, k_bias=0.0)
+    bias = 20.0 * torch.randn(64).to(torch.bfloat16)
+    base = sage_grads(q, k, v, do)
+    shifted = sage_grads(q, (k.float() + bias.float()).to(torch.bfloat16), v, do)
+    want = exact_grads(q, k, v, do)
+    assert cosine(shifted[2], want[2]) > 0.998
+    assert cosine(shifted[2], base[2]) > 0.999
+    # the K-mean gradient term is zero: dK sums to ~0 over keys, as the exact gradient does
+    assert shifted[2].float().sum(2).abs().max() < 1e-2 * shifted[2].float().abs().sum(2).max()
+
+
+def test_dov_int8_ablation_is_less_accurate_on_outlier_dO():
+    """dP = dO.V^T in INT8 loses dQ accuracy where dO has token outliers (the paper's ablation)."""
+    q, k, v, do = make_inputs(1, 2, 2, 128, 256, 64)
+    do = (do.float() * (1 + 20 * (torch.rand(1, 2, 128, 1) > 0.95))).to(torch.bfloat16)
+    want = exact_grads(q, k, v, do)
+    fp16 = cosine(sage_grads(q, k, v, do, dov="fp16")[1], want[1])
+    int8 = cosine(sage_grads(q, k, v, do, dov="int8")[1], want[1])
+    assert fp16 > 0.998 and int8 < fp16
+
+
+def test_masked_keys_never_matter():
+    """NaN/Inf in masked K/V rows vanish; masked keys get zero gradients; a fully masked batch row
+    gives zero output and gradients."""
+    q, k, v, do = make_inputs(2, 2, 2, 70, 90, 32)
+    key_mask = torch.rand(2, 90) > 0.4
+    key_mask[1] = False
+    k2, v2 = k.clone(), v.clone()
+    k2[~key_mask[:, None, :].expand(2, 2, 90)] = float("nan")
+    v2[~key_mask[:, None, :].expand(2, 2, 90)] = float("inf")
+    a = sage_grads(q, k, v, do, key_mask=key_mask)
+    b = sage_grads(q, k2, v2, do, key_mask=key_mask)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert torch.all(b[0][1] == 0) and torch.all(b[1][1] == 0)
+    assert torch.all(b[2][:, :, ~key_mask[0]][0] == 0) and torch.all(b[3][1] == 0)
+
+
+def test_requires_grad_mix_and_inputs_untouched():
+    q, k, v, do = make_inputs(1, 2, 1, 65, 65, 64)
+    full = sage_grads(q, k, v, do)
+    q0, k0 = q.clone(), k.clone()
+    vs = v.clone().requires_grad_()
+    out = sd.sagebwd(q, k, vs, impl=Impl.REFERENCE)
+    out.backward(do)
+    assert torch.equal(vs.grad, full[3])
+    assert q.grad is None and k.grad is None
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+
+
+@pytest.mark.parametrize("sq,skv", [(0, 5), (5, 0), (1, 1)])
+def test_empty_and_tiny(sq, skv):
+    q = torch.randn(1, 2, sq, 32, requires_grad=True)
+    k = torch.randn(1, 2, skv, 32, requires_grad=True)
+    v = torch.randn(1, 2, skv, 32, requires_grad=True)
+    out = sd.sagebwd(q, k, v)
+    assert out.shape == (1, 2, sq, 32)
+    out.sum().backward()
+    if skv == 0:
+        assert torch.all(out == 0) and torch.all(q.grad == 0)
+    if sq == skv == 1:  # one key: output is that value, and its gradient the output gradient
+        assert torch.allclose(out, v.detach().expand(1, 2, 1, 32), rtol=0.02, atol=0.02)
+        assert torch.allclose(v.grad, torch.ones_like(v), rtol=0.02)
+
+
+def test_layouts_agree_and_dtypes_kept():
+    q, k, v, _ = make_inputs(1, 4, 2, 50, 60, 64, dtype=torch.float16)
+    a = sd.sagebwd(q, k, v)
+    b = sd.sagebwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout="BSHD")
+    assert a.dtype == torch.float16 and torch.equal(a, b.transpose(1, 2))
+
+
+def test_float32_inputs_and_key_padding_attn_mask():
+    q, k, v, do = make_inputs(2, 2, 2, 40, 40, 32, dtype=torch.float32)
+    key_mask = torch.rand(2, 40) > 0.2
+    a = sage_grads(q, k, v, do, key_mask=key_mask)
+    b = sage_grads(q, k, v, do, attn_mask=key_mask[:, None, None, :])
+    assert a[0].dtype == torch.float32 and a[1].dtype == torch.float32
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_unsupported_head_dim_falls_back_to_sdpa_backward():
+    sd.reset_fallback_stats()
+    q, k, v, do = make_inputs(1, 2, 2, 20, 20, 80, dtype=torch.float32)
+    got = sage_grads(q, k, v, do)
+    want = exact_grads(q, k, v, do)
+    for g, w in zip(got, want):
+        assert torch.allclose(g.double(), w, atol=1e-4)
+    assert any("sagebwd: head dim 80" in r for r in sd.fallback_stats())
+
+
+def test_general_mask_falls_back():
+    sd.reset_fallback_stats()
+    q, k, v, _ = make_inputs(1, 2, 2, 20, 20, 32, dtype=torch.float32)
+    mask = torch.rand(20, 20) > 0.5
+    mask[:, 0] = True
+    out = sd.sagebwd(q, k, v, attn_mask=mask)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), atol=1e-5)
+    assert any("sagebwd: attn_mask" in r for r in sd.fallback_stats())
+
+
+def test_torch_compile_aot_eager():
+    q, k, v, do = make_inputs(1, 2, 2, 70, 70, 32)
+    eager = sage_grads(q, k, v, do, is_causal=True)
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    fn = torch.compile(lambda a, b, c: sd.sagebwd(a, b, c, is_causal=True), backend="aot_eager", fullgraph=True)
+    out = fn(qs, ks, vs)
+    out.backward(do)
+    assert torch.equal(out, eager[0])
+    for g, w in zip((qs.grad, ks.grad, vs.grad), eager[1:]):
+        assert torch.equal(g, w)
+
+
+def test_quantized_operands_follow_the_shared_quantizers():
+    """Q per 64-token block, smoothed K and V per 64-key block, absmax/127 with round-half-even."""
+    q, k, v, _ = make_inputs(1, 1, 1, 70, 70, 32)
+    st = ref.sagebwd_forward(q, k, v)
+    scale = q.float()[0, 0, :64].abs().amax() / torch.tensor(127.0)
+    assert torch.equal(st.sq[0, 0, 0], scale)
+    assert torch.equal(st.q8[0, 0, :64].float(), torch.round(q.float()[0, 0, :64] / scale).clamp(-127, 127))
+    ks = k.float() - k.float().mean(2, keepdim=True)
+    assert torch.allclose(st.k8.float() * st.sk.repeat_interleave(64, -1)[..., :70, None], ks, atol=st.sk.max().item())
+    assert torch.isfinite(st.m2).all() and torch.isfinite(st.lse2).all() and (st.lse2 >= st.m2).all()
