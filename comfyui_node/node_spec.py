@@ -25,7 +25,7 @@ TOOLTIPS = {
             "(plumbing check); off: ComfyUI's attention, calls only counted.",
     "full_precision_first_steps": "Number of sampling steps at the start that keep ComfyUI's attention.",
     "full_precision_last_steps": "Number of sampling steps at the end that keep ComfyUI's attention.",
-    "blocks": "Attention calls to replace, by position in one forward pass (0-based), e.g. '0-3,10'; "
-              "empty = all. Equals the block index for one-attention-per-block models (Flux, SD3, "
-              "Mochi); Wan makes two calls per block.",
+    "blocks": "Transformer blocks to replace (0-based), e.g. '0-3,10'; empty = all. Double-stream "
+              "blocks first, then single-stream blocks (Flux). Blocks with several attention calls "
+              "(SD3.5 MMDiT-X, Wan, LTX-Video) count as one block.",
 }
