@@ -108,13 +108,18 @@ _RACER = textwrap.dedent("""
     def fake_load(name, sources, build_directory, **kwargs):  # stands in for nvcc + ninja
         lib = pathlib.Path(build_directory) / (name + cpp_extension.LIB_EXT)
         note(f"start {who} built={lib.is_file()}")
-        if not lib.is_file():
-            time.sleep(2.0)
+        if not lib.is_file():  # hold the lock until the other process is about to ask for it
+            ready = log.with_name("B.ready")
+            while not ready.exists():
+                time.sleep(0.02)
+            time.sleep(1.0)
             lib.write_bytes(b"")
         note(f"end {who}")
         return "module"
 
     cpp_extension.load = fake_load
+    if who == "B":
+        log.with_name("B.ready").write_text("")
     _jit.load_extension("sage_lock_probe", [src])
 """)
 

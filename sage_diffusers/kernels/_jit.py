@@ -33,9 +33,10 @@ PACKAGED_CSRC = _PACKAGE_ROOT / "_csrc"  # the copy a wheel carries (setup.py's 
 KERNEL_FOLDERS = ("fp4", "sm90_int8")  # one folder per kernel module under csrc/
 HASHED_SUFFIXES = frozenset({".cu", ".cuh", ".h", ".hpp", ".cpp", ".inc"})
 # One nvcc translation unit of these kernels (CUTLASS/CuTe templates, one head dim x dtype
-# instantiation) takes about this long on one core of a 2024 server CPU; ninja runs
-# ~cpu_count of them at once. Only used for the "roughly how long" line of the first build.
-_SECONDS_PER_CUDA_FILE = 90.0
+# instantiation) takes about this long on one server core; ninja runs ~cpu_count of them at
+# once. Measured on a 16-core H200 host: int8 (14 files) built in 30-34 s, fp4 (3 files) in
+# 39-42 s. Only used for the "roughly how long" line of the first build.
+_SECONDS_PER_CUDA_FILE = 40.0
 _HEARTBEAT_SECONDS = 30.0
 _loaded: dict[str, ModuleType] = {}
 
@@ -161,8 +162,8 @@ def build_lock(build_dir: Path, what: str, stream: TextIO | None = None) -> Iter
 def _build_estimate(cuda_files: int) -> str:
     jobs = int(os.environ.get("MAX_JOBS") or (os.cpu_count() or 1))
     seconds = math.ceil(max(cuda_files, 1) / max(jobs, 1)) * _SECONDS_PER_CUDA_FILE
-    minutes = max(1, round(seconds / 60))
-    return f"about {minutes} min with {jobs} parallel job{'s' if jobs > 1 else ''}"
+    took = f"{seconds:.0f} s" if seconds < 90 else f"{round(seconds / 60)} min"
+    return f"about {took} with {jobs} parallel job{'s' if jobs > 1 else ''}"
 
 
 @contextlib.contextmanager
