@@ -84,20 +84,20 @@ def _auto_lines(device: Optional[torch.device]) -> list[str]:
             lines.append(f"head dim {d}: SDPA (no low-bit kernel for {arch})")
         else:
             lines.append(f"head dim {d}: {algo.value} kernel if usable ({_kernel_status(algo, device)}), "
-                         "else SDPA" + _shape_rules(device, d))
+                         "else SDPA" + _measured_crossovers(device, d))
     return lines
 
 
-def _shape_rules(device: torch.device, head_dim: int) -> str:
-    """The measured sequence-length crossovers auto applies on this GPU, if a table exists."""
+def _measured_crossovers(device: torch.device, head_dim: int) -> str:
+    """Where the kernel was measured faster than SDPA on this GPU (kernels.auto_table), if known."""
     from .kernels import auto_table
 
     rules = auto_table.rules_for(torch.cuda.get_device_capability(device), str(_jit.cache_root()))
     if not rules:
         return ""
-    parts = [f"{auto_table.class_key(*key)}: " + ("SDPA" if n is None else f"kernel from {n} tokens")
+    parts = [f"{auto_table.class_key(*key)}: " + ("SDPA faster" if n is None else f"kernel faster from {n} tokens")
              for key, n in sorted(rules.items(), key=str) if key[0] == head_dim]
-    return f"; by shape: {', '.join(parts)}" if parts else ""
+    return f"; measured vs SDPA: {', '.join(parts)}" if parts else ""
 
 
 def report(stream: Optional[TextIO] = None) -> int:
