@@ -95,3 +95,54 @@ def test_workflow_script_tiny_path(script, capsys):
     # sage3 policy over 5 steps: SDPA for steps 0, 1, 3, 4 and FP4 for step 2; one transformer call per step.
     assert re.search(rf"attention calls by mode: fp4={layers}, sdpa={4 * layers}\b", printed), printed
     assert "finite=True" in printed and "fallback" not in printed
+
+
+# ---- bf16: per-layer comparison with negative controls ------------------------------------------------
+# End to end in bf16 the tiny transformers barely depend on attention: measured on Flux, zeroing every
+# attention output still leaves the transformer-output cosine at 0.99975 (the fp4 bound is 0.999), so an
+# end-to-end bound cannot fail. Per layer, on the inputs the original processor sees, it can.
+BF16_FAMILIES = [_sage_tiny.Family.MOCHI, _sage_tiny.Family.FLUX]
+
+
+def _bf16_model(family):
+    model = _sage_tiny.tiny_transformer(family).to(torch.bfloat16)
+    inputs = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+              for k, v in _sage_tiny.tiny_inputs(family, model).items()}
+    return model, inputs
+
+
+def _zeroed(original):
+    def attention(*args, **kwargs):
+        res = original(*args, **kwargs)
+        return (torch.zeros_like(res[0]), res[1]) if isinstance(res, tuple) else torch.zeros_like(res)
+    return attention
+
+
+def _v_reversed(original):
+    def attention(q, k, v, *args, **kwargs):
+        token_dim = 2 if sage_diffusers.Layout.parse(kwargs.get("layout", "BHSD")) is sage_diffusers.Layout.BHSD else 1
+        return original(q, k, v.flip(token_dim), *args, **kwargs)
+    return attention
+
+
+@pytest.mark.parametrize("family", BF16_FAMILIES, ids=lambda f: f.value)
+def test_bfloat16_per_layer_bounds_and_negative_controls(family, monkeypatch):
+    """bf16 models: every attention layer within the per-layer bound of its mode, and the same check
+    fails when the attention output is zeroed or V is reversed along the tokens."""
+    from test_processors import LAYER_COSINE_MIN, shadow  # the float32 suite's per-layer check and bounds
+
+    model, inputs = _bf16_model(family)
+    for mode in (I8, F):
+        with shadow(model, mode) as records, torch.no_grad():
+            model(**inputs, return_dict=False)
+        worst = min(c for _, c, _ in records)
+        assert records and worst >= LAYER_COSINE_MIN[mode], (mode, [round(c, 5) for _, c, _ in records])
+
+    original = sage_diffusers.attention
+    for wrong in (_zeroed, _v_reversed):
+        monkeypatch.setattr(sage_diffusers, "attention", wrong(original))
+        with shadow(model, S) as records, torch.no_grad():
+            model(**inputs, return_dict=False)
+        best = max(c for _, c, _ in records)
+        assert best < LAYER_COSINE_MIN[F], f"{wrong.__name__} attention passed the per-layer bound: {best}"
+    monkeypatch.setattr(sage_diffusers, "attention", original)
