@@ -26,6 +26,7 @@ import _sage_tiny  # noqa: E402
 
 import sage_diffusers  # noqa: E402
 from sage_diffusers import integration  # noqa: E402
+from sage_diffusers._cli import enum_argument  # noqa: E402
 from sage_diffusers.options import Mode  # noqa: E402
 from sage_diffusers.policy import DEFAULT_POLICY, LayerRule, Policy, StepLayerPolicy  # noqa: E402
 
@@ -105,9 +106,9 @@ def parse_args(workflow: Workflow, argv: list[str] | None) -> argparse.Namespace
     )
     parser.add_argument("--tiny", action="store_true", help="tiny random components, offline, CPU (wiring check)")
     parser.add_argument(
-        "--mode", type=Mode.parse, default=Mode.AUTO, help="auto | fp4 | int8 | sdpa (with --policy fixed)"
+        "--mode", default=Mode.AUTO, help="attention mode (with --policy fixed)", **enum_argument(Mode)
     )
-    parser.add_argument("--policy", type=PolicyChoice, default=PolicyChoice.FIXED, choices=list(PolicyChoice))
+    parser.add_argument("--policy", default=PolicyChoice.FIXED, **enum_argument(PolicyChoice))
     parser.add_argument(
         "--steps", type=int, default=None, help="denoising steps (default: the workflow's, 2 with --tiny)"
     )
