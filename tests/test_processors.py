@@ -41,7 +41,8 @@ from sage_diffusers.reference.metrics import cosine  # noqa: E402
 # Mochi's RoPE asks for float32 autocast, which CPU autocast refuses with a warning: diffusers' code, not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast, but the target dtype is not supported")
 
-FAMILIES = list(Family)
+# The first five families; the others are checked in test_families.py (lighter checks, same bounds).
+FAMILIES = [Family.COGVIDEOX, Family.HUNYUANVIDEO, Family.MOCHI, Family.FLUX, Family.SD35]
 LAYER_COSINE_MIN = {Mode.INT8: 0.999, Mode.FP4: 0.99}
 OUTPUT_COSINE_MIN = {Mode.INT8: 0.9999, Mode.FP4: 0.999}
 
