@@ -5,6 +5,7 @@ wheel into a folder outside the checkout and asks the installed copy's own looku
 (``_jit.csrc_dir``) where its kernels are.
 """
 import io
+import os
 import subprocess
 import sys
 import tarfile
@@ -20,8 +21,15 @@ from sage_diffusers.kernels import _jit
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _pip(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "pip", *args], cwd=cwd, capture_output=True, text=True,
+def _out_of_tree_env(tmp: Path) -> dict:
+    """Environment whose setuptools writes build/ and *.egg-info under ``tmp``, not into the checkout."""
+    cfg = tmp / "setuptools-extra.cfg"
+    cfg.write_text(f"[build]\nbuild_base = {tmp / 'build'}\n[egg_info]\negg_base = {tmp}\n")
+    return dict(os.environ, DIST_EXTRA_CONFIG=str(cfg))
+
+
+def _pip(*args, cwd=ROOT, env=None):
+    return subprocess.run([sys.executable, "-m", "pip", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=180)
 
 
@@ -33,7 +41,7 @@ def _kernel_files(root: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    res = _pip("wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w", str(out))
+    res = _pip("wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), env=_out_of_tree_env(out))
     assert res.returncode == 0, res.stdout + res.stderr
     (whl,) = out.glob("sage_diffusers-*.whl")
     return whl
@@ -60,7 +68,7 @@ def test_installed_wheel_finds_its_kernel_sources(wheel, tmp_path):
         print(fp4.source_dir().is_dir(), int8_sm90.source_dir().is_dir(),
               all(p.is_file() for p in int8_sm90._sources()))
     """)
-    env = {k: v for k, v in __import__("os").environ.items() if k != "SAGE_DIFFUSERS_CSRC"}
+    env = {k: v for k, v in os.environ.items() if k != "SAGE_DIFFUSERS_CSRC"}
     env["PYTHONPATH"] = str(target)
     res = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=120)
@@ -75,7 +83,7 @@ def test_installed_wheel_finds_its_kernel_sources(wheel, tmp_path):
 
 def test_sdist_manifest_carries_csrc_and_the_build_hook(tmp_path):
     res = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+                         env=_out_of_tree_env(tmp_path), capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     (sdist,) = tmp_path.glob("sage_diffusers-*.tar.gz")
     with tarfile.open(sdist) as t:
@@ -129,7 +137,7 @@ def test_lock_serializes_two_processes_and_the_second_only_loads(tmp_path):
     src.parent.mkdir()
     src.write_text("// probe\n")
     log = tmp_path / "log"
-    env = dict(__import__("os").environ, SAGE_DIFFUSERS_CACHE=str(tmp_path / "cache"), CUTLASS_INCLUDE=str(tmp_path))
+    env = dict(os.environ, SAGE_DIFFUSERS_CACHE=str(tmp_path / "cache"), CUTLASS_INCLUDE=str(tmp_path))
 
     def start(who):
         return subprocess.Popen([sys.executable, "-c", _RACER, str(log), who, str(src)], env=env,
