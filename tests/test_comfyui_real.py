@@ -8,6 +8,7 @@ time), using this file's command-line entry points:
     python tests/test_comfyui_real.py ksampler MODEL.safetensors OUT.json
     python tests/test_comfyui_real.py validate BASE_DIR WORKFLOW_API.json...
     python tests/test_comfyui_real.py layouts OUT.json                 # multi-call blocks of real models
+    python tests/test_comfyui_real.py identity NODE_LINK OUT.json      # one module when installed + linked
 
 and one headless server (`main.py --cpu`) for the end-to-end pass. The tiny model is ComfyUI's own
 SD3 MMDiT (depth 2: hidden 128, 2 heads of 64, plus an MMDiT-X self-attention in block 0, so 3
@@ -51,7 +52,7 @@ BLOCKS_PER_FORWARD = 2  # the node reads block 0's two calls from the model (x_b
 # --- child-process side (imports ComfyUI) ------------------------------------------------------
 
 
-def _bootstrap(base_dir: "str | None" = None):
+def _bootstrap(base_dir: "str | None" = None, node_dir: "str | None" = None):
     """Import ComfyUI from COMFYUI_PATH on CPU, load its built-in extra nodes and this node."""
     import torch
 
@@ -72,7 +73,7 @@ def _bootstrap(base_dir: "str | None" = None):
     import nodes
 
     asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
-    ok = asyncio.run(nodes.load_custom_node(str(NODE_DIR)))
+    ok = asyncio.run(nodes.load_custom_node(node_dir or str(NODE_DIR)))
     if not ok:
         raise RuntimeError("nodes.load_custom_node refused comfyui_node")
     return nodes
@@ -278,6 +279,23 @@ def cmd_layouts(out_path: str) -> None:
     Path(out_path).write_text(json.dumps(report, indent=1))
 
 
+def cmd_identity(node_link: str, out_path: str) -> None:
+    """Load the node from a custom_nodes link, with a separately installed comfyui_node on the path."""
+    nodes = _bootstrap(node_dir=node_link)
+    canonical = sys.modules["comfyui_node"]
+    loaded = [m for name, m in sys.modules.items() if name.endswith("sage_diffusers_node")]
+    node_cls = nodes.NODE_CLASS_MAPPINGS[NODE_ID]
+    Path(out_path).write_text(json.dumps({
+        "canonical_file": canonical.__file__,
+        "node_class_file": sys.modules[node_cls.__module__].__file__,
+        "loaded_modules": len(loaded),
+        "same_stats": bool(loaded) and all(m.attention_stats is canonical.attention_stats for m in loaded),
+        "same_mappings": bool(loaded) and all(m.NODE_CLASS_MAPPINGS is canonical.NODE_CLASS_MAPPINGS for m in loaded),
+        "node_submodules": sorted(n for n in sys.modules if n.rsplit(".", 1)[-1] in ("override", "stats")
+                                  and ("comfyui_node" in n or "sage_diffusers_node" in n)),
+    }, indent=1))
+
+
 def cmd_validate(base_dir: str, *workflow_paths: str) -> None:
     """Run ComfyUI's own prompt validation (class types, inputs, link types, combo values)."""
     _bootstrap(base_dir)
@@ -375,6 +393,28 @@ def test_block_layouts_match_real_models(tmp_path):
         assert run["max_calls_per_forward"] == sum(layout) and run["max_blocks_per_forward"] == run["blocks"], (name, run)
         assert run["calls"] == {"sage_diffusers|sdpa -> SDPA": sum(layout)}, (name, run)
         assert run["max_abs_diff"] <= 1e-4 * max(1.0, run["max_abs"]), (name, run)
+
+
+def test_installed_package_and_custom_nodes_link_are_one_module(tmp_path):
+    """pip install (here: a copy of the packages on PYTHONPATH, as a wheel installs them) plus the
+    checkout's folder linked into custom_nodes: one comfyui_node, the installed one."""
+    site = tmp_path / "site"
+    for package in ("sage_diffusers", "comfyui_node"):
+        shutil.copytree(REPO / package, site / package, ignore=shutil.ignore_patterns("__pycache__"))
+    link = tmp_path / "custom_nodes" / "sage_diffusers_node"
+    link.parent.mkdir()
+    link.symlink_to(NODE_DIR, target_is_directory=True)
+    out = tmp_path / "identity.json"
+    env = _child_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(site)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable, __file__, "identity", str(link), str(out)], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    report = json.loads(out.read_text())
+    assert report["canonical_file"].startswith(str(site)), report  # the installed package, not the link
+    assert report["node_class_file"].startswith(str(site)), report
+    assert report["loaded_modules"] == 1 and report["same_stats"] and report["same_mappings"], report
+    assert report["node_submodules"] == ["comfyui_node.override", "comfyui_node.stats"], report
 
 
 def test_api_workflows_pass_comfyui_validation(tmp_path):
@@ -565,4 +605,4 @@ if __name__ == "__main__":
         sys.exit("set COMFYUI_PATH to a ComfyUI checkout")
     command, *rest = sys.argv[1:]
     {"object-info": cmd_object_info, "make-checkpoint": cmd_make_checkpoint, "ksampler": cmd_ksampler,
-     "validate": cmd_validate, "layouts": cmd_layouts}[command](*rest)
+     "validate": cmd_validate, "layouts": cmd_layouts, "identity": cmd_identity}[command](*rest)
