@@ -37,9 +37,6 @@ except ImportError as exc:  # triton is optional on CPU-only installs
     triton = tl = None
     _IMPORT_ERROR = exc
 
-# Forward query tile: two Q quantization blocks per program on a GPU (each row reads its block's
-# scale); the backward tiles are exactly one Q block by one K block, the dS quantization tile.
-FWD_BLOCK_M_GPU = 128
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -52,7 +49,22 @@ def is_available() -> tuple[bool, str]:
     return True, ""
 
 
+def _autotuned(configs, key: list):
+    """triton.autotune on a GPU (launch parameters only, never the numerics); the interpreter runs
+    the kernels as called."""
+    def wrap(kernel):
+        if INTERPRET:
+            return kernel
+        return triton.autotune(configs=configs, key=key)(kernel)
+    return wrap
+
+
 if triton is not None:
+    # Tile rows of the forward (a multiple of BLOCK_Q: each row reads its own block's Q scale),
+    # warps and pipeline depth; the backward tiles are fixed by the dS quantization tile.
+    _FWD_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=st)
+                    for m in (64, 128) for w in (4, 8) for st in (2, 3)]
+    _BWD_CONFIGS = [triton.Config({}, num_warps=w, num_stages=st) for w in (4, 8) for st in (1, 2, 3)]
 
     @triton.jit
     def _rint(x):
@@ -114,6 +126,7 @@ if triton is not None:
             vis = vis & (cols[None, :] <= rows[:, None])
         return vis
 
+    @_autotuned(_FWD_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "PV_INT8"])
     @triton.jit
     def _fwd_kernel(
         q8_ptr, sq_ptr,  # int8 (B, Hq, Sq, D), float32 (B, Hq, ceil(Sq/BLOCK_Q))
@@ -152,7 +165,8 @@ if triton is not None:
             k8 = tl.load(k8_ptr + kv_off, mask=ink[:, None], other=0)
             sk = tl.load(sk_ptr + bkv * nkb + start_n // BLOCK_N)
             s = tl.dot(q8, tl.trans(k8), out_dtype=tl.int32).to(tl.float32) * row_scale[:, None] * sk
-            s = tl.where(_visible(rows, cols, mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL), s, float("-inf"))
+            if HAS_MASK or IS_CAUSAL or start_n + BLOCK_N > SKV:  # full unmasked tiles skip the test
+                s = tl.where(_visible(rows, cols, mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp2 gives 0, not NaN
             p = tl.exp2(s - m_safe[:, None])  # (M, N) in [0, 1]
@@ -203,8 +217,9 @@ if triton is not None:
         keep = _visible(rows, cols, mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL) & live[:, None]
         lse_safe = tl.where(live, lse, 0.0)
         m_safe = tl.where(live, m, 0.0)
-        p = tl.where(keep, tl.exp2(s - lse_safe[:, None]), 0.0)  # softmax
+        inv_l = tl.exp2(m_safe - lse_safe)  # 1 / row sum of P~
         pt = tl.where(keep, tl.exp2(s - m_safe[:, None]), 0.0)  # P~ in [0, 1]
+        p = pt * inv_l[:, None]  # softmax
         if DOV_INT8:
             do8 = tl.load(do8_ptr + q_off, mask=inq[:, None], other=0)
             sdo = tl.load(sdo_ptr + bh * nqb + qi)
@@ -224,6 +239,7 @@ if triton is not None:
         qv = tl.minimum(tl.maximum(_rint(tl.div_rn(ds, safe)), -127.0), 127.0)
         return tl.where(scale > 0, qv, 0.0).to(tl.int8), scale
 
+    @_autotuned(_BWD_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8"])
     @triton.jit
     def _bwd_dkdv_kernel(
         q8_ptr, sq_ptr, k8_ptr, sk_ptr, v8_ptr, sv_ptr, vc_ptr,
@@ -272,6 +288,7 @@ if triton is not None:
         tl.store(dk_ptr + kv_off, dk, mask=ink[:, None])
         tl.store(dv_ptr + kv_off, dv, mask=ink[:, None])
 
+    @_autotuned(_BWD_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8"])
     @triton.jit
     def _bwd_dq_kernel(
         q8_ptr, sq_ptr, k8_ptr, sk_ptr, v8_ptr, sv_ptr, vc_ptr,
@@ -315,10 +332,6 @@ if triton is not None:
             ds8, sds = _quant_ds(ds)
             dq += tl.dot(ds8, k8, out_dtype=tl.int32).to(tl.float32) * (sds * sk * sm_scale)
         tl.store(dq_ptr + (bh * SQ + rows[:, None]) * D + dims[None, :], dq, mask=(rows < SQ)[:, None])
-
-
-def _num_warps(d: int) -> int:
-    return 8 if d >= 128 else 4
 
 
 def _mask_arg(key_mask: Optional[torch.Tensor], device) -> tuple[torch.Tensor, bool]:
@@ -371,16 +384,14 @@ def sagebwd_forward(q, k, v, key_mask=None, is_causal=False, scale=None,
             m2.fill_(-math.inf)
             lse2.fill_(-math.inf)
         else:
-            block_m = BLOCK_Q if INTERPRET else FWD_BLOCK_M_GPU
             mask, has_mask = _mask_arg(key_mask, q.device)
-            _fwd_kernel[(triton.cdiv(sq_len, block_m), b * hq)](
-                q8, sq, k8, sk, v8, sv, vc, mask, out, m2, lse2,
-                sm_scale * LOG2E, hq, hq // hkv, sq_len, skv,
-                D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_KV, BLOCK_Q=BLOCK_Q,
-                HAS_MASK=has_mask, IS_CAUSAL=bool(is_causal), PV_INT8=pv is PVPrecision.INT8,
-                DOT16_AS_F32=INTERPRET,
-                num_warps=_num_warps(d),
-            )
+            launch = dict(D=d, BLOCK_N=BLOCK_KV, BLOCK_Q=BLOCK_Q, HAS_MASK=has_mask, IS_CAUSAL=bool(is_causal),
+                          PV_INT8=pv is PVPrecision.INT8, DOT16_AS_F32=INTERPRET)
+            if INTERPRET:
+                launch.update(BLOCK_M=BLOCK_Q)
+            grid = lambda meta: (triton.cdiv(sq_len, meta["BLOCK_M"]), b * hq)  # noqa: E731
+            _fwd_kernel[grid](q8, sq, k8, sk, v8, sv, vc, mask, out, m2, lse2,
+                              sm_scale * LOG2E, hq, hq // hkv, sq_len, skv, **launch)
     return SageBwdState(q8=q8, sq=sq, k8=k8, sk=sk, v8=v8, sv=sv, vc=vc, out=out, m2=m2, lse2=lse2)
 
 
@@ -410,7 +421,7 @@ def sagebwd_backward(do, state: SageBwdState, key_mask=None, is_causal=False, sc
         do8, sdo = dos8, sdos  # not read
     mask, has_mask = _mask_arg(key_mask, dev)
     common = dict(D=d, BLOCK_M=BLOCK_Q, BLOCK_N=BLOCK_KV, HAS_MASK=has_mask, IS_CAUSAL=bool(is_causal),
-                  DOV_INT8=dov is DoVPrecision.INT8, DOT16_AS_F32=INTERPRET, num_warps=_num_warps(d))
+                  DOV_INT8=dov is DoVPrecision.INT8, DOT16_AS_F32=INTERPRET)
     qk_scale = sm_scale * LOG2E
     _bwd_dkdv_kernel[(triton.cdiv(skv, BLOCK_KV), b * hkv)](
         state.q8, state.sq, state.k8, state.sk, state.v8, state.sv, state.vc,

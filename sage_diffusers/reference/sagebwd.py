@@ -301,9 +301,9 @@ def sagebwd_backward(
     lse_safe = torch.where(live, state.lse2[..., None], zero)  # (B, Hq, Sq, 1)
     m_safe = torch.where(live, state.m2[..., None], zero)
     keep = live if vis is None else live & vis
-    p = torch.where(keep, torch.exp2(s2 - lse_safe), zero)  # (B, Hq, Sq, Skv), softmax, <= 1
     p_tilde = torch.where(keep, torch.exp2(s2 - m_safe), zero)  # (B, Hq, Sq, Skv), in [0, 1]
     inv_l = torch.exp2(m_safe - lse_safe)  # (B, Hq, Sq, 1), 1 / row sum of P~
+    p = p_tilde * inv_l  # (B, Hq, Sq, Skv), the softmax; one exp2 per score, as in the kernels
 
     # dV = P~^T dO': P^ = rint(127 P~) per token, dO' = dO / l per query block; int32 sums per tile.
     dos8, sdos = quantize_int8_per_block(do.float() * inv_l, BLOCK_Q)  # (B, Hq, Sq, D), (B, Hq, nq)
