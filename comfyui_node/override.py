@@ -176,8 +176,8 @@ class SageAttentionOverride:
                 return self._to_comfy(original_func, call, Reason.FULL_PRECISION_STEP, "")
         mode = self.config.mode.api_mode()
         if kwargs.get(LOW_PRECISION_KEY, True) is False and mode is not Mode.SDPA:
-            # ComfyUI's own low-bit attentions (sage, comfy-kitchen) give such calls to SDPA too;
-            # e.g. Wan i2v's image cross-attention, where SageAttention can produce NaN.
+            # ComfyUI's own sage attention gives such calls to SDPA too (comfy-kitchen's only for
+            # float32 inputs); e.g. Wan i2v's image cross-attention, where SageAttention can give NaN.
             return self._to_comfy(original_func, call, Reason.LOW_PRECISION_OFF, "")
         unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
         if unknown:
