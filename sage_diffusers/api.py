@@ -49,7 +49,7 @@ Backend = Callable[..., tuple]
 class Plan(NamedTuple):
     """Which implementation runs a call, and why when it is not the one asked for."""
 
-    path: str  # "sdpa", "reference" or "kernel"
+    path: str  # "sdpa", "reference", "kernel" or "sagebwd" (trainable INT8)
     mode: Mode  # the algorithm actually computed (SDPA for the fallback)
     backend: Optional[Backend] = None
 
@@ -104,8 +104,9 @@ def attention(
 
     Notes
     -----
-    - When autograd will need gradients (grad mode on and an input requires grad), the low-bit
-      modes run SDPA, counted with reason "backward": their kernels have no backward.
+    - When autograd will need gradients (grad mode on and an input requires grad), mode "int8"
+      runs SageBwd (:func:`sage_diffusers.sagebwd`: INT8 forward and backward, Triton on CUDA,
+      the torch reference elsewhere); "fp4" and "auto" run SDPA, counted with reason "backward".
     - float32 inputs of the low-bit modes are rounded to bfloat16 first (kernels and references
       alike); the output is float32 again.
     - Masked keys never influence the result, whatever their values (NaN and Inf included), on
@@ -259,6 +260,7 @@ def _plan(mode: Mode, q, k, v, attn_mask, key_mask, dropout: float) -> tuple[Pla
     if mode is Mode.AUTO and device.type != "cuda":
         return Plan("sdpa", Mode.SDPA), None  # by design: the references are for checking, not speed
     d, dv = q.shape[3], v.shape[3]
+    float_mask = attn_mask if attn_mask is not None and attn_mask.is_floating_point() else None
     reason = None
     native = None
     if q.dtype not in ACCEPTED_DTYPES:
@@ -269,8 +271,8 @@ def _plan(mode: Mode, q, k, v, attn_mask, key_mask, dropout: float) -> tuple[Pla
         reason = f"value head dim {dv} differs from query head dim {d}"
     elif dropout > 0.0:
         reason = "dropout"
-    elif _needs_grad(q, k, v, attn_mask if attn_mask is not None and attn_mask.is_floating_point() else None):
-        reason = "backward"
+    elif _needs_grad(q, k, v, float_mask) and (mode is not Mode.INT8 or _needs_grad(float_mask)):
+        reason = "backward"  # mode="int8" trains through SageBwd, which has no gradient for a mask
     else:
         native, ok = _native_key_mask(attn_mask, key_mask, q.shape[0], k.shape[2])
         if not ok:
@@ -278,6 +280,8 @@ def _plan(mode: Mode, q, k, v, attn_mask, key_mask, dropout: float) -> tuple[Pla
     if reason is not None:
         _fallback.record(f"{mode.value}: {reason}")
         return Plan("sdpa", Mode.SDPA), None
+    if mode is Mode.INT8 and _needs_grad(q, k, v):
+        return Plan("sagebwd", Mode.INT8), native  # trainable INT8: Triton on CUDA, reference elsewhere
 
     if mode is Mode.AUTO:
         algo = _auto_algorithm(device)
@@ -402,7 +406,11 @@ def _auto_algorithm(device: torch.device) -> Optional[Mode]:
 @functools.lru_cache(maxsize=None)
 def _kernel_cached(mode: Mode, capability: tuple[int, int]) -> tuple[Optional[Backend], str]:
     try:
-        if mode is Mode.INT8:
+        if mode is Mode.INT8 and capability[0] == 8:  # sm_80/86/89: SageBwd's Triton forward
+            from .kernels import sagebwd_triton as module
+
+            fn_name = "attention_int8_triton"
+        elif mode is Mode.INT8:
             from .kernels import int8_sm90 as module
 
             fn_name = "attention_int8_sm90"
@@ -460,6 +468,10 @@ def _run_sage(plan: Plan, q, k, v, key_mask, is_causal: bool, scale: float, retu
         q, k, v = (t.to(LOW_BIT_FLOAT32_AS) for t in (q, k, v))
     if plan.path == "kernel":
         return plan.backend(q, k, v, key_mask=key_mask, is_causal=is_causal, scale=scale, return_lse=return_lse)
+    if plan.path == "sagebwd":
+        from .sagebwd import attention_sagebwd
+
+        return attention_sagebwd(q, k, v, key_mask=key_mask, is_causal=is_causal, scale=scale, return_lse=return_lse)
     ref = sage8_reference if plan.mode is Mode.INT8 else sage3_reference
     res = ref(q, k, v, key_mask=key_mask, is_causal=is_causal, scale=scale, return_lse=return_lse)
     return res if return_lse else (res, None)

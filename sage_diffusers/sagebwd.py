@@ -147,3 +147,22 @@ def sagebwd(
         out = SageBwdFunction.apply(qh, kh, vh, mask_keys, bool(is_causal), scale_f, dov, impl)
     out = out.to(q.dtype)
     return out.transpose(1, 2) if layout is Layout.BSHD else out
+
+
+def attention_sagebwd(q, k, v, *, key_mask=None, is_causal=False, scale=None, return_lse=False):
+    """The API's gradient path for ``mode="int8"`` (the kernels' backend contract, BHSD views).
+
+    Returns (out like q, lse float32 (B, Hq, Sq) or None); the lse is exact (float32 scores,
+    computed as the SDPA path computes it) and carries no gradient.
+    """
+    from . import api
+
+    impl = default_impl(q.device)
+    d = q.shape[-1]
+    sm_scale = api._check_scale(scale, d)
+    out = SageBwdFunction.apply(q, k, v, key_mask, bool(is_causal), sm_scale, DoVPrecision.FP16, impl)
+    lse = None
+    if return_lse:
+        with torch.no_grad():
+            lse = api._lse(q, k, key_mask, None, bool(is_causal), sm_scale)
+    return out, lse

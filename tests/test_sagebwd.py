@@ -193,3 +193,18 @@ def test_quantized_operands_follow_the_shared_quantizers():
     ks = k.float() - k.float().mean(2, keepdim=True)
     assert torch.allclose(st.k8.float() * st.sk.repeat_interleave(64, -1)[..., :70, None], ks, atol=st.sk.max().item())
     assert torch.isfinite(st.m2).all() and torch.isfinite(st.lse2).all() and (st.lse2 >= st.m2).all()
+
+
+def test_api_int8_with_gradients_routes_to_sagebwd_fp4_stays_sdpa():
+    q, k, v, do = make_inputs(2, 4, 2, 70, 90, 64)
+    key_mask = torch.rand(2, 90) > 0.3
+    want = sage_grads(q, k, v, do, key_mask=key_mask, is_causal=True)
+    sd.reset_fallback_stats()
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    out = sd.attention(qs, ks, vs, key_mask=key_mask, is_causal=True, mode="int8")
+    out.backward(do)
+    assert sd.fallback_stats() == {}
+    for g, w in zip((out, qs.grad, ks.grad, vs.grad), want):
+        assert torch.equal(g, w)
+    sd.attention(qs, ks, vs, mode="fp4").float().sum().backward()
+    assert sd.fallback_stats() == {"fp4: backward": 1}

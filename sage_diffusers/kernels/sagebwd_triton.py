@@ -59,6 +59,10 @@ def _autotuned(configs, key: list):
     return wrap
 
 
+def build() -> None:
+    """Nothing to build ahead of time: Triton compiles each kernel variant on its first launch."""
+
+
 if triton is not None:
     # Tile rows of the forward (a multiple of BLOCK_Q: each row reads its own block's Q scale),
     # warps and pipeline depth; the backward tiles are fixed by the dS quantization tile.
@@ -437,8 +441,12 @@ def sagebwd_backward(do, state: SageBwdState, key_mask=None, is_causal=False, sc
 
 
 def attention_int8_triton(q, k, v, *, key_mask=None, is_causal=False, scale=None, return_lse=False,
-                          pv: "str | PVPrecision" = PVPrecision.INT8):
+                          pv: "str | PVPrecision" = PVPrecision.FP16):
     """Inference backend (the kernels' contract): SageBwd's Triton forward on BHSD views.
+
+    ``mode="int8"`` runs it on GPUs without this project's CUDA kernels (sm_80/86/89); P~.V in
+    16 bits by default (SageAttention2's sm_80 choice: more accurate than INT8 P~, and inference
+    needs no INT8 P~ for a backward).
 
     Returns (out like q, natural-log lse float32 (B, Hq, Sq) with the smoothing shift added back,
     or None).
