@@ -24,7 +24,6 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
@@ -215,8 +214,10 @@ def check(key: CheckKey, backend: Backend, device: "str | torch.device", *, forc
 
 
 # ---- the dispatcher's hook ------------------------------------------------------------------------
+# (mode, device index) -> verdict, for this process. Plain dict operations (atomic under the GIL):
+# a lock here would break torch.compile(fullgraph=True) tracing through the dispatcher; two
+# threads racing on a first call may both run the check, which is harmless.
 _memo: dict[tuple[Mode, int], Verdict] = {}
-_memo_lock = threading.Lock()
 
 
 def driver_version() -> str:
@@ -275,13 +276,14 @@ def verdict_for(mode: Mode, device: torch.device, backend: Backend) -> Verdict:
     """The verdict "auto" acts on for ``mode``'s kernel on ``device`` (checked once per process)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     memo_key = (mode, index)
-    with _memo_lock:
-        if memo_key in _memo:
-            return _memo[memo_key]
+    known = _memo.get(memo_key)
+    if known is not None:
+        return known
     arch = arch_name(torch.cuda.get_device_capability(device))
+    tracing = _cannot_run_now()
     if (mode, arch) in VERIFIED_ON_HARDWARE:
         verdict = Verdict(Status.VERIFIED, f"{mode.value} kernel verified on {arch} hardware by the project")
-    elif _cannot_run_now():
+    elif tracing:
         return Verdict(Status.PENDING, f"{mode.value} kernel on {arch} not self-checked yet (first call is "
                        "inside torch.compile or CUDA graph capture); run one call outside it, or "
                        "`python -m sage_diffusers selftest`")
@@ -292,7 +294,7 @@ def verdict_for(mode: Mode, device: torch.device, backend: Backend) -> Verdict:
         if not verdict.ok:
             verdict = dataclasses.replace(verdict, reason=f"failed its self-check on {arch}: {verdict.reason} "
                                           "(`python -m sage_diffusers selftest` shows it)")
-    with _memo_lock:
+    if not tracing:  # no side effects while torch.compile traces
         _memo[memo_key] = verdict
     return verdict
 
@@ -305,8 +307,7 @@ def gate(mode: Mode, device: torch.device, backend: Backend) -> tuple[Optional[B
 
 def reset() -> None:
     """Forget this process's verdicts (the disk cache stays)."""
-    with _memo_lock:
-        _memo.clear()
+    _memo.clear()
 
 
 # ---- python -m sage_diffusers selftest ------------------------------------------------------------
