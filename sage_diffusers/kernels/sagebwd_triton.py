@@ -38,6 +38,9 @@ except ImportError as exc:  # triton is optional on CPU-only installs
     _IMPORT_ERROR = exc
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Launch parameters are autotuned on GPUs unless SAGE_DIFFUSERS_TRITON_AUTOTUNE=0 (then the
+# first config of each list runs: quick start for tests); the interpreter ignores them.
+AUTOTUNE = not INTERPRET and os.environ.get("SAGE_DIFFUSERS_TRITON_AUTOTUNE", "1") != "0"
 
 
 def is_available() -> tuple[bool, str]:
@@ -55,7 +58,7 @@ def _autotuned(configs, key: list):
     def wrap(kernel):
         if INTERPRET:
             return kernel
-        return triton.autotune(configs=configs, key=key)(kernel)
+        return triton.autotune(configs=configs if AUTOTUNE else configs[:1], key=key)(kernel)
     return wrap
 
 
@@ -67,8 +70,8 @@ if triton is not None:
     # Tile rows of the forward (a multiple of BLOCK_Q: each row reads its own block's Q scale),
     # warps and pipeline depth; the backward tiles are fixed by the dS quantization tile.
     _FWD_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=st)
-                    for m in (64, 128) for w in (4, 8) for st in (2, 3)]
-    _BWD_CONFIGS = [triton.Config({}, num_warps=w, num_stages=st) for w in (4, 8) for st in (1, 2, 3)]
+                    for m in (128, 64) for w in (8, 4) for st in (2, 3)]
+    _BWD_CONFIGS = [triton.Config({}, num_warps=w, num_stages=st) for w in (4, 8) for st in (2, 1, 3)]
 
     @triton.jit
     def _rint(x):
