@@ -15,6 +15,8 @@ import torch
 
 import independent_quant as ind
 from sage_diffusers.reference import (
+    dequantize_mxfp4,
+    dequantize_nvfp4,
     e2m1_encode,
     e4m3_round,
     quantize_fp8_per_channel,
@@ -135,6 +137,23 @@ def test_fp4_quantized_dim_moves_the_same_bytes(fmt):
     _assert_bytes_equal(_u8(scales.transpose(1, 2)), want_scales, f"{fmt} scales, dim=1")
 
 
+DEQUANT_FP4 = {"nvfp4": (dequantize_nvfp4, ind.nvfp4_decode), "mxfp4": (dequantize_mxfp4, ind.mxfp4_decode)}
+
+
+@pytest.mark.parametrize("fmt", list(QUANT_FP4))
+@pytest.mark.parametrize("dim", [-1, 1])
+def test_fp4_dequantize_matches_independent_decoder(fmt, dim):
+    """Decoding every stored byte, on 3-D tensors along the last and a middle dim, is exact."""
+    quant, independent, block, _ = QUANT_FP4[fmt]
+    dequant, decode = DEQUANT_FP4[fmt]
+    x = np.concatenate([_fp4_edge_blocks(block, "nv"), _fp4_edge_blocks(block, "mx")])
+    x = x[: (len(x) // 2) * 2].reshape(2, -1, 2 * block)  # [2, rows/2, 2*block]
+    packed, scales = quant(torch.from_numpy(np.ascontiguousarray(np.moveaxis(x, -1, dim))), dim=dim)
+    got = np.moveaxis(dequant(packed, scales, dim=dim).numpy(), dim, -1)
+    want = decode(*independent(x))
+    assert np.array_equal(got.view(np.uint32), want.astype(F32).view(np.uint32)), f"{fmt} decode along dim {dim}"
+
+
 def test_edge_blocks_hit_what_they_claim():
     """The edge suite really contains ties, saturation and subnormal / zero scales (else it proves nothing)."""
     x = _fp4_edge_blocks(ind.NV_BLOCK, "nv")
@@ -167,14 +186,16 @@ def test_int8_per_token_codes_and_scales():
     assert _reciprocal_differs(np.abs(x).max(-1), 127.0).sum() > 10, "inputs must expose x * (1/127)"
 
 
-@pytest.mark.parametrize("block", [128, 64])
+@pytest.mark.parametrize("block", [128, 64, None])
 def test_int8_per_block_codes_and_scales(block):
-    x = _int8_rows(6, batch=48)
-    q, s = quantize_int8_per_block(torch.from_numpy(x), block)
+    """(B, H, S, D) as the references call it; ``None``: the default block, the kernels' 128-key tile."""
+    x = _int8_rows(6, batch=48).reshape(12, 4, 300, 64)
+    q, s = quantize_int8_per_block(torch.from_numpy(x)) if block is None else quantize_int8_per_block(torch.from_numpy(x), block)
+    block = block or 128
     want_q, want_s = ind.int8_per_block(x, block)
     assert s.shape == want_s.shape and np.array_equal(_bits(s), _bits(want_s)), "INT8 block scales, the short last block included"
     assert np.array_equal(q.numpy(), want_q), "INT8 per-block codes"
-    amax = np.stack([np.abs(x[:, i:i + block]).max((-1, -2)) for i in range(0, x.shape[1], block)], -1)
+    amax = np.stack([np.abs(x[..., i:i + block, :]).max((-1, -2)) for i in range(0, x.shape[-2], block)], -1)
     assert _reciprocal_differs(amax, 127.0).sum() > 5, "inputs must expose x * (1/127)"
 
 
