@@ -138,7 +138,7 @@ if triton is not None:
     def _fwd_kernel(
         q8_ptr, sq_ptr,  # int8 (B, Hq, Sq, D), float32 (B, Hq, ceil(Sq/BLOCK_Q))
         k8_ptr, sk_ptr,  # int8 (B, Hkv, Skv, D) smoothed, float32 (B, Hkv, ceil(Skv/BLOCK_N))
-        v8_ptr, sv_ptr,  # int8 (B, Hkv, Skv, D), float32 (B, Hkv, ceil(Skv/BLOCK_N))
+        v8t_ptr, sv_ptr,  # int8 (B, Hkv, D, Skv): V^ transposed (8-bit MMAs want K-major operands)
         vc_ptr,  # 16-bit (B, Hkv, Skv, D), masked V (read when not PV_INT8)
         mask_ptr,  # int8 (B, Skv)
         o_ptr, m_ptr, lse_ptr,  # (B, Hq, Sq, D) out dtype; float32 (B, Hq, Sq) x2
@@ -180,10 +180,10 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if PV_INT8:
-                v8 = tl.load(v8_ptr + kv_off, mask=ink[:, None], other=0)
+                v8t = tl.load(v8t_ptr + (bkv * D + dims[:, None]) * SKV + cols[None, :], mask=ink[None, :], other=0)
                 sv = tl.load(sv_ptr + bkv * nkb + start_n // BLOCK_N)
                 p8 = _rint(p * 127.0).to(tl.int8)
-                pv = tl.dot(p8, v8, out_dtype=tl.int32).to(tl.float32) * (sv * (1.0 / 127.0))
+                pv = tl.dot(p8, tl.trans(v8t), out_dtype=tl.int32).to(tl.float32) * (sv * (1.0 / 127.0))
             else:
                 vc = tl.load(vc_ptr + kv_off, mask=ink[:, None], other=0.0)
                 pv = _dot16(p.to(vc.dtype), vc, DOT16_AS_F32)
@@ -250,7 +250,8 @@ if triton is not None:
     @triton.jit
     def _bwd_dkdv_kernel(
         q8_ptr, sq_ptr, k8_ptr, sk_ptr, v8_ptr, sv_ptr, vc_ptr,
-        m_ptr, lse_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8_ptr, sdos_ptr, mask_ptr,
+        m_ptr, lse_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr, sdos_ptr, mask_ptr,
+        q8t_ptr,  # int8 (B, Hq, D, Sq): Q^ transposed, like dO'^ (dos8t): K-major for dK and dV
         dk_ptr, dv_ptr,  # float32 (B, Hkv, Skv, D)
         qk_scale, sm_scale, HKV, GROUP, SQ, SKV,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -285,13 +286,15 @@ if triton is not None:
                     m_ptr, lse_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, mask_ptr, qk_scale, SQ, SKV,
                     D, BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL, DOV_INT8, DOT16_AS_F32)
                 rows = start_m + tl.arange(0, BLOCK_M)
-                q_off = (bh * SQ + rows[:, None]) * D + dims[None, :]
-                dos8 = tl.load(dos8_ptr + q_off, mask=(rows < SQ)[:, None], other=0)
+                qt_off = (bh * D + dims[:, None]) * SQ + rows[None, :]  # (D, M) tile of a transposed copy
+                inq = (rows < SQ)[None, :]
+                dos8t = tl.load(dos8t_ptr + qt_off, mask=inq, other=0)
                 sdos = tl.load(sdos_ptr + bh * nqb + start_m // BLOCK_M)
                 p8 = _rint(pt * 127.0).to(tl.int8)
-                dv += tl.dot(tl.trans(p8), dos8, out_dtype=tl.int32).to(tl.float32) * (sdos * (1.0 / 127.0))
+                dv += tl.dot(tl.trans(p8), tl.trans(dos8t), out_dtype=tl.int32).to(tl.float32) * (sdos * (1.0 / 127.0))
                 ds8, sds = _quant_ds(ds)
-                dk += tl.dot(tl.trans(ds8), q8, out_dtype=tl.int32).to(tl.float32) * (sds * sq * sm_scale)
+                q8t = tl.load(q8t_ptr + qt_off, mask=inq, other=0)
+                dk += tl.dot(tl.trans(ds8), tl.trans(q8t), out_dtype=tl.int32).to(tl.float32) * (sds * sq * sm_scale)
         tl.store(dk_ptr + kv_off, dk, mask=ink[:, None])
         tl.store(dv_ptr + kv_off, dv, mask=ink[:, None])
 
@@ -300,6 +303,7 @@ if triton is not None:
     def _bwd_dq_kernel(
         q8_ptr, sq_ptr, k8_ptr, sk_ptr, v8_ptr, sv_ptr, vc_ptr,
         m_ptr, lse_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, mask_ptr,
+        k8t_ptr,  # int8 (B, Hkv, D, Skv): K^ transposed (K-major for dQ = dS.K)
         dq_ptr,  # float32 (B, Hq, Sq, D)
         qk_scale, sm_scale, HQ, GROUP, SQ, SKV,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -337,8 +341,15 @@ if triton is not None:
                 m_ptr, lse_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, mask_ptr, qk_scale, SQ, SKV,
                 D, BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL, DOV_INT8, DOT16_AS_F32)
             ds8, sds = _quant_ds(ds)
-            dq += tl.dot(ds8, k8, out_dtype=tl.int32).to(tl.float32) * (sds * sk * sm_scale)
+            k8t = tl.load(k8t_ptr + (bkv * D + dims[:, None]) * SKV + cols[None, :], mask=ink[None, :], other=0)
+            dq += tl.dot(ds8, tl.trans(k8t), out_dtype=tl.int32).to(tl.float32) * (sds * sk * sm_scale)
         tl.store(dq_ptr + (bh * SQ + rows[:, None]) * D + dims[None, :], dq, mask=(rows < SQ)[:, None])
+
+
+def _transposed(x8: torch.Tensor) -> torch.Tensor:
+    """int8 (B, H, S, D) -> contiguous (B, H, D, S): the K-major copy the 8-bit MMAs read when the
+    token axis is their reduction axis (P~.V, P~^T.dO', dS^T.Q, dS.K)."""
+    return x8.transpose(-1, -2).contiguous()
 
 
 def _mask_arg(key_mask: Optional[torch.Tensor], device) -> tuple[torch.Tensor, bool]:
@@ -397,7 +408,8 @@ def sagebwd_forward(q, k, v, key_mask=None, is_causal=False, scale=None,
             if INTERPRET:
                 launch.update(BLOCK_M=BLOCK_Q)
             grid = lambda meta: (triton.cdiv(sq_len, meta["BLOCK_M"]), b * hq)  # noqa: E731
-            _fwd_kernel[grid](q8, sq, k8, sk, v8, sv, vc, mask, out, m2, lse2,
+            v8t = _transposed(v8)  # (B, Hkv, D, Skv)
+            _fwd_kernel[grid](q8, sq, k8, sk, v8t, sv, vc, mask, out, m2, lse2,
                               sm_scale * LOG2E, hq, hq // hkv, sq_len, skv, **launch)
     return SageBwdState(q8=q8, sq=sq, k8=k8, sk=sk, v8=v8, sv=sv, vc=vc, out=out, m2=m2, lse2=lse2)
 
@@ -432,12 +444,12 @@ def sagebwd_backward(do, state: SageBwdState, key_mask=None, is_causal=False, sc
     qk_scale = sm_scale * LOG2E
     _bwd_dkdv_kernel[(triton.cdiv(skv, BLOCK_KV), b * hkv)](
         state.q8, state.sq, state.k8, state.sk, state.v8, state.sv, state.vc,
-        state.m2, state.lse2, delta, do16, do8, sdo, dos8, sdos, mask, dk, dv,
+        state.m2, state.lse2, delta, do16, do8, sdo, _transposed(dos8), sdos, mask, _transposed(state.q8), dk, dv,
         qk_scale, sm_scale, hkv, hq // hkv, sq_len, skv, **common,
     )
     _bwd_dq_kernel[(triton.cdiv(sq_len, BLOCK_Q), b * hq)](
         state.q8, state.sq, state.k8, state.sk, state.v8, state.sv, state.vc,
-        state.m2, state.lse2, delta, do16, do8, sdo, mask, dq,
+        state.m2, state.lse2, delta, do16, do8, sdo, mask, _transposed(state.k8), dq,
         qk_scale, sm_scale, hq, hq // hkv, sq_len, skv, **common,
     )
     return dq, dk, dv
