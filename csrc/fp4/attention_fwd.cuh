@@ -74,7 +74,9 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
       if (warp == 0) build_qbar_frags<Atom, kHeadDim>(qbar, qbar_frags);  // read after the loop's first barrier
     }
 
-    const float scale_log2 = p.scale * 1.4426950408889634f;
+    // Tensor scales: s_k joins the softmax scale, s_q multiplies the unsmoothed product only
+    // (scores_to_log2); rebuilt from p rather than kept live across the loop.
+    const float scale_log2 = p.scale * 1.4426950408889634f * p.k_scale[bhk];
 
     // Scores, softmax, P~ quantization and P.V of one tile whose K/V fragments (raw stage `st`,
     // decoded `staged_buf`), corrections and key-valid bits are ready and visible.
@@ -84,7 +86,8 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
       qk_tile<Atom, kHeadDim>(s, qf, q_tile, st, staged_buf);
       float alpha[2], s1[2];
       typename Atom::FragA pf[kBlockN / kKeyChunk];
-      scores_to_p_tile<Atom>(s, p, tile, warp_row0, corr, valid, scale_log2, rs, alpha, s1, pf);
+      scores_to_p_tile<Atom>(s, p, tile, warp_row0, corr, valid, scale_log2, p.q_scale[int64_t(b) * p.Hq + h], rs,
+                             alpha, s1, pf);
       pv_tile<Atom, kHeadDim>(acc, pf, alpha, s1, st, staged_buf);
     };
     auto corr_buf = [&](int i) { return reinterpret_cast<float*>(smem + Cfg::kOffCorr) + i * kBlockN; };

@@ -46,10 +46,27 @@ void check_bhsd_16b(const torch::Tensor& t, const char* name) {
               name, ": rows must be 16-byte aligned");
 }
 
-// k, v: (B, Hkv, Skv, D); k_mean float32 (B, Hkv, D); fmt 0 NVFP4, 1 MXFP4. Returns kq, ksf, vq,
-// vsf (see fp4_api.h).
+void check_f32(const torch::Tensor& t, torch::IntArrayRef sizes, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.sizes() == sizes, name,
+              ": expected a contiguous float32 CUDA tensor of shape ", sizes, ", got ", t.scalar_type(), " ",
+              t.sizes());
+}
+
+const uint8_t* key_mask_ptr(const c10::optional<torch::Tensor>& key_mask, int64_t B, int64_t skv) {
+  if (!key_mask.has_value()) return nullptr;
+  const auto& m = *key_mask;
+  TORCH_CHECK(m.scalar_type() == torch::kBool && m.is_contiguous() && m.dim() == 2 && m.size(0) == B && m.size(1) == skv,
+              "key_mask: contiguous bool (B, Skv)");
+  return reinterpret_cast<const uint8_t*>(m.data_ptr<bool>());
+}
+
+// k, v: (B, Hkv, Skv, D); k_mean float32 (B, Hkv, D) (over attended keys); k_scale, v_scale float32
+// (B, Hkv) tensor scales; key_mask bool (B, Skv) or None (masked keys become zero rows); fmt 0
+// NVFP4, 1 MXFP4. Returns kq, ksf, vq, vsf, v_first (see fp4_api.h).
 std::vector<torch::Tensor> quantize_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& k_mean,
-                                       int64_t skv_pad, int64_t fmt_code, int64_t stream_handle) {
+                                       const torch::Tensor& k_scale, const torch::Tensor& v_scale,
+                                       const c10::optional<torch::Tensor>& key_mask, int64_t skv_pad,
+                                       int64_t fmt_code, int64_t stream_handle) {
   const Fp4Format fmt = fp4_format(fmt_code);
   const int64_t blk = sage_fp4::fp4_block(fmt);
   check_bhsd_16b(k, "k");
@@ -58,28 +75,37 @@ std::vector<torch::Tensor> quantize_kv(const torch::Tensor& k, const torch::Tens
   const auto B = k.size(0), H = k.size(1), S = k.size(2), D = k.size(3);
   TORCH_CHECK(D % blk == 0, "head dim must be a multiple of ", blk, ", got ", D);
   TORCH_CHECK(skv_pad % 128 == 0 && skv_pad >= S, "skv_pad must be a multiple of 128 >= Skv");
-  TORCH_CHECK(k_mean.scalar_type() == torch::kFloat32 && k_mean.is_contiguous() &&
-                  k_mean.sizes() == torch::IntArrayRef({B, H, D}),
-              "k_mean: float32 contiguous (B, H, D)");
+  check_f32(k_mean, {B, H, D}, "k_mean");
+  check_f32(k_scale, {B, H}, "k_scale");
+  check_f32(v_scale, {B, H}, "v_scale");
+  const uint8_t* mask = key_mask_ptr(key_mask, B, S);
   auto u8 = k.options().dtype(torch::kUInt8);
   auto kq = torch::empty({B, H, skv_pad, D / 2}, u8);
   auto ksf = torch::empty({B, H, skv_pad, D / blk}, u8);
   auto vq = torch::empty({B, H, D, skv_pad / 2}, u8);
   auto vsf = torch::empty({B, H, D, skv_pad / blk}, u8);
+  auto v_first = torch::full({B, H, static_cast<int64_t>(sage_fp4::NonFinite::kCount), D}, sage_fp4::kNoKey,
+                             k.options().dtype(torch::kInt32));
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const ElemType dt = elem_type(k);
   FP4_CHECK_CUDA(sage_fp4::launch_quantize_k(k.data_ptr(), dt, fmt, k.stride(0), k.stride(1), k.stride(2),
-                                             k_mean.data_ptr<float>(), kq.data_ptr<uint8_t>(), ksf.data_ptr<uint8_t>(),
-                                             B, H, S, skv_pad, D, stream));
-  FP4_CHECK_CUDA(sage_fp4::launch_quantize_v(v.data_ptr(), dt, fmt, v.stride(0), v.stride(1), v.stride(2),
-                                             vq.data_ptr<uint8_t>(), vsf.data_ptr<uint8_t>(), B, H, S, skv_pad, D,
+                                             k_mean.data_ptr<float>(), k_scale.data_ptr<float>(), mask,
+                                             kq.data_ptr<uint8_t>(), ksf.data_ptr<uint8_t>(), B, H, S, skv_pad, D,
                                              stream));
-  return {kq, ksf, vq, vsf};
+  FP4_CHECK_CUDA(sage_fp4::launch_quantize_v(v.data_ptr(), dt, fmt, v.stride(0), v.stride(1), v.stride(2),
+                                             v_scale.data_ptr<float>(), mask, vq.data_ptr<uint8_t>(),
+                                             vsf.data_ptr<uint8_t>(), v_first.data_ptr<int>(), B, H, S, skv_pad, D,
+                                             stream));
+  return {kq, ksf, vq, vsf, v_first};
 }
 
-// q: (B, Hq, Sq, D) view; pre-pass outputs for (B, Hkv, ...). Returns out (like q) and lse (or empty).
+// q: (B, Hq, Sq, D) view; pre-pass outputs for (B, Hkv, ...) including v_first int32 (B, Hkv, 3, D);
+// the float32 tensor scales q_scale (B, Hq), k_scale / v_scale (B, Hkv) (fp4_api.h). Returns out
+// (like q) and lse (or empty).
 std::vector<torch::Tensor> attention_fwd(const torch::Tensor& q, const torch::Tensor& kq, const torch::Tensor& ksf,
                                          const torch::Tensor& vq, const torch::Tensor& vsf, const torch::Tensor& k_mean,
+                                         const torch::Tensor& q_scale, const torch::Tensor& k_scale,
+                                         const torch::Tensor& v_scale, const torch::Tensor& v_first,
                                          const c10::optional<torch::Tensor>& key_mask, int64_t skv, double scale,
                                          bool causal, int64_t p_quant, int64_t fmt_code, bool return_lse,
                                          int64_t emu_gemm, int64_t stream_handle) {
@@ -100,14 +126,14 @@ std::vector<torch::Tensor> attention_fwd(const torch::Tensor& q, const torch::Te
   // EmuGemm (fp4_api.h): 0 mma.sync, 1 wgmma (emulated build only).
   TORCH_CHECK(emu_gemm == 0 || (emu_gemm == 1 && SAGE_FP4_WGMMA),
               "emu_gemm: 0 mma.sync, 1 wgmma (emulated atom on sm_90a only), got ", emu_gemm);
-  const uint8_t* mask_ptr = nullptr;
-  if (key_mask.has_value()) {
-    const auto& m = *key_mask;
-    TORCH_CHECK(m.scalar_type() == torch::kBool && m.is_contiguous() && m.dim() == 2 && m.size(0) == B &&
-                    m.size(1) == skv,
-                "key_mask: contiguous bool (B, Skv)");
-    mask_ptr = reinterpret_cast<const uint8_t*>(m.data_ptr<bool>());
-  }
+  const uint8_t* mask_ptr = key_mask_ptr(key_mask, B, skv);
+  check_f32(k_mean, {B, Hkv, D}, "k_mean");
+  check_f32(q_scale, {B, Hq}, "q_scale");
+  check_f32(k_scale, {B, Hkv}, "k_scale");
+  check_f32(v_scale, {B, Hkv}, "v_scale");
+  TORCH_CHECK(v_first.is_cuda() && v_first.scalar_type() == torch::kInt32 && v_first.is_contiguous() &&
+                  v_first.sizes() == torch::IntArrayRef({B, Hkv, static_cast<int64_t>(sage_fp4::NonFinite::kCount), D}),
+              "v_first: contiguous int32 (B, Hkv, 3, D) from quantize_kv");
   auto out = torch::empty_like(q);  // same memory layout as q: BSHD callers get a free transpose back
   TORCH_CHECK(out.stride(3) == 1, "output layout");
   torch::Tensor lse;
@@ -119,6 +145,10 @@ std::vector<torch::Tensor> attention_fwd(const torch::Tensor& q, const torch::Te
   p.kq = kq.data_ptr<uint8_t>(); p.ksf = ksf.data_ptr<uint8_t>();
   p.vq = vq.data_ptr<uint8_t>(); p.vsf = vsf.data_ptr<uint8_t>();
   p.k_mean = k_mean.data_ptr<float>();
+  p.q_scale = q_scale.data_ptr<float>();
+  p.k_scale = k_scale.data_ptr<float>();
+  p.v_scale = v_scale.data_ptr<float>();
+  p.v_first = v_first.data_ptr<int>();
   p.key_mask = mask_ptr;
   p.o = out.data_ptr();
   p.o_sb = out.stride(0); p.o_sh = out.stride(1); p.o_ss = out.stride(2);

@@ -1,5 +1,9 @@
-// Epilogue of the FP4 forward: finish the row sums, normalise, store O in the input dtype and
-// the natural-log LSE of the unsmoothed scores.
+// Epilogue of the FP4 forward: finish the row sums, normalise, apply V's tensor scale, store O in
+// the input dtype and the natural-log LSE of the unsmoothed scores. Non-finite values reach the
+// output where exact attention puts them: a query row whose Q held a NaN / Inf (qk_mean NaN,
+// q_prologue) and that sees a key is NaN, and V's non-finite elements (FwdParams::v_first) are
+// written over the channels of the rows that see their key (NaN where a NaN or both infinities
+// meet), as reference.online_softmax.nonfinite_v.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +12,7 @@
 #include <math_constants.h>
 
 #include "fp4_api.h"
+#include "q_prologue.cuh"
 #include "softmax_pquant.cuh"
 #include "tile_config.cuh"
 
@@ -26,12 +31,24 @@ __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// Output of channel c for a row that sees keys <= last_key: x, or the non-finite V value reaching it.
+__device__ __forceinline__ float apply_nonfinite(const int* v_first, int D, int c, int last_key, float x) {
+  const bool pos = v_first[static_cast<int>(NonFinite::kPosInf) * D + c] <= last_key;
+  const bool neg = v_first[static_cast<int>(NonFinite::kNegInf) * D + c] <= last_key;
+  const bool nan = v_first[static_cast<int>(NonFinite::kNaN) * D + c] <= last_key;
+  if (nan || (pos && neg)) return __int_as_float(0x7fffffff);
+  return pos ? CUDART_INF_F : (neg ? -CUDART_INF_F : x);
+}
+
 template <int kHeadDim, typename T>
 __device__ __forceinline__ void store_output(const FwdParams& p, const float (&acc)[kHeadDim / 8][4],
                                              RowState st, const float* qk_mean, int b, int h, int q0) {
   const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
   const int g = lane >> 2, t = lane & 3;
   T* og = static_cast<T*>(p.o) + b * p.o_sb + h * p.o_sh;
+  const int64_t bhk = int64_t(b) * p.Hkv + h / (p.Hq / p.Hkv);
+  const float s_v = p.v_scale[bhk];
+  const int* v_first = p.v_first + bhk * static_cast<int>(NonFinite::kCount) * kHeadDim;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float l = st.l[r];
@@ -40,11 +57,17 @@ __device__ __forceinline__ void store_output(const FwdParams& p, const float (&a
     const int local = 16 * warp + g + 8 * r;
     const int row = q0 + local;
     if (row >= p.Sq) continue;
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;  // rows with no visible key return 0
+    const bool seen = l > 0.0f;  // rows with no visible key return 0
+    const float qkm = qk_mean[local];  // kBadRowBits: the row's Q held a NaN / Inf
+    const float inv = seen ? (is_bad_row(qkm) ? qkm : __fdiv_rn(s_v, l)) : 0.0f;
+    const int last_key = p.causal ? min(row, p.Skv - 1) : p.Skv - 1;  // v_first holds attended keys only
     T* orow = og + int64_t(row) * p.o_ss;
 #pragma unroll
     for (int n = 0; n < kHeadDim / 8; ++n) {
-      *reinterpret_cast<uint32_t*>(orow + 8 * n + 2 * t) = pack2<T>(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+      const int c = 8 * n + 2 * t;
+      const float o0 = apply_nonfinite(v_first, kHeadDim, c, last_key, acc[n][2 * r] * inv);
+      const float o1 = apply_nonfinite(v_first, kHeadDim, c + 1, last_key, acc[n][2 * r + 1] * inv);
+      *reinterpret_cast<uint32_t*>(orow + 8 * n + 2 * t) = pack2<T>(o0, o1);
     }
     if (p.lse != nullptr && t == 0) {
       constexpr float kLn2 = 0.6931471805599453f;

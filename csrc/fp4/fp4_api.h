@@ -24,21 +24,33 @@ enum class EmuGemm : int { kMmaSync = 0, kWgmma = 1 };
 
 __host__ __device__ constexpr int fp4_block(Fp4Format f) { return f == Fp4Format::kNvfp4 ? 16 : 32; }
 
-// Pre-pass: K - k_mean quantized along D, tokens permuted within each 64-key chunk (see
+// Per-(batch, head) FP32 tensor scales (numerics contract, computed by kernels/fp4.py on the GPU):
+// s = amax over the finite |x| of the operand (Q and K after smoothing, masked keys excluded) /
+// (448 * 6), 1 where that amax is 0. The pre-pass and the Q prologue block-quantize x / s (IEEE
+// division); s_q * s_k scale the scores, s_v the output.
+
+// Pre-pass: (K - k_mean) / k_scale quantized along D, tokens permuted within each 64-key chunk (see
 // tile_config.cuh), Skv padded with zeros to `skv_pad` (a multiple of 128). With blk =
 // fp4_block(fmt):
-//   k: (B, H, Skv, D) with element strides; k_mean: float32 (B, H, D) contiguous.
+//   k: (B, H, Skv, D) with element strides; k_mean: float32 (B, H, D) contiguous (the mean over
+//   attended keys); k_scale: float32 (B, H); key_mask: bool (B, Skv) or nullptr: masked keys are
+//   zero rows (codes 0, whatever k holds there, NaN included).
 //   kq: uint8 (B, H, skv_pad, D/2); ksf: uint8 E4M3 or E8M0 (B, H, skv_pad, D/blk).
 // k must be 16-byte aligned per token (last dim contiguous, strides multiples of 8 elements).
 cudaError_t launch_quantize_k(const void* k, ElemType dtype, Fp4Format fmt, int64_t sb, int64_t sh, int64_t ss,
-                              const float* k_mean, uint8_t* kq, uint8_t* ksf, int B, int H, int skv,
-                              int skv_pad, int D, cudaStream_t stream);
+                              const float* k_mean, const float* k_scale, const uint8_t* key_mask, uint8_t* kq,
+                              uint8_t* ksf, int B, int H, int skv, int skv_pad, int D, cudaStream_t stream);
 
-// Pre-pass: V quantized along tokens (blocks of blk), stored transposed.
-//   v: (B, H, Skv, D) with element strides; vq: uint8 (B, H, D, skv_pad/2); vsf: uint8 (B, H, D, skv_pad/blk).
+// Pre-pass: V / v_scale quantized along tokens (blocks of blk), stored transposed. Masked keys and
+// non-finite elements are zeros; the latter are recorded in v_first for the epilogue.
+//   v: (B, H, Skv, D) with element strides; v_scale: float32 (B, H); key_mask as above;
+//   vq: uint8 (B, H, D, skv_pad/2); vsf: uint8 (B, H, D, skv_pad/blk);
+//   v_first: int32 (B, H, 3, D), every byte 0x7f on entry (kNoKey), atomicMin of the keys.
+enum class NonFinite : int { kPosInf = 0, kNegInf = 1, kNaN = 2, kCount = 3 };
+constexpr int kNoKey = 0x7f7f7f7f;
 cudaError_t launch_quantize_v(const void* v, ElemType dtype, Fp4Format fmt, int64_t sb, int64_t sh, int64_t ss,
-                              uint8_t* vq, uint8_t* vsf, int B, int H, int skv, int skv_pad, int D,
-                              cudaStream_t stream);
+                              const float* v_scale, const uint8_t* key_mask, uint8_t* vq, uint8_t* vsf,
+                              int* v_first, int B, int H, int skv, int skv_pad, int D, cudaStream_t stream);
 
 struct FwdParams {
   const void* q;  // (B, Hq, Sq, D), strides in elements, last dim contiguous
@@ -49,7 +61,13 @@ struct FwdParams {
   const uint8_t* vsf;
   const void* k_img;   // EmuGemm::kWgmma: decoded K / V^T tile images (launch_decode_kv_images)
   const void* v_img;
-  const float* k_mean;      // (B, Hkv, D): only read for the LSE
+  const float* k_mean;      // (B, Hkv, D): the LSE's q . k_mean (and the non-finite-row flag)
+  const float* q_scale;     // (B, Hq) tensor scale of q - qbar (see above)
+  const float* k_scale;     // (B, Hkv) of the smoothed K (the pre-pass divided by it)
+  const float* v_scale;     // (B, Hkv) of V
+  // int32 (B, Hkv, 3, D) from launch_quantize_v: per channel the first attended key whose V is
+  // +Inf, -Inf, NaN (kNoKey where none), written over the output rows that see it (epilogue.cuh).
+  const int* v_first;
   const uint8_t* key_mask;  // bool (B, Skv) or nullptr; true = attend
   void* o;                  // (B, Hq, Sq, D), strides in elements
   int64_t o_sb, o_sh, o_ss;

@@ -318,7 +318,9 @@ __device__ __forceinline__ void producer_wgmma(const FwdParams& p, const WgmmaSm
       sm.qa()[kk * 128 + ptid] = make_uint4(w[0], w[1], w[2], w[3]);
     }
   }
-  const float scale_log2 = p.scale * 1.4426950408889634f;
+  // The correction scaled by s_k only (scores_to_log2): the real score is s_k (s_q x + qbar . deq(Kq)).
+  const int64_t bhk = int64_t(blockIdx.z) * p.Hkv + blockIdx.y / (p.Hq / p.Hkv);
+  const float scale_log2 = p.scale * 1.4426950408889634f * p.k_scale[bhk];
   const uint8_t* key_mask_row = p.key_mask ? p.key_mask + int64_t(blockIdx.z) * p.Skv : nullptr;
   for (int tile = 0; tile < n_tiles; ++tile) {
     const int s = tile % kStagesK;
@@ -436,7 +438,9 @@ __device__ __forceinline__ void consumer_wgmma(const FwdParams& p, const WgmmaSm
   constexpr int kStagesK = W::kStagesK, kStagesV = W::kStagesV;
   const int tid = static_cast<int>(threadIdx.x), wg = tid / 128, lane = tid & 31;
   const WgmmaOperands<kHeadDim, F> ops(sm, wg, tid % 128);
-  const float scale_log2 = p.scale * 1.4426950408889634f;
+  // Score scale with both tensor scales (the corrections carry s_k only: scores_to_log2).
+  const float s_k = p.k_scale[int64_t(blockIdx.z) * p.Hkv + blockIdx.y / (p.Hq / p.Hkv)];
+  const float scale_log2 = p.scale * 1.4426950408889634f * s_k * p.q_scale[int64_t(blockIdx.z) * p.Hq + blockIdx.y];
 
   float s[kBlockN / 8][4];
   uint32_t pf[kBlockN / 16][4];

@@ -1,7 +1,8 @@
 // Quantization pre-pass of the FP4 forward: K (smoothed, permuted, along D) and V (transposed,
 // along tokens), in NVFP4 (16-element blocks, E4M3 scales) or MXFP4 (32-element blocks, E8M0
-// scales), bit-exact with reference.quantize_nvfp4 / quantize_mxfp4. Reads the caller's tensors,
-// never writes them.
+// scales), bit-exact with reference.quantize_nvfp4 / quantize_mxfp4 of the operands divided by
+// their per-(batch, head) tensor scale. Masked keys are zero rows (selected, so NaN / Inf there
+// vanish). Reads the caller's tensors, never writes them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -48,9 +49,18 @@ __device__ __forceinline__ void store_words(uint8_t* dst, const uint32_t (&w)[kW
 
 // One thread per (kv head, stored token row, block along D). Consecutive threads take consecutive
 // blocks of one row, so the reads coalesce.
+__device__ __forceinline__ bool attended(const uint8_t* key_mask, int b, int skv, int token) {
+  return token < skv && (key_mask == nullptr || key_mask[int64_t(b) * skv + token] != 0);
+}
+
+// Non-finite scaled values are quantized as 0 (the reference's fp4_tensor_roundtrip): a NaN of an
+// attended K row, say, leaves its block's other values and scale as they were.
+__device__ __forceinline__ float finite_or_zero(float x) { return fabsf(x) < INFINITY ? x : 0.0f; }
+
 template <typename T, Fp4Format F>
 __global__ void quantize_k_kernel(const T* __restrict__ k, int64_t sb, int64_t sh, int64_t ss,
-                                  const float* __restrict__ k_mean, uint8_t* __restrict__ kq,
+                                  const float* __restrict__ k_mean, const float* __restrict__ k_scale,
+                                  const uint8_t* __restrict__ key_mask, uint8_t* __restrict__ kq,
                                   uint8_t* __restrict__ ksf, int H, int skv, int skv_pad, int D,
                                   int64_t total) {
   constexpr int kBlock = fp4_block(F);
@@ -64,19 +74,20 @@ __global__ void quantize_k_kernel(const T* __restrict__ k, int64_t sb, int64_t s
     const int b = static_cast<int>(bh / H), h = static_cast<int>(bh % H);
     const int token = (pos / kBlockN) * kBlockN + tile_key(pos % kBlockN);
     float x[kBlock];
-    if (token < skv) {
+    if (attended(key_mask, b, skv, token)) {
       const T* src = k + b * sb + h * sh + token * ss + blk * kBlock;
       const float* mean = k_mean + bh * D + blk * kBlock;
+      const float tensor_scale = k_scale[bh];
 #pragma unroll
       for (int v8 = 0; v8 < kBlock / 8; ++v8) {
         const uint4 raw = reinterpret_cast<const uint4*>(src)[v8];
         const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) x[8 * v8 + i] = to_float(e[i]) - mean[8 * v8 + i];
+        for (int i = 0; i < 8; ++i) x[8 * v8 + i] = finite_or_zero(__fdiv_rn(to_float(e[i]) - mean[8 * v8 + i], tensor_scale));
       }
     } else {
 #pragma unroll
-      for (int i = 0; i < kBlock; ++i) x[i] = 0.0f;  // padding tokens: masked by the kernel anyway
+      for (int i = 0; i < kBlock; ++i) x[i] = 0.0f;  // padding and masked tokens: zero rows
     }
     uint32_t w[kBlock / 8];
     uint8_t s;
@@ -90,8 +101,9 @@ __global__ void quantize_k_kernel(const T* __restrict__ k, int64_t sb, int64_t s
 // the same tokens, so the 2-byte reads coalesce across the warp.
 template <typename T, Fp4Format F>
 __global__ void quantize_v_kernel(const T* __restrict__ v, int64_t sb, int64_t sh, int64_t ss,
-                                  uint8_t* __restrict__ vq, uint8_t* __restrict__ vsf, int H, int skv,
-                                  int skv_pad, int D, int64_t total) {
+                                  const float* __restrict__ v_scale, const uint8_t* __restrict__ key_mask,
+                                  uint8_t* __restrict__ vq, uint8_t* __restrict__ vsf, int* __restrict__ v_first,
+                                  int H, int skv, int skv_pad, int D, int64_t total) {
   constexpr int kBlock = fp4_block(F);
   const int tblocks = skv_pad / kBlock;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
@@ -102,11 +114,19 @@ __global__ void quantize_v_kernel(const T* __restrict__ v, int64_t sb, int64_t s
     const int64_t bh = rest / tblocks;
     const int b = static_cast<int>(bh / H), h = static_cast<int>(bh % H);
     const T* src = v + b * sb + h * sh + d;
+    const float tensor_scale = v_scale[bh];
     float x[kBlock];
 #pragma unroll
     for (int i = 0; i < kBlock; ++i) {
       const int token = tb * kBlock + i;
-      x[i] = token < skv ? to_float(src[token * ss]) : 0.0f;  // spec: Skv zero-padded
+      // Skv zero-padded; masked keys and non-finite values are zeros (the latter reach the
+      // output exactly through v_first instead of saturating the block's scale).
+      const float e = attended(key_mask, b, skv, token) ? to_float(src[token * ss]) : 0.0f;
+      if (!(fabsf(e) < INFINITY)) {  // rare
+        const NonFinite kind = e != e ? NonFinite::kNaN : (e > 0.0f ? NonFinite::kPosInf : NonFinite::kNegInf);
+        atomicMin(v_first + (bh * static_cast<int>(NonFinite::kCount) + static_cast<int>(kind)) * D + d, token);
+      }
+      x[i] = finite_or_zero(__fdiv_rn(e, tensor_scale));
     }
     uint32_t w[kBlock / 8];
     uint8_t s;
@@ -123,44 +143,46 @@ int grid_for(int64_t total, int threads) {
 }
 
 template <typename T, Fp4Format F>
-void quantize_k_as(const void* k, int64_t sb, int64_t sh, int64_t ss, const float* k_mean, uint8_t* kq,
-                   uint8_t* ksf, int B, int H, int skv, int skv_pad, int D, cudaStream_t stream) {
+void quantize_k_as(const void* k, int64_t sb, int64_t sh, int64_t ss, const float* k_mean, const float* k_scale,
+                   const uint8_t* key_mask, uint8_t* kq, uint8_t* ksf, int B, int H, int skv, int skv_pad, int D,
+                   cudaStream_t stream) {
   const int64_t total = int64_t(B) * H * skv_pad * (D / fp4_block(F));
   if (total == 0) return;
   constexpr int kThreadsPre = 256;
   quantize_k_kernel<T, F><<<grid_for(total, kThreadsPre), kThreadsPre, 0, stream>>>(
-      static_cast<const T*>(k), sb, sh, ss, k_mean, kq, ksf, H, skv, skv_pad, D, total);
+      static_cast<const T*>(k), sb, sh, ss, k_mean, k_scale, key_mask, kq, ksf, H, skv, skv_pad, D, total);
 }
 
 template <typename T, Fp4Format F>
-void quantize_v_as(const void* v, int64_t sb, int64_t sh, int64_t ss, uint8_t* vq, uint8_t* vsf, int B, int H,
-                   int skv, int skv_pad, int D, cudaStream_t stream) {
+void quantize_v_as(const void* v, int64_t sb, int64_t sh, int64_t ss, const float* v_scale, const uint8_t* key_mask,
+                   uint8_t* vq, uint8_t* vsf, int* v_first, int B, int H, int skv, int skv_pad, int D,
+                   cudaStream_t stream) {
   const int64_t total = int64_t(B) * H * (skv_pad / fp4_block(F)) * D;
   if (total == 0) return;
   constexpr int kThreadsPre = 256;
   quantize_v_kernel<T, F><<<grid_for(total, kThreadsPre), kThreadsPre, 0, stream>>>(
-      static_cast<const T*>(v), sb, sh, ss, vq, vsf, H, skv, skv_pad, D, total);
+      static_cast<const T*>(v), sb, sh, ss, v_scale, key_mask, vq, vsf, v_first, H, skv, skv_pad, D, total);
 }
 
 }  // namespace
 
 cudaError_t launch_quantize_k(const void* k, ElemType dtype, Fp4Format fmt, int64_t sb, int64_t sh, int64_t ss,
-                              const float* k_mean, uint8_t* kq, uint8_t* ksf, int B, int H, int skv,
-                              int skv_pad, int D, cudaStream_t stream) {
+                              const float* k_mean, const float* k_scale, const uint8_t* key_mask, uint8_t* kq,
+                              uint8_t* ksf, int B, int H, int skv, int skv_pad, int D, cudaStream_t stream) {
   const bool f16 = dtype == ElemType::kFloat16, nv = fmt == Fp4Format::kNvfp4;
   auto fn = f16 ? (nv ? quantize_k_as<__half, Fp4Format::kNvfp4> : quantize_k_as<__half, Fp4Format::kMxfp4>)
                 : (nv ? quantize_k_as<__nv_bfloat16, Fp4Format::kNvfp4> : quantize_k_as<__nv_bfloat16, Fp4Format::kMxfp4>);
-  fn(k, sb, sh, ss, k_mean, kq, ksf, B, H, skv, skv_pad, D, stream);
+  fn(k, sb, sh, ss, k_mean, k_scale, key_mask, kq, ksf, B, H, skv, skv_pad, D, stream);
   return cudaGetLastError();
 }
 
 cudaError_t launch_quantize_v(const void* v, ElemType dtype, Fp4Format fmt, int64_t sb, int64_t sh, int64_t ss,
-                              uint8_t* vq, uint8_t* vsf, int B, int H, int skv, int skv_pad, int D,
-                              cudaStream_t stream) {
+                              const float* v_scale, const uint8_t* key_mask, uint8_t* vq, uint8_t* vsf,
+                              int* v_first, int B, int H, int skv, int skv_pad, int D, cudaStream_t stream) {
   const bool f16 = dtype == ElemType::kFloat16, nv = fmt == Fp4Format::kNvfp4;
   auto fn = f16 ? (nv ? quantize_v_as<__half, Fp4Format::kNvfp4> : quantize_v_as<__half, Fp4Format::kMxfp4>)
                 : (nv ? quantize_v_as<__nv_bfloat16, Fp4Format::kNvfp4> : quantize_v_as<__nv_bfloat16, Fp4Format::kMxfp4>);
-  fn(v, sb, sh, ss, vq, vsf, B, H, skv, skv_pad, D, stream);
+  fn(v, sb, sh, ss, v_scale, key_mask, vq, vsf, v_first, B, H, skv, skv_pad, D, stream);
   return cudaGetLastError();
 }
 

@@ -47,12 +47,17 @@ struct TileMask {
   bool needed;                // false when every key of the tile is visible to every row of the warp
 };
 
-// kPrescaled: corr already holds qbar . deq(K) * scale_log2 (the wgmma variant's producer writes
-// it so), one FMA per score instead of an add and a multiply.
+// The scores x = deq(Qq) . deq(Kq) of the tensor-scaled operands: the real score is
+// s_k * (s_q * x + qbar . deq(Kq)) (qbar is not divided by s_q). Not prescaled: scale_log2 =
+// scale * log2(e) * s_k and x_scale = s_q, one FMA and one multiply per score (x + c when
+// x_scale = 1). kPrescaled: corr already holds qbar . deq(Kq) * scale * log2(e) * s_k (the wgmma
+// variant's producer writes it so) and scale_log2 = scale * log2(e) * s_q * s_k, one FMA per score.
 template <bool kPrescaled = false>
 __device__ __forceinline__ void scores_to_log2(float (&s)[kBlockN / 8][4], const TileMask& mk,
-                                               float scale_log2) {
-  auto log2_score = [&](float x, float c) { return kPrescaled ? fmaf(x, scale_log2, c) : (x + c) * scale_log2; };
+                                               float scale_log2, float x_scale = 1.0f) {
+  auto log2_score = [&](float x, float c) {
+    return kPrescaled ? fmaf(x, scale_log2, c) : fmaf(x, x_scale, c) * scale_log2;
+  };
   const int t = static_cast<int>(threadIdx.x & 3);
   if constexpr (kOptHoistMask) {
     // One uniform branch per tile instead of one per element: the common unmasked tile runs
@@ -288,7 +293,8 @@ __device__ __forceinline__ void softmax_p_nvfp4_half(float (&s)[kBlockN / 8][4],
 template <class Atom>
 __device__ __forceinline__ void scores_to_p_tile(float (&s)[kBlockN / 8][4], const FwdParams& p, int tile,
                                                  int warp_row0, const float* corr, const uint32_t* valid,
-                                                 float scale_log2, RowState& rs, float (&alpha)[2], float (&s1)[2],
+                                                 float scale_log2, float q_scale, RowState& rs,
+                                                 float (&alpha)[2], float (&s1)[2],
                                                  typename Atom::FragA (&pf)[kBlockN / kKeyChunk]) {
   const int lane = static_cast<int>(threadIdx.x & 31);
   TileMask mk;
@@ -300,7 +306,7 @@ __device__ __forceinline__ void scores_to_p_tile(float (&s)[kBlockN / 8][4], con
   mk.causal = p.causal;
   const int key_end = (tile + 1) * kBlockN;  // one past the tile's last key
   mk.needed = p.key_mask != nullptr || key_end > p.Skv || (p.causal && key_end - 1 > warp_row0);
-  scores_to_log2(s, mk, scale_log2);
+  scores_to_log2(s, mk, scale_log2, q_scale);
   softmax_quantize_p<Atom>(s, rs, p.p_quant, alpha, s1, pf);
 }
 

@@ -18,6 +18,10 @@ constexpr int kBlockKV = 128;
 constexpr int kBlockM = 128;
 constexpr int kQTileRows = 64;
 constexpr int kTargetStatBlocks = 4 * 132;  // ~4 waves of H100/H200 SMs for the reduction
+// v_first (launch.h): +Inf, -Inf, NaN per channel, "no key" = every byte 0x7f (numerics.hpp kNoKey).
+constexpr int kNonFiniteKinds = 3;
+constexpr int kNoKeyByte = 0x7f;
+constexpr int kNoKey = 0x7f7f7f7f;
 
 void check_qkv(const at::Tensor& x, const char* name, const at::Tensor& q) {
   TORCH_CHECK(x.is_cuda(), name, " must be a CUDA tensor");
@@ -38,7 +42,7 @@ DType dtype_of(const at::Tensor& q) {
 }
 
 struct Prepared {
-  at::Tensor q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, ws_int, partial, mask_bits;
+  at::Tensor q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, v_first, ws_int, partial, split_count, mask_bits;
   at::Tensor ws;  // kPrepassOneAlloc: every buffer above carved from this one (tensors undefined)
   int n_ints = 0;  // split counters + kv_len, zeroed before the pre-pass
   sage_sm90::PrepassParams p;
@@ -99,7 +103,9 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const int64_t o_v = c.take(B * Hkv * n_kv_tiles * D * kBlockKV);
     const int64_t o_sv = c.take(4 * B * Hkv * D);
     const int64_t o_km = c.take(4 * B * Hkv * D);
+    const int64_t o_vf = c.take(4 * B * Hkv * kNonFiniteKinds * D);
     const int64_t o_part = c.take(4 * B * Hkv * n_split * 2 * D);
+    const int64_t o_cnt = c.take(4 * B * Hkv * n_split);
     const int64_t o_int = c.take(4 * (B * Hkv + B));
     const int64_t o_bits = c.take(key_mask.has_value() ? 4 * B * 4 * n_kv_tiles : 0);
     r.ws = at::empty({c.bytes}, q.options().dtype(at::kByte));
@@ -112,12 +118,17 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     p.vt_img = base + o_v;
     p.sv = reinterpret_cast<float*>(base + o_sv);
     p.kmean = reinterpret_cast<float*>(base + o_km);
+    p.v_first = reinterpret_cast<int*>(base + o_vf);
     p.partial = reinterpret_cast<float*>(base + o_part);
+    p.split_count = reinterpret_cast<int*>(base + o_cnt);
     p.counter = reinterpret_cast<int*>(base + o_int);
     p.kv_len = p.counter + B * Hkv;
     p.mask_bits = key_mask.has_value() ? reinterpret_cast<uint32_t*>(base + o_bits) : nullptr;
     const cudaError_t e = cudaMemsetAsync(p.counter, 0, sizeof(int) * r.n_ints, c10::cuda::getCurrentCUDAStream());
     TORCH_CHECK(e == cudaSuccess, "sage sm90 workspace memset failed: ", cudaGetErrorString(e));
+    const cudaError_t e2 = cudaMemsetAsync(p.v_first, kNoKeyByte, sizeof(int) * B * Hkv * kNonFiniteKinds * D,
+                                           c10::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(e2 == cudaSuccess, "sage sm90 workspace memset failed: ", cudaGetErrorString(e2));
   }
   const auto u8 = q.options().dtype(at::kByte);
   const auto i8 = q.options().dtype(at::kChar);
@@ -132,7 +143,9 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     r.vt_img = at::empty({B, Hkv, n_kv_tiles, D * kBlockKV}, u8);
     r.sv = at::empty({B, Hkv, D}, f32);
     r.kmean = at::empty({B, Hkv, D}, f32);
+    r.v_first = at::full({B, Hkv, kNonFiniteKinds, D}, kNoKey, i32);
     r.partial = at::empty({B * Hkv, n_split, 2, D}, f32);
+    r.split_count = at::empty({B * Hkv, n_split}, i32);
     r.ws_int = at::zeros({B * Hkv + B}, i32);  // split counters, then kv_len per batch
     r.mask_bits = key_mask.has_value() ? at::empty({B, 4 * n_kv_tiles}, i32) : at::empty({0}, i32);
   }
@@ -160,7 +173,9 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     p.vt_img = r.vt_img.data_ptr<uint8_t>();
     p.sv = r.sv.data_ptr<float>();
     p.kmean = r.kmean.data_ptr<float>();
+    p.v_first = r.v_first.data_ptr<int>();
     p.partial = r.partial.data_ptr<float>();
+    p.split_count = r.split_count.data_ptr<int>();
     p.counter = r.ws_int.data_ptr<int>();
     p.kv_len = r.ws_int.data_ptr<int>() + B * Hkv;
     p.mask_bits = key_mask.has_value() ? reinterpret_cast<uint32_t*>(r.mask_bits.data_ptr<int>()) : nullptr;
@@ -179,7 +194,7 @@ std::vector<at::Tensor> prepass(const at::Tensor& q, const at::Tensor& k, const 
   Prepared r = prepare(q, k, v, key_mask, scale, /*want_qkm=*/true);
   const int64_t B = q.size(0), Hkv = k.size(1);
   at::Tensor kv_len = r.ws_int.slice(0, B * Hkv, B * Hkv + B);
-  return {r.q_img, r.sq, r.qkm, r.k_img, r.sk, r.vt_img, r.sv, r.kmean, kv_len, r.mask_bits};
+  return {r.q_img, r.sq, r.qkm, r.k_img, r.sk, r.vt_img, r.sv, r.kmean, kv_len, r.mask_bits, r.v_first};
 }
 
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -204,6 +219,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   p.sk = r.p.sk;
   p.vt_img = r.p.vt_img;
   p.sv = r.p.sv;
+  p.v_first = r.p.v_first;
   p.kv_len = key_mask.has_value() ? r.p.kv_len : nullptr;
   p.mask_bits = r.p.mask_bits;
   p.out = out.data_ptr();
@@ -241,6 +257,7 @@ std::vector<double> bench_parts(const at::Tensor& q, const at::Tensor& k, const 
   p.sk = r.p.sk;
   p.vt_img = r.p.vt_img;
   p.sv = r.p.sv;
+  p.v_first = r.p.v_first;
   p.out = out.data_ptr();
   p.o_sb = out.stride(0); p.o_sh = out.stride(1); p.o_ss = out.stride(2);
   p.B = q.size(0); p.Hq = q.size(1); p.Hkv = k.size(1); p.Sq = q.size(2); p.Skv = k.size(2);
@@ -253,6 +270,7 @@ std::vector<double> bench_parts(const at::Tensor& q, const at::Tensor& k, const 
   for (auto& e : ev) TORCH_CHECK(cudaEventCreate(&e) == cudaSuccess, "cudaEventCreate failed");
   auto prepass_once = [&] {
     cudaMemsetAsync(r.p.counter, 0, sizeof(int) * r.n_ints, stream);
+    cudaMemsetAsync(r.p.v_first, kNoKeyByte, sizeof(int) * q.size(0) * k.size(1) * kNonFiniteKinds * D, stream);
     return sage_sm90::run_prepass(r.p, static_cast<int>(D), dt, stream);
   };
   auto fwd_once = [&] {
@@ -295,7 +313,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("is_causal"),
         py::arg("scale"), py::arg("return_lse"), py::arg("exp_poly_every"));
   m.def("prepass", &prepass,
-        "quantization pre-pass -> [q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, mask_bits]",
+        "quantization pre-pass -> [q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, mask_bits, v_first]",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("scale"));
   m.def("has_variant", &has_variant, py::arg("head_dim"), py::arg("causal"), py::arg("exp_poly_every"));
   m.def("bench_parts", &bench_parts,

@@ -1,5 +1,8 @@
 // Final normalisation and stores (sage8 spec step 6):
-//   out = acc * sv[d] / (448 * l)  (0 when l == 0),  lse = m ln2 + ln l + scale q.k_mean.
+//   out = acc * sv[d] / (448 * l)  (0 when l == 0),  lse = m ln2 + ln l + scale q.k_mean;
+// a query row whose Q held a NaN or Inf (pre-pass scale sq = NaN) and that sees a key is NaN in
+// out and lse, like exact attention, and only that row (its scores touch nothing else); V's
+// non-finite elements (p.v_first) are written over the channels of the rows that see them.
 // Each thread owns two rows and columns 8j + 2t + {0, 1}: it writes 4-byte pairs straight to the
 // strided output (rows >= Sq are padding and are skipped).
 #pragma once
@@ -12,18 +15,25 @@
 
 namespace sage_sm90 {
 
-template <int D, DType kOut, class Softmax>
+template <int D, DType kOut, bool kCausal, class Softmax>
 __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax& sm,
                                                const float (&o)[D / 2], const int (&row)[2], int b,
                                                int h, int hk) {
   const int t = threadIdx.x & 3;
+  const int64_t bh = static_cast<int64_t>(b) * p.Hq + h;
   float l[2], inv[2];
+  bool bad[2];
+  int last_key[2];  // the last key each row may see (v_first holds attended keys only)
 #pragma unroll
   for (int x = 0; x < 2; ++x) {
     l[x] = quad_sum(sm.l[x]);
+    bad[x] = l[x] > 0.f && isnan(sm.rowf[x]);  // rowf = sq * scale * log2(e): NaN exactly when sq is
     // the lean softmax sums 448 * p already
     inv[x] = l[x] > 0.f ? 1.f / (Softmax::kLean ? l[x] : kFp8Max * l[x]) : 0.f;
+    inv[x] = bad[x] ? __int_as_float(0x7fffffff) : inv[x];  // NaN * anything = NaN
+    last_key[x] = kCausal ? min(row[x], p.Skv - 1) : p.Skv - 1;
   }
+  const int* v_first = p.v_first + static_cast<int64_t>(b * p.Hkv + hk) * static_cast<int>(NonFinite::kCount) * D;
   const float* sv = p.sv + static_cast<int64_t>(b * p.Hkv + hk) * D;
   char* ob = static_cast<char*>(p.out) + 2 * (b * p.o_sb + h * p.o_sh);
 #pragma unroll
@@ -33,22 +43,22 @@ __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
       if (row[x] < p.Sq) {
-        const uint32_t packed = IO<kOut>::from_float2(o[4 * j + 2 * x] * s.x * inv[x],
-                                                      o[4 * j + 2 * x + 1] * s.y * inv[x]);
+        const float o0 = apply_nonfinite(v_first, D, col, last_key[x], o[4 * j + 2 * x] * s.x * inv[x]);
+        const float o1 = apply_nonfinite(v_first, D, col + 1, last_key[x], o[4 * j + 2 * x + 1] * s.y * inv[x]);
+        const uint32_t packed = IO<kOut>::from_float2(o0, o1);
         *reinterpret_cast<uint32_t*>(ob + 2 * (row[x] * p.o_ss + col)) = packed;
       }
     }
   }
   if (p.lse != nullptr && t == 0) {
-    const int64_t bh = static_cast<int64_t>(b) * p.Hq + h;
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
       if (row[x] < p.Sq) {
         const float corr = p.qkm[bh * p.n_q_tiles * kRowsPerWG + row[x]];
-        p.lse[bh * p.Sq + row[x]] =
-            l[x] > 0.f ? sm.m[x] * 0.69314718055994531f + logf(l[x]) + corr -
-                             (Softmax::kLean ? 6.1047932324f : 0.f)  // ln 448
-                       : -INFINITY;
+        const float lse = l[x] > 0.f ? sm.m[x] * 0.69314718055994531f + logf(l[x]) + corr -
+                                           (Softmax::kLean ? 6.1047932324f : 0.f)  // ln 448
+                                     : -INFINITY;
+        p.lse[bh * p.Sq + row[x]] = bad[x] ? __int_as_float(0x7fffffff) : lse;
       }
     }
   }

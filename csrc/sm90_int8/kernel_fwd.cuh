@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(fwd_threads<kFlags>(), 1)
     fence_regs(p_alt);
     release(s_last);
   }
-  epilogue_store<D, kOut>(p, sm, o, row, b, h, hk);
+  epilogue_store<D, kOut, kCausal>(p, sm, o, row, b, h, hk);
 }
 
 template <int D, DType kOut, bool kCausal, int kPoly, int kFlags>

@@ -46,8 +46,11 @@ struct PrepassParams {
   uint8_t* vt_img;    // (B, Hkv, n_kv_tiles, D*128) fp8 e4m3, keys permuted (tile_config.hpp)
   float* sv;          // (B, Hkv, D)
   float* kmean;       // (B, Hkv, D)
+  int* v_first;       // (B, Hkv, 3, D) first attended key with V = +Inf, -Inf, NaN (numerics.hpp);
+                      // memset to 0x7f bytes (kNoKey) before the pre-pass
   // workspace
   float* partial;     // (B*Hkv, n_split, 2, D)
+  int* split_count;   // (B*Hkv, n_split) attended keys per chunk (the k mean's divisor)
   int* counter;       // (B*Hkv) zero-initialised
   int* kv_len;        // (B) zero-initialised; written only when key_mask != nullptr
   uint32_t* mask_bits;  // (B, 4*n_kv_tiles) bit j%32 of word j/32 = key j attends
@@ -55,12 +58,13 @@ struct PrepassParams {
 
 struct FwdParams {
   const int8_t* q_img;
-  const float* sq;
+  const float* sq;        // NaN for a query row with a non-finite element: that row's out / lse are NaN
   const float* qkm;       // nullptr unless lse != nullptr
   const int8_t* k_img;
   const float* sk;
   const uint8_t* vt_img;
   const float* sv;
+  const int* v_first;     // (B, Hkv, 3, D) from the pre-pass: V's non-finite elements (numerics.hpp)
   const int* kv_len;      // nullptr: every batch uses Skv
   const uint32_t* mask_bits;  // nullptr: no key mask
   void* out;              // (B, Hq, Sq, D) with strides below, last dim contiguous

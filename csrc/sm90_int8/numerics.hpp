@@ -36,6 +36,36 @@ __device__ __forceinline__ float exp2_poly(float x) {
   return xc < -126.f ? 0.f : r;
 }
 
+// |x| for finite x, 0 for NaN and +-Inf: every absmax of the pre-pass looks only at finite values
+// (numerics contract), so one NaN / Inf cannot change the scale of the finite values beside it.
+__device__ __forceinline__ float finite_abs(float x) {
+  const float a = fabsf(x);
+  return a < INFINITY ? a : 0.f;  // NaN compares false
+}
+
+// Non-finite values of V cannot pass through FP8 (no Inf; P~ x NaN would reach masked rows too):
+// the pre-pass quantizes them as 0 and records, per (b, kv head) and channel, the first attended
+// key holding +Inf, -Inf and NaN (atomicMin: the same result in any order); the epilogue writes
+// them over the output rows that see that key, as exact attention would.
+enum class NonFinite : int { kPosInf = 0, kNegInf = 1, kNaN = 2, kCount = 3 };
+constexpr int kNoKey = 0x7f7f7f7f;  // "no such key": the byte pattern of the workspace memset
+
+// v_first: the (kCount, D) slice of one (b, kv head); records key `key` for element value x.
+__device__ __forceinline__ void record_nonfinite(int* v_first, int D, int c, int key, float x) {
+  const NonFinite kind = x != x ? NonFinite::kNaN : (x > 0.f ? NonFinite::kPosInf : NonFinite::kNegInf);
+  atomicMin(v_first + static_cast<int>(kind) * D + c, key);
+}
+
+// Output value of channel c for a row that sees keys <= `last_key` (x when no non-finite V element
+// reaches it): NaN where a NaN or both infinities meet, else the infinity.
+__device__ __forceinline__ float apply_nonfinite(const int* v_first, int D, int c, int last_key, float x) {
+  const bool pos = v_first[static_cast<int>(NonFinite::kPosInf) * D + c] <= last_key;
+  const bool neg = v_first[static_cast<int>(NonFinite::kNegInf) * D + c] <= last_key;
+  const bool nan = v_first[static_cast<int>(NonFinite::kNaN) * D + c] <= last_key;
+  if (nan || (pos && neg)) return __int_as_float(0x7fffffff);
+  return pos ? INFINITY : (neg ? -INFINITY : x);
+}
+
 // Two fp32 -> two E4M3 (RNE, saturate to +-448), `lo` in the low byte.
 __device__ __forceinline__ uint32_t pack_e4m3x2(float lo, float hi) {
   uint16_t r;

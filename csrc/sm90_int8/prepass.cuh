@@ -7,6 +7,14 @@
 //                 each written as the swizzled shared-memory image the attention kernel copies
 //                 with one bulk copy per tile (tile_config.hpp). V is transposed on the way, with
 //                 the key permutation that lets P stay in registers. Padding rows/keys are 0.
+// Masked keys (numerics contract, sage8_quantize): their K and V rows are selected away (never
+// multiplied, so a NaN or Inf there vanishes) before anything is reduced: the k mean is taken
+// over attended keys only (0 when a batch row attends none), and a masked key is code 0 excluded
+// from its K block's absmax and a zero row of V (FP8 channel scales). Every absmax ignores NaN
+// and Inf (finite_abs); INT8 codes of NaN are 0, of +-Inf +-127; V's non-finite elements are
+// quantized as 0 and recorded in v_first for the epilogue. A Q row with a non-finite element
+// stores scale NaN (its codes use the finite absmax, as the reference): the epilogue writes that
+// row as NaN, so it stays in its row.
 // Inputs are read through arbitrary (b, h, s) strides, so BHSD views of BSHD tensors cost nothing.
 #pragma once
 
@@ -28,6 +36,11 @@ struct RowTiling {
 
 template <int D, DType kIn, bool kBatch>
 __device__ void quant_q_block(const PrepassParams& p, int blk);
+
+// Whether key `key` of batch row b takes part (inside the sequence and attended).
+__device__ __forceinline__ bool key_attended(const PrepassParams& p, int b, int key) {
+  return key < p.Skv && (p.key_mask == nullptr || p.key_mask[static_cast<int64_t>(b) * p.Skv + key] != 0);
+}
 
 // Eight 16-bit inputs kept as raw bits between load and use: half the registers of 8 floats, so
 // the batched-load paths keep the quant kernel's occupancy. Zero bits are +0 in fp16 and bf16.
@@ -53,11 +66,29 @@ __device__ void mask_bits_block(const PrepassParams& p, int mb) {
   }
 }
 
+// One token row into the k sum and the finite v absmax. A masked row adds +0 and 0 (selected,
+// not multiplied: NaN / Inf there vanish).
+__device__ __forceinline__ void add_stats_row(float (&sum)[8], float (&amax)[8], const float (&kx)[8],
+                                              const float (&vx)[8], bool on) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    sum[i] += on ? kx[i] : 0.f;
+    amax[i] = fmaxf(amax[i], on ? finite_abs(vx[i]) : 0.f);
+  }
+}
+
 // kBatch (pre-pass mode bit kPrepassBatchLoads): every thread issues all its loads of a block
 // (or 4 rows of the stats loop) before using any, instead of leaving that to the scheduler:
 // 4-8x the bytes in flight per thread for these latency-bound, tiny-per-block passes.
+// hd128 with batched loads sits right at 64 registers, where ptxas spilled one register after the
+// non-finite checks were added; a floor of 3 blocks per SM (<= 85 registers) keeps it spill-free
+// (3 instead of 4 blocks per SM there); the other variants stay below 64 unbounded.
+template <int D, bool kBatch>
+constexpr int kStatsMinBlocks = (D == 128 && kBatch) ? 3 : 0;  // 0: no floor
+
 template <int D, DType kIn, bool kBatch>
-__global__ void __launch_bounds__(kPrepassThreads) stats_kernel(const __grid_constant__ PrepassParams p) {
+__global__ void __launch_bounds__(kPrepassThreads, kStatsMinBlocks<D, kBatch>)
+    stats_kernel(const __grid_constant__ PrepassParams p) {
   using RT = RowTiling<D>;
   const int n_stat = p.B * p.Hkv * p.n_split;
   if (static_cast<int>(blockIdx.x) >= n_stat) {
@@ -85,11 +116,7 @@ __global__ void __launch_bounds__(kPrepassThreads) stats_kernel(const __grid_con
     float kx[8], vx[8];
     load8<kIn>(kb + 2 * static_cast<int64_t>(s) * p.k_ss, kx);
     load8<kIn>(vb + 2 * static_cast<int64_t>(s) * p.v_ss, vx);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      sum[i] += kx[i];
-      amax[i] = fmaxf(amax[i], fabsf(vx[i]));
-    }
+    add_stats_row(sum, amax, kx, vx, key_attended(p, b, s));
   };
   int s = s_begin + r0;
   if constexpr (kBatch) {
@@ -102,13 +129,7 @@ __global__ void __launch_bounds__(kPrepassThreads) stats_kernel(const __grid_con
         load8<kIn>(vb + 2 * static_cast<int64_t>(s + u * RT::kRowsPerPass) * p.v_ss, vx[u]);
       }
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          sum[i] += kx[u][i];
-          amax[i] = fmaxf(amax[i], fabsf(vx[u][i]));
-        }
-      }
+      for (int u = 0; u < 4; ++u) add_stats_row(sum, amax, kx[u], vx[u], key_attended(p, b, s + u * RT::kRowsPerPass));
     }
   }
   for (; s < s_end; s += RT::kRowsPerPass) accumulate(s);
@@ -117,6 +138,15 @@ __global__ void __launch_bounds__(kPrepassThreads) stats_kernel(const __grid_con
   for (int i = 0; i < 8; ++i) {
     red[0][r0][c0 + i] = sum[i];
     red[1][r0][c0 + i] = amax[i];
+  }
+  // Attended keys of the chunk (the k mean's divisor), an exact integer count; the barriers of
+  // __syncthreads_count also publish red[].
+  int split_attended = s_end - s_begin;
+  if (p.key_mask != nullptr) {
+    split_attended = 0;
+    for (int t0 = s_begin; t0 < s_end; t0 += kPrepassThreads) {
+      split_attended += __syncthreads_count(t0 + tid < s_end && key_attended(p, b, t0 + tid));
+    }
   }
   __syncthreads();
   float* part = p.partial + static_cast<int64_t>(bh) * p.n_split * 2 * D;
@@ -129,6 +159,7 @@ __global__ void __launch_bounds__(kPrepassThreads) stats_kernel(const __grid_con
     part[(split * 2 + 0) * D + d] = s;
     part[(split * 2 + 1) * D + d] = a;
   }
+  if (tid == 0) p.split_count[static_cast<int64_t>(bh) * p.n_split + split] = split_attended;
   __threadfence();
   __syncthreads();
   __shared__ int is_last;
@@ -136,13 +167,16 @@ __global__ void __launch_bounds__(kPrepassThreads) stats_kernel(const __grid_con
   __syncthreads();
   if (!is_last) return;
   __threadfence();
+  int attended = 0;  // integer sum: exact, any order
+  for (int j = 0; j < p.n_split; ++j) attended += __ldcg(&p.split_count[static_cast<int64_t>(bh) * p.n_split + j]);
   for (int d = tid; d < D; d += kPrepassThreads) {
     float s = 0.f, a = 0.f;
     for (int j = 0; j < p.n_split; ++j) {  // fixed order over chunks
       s += __ldcg(&part[(j * 2 + 0) * D + d]);
       a = fmaxf(a, __ldcg(&part[(j * 2 + 1) * D + d]));
     }
-    p.kmean[bh * D + d] = s / static_cast<float>(p.Skv);
+    // Without a mask attended == Skv: the same bits as the plain token mean.
+    p.kmean[bh * D + d] = attended > 0 ? s / static_cast<float>(attended) : 0.f;
     p.sv[bh * D + d] = a / kFp8Max;
   }
 }
@@ -199,17 +233,22 @@ __device__ void quant_q_block(const PrepassParams& p, int blk) {
     if constexpr (!kBatch) load_pass(pass);
     float x[8];
     raw_to_float8<kIn>(xs[pass], x);
-    float a = 0.f;
+    float a = 0.f, bad = 0.f;  // bad: the sum of x * 0, NaN exactly when the row holds a NaN or Inf
 #pragma unroll
-    for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(x[i]));
+    for (int i = 0; i < 8; ++i) {
+      a = fmaxf(a, finite_abs(x[i]));
+      bad += x[i] * 0.f;
+    }
     a = group_max<RT::kLanes>(a);
+    bad = group_sum<RT::kLanes>(bad);
     const float sq = a / kInt8Max;
     int qi[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) qi[i] = quant_int8(x[i], sq);
+    for (int i = 0; i < 8; ++i) qi[i] = quant_int8(x[i], sq);  // NaN -> 0, +-Inf -> +-127
     *reinterpret_cast<uint2*>(img + image_offset<D>(r, c0)) = pack_int8x8(qi);
     const int64_t srow = static_cast<int64_t>(bh) * p.n_q_tiles * kRowsPerWG + i_tok;
-    if (tid % RT::kLanes == 0) p.sq[srow] = sq;
+    // A non-finite row stores scale NaN: the epilogue's "this row is NaN" (its scores stay finite).
+    if (tid % RT::kLanes == 0) p.sq[srow] = isnan(bad) ? bad : sq;
     if (p.qkm != nullptr) {
       float dot = 0.f;
 #pragma unroll
@@ -253,14 +292,16 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
       raw[pass] = key < p.Skv ? load_raw8(kb + 2 * static_cast<int64_t>(key) * p.k_ss) : make_uint4(0, 0, 0, 0);
     }
     float a = 0.f;
+    uint32_t on = 0;  // bit pass: this thread's row of that pass is attended
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
-      if (key < p.Skv) {  // padding keys: code 0, excluded from max
+      if (key_attended(p, b, key)) {  // padding and masked keys: code 0, excluded from max
+        on |= 1u << pass;
         float x[8];
         raw_to_float8<kIn>(raw[pass], x);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(x[i] - km[i]));
+        for (int i = 0; i < 8; ++i) a = fmaxf(a, finite_abs(x[i] - km[i]));
       }
     }
     const float sk = block_max<D>(a, scratch) / kInt8Max;
@@ -268,7 +309,7 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       const int r = pass * RT::kRowsPerPass + tid / RT::kLanes;
-      const bool valid = tile * kBlockKV + r < p.Skv;
+      const bool valid = (on >> pass) & 1u;
       float x[8];
       raw_to_float8<kIn>(raw[pass], x);
       int qi[8];
@@ -284,16 +325,16 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
     const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
-    if (key < p.Skv) {
+    if (key_attended(p, b, key)) {
       load8<kIn>(kb + 2 * static_cast<int64_t>(key) * p.k_ss, x[pass]);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         x[pass][i] -= km[i];
-        a = fmaxf(a, fabsf(x[pass][i]));
+        a = fmaxf(a, finite_abs(x[pass][i]));
       }
     } else {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) x[pass][i] = 0.f;  // padding keys: code 0, excluded from max
+      for (int i = 0; i < 8; ++i) x[pass][i] = 0.f;  // padding / masked keys: code 0, excluded from max
     }
   }
   const float sk = block_max<D>(a, scratch) / kInt8Max;
@@ -328,7 +369,8 @@ __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
   uint4 xs[kPasses];
   auto load_pass = [&](int pass) {
     const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
-    xs[pass] = key < p.Skv ? load_raw8(vb + 2 * static_cast<int64_t>(key) * p.v_ss) : make_uint4(0, 0, 0, 0);
+    // padding and masked keys: +0 bits, i.e. a zero row of codes
+    xs[pass] = key_attended(p, b, key) ? load_raw8(vb + 2 * static_cast<int64_t>(key) * p.v_ss) : make_uint4(0, 0, 0, 0);
   };
   if constexpr (kBatch) {
 #pragma unroll
@@ -340,6 +382,20 @@ __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
     if constexpr (!kBatch) load_pass(pass);
     float x[8];
     raw_to_float8<kIn>(xs[pass], x);
+    bool odd = false;  // a non-finite element (rare): recorded for the epilogue, quantized as 0
+#pragma unroll
+    for (int i = 0; i < 8; ++i) odd |= !(fabsf(x[i]) < INFINITY);
+    if (odd) {  // masked / padding rows were loaded as zeros: only attended keys get here
+      const int key = tile * kBlockKV + r;
+      int* v_first = p.v_first + static_cast<int64_t>(bh) * static_cast<int>(NonFinite::kCount) * D;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (!(fabsf(x[i]) < INFINITY)) {
+          record_nonfinite(v_first, D, c0 + i, key, x[i]);
+          x[i] = 0.f;
+        }
+      }
+    }
 #pragma unroll
     for (int i = 0; i < 8; i += 2) {
       const uint32_t two = quant_e4m3x2(x[i], x[i + 1], sv[i], sv[i + 1]);

@@ -19,11 +19,18 @@ MXFP4 atom compiles for sm_120a but has never run on hardware; the emulated MXFP
 on sm_90.
 
 Numerics follow ``sage_diffusers.reference.sage3_reference`` with the same fmt: K smoothed by its
-token mean and quantized along D by a pre-pass (which also permutes tokens within 64-key chunks
-into the order the P.V fragments need), V quantized in 16- or 32-token blocks (stored transposed),
-Q smoothed per 128-query block inside the kernel with the correction qbar.deq(K)^T computed per
-tile in the kernel, two-level (or direct) P~ quantization fused with the online softmax, FP32
-accumulation, row sums from unquantized P~. Known numeric deviations from the reference, all far
+token mean over the attended keys and quantized along D by a pre-pass (which also permutes tokens
+within 64-key chunks into the order the P.V fragments need), V quantized in 16- or 32-token blocks
+(stored transposed), Q smoothed per 128-query block (mean over the block's all-finite rows) inside
+the kernel with the correction qbar.deq(K)^T computed per tile in the kernel, two-level (or
+direct) P~ quantization fused with the online softmax, FP32 accumulation, row sums from
+unquantized P~. Masked keys are zero rows before anything is reduced. Q, K and V each get a
+per-(batch, head) FP32 tensor scale (:func:`tensor_scale` of the finite amax, computed here with
+torch on the GPU, no host sync): the operands are block-quantized divided by it, s_q * s_k scale
+the scores and s_v the output, so any magnitude keeps the N(0, 1) accuracy. Non-finite values stay
+where exact attention puts them: a query row with a NaN / Inf element is NaN (only that row), V's
+non-finite attended elements are quantized as 0, recorded by the pre-pass and written over the
+output channels of the rows that see them (``reference.online_softmax.nonfinite_v``). Known numeric deviations from the reference, all far
 below FP4 error: P~/s1 (and, NVFP4 only, P~/scale) use reciprocal multiplies and exp2 is
 ``ex2.approx``; means are summed in a different order; the emulated MXFP4 atom flushes values
 below 2^-126 (blocks with scale 2^-127) to zero.
@@ -58,12 +65,14 @@ from types import ModuleType
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from ..options import FP4Format, PQuant
 from . import _jit
 from ._contract import check_qkv, fake_out_lse, in_layout_of, kernel_views, normalize_key_mask
 
 __all__ = ["attention_fp4", "prepass", "key_positions", "atom_gemm", "is_available", "build",
+           "tensor_scale", "kv_tensor_scales", "q_tensor_scale",
            "attention_atoms", "emu_gemms", "selftest", "benchmark", "ablation", "HEAD_DIMS", "Atom",
            "EmuGemm"]
 
@@ -252,42 +261,140 @@ def _stream_handle(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def _k_mean(k: torch.Tensor) -> torch.Tensor:
-    """float32 (B, Hkv, D) contiguous token mean of k (padded/masked keys included, as the spec)."""
-    return k.mean(dim=2, dtype=torch.float32).contiguous()
+# ---- the numerics contract's tensor scales (torch on the GPU: no host synchronisation) ------------
+TENSOR_SCALE_RANGE = 448.0 * 6.0  # E4M3_MAX * E2M1_MAX: x / s fills the E4M3-scaled E2M1 range
+Q_SMOOTH_BLOCK = 128  # query rows per smoothing mean: one CTA tile of the kernel
+
+
+def tensor_scale(amax: torch.Tensor) -> torch.Tensor:
+    """float32 amax (...) -> s = amax / 2688 (IEEE division), 1 where amax is 0."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / torch.full_like(amax, TENSOR_SCALE_RANGE), torch.ones_like(amax))
+
+
+def _finite_dev_amax(x: torch.Tensor, mean: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """max |fl32(x - mean)| over the finite elements of x that ``keep`` selects, per leading index.
+
+    x (..., n, D) any float dtype; mean float32 (..., 1, D); keep bool broadcastable to x, or None.
+    Returns float32 (...), 0 where nothing is selected. Computed from the per-channel max and min
+    of x without an fp32 copy of x: fp32 rounding of x - mean is monotonic in x, so the largest
+    |fl(x - mean)| is fl(max - mean) or fl(mean - min), bit for bit.
+    """
+    ok = torch.isfinite(x) if keep is None else torch.isfinite(x) & keep
+    hi = torch.where(ok, x, float("-inf")).amax(-2, keepdim=True).float()  # (..., 1, D)
+    lo = torch.where(ok, x, float("inf")).amin(-2, keepdim=True).float()
+    dev = torch.maximum(hi - mean, mean - lo)
+    dev = torch.where(torch.isfinite(dev), dev, torch.zeros_like(dev))  # no selected value, or mean not finite
+    return dev.amax((-2, -1))
+
+
+def _key_keep(key_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """bool (B, Skv) -> (B, 1, Skv, 1), the attended rows of (B, H, Skv, D) tensors."""
+    return None if key_mask is None else key_mask[:, None, :, None]
+
+
+def _k_mean(k: torch.Tensor, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """float32 (B, Hkv, D) contiguous token mean of k over the attended keys (masked rows are
+    selected away, so NaN / Inf there vanish); 0 for a batch row that attends no key."""
+    if key_mask is None:
+        return k.mean(dim=2, dtype=torch.float32).contiguous()
+    total = torch.where(_key_keep(key_mask), k, 0).sum(2, dtype=torch.float32)  # (B, Hkv, D)
+    n = key_mask.sum(-1, dtype=torch.float32)[:, None, None]  # (B, 1, 1)
+    return torch.where(n > 0, total / n.clamp(min=1), torch.zeros_like(total)).contiguous()
+
+
+def kv_tensor_scales(k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor,
+                     key_mask: Optional[torch.Tensor] = None) -> dict:
+    """Per-(batch, kv head) FP32 tensor scales of the smoothed K and of V.
+
+    k, v (B, Hkv, Skv, D); k_mean float32 (B, Hkv, D); key_mask bool (B, Skv) or None.
+    Returns float32 contiguous k_scale, v_scale (B, Hkv): :func:`tensor_scale` of the finite
+    attended amax of k - k_mean and of v (masked rows are 0 and count as 0).
+    """
+    keep = _key_keep(key_mask)
+    k_scale = tensor_scale(_finite_dev_amax(k, k_mean[:, :, None], keep))
+    zero = torch.zeros_like(k_mean[:, :, None])
+    v_scale = tensor_scale(_finite_dev_amax(v, zero, keep))
+    return {"k_scale": k_scale.contiguous(), "v_scale": v_scale.contiguous()}
+
+
+def q_tensor_scale(q: torch.Tensor) -> torch.Tensor:
+    """float32 (B, Hq) tensor scale of q - qbar, with qbar the kernel's per-128-row block mean over
+    the block's all-finite rows (0 for a block without one) and the amax over finite elements."""
+    b, h, sq, d = q.shape
+    nb = -(-sq // Q_SMOOTH_BLOCK)
+    pad = nb * Q_SMOOTH_BLOCK - sq
+    blocks = F.pad(q, (0, 0, 0, pad)).unflatten(2, (nb, Q_SMOOTH_BLOCK))  # (B, H, nb, 128, D)
+    real = (torch.arange(nb * Q_SMOOTH_BLOCK, device=q.device) < sq).view(nb, Q_SMOOTH_BLOCK, 1)
+    rows_ok = torch.isfinite(blocks).all(-1, keepdim=True) & real  # (B, H, nb, 128, 1)
+    total = torch.where(rows_ok, blocks, 0).sum(-2, keepdim=True, dtype=torch.float32)  # (B, H, nb, 1, D)
+    n = rows_ok.sum(-2, keepdim=True, dtype=torch.float32)  # (B, H, nb, 1, 1)
+    qbar = torch.where(n > 0, total / n.clamp(min=1), torch.zeros_like(total))
+    return tensor_scale(_finite_dev_amax(blocks, qbar, real).amax(-1)).contiguous()
 
 
 def prepass(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor] = None,
-            atom: Optional[str] = None, fmt: "str | FP4Format" = FP4Format.NVFP4) -> dict:
+            atom: Optional[str] = None, fmt: "str | FP4Format" = FP4Format.NVFP4,
+            key_mask: Optional[torch.Tensor] = None, k_scale: Optional[torch.Tensor] = None,
+            v_scale: Optional[torch.Tensor] = None) -> dict:
     """Run the K/V quantization pre-pass alone (stored format of reference.quantize_nvfp4 or
-    reference.quantize_mxfp4).
+    reference.quantize_mxfp4 of the operands divided by their tensor scales).
 
     Parameters
     ----------
     k, v : (B, Hkv, Skv, D) fp16/bf16 CUDA (views allowed).
-    k_mean : float32 (B, Hkv, D); default the token mean of k.
+    k_mean : float32 (B, Hkv, D); default the mean of k over attended keys.
+    key_mask : bool (B, Skv) (or (B, 1, 1, Skv)), True = attended, or None: masked keys are zero rows.
+    k_scale, v_scale : float32 (B, Hkv); default :func:`kv_tensor_scales` (pass ones to quantize
+        k - k_mean and v themselves).
     fmt : FP4Format.NVFP4 (blk = 16, E4M3 scales) or FP4Format.MXFP4 (blk = 32, E8M0 scales).
 
     Returns
     -------
-    dict with k_mean (B, Hkv, D) float32; kq uint8 (B, Hkv, P, D/2) and ksf (B, Hkv, P, D/blk) of
-    k - k_mean along D, rows permuted (see :func:`key_positions`); vq uint8 (B, Hkv, D, P/2) and
-    vsf (B, Hkv, D, P/blk) of v transposed, along tokens; with P = Skv rounded up to 128 and zero
-    padding. Scales are float8_e4m3fn for NVFP4 and uint8 biased exponents for MXFP4, the dtypes
-    the reference quantizers return.
+    dict with k_mean (B, Hkv, D) float32, k_scale / v_scale (B, Hkv) float32; kq uint8
+    (B, Hkv, P, D/2) and ksf (B, Hkv, P, D/blk) of (k - k_mean) / k_scale along D, rows permuted
+    (see :func:`key_positions`); vq uint8 (B, Hkv, D, P/2) and vsf (B, Hkv, D, P/blk) of
+    v / v_scale transposed, along tokens; with P = Skv rounded up to 128 and zero padding. Scales
+    are float8_e4m3fn for NVFP4 and uint8 biased exponents for MXFP4, the dtypes the reference
+    quantizers return. Non-finite scaled values are quantized as 0; v_first int32 (B, Hkv, 3, D)
+    holds per channel the first attended key whose V is +Inf, -Inf, NaN (0x7f7f7f7f where none).
     """
     fmt = FP4Format.parse(fmt)
     ext = build(atom)
     kk, vv = kernel_views(k, v)
+    key_mask = normalize_key_mask(key_mask, k.shape[0], k.shape[2])
     if k_mean is None:
-        k_mean = _k_mean(k)
+        k_mean = _k_mean(kk, key_mask)
     k_mean = k_mean.float().contiguous()
+    if k_scale is None or v_scale is None:
+        scales = kv_tensor_scales(kk, vv, k_mean, key_mask)
+        k_scale = scales["k_scale"] if k_scale is None else k_scale
+        v_scale = scales["v_scale"] if v_scale is None else v_scale
+    k_scale, v_scale = k_scale.float().contiguous(), v_scale.float().contiguous()
     with torch.cuda.device(k.device):
-        kq, ksf, vq, vsf = ext.quantize_kv(kk, vv, k_mean, _padded_len(k.shape[2]), _FMT_CODE[fmt],
-                                           _stream_handle(k.device))
+        kq, ksf, vq, vsf, v_first = ext.quantize_kv(kk, vv, k_mean, k_scale, v_scale, key_mask,
+                                                    _padded_len(k.shape[2]), _FMT_CODE[fmt], _stream_handle(k.device))
     if fmt is FP4Format.NVFP4:
         ksf, vsf = ksf.view(torch.float8_e4m3fn), vsf.view(torch.float8_e4m3fn)
-    return {"k_mean": k_mean, "kq": kq, "ksf": ksf, "vq": vq, "vsf": vsf}
+    return {"k_mean": k_mean, "k_scale": k_scale, "v_scale": v_scale, "kq": kq, "ksf": ksf, "vq": vq, "vsf": vsf,
+            "v_first": v_first}
+
+
+def _run_kernel(ext, q, k, v, key_mask, is_causal, scale, return_lse, p_quant: int, fmt: int, emu: int):
+    """The pre-pass (mean, tensor scales, K/V quantization) and the attention kernel of one call.
+
+    q, k, v as the kernel reads them (:func:`kernel_views`); key_mask contiguous bool (B, Skv) or
+    None. Returns the extension's (out, lse)."""
+    skv = k.shape[2]
+    k_mean = _k_mean(k, key_mask)
+    kv = kv_tensor_scales(k, v, k_mean, key_mask)
+    q_scale = q_tensor_scale(q)
+    with torch.cuda.device(q.device):
+        stream = _stream_handle(q.device)
+        kq, ksf, vq, vsf, v_first = ext.quantize_kv(k, v, k_mean, kv["k_scale"], kv["v_scale"], key_mask,
+                                                    _padded_len(skv), fmt, stream)
+        return ext.attention_fwd(q, kq, ksf, vq, vsf, k_mean, q_scale, kv["k_scale"], kv["v_scale"], v_first,
+                                 key_mask, skv, scale, is_causal, p_quant, fmt, return_lse, emu, stream)
 
 
 def atom_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor,
@@ -326,13 +433,7 @@ def _fp4_attention(
         raise ValueError("emu='wgmma' needs the emulated FP4 atom on an sm_90a device "
                          f"(this build: {'native' if ext.native else 'emulated'}, no wgmma variant)")
     qq, kk, vv = kernel_views(q, k, v)
-    skv = k.shape[2]
-    k_mean = _k_mean(kk)
-    with torch.cuda.device(q.device):
-        stream = _stream_handle(q.device)
-        kq, ksf, vq, vsf = ext.quantize_kv(kk, vv, k_mean, _padded_len(skv), fmt, stream)
-        out, lse = ext.attention_fwd(qq, kq, ksf, vq, vsf, k_mean, key_mask, skv, scale, is_causal,
-                                     p_quant, fmt, return_lse, emu, stream)
+    out, lse = _run_kernel(ext, qq, kk, vv, key_mask, is_causal, scale, return_lse, p_quant, fmt, emu)
     out = in_layout_of(out, q, qq)
     if not return_lse:
         lse = q.new_empty((0,), dtype=torch.float32)
@@ -428,13 +529,9 @@ def selftest(verbose: bool = True) -> bool:
         outs = {}
         for atom in atoms:
             ext = build(atom)
-            skv = k.shape[2]
-            k_mean = _k_mean(k)
-            stream = _stream_handle(q.device)
-            kq, ksf, vq, vsf = ext.quantize_kv(k, v, k_mean, _padded_len(skv), _FMT_CODE[fmt], stream)
             for emu in (emu_gemms() if atom == Atom.EMULATED else [EmuGemm.MMA]):
-                out, _ = ext.attention_fwd(q, kq, ksf, vq, vsf, k_mean, mask, skv, 1.0 / math.sqrt(q.shape[-1]),
-                                           False, 0, _FMT_CODE[fmt], False, EmuGemm.CODE[emu], stream)
+                out, _ = _run_kernel(ext, q, k, v, mask, False, 1.0 / math.sqrt(q.shape[-1]), False, 0,
+                                     _FMT_CODE[fmt], EmuGemm.CODE[emu])
                 if emu == EmuGemm.MMA:
                     outs[atom] = out.float()
                 c = cosine(out.float(), ref)
@@ -477,7 +574,6 @@ def ablation(shapes=((1, 2, 2048, 64), (1, 2, 2048, 128)), dtype=torch.bfloat16,
     """
     import json
 
-    import torch.nn.functional as F
 
     from ..reference import cosine, relative_l1, rmse, sage3_reference
 
@@ -518,7 +614,6 @@ def benchmark(b=1, h=24, s=16384, d=128, dtype=torch.bfloat16, iters=20,
     prepass_ms) and the speed ratio sdpa_ms / fp4_ms; with ``emus``, fp4_<emu>_ms,
     speed_<emu>_vs_<sdpa> and fp4_<emu>_tflops per variant instead.
     """
-    import torch.nn.functional as F
 
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(3))
 

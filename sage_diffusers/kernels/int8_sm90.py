@@ -1,8 +1,12 @@
 """Hopper (sm_90a) 8-bit attention: the sage8 algorithm as a CUDA kernel.
 
 Numerics are exactly ``sage_diffusers.reference.sage8_reference``: INT8 Q per token, K smoothed by
-its token mean then INT8 per 128-key block, V FP8 E4M3 per channel, P~ = exp2(s - running max)
-scaled by 448 into FP8, FP32 accumulation, row sums from unquantized P~. Sources live in
+its token mean over the attended keys then INT8 per 128-key block, V FP8 E4M3 per channel, P~ =
+exp2(s - running max) scaled by 448 into FP8, FP32 accumulation, row sums from unquantized P~.
+Masked keys are zero rows before any scale; absmaxes ignore NaN / Inf. Non-finite values stay
+where exact attention puts them: a query row with a NaN / Inf element is NaN (only that row), and
+V's +-Inf / NaN (quantized as 0, recorded by the pre-pass) are written over the output channels of
+the rows that see them. Sources live in
 ``csrc/sm90_int8/`` (README in the file headers); the extension is compiled on first use for
 ``sm_90a`` only (wgmma needs the arch-specific target) into a cache keyed by the sources.
 
@@ -237,14 +241,20 @@ def prepass(q, k, v, key_mask=None, scale=None) -> dict:
     dict with q8 (B, Hq, Sq, D) int8, sq (B, Hq, Sq) f32, qkm (B, Hq, Sq) f32 = scale * q.k_mean,
     k8 (B, Hkv, Skv, D) int8, sk (B, Hkv, ceil(Skv/128)) f32, v8 (B, Hkv, Skv, D) float8_e4m3fn,
     sv (B, Hkv, D) f32, k_mean (B, Hkv, D) f32, kv_len (B,) int32 (only with a mask),
-    mask_bits (B, 4*ceil(Skv/128)) int32.
+    mask_bits (B, 4*ceil(Skv/128)) int32, v_first (B, Hkv, 3, D) int32: the first attended key
+    whose V is +Inf, -Inf, NaN in each channel (0x7f7f7f7f where none).
+
+    Numerics as ``sage8_quantize(q, k, v, key_mask=key_mask)``: k mean over attended keys, masked K
+    and V rows 0, finite absmaxes; one difference: sq of a query row holding a NaN / Inf is NaN
+    here (the kernel's flag that the row's output is NaN), a finite scale there.
     """
     check_qkv(q, k, v, HEAD_DIMS)
     key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2])
     d, sq_len, skv = q.shape[-1], q.shape[2], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     qq, kk, vv = kernel_views(q, k, v)
-    q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, bits = build().prepass(qq, kk, vv, key_mask, scale)
+    q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, bits, v_first = build().prepass(qq, kk, vv, key_mask,
+                                                                                         scale)
     b, hkv = k.shape[0], k.shape[1]
     n_kv = vt_img.shape[2]
     # V^T tile (d, 128 positions): key j of the tile sits at position inv[j].
@@ -263,6 +273,7 @@ def prepass(q, k, v, key_mask=None, scale=None) -> dict:
         "k_mean": kmean,
         "kv_len": kv_len,
         "mask_bits": bits,
+        "v_first": v_first,
     }
 
 
