@@ -130,7 +130,7 @@ def attention(
     if b == 0 or hq == 0 or sq == 0 or skv == 0:
         out, lse = _empty_result(qh, kh, vh, return_lse)
     else:
-        plan, native_mask = _plan(mode, qh, kh, vh, attn_mask, key_mask, dropout)
+        plan, native_mask = _plan(mode, qh, kh, vh, attn_mask, key_mask, dropout, is_causal)
         if plan.path == "sdpa":
             out, lse = _sdpa(qh, kh, vh, key_mask, attn_mask, dropout, bool(is_causal), scale_f, return_lse)
         else:
@@ -252,7 +252,8 @@ def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _plan(mode: Mode, q, k, v, attn_mask, key_mask, dropout: float) -> tuple[Plan, Optional[torch.Tensor]]:
+def _plan(mode: Mode, q, k, v, attn_mask, key_mask, dropout: float,
+          is_causal: bool = False) -> tuple[Plan, Optional[torch.Tensor]]:
     """Choose the path; return it with the native key mask (B, Skv) it runs with (or None)."""
     if mode is Mode.SDPA:
         return Plan("sdpa", Mode.SDPA), None
@@ -296,6 +297,10 @@ def _plan(mode: Mode, q, k, v, attn_mask, key_mask, dropout: float) -> tuple[Pla
         if backend is None:
             _fallback.record(f"auto: {algo.value} kernel unavailable on {_arch_name(device)}: {why}")
             return Plan("sdpa", Mode.SDPA), None
+        slower = _auto_prefers_sdpa(device, d, q.shape[2], k.shape[2], is_causal)
+        if slower is not None:
+            _fallback.record(f"auto: SDPA is faster here ({slower})")
+            return Plan("sdpa", Mode.SDPA), None
         return Plan("kernel", algo, backend), native
 
     if device.type != "cuda":
@@ -305,6 +310,25 @@ def _plan(mode: Mode, q, k, v, attn_mask, key_mask, dropout: float) -> tuple[Pla
         return Plan("kernel", mode, backend), native
     _fallback.record(f"{mode.value}: no kernel on {_arch_name(device)} ({why})", ran="the torch reference")
     return Plan("reference", mode), native
+
+
+def _auto_prefers_sdpa(device: torch.device, d: int, sq: int, skv: int, is_causal: bool) -> Optional[str]:
+    """Why "auto" keeps SDPA for this shape on this GPU (a measured crossover), or None.
+
+    Only GPUs with a measured table (shipped or calibrated, see ``kernels/auto_table.py``) are
+    gated; elsewhere the self-checked kernel runs. Shapes and the table are host values: no sync.
+    """
+    from .kernels import _jit, auto_table
+
+    capability = torch.cuda.get_device_capability(device)
+    rules = auto_table.rules_for(capability, str(_jit.cache_root()))
+    if rules is None or auto_table.kernel_is_faster(rules, d, is_causal, sq, skv):
+        return None
+    ragged = auto_table.is_ragged(sq, skv)
+    min_len = rules.get((d, is_causal, ragged))
+    cls = auto_table.class_key(d, is_causal, ragged)
+    return f"{cls} on {_arch_name(device)}: kernel measured faster from {min_len} tokens" if min_len else \
+        f"{cls} on {_arch_name(device)}: kernel measured slower at every length"
 
 
 def _native_key_mask(attn_mask, key_mask, b: int, skv: int) -> tuple[Optional[torch.Tensor], bool]:

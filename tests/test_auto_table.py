@@ -64,3 +64,25 @@ def test_corrupt_calibration_file_is_ignored_with_a_warning(tmp_path, caplog):
         assert "ignoring calibration file" in caplog.text
     finally:
         auto_table.rules_for.cache_clear()
+
+
+def test_api_gate_names_the_class_and_crossover(monkeypatch, tmp_path):
+    """The dispatcher's "auto" gate (api._auto_prefers_sdpa) reads the table for the GPU at hand."""
+    import torch
+
+    from sage_diffusers import api
+    from sage_diffusers.kernels import _jit
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(_jit, "cache_root", lambda: tmp_path)  # no calibration file there
+    auto_table.rules_for.cache_clear()
+    try:
+        dev = torch.device("cuda", 0)
+        assert api._auto_prefers_sdpa(dev, 128, 32768, 32768, False) is None  # long: the kernel
+        why = api._auto_prefers_sdpa(dev, 128, 4608, 4608, False)  # Flux: SDPA measured faster
+        assert "d128_full" in why and "16384" in why
+        assert "slower at every length" in api._auto_prefers_sdpa(dev, 64, 16384, 16384, True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 0))
+        assert api._auto_prefers_sdpa(dev, 128, 4608, 4608, False) is None  # no table: not gated
+    finally:
+        auto_table.rules_for.cache_clear()
