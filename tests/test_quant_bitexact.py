@@ -233,3 +233,90 @@ def test_independent_encoders_agree_with_ml_dtypes_decoding():
     with np.errstate(divide="ignore", invalid="ignore"):
         want = np.where(scale > 0, np.clip(x / scale, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(F32) * scale, 0)
     np.testing.assert_array_equal(ind.nvfp4_decode(packed, sb), want)
+
+
+# ---- non-finite inputs and the FP4 per-tensor scale -------------------------------------------------
+def _with_nonfinite(x: np.ndarray, seed: int) -> np.ndarray:
+    """x with ~2 % of its entries replaced by NaN, +Inf or -Inf."""
+    rng = np.random.default_rng(seed)
+    x = x.copy()
+    hit = rng.random(x.shape) < 0.02
+    x[hit] = rng.choice(np.array([np.nan, np.inf, -np.inf], F32), hit.sum())
+    return x
+
+
+def _finite_part(x: np.ndarray) -> np.ndarray:
+    return np.where(np.isfinite(x), x, F32(0)).astype(F32)
+
+
+@pytest.mark.parametrize("fmt", list(QUANT_FP4))
+def test_fp4_block_scales_ignore_nonfinite_values(fmt):
+    """A NaN/Inf cannot change the scale of the finite values of its block (nor their codes)."""
+    quant, independent, _, _ = QUANT_FP4[fmt]
+    x = _with_nonfinite(_random_blocks(256, 128, seed=9), seed=10)
+    packed, scales = quant(torch.from_numpy(x))
+    want_packed, want_scales = independent(_finite_part(x))
+    _assert_bytes_equal(_u8(scales), want_scales, f"{fmt} block scales with NaN/Inf present")
+    finite = np.isfinite(x)
+    got_codes, want_codes = ind.unpack(_u8(packed)), ind.unpack(want_packed)
+    _assert_bytes_equal(np.where(finite, got_codes, 0), np.where(finite, want_codes, 0), f"{fmt} codes of finite values")
+
+
+def test_int8_and_fp8_scales_ignore_nonfinite_values():
+    x = _with_nonfinite(_int8_rows(11), seed=12)
+    clean = _finite_part(x)
+    finite = np.isfinite(x)
+    for quant, independent, what in ((quantize_int8_per_token, ind.int8_per_token, "INT8 per token"),
+                                     (quantize_int8_per_block, ind.int8_per_block, "INT8 per block")):
+        q, s = quant(torch.from_numpy(x))
+        want_q, want_s = independent(clean)
+        assert np.array_equal(_bits(s), _bits(want_s)), f"{what}: scales with NaN/Inf present"
+        assert np.array_equal(np.where(finite, q.numpy(), 0), np.where(finite, want_q, 0)), f"{what}: codes"
+    q, s = quantize_fp8_per_channel(torch.from_numpy(x))
+    want_q, want_s = ind.fp8_per_channel(clean)
+    assert np.array_equal(_bits(s), _bits(want_s)), "FP8 per-channel scales with NaN/Inf present"
+    _assert_bytes_equal(np.where(finite, _u8(q), 0), np.where(finite, want_q, 0), "FP8 codes of finite values")
+
+
+def _tensor_scale_inputs() -> np.ndarray:
+    """(B=2, H=3, S=64, D=32): one (batch, head) per magnitude 1e-4 ... 1e4, an all-zero one, NaN/Inf."""
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((2, 3, 64, 32)).astype(F32)
+    mags = np.array([[1e-4, 1e-2, 1.0], [1e2, 1e4, 0.0]], F32)
+    x = (x * mags[:, :, None, None]).astype(F32)
+    x[0, 1, 5, 7], x[1, 0, 9, 2], x[1, 1, 0, 0] = np.nan, np.inf, -np.inf
+    return x
+
+
+def test_fp4_tensor_scale_bit_exact():
+    """s = amax over finite |x| per (batch, head) / (448 * 6) (IEEE), 1 for an all-zero head."""
+    from sage_diffusers.reference.quant import fp4_tensor_scale
+
+    x = _tensor_scale_inputs()
+    s = fp4_tensor_scale(torch.from_numpy(x))
+    want = ind.tensor_scale(x, axes=(2, 3))
+    assert s.shape == (2, 3, 1, 1) and np.array_equal(_bits(s.numpy()), _bits(want)), (s.flatten(), want.flatten())
+    assert want[1, 2, 0, 0] == 1.0
+    amax = np.where(np.isfinite(x), np.abs(x), 0).max((2, 3))
+    assert _reciprocal_differs(amax[amax > 0], 448.0 * 6.0).any(), "inputs must expose amax * (1/2688)"
+
+
+@pytest.mark.parametrize("fmt", list(QUANT_FP4))
+def test_fp4_tensor_scaled_operands_bit_exact(fmt):
+    """What the FP4 path stores for an operand: block FP4 of x / s (IEEE division by the tensor scale),
+    the same bytes as the independent encoders at every magnitude 1e-4 ... 1e4."""
+    from sage_diffusers.reference.quant import fp4_tensor_scale
+
+    quant, independent, _, _ = QUANT_FP4[fmt]
+    x = _finite_part(_tensor_scale_inputs())
+    s = fp4_tensor_scale(torch.from_numpy(x))
+    scaled = torch.from_numpy(x) / s.expand(*x.shape)
+    want_scaled = (x / ind.tensor_scale(x, axes=(2, 3))).astype(F32)
+    assert np.array_equal(_bits(scaled.numpy()), _bits(want_scaled))
+    packed, scales = quant(scaled)
+    want_packed, want_scales = independent(want_scaled)
+    _assert_bytes_equal(_u8(packed), want_packed, f"{fmt} packed codes of x / s")
+    _assert_bytes_equal(_u8(scales), want_scales, f"{fmt} block scales of x / s")
+    # every magnitude uses the format's range: some block scale reaches 448 (NVFP4) / 2**7 x 6 (MXFP4)
+    top = ind.e4m3_value(want_scales).max((2, 3)) if fmt == "nvfp4" else want_scales.max((2, 3))
+    assert (top[[0, 0, 0, 1, 1], [0, 1, 2, 0, 1]] == (448.0 if fmt == "nvfp4" else 127 + 9)).all(), top
