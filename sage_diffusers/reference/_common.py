@@ -28,3 +28,32 @@ def expand_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
 
 def default_scale(scale: Optional[float], d: int) -> float:
     return 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+
+def zero_masked(x: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """x (B, H, S, D) with the rows of masked keys replaced by 0 (torch.where: NaN/Inf vanish too).
+
+    key_mask : bool (B, S), True = attended, or None (x returned as is).
+    """
+    if key_mask is None:
+        return x
+    return torch.where(key_mask[:, None, :, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def attended_mean(x: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Token mean of x (B, H, S, D) over attended keys only: float32 (B, H, 1, D).
+
+    The sum runs over ``zero_masked(x)`` (masked rows contribute exactly 0) and is divided by the
+    number of attended keys of the batch row (1 where there is none, giving a zero mean).
+    """
+    x0 = zero_masked(x.float(), key_mask)
+    if key_mask is None:
+        count = torch.full((1, 1, 1, 1), float(x.shape[2]), device=x.device)
+    else:
+        count = key_mask.sum(1).clamp_min(1).float()[:, None, None, None]  # (B, 1, 1, 1)
+    return x0.sum(2, keepdim=True) / count
+
+
+def nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
+    """bool (B, H, S, 1): rows of x (B, H, S, D) holding a NaN or +-Inf."""
+    return ~torch.isfinite(x).all(-1, keepdim=True)

@@ -85,13 +85,50 @@ def online_softmax_attention(
     return acc, l, m
 
 
+def nonfinite_v(
+    v: torch.Tensor, key_mask: Optional[torch.Tensor], is_causal: bool, sq: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where +-Inf and NaN of V reach the output, and with what value, as in exact attention.
+
+    The quantized P.V cannot carry them (FP8/FP4 have no Inf; the references quantize non-finite
+    V entries as 0), so they are added back exactly: output channel c of query row i is +Inf when
+    a key that row sees (key mask and causality) has V = +Inf in channel c and none has -Inf or
+    NaN there, -Inf likewise, and NaN when both signs or a NaN meet.
+
+    v : (B, H, Skv, D) with masked rows already 0.
+    Returns hit bool and value float32, both (B, H, Sq or 1, D).
+    """
+    kinds = torch.stack((v == math.inf, v == -math.inf, torch.isnan(v)))  # (3, B, H, Skv, D)
+    if key_mask is not None:
+        kinds = kinds & key_mask[None, :, None, :, None]
+    if is_causal:
+        seen = kinds.cumsum(3)  # (3, B, H, Skv, D): counts over keys 0..j
+        last = torch.arange(sq, device=v.device).clamp_max(v.shape[2] - 1)  # row i sees keys <= i
+        seen = seen.index_select(3, last) > 0  # (3, B, H, Sq, D)
+    else:
+        seen = kinds.any(3, keepdim=True)  # (3, B, H, 1, D)
+    pos, neg, nan = seen.unbind(0)
+    value = torch.where(nan | (pos & neg), math.nan, torch.where(pos, math.inf, -math.inf))
+    return pos | neg | nan, value.float()
+
+
 def finish(
-    acc: torch.Tensor, l: torch.Tensor, m: torch.Tensor, lse_shift: Optional[torch.Tensor]
+    acc: torch.Tensor,
+    l: torch.Tensor,
+    m: torch.Tensor,
+    lse_shift: Optional[torch.Tensor],
+    *,
+    bad_q_rows: Optional[torch.Tensor] = None,
+    v_nonfinite: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalise and build the natural-log LSE.
 
     acc (B, H, Sq, Dv), l and m (B, H, Sq, 1); lse_shift (B, H, Sq) added to the LSE (the
     scale * q.k_mean term that K smoothing removed), or None.
+    bad_q_rows : bool (B, H, Sq, 1), query rows holding NaN/Inf: their output and LSE are NaN
+        (as in exact attention) where the row sees a key; the quantizers kept them from touching
+        any other row.
+    v_nonfinite : (hit, value) from :func:`nonfinite_v`, written over the output where hit.
     Returns out float32 (B, H, Sq, Dv) (0 on rows with no visible key) and lse float32 (B, H, Sq).
     """
     empty = l == 0  # (B, H, Sq, 1)
@@ -99,5 +136,12 @@ def finish(
     lse = (m * LN2 + torch.log(l)).squeeze(-1)  # (B, H, Sq); -inf on empty rows
     if lse_shift is not None:
         lse = lse + lse_shift
+    if v_nonfinite is not None:
+        hit, value = v_nonfinite
+        out = torch.where(hit, value, out)
+    if bad_q_rows is not None:
+        bad = bad_q_rows & ~empty
+        out = torch.where(bad, math.nan, out)
+        lse = torch.where(bad.squeeze(-1), math.nan, lse)
     lse = torch.where(empty.squeeze(-1), torch.full_like(lse, -math.inf), lse)
     return out, lse

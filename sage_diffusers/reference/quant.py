@@ -9,6 +9,13 @@ MXFP4  : the same codes + one E8M0 scale (uint8 biased exponent, value 2**(e - 1
 INT8   : symmetric, scale = absmax / 127, per token or per block of tokens.
 FP8    : float8_e4m3fn, scale = absmax / 448 per channel.
 A block of zeros gets scale 0 and decodes to zeros, never NaN.
+
+Every amax is taken over the finite values only (:func:`finite_abs`), so one NaN/Inf cannot
+change the scale of the finite values around it; a NaN element itself gets code 0.
+
+FP4 tensor scale (:func:`fp4_tensor_scale`): SageAttention3 pairs the block scales with one FP32
+scale per (batch, head), s = amax / (448 * 6), so that x / s fills the E4M3 x E2M1 range whatever
+the magnitude of x.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from .formats import (
 NVFP4_BLOCK = 16
 MXFP4_BLOCK = 32
 E8M0_BIAS = 127
+FP4_TENSOR_RANGE = E4M3_MAX * E2M1_MAX  # 2688: largest block scale times largest E2M1 value
 
 
 def _div(x: torch.Tensor, c: float) -> torch.Tensor:
@@ -37,6 +45,22 @@ def _div(x: torch.Tensor, c: float) -> torch.Tensor:
     which differs in the last bit for some inputs; dividing by a full tensor does not.
     """
     return x / torch.full_like(x, c)
+
+
+def finite_abs(x: torch.Tensor) -> torch.Tensor:
+    """|x| with NaN and +-Inf replaced by 0: what every amax of the quantizers looks at."""
+    return torch.where(torch.isfinite(x), x.abs(), torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def fp4_tensor_scale(x: torch.Tensor, dims: tuple[int, ...] = (2, 3)) -> torch.Tensor:
+    """Per-tensor FP32 scale of the FP4 path: amax over finite |x| / (448 * 6), 1 where that amax is 0.
+
+    x : float (B, H, S, D) (any shape with ``dims``). Returns float32 with ``dims`` kept as size 1
+    ((B, H, 1, 1) by default). The quantized operand is then ``x / s`` (IEEE division, a full
+    tensor divisor) and its dequantized value is multiplied by ``s`` again.
+    """
+    amax = finite_abs(x.float()).amax(dims, keepdim=True)
+    return torch.where(amax > 0, _div(amax, FP4_TENSOR_RANGE), torch.ones_like(amax))
 
 
 def _blocks_last(x: torch.Tensor, dim: int, block: int) -> torch.Tensor:
@@ -66,7 +90,7 @@ def quantize_nvfp4(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.
     Returns packed uint8 (n/2 at ``dim``) and scales float8_e4m3fn (n/16 at ``dim``).
     """
     blocks = _blocks_last(x, dim, NVFP4_BLOCK)  # float32 [..., n/16, 16]
-    scale = e4m3_round(_div(blocks.abs().amax(-1), E2M1_MAX))  # e4m3 [..., n/16]
+    scale = e4m3_round(_div(finite_abs(blocks).amax(-1), E2M1_MAX))  # e4m3 [..., n/16]
     packed = _encode_blocks(blocks, scale.float())  # uint8 [..., n/2]
     return packed.movedim(-1, dim), scale.movedim(-1, dim)
 
@@ -85,7 +109,7 @@ def quantize_mxfp4(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.
     Returns packed uint8 (n/2 at ``dim``) and biased exponents uint8 (n/32 at ``dim``).
     """
     blocks = _blocks_last(x, dim, MXFP4_BLOCK)  # float32 [..., n/32, 32]
-    amax = blocks.abs().amax(-1)  # [..., n/32]
+    amax = finite_abs(blocks).amax(-1)  # [..., n/32]
     _, exp = torch.frexp(amax)  # amax = m * 2**exp, m in [0.5, 1): floor(log2(amax)) = exp - 1
     shared = (exp - 1 - 2).clamp(-E8M0_BIAS, E8M0_BIAS)  # E2M1's largest exponent is 2
     biased = torch.where(amax > 0, shared + E8M0_BIAS, torch.zeros_like(shared)).to(torch.uint8)
@@ -106,14 +130,14 @@ def dequantize_mxfp4(packed: torch.Tensor, exps: torch.Tensor, dim: int = -1) ->
 def _int8_from_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x float32 [...], scale broadcastable float32 -> int8 [...] (round half to even, clamp +-127)."""
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(x / safe).clamp(-INT8_MAX, INT8_MAX)
-    return torch.where(scale > 0, q, torch.zeros_like(q)).to(torch.int8)
+    q = torch.round(x / safe).clamp(-INT8_MAX, INT8_MAX)  # +-Inf saturates at +-127
+    return torch.where((scale > 0) & ~torch.isnan(q), q, torch.zeros_like(q)).to(torch.int8)  # NaN -> 0
 
 
 def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x float [..., S, D] -> (int8 [..., S, D], float32 scale [..., S]); scale = absmax / 127."""
     x = x.float()
-    scale = _div(x.abs().amax(-1), INT8_MAX)  # [..., S]
+    scale = _div(finite_abs(x).amax(-1), INT8_MAX)  # [..., S]
     return _int8_from_scale(x, scale[..., None]), scale
 
 
@@ -127,7 +151,7 @@ def quantize_int8_per_block(x: torch.Tensor, block: int = 128) -> tuple[torch.Te
     nb = -(-s // block)
     pad = nb * block - s
     padded = torch.nn.functional.pad(x, (0, 0, 0, pad))  # [..., nb*block, D], zeros change no absmax
-    amax = padded.unflatten(-2, (nb, block)).abs().amax((-1, -2))  # [..., nb]
+    amax = finite_abs(padded.unflatten(-2, (nb, block))).amax((-1, -2))  # [..., nb]
     scale = _div(amax, INT8_MAX)
     per_token = scale.repeat_interleave(block, dim=-1)[..., :s]  # [..., S]
     return _int8_from_scale(x, per_token[..., None]), scale
@@ -136,7 +160,7 @@ def quantize_int8_per_block(x: torch.Tensor, block: int = 128) -> tuple[torch.Te
 def quantize_fp8_per_channel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x float [..., S, D] -> (float8_e4m3fn [..., S, D], float32 scale [..., D]); absmax over S / 448."""
     x = x.float()
-    scale = _div(x.abs().amax(-2), E4M3_MAX)  # [..., D]
+    scale = _div(finite_abs(x).amax(-2), E4M3_MAX)  # [..., D]
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = e4m3_round(torch.where(scale[..., None, :] > 0, x / safe[..., None, :], torch.zeros_like(x)))
     return q, scale

@@ -4,6 +4,16 @@ NVFP4 (or MXFP4) Q, K, V; K smoothed by its token mean; Q smoothed by the mean o
 query block with the correction qbar.K^T added to the scores; P~ quantized per 128-key tile either
 directly or with the two-level scheme (a per-row FP32 factor s1 = rowmax / (448 * 6), then FP4 of
 P~ / s1). Walks the keys in the kernel's tiles with the kernel's running max.
+
+Per-tensor scale: Q (after smoothing), K (after smoothing) and V each get one FP32 scale per
+(batch, head), s = amax / (448 * 6) (:func:`~sage_diffusers.reference.quant.fp4_tensor_scale`),
+and x / s is block-quantized, so FP4 keeps its accuracy at any magnitude; the dequantized operands
+are multiplied by s again (the kernels fold s_q * s_k into the softmax scale and s_v into O).
+
+Masked keys never influence the result (K mean over attended keys, masked K and V rows 0 before
+any scale); non-finite values stay where they are (the Q block mean averages only all-finite rows,
+amaxes ignore NaN/Inf, a NaN/Inf query row gives a NaN output row, +-Inf/NaN in V reach exactly
+the rows that see them).
 """
 from __future__ import annotations
 
@@ -13,14 +23,15 @@ import torch
 import torch.nn.functional as F
 
 from ..options import FP4Format, PQuant
-from ._common import check_bhsd, default_scale, expand_heads
+from ._common import attended_mean, check_bhsd, default_scale, expand_heads, nonfinite_rows, zero_masked
 from .formats import E2M1_MAX, E4M3_MAX
-from .online_softmax import BLOCK_KV, LOG2E, finish, online_softmax_attention
+from .online_softmax import BLOCK_KV, LOG2E, finish, nonfinite_v, online_softmax_attention
 from .quant import (
     MXFP4_BLOCK,
     NVFP4_BLOCK,
     dequantize_mxfp4,
     dequantize_nvfp4,
+    fp4_tensor_scale,
     quantize_mxfp4,
     quantize_nvfp4,
 )
@@ -44,16 +55,27 @@ def fp4_roundtrip(x: torch.Tensor, dim: int, fmt: FP4Format) -> torch.Tensor:
     return out.narrow(dim, 0, n)
 
 
+def fp4_tensor_roundtrip(x: torch.Tensor, dim: int, fmt: FP4Format) -> torch.Tensor:
+    """x (B, H, S, D) float32 -> deq(FP4(x / s)) * s with s = ``fp4_tensor_scale(x)`` (B, H, 1, 1),
+    blocks along ``dim`` (D for Q and K, tokens for V); non-finite entries are quantized as 0."""
+    s = fp4_tensor_scale(x)  # (B, H, 1, 1)
+    scaled = x / s.expand_as(x)  # IEEE division by a full tensor, as the kernels
+    scaled = torch.where(torch.isfinite(scaled), scaled, torch.zeros((), device=x.device))
+    return fp4_roundtrip(scaled, dim, fmt) * s
+
+
 def smooth_q(q: torch.Tensor, block: int = Q_SMOOTH_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, H, Sq, D) -> (q - qbar, qbar) both float32 (B, H, Sq, D); qbar is the mean of each
-    ``block``-token query block (the last block averages only its real tokens), per row."""
+    ``block``-token query block over its all-finite rows (the last block counts only its real
+    tokens; a block without a finite row has qbar 0), so a NaN/Inf row cannot reach its neighbours."""
     qf = q.float()
     sq = qf.shape[2]
     nb = -(-sq // block)
-    padded = F.pad(qf, (0, 0, 0, nb * block - sq)).unflatten(2, (nb, block))  # (B, H, nb, blk, D)
-    counts = torch.full((nb,), float(block), device=q.device)
-    counts[-1] = sq - (nb - 1) * block
-    qbar = padded.sum(3) / counts[:, None]  # (B, H, nb, D)
+    finite = ~nonfinite_rows(qf)  # (B, H, Sq, 1)
+    q0 = torch.where(finite, qf, torch.zeros((), device=q.device))
+    padded = F.pad(q0, (0, 0, 0, nb * block - sq)).unflatten(2, (nb, block))  # (B, H, nb, blk, D)
+    counts = F.pad(finite.float(), (0, 0, 0, nb * block - sq)).unflatten(2, (nb, block)).sum(3)  # (B, H, nb, 1)
+    qbar = padded.sum(3) / counts.clamp_min(1)  # (B, H, nb, D)
     qbar_rows = qbar.repeat_interleave(block, dim=2)[:, :, :sq]  # (B, H, Sq, D)
     return qf - qbar_rows, qbar_rows
 
@@ -91,15 +113,16 @@ def sage3_reference(
     b, hq, _, sq_len, skv, d = check_bhsd(q, k, v)
     scale = default_scale(scale, d)
 
-    kf = k.float()  # (B, Hkv, Skv, D)
-    k_mean = kf.mean(dim=2, keepdim=True) if smooth_k else torch.zeros_like(kf[:, :, :1])  # (B, Hkv, 1, D)
-    kq = expand_heads(fp4_roundtrip(kf - k_mean, -1, fmt), hq)  # (B, Hq, Skv, D), deq(Kq)
-    vq = expand_heads(fp4_roundtrip(v.float(), 2, fmt), hq)  # (B, Hq, Skv, D), blocks along tokens
+    k_mean = attended_mean(k, key_mask) if smooth_k else torch.zeros_like(k[:, :, :1], dtype=torch.float32)
+    ks = zero_masked(k.float() - k_mean, key_mask)  # (B, Hkv, Skv, D)
+    v0 = zero_masked(v.float(), key_mask)  # (B, Hkv, Skv, D)
+    kq = expand_heads(fp4_tensor_roundtrip(ks, -1, fmt), hq)  # (B, Hq, Skv, D), s_k * deq(Kq)
+    vq = expand_heads(fp4_tensor_roundtrip(v0, 2, fmt), hq)  # (B, Hq, Skv, D), blocks along tokens
     if smooth_q_blocks:
         qs, qbar = smooth_q(q)  # (B, Hq, Sq, D) each
     else:
         qs, qbar = q.float(), None
-    qq = fp4_roundtrip(qs, -1, fmt)  # (B, Hq, Sq, D), deq(Qq)
+    qq = fp4_tensor_roundtrip(qs, -1, fmt)  # (B, Hq, Sq, D), s_q * deq(Qq)
     log2_scale = scale * LOG2E
 
     def score(j0: int, j1: int) -> torch.Tensor:
@@ -123,5 +146,7 @@ def sage3_reference(
         is_causal=is_causal, device=q.device, block_kv=block_kv,
     )
     shift = log2_scale / LOG2E * (q.float() @ expand_heads(k_mean, hq).transpose(-1, -2)).squeeze(-1)
-    out, lse = finish(acc, l, m, shift)
+    v_nf = nonfinite_v(v0, key_mask, is_causal, sq_len)
+    out, lse = finish(acc, l, m, shift, bad_q_rows=nonfinite_rows(q),
+                      v_nonfinite=tuple(expand_heads(t, hq) for t in v_nf))
     return (out, lse) if return_lse else out

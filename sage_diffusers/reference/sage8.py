@@ -2,6 +2,11 @@
 
 INT8 Q.K^T with K smoothed by its token mean, FP8 E4M3 P.V with P~ scaled into [0, 448], V
 quantized per channel, FP32 accumulation, and the same 128-key online-softmax tiles as the kernel.
+
+Masked keys never influence the result: the K mean runs over attended keys only, and masked K
+and V rows are 0 (torch.where) before any scale is taken. Non-finite values stay where they are:
+scales ignore them, a NaN/Inf query row gives a NaN output row, and +-Inf/NaN in V reach exactly
+the rows that see them (``online_softmax.nonfinite_v``).
 """
 from __future__ import annotations
 
@@ -9,26 +14,33 @@ from typing import Optional
 
 import torch
 
-from ._common import check_bhsd, default_scale, expand_heads
+from ._common import attended_mean, check_bhsd, default_scale, expand_heads, nonfinite_rows, zero_masked
 from .formats import E4M3_MAX, e4m3_round
-from .online_softmax import BLOCK_KV, LOG2E, finish, online_softmax_attention
+from .online_softmax import BLOCK_KV, LOG2E, finish, nonfinite_v, online_softmax_attention
 from .quant import quantize_fp8_per_channel, quantize_int8_per_block, quantize_int8_per_token
 
 
-def sage8_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_kv: int = BLOCK_KV) -> dict:
+def sage8_quantize(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_kv: int = BLOCK_KV,
+    key_mask: Optional[torch.Tensor] = None,
+) -> dict:
     """The kernel's pre-pass: smooth K, quantize Q, K, V.
 
-    q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D), any float dtype. Returns a dict with
+    q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D), any float dtype; key_mask bool (B, Skv) or None.
+    K is smoothed by its mean over attended keys, ``where(key_mask, k - k_mean, 0)``; V is
+    ``where(key_mask, v, 0)`` with non-finite entries quantized as 0. Returns a dict with
     q8 int8 (B, Hq, Sq, D), sq float32 (B, Hq, Sq), k8 int8 (B, Hkv, Skv, D),
     sk float32 (B, Hkv, ceil(Skv/block_kv)), v8 float8_e4m3fn (B, Hkv, Skv, D), sv float32 (B, Hkv, D),
     k_mean float32 (B, Hkv, D).
     """
-    k_mean = k.float().mean(dim=2)  # (B, Hkv, D)
-    ks = k.float() - k_mean[:, :, None, :]  # (B, Hkv, Skv, D)
+    k_mean = attended_mean(k, key_mask)  # (B, Hkv, 1, D)
+    ks = zero_masked(k.float() - k_mean, key_mask)  # (B, Hkv, Skv, D)
+    v0 = zero_masked(v.float(), key_mask)
+    v0 = torch.where(torch.isfinite(v0), v0, torch.zeros((), device=v0.device))  # added back exactly later
     q8, sq = quantize_int8_per_token(q)
     k8, sk = quantize_int8_per_block(ks, block_kv)
-    v8, sv = quantize_fp8_per_channel(v)
-    return dict(q8=q8, sq=sq, k8=k8, sk=sk, v8=v8, sv=sv, k_mean=k_mean)
+    v8, sv = quantize_fp8_per_channel(v0)
+    return dict(q8=q8, sq=sq, k8=k8, sk=sk, v8=v8, sv=sv, k_mean=k_mean[:, :, 0])
 
 
 def sage8_reference(
@@ -56,7 +68,7 @@ def sage8_reference(
     """
     b, hq, _, sq_len, skv, d = check_bhsd(q, k, v)
     scale = default_scale(scale, d)
-    t = sage8_quantize(q, k, v, block_kv)
+    t = sage8_quantize(q, k, v, block_kv, key_mask)
     q8 = t["q8"].float()  # (B, Hq, Sq, D), exact small integers
     k8 = expand_heads(t["k8"], hq).float()  # (B, Hq, Skv, D)
     sk = expand_heads(t["sk"], hq)  # (B, Hq, nblocks)
@@ -79,5 +91,7 @@ def sage8_reference(
     )
     acc = acc * (expand_heads(t["sv"], hq)[:, :, None, :] / E4M3_MAX)
     shift = scale * (q.float() @ expand_heads(t["k_mean"], hq)[..., None]).squeeze(-1)  # (B, Hq, Sq)
-    out, lse = finish(acc, l, m, shift)
+    v_nf = nonfinite_v(zero_masked(v.float(), key_mask), key_mask, is_causal, sq_len)
+    out, lse = finish(acc, l, m, shift, bad_q_rows=nonfinite_rows(q),
+                      v_nonfinite=tuple(expand_heads(t, hq) for t in v_nf))
     return (out, lse) if return_lse else out
