@@ -329,3 +329,40 @@ def test_bands_reject_an_output_scaled_by_1_02():
     cos, rl1, ratio = _metrics(out, ref)
     (c_lo, c_hi), (r_lo, r_hi), (n_lo, n_hi) = ACCURACY["int8"]
     assert c_lo <= cos <= c_hi and not (r_lo <= rl1 <= r_hi and n_lo <= ratio <= n_hi)
+
+
+# ---- 3. magnitudes: powers of two change nothing but the scale ---------------------------------------
+# Multiplying Q (or K) by 2**e and the softmax scale by 2**-e, or V by 2**e, is exact in floating
+# point; every scale of a correct quantizer moves by the same power of two, so the output (or O / 2**e)
+# and the LSE must be bit for bit those of the unscaled call. A fixed-range step anywhere (E4M3 block
+# scales without the FP4 tensor scale, a clamp, an epsilon) breaks this at 2**+-13 ~ 1e+-4.
+MAGNITUDE_EXPONENTS = (-13, 13)
+SMALL_MASKED = Case(b=2, hq=2, hkv=1, sq=150, skv=150, d=64, masked=True, causal=True, scale=0.1)
+
+
+@pytest.mark.parametrize("operand", ["q", "k", "v"])
+@pytest.mark.parametrize("algo", ["int8", "nvfp4", "mxfp4"])
+def test_power_of_two_magnitudes_are_exact(algo, operand):
+    case = SMALL_MASKED
+    q, k, v, mask = _inputs(case, seed=14)
+    run = _magnitude_runner(algo, case, mask)
+    base_out, base_lse = run(q, k, v, case.scale)
+    for e in MAGNITUDE_EXPONENTS:
+        c = 2.0**e
+        if operand == "q":
+            out, lse = run(q * c, k, v, case.scale / c)
+        elif operand == "k":
+            out, lse = run(q, k * c, v, case.scale / c)
+        else:
+            out, lse = run(q, k, v * c, case.scale)
+            out = out / c
+        assert torch.equal(out, base_out), f"{algo}: {operand} x 2**{e} changes the output by {float((out - base_out).abs().max()):.3g}"
+        assert torch.equal(lse, base_lse), f"{algo}: {operand} x 2**{e} changes the LSE"
+
+
+def _magnitude_runner(algo: str, case: Case, mask):
+    def run(q, k, v, scale):
+        if algo == "int8":
+            return sage8_reference(q, k, v, key_mask=mask, is_causal=case.causal, scale=scale, return_lse=True)
+        return sage3_reference(q, k, v, key_mask=mask, is_causal=case.causal, scale=scale, fmt=algo, return_lse=True)
+    return run
