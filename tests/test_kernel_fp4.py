@@ -32,6 +32,9 @@ from sage_diffusers.reference import (
 )
 
 from sage_diffusers.kernels import fp4  # an import error must fail the run, never skip the file
+from sage_diffusers.reference._common import attended_mean, zero_masked
+from sage_diffusers.reference.quant import fp4_tensor_scale
+from sage_diffusers.reference.sage3 import smooth_q
 
 _OK, _REASON = fp4.is_available() if torch.cuda.is_available() else (False, "CUDA is not available")
 gpu = pytest.mark.skipif(not _OK, reason=f"FP4 kernel unavailable: {_REASON}")
@@ -62,6 +65,80 @@ def test_e2m1_round_half2_model_cpu():
     want = e2m1_decode(e2m1_encode(x.float()))
     bad = (got != want).nonzero().flatten()
     assert bad.numel() == 0, [(x[i].item(), got[i].item(), want[i].item()) for i in bad[:5]]
+
+
+# ---- the tensor scales computed with torch before the kernel (CPU) --------------------------------
+def _grid(shape, gen, scale=1.0):
+    """Values k / 16, |k| <= 64: every fp32 sum of up to 2^18 of them is exact, so a sum's order
+    cannot matter and the kernel path and the reference must agree bit for bit."""
+    return torch.randint(-64, 65, shape, generator=gen).float().div(16).mul(scale)
+
+
+def _poison(x: torch.Tensor, key_mask: torch.Tensor, gen, attended_too: bool = True) -> torch.Tensor:
+    """x (B, H, S, D) with masked rows holding 1e4, -1e4, NaN and +-Inf, and (attended_too) one
+    NaN and one +Inf among the attended values."""
+    x = x.clone()
+    masked = ~key_mask[:, None, :, None].expand_as(x)
+    junk = torch.tensor([1e4, -1e4, math.nan, math.inf, -math.inf], device=x.device)
+    pick = torch.randint(0, 5, (int(masked.sum()),), generator=gen, device=gen.device)
+    x[masked] = junk[pick].to(x.dtype)
+    if attended_too:
+        x[0, 0, 0, 3] = math.nan
+        x[-1, -1, 1, 5] = math.inf
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tensor_scales_match_reference_cpu(dtype):
+    """kv_tensor_scales / q_tensor_scale / _k_mean (the kernel path's torch pre-pass) equal the
+    reference's attended mean and fp4_tensor_scale of the smoothed, masked operands bit for bit,
+    with 1e4 / NaN / Inf in masked rows and NaN / Inf among the attended values (grid inputs, exact
+    sums)."""
+    gen = torch.Generator().manual_seed(0)
+    b, h, s, d = 2, 3, 300, 64
+    key_mask = torch.rand(b, s, generator=gen) > 0.3
+    key_mask[0, :2] = True
+    key_mask[1, :] = False
+    key_mask[1, 1] = True
+    k = _poison(_grid((b, h, s, d), gen, 2.0).add(3.0).to(dtype), key_mask, gen, attended_too=False)
+    v = _poison(_grid((b, h, s, d), gen).to(dtype), key_mask, gen)
+    k_mean = fp4._k_mean(k, key_mask)
+    assert torch.equal(k_mean, attended_mean(k, key_mask)[:, :, 0])
+    got = fp4.kv_tensor_scales(k, v, k_mean, key_mask)
+    want_k = fp4_tensor_scale(zero_masked(k.float() - k_mean[:, :, None], key_mask))[..., 0, 0]
+    want_v = fp4_tensor_scale(zero_masked(v.float(), key_mask))[..., 0, 0]
+    assert torch.equal(got["k_scale"], want_k) and torch.equal(got["v_scale"], want_v)
+    k_nan = k.clone()
+    k_nan[0, 1, 0, 2] = math.nan  # an attended NaN: channel 2's mean is NaN, ignored by the amax
+    k_mean = fp4._k_mean(k_nan, key_mask)
+    got = fp4.kv_tensor_scales(k_nan, v, k_mean, key_mask)
+    want_k = fp4_tensor_scale(zero_masked(k_nan.float() - k_mean[:, :, None], key_mask))[..., 0, 0]
+    assert torch.equal(got["k_scale"], want_k) and torch.isfinite(got["k_scale"]).all()
+
+    q = _grid((b, h, 333, d), gen, 0.5).to(dtype)
+    q[0, 1, 5, 3] = math.nan  # a NaN row and an Inf row: left out of their block means
+    q[1, 2, 200] = math.inf
+    qs, _ = smooth_q(q)
+    assert torch.equal(fp4.q_tensor_scale(q), fp4_tensor_scale(qs)[..., 0, 0])
+
+
+def test_tensor_scale_magnitudes_cpu():
+    """s = amax / 2688 (IEEE division), 1 for an all-zero (or all-masked) operand; the scaled
+    operand's finite amax is then 2688 at any magnitude (up to one rounding)."""
+    amax = torch.tensor([0.0, 2688.0, 1e-30, 3e38])
+    s = fp4.tensor_scale(amax)
+    assert s[0] == 1.0 and s[1] == 1.0
+    assert torch.equal(s[2:], amax[2:] / torch.full((2,), 2688.0))
+    b, h, n, d = 1, 2, 64, 64
+    gen = torch.Generator().manual_seed(1)
+    for mag in (1e-4, 1.0, 1e4):
+        v = (torch.randn(b, h, n, d, generator=gen) * mag).to(torch.bfloat16)
+        sv = fp4.kv_tensor_scales(v, v, torch.zeros(b, h, d), None)["v_scale"]
+        top = (v.float() / sv[..., None, None]).abs().amax((2, 3))
+        torch.testing.assert_close(top, torch.full_like(top, 2688.0), rtol=1e-6, atol=0)
+    mask = torch.zeros(b, n, dtype=torch.bool)
+    got = fp4.kv_tensor_scales(v, v, fp4._k_mean(v, mask), mask)
+    assert torch.equal(got["k_scale"], torch.ones(b, h)) and torch.equal(got["v_scale"], torch.ones(b, h))
 
 
 def test_opt_bits_env(monkeypatch):
@@ -226,21 +303,63 @@ def test_prepass_bit_exact(skv, d, dtype, layout, fmt):
     k0, v0 = k.clone(), v.clone()
     pre = fp4.prepass(k, v, fmt=fmt)
     assert torch.equal(k, k0) and torch.equal(v, v0), "inputs must not be mutated"
+    _check_prepass_codes(pre, k, v, None, fmt)
+
+
+def _check_prepass_codes(pre: dict, k, v, key_mask, fmt) -> None:
+    """The pre-pass outputs are the reference quantizers' codes of the tensor-scaled operands:
+    zero_masked(k - k_mean) / s_k along D and zero_masked(v) / s_v along tokens (IEEE division by
+    a full tensor, non-finite quotients as 0), masked and padding rows zero; s_k, s_v and k_mean as
+    reference.fp4_tensor_scale / attended_mean compute them."""
+    skv = k.shape[2]
     k_mean = pre["k_mean"]  # (B, H, D), the kernel path's mean; the reference quantizes with it too
-    torch.testing.assert_close(k_mean, k.float().mean(2), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_mean, attended_mean(k, key_mask)[:, :, 0], rtol=1e-5, atol=1e-6)
+    ks = zero_masked(k.float() - k_mean[:, :, None], key_mask)  # (B, H, S, D)
+    s_k = fp4_tensor_scale(ks)  # (B, H, 1, 1)
+    assert torch.equal(pre["k_scale"], s_k[..., 0, 0])
+    v0 = zero_masked(v.float(), key_mask)
+    s_v = fp4_tensor_scale(v0)
+    assert torch.equal(pre["v_scale"], s_v[..., 0, 0])
     quantize = _QUANTIZE[fmt]
 
-    ref_kq, ref_ksf = quantize(k.float() - k_mean[:, :, None], dim=-1)
+    def scaled(x, s):
+        y = x / s.expand_as(x)
+        return torch.where(torch.isfinite(y), y, torch.zeros_like(y))
+
+    ref_kq, ref_ksf = quantize(scaled(ks, s_k), dim=-1)
     kq, ksf, kq_pad, ksf_pad = _unpermute_k(pre["kq"], pre["ksf"], skv)
     assert torch.equal(kq, ref_kq)
     assert torch.equal(ksf, ref_ksf.view(torch.uint8))
     assert not kq_pad.any() and not ksf_pad.any(), "padding rows must be zero"
+    if key_mask is not None:
+        masked = ~key_mask[:, None, :].expand(kq.shape[:3])
+        assert not kq[masked].any() and not ksf[masked].any(), "masked rows must be zero"
 
     padded = pre["vq"].shape[-1] * 2
-    v_t = F.pad(v.float(), (0, 0, 0, padded - skv)).transpose(-1, -2)  # (B, H, D, P)
+    v_t = F.pad(scaled(v0, s_v), (0, 0, 0, padded - skv)).transpose(-1, -2)  # (B, H, D, P)
     ref_vq, ref_vsf = quantize(v_t, dim=-1)
     assert torch.equal(pre["vq"], ref_vq)
     assert torch.equal(pre["vsf"].view(torch.uint8), ref_vsf.view(torch.uint8))
+
+
+@gpu
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("mag", [1e-4, 1e4])
+def test_prepass_bit_exact_masked_poisoned_scaled(fmt, mag):
+    """Issue 11: with a key mask whose masked rows hold 1e4 / NaN / +-Inf, NaN / Inf among the
+    attended V values, and magnitudes far from 1, the pre-pass codes still equal the reference's
+    (mean over attended keys, masked rows zero before the tensor and block scales)."""
+    b, h, skv, d = 2, 2, 1023, 128
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    key_mask = torch.rand(b, skv, device="cuda", generator=gen) > 0.3
+    k = (torch.randn(b, h, skv, d, device="cuda", generator=gen) * 2 + 1).mul(mag).to(torch.bfloat16)
+    v = torch.randn(b, h, skv, d, device="cuda", generator=gen).mul(mag).to(torch.bfloat16)
+    key_mask[0, 0] = key_mask[-1, 1] = True  # where _poison puts its attended NaN / Inf
+    k = _poison(k, key_mask, gen, attended_too=False)
+    v = _poison(v, key_mask, gen)
+    pre = fp4.prepass(k, v, fmt=fmt, key_mask=key_mask)
+    _check_prepass_codes(pre, k, v, key_mask, fmt)
+    assert pre["v_first"][0, 0, 2, 3] == 0 and pre["v_first"][-1, -1, 0, 5] == 1  # NaN at key 0, +Inf at key 1
 
 
 @gpu
@@ -255,7 +374,8 @@ def test_prepass_rounding_ties_and_signs(fmt):
     row = torch.tensor(ties + sat + ties[::-1] + sat[::-1], device="cuda")  # (64,)
     k = row.reshape(1, 1, 1, d).repeat(1, 1, 3, 1).to(torch.float16)
     v = k.clone()
-    pre = fp4.prepass(k, v, k_mean=torch.zeros(1, 1, d, device="cuda"), fmt=fmt)
+    one = torch.ones(1, 1, device="cuda")  # tensor scales of 1: the codes of k and v themselves
+    pre = fp4.prepass(k, v, k_mean=torch.zeros(1, 1, d, device="cuda"), fmt=fmt, k_scale=one, v_scale=one)
     ref_kq, ref_ksf = _QUANTIZE[fmt](k.float(), dim=-1)
     kq, ksf, _, _ = _unpermute_k(pre["kq"], pre["ksf"], 3)
     assert torch.equal(kq, ref_kq) and torch.equal(ksf, ref_ksf.view(torch.uint8))
@@ -466,6 +586,137 @@ def test_wgmma_matches_mma(fmt):
     _report({"case": "wgmma vs mma", "fmt": fmt.value, "cos": c})
     assert c >= (0.99999 if fmt is FP4Format.MXFP4 else 0.9999), c
     assert (outs[0][1] - outs[1][1]).abs().max().item() < 1e-4
+
+
+# ---- issue 11: masked keys cannot leak, any magnitude, non-finite values stay in place ------------
+def _masked_case(seed=21, b=2, hq=4, hkv=2, sq=700, skv=900, d=128):
+    q, k, v = _inputs(b, hq, hkv, sq, skv, d, torch.bfloat16, "bshd", seed=seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    key_mask = torch.rand(b, skv, device="cuda", generator=gen) > 0.25
+    key_mask[0, skv // 2:] = False  # padding at the end, as processors build it
+    return q, k, v, key_mask
+
+
+@pytest.mark.parametrize("emu", EMUS)
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("poison", [1e4, math.nan])
+@gpu
+def test_masked_key_poisoning_changes_nothing(poison, fmt, emu):
+    """Issue 11 regression (padding of magnitude 1e4 gave cos 0.10, NaN in padding poisoned every
+    row): 1e4 or NaN in the masked K and V rows gives bit for bit the output of clean padding (the
+    mean, the tensor and block scales never see them), and matches the reference."""
+    q, k, v, key_mask = _masked_case()
+    for causal in (False, True):
+        clean, clean_lse = fp4.attention_fp4(q, k, v, key_mask=key_mask, is_causal=causal, return_lse=True,
+                                             fmt=fmt, emu=emu)
+        keep = key_mask[:, None, :, None]
+        kp = torch.where(keep, k, torch.full_like(k, poison))
+        vp = torch.where(keep, v, torch.full_like(v, poison))
+        out, lse = fp4.attention_fp4(q, kp, vp, key_mask=key_mask, is_causal=causal, return_lse=True, fmt=fmt, emu=emu)
+        assert torch.equal(out, clean) and torch.equal(lse, clean_lse), f"causal={causal}"
+        assert torch.isfinite(out).all()
+        ref = sage3_reference(q, kp, vp, key_mask=key_mask, is_causal=causal, fmt=fmt)
+        c = cosine(out.float(), ref)
+        _report({"case": "masked poisoning", "poison": str(poison), "fmt": fmt.value, "emu": emu,
+                 "causal": causal, "cos_ref": c})
+        assert c >= 0.9999, c
+
+
+SWEEP = [("v", m) for m in (1e-4, 1e-2, 1e2, 1e4)] + [("qk", m) for m in (1e-3, 1e-2, 1e-1)]
+
+
+@pytest.mark.parametrize("emu", EMUS)
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("which,mag", SWEEP, ids=[f"{w}x{m:g}" for w, m in SWEEP])
+@gpu
+def test_magnitude_sweep(which, mag, fmt, emu):
+    """Issue 11 regression (no per-tensor scale: V ~ 1e-3 came out exactly 0, V ~ 1e4 was clipped,
+    cos 0.84): with the per-(batch, head) tensor scales, V x 1e-4 .. 1e4 and Q, K x 1e-3 .. 1 keep
+    the accuracy of the N(0, 1) case against fp32 SDPA, and the kernel tracks the reference."""
+    q, k, v = _inputs(1, 4, 2, 1000, 1100, 128, torch.bfloat16, "bshd", seed=13)
+    scale = 1.0 / math.sqrt(128)
+    base = fp4.attention_fp4(q, k, v, fmt=fmt, emu=emu)[0]
+    cos_base = cosine(base.float(), _sdpa_fp32(q, k, v, None, False, scale))
+    if which == "v":
+        v = (v.float() * mag).to(v.dtype)
+    else:
+        q, k = (q.float() * mag).to(q.dtype), (k.float() * mag).to(k.dtype)
+    out = fp4.attention_fp4(q, k, v, fmt=fmt, emu=emu)[0]
+    assert torch.isfinite(out).all()
+    ex = _sdpa_fp32(q, k, v, None, False, scale)
+    ref = sage3_reference(q, k, v, fmt=fmt)
+    rec = {"case": f"magnitude {which} x{mag:g}", "fmt": fmt.value, "emu": emu, "cos_ref": cosine(out.float(), ref),
+           "cos_sdpa": cosine(out.float(), ex), "cos_sdpa_n01": cos_base, "rel_l1_sdpa": relative_l1(out.float(), ex)}
+    _report(rec)
+    assert rec["cos_ref"] >= 0.9999, rec
+    # Smaller Q, K flatten the softmax, which FP4 handles better, not worse: the N(0, 1) bound applies.
+    assert rec["cos_sdpa"] >= cos_base - 2e-3, rec
+
+
+@pytest.mark.parametrize("emu", EMUS)
+@pytest.mark.parametrize("fmt", FMTS)
+@gpu
+def test_nonfinite_query_rows_stay_in_their_row(fmt, emu):
+    """Issue 11 regression (a NaN in one query row spread to its whole 128-row block): a NaN or
+    Inf in a query row makes that row (out and LSE) NaN, like exact attention; the block mean
+    skips it, so every other row stays finite and tracks the reference; a row that sees no key
+    stays 0 / -inf."""
+    q, k, v, key_mask = _masked_case(seed=23)
+    key_mask[1] = False  # batch 1 sees no key
+    q = q.clone()
+    q[0, 1, 17, 5] = math.nan
+    q[0, 2, 130] = math.inf
+    q[1, 0, 3, 0] = math.nan
+    out, lse = fp4.attention_fp4(q, k, v, key_mask=key_mask, return_lse=True, fmt=fmt, emu=emu)
+    rows = torch.zeros(q.shape[:3], dtype=torch.bool, device="cuda")
+    rows[0, 1, 17] = rows[0, 2, 130] = True
+    assert torch.isnan(out[rows]).all() and torch.isnan(lse[rows]).all()
+    assert torch.isfinite(out[~rows]).all()
+    assert not out[1].any() and torch.isneginf(lse[1]).all()
+    ref, ref_lse = sage3_reference(q, k, v, key_mask=key_mask, return_lse=True, fmt=fmt)
+    assert torch.equal(torch.isnan(ref), torch.isnan(out)) and torch.equal(torch.isnan(ref_lse), torch.isnan(lse))
+    c = cosine(out[~rows].float(), ref[~rows])
+    assert c >= 0.9999, c
+
+
+@pytest.mark.parametrize("emu", EMUS)
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("causal", [False, True])
+@gpu
+def test_nonfinite_v_reaches_the_rows_that_see_it(causal, fmt, emu):
+    """Issue 11 regression (FP4 turned +-Inf in V into finite numbers): +-Inf / NaN in attended V
+    reach exactly the output channels of the rows that see their key (NaN where both infinities
+    or a NaN meet), as sage3_reference (nonfinite_v); the finite channels keep their accuracy
+    (the non-finite values are quantized as 0, not into their block's scale); masked ones vanish."""
+    q, k, v = _inputs(1, 2, 2, 500, 600, 128, torch.bfloat16, "bhsd", seed=6)
+    key_mask = torch.ones(1, 600, dtype=torch.bool, device="cuda")
+    key_mask[0, 590:] = False
+    v = v.clone()
+    v[0, 0, 37, 5] = math.inf
+    v[0, 0, 300, 5] = -math.inf
+    v[0, 1, 50, 9] = math.nan
+    v[0, 1, 595, 11] = math.inf  # masked: vanishes
+    out, _ = fp4.attention_fp4(q, k, v, key_mask=key_mask, is_causal=causal, fmt=fmt, emu=emu)
+    ref = sage3_reference(q, k, v, key_mask=key_mask, is_causal=causal, fmt=fmt)
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(test(out), test(ref)), test.__name__
+    if causal:  # row i sees keys <= i
+        assert torch.isfinite(out[0, 0, 10, 5]) and torch.isposinf(out[0, 0, 100, 5]) and torch.isnan(out[0, 0, 400, 5])
+    assert torch.isfinite(out[0, 1, :, 11]).all()
+    fin = torch.isfinite(ref)
+    assert cosine(out[fin].float(), ref[fin]) >= 0.9999
+
+
+@gpu
+def test_api_runs_the_kernel_no_fallback():
+    """The API with mode="fp4" and a key mask runs this kernel (no fallback counted), bit for bit."""
+    import sage_diffusers as sd
+
+    q, k, v, key_mask = _masked_case(seed=25)
+    sd.reset_fallback_stats()
+    out = sd.attention(q, k, v, key_mask=key_mask, mode="fp4")
+    assert sd.fallback_stats() == {}, sd.fallback_stats()
+    assert torch.equal(out, fp4.attention_fp4(q, k, v, key_mask=key_mask)[0])
 
 
 # ---- the paper's ablations through the kernel -------------------------------------------------

@@ -5,7 +5,9 @@
 - forward: vs ``sage8_reference`` (same algorithm: cos >= 0.9999, small rel-L1) and vs fp32 SDPA
   (cos >= 0.999) at awkward lengths, key masks, GQA, causal, both layouts, fp16/bf16, hd 64/128;
 - integration: torch.compile(fullgraph=True), CUDA graph replay, non-default stream, inputs
-  untouched, determinism.
+  untouched, determinism, the API running this kernel (no fallback);
+- issue 11: masked K / V rows poisoned with 1e4 / NaN change no output bit, non-finite query
+  rows stay in their row, +-Inf / NaN in V reach the rows the reference says.
 Skipped without CUDA or on a device other than sm_90.
 """
 from __future__ import annotations
@@ -291,3 +293,125 @@ def test_rejects_bad_arguments():
     q, k, v = make_qkv(1, 2, 2, 16, 16, 64, torch.bfloat16)
     with pytest.raises(ValueError):
         _call(q, k, v, torch.ones(1, 15, dtype=torch.bool, device="cuda"))
+
+
+# ---- issue 11: masked keys cannot leak, non-finite values stay where they are ----------------------
+def _poison_masked(x: torch.Tensor, key_mask: torch.Tensor, value: float) -> torch.Tensor:
+    """A copy of x (B, H, S, D) whose masked key rows hold ``value`` (the padding a caller forgot)."""
+    return torch.where(key_mask[:, None, :, None], x, torch.full_like(x, value))
+
+
+def _first_keys(v: torch.Tensor, key_mask) -> torch.Tensor:
+    """int32 (B, H, 3, D): first attended key whose V is +Inf, -Inf, NaN (0x7f7f7f7f where none)."""
+    kinds = torch.stack((v == math.inf, v == -math.inf, torch.isnan(v)), 2)  # (B, H, 3, S, D)
+    if key_mask is not None:
+        kinds &= key_mask[:, None, None, :, None]
+    idx = torch.arange(v.shape[2], device=v.device, dtype=torch.int32)[:, None]
+    return torch.where(kinds, idx, 0x7F7F7F7F).amin(3)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_prepass_masked_keys_match_reference(d):
+    """Issue 11: the pre-pass's k mean runs over attended keys only and masked K / V rows are 0
+    before the K block scales and V channel scales (1e4 / NaN / Inf there change nothing); non-finite
+    attended V values are quantized as 0 and recorded in v_first; sage8_quantize is the spec."""
+    q, k, v = make_qkv(2, 4, 2, 300, 1000, d, torch.bfloat16, "bshd")
+    mask = make_mask(2, 1000)
+    k = _poison_masked(k, mask, math.nan)
+    v = _poison_masked(v, mask, 1e4)
+    v[0, 1, int(mask[0].nonzero()[5]), 3] = math.inf  # attended keys
+    v[1, 0, int(mask[1].nonzero()[3]), 7] = -math.inf
+    v[1, 0, int(mask[1].nonzero()[9]), 7] = math.nan
+    got = int8_sm90.prepass(q, k, v, key_mask=mask, scale=0.1)
+    ref = sage8_quantize(q, k, v, key_mask=mask)
+    assert torch.equal(got["q8"], ref["q8"]) and torch.equal(got["sq"], ref["sq"])
+    assert torch.equal(got["v8"].view(torch.uint8), ref["v8"].view(torch.uint8)), "FP8 V codes"
+    assert torch.equal(got["sv"], ref["sv"]), "V scales"
+    torch.testing.assert_close(got["k_mean"], ref["k_mean"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["sk"], ref["sk"], rtol=1e-5, atol=0)
+    dk = (got["k8"].int() - ref["k8"].int()).abs()
+    assert int(dk.max()) <= 1 and float((dk > 0).float().mean()) < 1e-3, "INT8 K codes"
+    masked = ~mask[:, None, :, None].expand_as(got["k8"])
+    assert not got["k8"][masked].any(), "masked keys must be code 0"
+    assert torch.equal(got["v_first"], _first_keys(v, mask))
+
+
+@pytest.mark.parametrize("poison", [1e4, math.nan])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_masked_key_poisoning_changes_nothing(poison, causal, d):
+    """Issue 11 regression (padding of magnitude 1e4 gave cos 0.10, NaN poisoned every row): 1e4 or
+    NaN in the masked K and V rows gives bit for bit the output of clean padding, and matches the
+    reference on the poisoned input."""
+    q, k, v = make_qkv(2, 4, 2, 777, 1500, d, torch.float16, "bshd", seed=3)
+    mask = make_mask(2, 1500)
+    clean, clean_lse = int8_sm90.attention_int8_sm90(q, k, v, key_mask=mask, is_causal=causal, return_lse=True)
+    kp, vp = _poison_masked(k, mask, poison), _poison_masked(v, mask, poison)
+    out, lse = int8_sm90.attention_int8_sm90(q, kp, vp, key_mask=mask, is_causal=causal, return_lse=True)
+    assert torch.equal(out, clean) and torch.equal(lse, clean_lse)
+    ref = sage8_reference(q, kp, vp, key_mask=mask, is_causal=causal)
+    assert torch.isfinite(out).all()
+    assert cosine(out, ref) >= 0.9999 and relative_l1(out, ref) <= 0.01
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_nonfinite_query_rows_stay_in_their_row(d):
+    """Issue 11: a NaN or Inf in one query row makes that row (out and LSE) NaN, like exact
+    attention, and leaves every other row bit for bit as it was; a row that sees no key stays 0."""
+    q, k, v = make_qkv(2, 4, 2, 300, 400, d, torch.bfloat16, seed=4)
+    mask = torch.ones(2, 400, dtype=torch.bool, device="cuda")
+    mask[1] = False  # batch 1 sees nothing: its bad row stays 0 / -inf
+    base, base_lse = _call(q, k, v, mask)
+    bad = q.clone()
+    bad[0, 1, 17, 5] = math.nan
+    bad[0, 2, 130] = math.inf
+    bad[1, 0, 3, 0] = math.nan
+    out, lse = _call(bad, k, v, mask)
+    rows = torch.zeros(q.shape[:3], dtype=torch.bool, device="cuda")
+    rows[0, 1, 17] = rows[0, 2, 130] = True
+    assert torch.isnan(out[rows]).all() and torch.isnan(lse[rows]).all()
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+    keep = ~rows
+    assert torch.equal(out[keep], base[keep]) and torch.equal(lse[keep], base_lse[keep])
+    ref, ref_lse = sage8_reference(bad, k, v, key_mask=mask, return_lse=True)
+    assert torch.equal(torch.isnan(ref), torch.isnan(out)) and torch.equal(torch.isnan(ref_lse), torch.isnan(lse))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_nonfinite_v_reaches_the_rows_that_see_it(causal):
+    """Issue 11: +-Inf / NaN in attended V reach exactly the output channels of the rows that see
+    their key (NaN where both infinities or a NaN meet), as sage8_reference (nonfinite_v) says;
+    FP8 saturation does not turn them finite, and the finite channels keep their accuracy. A
+    non-finite value in a masked row changes nothing."""
+    q, k, v = make_qkv(1, 2, 2, 500, 600, 128, torch.bfloat16, seed=6)
+    mask = torch.ones(1, 600, dtype=torch.bool, device="cuda")
+    mask[0, 590:] = False
+    v = v.clone()
+    v[0, 0, 37, 5] = math.inf
+    v[0, 0, 300, 5] = -math.inf  # rows seeing both keys: NaN
+    v[0, 1, 50, 9] = math.nan
+    v[0, 1, 595, 11] = math.inf  # masked: vanishes
+    out, _ = int8_sm90.attention_int8_sm90(q, k, v, key_mask=mask, is_causal=causal)
+    ref = sage8_reference(q, k, v, key_mask=mask, is_causal=causal)
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(test(out), test(ref)), test.__name__
+    if causal:  # row i sees keys <= i: finite before key 37, +Inf up to key 300, NaN after
+        assert torch.isfinite(out[0, 0, 10, 5]) and torch.isposinf(out[0, 0, 100, 5]) and torch.isnan(out[0, 0, 400, 5])
+    else:
+        assert torch.isnan(out[0, 0, :, 5]).all() and torch.isnan(out[0, 1, :, 9]).all()
+    assert torch.isfinite(out[0, 1, :, 11]).all()
+    fin = torch.isfinite(ref)
+    assert cosine(out[fin], ref[fin]) >= 0.9999
+
+
+def test_api_runs_the_kernel_no_fallback():
+    """The API with mode="int8" and a key mask runs this kernel (no fallback counted), bit for bit."""
+    import sage_diffusers as sd
+
+    q, k, v = make_qkv(2, 4, 2, 513, 700, 128, torch.bfloat16, "bshd", seed=8)
+    mask = make_mask(2, 700)
+    sd.reset_fallback_stats()
+    out = sd.attention(q, k, v, key_mask=mask, mode="int8")
+    assert sd.fallback_stats() == {}, sd.fallback_stats()
+    want, _ = int8_sm90.attention_int8_sm90(q, k, v, key_mask=mask)
+    assert torch.equal(out, want)
