@@ -220,3 +220,16 @@ def test_new_workflow_scripts_tiny_path(script, argv, expected, capsys):
     assert status == 0, printed
     assert f"attention calls by mode: {expected}\n" in printed, printed
     assert "finite=True" in printed and "fallback" not in printed
+
+
+def test_chroma_float_mask_keeps_diffusers_meaning_and_is_counted():
+    """ChromaPipeline's own mask is float 0/1, which diffusers adds to the scores: kept as is (SDPA, counted)."""
+    model = _model(Family.CHROMA)
+    inputs, masked = _reference(Family.CHROMA)
+    inputs = dict(inputs, attention_mask=inputs["attention_mask"].float())
+    stock = _forward(model, inputs)
+    assert not torch.allclose(stock, masked, atol=1e-4)  # the float mask really means something else
+    integration.enable(model, mode="int8")
+    sage_diffusers.reset_fallback_stats()
+    torch.testing.assert_close(_forward(model, inputs), stock, rtol=0, atol=1e-6)
+    assert sum(sage_diffusers.fallback_stats().values()) == CALLS[Family.CHROMA]

@@ -36,6 +36,7 @@ from sage_diffusers import integration  # noqa: E402
 from sage_diffusers.options import Mode  # noqa: E402
 from sage_diffusers.policy import FixedPolicy, PolicyState  # noqa: E402
 from sage_diffusers.processors import PROCESSOR_FOR, SageProcessorMixin  # noqa: E402
+from sage_diffusers.processors.backend import _sage_backend  # noqa: E402
 from sage_diffusers.reference.metrics import cosine  # noqa: E402
 
 # Mochi's RoPE asks for float32 autocast, which CPU autocast refuses with a warning: diffusers' code, not ours.
@@ -456,3 +457,60 @@ def test_mode_counter_helper_counts_by_mode():
         sage_diffusers.attention(q, q, q, mode=Mode.INT8)
         sage_diffusers.attention(q, q, q)
     assert calls == collections.Counter({Mode.SDPA: 1, Mode.INT8: 1, Mode.AUTO: 1})
+
+
+def test_backend_registration_changes_no_default_and_names_stand_apart():
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    active = _AttentionBackendRegistry._active_backend
+    members = integration.register_backend()
+    integration.enable(_model(Family.FLUX), mode="int8")
+    assert _AttentionBackendRegistry._active_backend is active  # an untouched model keeps diffusers' default
+    ours = {m.value for m in members.values()} | {"sage_diffusers_policy"}
+    assert ours == {f"sage_diffusers_{m}" for m in ("auto", "fp4", "int8", "sdpa", "policy")}
+    theirs = {m.value for m in AttentionBackendName} - ours
+    assert any(name.startswith("sage") for name in theirs)  # diffusers' own sage* backends exist...
+    assert not any(name.startswith("sage_diffusers") for name in theirs)  # ...and never share our prefix
+    with pytest.raises(ValueError, match="policy-driven"):
+        _AttentionBackendRegistry._backends[AttentionBackendName("sage_diffusers_policy")](*[_bshd(1, 4, 1, 64, 0)] * 3)
+
+
+def test_backend_runs_outer_product_and_per_head_padding_masks_natively():
+    """Chroma / HunyuanVideo 1.5 build keep[:, None, :, None] & keep[:, None, None, :]; LTX repeats per head."""
+    b, s, h = 2, 37, 2
+    q, k, v = _bshd(b, s, h, 64, 0), _bshd(b, s, h, 64, 1), _bshd(b, s, h, 64, 2)
+    keep = torch.arange(s)[None, :] < torch.tensor([[30], [37]])  # (B, S)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    fn = integration.sage_attention_backend
+    outer = keep[:, None, :, None] & keep[:, None, None, :]  # (B, 1, S, S)
+    per_head = keep[:, None, None, :].expand(b, h, 1, s)  # (B, H, 1, S)
+    sage_diffusers.reset_fallback_stats()
+    for mask in (outer, per_head):
+        ref = sdpa(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask).transpose(1, 2)
+        ref = torch.nan_to_num(ref)  # rows with no visible key: 0 in both
+        for mode in ("sdpa", "int8"):
+            got = _sage_backend(q, k, v, mask, 0.0, False, None, False, False, None, mode=Mode.parse(mode))
+            bound = 1e-6 if mode == "sdpa" else 0.05
+            assert (got - ref).abs().max() <= bound * max(1.0, float(ref.abs().max())), (mode, mask.shape)
+        torch.testing.assert_close(fn(q, k, v, attn_mask=mask), ref, rtol=0, atol=1e-6)
+    assert sage_diffusers.fallback_stats() == {}, "a padding mask fell back to SDPA"
+
+    # Not key padding (a causal pattern): SDPA inside the API, counted, still exact.
+    causal = torch.ones(s, s, dtype=torch.bool).tril()[None, None].expand(b, 1, s, s)
+    ref = sdpa(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=causal).transpose(1, 2)
+    got = _sage_backend(q, k, v, causal, 0.0, False, None, False, False, None, mode=Mode.INT8)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+    assert sum(sage_diffusers.fallback_stats().values()) == 1
+
+
+def test_processors_pickle_and_work_after_loading():
+    import pickle
+
+    model = _model(Family.FLUX)
+    inputs, ref = _reference(Family.FLUX)
+    integration.enable(model, mode="sdpa")
+    loaded = pickle.loads(pickle.dumps(model))
+    assert integration.is_enabled(loaded)
+    torch.testing.assert_close(_forward(loaded, inputs), ref, rtol=0, atol=1e-6)
+    integration.disable(loaded)
+    assert not any(isinstance(p, SageProcessorMixin) for p in loaded.attn_processors.values())
