@@ -16,6 +16,7 @@ Conventions (those of the TF reference implementations):
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -59,7 +60,9 @@ def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma
     if mu1.shape != mu2.shape or sigma1.shape != sigma2.shape or sigma1.shape != mu1.shape * 2:
         raise ValueError(f"shapes do not match: mu {mu1.shape} / {mu2.shape}, sigma {sigma1.shape} / {sigma2.shape}")
     diff = mu1 - mu2
-    covmean, _ = scipy.linalg.sqrtm(sigma1 @ sigma2, disp=False)
+    with warnings.catch_warnings():  # a singular product is handled below
+        warnings.simplefilter("ignore")
+        covmean = scipy.linalg.sqrtm(sigma1 @ sigma2)
     if not np.isfinite(covmean).all():
         offset = np.eye(sigma1.shape[0]) * eps
         covmean = scipy.linalg.sqrtm((sigma1 + offset) @ (sigma2 + offset))
@@ -80,8 +83,22 @@ def gaussian_stats(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def fid_from_features(a: np.ndarray, b: np.ndarray) -> float:
-    """Frechet distance between the Gaussian fits of two (N, D) feature sets."""
-    return frechet_distance(*gaussian_stats(a), *gaussian_stats(b))
+    """Frechet distance between the Gaussian fits of two feature sets a (N1, D), b (N2, D).
+
+    Exact, and fast when N1 N2 <= D^2: with sigma1 = A^T A, sigma2 = B^T B (A = centred a / sqrt(N1 - 1)),
+    tr sqrt(sigma1 sigma2) is the sum of the singular values of A B^T (N1 x N2), so no D x D matrix
+    square root is needed (the same value ``frechet_distance`` computes with sqrtm).
+    """
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1] or min(a.shape[0], b.shape[0]) < 2:
+        raise ValueError(f"need (N >= 2, D) feature sets with one D, got {a.shape} and {b.shape}")
+    if a.shape[0] * b.shape[0] > a.shape[1] ** 2:  # more samples than dims: the D x D route is cheaper
+        return frechet_distance(*gaussian_stats(a), *gaussian_stats(b))
+    ca = (a - a.mean(0)) / np.sqrt(a.shape[0] - 1)
+    cb = (b - b.mean(0)) / np.sqrt(b.shape[0] - 1)
+    diff = a.mean(0) - b.mean(0)
+    nuclear = np.linalg.svd(ca @ cb.T, compute_uv=False).sum()
+    return float(diff @ diff + (ca * ca).sum() + (cb * cb).sum() - 2 * nuclear)
 
 
 def inception_path() -> Path:
