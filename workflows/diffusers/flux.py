@@ -3,7 +3,7 @@
     python workflows/diffusers/flux.py --mode int8                  # needs black-forest-labs/FLUX.1-dev
     python workflows/diffusers/flux.py --tiny                       # offline wiring check on CPU
 
-Flux uses diffusers' attention dispatcher, so ``transformer.set_attention_backend("sage3")`` works as well once
+Flux uses diffusers' attention dispatcher, so ``transformer.set_attention_backend("sage_diffusers_auto")`` works as well once
 ``sage_diffusers.integration.register_backend()`` has run.
 """
 
