@@ -5,6 +5,11 @@ atom); the lane-level layout model (csrc/fp4/layout_model.py) runs on the CPU. B
 tested: NVFP4 and MXFP4 (on sm_120 the native MXFP4 atom runs here for the first time on
 hardware). Set SAGE_FP4_REPORT=path to append one JSON line per attention case (accuracy vs the
 reference and vs fp32 SDPA), including the NVFP4/MXFP4 x two-level/direct ablation.
+
+Issue 11 (the numerics contract): the torch-side tensor scales equal the reference's bit for bit
+(CPU); on the GPU, pre-pass codes with tensor scales and poisoned masks, masked-key poisoning
+(1e4 / NaN) bit-identical to clean padding, the magnitude sweep, NaN / Inf query rows, +-Inf / NaN
+in V, and the API running the kernel without a fallback.
 """
 from __future__ import annotations
 

@@ -68,6 +68,8 @@ import torch
 import torch.nn.functional as F
 
 from ..options import FP4Format, PQuant
+from ..reference.quant import fp4_tensor_scale
+from ..reference.sage3 import Q_SMOOTH_BLOCK  # query rows per smoothing mean: one CTA tile of the kernel
 from . import _jit
 from ._contract import check_qkv, fake_out_lse, in_layout_of, kernel_views, normalize_key_mask
 
@@ -262,14 +264,10 @@ def _stream_handle(device: torch.device) -> int:
 
 
 # ---- the numerics contract's tensor scales (torch on the GPU: no host synchronisation) ------------
-TENSOR_SCALE_RANGE = 448.0 * 6.0  # E4M3_MAX * E2M1_MAX: x / s fills the E4M3-scaled E2M1 range
-Q_SMOOTH_BLOCK = 128  # query rows per smoothing mean: one CTA tile of the kernel
-
-
 def tensor_scale(amax: torch.Tensor) -> torch.Tensor:
-    """float32 amax (...) -> s = amax / 2688 (IEEE division), 1 where amax is 0."""
-    amax = amax.float()
-    return torch.where(amax > 0, amax / torch.full_like(amax, TENSOR_SCALE_RANGE), torch.ones_like(amax))
+    """float32 amax (...) -> s = amax / 2688 (IEEE division), 1 where amax is 0: the reference's
+    ``fp4_tensor_scale`` applied to an amax computed here without an fp32 copy of the operand."""
+    return fp4_tensor_scale(amax.float()[..., None, None], dims=(-2, -1))[..., 0, 0]
 
 
 def _finite_dev_amax(x: torch.Tensor, mean: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
