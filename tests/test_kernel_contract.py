@@ -2,8 +2,11 @@
 import pytest
 import torch
 
-from sage_diffusers.kernels._contract import (check_qkv, fake_out_lse, in_layout_of, kernel_views, normalize_key_mask,
+from sage_diffusers.kernels._contract import (NO_KEY, apply_nonfinite_first_keys, check_qkv, fake_out_lse,
+                                              in_layout_of, kernel_views, nonfinite_first_keys, normalize_key_mask,
                                               rows_aligned)
+from sage_diffusers.reference._common import zero_masked
+from sage_diffusers.reference.online_softmax import nonfinite_v
 
 
 def _qkv(d=64, dtype=torch.bfloat16, hq=4, hkv=2):
@@ -69,3 +72,29 @@ def test_fake_out_lse_shapes():
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride() == q.stride()
     assert lse.shape == (2, 3, 5) and lse.dtype == torch.float32
     assert fake_out_lse(q, False)[1].shape == (0,)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("sq", [40, 90])
+def test_nonfinite_first_keys_model_matches_reference(is_causal, sq):
+    """The kernels' record of V's non-finite elements (first attended key of +Inf, -Inf, NaN per
+    channel, atomicMin in the pre-passes) and their epilogue rule (row i sees keys <= i when
+    causal) reproduce reference.online_softmax.nonfinite_v exactly, masked keys included."""
+    g = torch.Generator().manual_seed(0)
+    b, h, skv, d = 2, 2, 64, 16
+    v = torch.randn(b, h, skv, d, generator=g)
+    pick = torch.rand(b, h, skv, d, generator=g)
+    v[pick < 0.01] = float("inf")
+    v[(pick >= 0.01) & (pick < 0.02)] = float("-inf")
+    v[(pick >= 0.02) & (pick < 0.025)] = float("nan")
+    key_mask = torch.rand(b, skv, generator=g) > 0.3
+    first = nonfinite_first_keys(v, key_mask)
+    assert first.dtype == torch.int32 and first.shape == (b, h, 3, d)
+    clean = torch.isfinite(zero_masked(v, key_mask)).all(2)  # (B, H, D): channels without one
+    assert clean.any() and (first[clean[:, :, None].expand_as(first)] == NO_KEY).all()
+    out = torch.randn(b, h, sq, d, generator=g)
+    hit, value = nonfinite_v(zero_masked(v, key_mask), key_mask, is_causal, sq)
+    want = torch.where(hit, value, out)
+    got = apply_nonfinite_first_keys(out, first, is_causal)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))

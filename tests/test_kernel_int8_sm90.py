@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from sage_diffusers.kernels import int8_sm90
+from sage_diffusers.kernels._contract import nonfinite_first_keys
 from sage_diffusers.reference import cosine, relative_l1, sage8_quantize, sage8_reference
 
 _OK, _WHY = int8_sm90.is_available()
@@ -301,15 +302,6 @@ def _poison_masked(x: torch.Tensor, key_mask: torch.Tensor, value: float) -> tor
     return torch.where(key_mask[:, None, :, None], x, torch.full_like(x, value))
 
 
-def _first_keys(v: torch.Tensor, key_mask) -> torch.Tensor:
-    """int32 (B, H, 3, D): first attended key whose V is +Inf, -Inf, NaN (0x7f7f7f7f where none)."""
-    kinds = torch.stack((v == math.inf, v == -math.inf, torch.isnan(v)), 2)  # (B, H, 3, S, D)
-    if key_mask is not None:
-        kinds &= key_mask[:, None, None, :, None]
-    idx = torch.arange(v.shape[2], device=v.device, dtype=torch.int32)[:, None]
-    return torch.where(kinds, idx, 0x7F7F7F7F).amin(3)
-
-
 @pytest.mark.parametrize("d", [64, 128])
 def test_prepass_masked_keys_match_reference(d):
     """Issue 11: the pre-pass's k mean runs over attended keys only and masked K / V rows are 0
@@ -333,7 +325,7 @@ def test_prepass_masked_keys_match_reference(d):
     assert int(dk.max()) <= 1 and float((dk > 0).float().mean()) < 1e-3, "INT8 K codes"
     masked = ~mask[:, None, :, None].expand_as(got["k8"])
     assert not got["k8"][masked].any(), "masked keys must be code 0"
-    assert torch.equal(got["v_first"], _first_keys(v, mask))
+    assert torch.equal(got["v_first"], nonfinite_first_keys(v, mask))
 
 
 @pytest.mark.parametrize("poison", [1e4, math.nan])

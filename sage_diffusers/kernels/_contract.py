@@ -63,3 +63,31 @@ def in_layout_of(out: torch.Tensor, q: torch.Tensor, qq: torch.Tensor) -> torch.
     """``out`` (computed for ``qq``) in the memory layout of ``q``, as the fake impls promise
     (``empty_like(q)``): a copy only when ``qq`` was a contiguous stand-in for ``q``."""
     return out if qq is q else torch.empty_like(q).copy_(out)
+
+
+# V's non-finite elements as both kernels' pre-passes record them (csrc/sm90_int8/numerics.hpp,
+# csrc/fp4/fp4_api.h): int32 (B, Hkv, 3, D), per channel the first attended key whose value is
+# +Inf, -Inf, NaN (in that order), NO_KEY where there is none. The epilogues write them over the
+# output rows that see that key (key <= the row's last visible key).
+NO_KEY = 0x7F7F7F7F  # every byte 0x7f: the workspace memset
+
+
+def nonfinite_first_keys(v: torch.Tensor, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """v (B, H, Skv, D), key_mask bool (B, Skv) or None -> int32 (B, H, 3, D) (see NO_KEY)."""
+    kinds = torch.stack((v == float("inf"), v == float("-inf"), torch.isnan(v)), 2)  # (B, H, 3, Skv, D)
+    if key_mask is not None:
+        kinds = kinds & key_mask[:, None, None, :, None]
+    idx = torch.arange(v.shape[2], device=v.device, dtype=torch.int32)[:, None]  # (Skv, 1)
+    return torch.where(kinds, idx, NO_KEY).amin(3)
+
+
+def apply_nonfinite_first_keys(out: torch.Tensor, first: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    """What the kernels' epilogues do with ``first`` (B, H, 3, D) on out (B, H, Sq, D) (a model for
+    tests): row i sees keys <= i (causal, top-left) or all keys; a NaN or both infinities give NaN."""
+    sq = out.shape[2]
+    rows = torch.arange(sq, device=out.device)
+    last = rows if is_causal else torch.full_like(rows, NO_KEY - 1)  # the last key each row sees
+    seen = first[:, :, :, None, :] <= last[None, None, None, :, None]  # (B, H, 3, Sq, D)
+    pos, neg, nan = seen.unbind(2)
+    val = torch.where(nan | (pos & neg), float("nan"), torch.where(pos, float("inf"), float("-inf")))
+    return torch.where(pos | neg | nan, val.to(out.dtype), out)
