@@ -7,14 +7,13 @@ and what ``mode="auto"`` will do for head dims 64 and 128.
 """
 from __future__ import annotations
 
-import importlib
 import os
 import platform
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import Callable, Optional, TextIO
 
 import torch
 
@@ -45,26 +44,48 @@ def _nvcc() -> tuple[Optional[Path], str]:
     return None, "not found: the kernels cannot be built (install the CUDA toolkit or set CUDA_HOME)"
 
 
+def _planned_backend(mode: Mode, device: torch.device) -> tuple[Optional[Callable], str]:
+    """The backend the API would pick for ``mode`` on ``device``, found without building anything.
+
+    Runs the API's own choice (``api._kernel_cached``, unwrapped so that nothing is cached) under
+    ``_jit.dry_run``, where the kernel modules' ``build()`` only reports its cache entry.
+    """
+    from . import api
+
+    with _jit.dry_run():
+        return api._kernel_cached.__wrapped__(mode, torch.cuda.get_device_capability(device))
+
+
 def _kernel_status(mode: Mode, device: Optional[torch.device]) -> str:
-    """One line: available here? built? self-check verdict? (nothing is built or run)."""
-    module = importlib.import_module(f"{__package__}.kernels.{selftest.KERNEL_MODULES[mode]}")
-    available, why = module.is_available()
-    if not available:
+    """One line: which kernel runs ``mode`` here, is it built, how its self-check stands."""
+    if device is None:
+        return "not for this device (no CUDA device)"
+    backend, why = _planned_backend(mode, device)
+    if backend is None:
         return f"not for this device ({why})"
-    info = _jit.build_info(module.build)
-    built = f"built ({info.build_dir})" if info.built else f"not built yet ({info.cuda_files} CUDA files on first use)"
+    module = sys.modules[backend.__module__]
+    try:
+        info = _jit.build_info(module.build)
+        built = f"built ({info.build_dir})" if info.built else f"not built yet ({info.cuda_files} CUDA files on first use)"
+    except TypeError:  # not a _jit extension
+        built = "compiled by Triton on first launch"
+    name = module.__name__.rsplit(".", 1)[-1]
     arch = selftest.arch_name(torch.cuda.get_device_capability(device))
+    from . import api
+
     if (mode, arch) in selftest.VERIFIED_ON_HARDWARE:
         check = f"verified on {arch} hardware"
+    elif api._auto_algorithm(device) is not mode:
+        check = f'runs for mode="{mode.value}" only (auto does not pick it on {arch}, so it is not self-checked)'
     else:
-        verdict = selftest.cached_verdict(CheckKey(mode, arch, selftest.driver_version(), info.key))
+        verdict = selftest.cached_verdict(CheckKey(mode, arch, selftest.driver_version(), selftest.kernel_hash(backend)))
         if verdict is None:
-            check = "not self-checked yet (runs on the first auto call, or `python -m sage_diffusers selftest`)"
+            check = "not self-checked yet (auto checks it on first use; `python -m sage_diffusers selftest`)"
         elif verdict.status is Status.PASSED:
             check = f"self-check passed: {verdict.reason}"
         else:
             check = f"self-check FAILED: {verdict.reason}"
-    return f"{built}; {check}"
+    return f"{name}: {built}; {check}"
 
 
 def _auto_lines(device: Optional[torch.device]) -> list[str]:
@@ -83,8 +104,8 @@ def _auto_lines(device: Optional[torch.device]) -> list[str]:
         elif algo is None:
             lines.append(f"head dim {d}: SDPA (no low-bit kernel for {arch})")
         else:
-            lines.append(f"head dim {d}: {algo.value} kernel if usable ({_kernel_status(algo, device)}), "
-                         "else SDPA" + _measured_crossovers(device, d))
+            lines.append(f"head dim {d}: the {algo.value} kernel ({_kernel_status(algo, device)})"
+                         + _measured_crossovers(device, d) + "; SDPA where it is slower or unusable")
     return lines
 
 
@@ -97,7 +118,7 @@ def _measured_crossovers(device: torch.device, head_dim: int) -> str:
         return ""
     parts = [f"{auto_table.class_key(*key)}: " + ("SDPA faster" if n is None else f"kernel faster from {n} tokens")
              for key, n in sorted(rules.items(), key=str) if key[0] == head_dim]
-    return f"; measured vs SDPA: {', '.join(parts)}" if parts else ""
+    return f" where measured faster than SDPA ({', '.join(parts)})" if parts else ""
 
 
 def report(stream: Optional[TextIO] = None) -> int:
@@ -131,7 +152,7 @@ def report(stream: Optional[TextIO] = None) -> int:
         line("CUTLASS headers", f"not found: {exc}")
     line("JIT cache", str(_jit.cache_root()))
     print("kernels:", file=out)
-    for mode in selftest.KERNEL_MODULES:
+    for mode in selftest.REFERENCES:  # the low-bit modes
         print(f"  {mode.value:5s} {_kernel_status(mode, device)}", file=out)
     print('mode="auto":', file=out)
     for text in _auto_lines(device):

@@ -1,6 +1,7 @@
 """Command line: per-subcommand help, rejections that list the valid values, doctor on the CPU."""
 import argparse
 import enum
+import json
 import subprocess
 import sys
 
@@ -93,8 +94,8 @@ def test_doctor_on_cpu(capsys, monkeypatch, tmp_path):
     assert fields["kernel sources"].strip().endswith("(complete)")
     assert fields["JIT cache"].strip() == str(tmp_path / "jit")
     assert {"python", "nvcc", "CUTLASS headers", "sage_diffusers"} <= set(fields)
-    assert "  int8  not for this device (CUDA is not available)" in out
-    assert "  fp4   not for this device (CUDA is not available)" in out
+    assert "  int8  not for this device (no CUDA device)" in out
+    assert "  fp4   not for this device (no CUDA device)" in out
     for d in (64, 128):
         assert f"  head dim {d}: SDPA (no CUDA device" in out
 
@@ -131,3 +132,37 @@ def test_positive_int():
     for bad in ("0", "-1", "1.5", ""):
         with pytest.raises(argparse.ArgumentTypeError):
             positive_int(bad)
+
+
+def _pretend_gpu(monkeypatch, capability):
+    """Device queries answer as one GPU of ``capability`` would (nothing runs on it)."""
+    from sage_diffusers import selftest
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Pretend GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(selftest, "_driver_cache", ["580.00"])
+
+
+def test_doctor_on_an_unverified_arch_reports_build_and_self_check(capsys, monkeypatch, tmp_path):
+    from sage_diffusers import doctor, selftest
+    from sage_diffusers.kernels import fp4
+
+    monkeypatch.setenv("SAGE_DIFFUSERS_CACHE", str(tmp_path))
+    _pretend_gpu(monkeypatch, (12, 0))
+    assert doctor.report() == 0
+    out = capsys.readouterr().out
+    assert "Pretend GPU (sm_120), 1 visible" in out and "580.00" in out
+    fp4_line = next(line for line in out.splitlines() if line.startswith("  fp4 "))
+    assert "fp4: not built yet (" in fp4_line and "not self-checked yet" in fp4_line
+    assert "  head dim 128: the fp4 kernel (fp4: not built yet" in out
+    assert not (tmp_path / "jit").exists(), "doctor must not build"
+
+    key = selftest.CheckKey(Mode.FP4, "sm_120", "580.00", selftest.kernel_hash(fp4.attention_fp4))
+    key.path().parent.mkdir(parents=True)
+    key.path().write_text(json.dumps(selftest.Verdict(selftest.Status.FAILED, "cos 0.5 (needs >= 0.999)", 0.5).to_json()))
+    doctor.report()
+    assert "self-check FAILED: cos 0.5 (needs >= 0.999)" in capsys.readouterr().out

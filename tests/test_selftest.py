@@ -51,7 +51,7 @@ def gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(selftest, "_driver_cache", ["580.00"])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(selftest, "kernel_hash", lambda mode: f"{mode.value}_build-0123")  # real one below
+    monkeypatch.setattr(selftest, "kernel_hash", lambda backend: "build-0123")  # the real one: below
     selftest.reset()
 
     def set_capability(cap):
@@ -101,8 +101,10 @@ def test_right_kernel_is_accepted_and_the_verdict_cached_per_driver(gpu):
 
 
 def test_native_fp4_on_sm120_is_checked_with_its_real_build_hash(gpu, monkeypatch):
-    key_hash = REAL_KERNEL_HASH(Mode.FP4)  # the fp4 module's own build(), not built here
-    monkeypatch.setattr(selftest, "kernel_hash", lambda mode: key_hash)  # fixed even if csrc/ is edited meanwhile
+    from sage_diffusers.kernels import fp4
+
+    key_hash = REAL_KERNEL_HASH(fp4.attention_fp4)  # the fp4 module's own build(), not built here
+    monkeypatch.setattr(selftest, "kernel_hash", lambda backend: key_hash)  # fixed even if csrc/ is edited meanwhile
     assert key_hash.startswith("sage_diffusers_fp4_native_sm120a")
     kernel = FakeKernel(Mode.FP4)
     verdict = selftest.verdict_for(Mode.FP4, torch.device("cpu"), kernel)
