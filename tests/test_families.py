@@ -169,6 +169,18 @@ def test_user_constructed_processors_and_one_processor_for_a_whole_model(monkeyp
     finally:
         model.set_attn_processor(original)
 
+    for family in (Family.WAN21, Family.LTXVIDEO, Family.FLUX2):  # rotary_emb by name, masks, two module classes
+        model = _model(family)
+        inputs, ref = _reference(family)
+        original = dict(model.attn_processors)
+        try:
+            model.set_attn_processor(SageAttnProcessor(mode="sdpa"))
+            calls = _Calls(monkeypatch)
+            torch.testing.assert_close(_forward(model, inputs), ref, rtol=0, atol=1e-6)
+            assert len(calls.records) == CALLS[family]
+        finally:
+            model.set_attn_processor(original)
+
     sd3 = _sage_tiny.tiny_transformer(Family.SD35)
     sd3.set_attn_processor(SageAttnProcessor(mode="int8"))  # diffusers' generic Attention: cannot tell the family
     with pytest.raises(ValueError, match="Attention.*sage_diffusers.enable"):

@@ -328,3 +328,40 @@ def test_policy_under_torch_compile_needs_no_recompiles_and_no_graph_breaks():
     for t, out, ref in zip(timesteps, outs, eager):
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-5, msg=f"timestep {t}")
     assert not torch.allclose(eager[0], eager[1], atol=1e-6)  # step 0 (sdpa) and step 1 (int8) differ
+
+
+def test_policy_in_a_compiled_pipeline_transformer_follows_the_runs():
+    """The pipeline watch drives the step tensors outside the graph; the compiled transformer reads them."""
+    import torch._dynamo
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=0, attention_head_dim=128, num_attention_heads=2,
+        joint_attention_dim=_sage_tiny.TEXT_DIM, pooled_projection_dim=_sage_tiny.POOLED_DIM, axes_dims_rope=(16, 56, 56),
+    ).eval()
+    none = dict(vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None)
+    pipe = FluxPipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(), **none)
+    pipe.set_progress_bar_config(disable=True)
+    integration.enable(pipe, policy=StepLayerPolicy(first_steps=1, last_steps=1, default="int8"))
+
+    def call(steps):
+        return pipe(**_sage_tiny.tiny_call_kwargs(_sage_tiny.Family.FLUX, steps=steps))[0]
+
+    eager = [call(4), call(3)]
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        transformer.compile(backend=counting_backend, fullgraph=True)
+        compiled = [call(4), call(3)]  # a second run with another number of steps
+    finally:
+        torch._dynamo.reset()
+        integration.disable(pipe)
+    assert 1 <= len(graphs) <= 2, f"{len(graphs)} graphs for 7 steps"
+    for out, ref in zip(compiled, eager):
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)

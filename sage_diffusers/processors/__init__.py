@@ -95,16 +95,12 @@ def _call_parameters(cls: type) -> dict[str, inspect.Parameter]:
     return {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def _union_signature() -> inspect.Signature:
-    """(self, attn, <every keyword any family processor takes>=None): diffusers' attention modules filter the
-    keywords they pass by the processor's ``__call__`` signature, so the universal processor must name them all."""
-    names: dict[str, None] = {}
-    for cls in PROCESSOR_FOR_MODULE.values():
-        names.update(dict.fromkeys(_call_parameters(cls)))
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    params = [inspect.Parameter("self", kind), inspect.Parameter("attn", kind)]
-    params += [inspect.Parameter(name, kind, default=None) for name in names]
-    return inspect.Signature(params)
+# Keywords SageAttnProcessor.__call__ names: diffusers' attention modules pass only the keywords the processor's
+# signature names, so it must name every keyword a family processor takes (checked at import below).
+_UNIVERSAL_KEYWORDS = ("hidden_states", "encoder_hidden_states", "attention_mask", "image_rotary_emb", "rotary_emb")
+_missing = {name for cls in PROCESSOR_FOR_MODULE.values() for name in _call_parameters(cls)} - set(_UNIVERSAL_KEYWORDS)
+if _missing:
+    raise ImportError(f"sage_diffusers: SageAttnProcessor must also take {sorted(_missing)} (diffusers changed)")
 
 
 class SageAttnProcessor(SageProcessorMixin):
@@ -154,15 +150,28 @@ class SageAttnProcessor(SageProcessorMixin):
             self._delegates[cls] = delegate
         return delegate
 
-    def __call__(self, attn: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def __call__(
+        self,
+        attn: torch.nn.Module,
+        *args: Any,
+        hidden_states: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: Any = None,
+        rotary_emb: Any = None,
+    ) -> Any:
+        """Run ``attn``'s family processor; positional arguments pass through in the order the module gave them."""
         delegate = self.delegate_for(attn)
         accepted = _call_parameters(type(delegate))
-        # Defaults of the union signature are None; drop those the family does not take.
-        kwargs = {k: v for k, v in kwargs.items() if k in accepted or v is not None}
+        named = dict(
+            hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask,
+            image_rotary_emb=image_rotary_emb, rotary_emb=rotary_emb,
+        )
+        by_position = set(list(accepted)[: len(args)])  # the family's parameters args already fill
+        # Unset keywords the family does not take are dropped; a set one it does not take raises in its call.
+        kwargs = {k: v for k, v in named.items() if k not in by_position and (k in accepted or v is not None)}
         return delegate(attn, *args, **kwargs)
 
-
-SageAttnProcessor.__call__.__signature__ = _union_signature()  # type: ignore[attr-defined]
 
 __all__ = [
     "BACKEND_NAMES",

@@ -18,7 +18,7 @@ runs.
 
 from __future__ import annotations
 
-import inspect
+import functools
 from typing import Any
 
 import torch
@@ -68,12 +68,12 @@ class _DispatchedSageMixin(SageProcessorMixin):
             return
         base = next(b for b in cls.__mro__ if b.__module__.startswith("diffusers.") and "__call__" in b.__dict__)
 
+        # diffusers' attention modules pass only the keywords the processor's signature names: ``__wrapped__``
+        # (set by functools.wraps) shows the base's signature to inspect.signature, also when dynamo traces it.
+        @functools.wraps(base.__call__)
         def __call__(self: _DispatchedSageMixin, attn: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             return self._dispatch(attn, *args, **kwargs)
 
-        # diffusers' attention modules pass only the keywords the processor's signature names: show the base's.
-        __call__.__signature__ = inspect.signature(base.__call__)  # type: ignore[attr-defined]
-        __call__.__doc__ = base.__call__.__doc__
         cls.__call__ = __call__  # type: ignore[method-assign]
 
     def _dispatch(self, attn: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
