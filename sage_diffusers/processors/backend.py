@@ -36,6 +36,9 @@ per-head copies (B, H, 1, Skv), and the outer products (B, 1, S, S) = keep[:, No
 factorization is checked: eagerly a mask that is not of this form goes to ``sage_diffusers.attention`` as a full
 ``attn_mask`` (SDPA, counted in ``fallback_stats``); under ``torch.compile`` the check is an asynchronous assert.
 
+Context parallelism: every backend is registered with ``supports_context_parallel=True``; calls carrying a
+``_parallel_config`` run ``processors.context_parallel.context_parallel_attention`` (ring, Ulysses or both).
+
 Limits: the ``DIFFUSERS_ATTN_BACKEND`` environment variable is read when diffusers is imported, before any
 registration, so it cannot name these backends. Processors that call SDPA directly (CogVideoX, Mochi, SD3's
 ``JointAttnProcessor2_0``) never reach the dispatcher: use ``sage_diffusers.enable`` or the sage processors.
@@ -117,8 +120,6 @@ def _sage_backend(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if dropout_p != 0.0:
         raise ValueError(f"sage_diffusers attention has no dropout; got dropout_p={dropout_p}")
-    if _parallel_config is not None:
-        raise ValueError("sage_diffusers attention does not support context parallelism (_parallel_config set)")
     if query.shape[2] != key.shape[2] and not enable_gqa:
         # Same contract as torch SDPA: differing head counts are an error unless GQA was asked for.
         raise ValueError(
@@ -129,7 +130,15 @@ def _sage_backend(
     extra: dict[str, Any] = dict(is_causal=is_causal, scale=scale, return_lse=return_lse)
     if other is not None:
         extra["attn_mask"] = other  # not key padding: the API runs it through SDPA and counts why
-    result = attend(query, key, value, mode=mode, layout=Layout.BSHD, key_mask=key_mask, **extra)
+    if getattr(_parallel_config, "context_parallel_config", None) is not None:
+        from sage_diffusers.processors.context_parallel import context_parallel_attention
+
+        # Ring / Ulysses over the ranks; the key mask travels with the keys (other masks are refused there).
+        result = context_parallel_attention(
+            query, key, value, mode=mode, parallel_config=_parallel_config, key_mask=key_mask, **extra
+        )
+    else:
+        result = attend(query, key, value, mode=mode, layout=Layout.BSHD, key_mask=key_mask, **extra)
     out, lse = result if return_lse else (result, None)
     if row_keep is not None:
         out = torch.where(row_keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
@@ -176,7 +185,8 @@ def sage_attention_backend(
     return_lse : bool
         Also return the float32 log-sum-exp, shaped (B, Sq, Hq) like diffusers' other backends.
     _parallel_config : ParallelConfig or None
-        Must be None: context parallelism is not supported (ValueError otherwise).
+        Set by diffusers' ``enable_parallelism``: ring / Ulysses attention over the ranks
+        (``sage_diffusers.processors.context_parallel``; key-padding masks only, no causal, inference only).
 
     Returns
     -------
@@ -273,7 +283,9 @@ def register_backend() -> dict[Mode, Any]:
         for mode, value in names.items():
             member = _add_enum_member(dispatch.AttentionBackendName, value.upper(), value)
             function = sage_attention_backend if mode is Mode.AUTO else _ModeBackend(mode)
-            dispatch._AttentionBackendRegistry.register(member, constraints=constraints)(function)
+            dispatch._AttentionBackendRegistry.register(member, constraints=constraints, supports_context_parallel=True)(
+                function
+            )
             _MEMBERS[mode] = member
     return {mode: member for mode, member in _MEMBERS.items() if mode is not None}
 
