@@ -301,7 +301,7 @@ def verdict_for(mode: Mode, device: torch.device, backend: Backend) -> Verdict:
         with torch.cuda.device(device):
             verdict = check(key, backend, device)
         if not verdict.ok:
-            verdict = dataclasses.replace(verdict, reason=f"failed its self-check on {arch}: {verdict.reason} "
+            verdict = dataclasses.replace(verdict, reason=f"failed its self-check: {verdict.reason} "
                                           "(`python -m sage_diffusers selftest` shows it)")
     if not tracing:  # no side effects while torch.compile traces
         _memo[memo_key] = verdict
