@@ -65,14 +65,25 @@ def plot_curves(path: Path, title: str, series: dict[str, tuple[list, list]], yl
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
-    for name, (x, y) in series.items():
-        ax.plot(x, smooth(list(y), window), label=name, linewidth=1.2)
+    two = len(series) == 2
+    fig, axes = plt.subplots(2 if two else 1, 1, figsize=(6.4, 5.6 if two else 4.0), dpi=110, sharex=True,
+                             gridspec_kw={"height_ratios": [3, 1.4]} if two else None, squeeze=False)
+    ax = axes[0][0]
+    smoothed = {name: (x, smooth(list(y), window)) for name, (x, y) in series.items()}
+    for name, (x, y) in smoothed.items():
+        ax.plot(x, y, label=name, linewidth=1.2)
     ax.set_title(title)
-    ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
+    if two:  # the curves overlap: show their difference below
+        (na, (x, ya)), (nb, (_, yb)) = smoothed.items()
+        diff = axes[1][0]
+        diff.plot(x, [b - a for a, b in zip(ya, yb)], color="tab:red", linewidth=1.0)
+        diff.axhline(0.0, color="gray", linewidth=0.8)
+        diff.set_ylabel(f"{nb} − {na}")
+        diff.grid(alpha=0.3)
+    axes[-1][0].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -149,3 +160,20 @@ def render_report() -> Path:
     out = RESULTS / "sagebwd_training.md"
     out.write_text("\n".join(lines))
     return out
+
+
+def replot() -> None:
+    """Redraw both PNGs from the JSON results (e.g. after copying them from another machine)."""
+    for stem, title, window in (("sagebwd_train_lm", "byte-level LM on stdlib sources", 20),
+                                ("sagebwd_finetune_minilm", "all-MiniLM-L6-v2 fine-tuning: stdlib docstring -> package", 10)):
+        path = RESULTS / f"{stem}.json"
+        if path.exists():
+            runs = json.loads(path.read_text())["runs"]
+            plot_curves(RESULTS / f"{stem}.png", title,
+                        {n: (list(range(len(r["losses"]))), r["losses"]) for n, r in runs.items()},
+                        f"train loss ({window}-step mean)", window)
+    render_report()
+
+
+if __name__ == "__main__":
+    replot()

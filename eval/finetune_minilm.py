@@ -2,7 +2,7 @@
 once with SDPA and once with SageBwd attention (same seed, head init, data order, steps).
 
 Task: classify the docstrings of the Python standard library's functions and classes by the
-top-level package they come from (8 packages, read from the installed sources with ``ast``;
+top-level package they come from (8 packages, those this Python has, read from the installed sources with ``ast``;
 docstrings of 30+ characters, at most ``--per-class`` per package, a fixed hash split 75/25).
 
     nice python eval/finetune_minilm.py            # both runs, then the report
@@ -34,6 +34,7 @@ except ImportError:  # run as a script
     import _sagebwd_training as common
 
 FAMILIES = ("asyncio", "distutils", "email", "importlib", "logging", "multiprocessing", "tkinter", "xml")
+CLASSES: list[str] = []  # the FAMILIES present in this Python's sources, set by build_task
 
 
 def build_task(per_class: int) -> tuple[list, list, str]:
@@ -53,12 +54,15 @@ def build_task(per_class: int) -> tuple[list, list, str]:
                     doc = ast.get_docstring(node)
                     if doc and len(doc) >= 30:
                         by_family[family].append(" ".join(doc.split()))
+    # Packages missing from this Python (distutils is gone in 3.12, tkinter is optional) are left out.
+    present = [f for f in FAMILIES if by_family[f]]
     train, test = [], []
-    for label, family in enumerate(FAMILIES):
+    for label, family in enumerate(present):
         docs = sorted(set(by_family[family]), key=lambda s: hashlib.sha1(s.encode()).hexdigest())[:per_class]
         for doc in docs:
             (test if int(hashlib.sha1(doc.encode()).hexdigest(), 16) % 4 == 0 else train).append((doc, label))
-    desc = (f"which of {len(FAMILIES)} standard-library packages ({', '.join(FAMILIES)}) a function or "
+    CLASSES[:] = present
+    desc = (f"which of {len(present)} standard-library packages ({', '.join(present)}) a function or "
             f"class docstring comes from (Python {sysconfig.get_python_version()} sources, docstrings of 30+ "
             f"characters, at most {per_class} per package, deduplicated, split by SHA-1 into "
             f"{len(train)} train / {len(test)} test).")
@@ -120,7 +124,7 @@ def evaluate(model, tok, data, cfg) -> tuple[float, float]:
     gold = [y for _, y in data]
     acc = sum(p == y for p, y in zip(preds, gold)) / len(gold)
     f1s = []
-    for c in range(len(FAMILIES)):
+    for c in range(len(CLASSES)):
         tp = sum(p == c and y == c for p, y in zip(preds, gold))
         fp = sum(p == c and y != c for p, y in zip(preds, gold))
         fn = sum(p != c and y == c for p, y in zip(preds, gold))
@@ -131,7 +135,7 @@ def evaluate(model, tok, data, cfg) -> tuple[float, float]:
 def run(attn: str, train, test, cfg) -> dict:
     tok, encoder = load_model("sdpa" if attn == "sdpa" else "sagebwd", cfg.model_dir)
     torch.manual_seed(cfg.seed)
-    model = Classifier(encoder, len(FAMILIES)).to(cfg.device)
+    model = Classifier(encoder, len(CLASSES)).to(cfg.device)
     acc0, _ = evaluate(model, tok, test, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     g = torch.Generator().manual_seed(cfg.seed)
