@@ -137,3 +137,30 @@ def test_inference_backend_lse_matches_reference(device):
                             .masked_fill(~key_mask[:, None, None, :], float("-inf")), -1)
     assert torch.allclose(lse, exact, atol=0.05)
     assert (out.float() - st.out.float()).abs().max() < 4e-3
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+def test_custom_ops_and_compile(device):
+    """The kernels run as torch ops with fake implementations: opcheck, and torch.compile over
+    sd.sagebwd on the Triton path (fullgraph: no tracing into Triton launches)."""
+    import sage_diffusers as sd
+    from sage_diffusers.sagebwd import Impl
+
+    tri = kernels()
+    q, k, v, do, key_mask = inputs(1, 2, 1, 40, 70, 32, torch.float16, device, True)
+    torch.library.opcheck(torch.ops.sage_diffusers.sagebwd_triton_fwd.default,
+                          (q, k, v, key_mask, False, 0.125, "int8"),
+                          test_utils=("test_schema", "test_faketensor"))
+    st = tri.sagebwd_forward(q, k, v, key_mask, False, 0.125)
+    torch.library.opcheck(torch.ops.sage_diffusers.sagebwd_triton_bwd.default,
+                          (do, *st, key_mask, False, 0.125, "fp16"), test_utils=("test_schema", "test_faketensor"))
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    fn = torch.compile(lambda a, b, c: sd.sagebwd(a, b, c, key_mask=key_mask, impl=Impl.TRITON),
+                       backend="aot_eager", fullgraph=True)
+    out = fn(qs, ks, vs)
+    out.backward(do)
+    want = tri.sagebwd_forward(q, k, v, key_mask, False, None)
+    assert torch.equal(out, want.out)
+    gq, gk, gv = tri.sagebwd_backward(do, want, key_mask, False, None)
+    assert torch.equal(qs.grad, gq.to(q.dtype)) and torch.equal(vs.grad, gv.to(v.dtype))

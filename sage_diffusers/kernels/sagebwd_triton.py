@@ -382,10 +382,7 @@ def quantize_blocks(x: torch.Tensor, block: int, mean: Optional[torch.Tensor] = 
     return q, scale
 
 
-def sagebwd_forward(q, k, v, key_mask=None, is_causal=False, scale=None,
-                    pv: "str | PVPrecision" = PVPrecision.INT8) -> SageBwdState:
-    """Same contract as :func:`sage_diffusers.reference.sagebwd.sagebwd_forward`."""
-    pv = PVPrecision.parse(pv)
+def _forward_impl(q, k, v, key_mask, is_causal: bool, scale: Optional[float], pv: PVPrecision) -> SageBwdState:
     b, hq, sq_len, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -393,6 +390,8 @@ def sagebwd_forward(q, k, v, key_mask=None, is_causal=False, scale=None,
     k8, sk = quantize_blocks(k, BLOCK_KV, mean=ref.key_mean(k, key_mask), key_mask=key_mask)
     v8, sv = quantize_blocks(v, BLOCK_KV, key_mask=key_mask)
     vc = ref.masked_v(v, key_mask).to(ref.compute_dtype(v.dtype)).contiguous()
+    if vc.data_ptr() == v.data_ptr():  # a custom op's outputs never alias its inputs
+        vc = vc.clone()
     out = torch.empty((b, hq, sq_len, d), dtype=q.dtype, device=q.device)
     m2 = torch.empty((b, hq, sq_len), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(m2)
@@ -414,10 +413,7 @@ def sagebwd_forward(q, k, v, key_mask=None, is_causal=False, scale=None,
     return SageBwdState(q8=q8, sq=sq, k8=k8, sk=sk, v8=v8, sv=sv, vc=vc, out=out, m2=m2, lse2=lse2)
 
 
-def sagebwd_backward(do, state: SageBwdState, key_mask=None, is_causal=False, scale=None,
-                     dov: "str | DoVPrecision" = DoVPrecision.FP16):
-    """Same contract as :func:`sage_diffusers.reference.sagebwd.sagebwd_backward`."""
-    dov = DoVPrecision.parse(dov)
+def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Optional[float], dov: DoVPrecision):
     b, hq, sq_len, d = state.q8.shape
     hkv, skv = state.k8.shape[1], state.k8.shape[2]
     dev = do.device
@@ -453,6 +449,60 @@ def sagebwd_backward(do, state: SageBwdState, key_mask=None, is_causal=False, sc
         qk_scale, sm_scale, hq, hq // hkv, sq_len, skv, **common,
     )
     return dq, dk, dv
+
+
+# One torch op per pass (opaque to torch.compile, with shape-only fake implementations), so the
+# autograd function and compiled graphs never trace into Triton launches.
+_State = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+               torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@torch.library.custom_op("sage_diffusers::sagebwd_triton_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
+            is_causal: bool, scale: float, pv: str) -> _State:
+    return tuple(_forward_impl(q, k, v, key_mask, is_causal, scale, PVPrecision(pv)))
+
+
+@_fwd_op.register_fake
+def _(q, k, v, key_mask, is_causal, scale, pv):
+    b, hq, sq_len, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    i8 = dict(dtype=torch.int8)
+    nq, nk = -(-sq_len // BLOCK_Q), -(-skv // BLOCK_KV)
+    return (q.new_empty(q.shape, **i8), q.new_empty((b, hq, nq), dtype=torch.float32),
+            k.new_empty(k.shape, **i8), k.new_empty((b, hkv, nk), dtype=torch.float32),
+            v.new_empty(v.shape, **i8), v.new_empty((b, hkv, nk), dtype=torch.float32),
+            v.new_empty(v.shape, dtype=ref.compute_dtype(v.dtype)), q.new_empty(q.shape),
+            q.new_empty((b, hq, sq_len), dtype=torch.float32), q.new_empty((b, hq, sq_len), dtype=torch.float32))
+
+
+@torch.library.custom_op("sage_diffusers::sagebwd_triton_bwd", mutates_args=())
+def _bwd_op(do: torch.Tensor, q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk: torch.Tensor,
+            v8: torch.Tensor, sv: torch.Tensor, vc: torch.Tensor, out: torch.Tensor, m2: torch.Tensor,
+            lse2: torch.Tensor, key_mask: Optional[torch.Tensor], is_causal: bool, scale: float,
+            dov: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    state = SageBwdState(q8, sq, k8, sk, v8, sv, vc, out, m2, lse2)
+    return _backward_impl(do, state, key_mask, is_causal, scale, DoVPrecision(dov))
+
+
+@_bwd_op.register_fake
+def _(do, q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, key_mask, is_causal, scale, dov):
+    return (do.new_empty(q8.shape, dtype=torch.float32), do.new_empty(k8.shape, dtype=torch.float32),
+            do.new_empty(k8.shape, dtype=torch.float32))
+
+
+def sagebwd_forward(q, k, v, key_mask=None, is_causal=False, scale=None,
+                    pv: "str | PVPrecision" = PVPrecision.INT8) -> SageBwdState:
+    """Same contract as :func:`sage_diffusers.reference.sagebwd.sagebwd_forward` (the torch op)."""
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return SageBwdState(*_fwd_op(q, k, v, key_mask, bool(is_causal), sm_scale, PVPrecision.parse(pv).value))
+
+
+def sagebwd_backward(do, state: SageBwdState, key_mask=None, is_causal=False, scale=None,
+                     dov: "str | DoVPrecision" = DoVPrecision.FP16):
+    """Same contract as :func:`sage_diffusers.reference.sagebwd.sagebwd_backward` (the torch op)."""
+    sm_scale = 1.0 / math.sqrt(state.q8.shape[-1]) if scale is None else float(scale)
+    return _bwd_op(do, *state, key_mask, bool(is_causal), sm_scale, DoVPrecision.parse(dov).value)
 
 
 def attention_int8_triton(q, k, v, *, key_mask=None, is_causal=False, scale=None, return_lse=False,
