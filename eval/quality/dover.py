@@ -16,7 +16,7 @@ DOVER is not on PyPI, so this is a port written from the public description and 
   (its overall score is sigmoid(0.6104 * t' + 0.3896 * a') with t', a' those standardised scores, also
   returned). EvalCrafter rescales differently; compare numbers only within one convention.
 - backbones: aesthetic ``conv_tiny`` = ConvNeXt-T inflated to 3D (here ``ConvNeXt3D``: stem 2x4x4 patchify,
-  blocks with 3x7x7 depthwise convs); technical ``swin_tiny_grpb`` = Video Swin-T with gated relative
+  blocks with (1|3)x7x7 depthwise convs, final LayerNorm on the feature map); technical ``swin_tiny_grpb`` = Video Swin-T with gated relative
   position bias, which is NOT ported yet: ``Dover.from_checkpoint`` raises until it is. Tiny random
   instances (``tiny_dover``) use ConvNeXt3D for both branches to test views, heads and normalisation.
 """
@@ -102,9 +102,12 @@ class LayerNormChannelsFirst(nn.Module):
 
 
 class ConvNeXtBlock3D(nn.Module):
-    def __init__(self, dim: int):
+    """Depthwise (t, 7, 7) conv, LayerNorm, 4x MLP with GELU, layer scale, residual."""
+
+    def __init__(self, dim: int, inflate_len: int = 3):
         super().__init__()
-        self.dwconv = nn.Conv3d(dim, dim, kernel_size=(3, 7, 7), padding=(1, 3, 3), groups=dim)
+        self.dwconv = nn.Conv3d(dim, dim, kernel_size=(inflate_len, 7, 7), padding=(inflate_len // 2, 3, 3),
+                                groups=dim)
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.pwconv1 = nn.Linear(dim, 4 * dim)
         self.act = nn.GELU()
@@ -118,9 +121,13 @@ class ConvNeXtBlock3D(nn.Module):
 
 
 class ConvNeXt3D(nn.Module):
-    """ConvNeXt inflated to video: (B, 3, T, H, W) -> (B, dims[-1], T/2, H/32, W/32)."""
+    """ConvNeXt inflated to video: (B, 3, T, H, W) -> (B, dims[-1], T/2, H/32, W/32), LayerNorm'd.
 
-    def __init__(self, depths=(3, 3, 9, 3), dims=(96, 192, 384, 768)):
+    Block j of a stage has a temporal kernel of ``inflate[j % 3]`` (DOVER's strategy "131"); module
+    names follow DOVER's ``conv_backbone.ConvNeXt3D`` so its state dict loads.
+    """
+
+    def __init__(self, depths=(3, 3, 9, 3), dims=(96, 192, 384, 768), inflate: str = "131"):
         super().__init__()
         self.downsample_layers = nn.ModuleList([nn.Sequential(
             nn.Conv3d(3, dims[0], kernel_size=(2, 4, 4), stride=(2, 4, 4)), LayerNormChannelsFirst(dims[0]))])
@@ -128,14 +135,15 @@ class ConvNeXt3D(nn.Module):
             self.downsample_layers.append(nn.Sequential(
                 LayerNormChannelsFirst(dims[i]),
                 nn.Conv3d(dims[i], dims[i + 1], kernel_size=(1, 2, 2), stride=(1, 2, 2))))
-        self.stages = nn.ModuleList([nn.Sequential(*[ConvNeXtBlock3D(d) for _ in range(n)])
-                                     for n, d in zip(depths, dims)])
+        self.stages = nn.ModuleList([nn.Sequential(*[ConvNeXtBlock3D(d, int(inflate[j % len(inflate)]))
+                                                     for j in range(n)]) for n, d in zip(depths, dims)])
+        self.norm = nn.LayerNorm(dims[-1], eps=1e-6)
         self.out_channels = dims[-1]
 
     def forward(self, x):
         for down, stage in zip(self.downsample_layers, self.stages):
             x = stage(down(x))
-        return x
+        return self.norm(x.movedim(1, -1)).movedim(-1, 1)
 
 
 class VQAHead(nn.Module):
