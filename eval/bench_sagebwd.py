@@ -8,7 +8,9 @@ Writes eval/results/sagebwd_h200.json (every timing, with metadata) and sagebwd_
 - Inputs: bf16 BHSD, Q and V ~ N(0, 1), K = N(0, 1) + 4 N(0, 1) per channel (as
   eval/bench_kernels.py), dO ~ N(0, 1).
 - Methods: ``sagebwd`` (``sage_diffusers.sagebwd``, Triton kernels, the whole call: quantization
-  pre-passes included), ``sagebwd_dov_int8`` (the dO.V^T INT8 ablation), ``sdpa_cudnn`` and
+  pre-passes included), ``sagebwd_atomic_dq`` (dQ by FP32 atomics inside the dK/dV kernel instead
+  of its own kernel: ``SAGE_DIFFUSERS_SAGEBWD_DQ=atomic``), ``sagebwd_dov_int8`` (the dO.V^T INT8
+  ablation), ``sdpa_cudnn`` and
   ``sdpa_flash`` (``F.scaled_dot_product_attention`` under ``sdpa_kernel``); ``fwd`` rows time the
   forward alone (no autograd graph), ``fwd+bwd`` rows one forward and
   ``torch.autograd.grad`` for dQ, dK, dV.
@@ -22,7 +24,9 @@ Writes eval/results/sagebwd_h200.json (every timing, with metadata) and sagebwd_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -60,6 +64,19 @@ def attention_fn(method: str, causal: bool):
     return run
 
 
+@contextlib.contextmanager
+def dq_pass(method: str):
+    """``sagebwd_atomic_dq``: the backward's dQ by atomics in the dK/dV kernel (read at call time)."""
+    if method != "sagebwd_atomic_dq":
+        yield
+        return
+    os.environ["SAGE_DIFFUSERS_SAGEBWD_DQ"] = "atomic"
+    try:
+        yield
+    finally:
+        del os.environ["SAGE_DIFFUSERS_SAGEBWD_DQ"]
+
+
 def step_fn(method: str, causal: bool, pass_: str, q, k, v, do):
     fn = attention_fn(method, causal)
     if pass_ == "fwd":
@@ -70,8 +87,9 @@ def step_fn(method: str, causal: bool, pass_: str, q, k, v, do):
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
     def step():
-        out = fn(qg, kg, vg)
-        torch.autograd.grad(out, (qg, kg, vg), do)
+        with dq_pass(method):
+            out = fn(qg, kg, vg)
+            torch.autograd.grad(out, (qg, kg, vg), do)
     return step
 
 
@@ -105,7 +123,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--methods", default="sagebwd,sagebwd_dov_int8,sdpa_cudnn,sdpa_flash")
+    ap.add_argument("--methods", default="sagebwd,sagebwd_atomic_dq,sagebwd_dov_int8,sdpa_cudnn,sdpa_flash")
     ap.add_argument("--out", default=str(RESULTS / "sagebwd_h200"))
     args = ap.parse_args()
     shapes = [(1, 24, s, 128) for s in (4096, 8192, 16384, 32768)] + [(1, 48, s, 64) for s in (4096, 8192, 16384, 32768)]

@@ -164,3 +164,18 @@ def test_custom_ops_and_compile(device):
     assert torch.equal(out, want.out)
     gq, gk, gv = tri.sagebwd_backward(do, want, key_mask, False, None)
     assert torch.equal(qs.grad, gq.to(q.dtype)) and torch.equal(vs.grad, gv.to(v.dtype))
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+def test_atomic_dq_pass_matches_separate(device, monkeypatch):
+    """SAGE_DIFFUSERS_SAGEBWD_DQ=atomic: the same dS tiles, dQ summed by atomics in another order."""
+    tri = kernels()
+    q, k, v, do, key_mask = inputs(1, 4, 2, 113, 90, 64, torch.bfloat16, device, True)
+    st = ref.sagebwd_forward(q, k, v, key_mask, True, None)
+    monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_DQ", "separate")
+    want = tri.sagebwd_backward(do, st, key_mask, True, None)
+    monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_DQ", "atomic")
+    got = tri.sagebwd_backward(do, st, key_mask, True, None)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-6 * want[0].abs().max().item())

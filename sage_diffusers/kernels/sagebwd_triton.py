@@ -11,13 +11,15 @@ Passes (one ``@triton.jit`` source each, precision choices as ``tl.constexpr``):
 - ``_fwd_kernel``: INT8 QK^T, online softmax, P~.V as INT8 (``PV_INT8``) or 16-bit; O, m, LSE.
 - ``_bwd_dkdv_kernel`` (one program per key block, all query heads of its group) and
   ``_bwd_dq_kernel`` (one per query block): both recompute the same dS tiles with ``_ds_tile``,
-  dP = dO.V^T 16-bit or INT8 (``DOV_INT8``).
+  dP = dO.V^T 16-bit or INT8 (``DOV_INT8``); or, with ``SAGE_DIFFUSERS_SAGEBWD_DQ=atomic``, the
+  dK/dV kernel alone adds each tile's dQ share with FP32 atomics (``FUSED_DQ``).
 
 On GPUs without this project's CUDA kernels (sm_80/86/89) the forward is also the inference path
 of ``mode="int8"``: :func:`attention_int8_triton` follows the kernels' backend contract.
 """
 from __future__ import annotations
 
+import enum
 import math
 import os
 from typing import Optional
@@ -52,13 +54,25 @@ def is_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _autotuned(configs, key: list):
+class DQPass(str, enum.Enum):
+    """How the backward produces dQ (``SAGE_DIFFUSERS_SAGEBWD_DQ``; same numerics, other sum order)."""
+
+    SEPARATE = "separate"  # its own kernel, one program per query block, recomputing the dS tiles
+    ATOMIC = "atomic"  # in the dK/dV kernel, FP32 atomic adds of each tile's dS.K (no recomputation)
+
+
+def dq_pass() -> DQPass:
+    return DQPass(os.environ.get("SAGE_DIFFUSERS_SAGEBWD_DQ", DQPass.SEPARATE.value))
+
+
+def _autotuned(configs, key: list, reset_to_zero: Optional[list] = None):
     """triton.autotune on a GPU (launch parameters only, never the numerics); the interpreter runs
-    the kernels as called."""
+    the kernels as called. ``reset_to_zero``: outputs accumulated with atomics, zeroed between trials."""
     def wrap(kernel):
         if INTERPRET:
             return kernel
-        return triton.autotune(configs=configs if AUTOTUNE else configs[:1], key=key)(kernel)
+        return triton.autotune(configs=configs if AUTOTUNE else configs[:1], key=key,
+                               reset_to_zero=reset_to_zero)(kernel)
     return wrap
 
 
@@ -246,16 +260,19 @@ if triton is not None:
         qv = tl.minimum(tl.maximum(_rint(tl.div_rn(ds, safe)), -127.0), 127.0)
         return tl.where(scale > 0, qv, 0.0).to(tl.int8), scale
 
-    @_autotuned(_BWD_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8"])
+    @_autotuned(_BWD_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "FUSED_DQ"], reset_to_zero=["dq_ptr"])
     @triton.jit
     def _bwd_dkdv_kernel(
         q8_ptr, sq_ptr, k8_ptr, sk_ptr, v8_ptr, sv_ptr, vc_ptr,
         m_ptr, lse_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr, sdos_ptr, mask_ptr,
         q8t_ptr,  # int8 (B, Hq, D, Sq): Q^ transposed, like dO'^ (dos8t): K-major for dK and dV
+        k8t_ptr,  # int8 (B, Hkv, D, Skv): K^ transposed, read with FUSED_DQ
         dk_ptr, dv_ptr,  # float32 (B, Hkv, Skv, D)
+        dq_ptr,  # float32 (B, Hq, Sq, D), zeroed, accumulated with atomics when FUSED_DQ
         qk_scale, sm_scale, HKV, GROUP, SQ, SKV,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
+        FUSED_DQ: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         bkv = tl.program_id(1)
@@ -273,6 +290,8 @@ if triton is not None:
         v8 = tl.load(v8_ptr + kv_off, mask=ink[:, None], other=0)
         sv = tl.load(sv_ptr + bkv * nkb + pid_n)
         vc = tl.load(vc_ptr + kv_off, mask=ink[:, None], other=0.0)
+        if FUSED_DQ:
+            k8t = tl.load(k8t_ptr + (bkv * D + dims[:, None]) * SKV + cols[None, :], mask=ink[None, :], other=0)
         dk = tl.zeros((BLOCK_N, D), tl.float32)
         dv = tl.zeros((BLOCK_N, D), tl.float32)
         m_lo = 0
@@ -295,6 +314,10 @@ if triton is not None:
                 ds8, sds = _quant_ds(ds)
                 q8t = tl.load(q8t_ptr + qt_off, mask=inq, other=0)
                 dk += tl.dot(tl.trans(ds8), tl.trans(q8t), out_dtype=tl.int32).to(tl.float32) * (sds * sq * sm_scale)
+                if FUSED_DQ:
+                    dq_part = tl.dot(ds8, tl.trans(k8t), out_dtype=tl.int32).to(tl.float32) * (sds * sk * sm_scale)
+                    tl.atomic_add(dq_ptr + (bh * SQ + rows[:, None]) * D + dims[None, :], dq_part,
+                                  mask=(rows < SQ)[:, None])
         tl.store(dk_ptr + kv_off, dk, mask=ink[:, None])
         tl.store(dv_ptr + kv_off, dv, mask=ink[:, None])
 
@@ -438,16 +461,19 @@ def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Op
     common = dict(D=d, BLOCK_M=BLOCK_Q, BLOCK_N=BLOCK_KV, HAS_MASK=has_mask, IS_CAUSAL=bool(is_causal),
                   DOV_INT8=dov is DoVPrecision.INT8, DOT16_AS_F32=INTERPRET)
     qk_scale = sm_scale * LOG2E
+    fused = dq_pass() is DQPass.ATOMIC
+    k8t = _transposed(state.k8)
     _bwd_dkdv_kernel[(triton.cdiv(skv, BLOCK_KV), b * hkv)](
         state.q8, state.sq, state.k8, state.sk, state.v8, state.sv, state.vc,
-        state.m2, state.lse2, delta, do16, do8, sdo, _transposed(dos8), sdos, mask, _transposed(state.q8), dk, dv,
-        qk_scale, sm_scale, hkv, hq // hkv, sq_len, skv, **common,
+        state.m2, state.lse2, delta, do16, do8, sdo, _transposed(dos8), sdos, mask, _transposed(state.q8), k8t,
+        dk, dv, dq, qk_scale, sm_scale, hkv, hq // hkv, sq_len, skv, FUSED_DQ=fused, **common,
     )
-    _bwd_dq_kernel[(triton.cdiv(sq_len, BLOCK_Q), b * hq)](
-        state.q8, state.sq, state.k8, state.sk, state.v8, state.sv, state.vc,
-        state.m2, state.lse2, delta, do16, do8, sdo, mask, _transposed(state.k8), dq,
-        qk_scale, sm_scale, hq, hq // hkv, sq_len, skv, **common,
-    )
+    if not fused:
+        _bwd_dq_kernel[(triton.cdiv(sq_len, BLOCK_Q), b * hq)](
+            state.q8, state.sq, state.k8, state.sk, state.v8, state.sv, state.vc,
+            state.m2, state.lse2, delta, do16, do8, sdo, mask, k8t, dq,
+            qk_scale, sm_scale, hq, hq // hkv, sq_len, skv, **common,
+        )
     return dq, dk, dv
 
 
