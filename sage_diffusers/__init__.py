@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FP4Format", "Layout", "Mode", "PQuant", "__version__", "attention", "disable", "enable",
-    "fallback_stats", "reset_fallback_stats", "sagebwd",
+    "enable_context_parallel", "fallback_stats", "reset_fallback_stats", "sagebwd",
 ]
 
 _LAZY = {"enable", "disable"}  # need diffusers: imported on first use, not with the package
@@ -24,4 +24,8 @@ def __getattr__(name):
         from . import integration
 
         return getattr(integration, name)
+    if name == "enable_context_parallel":  # diffusers' enable_parallelism with a plan for every supported model
+        from .processors.context_parallel import enable_context_parallel
+
+        return enable_context_parallel
     raise AttributeError(f"module 'sage_diffusers' has no attribute {name!r}")
