@@ -508,13 +508,14 @@ def plot(rows: list[dict], out: Path) -> None:
                        if any(isinstance(r.get(k), float) and math.isfinite(r[k]) for r in rows)]
     if not metrics_present:
         return
+    order = list(dict.fromkeys(r["attention"] for r in rows))  # one colour per attention
     cols = min(4, len(metrics_present))
     nrows = math.ceil(len(metrics_present) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3.2 * nrows), squeeze=False)
     for ax, k in zip(axes.flat, metrics_present):
         sub = [r for r in rows if isinstance(r.get(k), float) and math.isfinite(r[k])]
         labels = [f"{r['model']}\n{r['attention']}" for r in sub]
-        ax.bar(range(len(sub)), [r[k] for r in sub], color=[f"C{i % 10}" for i in range(len(sub))])
+        ax.bar(range(len(sub)), [r[k] for r in sub], color=[f"C{order.index(r['attention']) % 10}" for r in sub])
         ax.set_xticks(range(len(sub)), labels, rotation=60, fontsize=6)
         ax.set_title(k, fontsize=9)
     for ax in list(axes.flat)[len(metrics_present):]:
