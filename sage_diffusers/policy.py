@@ -49,7 +49,8 @@ class Policy(Protocol):
 
     Policies may also define ``mode_code(step, layer, num_steps)`` on 0-d int64 tensors (``num_steps`` is
     ``UNKNOWN_STEPS`` when unknown) returning a 0-d int64 ``MODE_CODE``, and ``modes()`` naming every mode they
-    can return; without them a compiled model re-traces whenever the mode changes.
+    can return. Without ``mode_code`` the mode is decided in Python from the step read back as a number, which
+    ``torch.compile`` can only do with a graph break (``fullgraph=True`` then fails).
     """
 
     def mode(self, step: int, layer: int, num_steps: int | None) -> Mode:
