@@ -14,6 +14,8 @@ Writes eval/results/sagebwd_h200.json (every timing, with metadata) and sagebwd_
   ``sdpa_flash`` (``F.scaled_dot_product_attention`` under ``sdpa_kernel``); ``fwd`` rows time the
   forward alone (no autograd graph), ``fwd+bwd`` rows one forward and
   ``torch.autograd.grad`` for dQ, dK, dV.
+- Warm-up compiles and autotunes every kernel variant first (a few minutes on an H200, not
+  timed); ``--methods`` narrows the run.
 - Timing: interleaved rounds (every method once per round, in turn), each the mean of ``--iters``
   back-to-back calls between CUDA events after a warm-up; min / median / max over the rounds.
 - TOPS: forward 4 B H S^2 D, backward 2.5 times that (five matmuls of which two are the

@@ -85,7 +85,7 @@ if triton is not None:
     # warps and pipeline depth; the backward tiles are fixed by the dS quantization tile.
     _FWD_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=st)
                     for m in (128, 64) for w in (8, 4) for st in (2, 3)]
-    _BWD_CONFIGS = [triton.Config({}, num_warps=w, num_stages=st) for w in (4, 8) for st in (2, 1, 3)]
+    _BWD_CONFIGS = [triton.Config({}, num_warps=w, num_stages=st) for w in (4, 8) for st in (2, 3)]
 
     @triton.jit
     def _rint(x):
