@@ -18,7 +18,8 @@ from .sage8 import sage8_quantize, sage8_reference
 
 __all__ = [
     "BLOCK_KV", "E2M1_VALUES", "cosine", "dequantize_mxfp4", "dequantize_nvfp4", "e2m1_decode",
-    "e2m1_encode", "e4m3_round", "finite_abs", "fp4_tensor_roundtrip", "fp4_tensor_scale", "pack_nibbles", "quantize_fp8_per_channel", "quantize_int8_per_block",
-    "quantize_int8_per_token", "quantize_mxfp4", "quantize_nvfp4", "relative_l1", "rmse",
+    "e2m1_encode", "e4m3_round", "finite_abs", "fp4_tensor_roundtrip", "fp4_tensor_scale", "pack_nibbles",
+    "quantize_fp8_per_channel", "quantize_int8_per_block", "quantize_int8_per_token", "quantize_mxfp4",
+    "quantize_nvfp4", "relative_l1", "rmse",
     "sage3_reference", "sage8_quantize", "sage8_reference", "smooth_q", "unpack_nibbles",
 ]
