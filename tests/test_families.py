@@ -245,3 +245,35 @@ def test_chroma_float_mask_keeps_diffusers_meaning_and_is_counted():
     sage_diffusers.reset_fallback_stats()
     torch.testing.assert_close(_forward(model, inputs), stock, rtol=0, atol=1e-6)
     assert sum(sage_diffusers.fallback_stats().values()) == CALLS[Family.CHROMA]
+
+
+def test_wan_i2v_image_context_runs_both_cross_attention_calls(monkeypatch):
+    """Wan 2.1 i2v: each cross-attention makes two dispatcher calls (image context, then 512 text tokens)."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=128, in_channels=4, out_channels=4,
+        text_dim=_sage_tiny.TEXT_DIM, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64, image_dim=8,
+        added_kv_proj_dim=256,
+    ).eval()
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(
+        hidden_states=torch.randn(2, 4, 3, 12, 12, generator=g), timestep=torch.full((2,), 500),
+        encoder_hidden_states=torch.randn(2, 512, _sage_tiny.TEXT_DIM, generator=g),  # Wan's fixed text length
+        encoder_hidden_states_image=torch.randn(2, 4, 8, generator=g),
+    )
+    ref = _forward(model, inputs)
+    for mode in (Mode.SDPA, Mode.INT8):
+        integration.enable(model, mode=mode)
+        calls = _Calls(monkeypatch)
+        sage_diffusers.reset_fallback_stats()
+        out = _forward(model, inputs)
+        integration.disable(model)
+        assert [r["mode"] for r in calls.records] == [mode] * 6  # (self + image + text) x 2 blocks
+        assert sage_diffusers.fallback_stats() == {}
+        if mode is Mode.SDPA:
+            torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+        else:
+            assert min(r["cosine"] for r in calls.records) >= CALL_COSINE_MIN[mode]
+            assert cosine(out, ref) >= OUTPUT_COSINE_MIN[mode]
