@@ -292,5 +292,26 @@ def test_plans():
     assert context_parallel_plan(flux) is flux._cp_plan
 
 
+def test_bench_arguments_and_tiny_single_process_report(tmp_path, monkeypatch):
+    """eval/context_parallel_bench.py: its options, and its tiny path on one process (the CP runs need torchrun)."""
+    sys.path.insert(0, str(ROOT / "eval"))
+    import context_parallel_bench as bench
+
+    args = bench.parse_args([])
+    assert args.models == ["hunyuanvideo", "wan21-14b"] and args.out == bench.DEFAULT_OUT
+    assert [f"{p.value}/{b.value}" for p, b in bench.runs(2)][:3] == ["single/diffusers", "single/int8", "ring/diffusers"]
+    assert bench.diffusers_backend(bench.Parallel.RING) == "_native_cudnn"
+    assert bench.latent_tokens(bench.MODELS["wan21-14b"], quick=False) == 21 * 45 * 80
+    assert bench.command_line(["--models", "wan21-14b"], 2) == (
+        "torchrun --nproc-per-node 2 eval/context_parallel_bench.py --models wan21-14b")
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "report"
+    assert bench.main(["--tiny", "--models", "wan21-14b", "--iters", "1", "--warmup", "0", "--out", str(out)]) == 0
+    report = out.with_suffix(".md").read_text()
+    assert "| wan21-14b | single | native |" in report and "| wan21-14b | single | sage_diffusers int8 |" in report
+    assert "Command: `python eval/context_parallel_bench.py --tiny" in report
+
+
 if __name__ == "__main__":
     _worker_main(sys.argv[1], json.loads(sys.argv[2]))
