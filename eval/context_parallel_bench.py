@@ -265,7 +265,8 @@ def to_markdown(env: dict[str, Any], results: dict[str, Any]) -> str:
         "",
         f"Command: `{env['command']}`",
         "",
-        f"torch {env['torch']}, diffusers {env['diffusers']}, {'tiny models (CPU)' if env['tiny'] else 'bf16, random weights'}, "
+        f"torch {env['torch']}, diffusers {env['diffusers']}, "
+        f"{'tiny models (CPU)' if env['tiny'] else 'bf16, random weights'}, "
         f"median of {env['iters']} forwards after {env['warmup']} warm-up; {env['date']}. Accuracy: the gathered "
         "output against the single-GPU diffusers run; speed-up: single-GPU diffusers time / run time.",
         "",

@@ -283,9 +283,8 @@ def register_backend() -> dict[Mode, Any]:
         for mode, value in names.items():
             member = _add_enum_member(dispatch.AttentionBackendName, value.upper(), value)
             function = sage_attention_backend if mode is Mode.AUTO else _ModeBackend(mode)
-            dispatch._AttentionBackendRegistry.register(member, constraints=constraints, supports_context_parallel=True)(
-                function
-            )
+            registry = dispatch._AttentionBackendRegistry
+            registry.register(member, constraints=constraints, supports_context_parallel=True)(function)
             _MEMBERS[mode] = member
     return {mode: member for mode, member in _MEMBERS.items() if mode is not None}
 
