@@ -483,8 +483,11 @@ def _progress(it, enabled: bool, desc: str):
 def run(suite: Suite, out: Path, *, small: bool = False, device: str = "cpu", inputs: Iterable[Path] = (),
         limit: Optional[int] = None, figure: bool = True, progress: bool = True) -> list[Row]:
     """Measure every ablation of ``suite`` and write table1.csv, table1.md and figure3.png under ``out``."""
+    import sage_diffusers
+
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    sage_diffusers.reset_fallback_stats()  # so the notes can say which kernel calls took another path
     if suite is Suite.SYNTHETIC:
         cases = synthetic_cases(small, device)
     else:
@@ -518,6 +521,9 @@ def run(suite: Suite, out: Path, *, small: bool = False, device: str = "cpu", in
     if bwd_rows and suite is Suite.SYNTHETIC:
         notes.append("backward: SageBwd (sage_diffusers.sagebwd) gradients against exact float64 autograd for a "
                      "random dO, on a small peaked case and a plain Gaussian one (Q, K, V ~ N(0, 1)).")
+    fell_back = sage_diffusers.fallback_stats()
+    if fell_back:
+        notes.append(f"calls that did not run their kernel (sage_diffusers.fallback_stats()): {fell_back}.")
     write_markdown(rows, out / "table1.md",
                    f"## Kernel accuracy, {suite.value} suite ({device}{', small' if small else ''})", notes)
     if figure:
