@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -172,21 +173,28 @@ def _launch(world: int, scenarios: list, out_dir: Path) -> tuple[dict, dict]:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
                OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     arg = json.dumps([[f.value, c, m.value] for f, c, m in scenarios])
-    procs = [
-        subprocess.Popen([sys.executable, __file__, str(out_dir), arg], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(world)
-    ]
-    logs = []
+    logs = [out_dir / f"rank{r}.log" for r in range(world)]
+    procs = []
+    for r, log in enumerate(logs):
+        with log.open("w") as f:
+            procs.append(subprocess.Popen([sys.executable, __file__, str(out_dir), arg], stdout=f,
+                                          stderr=subprocess.STDOUT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))))
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
     try:
-        for p in procs:
-            logs.append(p.communicate(timeout=WORKER_TIMEOUT_S)[0])
+        # A rank that fails leaves the others waiting in a collective: stop them all at the first failure.
+        while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()
     if any(p.returncode for p in procs):
-        pytest.fail("worker failed:\n" + "\n----\n".join(log[-4000:] for log in logs))
+        tails = [f"rank {r} (exit {p.returncode}):\n{log.read_text()[-4000:]}" for r, (p, log) in
+                 enumerate(zip(procs, logs))]
+        pytest.fail("context-parallel workers failed or timed out:\n" + "\n----\n".join(tails))
     outputs = torch.load(out_dir / "outputs.pt", weights_only=True)
     return outputs, json.loads((out_dir / "metrics.json").read_text())
 
