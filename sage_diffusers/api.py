@@ -285,50 +285,108 @@ def _plan(mode: Mode, q, k, v, attn_mask, key_mask, dropout: float,
         return Plan("sagebwd", Mode.INT8), native  # trainable INT8: Triton on CUDA, reference elsewhere
 
     if mode is Mode.AUTO:
-        algo = _auto_algorithm(device)
-        if algo is None:
-            _fallback.record(f"auto: no low-bit kernel for {_arch_name(device)}")
+        why = _auto_status(_device_index(device))
+        if not why:
+            slower = _auto_prefers_sdpa(device, d, q.shape[2], k.shape[2], bool(is_causal))
+            why = f"auto: SDPA is faster here ({slower})" if slower is not None else ""
+        if why:
+            _fallback.record(why)
             return Plan("sdpa", Mode.SDPA), None
-        backend, why = _kernel(algo, device)
-        if backend is not None:  # a kernel never run on this arch by the project: checked once first
-            from . import selftest
-
-            backend, why = selftest.gate(algo, device, backend)
-        if backend is None:
-            _fallback.record(f"auto: {algo.value} kernel unavailable on {_arch_name(device)}: {why}")
-            return Plan("sdpa", Mode.SDPA), None
-        slower = _auto_prefers_sdpa(device, d, q.shape[2], k.shape[2], is_causal)
-        if slower is not None:
-            _fallback.record(f"auto: SDPA is faster here ({slower})")
-            return Plan("sdpa", Mode.SDPA), None
-        return Plan("kernel", algo, backend), native
+        cap = _capability(_device_index(device))
+        algo = _auto_algorithm_of(cap)
+        return Plan("kernel", algo, _BACKENDS[(algo.value, cap, True)]), native
 
     if device.type != "cuda":
         return Plan("reference", mode), native
-    backend, why = _kernel(mode, device)
-    if backend is not None:
-        return Plan("kernel", mode, backend), native
-    _fallback.record(f"{mode.value}: no kernel on {_arch_name(device)} ({why})", ran="the torch reference")
+    cap = _capability(_device_index(device))
+    why = _kernel_status(mode.value, cap)
+    if not why:
+        return Plan("kernel", mode, _BACKENDS[(mode.value, cap, False)]), native
+    _fallback.record(f"{mode.value}: no kernel on sm_{cap} ({why})", ran="the torch reference")
     return Plan("reference", mode), native
+
+
+# The kernel lookups below read files, build extensions and run self-checks: host work that
+# torch.compile cannot trace. Each is marked as having a constant result, so dynamo runs it once,
+# eagerly, while tracing, and keeps only its answer (a string, an int or a bool); what it resolved
+# (the backend function, the measured auto table) is then read from a module dict, a lookup that
+# traces. Their arguments are the GPU and the mode only; the shape-dependent auto rule is plain
+# comparisons of the lengths, which dynamo guards (dynamic shapes included).
+_BACKENDS: dict[tuple[str, int, bool], Backend] = {}  # (mode, capability code, gated for auto) -> fn
+_AUTO_RULES: dict[int, Optional[dict]] = {}  # capability code -> measured auto table, or None
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@torch.compiler.assume_constant_result
+def _capability(index: int) -> int:
+    """Compute capability of CUDA device ``index`` as one int, 90 for sm_90."""
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
+
+
+@torch.compiler.assume_constant_result
+def _kernel_status(mode_value: str, cap: int) -> str:
+    """"" when the ``mode`` kernel for this arch is built and usable (then in _BACKENDS), else why not."""
+    backend, why = _kernel_cached(Mode(mode_value), divmod(cap, 10))
+    if backend is not None:
+        _BACKENDS[(mode_value, cap, False)] = backend
+    return "" if backend is not None else (why or "unavailable")
+
+
+@torch.compiler.assume_constant_result
+def _auto_status(index: int) -> str:
+    """"" when "auto" may run its kernel on GPU ``index`` (then in _BACKENDS), else the counted
+    reason it keeps SDPA: no kernel for the arch, kernel unavailable, or a failed self-check."""
+    cap = _capability(index)
+    arch = f"sm_{cap}"
+    algo = _auto_algorithm_of(cap)
+    if algo is None:
+        return f"auto: no low-bit kernel for {arch}"
+    why = _kernel_status(algo.value, cap)
+    if why:
+        return f"auto: {algo.value} kernel unavailable on {arch}: {why}"
+    from . import selftest  # a kernel never run on this arch by the project: checked once first
+
+    backend, why = selftest.gate(algo, torch.device("cuda", index), _BACKENDS[(algo.value, cap, False)])
+    if backend is None:
+        return f"auto: {algo.value} kernel unavailable on {arch}: {why}"
+    _BACKENDS[(algo.value, cap, True)] = backend
+    return ""
+
+
+@torch.compiler.assume_constant_result
+def _load_auto_rules(cap: int) -> bool:
+    """Put the measured auto table of this arch in _AUTO_RULES (shipped or calibrated, see
+    ``kernels/auto_table.py``); True when there is one."""
+    from .kernels import _jit, auto_table
+
+    _AUTO_RULES[cap] = auto_table.rules_for(divmod(cap, 10), str(_jit.cache_root()))
+    return _AUTO_RULES[cap] is not None
 
 
 def _auto_prefers_sdpa(device: torch.device, d: int, sq: int, skv: int, is_causal: bool) -> Optional[str]:
     """Why "auto" keeps SDPA for this shape on this GPU (a measured crossover), or None.
 
-    Only GPUs with a measured table (shipped or calibrated, see ``kernels/auto_table.py``) are
-    gated; elsewhere the self-checked kernel runs. Shapes and the table are host values: no sync.
+    Only GPUs with a measured table are gated; elsewhere the self-checked kernel runs. Shapes and
+    the table are host values: no sync.
     """
-    from .kernels import _jit, auto_table
+    from .kernels import auto_table
 
-    capability = torch.cuda.get_device_capability(device)
-    rules = auto_table.rules_for(capability, str(_jit.cache_root()))
-    if rules is None or auto_table.kernel_is_faster(rules, d, is_causal, sq, skv):
+    cap = _capability(_device_index(device))
+    if not _load_auto_rules(cap):
+        return None
+    rules = _AUTO_RULES[cap]
+    if auto_table.kernel_is_faster(rules, d, is_causal, sq, skv):
         return None
     ragged = auto_table.is_ragged(sq, skv)
     min_len = rules.get((d, is_causal, ragged))
     cls = auto_table.class_key(d, is_causal, ragged)
-    return f"{cls} on {_arch_name(device)}: kernel measured faster from {min_len} tokens" if min_len else \
-        f"{cls} on {_arch_name(device)}: kernel measured slower at every length"
+    if min_len is None:
+        return f"{cls} on sm_{cap}: kernel measured slower at every length"
+    return f"{cls} on sm_{cap}: kernel measured faster from {min_len} tokens"
 
 
 def _native_key_mask(attn_mask, key_mask, b: int, skv: int) -> tuple[Optional[torch.Tensor], bool]:
@@ -419,7 +477,12 @@ def _arch_name(device: torch.device) -> str:
 
 
 def _auto_algorithm(device: torch.device) -> Optional[Mode]:
-    major, _ = torch.cuda.get_device_capability(device)
+    return _auto_algorithm_of(_capability(_device_index(device)))
+
+
+def _auto_algorithm_of(cap: int) -> Optional[Mode]:
+    """The low-bit algorithm "auto" runs on an arch (capability code, 90 = sm_90), or None."""
+    major = cap // 10
     if major == 9:
         return Mode.INT8
     if major == 12:

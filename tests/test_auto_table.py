@@ -86,3 +86,38 @@ def test_api_gate_names_the_class_and_crossover(monkeypatch, tmp_path):
         assert api._auto_prefers_sdpa(dev, 128, 4608, 4608, False) is None  # no table: not gated
     finally:
         auto_table.rules_for.cache_clear()
+
+
+def test_gpu_dispatch_decisions_trace_under_compile(monkeypatch, tmp_path):
+    """Regression: on a GPU, torch.compile(fullgraph=True) over sd.attention(mode="auto") failed
+    because dynamo cannot trace the kernel lookup (file checks, JIT build, self-check) or the
+    auto table's file read. Those run eagerly as constant results now; the length rule traces,
+    with dynamic shapes too."""
+    import torch
+
+    from sage_diffusers import api
+    from sage_diffusers.kernels import _jit
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(_jit, "cache_root", lambda: tmp_path)
+    auto_table.rules_for.cache_clear()
+
+    def decide(x):
+        why = api._auto_status(0)  # on this CPU machine: the kernel is unavailable, with a reason
+        slower = api._auto_prefers_sdpa(torch.device("cuda", 0), 128, x.shape[0], x.shape[0], False)
+        return (x * 2 if slower is None else x + 1), why
+
+    try:
+        for dynamic in (False, True):
+            torch._dynamo.reset()
+            compiled = torch.compile(decide, fullgraph=True, backend="eager", dynamic=dynamic)
+            for n in (16384, 4096, 16384 + 128):
+                x = torch.ones(n)
+                out, why = compiled(x)
+                eager_out, eager_why = decide(x)
+                assert why == eager_why and why.startswith("auto: int8 kernel unavailable on sm_90")
+                assert torch.equal(out, eager_out)
+                assert torch.equal(out, x * 2 if n % 128 == 0 and n >= 16384 else x + 1)
+    finally:
+        auto_table.rules_for.cache_clear()
+        torch._dynamo.reset()
