@@ -188,6 +188,8 @@ def enable(
         replaced = []
         for layer, (module, processor) in enumerate(found):
             sage = PROCESSOR_FOR[type(processor)](state=state, layer=layer)
+            if getattr(processor, "_parallel_config", None) is not None:  # enable_parallelism ran first: stay CP
+                sage._parallel_config = processor._parallel_config
             _set_processor(module, sage)
             replaced.append((module, processor, sage))
         hook = state.attach(model) if policy is not None and not is_pipeline else None

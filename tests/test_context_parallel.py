@@ -303,6 +303,21 @@ def test_plans():
     assert context_parallel_plan(flux) is flux._cp_plan
 
 
+def test_enable_after_enable_parallelism_keeps_the_parallel_config():
+    """sd.enable after enable_parallelism: the new processors must carry the config, or attention goes local."""
+    import sage_diffusers as sd
+
+    model = _sage_tiny.tiny_transformer(Family.FLUX)
+    config = _fake_config()
+    for module in model.modules():
+        if hasattr(getattr(module, "processor", None), "_parallel_config"):
+            module.processor._parallel_config = config  # what enable_parallelism does
+    sd.enable(model, mode="int8")
+    processors = [m.processor for m in model.modules() if hasattr(m, "processor")]
+    assert processors and all(p._parallel_config is config for p in processors)
+    assert all(type(p).__module__.startswith("sage_diffusers") for p in processors)
+
+
 def test_bench_arguments_and_tiny_single_process_report(tmp_path, monkeypatch):
     """eval/context_parallel_bench.py: its options, and its tiny path on one process (the CP runs need torchrun)."""
     sys.path.insert(0, str(ROOT / "eval"))
