@@ -164,8 +164,9 @@ def _check_supported(cp: Any, query: torch.Tensor, key: torch.Tensor, value: tor
     if attn_mask is not None:
         raise ValueError(
             "sage_diffusers backends under context parallelism take key-padding masks only (bool (B, S_kv_local), "
-            "(B, 1, 1, S_kv_local), or an outer product of query and key padding); got another mask "
-            f"{tuple(attn_mask.shape)} {attn_mask.dtype}, whose split across ranks is not defined"
+            "(B, 1, 1, S_kv_local), or an outer product of query and key padding, over this rank's "
+            f"S_kv_local={key.shape[1]} keys); got another mask {tuple(attn_mask.shape)} {attn_mask.dtype}, whose "
+            "split across ranks is not defined"
         )
     if is_causal:
         raise ValueError("sage_diffusers backends do not support is_causal under context parallelism")
