@@ -114,6 +114,18 @@ def test_disguised_key_mask_is_checked_once_per_tensor(monkeypatch):
     torch.testing.assert_close(out, sd.attention(q, k, v, key_mask=other[:, 0, 0], mode="int8"), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("bad, match", [
+    (lambda b, s: torch.ones(b, s), "bool"),
+    (lambda b, s: torch.ones(b, s + 1, dtype=torch.bool), "shape"),
+    (lambda b, s: torch.ones(b, 1, 1, s, dtype=torch.bool), "shape"),  # 4-D belongs in attn_mask
+])
+def test_key_mask_is_validated(bad, match):
+    """key_mask is exactly bool (B, Skv); anything else is a ValueError naming the expected shape."""
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=f"key_mask.*{match}"):
+        sd.attention(q, k, v, key_mask=bad(2, 40), mode="int8")
+
+
 def test_general_masks_fall_back_and_are_counted():
     """A mask that is not key padding runs SDPA (exact) and says so, counted on every call."""
     q, k, v = _qkv(sq=24, skv=40)
