@@ -15,13 +15,23 @@ def record(reason: str, ran: str = "SDPA") -> None:
     """Count one call that did not take its requested path; log the reason the first time.
 
     ``ran`` names what ran instead (SDPA, or the torch reference where no kernel exists).
-    Inside a ``torch.compile`` graph the count is a plain dict update, which dynamo replays on
-    every run of the compiled code (it cannot trace the lock or the logging call); the warning
-    is then left to eager calls.
+    Inside a ``torch.compile`` graph the call is counted once, when dynamo traces it (a graph
+    cannot hold the lock, the logging call or a dict update: the last breaks ``torch.cond``
+    branches, where policies put their modes); eager calls are counted every time.
     """
     if torch.compiler.is_compiling():
-        _counts[reason] = _counts.get(reason, 0) + 1
+        _record_while_tracing(reason, ran)
         return
+    _count(reason, ran)
+
+
+@torch.compiler.assume_constant_result
+def _record_while_tracing(reason: str, ran: str) -> bool:
+    _count(reason, ran)
+    return True
+
+
+def _count(reason: str, ran: str) -> None:
     with _lock:
         first = reason not in _counts
         _counts[reason] = _counts.get(reason, 0) + 1
