@@ -70,13 +70,13 @@ def test_dover_views_normalisation_and_scores():
     cfg = dover.TINY_VIEWS
     video = torch.full((5, 3, 40, 48), 0.5)
     v = dover.views(video, cfg)
-    assert v["technical"].shape == (1, 3, cfg.clip_len, 64, 64)
+    assert v["technical"].shape == (cfg.technical_clips, 3, cfg.clip_len, 64, 64)
     assert v["aesthetic"].shape == (1, 3, cfg.clip_len, cfg.aesthetic_size, cfg.aesthetic_size)
     expected = (127.5 - torch.tensor(dover.PIXEL_MEAN)) / torch.tensor(dover.PIXEL_STD)
     assert torch.allclose(v["technical"][0].mean((1, 2, 3)), expected, atol=1e-4)
     model = dover.tiny_dover(0)
     t_map, a_map = model(v)
-    assert t_map.shape[:2] == (1, 1) and a_map.shape[:2] == (1, 1)
+    assert t_map.shape[:2] == (cfg.technical_clips, 1) and a_map.shape[:2] == (1, 1)
     s = model.score(torch.rand(5, 3, 40, 48))
     assert 0 < s.vqa_t < 100 and 0 < s.vqa_a < 100 and 0 < s.overall < 1
     # the normalisation is DOVER's fusion standardisation through a sigmoid
@@ -99,3 +99,30 @@ def test_tiny_image_reward_and_missing_weights():
     assert math.isfinite(r(torch.rand(2, 3, 32, 32), ["a dog", "a cat"]))
     with pytest.raises(FileNotFoundError, match="image_reward"):
         weights.resolve(weights.WeightSource("image_reward", "somewhere"))
+
+
+def test_swin3d_video_swin_t_shapes_and_state_dict_names():
+    m = dover.SwinTransformer3D()
+    assert 27e6 < sum(p.numel() for p in m.parameters()) < 29e6  # Video Swin-T
+    keys = m.state_dict().keys()
+    assert "layers.0.blocks.1.attn.fragment_position_bias_table" in keys
+    assert "layers.3.blocks.0.attn.fragment_position_bias_table" not in keys  # no fragment bias in stage 4
+    assert "layers.2.downsample.reduction.weight" in keys and "norm.weight" in keys
+    small = dover.tiny_dover(0).technical_backbone
+    y = small(torch.rand(1, 3, 8, 64, 64))
+    assert y.shape == (1, 64, 4, 2, 2) and torch.isfinite(y).all()
+
+
+def test_swin3d_shift_mask_and_fragment_gate():
+    mask = dover._shift_mask(4, 14, 14, (2, 7, 7), (1, 3, 3), "cpu")
+    assert mask.shape == (2 * 2 * 2, 98, 98)
+    assert (mask[0] == 0).all()  # the first window holds no wrapped tokens
+    assert (mask[-1] == -100).any() and torch.equal(mask, mask.transpose(-1, -2))
+    gate = dover._fragment_gate(2, 14, 14, (2, 7, 7), (0, 0, 0), "cpu")
+    # a 7 x 7 fragment grid over 14 x 14 tokens: each fragment is 2 x 2 tokens, windows 7 x 7
+    assert gate.shape == (4, 98, 98) and gate[0, 0, 0] == 0 and gate[0, 0, 1] == 0 and gate[0, 0, 2] == 1
+
+
+def test_dover_from_checkpoint_without_weights_names_the_file():
+    with pytest.raises(FileNotFoundError, match="dover"):
+        dover.Dover.from_checkpoint(None)

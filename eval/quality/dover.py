@@ -1,24 +1,29 @@
 """DOVER (Wu et al., ICCV 2023) video quality: VQA-t (technical) and VQA-a (aesthetic), inference only.
 
-DOVER is not on PyPI, so this is a port written from the public description and configuration
-(``dover.yml``) of the reference repository (VQAssessment/DOVER):
+DOVER is not on PyPI, so this is a port written from the public description, configuration
+(``dover.yml``) and model code of the reference repository (VQAssessment/DOVER); weights come from its
+released ``DOVER.pth`` (local path; ``Dover.from_checkpoint``).
 
 - views: technical = spatial fragments, a 7 x 7 grid of 32 x 32 patches (224 x 224), the same patch
   positions for every aligned group of 32 frames, the video upsampled bilinearly first when its short
-  side is below 224; aesthetic = the frames resized to 224 x 224. Clips are 32 frames, frame interval 2,
-  looping over short videos as DOVER's sampler does. Deviation: DOVER draws each fragment's offset
-  inside its grid cell at random; here it is the cell's centre (deterministic scores).
+  side is below 224; 3 clips of 32 frames at interval 2 (evenly spaced starts), looping over short
+  videos. Aesthetic = 32 frames spread uniformly over the video (segment centres), resized to 224 x 224.
+  Deviations: DOVER draws fragment offsets inside their grid cells and clip starts at random; here they
+  are deterministic (cell centres, evenly spaced starts), so scores are repeatable.
 - normalisation: pixels in [0, 255], mean (123.675, 116.28, 103.53), std (58.395, 57.12, 57.375).
+- backbones: technical ``swin_tiny_grpb`` = Video Swin-T (patch 2x4x4, windows 8x7x7, depths 2/2/6/2)
+  with DOVER's gated fragment position bias in the first three stages (``SwinTransformer3D``);
+  aesthetic ``conv_tiny`` = ConvNeXt-T inflated to 3D (``ConvNeXt3D``). Module names follow DOVER's,
+  so its state dict loads unchanged.
 - heads (``VQAHead``): 1x1x1 Conv3d in -> 64, GELU, 1x1x1 Conv3d 64 -> 1 on the backbone's feature
-  map (dropout is off at inference); a branch's raw score is the mean of its map.
+  map (dropout is off at inference); a branch's raw score is the mean of its map over clips.
 - scores reported here: VQA-t = 100 * sigmoid((t - 0.1107) / 0.07355), VQA-a = 100 * sigmoid((a -
   0.08285) / 0.03774), i.e. each raw score standardised with the constants of DOVER's own score fusion
   (its overall score is sigmoid(0.6104 * t' + 0.3896 * a') with t', a' those standardised scores, also
   returned). EvalCrafter rescales differently; compare numbers only within one convention.
-- backbones: aesthetic ``conv_tiny`` = ConvNeXt-T inflated to 3D (here ``ConvNeXt3D``: stem 2x4x4 patchify,
-  blocks with (1|3)x7x7 depthwise convs, final LayerNorm on the feature map); technical ``swin_tiny_grpb`` = Video Swin-T with gated relative
-  position bias, which is NOT ported yet: ``Dover.from_checkpoint`` raises until it is. Tiny random
-  instances (``tiny_dover``) use ConvNeXt3D for both branches to test views, heads and normalisation.
+
+Not verified against the released weights here (none can be downloaded): the port is checked for
+shapes, normalisation and its building blocks on tiny random instances (``tiny_dover``).
 """
 from __future__ import annotations
 
@@ -49,11 +54,14 @@ class ViewConfig:
     clip_len: int = 32
     frame_interval: int = 2
     aligned: int = 32
+    technical_clips: int = 3  # clips of the technical view, averaged (dover.yml num_clips)
 
 
-def sample_frames(t: int, cfg: ViewConfig) -> torch.Tensor:
-    """Indices of one clip of ``clip_len`` frames at ``frame_interval``, looping past the end."""
-    return (torch.arange(cfg.clip_len) * cfg.frame_interval) % t
+def sample_frames(t: int, cfg: ViewConfig, clip: int = 0, clips: int = 1) -> torch.Tensor:
+    """Frame indices of clip ``clip`` of ``clips``: ``clip_len`` frames at ``frame_interval`` from an
+    evenly spaced start, looping past the end of short videos."""
+    start = (clip * t) // clips
+    return (start + torch.arange(cfg.clip_len) * cfg.frame_interval) % t
 
 
 def normalise(video01: torch.Tensor) -> torch.Tensor:
@@ -82,12 +90,17 @@ def fragments(video: torch.Tensor, cfg: ViewConfig) -> torch.Tensor:
 
 
 def views(video: torch.Tensor, cfg: ViewConfig = ViewConfig()) -> dict[str, torch.Tensor]:
-    """A video (T, 3, H, W) in [0, 1] -> {"technical", "aesthetic"}: (1, 3, clip_len, 224, 224) each."""
-    idx = sample_frames(video.shape[0], cfg)
-    clip = normalise(video[idx].permute(1, 0, 2, 3))  # (3, T, H, W)
-    tech = fragments(clip, cfg)
+    """A video (T, 3, H, W) in [0, 1] -> {"technical": (clips, 3, clip_len, g*f, g*f), "aesthetic":
+    (1, 3, clip_len, 224, 224)}, normalised."""
+    tech = []
+    for c in range(cfg.technical_clips):
+        clip = normalise(video[sample_frames(video.shape[0], cfg, c, cfg.technical_clips)].permute(1, 0, 2, 3))
+        tech.append(fragments(clip, cfg))
+    t = video.shape[0]
+    spread = ((torch.arange(cfg.clip_len) + 0.5) * t / cfg.clip_len).long().clamp_max(t - 1)
+    clip = normalise(video[spread].permute(1, 0, 2, 3))  # (3, T, H, W), frames spread over the video
     aes = F.interpolate(clip, size=(cfg.aesthetic_size, cfg.aesthetic_size), mode="bilinear", align_corners=False)
-    return {"technical": tech[None], "aesthetic": aes[None]}
+    return {"technical": torch.stack(tech), "aesthetic": aes[None]}
 
 
 class LayerNormChannelsFirst(nn.Module):
@@ -146,6 +159,196 @@ class ConvNeXt3D(nn.Module):
         return self.norm(x.movedim(1, -1)).movedim(-1, 1)
 
 
+def _window_partition(x: torch.Tensor, ws: tuple[int, int, int]) -> torch.Tensor:
+    """(B, D, H, W, C) -> (B * nW, wd * wh * ww, C), windows in (d, h, w) order."""
+    b, d, h, w, c = x.shape
+    x = x.view(b, d // ws[0], ws[0], h // ws[1], ws[1], w // ws[2], ws[2], c)
+    return x.permute(0, 1, 3, 5, 2, 4, 6, 7).reshape(-1, ws[0] * ws[1] * ws[2], c)
+
+
+def _window_reverse(windows: torch.Tensor, ws: tuple[int, int, int], b: int, d: int, h: int, w: int) -> torch.Tensor:
+    x = windows.view(b, d // ws[0], h // ws[1], w // ws[2], ws[0], ws[1], ws[2], -1)
+    return x.permute(0, 1, 4, 2, 5, 3, 6, 7).reshape(b, d, h, w, -1)
+
+
+def _clamp_window(size, window, shift):
+    """Windows no larger than the feature map; no shift along a dim the window covers whole."""
+    ws, ss = list(window), list(shift)
+    for i, n in enumerate(size):
+        if n <= window[i]:
+            ws[i], ss[i] = n, 0
+    return tuple(ws), tuple(ss)
+
+
+def _shift_mask(d: int, h: int, w: int, ws, ss, device) -> torch.Tensor:
+    """(nW, N, N) additive mask (0 / -100) keeping shifted windows from mixing wrapped regions."""
+    img = torch.zeros(1, d, h, w, 1, device=device)
+    cnt = 0
+    for sd in (slice(-ws[0]), slice(-ws[0], -ss[0]), slice(-ss[0], None)):
+        for sh in (slice(-ws[1]), slice(-ws[1], -ss[1]), slice(-ss[1], None)):
+            for sw in (slice(-ws[2]), slice(-ws[2], -ss[2]), slice(-ss[2], None)):
+                img[:, sd, sh, sw, :] = cnt
+                cnt += 1
+    win = _window_partition(img, ws).squeeze(-1)  # (nW, N)
+    diff = win[:, None, :] - win[:, :, None]
+    return torch.where(diff != 0, torch.full_like(diff, -100.0), torch.zeros_like(diff))
+
+
+def _fragment_gate(d: int, h: int, w: int, ws, ss, device) -> torch.Tensor:
+    """(nW, N, N) L1 distance between the fragment indices of two tokens of a window.
+
+    Fragments: a (1, wh, ww) grid stretched (nearest) over the feature map, i.e. the 7 x 7 grid
+    of DOVER's fragment sampler; 0 = same fragment (the gated bias uses the fragment table there).
+    """
+    grid = torch.stack(torch.meshgrid(torch.arange(1), torch.arange(ws[1]), torch.arange(ws[2]), indexing="ij"))
+    coords = F.interpolate(grid[None].float().to(device), size=(d, h, w)).long().permute(0, 2, 3, 4, 1)
+    coords = torch.roll(coords, shifts=(-ss[0], -ss[1], -ss[2]), dims=(1, 2, 3))
+    win = _window_partition(coords, ws)  # (nW, N, 3)
+    return (win[:, None, :] - win[:, :, None]).abs().sum(-1).float()
+
+
+class WindowAttention3D(nn.Module):
+    """Window attention with a relative position bias table and, with ``frag_bias``, DOVER's gated
+    fragment table: bias = rel * g + frag * (1 - g), g the fragment distance of the two tokens."""
+
+    def __init__(self, dim: int, window: tuple[int, int, int], heads: int, frag_bias: bool):
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        size = (2 * window[0] - 1) * (2 * window[1] - 1) * (2 * window[2] - 1)
+        self.relative_position_bias_table = nn.Parameter(torch.zeros(size, heads))
+        if frag_bias:
+            self.fragment_position_bias_table = nn.Parameter(torch.zeros(size, heads))
+        c = torch.stack(torch.meshgrid(*[torch.arange(n) for n in window], indexing="ij")).flatten(1)  # (3, N)
+        rel = (c[:, :, None] - c[:, None, :]).permute(1, 2, 0)  # (N, N, 3)
+        rel = rel + torch.tensor([window[0] - 1, window[1] - 1, window[2] - 1])
+        index = rel[..., 0] * (2 * window[1] - 1) * (2 * window[2] - 1) + rel[..., 1] * (2 * window[2] - 1) + rel[..., 2]
+        self.register_buffer("relative_position_index", index)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x, mask, gate):  # x (B*nW, N, C); mask, gate (nW, N, N) or mask None
+        bw, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(bw, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        attn = (q * self.scale) @ k.transpose(-2, -1)  # (B*nW, nH, N, N)
+        idx = self.relative_position_index[:n, :n].reshape(-1)  # clamped windows use the top-left block
+        rel = self.relative_position_bias_table[idx].reshape(n, n, -1).permute(2, 0, 1)[None]  # (1, nH, N, N)
+        nw = gate.shape[0]
+        if hasattr(self, "fragment_position_bias_table"):
+            frag = self.fragment_position_bias_table[idx].reshape(n, n, -1).permute(2, 0, 1)[None]
+            g = gate[:, None]  # (nW, 1, N, N)
+            rel = rel * g + frag * (1 - g)
+        attn = attn.view(bw // nw, nw, self.heads, n, n) + rel[None]
+        if mask is not None:
+            attn = attn + mask[None, :, None]
+        attn = attn.view(bw, self.heads, n, n).softmax(-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(bw, n, c))
+
+
+class _Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class SwinBlock3D(nn.Module):
+    def __init__(self, dim: int, heads: int, window, shift, frag_bias: bool):
+        super().__init__()
+        self.window, self.shift = window, shift
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = WindowAttention3D(dim, window, heads, frag_bias)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = _Mlp(dim, 4 * dim)
+
+    def forward(self, x):  # (B, D, H, W, C)
+        b, d, h, w, c = x.shape
+        ws, ss = _clamp_window((d, h, w), self.window, self.shift)
+        y = self.norm1(x)
+        pads = [(ws[i] - n % ws[i]) % ws[i] for i, n in enumerate((d, h, w))]
+        y = F.pad(y, (0, 0, 0, pads[2], 0, pads[1], 0, pads[0]))
+        dp, hp, wp = y.shape[1:4]
+        shifted = any(s > 0 for s in ss)
+        if shifted:
+            y = torch.roll(y, shifts=(-ss[0], -ss[1], -ss[2]), dims=(1, 2, 3))
+        mask = _shift_mask(dp, hp, wp, ws, ss, x.device) if shifted else None
+        gate = _fragment_gate(dp, hp, wp, ws, ss, x.device)
+        y = _window_reverse(self.attn(_window_partition(y, ws), mask, gate), ws, b, dp, hp, wp)
+        if shifted:
+            y = torch.roll(y, shifts=ss, dims=(1, 2, 3))
+        x = x + y[:, :d, :h, :w]
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerging(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.reduction = nn.Linear(4 * dim, 2 * dim, bias=False)
+        self.norm = nn.LayerNorm(4 * dim)
+
+    def forward(self, x):  # (B, D, H, W, C) -> (B, D, H/2, W/2, 2C)
+        h, w = x.shape[2:4]
+        if h % 2 or w % 2:
+            x = F.pad(x, (0, 0, 0, w % 2, 0, h % 2))
+        x = torch.cat([x[:, :, 0::2, 0::2], x[:, :, 1::2, 0::2], x[:, :, 0::2, 1::2], x[:, :, 1::2, 1::2]], -1)
+        return self.reduction(self.norm(x))
+
+
+class _SwinStage(nn.Module):
+    def __init__(self, dim, depth, heads, window, frag_bias, downsample: bool):
+        super().__init__()
+        shift = tuple(i // 2 for i in window)
+        self.blocks = nn.ModuleList([SwinBlock3D(dim, heads, window, (0, 0, 0) if i % 2 == 0 else shift, frag_bias)
+                                     for i in range(depth)])
+        self.downsample = PatchMerging(dim) if downsample else None
+
+    def forward(self, x):  # (B, C, D, H, W)
+        x = x.permute(0, 2, 3, 4, 1)
+        for blk in self.blocks:
+            x = blk(x)
+        if self.downsample is not None:
+            x = self.downsample(x)
+        return x.permute(0, 4, 1, 2, 3)
+
+
+class _PatchEmbed3D(nn.Module):
+    def __init__(self, patch, dim):
+        super().__init__()
+        self.patch = patch
+        self.proj = nn.Conv3d(3, dim, kernel_size=patch, stride=patch)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x):
+        d, h, w = x.shape[2:]
+        x = F.pad(x, (0, (-w) % self.patch[2], 0, (-h) % self.patch[1], 0, (-d) % self.patch[0]))
+        x = self.proj(x)
+        return self.norm(x.movedim(1, -1)).movedim(-1, 1)
+
+
+class SwinTransformer3D(nn.Module):
+    """Video Swin-T with gated relative position bias (DOVER's ``swin_tiny_grpb``, FAST-VQA's backbone):
+    (B, 3, T, H, W) -> (B, 768, T/2, H/32, W/32), LayerNorm'd. Patch 2 x 4 x 4, windows 8 x 7 x 7
+    (shifted by half in odd blocks), fragment-gated bias in the first three stages. Module names
+    follow DOVER's, so its state dict loads."""
+
+    def __init__(self, embed_dim: int = 96, depths=(2, 2, 6, 2), heads=(3, 6, 12, 24), window=(8, 7, 7),
+                 frag_biases=(True, True, True, False), patch=(2, 4, 4)):
+        super().__init__()
+        self.patch_embed = _PatchEmbed3D(patch, embed_dim)
+        self.layers = nn.ModuleList([
+            _SwinStage(embed_dim * 2 ** i, depths[i], heads[i], tuple(window), bool(frag_biases[i]), i < len(depths) - 1)
+            for i in range(len(depths))])
+        self.out_channels = embed_dim * 2 ** (len(depths) - 1)
+        self.norm = nn.LayerNorm(self.out_channels)
+
+    def forward(self, x):
+        x = self.patch_embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x.movedim(1, -1)).movedim(-1, 1)
+
+
 class VQAHead(nn.Module):
     """1x1x1 Conv3d -> GELU -> 1x1x1 Conv3d (in -> hidden -> 1) on a feature map."""
 
@@ -191,10 +394,21 @@ class Dover(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path: Optional[str] = None) -> "Dover":
-        resolve(DOVER, path)  # names the missing file first
-        raise NotImplementedError(
-            "DOVER's technical backbone (Video Swin-T with gated relative position bias) is not ported yet; "
-            "VQA-a / VQA-t need it to load DOVER.pth")
+        """DOVER with the released weights (``DOVER.pth``: a state dict with technical_/aesthetic_ keys)."""
+        file = resolve(DOVER, path)
+        if file.is_dir():
+            file = file / "DOVER.pth"
+        if not file.is_file():
+            raise FileNotFoundError(f"weights 'dover': {file} is missing (from {DOVER.origin})")
+        model = cls(SwinTransformer3D(), ConvNeXt3D()).eval()
+        state = torch.load(str(file), map_location="cpu", weights_only=True)
+        state = state.get("state_dict", state)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.endswith("relative_position_index")]
+        if missing:
+            raise ValueError(f"{file}: {len(missing)} weights missing, e.g. {missing[:3]}; "
+                             f"unexpected {list(unexpected)[:3]}")
+        return model
 
     @torch.no_grad()
     def forward(self, v: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,12 +424,17 @@ class Dover(nn.Module):
         return DoverScores(float(t.mean()), float(a.mean()))
 
 
-TINY_VIEWS = ViewConfig(fragments=4, fragment_size=16, aesthetic_size=64, clip_len=8, aligned=8)
+TINY_VIEWS = ViewConfig(fragments=4, fragment_size=16, aesthetic_size=64, clip_len=8, aligned=8, technical_clips=2)
 
 
 def tiny_dover(seed: int = 0, cfg: ViewConfig = TINY_VIEWS) -> Dover:
-    """Random DOVER with tiny ConvNeXt3D branches (one block per stage, widths 8-64) and small views
-    (4 x 4 fragments of 16 pixels, 64-pixel aesthetic view, 8-frame clips), for offline tests."""
+    """Random DOVER with a tiny Swin3D technical branch (width 8, windows 2 x 7 x 7) and a tiny ConvNeXt3D
+    aesthetic branch, and small views (2 clips of 4 x 4 fragments of 16 pixels, 64-pixel aesthetic
+    view, 8-frame clips), for offline tests."""
     torch.manual_seed(seed)
-    small = dict(depths=(1, 1, 1, 1), dims=(8, 16, 32, 64))
-    return Dover(ConvNeXt3D(**small), ConvNeXt3D(**small), hidden=8, cfg=cfg).eval()
+    swin = SwinTransformer3D(embed_dim=8, depths=(2, 2, 1, 1), heads=(1, 2, 2, 4), window=(2, 7, 7))
+    conv = ConvNeXt3D(depths=(1, 1, 1, 1), dims=(8, 16, 32, 64))
+    for p in swin.parameters():  # bias tables start at zero: make them matter in tests
+        if p.ndim == 2 and p.shape[0] > 100:
+            torch.nn.init.normal_(p, std=0.5)
+    return Dover(swin, conv, hidden=8, cfg=cfg).eval()
