@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import sage_diffusers as sd
+from sage_diffusers.kernels._timing import pipelined_ms
 from sage_diffusers.reference import cosine, relative_l1
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -95,16 +96,6 @@ def step_fn(method: str, causal: bool, pass_: str, q, k, v, do):
     return step
 
 
-def time_ms(step, iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        step()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def accuracy(q, k, v, do, causal: bool) -> dict:
     ref = [t.float().detach().requires_grad_() for t in (q, k, v)]
     with sdpa_kernel(SDPBackend.MATH):
@@ -149,7 +140,7 @@ def main() -> None:
             times = {m: [] for m in methods}
             for _ in range(args.rounds):
                 for m in methods:
-                    times[m].append(time_ms(steps[m], args.iters))
+                    times[m].append(pipelined_ms(steps[m], args.iters, warmup=0))
             flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0) * (1.0 if pass_ == "fwd" else 3.5)
             base = statistics.median(times["sdpa_cudnn"]) if "sdpa_cudnn" in times else None
             for m in methods:

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 import sage_diffusers as sd  # noqa: E402
 from eval.bench_kernels import SHAPES, make_inputs  # noqa: E402
 from sage_diffusers.kernels import _jit, auto_table  # noqa: E402
+from sage_diffusers.kernels._timing import pipelined_ms  # noqa: E402
 
 # head dim -> heads used in the sweep (real models: Flux/HunyuanVideo 24x128, CogVideoX-5B 48x64)
 SWEEP_HEADS = {128: 24, 64: 48}
@@ -65,29 +66,16 @@ def _auto(q, k, v, causal):
     return sd.attention(q, k, v, is_causal=causal, mode="auto")
 
 
-def _time_ms(fn, iters: int) -> float:
-    """Mean ms of ``iters`` back-to-back calls between CUDA events (after one warm-up call)."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def interleaved(methods: dict, args_of, rounds: int, target_ms: float = 40.0) -> dict:
     """{name: [ms per round]}: every round times each method once, in a rotating order."""
     names = list(methods)
-    probe = _time_ms(lambda: methods[names[0]](*args_of()), 2)
+    probe = pipelined_ms(lambda: methods[names[0]](*args_of()), 2)
     iters = max(3, int(target_ms / max(probe, 1e-3)))
     times = {n: [] for n in names}
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
-            times[n].append(_time_ms(lambda: methods[n](*args_of()), iters))
+            times[n].append(pipelined_ms(lambda: methods[n](*args_of()), iters))
     return times
 
 
