@@ -286,18 +286,19 @@ def _metrics(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]
 
 
 # (algorithm) -> ((cos lo, hi), (rel-L1 lo, hi), (|O'|/|O| lo, hi)) on the "gqa" case (D = 64).
-# Measured over seeds 0-7 (min .. max):
+# Measured over seeds 0-7 (min .. max), FP4 with its per-tensor scale:
 #   int8   cos 0.99993 .. 0.99995, rel-L1 0.0098 .. 0.0115, ratio 0.9986 .. 0.9990
-#   nvfp4  cos 0.99772 .. 0.99837, rel-L1 0.0596 .. 0.0722, ratio 0.9643 .. 0.9693
-#   mxfp4  cos 0.99445 .. 0.99652, rel-L1 0.0890 .. 0.1072, ratio 0.9443 .. 0.9510
+#   nvfp4  cos 0.99757 .. 0.99831, rel-L1 0.0604 .. 0.0721, ratio 0.9645 .. 0.9698
+#   mxfp4  cos 0.99558 .. 0.99705, rel-L1 0.0850 .. 0.1054, ratio 0.9423 .. 0.9485
 #   (fp16 SDPA: rel-L1 1.3e-4 .. 2.6e-4; nvfp4 with direct P~ falls inside nvfp4's band)
-# FP4 shrinks the output norm by design: P~ elements below a quarter of their block scale flush to 0
-# while the row sum comes from unquantized P~. Bands leave ~1/3 of the gap to the neighbour, so a
-# reference that quantizes less (fp16) or uses the other format fails rel-L1 or the norm ratio.
+# The FP4 outputs are systematically 3-6 % smaller in norm than exact attention (a property of the
+# algorithm on these inputs, the same in the dense re-statement). Bands leave part of the gap to the
+# neighbour, so a reference that quantizes less (fp16) or uses the other format fails rel-L1 or the
+# norm ratio, and cosine is checked beside them.
 ACCURACY = {
     "int8": ((0.99985, 0.99999), (0.0085, 0.0135), (0.9975, 1.0005)),
-    "nvfp4": ((0.9965, 0.9990), (0.050, 0.080), (0.956, 0.978)),
-    "mxfp4": ((0.9920, 0.9975), (0.082, 0.125), (0.930, 0.957)),
+    "nvfp4": ((0.9965, 0.9990), (0.050, 0.078), (0.956, 0.978)),
+    "mxfp4": ((0.9920, 0.9980), (0.080, 0.125), (0.930, 0.9555)),
 }
 SEEDS = range(6)
 
