@@ -397,7 +397,8 @@ def _native_key_mask(attn_mask, key_mask, b: int, skv: int) -> tuple[Optional[to
     derived = None
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool and attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1:
-            derived = attn_mask.reshape(attn_mask.shape[0], skv)  # free: a view, no value read
+            # (B|1, Skv|1): a mask broadcast over the keys too is valid SDPA; expand does the rest
+            derived = attn_mask.reshape(attn_mask.shape[0], attn_mask.shape[3])  # a view, no value read
         else:
             derived = _MASK_CLASSES.key_mask_of(attn_mask)
             if derived is None:

@@ -1,0 +1,32 @@
+"""Regression tests for defects found in the review of the issue 11-18 changes (CPU).
+
+Each test's docstring names the bug it pins; each fails on the code before its fix.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sage_diffusers as sd
+from sage_diffusers import api
+
+
+def _qkv(b=2, h=2, s=8, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, h, s, d, generator=g) for _ in range(3))
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp4"])
+def test_bool_mask_broadcast_over_keys_runs(mode):
+    """Bug: a bool attn_mask (B, 1, 1, 1) (valid SDPA: broadcast over heads, queries and keys) raised
+    a RuntimeError in _native_key_mask, which reshaped it to (B, Skv) instead of (B, 1)."""
+    q, k, v = _qkv()
+    mask = torch.tensor([True, False]).reshape(2, 1, 1, 1)  # batch 0 sees every key, batch 1 none
+    out = sd.attention(q, k, v, attn_mask=mask, mode=mode)
+    want = sd.attention(q, k, v, key_mask=mask.reshape(2, 1).expand(2, 8), mode=mode)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert out[1].abs().max() == 0  # no visible key: zeros
