@@ -458,7 +458,7 @@ def _classify_key_padding(mask: torch.Tensor) -> Optional[torch.Tensor]:
     first = mask[:, :1, :1, :]  # (B|1, 1, 1, Skv)
     same = (mask == first).all()
     if mask.dtype == torch.bool:
-        keep = first
+        keep = first.clone()  # a view would keep the whole mask alive in _MASK_CLASSES (and its weakref with it)
     else:
         same = same & ((first == 0) | (first == -math.inf)).all()
         keep = first == 0

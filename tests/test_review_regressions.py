@@ -30,3 +30,20 @@ def test_bool_mask_broadcast_over_keys_runs(mode):
     want = sd.attention(q, k, v, key_mask=mask.reshape(2, 1).expand(2, 8), mode=mode)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     assert out[1].abs().max() == 0  # no visible key: zeros
+
+
+def test_mask_class_cache_does_not_keep_the_callers_mask_alive():
+    """Bug: _classify_key_padding returned a view of a bool mask, so _MASK_CLASSES held every
+    classified (B, 1, Sq, Skv) mask (up to 16 of them) alive after the caller dropped it, and the
+    weak reference meant to expire the entry never died."""
+    q, k, v = _qkv(b=1)
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    mask[..., -2:] = False
+    alive = weakref.ref(mask)
+    api._MASK_CLASSES.clear()
+    before = sd.fallback_stats()
+    sd.attention(q, k, v, attn_mask=mask, mode="int8")
+    assert sd.fallback_stats() == before  # classified as key padding (native path)
+    del mask
+    gc.collect()
+    assert alive() is None
