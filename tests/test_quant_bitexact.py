@@ -320,3 +320,11 @@ def test_fp4_tensor_scaled_operands_bit_exact(fmt):
     # every magnitude uses the format's range: some block scale reaches 448 (NVFP4) / 2**7 x 6 (MXFP4)
     top = ind.e4m3_value(want_scales).max((2, 3)) if fmt == "nvfp4" else want_scales.max((2, 3))
     assert (top[[0, 0, 0, 1, 1], [0, 1, 2, 0, 1]] == (448.0 if fmt == "nvfp4" else 127 + 9)).all(), top
+
+
+def test_int8_codes_of_nonfinite_values():
+    """+-Inf saturates at +-127 and NaN gets code 0 (never the undefined float -> int8 cast of either)."""
+    x = np.array([[1.0, np.inf, -np.inf, np.nan, -0.5, 0.25]], F32)
+    for quant in (quantize_int8_per_token, quantize_int8_per_block):
+        q, _ = quant(torch.from_numpy(x))
+        assert q.tolist() == [[127, 127, -127, 0, -64, 32]], (quant.__name__, q.tolist())
