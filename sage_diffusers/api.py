@@ -294,14 +294,14 @@ def _plan(mode: Mode, q, k, v, attn_mask, key_mask, dropout: float,
             return Plan("sdpa", Mode.SDPA), None
         cap = _capability(_device_index(device))
         algo = _auto_algorithm_of(cap)
-        return Plan("kernel", algo, _BACKENDS[(algo.value, cap, True)]), native
+        return Plan("kernel", algo, _RESOLVED.get("backend", algo.value, cap, True)), native
 
     if device.type != "cuda":
         return Plan("reference", mode), native
     cap = _capability(_device_index(device))
     why = _kernel_status(mode.value, cap)
     if not why:
-        return Plan("kernel", mode, _BACKENDS[(mode.value, cap, False)]), native
+        return Plan("kernel", mode, _RESOLVED.get("backend", mode.value, cap, False)), native
     _fallback.record(f"{mode.value}: no kernel on sm_{cap} ({why})", ran="the torch reference")
     return Plan("reference", mode), native
 
@@ -309,11 +309,33 @@ def _plan(mode: Mode, q, k, v, attn_mask, key_mask, dropout: float,
 # The kernel lookups below read files, build extensions and run self-checks: host work that
 # torch.compile cannot trace. Each is marked as having a constant result, so dynamo runs it once,
 # eagerly, while tracing, and keeps only its answer (a string, an int or a bool); what it resolved
-# (the backend function, the measured auto table) is then read from a module dict, a lookup that
+# (the backend function, the measured auto table) is then read from ``_RESOLVED``, a lookup that
 # traces. Their arguments are the GPU and the mode only; the shape-dependent auto rule is plain
 # comparisons of the lengths, which dynamo guards (dynamic shapes included).
-_BACKENDS: dict[tuple[str, int, bool], Backend] = {}  # (mode, capability code, gated for auto) -> fn
-_AUTO_RULES: dict[int, Optional[dict]] = {}  # capability code -> measured auto table, or None
+
+
+class _Resolved:
+    """What the constant-result lookups resolved, one attribute per (kind, key...).
+
+    Attributes, not a dict: dynamo snapshots a dict's keys the first time a trace reads it, so an
+    entry a constant-result call adds later in the same trace (a second mode, "auto" after "int8",
+    a policy's torch.cond branches) would be missing (KeyError, fullgraph fails); an attribute is
+    read from the object when the trace reaches it.
+    """
+
+    @staticmethod
+    def _name(kind: str, *key) -> str:
+        return "_".join((kind, *(str(part) for part in key)))
+
+    def get(self, kind: str, *key):
+        return getattr(self, self._name(kind, *key))
+
+    def put(self, value, kind: str, *key) -> None:
+        setattr(self, self._name(kind, *key), value)
+
+
+# backend: (mode, capability code, gated for auto) -> fn; auto_rules: (capability code,) -> table or None
+_RESOLVED = _Resolved()
 
 
 def _device_index(device: torch.device) -> int:
@@ -329,16 +351,16 @@ def _capability(index: int) -> int:
 
 @torch.compiler.assume_constant_result
 def _kernel_status(mode_value: str, cap: int) -> str:
-    """"" when the ``mode`` kernel for this arch is built and usable (then in _BACKENDS), else why not."""
+    """"" when the ``mode`` kernel for this arch is built and usable (then in _RESOLVED), else why not."""
     backend, why = _kernel_cached(Mode(mode_value), divmod(cap, 10))
     if backend is not None:
-        _BACKENDS[(mode_value, cap, False)] = backend
+        _RESOLVED.put(backend, "backend", mode_value, cap, False)
     return "" if backend is not None else (why or "unavailable")
 
 
 @torch.compiler.assume_constant_result
 def _auto_status(index: int) -> str:
-    """"" when "auto" may run its kernel on GPU ``index`` (then in _BACKENDS), else the counted
+    """"" when "auto" may run its kernel on GPU ``index`` (then in _RESOLVED), else the counted
     reason it keeps SDPA: no kernel for the arch, kernel unavailable, or a failed self-check."""
     cap = _capability(index)
     arch = f"sm_{cap}"
@@ -350,21 +372,22 @@ def _auto_status(index: int) -> str:
         return f"auto: {algo.value} kernel unavailable on {arch}: {why}"
     from . import selftest  # a kernel never run on this arch by the project: checked once first
 
-    backend, why = selftest.gate(algo, torch.device("cuda", index), _BACKENDS[(algo.value, cap, False)])
+    backend, why = selftest.gate(algo, torch.device("cuda", index), _RESOLVED.get("backend", algo.value, cap, False))
     if backend is None:
         return f"auto: {algo.value} kernel unavailable on {arch}: {why}"
-    _BACKENDS[(algo.value, cap, True)] = backend
+    _RESOLVED.put(backend, "backend", algo.value, cap, True)
     return ""
 
 
 @torch.compiler.assume_constant_result
 def _load_auto_rules(cap: int) -> bool:
-    """Put the measured auto table of this arch in _AUTO_RULES (shipped or calibrated, see
+    """Put the measured auto table of this arch in _RESOLVED (shipped or calibrated, see
     ``kernels/auto_table.py``); True when there is one."""
     from .kernels import _jit, auto_table
 
-    _AUTO_RULES[cap] = auto_table.rules_for(divmod(cap, 10), str(_jit.cache_root()))
-    return _AUTO_RULES[cap] is not None
+    rules = auto_table.rules_for(divmod(cap, 10), str(_jit.cache_root()))
+    _RESOLVED.put(rules, "auto_rules", cap)
+    return rules is not None
 
 
 def _auto_prefers_sdpa(device: torch.device, d: int, sq: int, skv: int, is_causal: bool) -> Optional[str]:
@@ -378,7 +401,7 @@ def _auto_prefers_sdpa(device: torch.device, d: int, sq: int, skv: int, is_causa
     cap = _capability(_device_index(device))
     if not _load_auto_rules(cap):
         return None
-    rules = _AUTO_RULES[cap]
+    rules = _RESOLVED.get("auto_rules", cap)
     if auto_table.kernel_is_faster(rules, d, is_causal, sq, skv):
         return None
     ragged = auto_table.is_ragged(sq, skv)

@@ -47,3 +47,41 @@ def test_mask_class_cache_does_not_keep_the_callers_mask_alive():
     del mask
     gc.collect()
     assert alive() is None
+
+
+def test_two_backend_lookups_resolved_in_one_trace(monkeypatch):
+    """Bug: the resolved kernels lived in a module dict (_BACKENDS) that traced code read; dynamo
+    snapshots a dict's keys at its first read in a trace, so a second key added later in the same
+    trace by a constant-result lookup (here "int8", then "auto" gated by the self-check, as a policy's
+    torch.cond branches or a model mixing modes do on sm_90) was missing: KeyError, fullgraph failed."""
+    from sage_diffusers import selftest
+    from sage_diffusers.options import Mode
+
+    def raw(x):
+        return x + 1
+
+    def gated(x):
+        return x * 3
+
+    monkeypatch.setattr(api, "_capability", torch.compiler.assume_constant_result(lambda index: 90))
+    monkeypatch.setattr(api, "_kernel_cached", lambda mode, cap: (raw, "") if mode is Mode.INT8 else (None, "no"))
+    monkeypatch.setattr(selftest, "gate", lambda mode, device, backend: (gated, ""))
+
+    def dispatch(x):
+        # what _plan does for mode="int8", then for mode="auto", on GPU 0 of sm_90
+        assert api._kernel_status("int8", 90) == ""
+        y = api._RESOLVED.get("backend", "int8", 90, False)(x)
+        assert api._auto_status(0) == ""
+        return y + api._RESOLVED.get("backend", "int8", 90, True)(x)
+
+    torch._dynamo.reset()
+    try:
+        for attr in [a for a in vars(api._RESOLVED) if a.startswith("backend_int8_90")]:
+            delattr(api._RESOLVED, attr)  # a fresh process: nothing resolved before the trace
+        compiled = torch.compile(dispatch, fullgraph=True, backend="eager")
+        x = torch.ones(4)
+        torch.testing.assert_close(compiled(x), (x + 1) + x * 3)
+    finally:
+        torch._dynamo.reset()
+        for attr in [a for a in vars(api._RESOLVED) if a.startswith("backend_int8_90")]:
+            delattr(api._RESOLVED, attr)
