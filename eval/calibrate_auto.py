@@ -10,7 +10,7 @@ Two passes on one GPU, one process, the same inputs for every method:
 2. check: at the benchmark shapes of eval/bench_kernels.py, time ``sd.attention(mode="auto")``
    beside both and report auto / min(kernel, SDPA) (goal: <= 1.03).
 
-    python -m eval.calibrate_auto                    # -> eval/results/auto_calibration_h200.{md,json}
+    python -m eval.calibrate_auto                    # -> eval/results/auto_calibration_<gpu>.{md,json}
     python -m eval.calibrate_auto --install          # also write the table into the JIT cache
     python -m eval.calibrate_auto --quick            # fewer lengths and rounds
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -125,9 +126,16 @@ def check(kernel, rounds: int) -> list[dict]:
     return rows
 
 
+def gpu_slug(name: str) -> str:
+    """File-name form of a GPU name: "NVIDIA H200" -> "h200", "NVIDIA H100 80GB HBM3" -> "h100_80gb_hbm3"."""
+    words = [w for w in re.split(r"[^0-9a-z]+", name.lower()) if w and w != "nvidia"]
+    return "_".join(words) or "gpu"
+
+
 def write(out_dir: Path, meta: dict, sweep_rows, rules, check_rows) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "auto_calibration_h200.json").write_text(json.dumps(
+    stem = f"auto_calibration_{gpu_slug(meta['gpu'])}"  # one file per GPU model: never another GPU's results
+    (out_dir / f"{stem}.json").write_text(json.dumps(
         dict(meta=meta, rules=auto_table.rules_to_json(rules), sweep=sweep_rows, check=check_rows), indent=1))
     lines = [f"# When `mode=\"auto\"` takes the 8-bit kernel ({meta['gpu']})", "",
              f"torch {meta['torch']}, {meta['date']}. Kernel = sage8 on sm_90a, quantization included; "
@@ -150,7 +158,7 @@ def write(out_dir: Path, meta: dict, sweep_rows, rules, check_rows) -> None:
         for r in check_rows:
             lines.append(f"| {r['B']}x{r['H']}x{r['S']}x{r['D']} | {r['causal']} | {fmt(r['kernel'])} | "
                          f"{fmt(r['sdpa'])} | {fmt(r['auto'])} | {r['auto_over_best']:.3f} |")
-    (out_dir / "auto_calibration_h200.md").write_text("\n".join(lines) + "\n")
+    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 def install(rules, capability) -> Path:

@@ -121,3 +121,13 @@ def test_gpu_dispatch_decisions_trace_under_compile(monkeypatch, tmp_path):
     finally:
         auto_table.rules_for.cache_clear()
         torch._dynamo.reset()
+
+
+def test_calibration_results_are_named_by_gpu():
+    """Regression: eval/calibrate_auto.py wrote auto_calibration_h200.* on every GPU, so a run on
+    an H100 overwrote the committed H200 results."""
+    from eval.calibrate_auto import gpu_slug
+
+    assert gpu_slug("NVIDIA H200") == "h200"
+    assert gpu_slug("NVIDIA H100 80GB HBM3") == "h100_80gb_hbm3"
+    assert gpu_slug("") == "gpu"
