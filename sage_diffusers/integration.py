@@ -113,6 +113,12 @@ def _unsupported_message(model: torch.nn.Module) -> str:
     names = sorted({type(p).__name__ for p in processors})
     families = ", ".join(sorted(cls.__name__ for cls in PROCESSOR_FOR))
     message = f"{type(model).__name__} has no attention processor of a supported type (found {names or 'none'}; supported: {families}). "
+    if any(type(p).__module__.startswith("sage_diffusers") for p in processors):
+        return message + (
+            "It already runs sage_diffusers processors that were set by hand (set_attn_processor): change them with "
+            "set_attn_processor(...), or put diffusers' processors back first (e.g. set_default_attn_processor() "
+            "or the ones you saved), then enable()."
+        )
     if any(_is_fused(p) for p in processors):
         return message + "Its projections are fused: call unfuse_qkv_projections() first, then enable()."
     if any(hasattr(p, "_attention_backend") for p in processors):

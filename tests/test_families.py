@@ -277,3 +277,12 @@ def test_wan_i2v_image_context_runs_both_cross_attention_calls(monkeypatch):
         else:
             assert min(r["cosine"] for r in calls.records) >= CALL_COSINE_MIN[mode]
             assert cosine(out, ref) >= OUTPUT_COSINE_MIN[mode]
+
+
+def test_enable_on_hand_set_sage_processors_says_what_to_do():
+    """Bug: sd.enable on a model whose sage processors were set by hand (set_attn_processor) raised
+    "Call sage_diffusers.attention from a processor of your own", which told the user nothing."""
+    model = _model(Family.CHROMA)
+    model.set_attn_processor(SageFluxAttnProcessor(mode="sdpa"))
+    with pytest.raises(ValueError, match="set by hand"):
+        integration.enable(model, mode="int8")
