@@ -3,7 +3,8 @@
 - ``sage_diffusers.attention`` in mode "int8" / "fp4" with ``is_causal``, ``scale``, ``return_lse``,
   float16 / bfloat16 / float32 inputs must match the kernel's own torch reference at the kernel tests'
   tolerance (cos >= 0.9999, rel-L1 <= 0.01, LSE within 2e-3). Every case also checks that SDPA's
-  output fails that bound on the same inputs, so the bound can tell the kernel from SDPA.
+  output is at least SEPARATION times farther from the reference (rel-L1) on the same inputs, so the
+  test can tell the kernel from SDPA.
 - CUDA-graph replay after the inputs (and the key mask) are changed in place must give the new answer.
 - Work ordered on a side stream (a long sleep, then an in-place write of Q) followed by the API call on
   that stream: a launch on the default stream would read the stale Q and give a wrong result.
@@ -22,6 +23,7 @@ from sage_diffusers.reference import cosine, relative_l1, sage3_reference, sage8
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 COS_MIN, REL_L1_MAX, LSE_ATOL = 0.9999, 0.01, 2e-3  # the kernel tests' tolerance vs the reference
+SEPARATION = 2.0  # SDPA's rel-L1 to the reference over the kernel's: a fallback would show
 REFERENCE = {"int8": sage8_reference, "fp4": sage3_reference}
 KERNEL_DTYPE_OF_FLOAT32 = torch.bfloat16  # the API's documented rule for float32 inputs
 
@@ -87,8 +89,11 @@ def test_kernel_branch_matches_its_reference_and_sdpa_would_not(mode, dtype, is_
     assert ok, f"{mode} kernel vs its reference: {msg}"
 
     exact, exact_lse = exact_attention(q, k, v, key_mask=mask, is_causal=is_causal, scale=scale)
-    sdpa_ok, sdpa_msg = _close_to_reference(exact.float(), exact_lse.float() if return_lse else None, ref, ref_lse)
-    assert not sdpa_ok, f"the bound cannot tell SDPA from the kernel here: {sdpa_msg}"
+    # SDPA output may meet the absolute bound where the algorithm is very accurate (int8 with a flat
+    # softmax: rel-L1 0.0067 at scale 0.05); the kernel must then still be SEPARATION times closer.
+    sdpa_rl1, kernel_rl1 = relative_l1(exact.float(), ref), relative_l1(out.float(), ref)
+    assert sdpa_rl1 >= SEPARATION * kernel_rl1, (
+        f"the bound cannot tell SDPA from the kernel here: SDPA rel-L1 {sdpa_rl1:.5f}, kernel {kernel_rl1:.5f}")
 
 
 @pytest.mark.parametrize("mode", ["int8", "fp4"])
