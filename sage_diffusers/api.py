@@ -455,6 +455,12 @@ class _MaskClassCache:
 
     def key_mask_of(self, mask: torch.Tensor) -> Optional[torch.Tensor]:
         """bool (B or 1, Skv) if every query row and head of ``mask`` (4-D) is the same key mask."""
+        return self.cached(mask, _classify_key_padding)
+
+    def cached(self, mask: torch.Tensor, compute: Callable[[torch.Tensor], object]):
+        """``compute(mask)``, run once per tensor and version (one cache per ``compute``: the key
+        does not name it); None under torch.compile or CUDA-graph capture, where nothing is read.
+        ``compute`` must not return a view of ``mask`` (that would keep it alive here)."""
         if torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
             return None
         owner = mask._base if mask._base is not None else mask
@@ -463,7 +469,7 @@ class _MaskClassCache:
         if hit is not None and hit[0]() is owner:
             self._entries.move_to_end(key)
             return hit[1]
-        result = _classify_key_padding(mask)
+        result = compute(mask)
         self._entries[key] = (weakref.ref(owner), result)
         while len(self._entries) > self._size:
             self._entries.popitem(last=False)

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from sage_diffusers.api import _MaskClassCache
 from sage_diffusers.options import Layout, Mode
 from sage_diffusers.processors._core import Choice, attend
 
@@ -93,15 +94,35 @@ def _factorize_mask(
         return None, None, attn_mask  # let the API report the shape error
     if mh == 1 and mq == 1:
         return attn_mask[:, 0, 0, :].expand(batch, kv_len), None, None
-    keys = attn_mask.any(dim=2).any(dim=1)  # (B, Skv): keys any query row sees
-    rows = attn_mask.any(dim=-1)  # (B, H, Sq): rows that see any key
-    exact = attn_mask == (rows[..., None] & keys[:, None, None, :])
     if torch.compiler.is_compiling():
+        keys, rows, exact = _outer_factors(attn_mask)
         torch._assert_async(exact.all(), "sage_diffusers: attn_mask is not a key-padding mask (outer product)")
-    elif not bool(exact.all()):
-        return None, None, attn_mask
+    else:
+        # The check reads the mask on the host (a sync): once per mask tensor, not once per block.
+        factors = _OUTER_PRODUCTS.cached(attn_mask, _outer_product_of)
+        if factors is None:
+            return None, None, attn_mask
+        keys, rows = factors
     row_keep = rows.transpose(1, 2)[..., None]  # (B, Sq, H, 1) like the BSHD output
     return keys.expand(batch, kv_len), row_keep, None
+
+
+def _outer_factors(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bool (B|1, H|1, Sq, Skv) -> (keys (B|1, Skv) any row sees, rows (B|1, H|1, Sq) that see a key,
+    exact: where ``mask`` equals their outer product)."""
+    keys = mask.any(dim=2).any(dim=1)
+    rows = mask.any(dim=-1)
+    return keys, rows, mask == (rows[..., None] & keys[:, None, None, :])
+
+
+def _outer_product_of(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(keys, rows) of :func:`_outer_factors` when ``mask`` is exactly their outer product, else None."""
+    keys, rows, exact = _outer_factors(mask)
+    return (keys, rows) if bool(exact.all()) else None
+
+
+# Factorizations of the dispatcher masks seen lately (models pass one mask tensor to every block).
+_OUTER_PRODUCTS = _MaskClassCache()
 
 
 def _sage_backend(

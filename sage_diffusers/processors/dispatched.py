@@ -35,6 +35,7 @@ from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
+from sage_diffusers.api import _MaskClassCache
 from sage_diffusers.processors._core import SageProcessorMixin
 from sage_diffusers.processors.backend import ACTIVE, backend_member
 
@@ -136,15 +137,29 @@ def padding_bias_to_keep(bias: torch.Tensor) -> torch.Tensor:
 
     A row whose keys are all dropped keeps them all: with one bias on every key, SDPA attends uniformly, which
     is the unmasked result. A bias with other values (a real bias, not padding) is returned unchanged; under
-    ``torch.compile`` that is an asynchronous assert instead.
+    ``torch.compile`` that is an asynchronous assert instead. Eagerly the check reads the bias on the host (a
+    sync), so its answer is kept per bias tensor: the transformer hands the same one to every block.
     """
-    keep = bias == 0
-    padding = keep | (bias <= _DROPPED_BIAS)
     if torch.compiler.is_compiling():
+        keep, padding = _keep_and_padding(bias)
         torch._assert_async(padding.all(), "sage_diffusers: LTX attention bias is not a padding mask")
-    elif not bool(padding.all()):
-        return bias
-    return keep | ~keep.any(dim=-1, keepdim=True)
+        return keep | ~keep.any(dim=-1, keepdim=True)
+    keep = _PADDING_BIASES.cached(bias, _padding_keep_of)
+    return bias if keep is None else keep
+
+
+def _keep_and_padding(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    keep = bias == 0
+    return keep, keep | (bias <= _DROPPED_BIAS)
+
+
+def _padding_keep_of(bias: torch.Tensor) -> torch.Tensor | None:
+    """The keep-mask of :func:`padding_bias_to_keep`, or None when ``bias`` is not padding (one host sync)."""
+    keep, padding = _keep_and_padding(bias)
+    return keep | ~keep.any(dim=-1, keepdim=True) if bool(padding.all()) else None
+
+
+_PADDING_BIASES = _MaskClassCache()  # bias tensor -> its keep-mask (or None: a real bias)
 
 
 class SageLTXVideoAttnProcessor(_DispatchedSageMixin, LTXVideoAttnProcessor):
