@@ -246,8 +246,8 @@ def _check_attn_mask(mask, full: tuple[int, int, int, int], device) -> Optional[
 def _needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether autograd will need gradients of this call: grad mode on and an input requires them.
 
-    Decided before any custom op runs (the kernels have no autograd formula). The one place that
-    routes gradient-carrying calls; SageBwd (issue 15) hooks in here.
+    Decided before any custom op runs (the inference kernels have no autograd formula); :func:`_plan`
+    uses it to send such calls to SageBwd (mode "int8") or SDPA (counted "backward").
     """
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -497,13 +497,6 @@ def _classify_key_padding(mask: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 _MASK_CLASSES = _MaskClassCache()
-
-
-def _arch_name(device: torch.device) -> str:
-    if device.type != "cuda":
-        return device.type
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
 
 
 def _auto_algorithm(device: torch.device) -> Optional[Mode]:

@@ -79,7 +79,8 @@ def rules_from_json(data: Mapping) -> dict[Key, Optional[int]]:
 def rules_for(capability: tuple[int, int], calibration_dir: Optional[str]) -> Optional[dict]:
     """The rules for a GPU: a calibration file in ``calibration_dir`` wins over the shipped table.
 
-    Returns None when neither exists (then "auto" keeps SDPA: nothing says our kernel is faster).
+    Returns None when neither exists; "auto" is then not gated by length on that GPU (its
+    self-checked kernel runs at every shape, see ``api._auto_prefers_sdpa``).
     """
     if calibration_dir is not None:
         path = Path(calibration_dir) / TABLE_FILE
