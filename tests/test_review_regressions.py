@@ -142,3 +142,27 @@ def test_ltx_padding_bias_checked_once_per_tensor():
     assert reads.count == 0 and torch.equal(again, keep)
     real = torch.randn(2, 1, 6)
     assert padding_bias_to_keep(real) is real
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_compiled_graph_mixing_explicit_and_auto_modes():
+    """GPU form of test_two_backend_lookups_resolved_in_one_trace: one fullgraph trace running
+    mode="int8" then mode="auto" (sm_90) or "fp4" then "auto" (sm_120) resolves two backends; with
+    the resolved kernels in a dict the second lookup raised KeyError on a fresh process."""
+    cap = torch.cuda.get_device_capability()
+    explicit = {9: "int8", 12: "fp4"}.get(cap[0])
+    if explicit is None:
+        pytest.skip(f"no low-bit kernel on sm_{cap[0]}{cap[1]}")
+    for attr in [a for a in vars(api._RESOLVED) if a.startswith("backend_")]:
+        delattr(api._RESOLVED, attr)  # as in a fresh process
+    q, k, v = (torch.randn(1, 2, 16384, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+
+    def two_modes(q, k, v):
+        return sd.attention(q, k, v, mode=explicit) + sd.attention(q, k, v, mode="auto")
+
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(two_modes, fullgraph=True, backend="eager")(q, k, v)
+        torch.testing.assert_close(out, two_modes(q, k, v), rtol=0, atol=0)
+    finally:
+        torch._dynamo.reset()
