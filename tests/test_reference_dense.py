@@ -116,8 +116,10 @@ def _finish(acc, l, m, shift):
     return out, lse
 
 
-def dense_sage8(q, k, v, case: Case, mask=None, p_tile: int = TILE):
-    """float64 re-statement of the 8-bit algorithm; numpy float32 inputs, BHSD. -> (out, lse)."""
+def dense_sage8(q, k, v, case: Case, mask=None, p_tile: int = TILE, k_block: int = TILE):
+    """float64 re-statement of the 8-bit algorithm; numpy float32 inputs, BHSD. -> (out, lse).
+
+    ``k_block``: tokens per INT8 K scale, ``p_tile``: keys per P~ tile (both the kernel tile, 128)."""
     scale = 1 / math.sqrt(case.d) if case.scale is None else case.scale
     k0, k_mean = _masked_mean_and_zero(k, mask)
     ks = (k0 - k_mean).astype(F32)
@@ -125,9 +127,9 @@ def dense_sage8(q, k, v, case: Case, mask=None, p_tile: int = TILE):
         ks = np.where(mask[:, None, :, None], ks, F32(0))
     v0, _ = _masked_mean_and_zero(v, mask)
     q8, sq = ind.int8_per_token(q)
-    k8, sk = ind.int8_per_block(ks, TILE)
+    k8, sk = ind.int8_per_block(ks, k_block)
     v8, sv = ind.fp8_per_channel(v0)
-    sk_key = np.repeat(sk, TILE, -1)[..., : case.skv]  # (B, Hkv, Skv)
+    sk_key = np.repeat(sk, k_block, -1)[..., : case.skv]  # (B, Hkv, Skv)
     dots = q8.astype(np.float64) @ _expand(k8, case.hq).astype(np.float64).transpose(0, 1, 3, 2)
     s = dots * sq[..., None] * _expand(sk_key, case.hq)[:, :, None, :] * (scale * LOG2E)
     vd = _expand(ind.e4m3_value(v8).astype(np.float64), case.hq)
@@ -243,6 +245,14 @@ def test_sage8_reference_equals_dense_restatement(name):
     q, k, v, mask = _inputs(case, seed=11)
     out, lse = sage8_reference(q, k, v, key_mask=mask, is_causal=case.causal, scale=case.scale, return_lse=True)
     _assert_agrees(out, lse, *dense_sage8(*_np(q, k, v), case, *_np(mask)))
+
+
+def test_sage8_reference_follows_its_block_kv():
+    """block_kv sets both the K scale blocks and the P~ tiles (64 here, not the default 128)."""
+    case = CASES["masked"]
+    q, k, v, mask = _inputs(case, seed=15)
+    out, lse = sage8_reference(q, k, v, key_mask=mask, return_lse=True, block_kv=64)
+    _assert_agrees(out, lse, *dense_sage8(*_np(q, k, v), case, *_np(mask), p_tile=64, k_block=64))
 
 
 # Every format x P~ mode on the GQA case; the two main variants on every other case.
