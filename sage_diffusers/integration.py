@@ -229,6 +229,12 @@ def disable(pipe_or_model: Any) -> None:
         if isinstance(vars(model).get("fuse_qkv_projections"), _FuseGuard):
             del model.fuse_qkv_projections
         delattr(model, _RECORD)
+    # The policy backend's slot for the mode of the current call. Eagerly each processor call clears it,
+    # but after a compiled policy run dynamo can leave its last value there (seen with torch 2.13 when
+    # the mode is a torch.cond branch): clear it here so nothing outside a processor call reads it.
+    from .processors.backend import ACTIVE
+
+    ACTIVE.choice = None
 
 
 def is_enabled(pipe_or_model: Any) -> bool:
