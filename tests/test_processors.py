@@ -160,7 +160,12 @@ def test_low_bit_modes_accuracy(family, mode):
 
 @pytest.mark.parametrize("family", [Family.MOCHI, Family.FLUX], ids=lambda f: f.value)
 def test_bfloat16_models(family):
-    """bf16 end to end (the dtype the real models run in); Mochi's batched mask is not bitwise in bf16."""
+    """bf16 end to end (the dtype the real models run in): every mode runs, keeps bf16 and stays close.
+
+    The output bound only catches gross errors: on tiny Flux even zeroed attention keeps output cos
+    0.99975. Attention accuracy in bf16 is checked per layer, with negative controls, in
+    tests/test_processors_pipeline.py. Mochi's batched mask is not bitwise in bf16.
+    """
     model = _sage_tiny.tiny_transformer(family).to(torch.bfloat16)
     inputs = {
         k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
@@ -171,7 +176,7 @@ def test_bfloat16_models(family):
         integration.enable(model, mode=mode)
         out = _forward(model, inputs)
         integration.disable(model)
-        assert out.dtype == torch.bfloat16 and cosine(out, ref) >= bound, mode
+        assert out.dtype == torch.bfloat16 and torch.isfinite(out).all() and cosine(out, ref) >= bound, mode
 
 
 @pytest.mark.parametrize("family", [Family.FLUX, Family.SD35], ids=lambda f: f.value)
