@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflows" / "diffusers"))
 
 import _sage_tiny  # noqa: E402
+from _util import ModeRecorder  # noqa: E402
 from _sage_cli import record_attention_calls  # noqa: E402
 
 from sage_diffusers import integration  # noqa: E402
@@ -208,26 +209,6 @@ def test_policy_switches_modes_by_step_on_a_real_transformer():
 # ---- pipelines: one schedule for any scheduler, the callback, a swapped scheduler, pickling ---------------------
 
 
-class _ModeSequence:
-    """Records the mode of every sage_diffusers.attention call, in order."""
-
-    def __init__(self, monkeypatch):
-        import sage_diffusers
-
-        self.modes: list[Mode] = []
-        original = sage_diffusers.attention
-
-        def spy(*args, **kwargs):
-            self.modes.append(Mode.parse(kwargs["mode"]))
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(sage_diffusers, "attention", spy)
-
-    def take(self) -> list[Mode]:
-        modes, self.modes = self.modes, []
-        return modes
-
-
 def _sd35_pipeline(scheduler):
     pipe = _sage_tiny.tiny_pipeline(_sage_tiny.Family.SD35)
     pipe.scheduler = scheduler
@@ -242,7 +223,7 @@ def test_second_order_scheduler_callback_and_swapped_scheduler_share_one_schedul
     pipe = _sd35_pipeline(FlowMatchHeunDiscreteScheduler())
     policy = StepLayerPolicy(first_steps=1, last_steps=1)
     state = integration.enable(pipe, policy=policy)
-    calls = _ModeSequence(monkeypatch)
+    calls = ModeRecorder(monkeypatch)
     layers = 3
     # Heun, 3 steps: 5 transformer calls on user steps [0, 0, 1, 1, 2]; the last step is at full precision.
     heun = [m for m in [S, S, F, F, S] for _ in range(layers)]

@@ -20,28 +20,11 @@ import sage_diffusers  # noqa: E402
 from sage_diffusers import integration  # noqa: E402
 from sage_diffusers.options import Mode  # noqa: E402
 from sage_diffusers.policy import LayerRule, StepLayerPolicy  # noqa: E402
+from _util import ModeRecorder  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast, but the target dtype is not supported")
 
 S, F, I8 = Mode.SDPA, Mode.FP4, Mode.INT8
-
-
-class _Sequence:
-    """Records the mode of every sage_diffusers.attention call, in order."""
-
-    def __init__(self, monkeypatch):
-        self.modes: list[Mode] = []
-        original = sage_diffusers.attention
-
-        def spy(*args, **kwargs):
-            self.modes.append(Mode.parse(kwargs["mode"]))
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(sage_diffusers, "attention", spy)
-
-    def take(self) -> list[Mode]:
-        modes, self.modes = self.modes, []
-        return modes
 
 
 def test_flux_pipeline_runs_a_step_and_layer_policy(monkeypatch):
@@ -53,7 +36,7 @@ def test_flux_pipeline_runs_a_step_and_layer_policy(monkeypatch):
     # SDPA on the first and last step; in between INT8 in layer 1 (the single-stream block), FP4 elsewhere.
     policy = StepLayerPolicy(first_steps=1, last_steps=1, layer_rules=(LayerRule(range(1, 2), Mode.INT8),))
     state = integration.enable(pipe, policy=policy)
-    calls = _Sequence(monkeypatch)
+    calls = ModeRecorder(monkeypatch)
 
     out = pipe(**_sage_tiny.tiny_call_kwargs(family, steps=4))[0]
     assert calls.take() == [S, S, F, I8, F, I8, S, S]
@@ -79,7 +62,7 @@ def test_sd35_pipeline_with_cfg_batches_one_call_per_layer_and_step(monkeypatch)
     pipe = _sage_tiny.tiny_pipeline(family)
     pipe.set_progress_bar_config(disable=True)
     integration.enable(pipe, mode="int8")
-    calls = _Sequence(monkeypatch)
+    calls = ModeRecorder(monkeypatch)
     pipe(**_sage_tiny.tiny_call_kwargs(family, steps=2))
     assert calls.take() == [I8] * 3 * 2  # 3 attention modules x 2 steps; CFG rides in the batch
 
