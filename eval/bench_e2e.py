@@ -2,8 +2,8 @@
 
 Real transformer configs with random bf16 weights (no downloads) and the real sequence lengths of each model's
 standard generation size; one forward pass as the pipeline makes it (CFG batched where the pipeline batches it).
-Variants: ``original`` (diffusers' own processors), ``sdpa`` / ``int8`` / ``fp4`` (sage_diffusers processors in
-that mode). A low-bit mode is only timed where a GPU kernel runs it: where only the torch reference exists the
+Variants: ``original`` (diffusers' own processors), ``sdpa`` / ``int8`` / ``fp4`` / ``auto`` (sage_diffusers
+processors in that mode; ``auto`` is the default of ``integration.enable``). A low-bit mode is only timed where a GPU kernel runs it: where only the torch reference exists the
 variant is reported as skipped (``--allow-reference`` times it anyway).
 
     python eval/bench_e2e.py                                  # all models, writes eval/results/e2e_h200.{md,json}
@@ -46,6 +46,7 @@ class Variant(str, enum.Enum):
     SDPA = "sdpa"
     INT8 = "int8"
     FP4 = "fp4"
+    AUTO = "auto"  # what ``integration.enable(model)`` installs by default
 
 
 @dataclass(frozen=True)
@@ -377,6 +378,9 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     return env
 
 
+_LOW_BIT = (Variant.INT8, Variant.FP4, Variant.AUTO)  # the variants a speed-up is given for
+
+
 def to_markdown(env: dict[str, Any], results: dict[str, Any], variants: list[Variant]) -> str:
     lines = [
         "# End-to-end transformer forward time",
@@ -384,11 +388,11 @@ def to_markdown(env: dict[str, Any], results: dict[str, Any], variants: list[Var
         f"{env.get('gpu', 'no GPU')} ({env.get('capability', '-')}), torch {env['torch']}, diffusers "
         f"{env['diffusers']}, bf16, random weights, median of {env['iters']} forwards after {env['warmup']} "
         f"warm-up{' (--quick: fewer frames)' if env['quick'] else ''}; {env['date']}.",
-        "Speed-up = baseline time / variant time; the baseline is the sage processors in SDPA mode, or diffusers'"
-        " own processors (original) where SDPA mode was not timed.",
+        "Speed-up = baseline time / variant time; the baseline is diffusers' own processors (original), or the"
+        " sage processors in SDPA mode where original was not timed.",
         "",
         "| model | B | heads x dim | tokens (img + txt) | layers | " + " | ".join(v.value for v in variants)
-        + " | speed-up " + " / ".join(v.value for v in variants if v in (Variant.INT8, Variant.FP4)) + " |",
+        + " | speed-up " + " / ".join(v.value for v in variants if v in _LOW_BIT) + " |",
         "|---" * (6 + len(variants)) + "|",
     ]
     for record in results.values():
@@ -396,12 +400,12 @@ def to_markdown(env: dict[str, Any], results: dict[str, Any], variants: list[Var
         for v in variants:
             r = record["variants"].get(v.value, dict(status="skipped", reason="not run"))
             cells.append(f"{r['ms_median']:.0f} ms" if r["status"] == "ok" else r["status"])
-        base = record["variants"].get(Variant.SDPA.value, {})
+        base = record["variants"].get(Variant.ORIGINAL.value, {})
         if base.get("status") != "ok":
-            base = record["variants"].get(Variant.ORIGINAL.value, {})
+            base = record["variants"].get(Variant.SDPA.value, {})
         speedups = []
         for v in variants:
-            if v not in (Variant.INT8, Variant.FP4):
+            if v not in _LOW_BIT:
                 continue
             r = record["variants"].get(v.value, {})
             ok = r.get("status") == "ok" and base.get("status") == "ok"

@@ -50,13 +50,14 @@ def test_full_flow_on_a_tiny_model_writes_merged_reports(tmp_path, monkeypatch):
     assert record["joint_tokens"] == 64 + 7 and record["attention_layers"] == 2
     statuses = {v: r["status"] for v, r in record["variants"].items()}
     # On CPU the low-bit modes only have the torch reference: skipped unless asked for.
-    assert statuses == {"original": "ok", "sdpa": "ok", "int8": "skipped", "fp4": "skipped"}
+    assert statuses == {"original": "ok", "sdpa": "ok", "int8": "skipped", "fp4": "skipped",
+                        "auto": "skipped"}
     assert "reference" in record["variants"]["int8"]["reason"]
 
     assert bench_e2e.main(common + ["--variants", "int8", "--allow-reference"]) == 0
     report = json.loads(out.with_suffix(".json").read_text())["results"][tiny.name]["variants"]
     assert report["int8"]["status"] == "ok" and report["sdpa"]["status"] == "ok"  # merged, not replaced
     table = out.with_suffix(".md").read_text()
-    assert "| original | sdpa | int8 | fp4 | speed-up int8 / fp4 |" in table
+    assert "| original | sdpa | int8 | fp4 | auto | speed-up int8 / fp4 / auto |" in table
     row = next(line for line in table.splitlines() if line.startswith("| tiny Flux |"))
-    assert row.startswith("| tiny Flux | 1 | 2 x 128 | 64 + 7 | 2 | ") and row.endswith("x / - |")
+    assert row.startswith("| tiny Flux | 1 | 2 x 128 | 64 + 7 | 2 | ") and row.endswith("x / - / - |")
