@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from sage_diffusers.kernels._contract import (NO_KEY, apply_nonfinite_first_keys, check_qkv, fake_out_lse,
+from sage_diffusers.kernels._contract import (NO_KEY, apply_nonfinite_first_keys, call_op, check_qkv, fake_out_lse,
                                               in_layout_of, kernel_views, nonfinite_first_keys, normalize_key_mask,
                                               rows_aligned)
 from sage_diffusers.reference._common import zero_masked
@@ -98,3 +98,58 @@ def test_nonfinite_first_keys_model_matches_reference(is_causal, sq):
     got = apply_nonfinite_first_keys(out, first, is_causal)
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+
+
+# call_op: eager calls skip the dispatcher, everything autograd or a tracer must see goes through the op.
+_CALLS = []
+
+
+def _double_impl(x: torch.Tensor) -> torch.Tensor:
+    _CALLS.append("impl")
+    return x * 2
+
+
+_double = torch.library.custom_op("sage_diffusers_test::double", mutates_args=())(_double_impl)
+
+
+@_double.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _route(x):
+    _CALLS.clear()
+    out = call_op(torch.ops.sage_diffusers_test.double, _double_impl, x)
+    return out, list(_CALLS)
+
+
+def test_call_op_runs_the_implementation_directly_in_eager():
+    x = torch.arange(4.0)
+    out, calls = _route(x)
+    assert torch.equal(out, x * 2) and calls == ["impl"]
+    with torch.inference_mode():
+        assert torch.equal(_route(x)[0], x * 2)
+
+
+def test_call_op_uses_the_op_when_autograd_records():
+    x = torch.arange(4.0, requires_grad=True)
+    out, _ = _route(x)
+    # through the op: no autograd formula, so backward is refused instead of silently giving 0
+    with pytest.raises(RuntimeError):
+        out.sum().backward()
+    with torch.no_grad():  # nothing recorded: the direct path is fine
+        out, _ = _route(x)
+        assert not out.requires_grad
+
+
+def test_call_op_uses_the_op_for_fake_tensors_and_under_compile():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.arange(4.0))
+        out, calls = _route(x)
+    assert calls == [] and out.shape == (4,)  # the fake impl ran, not the implementation
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: call_op(torch.ops.sage_diffusers_test.double, _double_impl, t),
+                             fullgraph=True, backend="eager")
+    assert torch.equal(compiled(torch.arange(4.0)), torch.arange(4.0) * 2)

@@ -1,9 +1,27 @@
 """Argument checks shared by every kernel's backend function (the contract in ``sage_diffusers.api``)."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
+
+
+def call_op(op: Callable, impl: Callable, *args):
+    """``impl(*args)`` in plain eager calls, else the registered custom op ``op(*args)``.
+
+    The op exists for torch.compile (one opaque node with a fake impl) and to refuse gradients
+    (no autograd formula: backward through it raises). A plain eager call needs neither, and
+    the dispatcher's Python custom-op path costs tens of microseconds of host time per call,
+    which decides short sequences, where the GPU would otherwise wait on the host. So the op
+    runs while tracing, when autograd would record the call, and for tensor subclasses (fake
+    or meta tensors outside compile); everything else calls the implementation directly.
+    """
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if (torch.compiler.is_compiling()
+            or any(type(t) is not torch.Tensor for t in tensors)
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
+        return op(*args)
+    return impl(*args)
 
 
 def fake_out_lse(q: torch.Tensor, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:

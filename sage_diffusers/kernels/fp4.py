@@ -71,7 +71,7 @@ from ..options import FP4Format, PQuant
 from ..reference.quant import fp4_tensor_scale
 from ..reference.sage3 import Q_SMOOTH_BLOCK  # query rows per smoothing mean: one CTA tile of the kernel
 from . import _jit
-from ._contract import check_qkv, fake_out_lse, in_layout_of, kernel_views, normalize_key_mask
+from ._contract import call_op, check_qkv, fake_out_lse, in_layout_of, kernel_views, normalize_key_mask
 
 __all__ = ["attention_fp4", "prepass", "key_positions", "atom_gemm", "is_available", "build",
            "tensor_scale", "kv_tensor_scales", "q_tensor_scale",
@@ -411,8 +411,7 @@ def atom_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Te
 
 
 # ---- the custom op -------------------------------------------------------------------------------
-@torch.library.custom_op("sage_diffusers::fp4_attention", mutates_args=())
-def _fp4_attention(
+def _fp4_attention_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -436,6 +435,9 @@ def _fp4_attention(
     if not return_lse:
         lse = q.new_empty((0,), dtype=torch.float32)
     return out, lse
+
+
+_fp4_attention = torch.library.custom_op("sage_diffusers::fp4_attention", mutates_args=())(_fp4_attention_impl)
 
 
 @_fp4_attention.register_fake
@@ -485,8 +487,8 @@ def attention_fp4(
     check_qkv(q, k, v, HEAD_DIMS, unit_last_stride=True)
     key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, lse = torch.ops.sage_diffusers.fp4_attention(
-        q, k, v, key_mask, bool(is_causal), scale, bool(return_lse), p_code, fmt_code, emu_code)
+    out, lse = call_op(torch.ops.sage_diffusers.fp4_attention, _fp4_attention_impl,
+                       q, k, v, key_mask, bool(is_causal), scale, bool(return_lse), p_code, fmt_code, emu_code)
     return out, (lse if return_lse else None)
 
 

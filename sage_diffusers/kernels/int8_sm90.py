@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from . import _jit
-from ._contract import check_qkv, fake_out_lse, in_layout_of, kernel_views, normalize_key_mask
+from ._contract import call_op, check_qkv, fake_out_lse, in_layout_of, kernel_views, normalize_key_mask
 
 __all__ = ["attention_int8_sm90", "prepass", "is_available", "build", "compile_check",
            "HEAD_DIMS", "default_exp_poly_every", "set_exp_poly_every", "has_variant"]
@@ -143,9 +143,20 @@ def has_variant(head_dim: int, is_causal: bool, exp_poly_every: int) -> bool:
 
 
 
+_ext: Optional[ModuleType] = None
+
+
+def _extension() -> ModuleType:
+    """The built extension, looked up once per process: ``build()`` lists and hashes the sources
+    before it finds the loaded module, host time a per-call path should not pay."""
+    global _ext
+    if _ext is None:
+        _ext = build()
+    return _ext
+
+
 # ---- the custom op -------------------------------------------------------------------------------
-@torch.library.custom_op("sage_diffusers::int8_attention_sm90", mutates_args=())
-def _int8_attention_sm90(
+def _int8_attention_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -155,11 +166,14 @@ def _int8_attention_sm90(
     return_lse: bool,
     exp_poly_every: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    ext = build()
     qq, kk, vv = kernel_views(q, k, v)
-    out, lse = ext.fwd(qq, kk, vv, key_mask, is_causal, scale, return_lse, exp_poly_every)
+    out, lse = _extension().fwd(qq, kk, vv, key_mask, is_causal, scale, return_lse, exp_poly_every)
     out = in_layout_of(out, q, qq)
     return out, lse
+
+
+_int8_attention_sm90 = torch.library.custom_op("sage_diffusers::int8_attention_sm90", mutates_args=())(
+    _int8_attention_impl)
 
 
 @_int8_attention_sm90.register_fake
@@ -198,8 +212,8 @@ def attention_int8_sm90(
     key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2])
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    out, lse = torch.ops.sage_diffusers.int8_attention_sm90(
-        q, k, v, key_mask, bool(is_causal), scale, bool(return_lse), default_exp_poly_every(d))
+    out, lse = call_op(torch.ops.sage_diffusers.int8_attention_sm90, _int8_attention_impl,
+                       q, k, v, key_mask, bool(is_causal), scale, bool(return_lse), default_exp_poly_every(d))
     return out, (lse if return_lse else None)
 
 
@@ -253,7 +267,7 @@ def prepass(q, k, v, key_mask=None, scale=None) -> dict:
     d, sq_len, skv = q.shape[-1], q.shape[2], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     qq, kk, vv = kernel_views(q, k, v)
-    q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, bits, v_first = build().prepass(qq, kk, vv, key_mask,
+    q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, bits, v_first = _extension().prepass(qq, kk, vv, key_mask,
                                                                                          scale)
     b, hkv = k.shape[0], k.shape[1]
     n_kv = vt_img.shape[2]
