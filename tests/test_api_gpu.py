@@ -1,9 +1,9 @@
 """The API on a GPU: which path each mode takes, and that it agrees with the references.
 
 Bounds are the kernel tests' (cos >= 0.9999 and rel-L1 <= 0.01 against the kernel's own torch
-reference), and the kernel must be at least SEPARATION times closer to its reference (rel-L1) than
-plain SDPA output is (checked in each test), so a silent fallback cannot pass: int8 is accurate
-enough that SDPA output alone can meet the absolute bound. "auto" runs what the measured table
+reference), and the output must be nearer (rel-L1) its reference than exact attention (checked in
+each test), so a silent fallback cannot pass: int8 is accurate enough that SDPA output alone can
+meet the absolute bound. "auto" runs what the measured table
 (sage_diffusers/kernels/auto_table.py) picks for the shape, and the tests expect exactly that. tests/test_gpu_api_strict.py covers scale / causal / LSE / float32, CUDA
 graphs and streams.
 """
@@ -19,7 +19,6 @@ from _util import assert_unchanged, snapshot
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 COS_MIN, REL_L1_MAX = 0.9999, 0.01
-SEPARATION = 2.0  # SDPA's rel-L1 to the reference over the kernel's
 AUTO_ALGORITHM = {9: "int8", 12: "fp4"}  # compute capability major -> what auto must run
 
 
@@ -43,8 +42,14 @@ def _matches(out, ref) -> bool:
 
 
 def _separates(out, exact, ref) -> bool:
-    """The kernel's output is much closer to its reference than SDPA's: a fallback would show."""
-    return relative_l1(exact.float(), ref) >= SEPARATION * relative_l1(out.float(), ref)
+    """The output is the low-bit algorithm's, not SDPA's: nearer its reference than exact attention.
+
+    A ratio bound (SDPA's rel-L1 to the reference over the kernel's) cannot separate int8: both
+    sit near the bf16 output rounding (measured on the H200: 0.0074 vs 0.0050). Asking which of
+    the two the output is closer to can: SDPA output is ~0 from exact and 0.007 from the reference,
+    the kernel the other way round.
+    """
+    return relative_l1(out.float(), ref) < relative_l1(out.float(), exact.float())
 
 
 def _auto_keeps_sdpa(q, k, is_causal=False):
@@ -80,8 +85,8 @@ def test_gpu_modes_match_their_reference(mode, layout):
     assert sd.fallback_stats() == {}
     exact, _ = exact_attention(q, k, v, key_mask=mask)
     assert _separates(out, exact, ref), (
-        f"SDPA output is as close to the reference as the kernel (rel-L1 {relative_l1(exact.float(), ref):.5f} vs "
-        f"{relative_l1(out.float(), ref):.5f}): the test could not see a fallback")
+        f"the output is nearer exact attention (rel-L1 {relative_l1(out.float(), exact.float()):.5f}) than the "
+        f"{algo} reference ({relative_l1(out.float(), ref):.5f}): SDPA ran, or the kernel is not its algorithm")
 
 
 def test_auto_on_hopper_uses_the_int8_kernel():
@@ -95,7 +100,8 @@ def test_auto_on_hopper_uses_the_int8_kernel():
         assert any(keeps_sdpa in r for r in sd.fallback_stats()), sd.fallback_stats()
         return
     assert sd.fallback_stats() == {}, sd.fallback_stats()
-    ref = sage8_reference(q, k, v)
+    qf, kf, vf = q.float(), k.float(), v.float()  # the references in float32, as in the other tests
+    ref = sage8_reference(qf, kf, vf)
     assert _matches(out, ref), (cosine(out, ref), relative_l1(out, ref))
     assert _separates(out, exact_attention(q, k, v)[0], ref)
-    assert not _matches(sage3_reference(q, k, v), ref)  # and it is not the FP4 algorithm
+    assert not _matches(sage3_reference(qf, kf, vf), ref)  # and it is not the FP4 algorithm

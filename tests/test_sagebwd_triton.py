@@ -31,7 +31,16 @@ def kernels():
     return sagebwd_triton
 
 
+def _triton_version() -> tuple[int, int]:
+    import triton
+
+    return tuple(int(p) for p in triton.__version__.split(".")[:2])
+
+
 @pytest.mark.skipif(IN_INTERPRETER, reason="this is the interpreter child itself")
+@pytest.mark.skipif(bool(DEVICES) and _triton_version() < (3, 9),
+                    reason="Triton's CPU interpreter runs these kernels from 3.9 on (the test extra pins it); "
+                           "this GPU machine's Triton is older and runs the compiled kernels instead")
 def test_kernels_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run(
