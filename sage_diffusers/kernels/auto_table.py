@@ -28,18 +28,20 @@ ALIGN = 128  # lengths that are multiples of this are "aligned" for SDPA
 Key = tuple[int, bool, bool]
 Rules = Mapping[Key, Optional[int]]
 
-# sm_90 (H100 / H200): measured on an H200 against cuDNN SDPA (bf16), quantization included, with
-# the kernels as they are now (eval/results/auto_calibration_h200.md: lengths to 12288 and the
-# benchmark shapes). Aligned hd128 ties SDPA at 16384 and wins at 32768 (0.84x); ragged hd128 wins
-# from 12216 (0.92x; Mochi's 44776: 0.69x); ragged hd64 is within 1 % at 12216 and wins at 17776
-# (0.97-0.98x); causal and aligned hd64 lost at every length measured (to 16384).
+# sm_90 (H100 / H200): measured on an H200 against cuDNN SDPA (bf16), quantization included
+# (eval/results/auto_calibration_h200.md, each method's fastest of 5 interleaved rounds, margin
+# 0.97). Full attention: aligned hd128 wins from 12288 (0.97x; 0.93x at 16384), ragged hd128 from
+# 10168 (0.94x), ragged hd64 from 16312 (0.955x; aligned hd64 loses at every length to 20480).
+# Causal: hd128 from 16384, where the sweep measured 0.99x (inside its margin) and
+# eval/results/kernels_h200.md 0.855x (2.435 vs 2.849 ms, tight spread); ragged hd128 from 20408
+# (0.96x); hd64 loses at every length measured.
 SM90_RULES: dict[Key, Optional[int]] = {
-    (128, False, False): 16384,
-    (128, False, True): 12216,
-    (128, True, False): None,
-    (128, True, True): None,
+    (128, False, False): 12288,
+    (128, False, True): 10168,
+    (128, True, False): 16384,
+    (128, True, True): 20408,
     (64, False, False): None,
-    (64, False, True): 16384,
+    (64, False, True): 16312,
     (64, True, False): None,
     (64, True, True): None,
 }
