@@ -1,0 +1,78 @@
+"""What accumulating P~.V inside the FP8 tensor core over every key tile does to the output (CPU model).
+
+Hopper's FP8 MMA does not keep a full FP32 accumulator: the sum it adds into is held with about
+13 explicit mantissa bits (SageAttention2 calls it FP22; DeepSeek-V3 reports ~14 bits on H800),
+the low bits of each addition truncated. A kernel that lets the tensor core add every 128-key
+tile's P~.V into one running accumulator therefore loses, per addition, up to one 13-bit ulp of
+the *running sum*. When V has a per-channel mean (DiT activations do), that sum grows linearly
+with the keys seen while each new contribution does not, so the loss is systematic (towards zero)
+and grows with the sequence length. Accumulating each tile from zero in the tensor core and adding
+the tile into an FP32 register accumulator (the references' model: ``acc = acc * alpha + P~V``)
+bounds it by one tile's magnitude.
+
+This script models only that: softmax weights in float32, V in bfloat16, an accumulator per
+query row that is (a) float32, (b) truncated to 13 mantissa bits after every 32-key MMA step over
+the whole sequence, (c) the same within a 128-key tile, then added into float32. Output after
+dividing by the row sum; rel-L1 and norm ratio against (a).
+
+    python eval/pv_accumulation_model.py
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+MMA_K = 32  # keys per FP8 wgmma step (k = 32 bytes)
+TILE = 128  # keys per tile
+
+
+def truncate(x: torch.Tensor, mantissa_bits: int = 13) -> torch.Tensor:
+    """float32 -> float32 with only ``mantissa_bits`` explicit mantissa bits, rounded towards zero."""
+    drop = 23 - mantissa_bits
+    return (x.view(torch.int32) & ~((1 << drop) - 1)).view(torch.float32)
+
+
+def model(s: int, d: int, v_bias: float, rows: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, d, generator=g) + torch.randn(1, d, generator=g)
+    k = torch.randn(s, d, generator=g) + 4 * torch.randn(1, d, generator=g)
+    v = (torch.randn(s, d, generator=g) + v_bias * torch.randn(1, d, generator=g)).bfloat16().float()
+    scores = (q @ (k - k.mean(0)).T) / d ** 0.5
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))  # (rows, s); one max: the flat-softmax case
+    l = p.sum(-1, keepdim=True)
+    exact = (p @ v) / l
+    acc_one = torch.zeros(rows, d)
+    acc_two = torch.zeros(rows, d)
+    for t0 in range(0, s, TILE):
+        tile = torch.zeros(rows, d)
+        for k0 in range(t0, min(t0 + TILE, s), MMA_K):
+            part = p[:, k0:k0 + MMA_K] @ v[k0:k0 + MMA_K]
+            acc_one = truncate(acc_one + part)  # running sum over every tile inside the tensor core
+            tile = truncate(tile + part)  # within one tile only
+        acc_two = acc_two + tile  # FP32 register add across tiles
+    out = {}
+    for name, acc in (("tensor-core accumulation over all tiles", acc_one),
+                      ("per-tile, FP32 across tiles", acc_two)):
+        o = acc / l
+        out[name] = dict(rel_l1=float((o - exact).abs().sum() / exact.abs().sum()),
+                         norm_ratio=float(o.norm() / exact.norm()))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--d", type=int, default=128)
+    args = ap.parse_args()
+    print("| keys | V channel-mean std | accumulator | rel-L1 vs FP32 | norm ratio |")
+    print("|---:|---:|---|---:|---:|")
+    for v_bias in (0.0, 0.5):
+        for s in args.lengths:
+            for name, r in model(s, args.d, v_bias, args.rows, seed=0).items():
+                print(f"| {s} | {v_bias} | {name} | {r['rel_l1']:.5f} | {r['norm_ratio']:.5f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
