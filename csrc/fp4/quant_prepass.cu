@@ -6,19 +6,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "../common/numeric_conversion.cuh"
 #include "fp4_api.h"
 #include "fp4_format.cuh"
 #include "tile_config.cuh"
 
 namespace sage_fp4 {
 namespace {
-
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 // Quantize one block of kBlock floats (16 or 32) into kBlock / 8 packed words (element 2j in the
 // low nibble of byte j) + a scale byte; a zero block gets scale byte 0 and +0 codes.
@@ -83,7 +77,7 @@ __global__ void quantize_k_kernel(const T* __restrict__ k, int64_t sb, int64_t s
         const uint4 raw = reinterpret_cast<const uint4*>(src)[v8];
         const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) x[8 * v8 + i] = finite_or_zero(__fdiv_rn(to_float(e[i]) - mean[8 * v8 + i], tensor_scale));
+        for (int i = 0; i < 8; ++i) x[8 * v8 + i] = finite_or_zero(__fdiv_rn(sage_common::Elem16<T>::to_float(e[i]) - mean[8 * v8 + i], tensor_scale));
       }
     } else {
 #pragma unroll
@@ -121,7 +115,7 @@ __global__ void quantize_v_kernel(const T* __restrict__ v, int64_t sb, int64_t s
       const int token = tb * kBlock + i;
       // Skv zero-padded; masked keys and non-finite values are zeros (the latter reach the
       // output exactly through v_first instead of saturating the block's scale).
-      const float e = attended(key_mask, b, skv, token) ? to_float(src[token * ss]) : 0.0f;
+      const float e = attended(key_mask, b, skv, token) ? sage_common::Elem16<T>::to_float(src[token * ss]) : 0.0f;
       if (!(fabsf(e) < INFINITY)) {  // rare
         const NonFinite kind = e != e ? NonFinite::kNaN : (e > 0.0f ? NonFinite::kPosInf : NonFinite::kNegInf);
         atomicMin(v_first + (bh * static_cast<int>(NonFinite::kCount) + static_cast<int>(kind)) * D + d, token);

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <vector>
 
+#include "../common/nonfinite.h"
 #include "launch.h"
 
 namespace {
@@ -18,10 +19,10 @@ constexpr int kBlockKV = 128;
 constexpr int kBlockM = 128;
 constexpr int kQTileRows = 64;
 constexpr int kTargetStatBlocks = 4 * 132;  // ~4 waves of H100/H200 SMs for the reduction
-// v_first (launch.h): +Inf, -Inf, NaN per channel, "no key" = every byte 0x7f (numerics.hpp kNoKey).
-constexpr int kNonFiniteKinds = 3;
-constexpr int kNoKeyByte = 0x7f;
-constexpr int kNoKey = 0x7f7f7f7f;
+// v_first (launch.h): +Inf, -Inf, NaN per channel, "no key" = every byte 0x7f (common/nonfinite.h).
+constexpr int kNonFiniteKinds = static_cast<int>(sage_common::NonFinite::kCount);
+constexpr int kNoKeyByte = sage_common::kNoKey & 0xff;
+constexpr int kNoKey = sage_common::kNoKey;
 
 void check_qkv(const at::Tensor& x, const char* name, const at::Tensor& q) {
   TORCH_CHECK(x.is_cuda(), name, " must be a CUDA tensor");

@@ -1,0 +1,58 @@
+// wgmma on plain register arrays (CuTe's atoms take every accumulator register as a separate
+// argument) and the register / proxy fences around them.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+namespace sage_common::sm90 {
+
+// D (+)= A B with both operands described by smem descriptors; d is flat or m16n8-tiled ([N][4]).
+template <class Atom, class Acc, int N, size_t... I>
+__device__ __forceinline__ void wgmma_ss(uint64_t desc_a, uint64_t desc_b, Acc (&d)[N],
+                                         cute::GMMA::ScaleOut scale_d, std::index_sequence<I...>) {
+  Atom::fma(desc_a, desc_b, d[I]..., scale_d);
+}
+template <class Atom, int N, size_t... I>
+__device__ __forceinline__ void wgmma_ss(uint64_t desc_a, uint64_t desc_b, float (&d)[N][4],
+                                         cute::GMMA::ScaleOut scale_d, std::index_sequence<I...>) {
+  Atom::fma(desc_a, desc_b, d[I / 4][I % 4]..., scale_d);
+}
+// D (+)= A B with A from registers (a[0..3], one k-step's fragment) and B from a descriptor.
+template <class Atom, class Acc, int N, size_t... I>
+__device__ __forceinline__ void wgmma_rs(const uint32_t* a, uint64_t desc_b, Acc (&d)[N],
+                                         cute::GMMA::ScaleOut scale_d, std::index_sequence<I...>) {
+  Atom::fma(a[0], a[1], a[2], a[3], desc_b, d[I]..., scale_d);
+}
+template <class Atom, int N, size_t... I>
+__device__ __forceinline__ void wgmma_rs(const uint32_t* a, uint64_t desc_b, float (&d)[N][4],
+                                         cute::GMMA::ScaleOut scale_d, std::index_sequence<I...>) {
+  Atom::fma(a[0], a[1], a[2], a[3], desc_b, d[I / 4][I % 4]..., scale_d);
+}
+
+// Registers an in-flight wgmma reads or writes (accumulators, A fragments) must not be moved or
+// redefined by the compiler across the issue / wait: fence each one.
+template <class E, int N>
+__device__ __forceinline__ void fence_regs(E (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+template <class E, int N, int M>
+__device__ __forceinline__ void fence_regs(E (&d)[N][M]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+#pragma unroll
+    for (int e = 0; e < M; ++e) cute::warpgroup_fence_operand(d[i][e]);
+  }
+}
+
+// Generic-proxy stores to shared memory (e.g. a tile written by threads) made visible to the
+// async proxy (wgmma operands, bulk copies).
+__device__ __forceinline__ void fence_view_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+}  // namespace sage_common::sm90
