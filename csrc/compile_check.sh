@@ -42,6 +42,10 @@ START=$(date +%s)
 TORCH_INC="$("$PYTHON" -c "import torch.utils.cpp_extension as c, sysconfig; print(' '.join(['-I'+p for p in c.include_paths()] + ['-I'+sysconfig.get_paths()['include']]))" 2>/dev/null || true)"
 CUDA_INC="$(dirname "$(dirname "$(readlink -f "$(command -v "$NVCC")")")")/include"
 [ -f "$CUDA_INC/cuda_runtime.h" ] || CUDA_INC="${CUDA_HOME:-/usr/local/cuda}/include"
+# CPU-only torch wheels lack this generated c10/cuda header; an empty stand-in is enough to parse
+# the bindings (they include c10/cuda for the current stream and the device guard).
+mkdir -p "$OUT/stub/c10/cuda/impl"
+echo '#pragma once' > "$OUT/stub/c10/cuda/impl/cuda_cmake_macros.h"
 
 # ---------------------------------------------------------------------------------------------
 check_sm90_int8() {
@@ -99,9 +103,6 @@ check_sm90_int8() {
 
   if [ -n "$TORCH_INC" ] && "$PYTHON" -c 'import pybind11' 2>/dev/null; then
     echo "== sm90_int8: binding.cpp syntax (host compiler, torch headers)"
-    # CPU-only torch wheels lack this generated header; an empty stand-in is enough to parse.
-    mkdir -p "$OUT/stub/c10/cuda/impl"
-    echo '#pragma once' > "$OUT/stub/c10/cuda/impl/cuda_cmake_macros.h"
     # shellcheck disable=SC2086
     ${CXX:-g++} "$STD" -fsyntax-only -DTORCH_EXTENSION_NAME=check -I"$K" $TORCH_INC \
         -idirafter "$OUT/stub" -I"$CUDA_INC" -I/usr/local/cuda/include "$K/binding.cpp"
@@ -176,7 +177,7 @@ check_fp4() {
       wgmma=$((1 - native))  # the sm_90a emulated build holds the wgmma variant
       # shellcheck disable=SC2086
       if ! g++ "$STD" -fsyntax-only -w -DSAGE_FP4_NATIVE=$native -DSAGE_FP4_WGMMA=$wgmma -DTORCH_EXTENSION_NAME=sage_fp4_check \
-           $TORCH_INC -I"$CUDA_INC" "$K/binding.cpp" >"$OUT/binding$native.log" 2>&1; then
+           $TORCH_INC -idirafter "$OUT/stub" -I"$CUDA_INC" "$K/binding.cpp" >"$OUT/binding$native.log" 2>&1; then
         echo "FAIL binding (SAGE_FP4_NATIVE=$native)"; cat "$OUT/binding$native.log"; status=1
       fi
     done

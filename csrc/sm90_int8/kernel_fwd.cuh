@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "../common/launch.cuh"
 #include "../common/sm90/named_barrier.cuh"
 #include "../common/sm90/register_split.cuh"
 #include "epilogue.hpp"
@@ -242,13 +243,8 @@ template <int D, DType kOut, bool kCausal, FwdOptions kOpt>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   static_assert(kOpt.valid(), "fp16_exp2 and split_reductions are variants of the lean softmax");
   auto kernel = fwd_kernel<D, kOut, kCausal, kOpt.exp2_poly_every, kOpt.flags()>;
-  constexpr int kSmem = TileConfig<D>::kSmemBytes;
-  // Per device and cheap: set every launch instead of caching (multi-GPU safe).
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err != cudaSuccess) return err;
   const dim3 grid(p.n_q_tiles / kQTilesPerCTA, p.Hq, p.B);
-  kernel<<<grid, fwd_threads<kOpt>(), kSmem, stream>>>(p);
-  return cudaGetLastError();
+  return sage_common::launch_with_smem(kernel, grid, fwd_threads<kOpt>(), TileConfig<D>::kSmemBytes, p, stream);
 }
 
 }  // namespace sage_sm90

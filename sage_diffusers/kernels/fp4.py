@@ -281,10 +281,6 @@ def key_positions(n: int, device=None) -> torch.Tensor:
     return pos - p + in_chunk
 
 
-def _stream_handle(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
-
-
 # ---- the numerics contract's tensor scales (torch on the GPU: no host synchronisation) ------------
 def tensor_scale(amax: torch.Tensor) -> torch.Tensor:
     """float32 amax (...) -> s = amax / 2688 (IEEE division), 1 where amax is 0: the reference's
@@ -391,9 +387,9 @@ def prepass(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor] = N
         k_scale = scales["k_scale"] if k_scale is None else k_scale
         v_scale = scales["v_scale"] if v_scale is None else v_scale
     k_scale, v_scale = k_scale.float().contiguous(), v_scale.float().contiguous()
-    with torch.cuda.device(k.device):
-        kq, ksf, vq, vsf, v_first = ext.quantize_kv(kk, vv, k_mean, k_scale, v_scale, key_mask,
-                                                    _padded_len(k.shape[2]), _FMT_CODE[fmt], _stream_handle(k.device))
+    # the extension launches on the current stream of k's device (csrc/common/launch_context.h)
+    kq, ksf, vq, vsf, v_first = ext.quantize_kv(kk, vv, k_mean, k_scale, v_scale, key_mask,
+                                                _padded_len(k.shape[2]), _FMT_CODE[fmt])
     if fmt is FP4Format.NVFP4:
         ksf, vsf = ksf.view(torch.float8_e4m3fn), vsf.view(torch.float8_e4m3fn)
     return {"k_mean": k_mean, "k_scale": k_scale, "v_scale": v_scale, "kq": kq, "ksf": ksf, "vq": vq, "vsf": vsf,
@@ -409,12 +405,10 @@ def _run_kernel(ext, q, k, v, key_mask, is_causal, scale, return_lse, p_quant: i
     k_mean = _k_mean(k, key_mask)
     kv = kv_tensor_scales(k, v, k_mean, key_mask)
     q_scale = q_tensor_scale(q)
-    with torch.cuda.device(q.device):
-        stream = _stream_handle(q.device)
-        kq, ksf, vq, vsf, v_first = ext.quantize_kv(k, v, k_mean, kv["k_scale"], kv["v_scale"], key_mask,
-                                                    _padded_len(skv), fmt, stream)
-        return ext.attention_fwd(q, kq, ksf, vq, vsf, k_mean, q_scale, kv["k_scale"], kv["v_scale"], v_first,
-                                 key_mask, skv, scale, is_causal, p_quant, fmt, return_lse, emu, stream)
+    kq, ksf, vq, vsf, v_first = ext.quantize_kv(k, v, k_mean, kv["k_scale"], kv["v_scale"], key_mask,
+                                                _padded_len(skv), fmt)
+    return ext.attention_fwd(q, kq, ksf, vq, vsf, k_mean, q_scale, kv["k_scale"], kv["v_scale"], v_first,
+                             key_mask, skv, scale, is_causal, p_quant, fmt, return_lse, emu)
 
 
 def atom_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor,
@@ -428,8 +422,7 @@ def atom_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Te
     fmt = FP4Format.parse(fmt)
     ext = build(atom)
     as_u8 = lambda x: (x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x).contiguous()  # noqa: E731
-    with torch.cuda.device(a.device):
-        return ext.atom_gemm(as_u8(a), as_u8(sfa), as_u8(b), as_u8(sfb), _FMT_CODE[fmt], _stream_handle(a.device))
+    return ext.atom_gemm(as_u8(a), as_u8(sfa), as_u8(b), as_u8(sfb), _FMT_CODE[fmt])
 
 
 # ---- the custom op -------------------------------------------------------------------------------
