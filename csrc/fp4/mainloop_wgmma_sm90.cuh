@@ -346,23 +346,17 @@ template <int kHeadDim, Fp4Format F>
 struct WgmmaOperands {
   using W = WgmmaConfig<kHeadDim, F>;
   using Elem = typename W::Elem;
-  using TQ = decltype(typename W::TiledMmaQK{}.get_slice(0).partition_fragment_A(
-      cute::make_tensor(cute::make_smem_ptr(static_cast<Elem*>(nullptr)), typename W::SmemLayoutQ{})));
-  using TK = decltype(typename W::TiledMmaQK{}.get_slice(0).partition_fragment_B(
-      cute::make_tensor(cute::make_smem_ptr(static_cast<Elem*>(nullptr)), typename W::SmemLayoutK{})));
-  using TV = decltype(typename W::TiledMmaPV{}.get_slice(0).partition_fragment_B(
-      cute::make_tensor(cute::make_smem_ptr(static_cast<Elem*>(nullptr)), typename W::SmemLayoutVt{})));
+  using TQ = sage_common::sm90::GmmaDescA<typename W::TiledMmaQK, typename W::SmemLayoutQ, Elem>;
+  using TK = sage_common::sm90::GmmaDescB<typename W::TiledMmaQK, typename W::SmemLayoutK, Elem>;
+  using TV = sage_common::sm90::GmmaDescB<typename W::TiledMmaPV, typename W::SmemLayoutVt, Elem>;
   TQ q;  // (1, 1, D / 16)
   TK k;  // (1, 1, D / 16, kStagesK)
   TV v;  // (1, 1, kBlockN / 16, kStagesV)
 
   __device__ __forceinline__ WgmmaOperands(const WgmmaSmem<kHeadDim, F>& sm, int wg, int tid_in_wg)
-      : q(typename W::TiledMmaQK{}.get_slice(tid_in_wg).partition_fragment_A(
-            cute::make_tensor(cute::make_smem_ptr(sm.q(wg)), typename W::SmemLayoutQ{}))),
-        k(typename W::TiledMmaQK{}.get_slice(tid_in_wg).partition_fragment_B(
-            cute::make_tensor(cute::make_smem_ptr(sm.k()), typename W::SmemLayoutK{}))),
-        v(typename W::TiledMmaPV{}.get_slice(tid_in_wg).partition_fragment_B(
-            cute::make_tensor(cute::make_smem_ptr(sm.vt()), typename W::SmemLayoutVt{}))) {
+      : q(sage_common::sm90::gmma_desc_a<typename W::TiledMmaQK, typename W::SmemLayoutQ>(sm.q(wg), tid_in_wg)),
+        k(sage_common::sm90::gmma_desc_b<typename W::TiledMmaQK, typename W::SmemLayoutK>(sm.k(), tid_in_wg)),
+        v(sage_common::sm90::gmma_desc_b<typename W::TiledMmaPV, typename W::SmemLayoutVt>(sm.vt(), tid_in_wg)) {
     static_assert(cute::size<0>(TQ{}) == 1 && cute::size<1>(TQ{}) == 1 && cute::size<2>(TQ{}) == kHeadDim / 16,
                   "Q descriptors: one per k16 step");
     static_assert(cute::size<1>(TK{}) == 1 && cute::size<2>(TK{}) == kHeadDim / 16 &&

@@ -89,25 +89,20 @@ __device__ __forceinline__ void producer_loop(const SmemPlan<D>& sp, const int8_
 template <int D>
 struct WarpgroupOperands {
   using C = TileConfig<D>;
-  using TQ = decltype(typename C::TiledMmaQK{}.get_slice(0).partition_fragment_A(
-      cute::make_tensor(cute::make_smem_ptr(static_cast<int8_t*>(nullptr)), typename C::SmemLayoutQ{})));
-  using TK = decltype(typename C::TiledMmaQK{}.get_slice(0).partition_fragment_B(
-      cute::make_tensor(cute::make_smem_ptr(static_cast<int8_t*>(nullptr)), typename C::SmemLayoutK{})));
-  using TV = decltype(typename C::TiledMmaPV{}.get_slice(0).partition_fragment_B(cute::make_tensor(
-      cute::make_smem_ptr(static_cast<cute::float_e4m3_t*>(nullptr)), typename C::SmemLayoutVt{})));
+  using TQ = sage_common::sm90::GmmaDescA<typename C::TiledMmaQK, typename C::SmemLayoutQ, int8_t>;
+  using TK = sage_common::sm90::GmmaDescB<typename C::TiledMmaQK, typename C::SmemLayoutK, int8_t>;
+  using TV = sage_common::sm90::GmmaDescB<typename C::TiledMmaPV, typename C::SmemLayoutVt, cute::float_e4m3_t>;
   TQ q;  // (1, 1, D/32)
   TK k;  // (1, 1, D/32, kStages)
   TV v;  // (1, 1, 128/32, kStages)
 
   __device__ __forceinline__ WarpgroupOperands(const SmemPlan<D>& sp, int wg, int tid_in_wg)
-      : q(typename C::TiledMmaQK{}.get_slice(tid_in_wg).partition_fragment_A(cute::make_tensor(
-            cute::make_smem_ptr(reinterpret_cast<int8_t*>(sp.q + wg * C::kQTileBytes)),
-            typename C::SmemLayoutQ{}))),
-        k(typename C::TiledMmaQK{}.get_slice(tid_in_wg).partition_fragment_B(cute::make_tensor(
-            cute::make_smem_ptr(reinterpret_cast<int8_t*>(sp.k)), typename C::SmemLayoutK{}))),
-        v(typename C::TiledMmaPV{}.get_slice(tid_in_wg).partition_fragment_B(cute::make_tensor(
-            cute::make_smem_ptr(reinterpret_cast<cute::float_e4m3_t*>(sp.v)),
-            typename C::SmemLayoutVt{}))) {
+      : q(sage_common::sm90::gmma_desc_a<typename C::TiledMmaQK, typename C::SmemLayoutQ>(
+            reinterpret_cast<int8_t*>(sp.q + wg * C::kQTileBytes), tid_in_wg)),
+        k(sage_common::sm90::gmma_desc_b<typename C::TiledMmaQK, typename C::SmemLayoutK>(
+            reinterpret_cast<int8_t*>(sp.k), tid_in_wg)),
+        v(sage_common::sm90::gmma_desc_b<typename C::TiledMmaPV, typename C::SmemLayoutVt>(
+            reinterpret_cast<cute::float_e4m3_t*>(sp.v), tid_in_wg)) {
     static_assert(cute::size<0>(TQ{}) == 1 && cute::size<1>(TQ{}) == 1 && cute::size<2>(TQ{}) == D / 32,
                   "Q descriptors: one per 32-wide k-block");
     static_assert(cute::size<1>(TK{}) == 1 && cute::size<2>(TK{}) == D / 32 &&

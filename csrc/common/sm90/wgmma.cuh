@@ -1,5 +1,5 @@
 // wgmma on plain register arrays (CuTe's atoms take every accumulator register as a separate
-// argument) and the register / proxy fences around them.
+// argument), the register / proxy fences around them, and the operands' smem descriptors.
 #pragma once
 
 #include <cstdint>
@@ -7,6 +7,7 @@
 
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
 
 namespace sage_common::sm90 {
 
@@ -54,5 +55,21 @@ __device__ __forceinline__ void fence_regs(E (&d)[N][M]) {
 __device__ __forceinline__ void fence_view_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+
+// GMMA descriptors of one warpgroup's slice of a shared-memory operand (CuTe builds them from the
+// smem layout): A (the M-side operand) or B; one descriptor per k-step (and stage, when the layout
+// has a stage mode). Elem is the operand's element type in shared memory.
+template <class TiledMma, class Layout, class Elem>
+__device__ __forceinline__ auto gmma_desc_a(Elem* smem, int tid_in_wg) {
+  return TiledMma{}.get_slice(tid_in_wg).partition_fragment_A(cute::make_tensor(cute::make_smem_ptr(smem), Layout{}));
+}
+template <class TiledMma, class Layout, class Elem>
+__device__ __forceinline__ auto gmma_desc_b(Elem* smem, int tid_in_wg) {
+  return TiledMma{}.get_slice(tid_in_wg).partition_fragment_B(cute::make_tensor(cute::make_smem_ptr(smem), Layout{}));
+}
+template <class TiledMma, class Layout, class Elem>
+using GmmaDescA = decltype(gmma_desc_a<TiledMma, Layout, Elem>(nullptr, 0));
+template <class TiledMma, class Layout, class Elem>
+using GmmaDescB = decltype(gmma_desc_b<TiledMma, Layout, Elem>(nullptr, 0));
 
 }  // namespace sage_common::sm90
