@@ -17,6 +17,10 @@ __device__ __forceinline__ float finite_abs(float x) {
   return a < INFINITY ? a : 0.f;  // NaN compares false
 }
 
+// x for finite x, 0 for NaN and +-Inf: quantization inputs whose non-finite values are recorded
+// (or, for Q, flagged per row) elsewhere.
+__device__ __forceinline__ float finite_or_zero(float x) { return fabsf(x) < INFINITY ? x : 0.0f; }
+
 // v_first: the (kCount, D) slice of one (b, kv head); records key `key` for element value x.
 __device__ __forceinline__ void record_nonfinite(int* v_first, int D, int c, int key, float x) {
   const NonFinite kind = x != x ? NonFinite::kNaN : (x > 0.f ? NonFinite::kPosInf : NonFinite::kNegInf);

@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "../common/nonfinite.cuh"
 #include "../common/numeric_conversion.cuh"
 #include "fp4_api.h"
 #include "fragment_quant.cuh"
@@ -92,7 +93,7 @@ __device__ __forceinline__ void q_prologue(const FwdParams& p, T* qs, float* qba
         const int d = (i < 8 ? 8 * t + i : 32 + 8 * t + (i - 8));
         // Non-finite values are quantized as 0 (the row's output is NaN anyway, qk_mean).
         const float x = __fdiv_rn(sage_common::Elem16<T>::to_float(qrow[d]) - qbar[64 * c + d], q_scale);
-        vals[r][i] = fabsf(x) < INFINITY ? x : 0.0f;
+        vals[r][i] = sage_common::finite_or_zero(x);
       }
     }
     uint32_t codes[4], sf_lo, sf_hi;

@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "../common/nonfinite.cuh"
 #include "../common/numeric_conversion.cuh"
 #include "fp4_api.h"
 #include "fp4_format.cuh"
@@ -49,7 +50,7 @@ __device__ __forceinline__ bool attended(const uint8_t* key_mask, int b, int skv
 
 // Non-finite scaled values are quantized as 0 (the reference's fp4_tensor_roundtrip): a NaN of an
 // attended K row, say, leaves its block's other values and scale as they were.
-__device__ __forceinline__ float finite_or_zero(float x) { return fabsf(x) < INFINITY ? x : 0.0f; }
+using sage_common::finite_or_zero;
 
 template <typename T, Fp4Format F>
 __global__ void quantize_k_kernel(const T* __restrict__ k, int64_t sb, int64_t sh, int64_t ss,
@@ -117,6 +118,8 @@ __global__ void quantize_v_kernel(const T* __restrict__ v, int64_t sb, int64_t s
       // output exactly through v_first instead of saturating the block's scale).
       const float e = attended(key_mask, b, skv, token) ? sage_common::Elem16<T>::to_float(src[token * ss]) : 0.0f;
       if (!(fabsf(e) < INFINITY)) {  // rare
+        // The record of common/nonfinite.cuh (record_nonfinite on this (b, head)'s slice) written
+        // out: the same address and value, but the call compiled this pre-pass to other SASS.
         const NonFinite kind = e != e ? NonFinite::kNaN : (e > 0.0f ? NonFinite::kPosInf : NonFinite::kNegInf);
         atomicMin(v_first + (bh * static_cast<int>(NonFinite::kCount) + static_cast<int>(kind)) * D + d, token);
       }

@@ -6,7 +6,7 @@
 //   full[s]  : count 1 (producer's arrive.expect_tx) + the copies' transaction bytes
 //   empty[s] : count 8 (lane 0 of each consumer warp, after its PV wgmma retired)
 //   q_full   : count 1 + Q bytes
-// Phase rule: common/sm90/pipeline.cuh (Ring).
+// Phase rule: common/sm90/pipeline.cuh.
 //
 // Consumers (two warpgroups, 64 query rows each): S = Q K^T with INT8 SS wgmma, softmax in
 // registers, O += P V^T with FP8 RS wgmma. The wgmma descriptors come from CuTe's smem layouts

@@ -14,14 +14,6 @@ namespace sage_common::sm90 {
 
 using TxBarrier = cutlass::arch::ClusterTransactionBarrier;  // mbarrier (+ transaction bytes)
 
-template <int kStages_>
-struct Ring {
-  static_assert(kStages_ >= 1, "at least one stage");
-  static constexpr int kStages = kStages_;
-  __device__ __forceinline__ static int stage(int t) { return t % kStages; }
-  __device__ __forceinline__ static uint32_t phase(int t) { return (t / kStages) & 1; }
-};
-
 // One elected thread: copy `bytes` (a multiple of 16, 16-byte aligned ends) from global memory
 // into shared memory, counted on `full` (which must expect them).
 __device__ __forceinline__ void bulk_copy_g2s(const void* src, uint64_t* full, void* dst, int bytes) {
