@@ -28,7 +28,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sage_diffusers.reference import cosine, relative_l1, rmse  # noqa: E402
+from sage_diffusers.kernels.bench_utils import bench_ms, make_inputs  # noqa: E402,F401  (shared with csrc/*/variants_bench.py)
 
 # (B, H, S, D, causal)
 SHAPES = [
@@ -53,41 +54,6 @@ SHAPES = [
 ]
 QUICK_SHAPES = [(1, 24, 4608, 128, False), (1, 48, 17776, 64, False), (1, 24, 16384, 128, True)]
 L2_BYTES = 50 * 2**20  # H100/H200
-
-
-def make_inputs(b, h, s, d, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, h, s, d, generator=g, device="cuda")
-    k = torch.randn(b, h, s, d, generator=g, device="cuda") + 4 * torch.randn(1, h, 1, d, generator=g, device="cuda")
-    v = torch.randn(b, h, s, d, generator=g, device="cuda")
-    return [x.to(torch.bfloat16) for x in (q, k, v)]
-
-
-def bench_ms(fn: Callable[[int], object], reps: int) -> float:
-    """Median milliseconds of fn(i) (i rotates input copies)."""
-    counter = [0]
-
-    def step():
-        counter[0] += 1
-        fn(counter[0])
-
-    try:
-        import triton.testing
-
-        return float(triton.testing.do_bench(step, warmup=max(5, reps // 4), rep=reps * 10, return_mode="median"))
-    except ImportError:
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
 
 
 # ---- methods: each returns (run(q, k, v) -> out bf16 BHSD, note) or raises ------------------------

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../common/launch.cuh"
 #include "epilogue.cuh"
 #include "fp4_api.h"
 #include "mainloop.cuh"
@@ -153,11 +154,8 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_attention_fwd_kernel(const Fw
 // One forward kernel over (Sq / kBlockM, Hq, B) CTAs; `kernel` takes the FwdParams by value.
 template <class Kernel>
 cudaError_t launch_row_blocks(Kernel kernel, int threads, int smem, const FwdParams& p, cudaStream_t stream) {
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return err;
   const dim3 grid((p.Sq + kBlockM - 1) / kBlockM, p.Hq, p.B);
-  kernel<<<grid, threads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return sage_common::launch_with_smem(kernel, grid, threads, smem, p, stream);
 }
 
 template <class T>

@@ -6,8 +6,7 @@
 
 #include <cstdint>
 
-#include <cutlass/arch/reg_reconfig.h>
-
+#include "../common/smem.cuh"
 #include "attention_fwd.cuh"
 #include "epilogue.cuh"
 #include "fp4_api.h"
@@ -18,8 +17,8 @@
 
 namespace sage_fp4 {
 
-// The two consumer warpgroups take turns issuing their wgmmas (SAGE_FP4_OPT bit 8 turns it off).
-constexpr bool kWgmmaPingPong = (SAGE_FP4_OPT & 8) == 0;
+// The two consumer warpgroups take turns issuing their wgmmas unless no_wgmma_pingpong.
+constexpr bool kWgmmaPingPong = !kOptions.no_wgmma_pingpong;
 
 template <class Atom, int kHeadDim, typename T>
 __global__ void __launch_bounds__(WgmmaConfig<kHeadDim, Atom::kFormat>::kThreads, 1)
@@ -29,7 +28,7 @@ __global__ void __launch_bounds__(WgmmaConfig<kHeadDim, Atom::kFormat>::kThreads
   static_assert(!Atom::kNative, "the wgmma variant runs the emulated atom's decoded operands");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // GMMA-swizzled tiles need 1024-byte aligned addresses (the slack is in kSmemBytes).
-  const WgmmaSmem<kHeadDim, kFmt> sm{smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u)};
+  const WgmmaSmem<kHeadDim, kFmt> sm{smem_raw + sage_common::smem_align_pad<1024>(smem_addr(smem_raw))};
   const int q0 = blockIdx.x * kBlockM, h = blockIdx.y, b = blockIdx.z;
   const int hk = h / (p.Hq / p.Hkv);  // GQA: query head h reads kv head h / group
   const int warp = static_cast<int>(threadIdx.x >> 5);
@@ -43,18 +42,18 @@ __global__ void __launch_bounds__(WgmmaConfig<kHeadDim, Atom::kFormat>::kThreads
   __syncthreads();
 
   if (warp >= W::kConsumerThreads / 32) {
-    cutlass::arch::warpgroup_reg_dealloc<W::kProducerRegs>();
+    W::RegSplit::producer();
     const int64_t img0 = (int64_t(b) * p.Hkv + hk) * (p.skv_pad / kBlockN) * (kBlockN * kHeadDim);
     producer_wgmma<Atom, kHeadDim>(p, sm, n_tiles, static_cast<const uint16_t*>(p.k_img) + img0,
                                    static_cast<const uint16_t*>(p.v_img) + img0);
     return;
   }
-  cutlass::arch::warpgroup_reg_alloc<W::kConsumerRegs>();
+  W::RegSplit::consumer();
 
   typename Atom::FragA qf[kHeadDim / 64];
   q_prologue<Atom, kHeadDim, T>(p, reinterpret_cast<T*>(sm.base), sm.qbar(), sm.qk_mean(), b, h, hk, q0, qf,
                                 ConsumerSync{});
-  named_arrive(kBarQbar, W::kThreads);  // qbar is written (the prologue's last barrier is behind it)
+  named_barrier_arrive<W::kThreads>(kBarQbar);  // qbar is written (the prologue's last barrier is behind it)
   ConsumerSync{}();                     // every consumer is done reading the 16-bit Q rows
   store_q_decoded<Atom, kHeadDim>(sm, qf);
   fence_view_async_shared();

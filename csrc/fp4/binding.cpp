@@ -1,10 +1,10 @@
-// Torch binding of the FP4 kernels: shape/dtype checks, allocation, current-stream launch.
+// Torch binding of the FP4 kernels: shape/dtype checks, allocation, launch on the current stream of
+// the inputs' device (common/launch_context.h, the convention of every binding).
 // Built for exactly one atom (SAGE_FP4_NATIVE = 1 native sm_120a, 0 emulated); see kernels/fp4.py.
-// The caller passes torch.cuda.current_stream().cuda_stream and runs under the tensors' device, so
-// this file needs no c10/cuda headers (it compile-checks against a CPU-only torch).
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
+#include "../common/launch_context.h"
 #include "fp4_api.h"
 
 #ifndef SAGE_FP4_NATIVE
@@ -66,10 +66,11 @@ const uint8_t* key_mask_ptr(const c10::optional<torch::Tensor>& key_mask, int64_
 std::vector<torch::Tensor> quantize_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& k_mean,
                                        const torch::Tensor& k_scale, const torch::Tensor& v_scale,
                                        const c10::optional<torch::Tensor>& key_mask, int64_t skv_pad,
-                                       int64_t fmt_code, int64_t stream_handle) {
+                                       int64_t fmt_code) {
   const Fp4Format fmt = fp4_format(fmt_code);
   const int64_t blk = sage_fp4::fp4_block(fmt);
   check_bhsd_16b(k, "k");
+  const sage_common::LaunchContext ctx(k);
   TORCH_CHECK(v.is_cuda() && v.dim() == 4 && v.stride(3) == 1 && v.sizes() == k.sizes(), "v: shape of k, last dim contiguous");
   TORCH_CHECK(v.scalar_type() == k.scalar_type(), "k and v dtypes differ");
   const auto B = k.size(0), H = k.size(1), S = k.size(2), D = k.size(3);
@@ -86,7 +87,7 @@ std::vector<torch::Tensor> quantize_kv(const torch::Tensor& k, const torch::Tens
   auto vsf = torch::empty({B, H, D, skv_pad / blk}, u8);
   auto v_first = torch::full({B, H, static_cast<int64_t>(sage_fp4::NonFinite::kCount), D}, sage_fp4::kNoKey,
                              k.options().dtype(torch::kInt32));
-  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const cudaStream_t stream = ctx.stream();
   const ElemType dt = elem_type(k);
   FP4_CHECK_CUDA(sage_fp4::launch_quantize_k(k.data_ptr(), dt, fmt, k.stride(0), k.stride(1), k.stride(2),
                                              k_mean.data_ptr<float>(), k_scale.data_ptr<float>(), mask,
@@ -108,10 +109,11 @@ std::vector<torch::Tensor> attention_fwd(const torch::Tensor& q, const torch::Te
                                          const torch::Tensor& v_scale, const torch::Tensor& v_first,
                                          const c10::optional<torch::Tensor>& key_mask, int64_t skv, double scale,
                                          bool causal, int64_t p_quant, int64_t fmt_code, bool return_lse,
-                                         int64_t emu_gemm, int64_t stream_handle) {
+                                         int64_t emu_gemm) {
   const Fp4Format fmt = fp4_format(fmt_code);
   const int64_t blk = sage_fp4::fp4_block(fmt);
   check_bhsd_16b(q, "q");
+  const sage_common::LaunchContext ctx(q);
   const auto B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
   TORCH_CHECK(D == 64 || D == 128, "FP4 kernel head dims are 64 and 128, got ", D);
   TORCH_CHECK(kq.dim() == 4 && kq.size(0) == B && kq.size(3) == D / 2 && kq.is_contiguous(), "kq shape");
@@ -159,7 +161,7 @@ std::vector<torch::Tensor> attention_fwd(const torch::Tensor& q, const torch::Te
   p.p_quant = static_cast<sage_fp4::PQuantMode>(p_quant);
   p.dtype = elem_type(q);
   p.fmt = fmt;
-  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const cudaStream_t stream = ctx.stream();
 #if SAGE_FP4_NATIVE
   FP4_CHECK_CUDA(sage_fp4::launch_fp4_attention_native(p, stream));
 #else
@@ -188,17 +190,18 @@ std::vector<torch::Tensor> attention_fwd(const torch::Tensor& q, const torch::Te
 
 // Test GEMM of the MMA atom: a (M, K/2) uint8, sfa (M, K/blk) uint8, b (N, K/2), sfb (N, K/blk) -> (M, N) fp32.
 torch::Tensor atom_gemm(const torch::Tensor& a, const torch::Tensor& sfa, const torch::Tensor& b, const torch::Tensor& sfb,
-                        int64_t fmt_code, int64_t stream_handle) {
+                        int64_t fmt_code) {
   const Fp4Format fmt = fp4_format(fmt_code);
   const int64_t blk = sage_fp4::fp4_block(fmt);
   for (const auto* t : {&a, &sfa, &b, &sfb})
     TORCH_CHECK(t->is_cuda() && t->is_contiguous() && t->scalar_type() == torch::kUInt8 && t->dim() == 2, "uint8 2-D contiguous");
+  const sage_common::LaunchContext ctx(a);
   const auto M = a.size(0), N = b.size(0), K = a.size(1) * 2;
   TORCH_CHECK(b.size(1) * 2 == K && sfa.size(0) == M && sfb.size(0) == N && sfa.size(1) == K / blk &&
                   sfb.size(1) == K / blk,
               "atom_gemm shapes");
   auto d = torch::empty({M, N}, a.options().dtype(torch::kFloat32));
-  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const cudaStream_t stream = ctx.stream();
 #if SAGE_FP4_NATIVE
   FP4_CHECK_CUDA(sage_fp4::launch_mma_atom_gemm_native(fmt, a.data_ptr<uint8_t>(), sfa.data_ptr<uint8_t>(), b.data_ptr<uint8_t>(),
                                                       sfb.data_ptr<uint8_t>(), d.data_ptr<float>(), M, N, K, stream));

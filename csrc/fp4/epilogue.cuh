@@ -11,6 +11,9 @@
 #include <cuda_fp16.h>
 #include <math_constants.h>
 
+#include "../common/nonfinite.cuh"
+#include "../common/numeric_conversion.cuh"
+#include "../common/softmax_utils.cuh"
 #include "fp4_api.h"
 #include "q_prologue.cuh"
 #include "softmax_pquant.cuh"
@@ -18,27 +21,6 @@
 
 namespace sage_fp4 {
 
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float a, float b);
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
-  __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-
-// Output of channel c for a row that sees keys <= last_key: x, or the non-finite V value reaching it.
-__device__ __forceinline__ float apply_nonfinite(const int* v_first, int D, int c, int last_key, float x) {
-  const bool pos = v_first[static_cast<int>(NonFinite::kPosInf) * D + c] <= last_key;
-  const bool neg = v_first[static_cast<int>(NonFinite::kNegInf) * D + c] <= last_key;
-  const bool nan = v_first[static_cast<int>(NonFinite::kNaN) * D + c] <= last_key;
-  if (nan || (pos && neg)) return __int_as_float(0x7fffffff);
-  return pos ? CUDART_INF_F : (neg ? -CUDART_INF_F : x);
-}
 
 template <int kHeadDim, typename T>
 __device__ __forceinline__ void store_output(const FwdParams& p, const float (&acc)[kHeadDim / 8][4],
@@ -51,9 +33,7 @@ __device__ __forceinline__ void store_output(const FwdParams& p, const float (&a
   const int* v_first = p.v_first + bhk * static_cast<int>(NonFinite::kCount) * kHeadDim;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float l = st.l[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float l = sage_common::quad_sum(st.l[r]);
     const int local = 16 * warp + g + 8 * r;
     const int row = q0 + local;
     if (row >= p.Sq) continue;
@@ -65,14 +45,13 @@ __device__ __forceinline__ void store_output(const FwdParams& p, const float (&a
 #pragma unroll
     for (int n = 0; n < kHeadDim / 8; ++n) {
       const int c = 8 * n + 2 * t;
-      const float o0 = apply_nonfinite(v_first, kHeadDim, c, last_key, acc[n][2 * r] * inv);
-      const float o1 = apply_nonfinite(v_first, kHeadDim, c + 1, last_key, acc[n][2 * r + 1] * inv);
-      *reinterpret_cast<uint32_t*>(orow + 8 * n + 2 * t) = pack2<T>(o0, o1);
+      const float o0 = sage_common::apply_nonfinite</*kInfFromBits=*/true>(v_first, kHeadDim, c, last_key, acc[n][2 * r] * inv);
+      const float o1 = sage_common::apply_nonfinite</*kInfFromBits=*/true>(v_first, kHeadDim, c + 1, last_key, acc[n][2 * r + 1] * inv);
+      *reinterpret_cast<uint32_t*>(orow + 8 * n + 2 * t) = sage_common::Elem16<T>::pack2(o0, o1);
     }
     if (p.lse != nullptr && t == 0) {
-      constexpr float kLn2 = 0.6931471805599453f;
       p.lse[(int64_t(b) * p.Hq + h) * p.Sq + row] =
-          l > 0.0f ? st.m[r] * kLn2 + logf(l) + p.scale * qk_mean[local] : -CUDART_INF_F;
+          l > 0.0f ? sage_common::lse_from_log2(st.m[r], l) + p.scale * qk_mean[local] : -CUDART_INF_F;
     }
   }
 }

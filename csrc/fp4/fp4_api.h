@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "../common/nonfinite.h"
+
 namespace sage_fp4 {
 
 enum class ElemType : int { kFloat16 = 0, kBFloat16 = 1 };
@@ -46,8 +48,8 @@ cudaError_t launch_quantize_k(const void* k, ElemType dtype, Fp4Format fmt, int6
 //   v: (B, H, Skv, D) with element strides; v_scale: float32 (B, H); key_mask as above;
 //   vq: uint8 (B, H, D, skv_pad/2); vsf: uint8 (B, H, D, skv_pad/blk);
 //   v_first: int32 (B, H, 3, D), every byte 0x7f on entry (kNoKey), atomicMin of the keys.
-enum class NonFinite : int { kPosInf = 0, kNegInf = 1, kNaN = 2, kCount = 3 };
-constexpr int kNoKey = 0x7f7f7f7f;
+using sage_common::kNoKey;  // common/nonfinite.h
+using sage_common::NonFinite;
 cudaError_t launch_quantize_v(const void* v, ElemType dtype, Fp4Format fmt, int64_t sb, int64_t sh, int64_t ss,
                               const float* v_scale, const uint8_t* key_mask, uint8_t* vq, uint8_t* vsf,
                               int* v_first, int B, int H, int skv, int skv_pad, int D, cudaStream_t stream);

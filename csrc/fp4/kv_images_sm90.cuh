@@ -17,6 +17,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "../common/sm90/gmma_swizzle.cuh"
 #include "fp4_api.h"
 #include "fp4_format.cuh"
 #include "tile_config.cuh"
@@ -32,15 +33,9 @@ __host__ __device__ __forceinline__ constexpr int vt_position_key(int kk) {
   return (kk & ~31) + ((kk >> 1) & 3) * 8 + ((kk >> 3) & 3) * 2 + (kk & 1);
 }
 
-// Element offset of (row, col[, buffer]) in a GMMA K-major SW128 tile of 16-bit elements:
-// 64-element (128-byte) rows in 8-row swizzle atoms stacked along the rows (kRows of them per
-// 64-column block), 16-byte chunk c of row r stored at chunk c ^ (r % 8); buffer b of kRows x
-// kCols follows buffer b - 1.
-template <int kRows, int kCols>
-__host__ __device__ __forceinline__ constexpr int gmma_sw128_offset(int row, int col, int buf = 0) {
-  return buf * kRows * kCols + (col >> 6) * kRows * 64 + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3) +
-         (col & 7);
-}
+// Element offsets in the GMMA K-major SW128 tiles of 16-bit elements: sw128_elem16_offset
+// (common/sm90/gmma_swizzle.cuh).
+using sage_common::sm90::sw128_elem16_offset;
 
 // The same element as CuTe addresses it (the wgmma descriptors' view): the GMMA::Layout_*_Atom
 // swizzle acts on the byte address, so the layout is evaluated on a smem pointer. Host reference
@@ -98,7 +93,7 @@ __global__ void __launch_bounds__(256) decode_kv_images_kernel(const uint8_t* __
         const auto s2 = scale2(byte);
         const uint4 out = make_uint4(hmul2_bits(c[0], s2), hmul2_bits(c[1], s2), hmul2_bits(c[2], s2),
                                      hmul2_bits(c[3], s2));
-        *reinterpret_cast<uint4*>(out_tile + gmma_sw128_offset<kBlockN, kHeadDim>(n, 32 * q + 8 * wi)) = out;
+        *reinterpret_cast<uint4*>(out_tile + sw128_elem16_offset<kBlockN, kHeadDim>(n, 32 * q + 8 * wi)) = out;
       }
     }
   } else {
@@ -129,7 +124,7 @@ __global__ void __launch_bounds__(256) decode_kv_images_kernel(const uint8_t* __
       // pair p of the four words.
 #pragma unroll
       for (int pp = 0; pp < 4; ++pp) {
-        *reinterpret_cast<uint4*>(out_tile + gmma_sw128_offset<kHeadDim, kBlockN>(d, 32 * grp + 8 * pp)) =
+        *reinterpret_cast<uint4*>(out_tile + sw128_elem16_offset<kHeadDim, kBlockN>(d, 32 * grp + 8 * pp)) =
             make_uint4(dec[0][pp], dec[1][pp], dec[2][pp], dec[3][pp]);
       }
     }

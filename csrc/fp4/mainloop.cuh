@@ -6,15 +6,15 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "../common/smem.cuh"
 #include "fp4_api.h"
 #include "fp4_format.cuh"
 #include "tile_config.cuh"
 
 namespace sage_fp4 {
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using sage_common::smem_addr;
+
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
 }

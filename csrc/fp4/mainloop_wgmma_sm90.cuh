@@ -29,13 +29,14 @@
 #include <type_traits>
 #include <utility>
 
-#include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
-#include <cutlass/arch/barrier.h>
-#include <cutlass/arch/reg_reconfig.h>
 
+#include "../common/sm90/named_barrier.cuh"
+#include "../common/sm90/pipeline.cuh"
+#include "../common/sm90/register_split.cuh"
+#include "../common/sm90/wgmma.cuh"
 #include "fp4_api.h"
 #include "fp4_format.cuh"
 #include "kv_images_sm90.cuh"
@@ -56,10 +57,9 @@ struct WgmmaConfig {
   // Register split (setmaxnreg): 384 threads launch with 168 registers each; the producer gives
   // part of its share to the consumers: 128 * 72 + 256 * 216 = 64512 = 384 * 168 (ptxas: no
   // spills for NVFP4; 16 bytes for the MXFP4 D = 128 consumers, whose P~ takes the codes path).
-  // 56 / 224 spills nothing but ran NVFP4 6 % slower on the H200 (9.66 vs 9.10 ms at
-  // 1x24x16384x128); 40 / 232 spills in the producer.
-  static constexpr int kProducerRegs = 72;
-  static constexpr int kConsumerRegs = 216;
+  // 56 / 224 spills nothing but timed slower for NVFP4 on the H200 (the producer's corrections
+  // need the registers); 40 / 232 spills in the producer.
+  using RegSplit = sage_common::sm90::RegisterSplit<72, 216>;
   // Ring depths (a K or V^T tile is 32 KiB at D = 128, 16 KiB at D = 64). With one 2-deep ring
   // of K + V at D = 128 the copy of tile t + 1 left only the softmax of tile t to land.
   static constexpr int kStagesK = kHeadDim == 128 ? 3 : 4;
@@ -108,21 +108,21 @@ struct WgmmaConfig {
   static constexpr int kORegs = kRowsPerWg * kHeadDim / 128;  // D / 2 fp32 per thread
 };
 
-using TxBarrier = cutlass::arch::ClusterTransactionBarrier;  // mbarrier (+ transaction bytes)
+using sage_common::sm90::fence_regs;
+using sage_common::sm90::fence_view_async_shared;
+using sage_common::sm90::named_barrier_arrive;
+using sage_common::sm90::named_barrier_sync;
+using sage_common::sm90::TxBarrier;
+using sage_common::sm90::wgmma_rs;
+using sage_common::sm90::wgmma_ss;
 
 // Named barriers (0 is __syncthreads): 1 the consumers' own, 2 / 3 "warpgroup 0 / 1 may issue its
 // wgmmas" (kPingPong), 4 "qbar is in shared memory" (consumers arrive, producers wait).
 constexpr int kBarConsumers = 1;
 constexpr int kBarSchedBase = 2;
 constexpr int kBarQbar = 4;
-__device__ __forceinline__ void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
 struct ConsumerSync {
-  __device__ __forceinline__ void operator()() const { named_sync(kBarConsumers, 256); }
+  __device__ __forceinline__ void operator()() const { named_barrier_sync<256>(kBarConsumers); }
 };
 
 // Shared-memory pieces on the 1024-aligned base.
@@ -174,27 +174,6 @@ struct WgmmaSmem {
   }
 };
 
-// ---- wgmma calls on plain register arrays ------------------------------------------------------
-template <class Mma, int N, size_t... I>
-__device__ __forceinline__ void wgmma_ss(uint64_t desc_a, uint64_t desc_b, float (&d)[N][4],
-                                         cute::GMMA::ScaleOut scale_d, std::index_sequence<I...>) {
-  Mma::fma(desc_a, desc_b, d[I / 4][I % 4]..., scale_d);
-}
-template <class Mma, int N, size_t... I>
-__device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[N][4],
-                                         cute::GMMA::ScaleOut scale_d, std::index_sequence<I...>) {
-  Mma::fma(a[0], a[1], a[2], a[3], desc_b, d[I / 4][I % 4]..., scale_d);
-}
-// Accumulators (float) and A fragments (uint32_t) an in-flight wgmma uses stay in place.
-template <class E, int N, int M>
-__device__ __forceinline__ void fence_regs(E (&d)[N][M]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-#pragma unroll
-    for (int e = 0; e < M; ++e) cute::warpgroup_fence_operand(d[i][e]);
-  }
-}
-
 // Rows g (elements 0, 1) and g + 8 (2, 3) of an m16n8-tiled accumulator times f[0] / f[1].
 template <int N>
 __device__ __forceinline__ void scale_rows(float (&acc)[N][4], const float (&f)[2]) {
@@ -205,11 +184,6 @@ __device__ __forceinline__ void scale_rows(float (&acc)[N][4], const float (&f)[
     acc[n][2] *= f[1];
     acc[n][3] *= f[1];
   }
-}
-
-// Generic-proxy stores to shared memory (the decoded Q) made visible to the async proxy (wgmma).
-__device__ __forceinline__ void fence_view_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 // Each consumer warp writes its decoded Q fragments (AtomSm90Emulated::FragA, one per k64 chunk)
@@ -231,7 +205,7 @@ __device__ __forceinline__ void store_q_decoded(const WgmmaSmem<kHeadDim, Atom::
       for (int r = 0; r < 4; ++r) {
         const int row = 16 * (warp % 4) + g + 8 * (r & 1);
         const int col = 64 * c + 32 * (j >> 1) + 8 * t + 4 * (j & 1) + 2 * (r >> 1);
-        *reinterpret_cast<uint32_t*>(q + gmma_sw128_offset<W::kRowsPerWg, kHeadDim>(row, col)) = qf[c].h[j][r];
+        *reinterpret_cast<uint32_t*>(q + sw128_elem16_offset<W::kRowsPerWg, kHeadDim>(row, col)) = qf[c].h[j][r];
       }
     }
   }
@@ -288,19 +262,19 @@ __device__ __forceinline__ void producer_wgmma(const FwdParams& p, const WgmmaSm
   auto issue_k = [&](int tile) {
     const int s = tile % kStagesK;
     TxBarrier::arrive_and_expect_tx(sm.full_k(s), W::kTileBytes);
-    cute::SM90_BULK_COPY_G2S::copy(k_img + int64_t(tile) * kTileElems, sm.full_k(s), sm.k(s), W::kTileBytes);
+    sage_common::sm90::bulk_copy_g2s(k_img + int64_t(tile) * kTileElems, sm.full_k(s), sm.k(s), W::kTileBytes);
   };
   auto issue_v = [&](int tile) {
     const int s = tile % kStagesV;
     TxBarrier::arrive_and_expect_tx(sm.full_v(s), W::kTileBytes);
-    cute::SM90_BULK_COPY_G2S::copy(v_img + int64_t(tile) * kTileElems, sm.full_v(s), sm.vt(s), W::kTileBytes);
+    sage_common::sm90::bulk_copy_g2s(v_img + int64_t(tile) * kTileElems, sm.full_v(s), sm.vt(s), W::kTileBytes);
   };
   if (ptid == 0) {
     for (int tile = 0; tile < min(kStagesK, n_tiles); ++tile) issue_k(tile);
   } else if (ptid == 32) {
     for (int tile = 0; tile < min(kStagesV, n_tiles); ++tile) issue_v(tile);
   }
-  named_sync(kBarQbar, W::kThreads);  // the consumers' prologue wrote qbar
+  named_barrier_sync<W::kThreads>(kBarQbar);  // the consumers' prologue wrote qbar
 
   // A fragments of the qbar terms (rows g < kQbarTerms), k16 step ks: a0 = (row g, k 16ks + 2t,
   // +1), a2 = (row g, k 16ks + 8 + 2t, +1).
@@ -335,7 +309,7 @@ __device__ __forceinline__ void producer_wgmma(const FwdParams& p, const WgmmaSm
         // Matrix m = lane / 8: rows n0 .. n0 + 7, columns 32kk + 8m .. + 7: b0 / b1 of k16 steps
         // 2kk and 2kk + 1.
         uint32_t b[4];
-        ldmatrix_x4(kt + gmma_sw128_offset<kBlockN, kHeadDim>(n0 + (lane & 7), 32 * kk + 8 * (lane >> 3)), b);
+        ldmatrix_x4(kt + sw128_elem16_offset<kBlockN, kHeadDim>(n0 + (lane & 7), 32 * kk + 8 * (lane >> 3)), b);
         const uint4 a = sm.qa()[kk * 128 + ptid];
         mma_m16n8k16<W::kBf16>(acc, a.x, a.y, b[0], b[1]);
         mma_m16n8k16<W::kBf16>(acc, a.z, a.w, b[2], b[3]);
@@ -372,23 +346,17 @@ template <int kHeadDim, Fp4Format F>
 struct WgmmaOperands {
   using W = WgmmaConfig<kHeadDim, F>;
   using Elem = typename W::Elem;
-  using TQ = decltype(typename W::TiledMmaQK{}.get_slice(0).partition_fragment_A(
-      cute::make_tensor(cute::make_smem_ptr(static_cast<Elem*>(nullptr)), typename W::SmemLayoutQ{})));
-  using TK = decltype(typename W::TiledMmaQK{}.get_slice(0).partition_fragment_B(
-      cute::make_tensor(cute::make_smem_ptr(static_cast<Elem*>(nullptr)), typename W::SmemLayoutK{})));
-  using TV = decltype(typename W::TiledMmaPV{}.get_slice(0).partition_fragment_B(
-      cute::make_tensor(cute::make_smem_ptr(static_cast<Elem*>(nullptr)), typename W::SmemLayoutVt{})));
+  using TQ = sage_common::sm90::GmmaDescA<typename W::TiledMmaQK, typename W::SmemLayoutQ, Elem>;
+  using TK = sage_common::sm90::GmmaDescB<typename W::TiledMmaQK, typename W::SmemLayoutK, Elem>;
+  using TV = sage_common::sm90::GmmaDescB<typename W::TiledMmaPV, typename W::SmemLayoutVt, Elem>;
   TQ q;  // (1, 1, D / 16)
   TK k;  // (1, 1, D / 16, kStagesK)
   TV v;  // (1, 1, kBlockN / 16, kStagesV)
 
   __device__ __forceinline__ WgmmaOperands(const WgmmaSmem<kHeadDim, F>& sm, int wg, int tid_in_wg)
-      : q(typename W::TiledMmaQK{}.get_slice(tid_in_wg).partition_fragment_A(
-            cute::make_tensor(cute::make_smem_ptr(sm.q(wg)), typename W::SmemLayoutQ{}))),
-        k(typename W::TiledMmaQK{}.get_slice(tid_in_wg).partition_fragment_B(
-            cute::make_tensor(cute::make_smem_ptr(sm.k()), typename W::SmemLayoutK{}))),
-        v(typename W::TiledMmaPV{}.get_slice(tid_in_wg).partition_fragment_B(
-            cute::make_tensor(cute::make_smem_ptr(sm.vt()), typename W::SmemLayoutVt{}))) {
+      : q(sage_common::sm90::gmma_desc_a<typename W::TiledMmaQK, typename W::SmemLayoutQ>(sm.q(wg), tid_in_wg)),
+        k(sage_common::sm90::gmma_desc_b<typename W::TiledMmaQK, typename W::SmemLayoutK>(sm.k(), tid_in_wg)),
+        v(sage_common::sm90::gmma_desc_b<typename W::TiledMmaPV, typename W::SmemLayoutVt>(sm.vt(), tid_in_wg)) {
     static_assert(cute::size<0>(TQ{}) == 1 && cute::size<1>(TQ{}) == 1 && cute::size<2>(TQ{}) == kHeadDim / 16,
                   "Q descriptors: one per k16 step");
     static_assert(cute::size<1>(TK{}) == 1 && cute::size<2>(TK{}) == kHeadDim / 16 &&
@@ -486,20 +454,11 @@ __device__ __forceinline__ void consumer_wgmma(const FwdParams& p, const WgmmaSm
     __syncwarp();
     if (lane == 0) TxBarrier::arrive(empty);
   };
-  // kPingPong: each issue block is bracketed by sched_sync(own) and sched_arrive(other);
-  // warpgroup 1 starts by letting warpgroup 0 go first and skips its last arrive, so both
-  // barriers see n_tiles + 1 syncs and arrivals.
-  auto turn_begin = [&] {
-    if constexpr (kPingPong) named_sync(kBarSchedBase + wg, W::kConsumerThreads);
-  };
-  auto turn_end = [&](bool last) {
-    if constexpr (kPingPong) {
-      if (!(last && wg == 1)) named_arrive(kBarSchedBase + (wg ^ 1), W::kConsumerThreads);
-    }
-  };
-  if constexpr (kPingPong) {
-    if (wg == 1) named_arrive(kBarSchedBase, W::kConsumerThreads);
-  }
+  // kPingPong: each issue block is one turn (common/sm90/named_barrier.cuh).
+  const sage_common::sm90::WarpgroupPingPong<kPingPong, kBarSchedBase, W::kConsumerThreads> sched{wg};
+  auto turn_begin = [&] { sched.begin(); };
+  auto turn_end = [&](bool last) { sched.end(last); };
+  sched.start();
   if (n_tiles <= 0) {
     turn_begin();
     turn_end(true);
@@ -516,7 +475,7 @@ __device__ __forceinline__ void consumer_wgmma(const FwdParams& p, const WgmmaSm
   // Iteration `tile`: O *= factor_tile; issue Q K_{tile+1}^T and P~_tile V_tile; wait; softmax of
   // tile + 1. (Running that softmax while P~_tile V_tile is still in flight, FA3's intra-warpgroup
   // overlap, needs a second P~ array: ptxas then serializes the wgmmas at this register budget,
-  // 16.5 vs 10.1 ms at 1x24x16384x128 on the H200.)
+  // which timed far slower on the H200.)
   for (int tile = 0; tile < n_tiles; ++tile) {
     const int sv = tile % kStagesV;
     const bool more = tile + 1 < n_tiles;

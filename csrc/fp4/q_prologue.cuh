@@ -9,18 +9,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "../common/nonfinite.cuh"
+#include "../common/numeric_conversion.cuh"
 #include "fp4_api.h"
 #include "fragment_quant.cuh"
 #include "tile_config.cuh"
 
 namespace sage_fp4 {
-
-template <typename T>
-__device__ __forceinline__ float elem_to_float(T x);
-template <>
-__device__ __forceinline__ float elem_to_float<__half>(__half x) { return __half2float(x); }
-template <>
-__device__ __forceinline__ float elem_to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 // qk_mean of a query row holding a NaN / Inf: a NaN with the sign bit set, a pattern no arithmetic
 // produces on the GPU (its NaNs are the canonical 0x7fffffff), so a NaN q . k_mean (k_mean not
@@ -60,7 +55,7 @@ __device__ __forceinline__ void q_prologue(const FwdParams& p, T* qs, float* qba
     const T* qrow = qs + row * kHeadDim + half * (kHeadDim / 2);
     float dot = 0.0f, bad = 0.0f;
     for (int d = 0; d < kHeadDim / 2; ++d) {
-      const float x = elem_to_float(qrow[d]);
+      const float x = sage_common::Elem16<T>::to_float(qrow[d]);
       dot = fmaf(x, km[d], dot);
       bad += x * 0.0f;
     }
@@ -78,7 +73,7 @@ __device__ __forceinline__ void q_prologue(const FwdParams& p, T* qs, float* qba
     int n = 0;
     for (int r = 0; r < rows; ++r) {
       const bool ok = !is_bad_row(qk_mean[r]);
-      sum += ok ? elem_to_float(qs[r * kHeadDim + d]) : 0.0f;
+      sum += ok ? sage_common::Elem16<T>::to_float(qs[r * kHeadDim + d]) : 0.0f;
       n += ok;
     }
     qbar[d] = n > 0 ? __fdiv_rn(sum, static_cast<float>(n)) : 0.0f;
@@ -97,8 +92,8 @@ __device__ __forceinline__ void q_prologue(const FwdParams& p, T* qs, float* qba
       for (int i = 0; i < 16; ++i) {
         const int d = (i < 8 ? 8 * t + i : 32 + 8 * t + (i - 8));
         // Non-finite values are quantized as 0 (the row's output is NaN anyway, qk_mean).
-        const float x = __fdiv_rn(elem_to_float(qrow[d]) - qbar[64 * c + d], q_scale);
-        vals[r][i] = fabsf(x) < INFINITY ? x : 0.0f;
+        const float x = __fdiv_rn(sage_common::Elem16<T>::to_float(qrow[d]) - qbar[64 * c + d], q_scale);
+        vals[r][i] = sage_common::finite_or_zero(x);
       }
     }
     uint32_t codes[4], sf_lo, sf_hi;

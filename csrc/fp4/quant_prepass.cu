@@ -6,19 +6,14 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "../common/nonfinite.cuh"
+#include "../common/numeric_conversion.cuh"
 #include "fp4_api.h"
 #include "fp4_format.cuh"
 #include "tile_config.cuh"
 
 namespace sage_fp4 {
 namespace {
-
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 // Quantize one block of kBlock floats (16 or 32) into kBlock / 8 packed words (element 2j in the
 // low nibble of byte j) + a scale byte; a zero block gets scale byte 0 and +0 codes.
@@ -55,7 +50,7 @@ __device__ __forceinline__ bool attended(const uint8_t* key_mask, int b, int skv
 
 // Non-finite scaled values are quantized as 0 (the reference's fp4_tensor_roundtrip): a NaN of an
 // attended K row, say, leaves its block's other values and scale as they were.
-__device__ __forceinline__ float finite_or_zero(float x) { return fabsf(x) < INFINITY ? x : 0.0f; }
+using sage_common::finite_or_zero;
 
 template <typename T, Fp4Format F>
 __global__ void quantize_k_kernel(const T* __restrict__ k, int64_t sb, int64_t sh, int64_t ss,
@@ -83,7 +78,7 @@ __global__ void quantize_k_kernel(const T* __restrict__ k, int64_t sb, int64_t s
         const uint4 raw = reinterpret_cast<const uint4*>(src)[v8];
         const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) x[8 * v8 + i] = finite_or_zero(__fdiv_rn(to_float(e[i]) - mean[8 * v8 + i], tensor_scale));
+        for (int i = 0; i < 8; ++i) x[8 * v8 + i] = finite_or_zero(__fdiv_rn(sage_common::Elem16<T>::to_float(e[i]) - mean[8 * v8 + i], tensor_scale));
       }
     } else {
 #pragma unroll
@@ -121,8 +116,10 @@ __global__ void quantize_v_kernel(const T* __restrict__ v, int64_t sb, int64_t s
       const int token = tb * kBlock + i;
       // Skv zero-padded; masked keys and non-finite values are zeros (the latter reach the
       // output exactly through v_first instead of saturating the block's scale).
-      const float e = attended(key_mask, b, skv, token) ? to_float(src[token * ss]) : 0.0f;
+      const float e = attended(key_mask, b, skv, token) ? sage_common::Elem16<T>::to_float(src[token * ss]) : 0.0f;
       if (!(fabsf(e) < INFINITY)) {  // rare
+        // The record of common/nonfinite.cuh (record_nonfinite on this (b, head)'s slice) written
+        // out: the same address and value, but the call compiled this pre-pass to other SASS.
         const NonFinite kind = e != e ? NonFinite::kNaN : (e > 0.0f ? NonFinite::kPosInf : NonFinite::kNegInf);
         atomicMin(v_first + (bh * static_cast<int>(NonFinite::kCount) + static_cast<int>(kind)) * D + d, token);
       }

@@ -7,17 +7,17 @@
 #include <cstdint>
 #include <math_constants.h>
 
+#include "../common/softmax_utils.cuh"
 #include "fp4_api.h"
 #include "fragment_quant.cuh"
 #include "tile_config.cuh"
 
 namespace sage_fp4 {
 
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));  // exp2(-inf) = +0
-  return y;
-}
+using sage_common::chains_max;
+using sage_common::chains_sum;
+using sage_common::exp2_mufu;
+using sage_common::quad_max;
 
 // Per-thread softmax state of its two rows (g and g + 8 of the warp's 16).
 struct RowState {
@@ -105,29 +105,10 @@ __device__ __forceinline__ void scores_to_log2(float (&s)[kBlockN / 8][4], const
   }
 }
 
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-
 // Row max, row sum and largest P~ of a tile are kept in kRowChains independent partials (4 with
 // kOptTreeReduce: the serial 32-deep FADD / FMNMX chains dominated the loop's latency), combined
-// by these two.
+// by chains_max / chains_sum (common/softmax_utils.cuh).
 constexpr int kRowChains = kOptTreeReduce ? 4 : 1;
-__device__ __forceinline__ float chains_sum(const float (&x)[kRowChains]) {
-  if constexpr (kRowChains == 4) {
-    return (x[0] + x[1]) + (x[2] + x[3]);
-  } else {
-    return x[0];
-  }
-}
-__device__ __forceinline__ float chains_max(const float (&x)[kRowChains]) {
-  if constexpr (kRowChains == 4) {
-    return fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
-  } else {
-    return x[0];
-  }
-}
 
 // Online softmax of one tile in place: s (log2-domain scores) -> P~; returns alpha (rescale of
 // the old accumulator), s1 (two-level factor of the new P.V product, 1 for direct) and 1 / s1 per
@@ -147,7 +128,7 @@ __device__ __forceinline__ void softmax_rows(float (&s)[kBlockN / 8][4], RowStat
     const float m_new = fmaxf(st.m[r], tmax);
     // Rows without a visible key so far keep m = -inf; subtract 0 so exp2 gives 0, not NaN.
     const float m_use = m_new == -CUDART_INF_F ? 0.0f : m_new;
-    alpha[r] = fast_exp2(st.m[r] - m_use);
+    alpha[r] = exp2_mufu(st.m[r] - m_use);
     st.m[r] = m_new;
     float ps[kRowChains], pm[kRowChains];
 #pragma unroll
@@ -156,7 +137,7 @@ __device__ __forceinline__ void softmax_rows(float (&s)[kBlockN / 8][4], RowStat
     for (int j = 0; j < kBlockN / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float p = fast_exp2(s[j][2 * r + e] - m_use);
+        const float p = exp2_mufu(s[j][2 * r + e] - m_use);
         s[j][2 * r + e] = p;
         ps[j % kRowChains] += p;
         pm[j % kRowChains] = fmaxf(pm[j % kRowChains], p);
@@ -247,11 +228,11 @@ __device__ __forceinline__ void softmax_p_nvfp4_half(float (&s)[kBlockN / 8][4],
     const float m_new = fmaxf(st.m[r], tmax);
     // Rows without a visible key so far keep m = -inf; subtract 0 so exp2 gives 0, not NaN.
     const float m_use = m_new == -CUDART_INF_F ? 0.0f : m_new;
-    alpha[r] = fast_exp2(st.m[r] - m_use);
+    alpha[r] = exp2_mufu(st.m[r] - m_use);
     st.m[r] = m_new;
     float ls1, inv_s1;
     if (mode == PQuantMode::kTwoLevel) {
-      s1[r] = fast_exp2(tmax - m_use) * (1.0f / kTwoLevelRange);
+      s1[r] = exp2_mufu(tmax - m_use) * (1.0f / kTwoLevelRange);
       if (s1[r] < 1.17549435e-38f) s1[r] = 0.0f;
       ls1 = s1[r] > 0.0f ? fast_log2(s1[r]) : CUDART_INF_F;  // +inf: every P~' of the row is 0
       inv_s1 = s1[r] > 0.0f ? fast_rcp(s1[r]) : 0.0f;
@@ -264,7 +245,7 @@ __device__ __forceinline__ void softmax_p_nvfp4_half(float (&s)[kBlockN / 8][4],
     float lsum = 0.0f;
 #pragma unroll
     for (int c = 0; c < kBlockN / 64; ++c) {
-      const uint32_t sb2 = e4m3x2_half2(fast_exp2(bmax[c][1] - m_use) * k6, fast_exp2(bmax[c][0] - m_use) * k6);
+      const uint32_t sb2 = e4m3x2_half2(exp2_mufu(bmax[c][1] - m_use) * k6, exp2_mufu(bmax[c][0] - m_use) * k6);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint32_t sb = prmt(sb2, 0u, h ? 0x3232u : 0x1010u);  // broadcast to both halves
@@ -274,7 +255,7 @@ __device__ __forceinline__ void softmax_p_nvfp4_half(float (&s)[kBlockN / 8][4],
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           const int j = 8 * c + 4 * h + q;
-          const float p0 = fast_exp2(s[j][2 * r] - shift), p1 = fast_exp2(s[j][2 * r + 1] - shift);
+          const float p0 = exp2_mufu(s[j][2 * r] - shift), p1 = exp2_mufu(s[j][2 * r + 1] - shift);
           bsum += p0 + p1;
           const __half2 x = __floats2half2_rn(p0, p1);
           const uint32_t v = e2m1_round_half2(*reinterpret_cast<const uint32_t*>(&x));

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from sage_diffusers.kernels import fp4
-from sage_diffusers.kernels._timing import pipelined_ms
+from sage_diffusers.kernels.bench_utils import pipelined_ms
 from sage_diffusers.reference import cosine, sage3_reference
 
 OPT = int(os.environ.get("SAGE_DIFFUSERS_FP4_OPT", "0"))

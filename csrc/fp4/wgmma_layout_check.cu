@@ -1,6 +1,6 @@
 // Host check (no GPU) of the wgmma variant's shared-memory tiles (mainloop_wgmma_sm90.cuh): for
 // every (row, col, buffer) of the decoded Q, K and V^T tiles, the address CuTe's layout gives
-// (tile_elem: what the wgmma descriptors read) equals the kernel's gmma_sw128_offset and the
+// (tile_elem: what the wgmma descriptors read) equals the kernel's sw128_elem16_offset and the
 // GMMA K-major 128-byte-swizzle formula
 //   buffer * tile bytes + (col / 64) * rows * 128 + row * 128 + (((col % 64) / 8) ^ (row % 8)) * 16
 //   + (col % 8) * 2   (bytes, from a 1024-byte aligned base),
@@ -31,8 +31,8 @@ bool check(const char* name, int bufs) {
         } else {
           p = sage_fp4::tile_elem<Layout>(base, r, c);
         }
-        if (p != base + sage_fp4::gmma_sw128_offset<kRows, kCols>(r, c, b) && ok) {
-          std::printf("     %s (%d, %d, %d): CuTe and gmma_sw128_offset differ\n", name, r, c, b);
+        if (p != base + sage_fp4::sw128_elem16_offset<kRows, kCols>(r, c, b) && ok) {
+          std::printf("     %s (%d, %d, %d): CuTe and sw128_elem16_offset differ\n", name, r, c, b);
           ok = false;
         }
         const long got = reinterpret_cast<const char*>(p) - reinterpret_cast<const char*>(base);

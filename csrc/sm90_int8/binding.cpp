@@ -8,6 +8,8 @@
 #include <cmath>
 #include <vector>
 
+#include "../common/launch_context.h"
+#include "../common/nonfinite.h"
 #include "launch.h"
 
 namespace {
@@ -18,10 +20,10 @@ constexpr int kBlockKV = 128;
 constexpr int kBlockM = 128;
 constexpr int kQTileRows = 64;
 constexpr int kTargetStatBlocks = 4 * 132;  // ~4 waves of H100/H200 SMs for the reduction
-// v_first (launch.h): +Inf, -Inf, NaN per channel, "no key" = every byte 0x7f (numerics.hpp kNoKey).
-constexpr int kNonFiniteKinds = 3;
-constexpr int kNoKeyByte = 0x7f;
-constexpr int kNoKey = 0x7f7f7f7f;
+// v_first (launch.h): +Inf, -Inf, NaN per channel, "no key" = every byte 0x7f (common/nonfinite.h).
+constexpr int kNonFiniteKinds = static_cast<int>(sage_common::NonFinite::kCount);
+constexpr int kNoKeyByte = sage_common::kNoKey & 0xff;
+constexpr int kNoKey = sage_common::kNoKey;
 
 void check_qkv(const at::Tensor& x, const char* name, const at::Tensor& q) {
   TORCH_CHECK(x.is_cuda(), name, " must be a CUDA tensor");
@@ -190,7 +192,7 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // Pre-pass only, for tests: the quantized images and scales (layouts in launch.h).
 std::vector<at::Tensor> prepass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const c10::optional<at::Tensor>& key_mask, double scale) {
-  const c10::cuda::CUDAGuard guard(q.device());
+  const sage_common::LaunchContext launch(q);  // q's device and its current stream (common/launch_context.h)
   Prepared r = prepare(q, k, v, key_mask, scale, /*want_qkm=*/true);
   const int64_t B = q.size(0), Hkv = k.size(1);
   at::Tensor kv_len = r.ws_int.slice(0, B * Hkv, B * Hkv + B);
@@ -200,7 +202,7 @@ std::vector<at::Tensor> prepass(const at::Tensor& q, const at::Tensor& k, const 
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& key_mask, bool is_causal, double scale,
                             bool return_lse, int64_t exp_poly_every) {
-  const c10::cuda::CUDAGuard guard(q.device());
+  const sage_common::LaunchContext launch(q);  // q's device and its current stream (common/launch_context.h)
   const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
   TORCH_CHECK(sage_sm90::has_fwd_variant(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every)),
               "no compiled variant for head dim ", D, ", causal ", is_causal, ", exp_poly_every ",
@@ -242,7 +244,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
 // timed with events on the current stream. Returns {pre-pass ms, attention-kernel ms} per call.
 std::vector<double> bench_parts(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 bool is_causal, int64_t exp_poly_every, int64_t reps) {
-  const c10::cuda::CUDAGuard guard(q.device());
+  const sage_common::LaunchContext launch(q);  // q's device and its current stream (common/launch_context.h)
   const int64_t D = q.size(3);
   TORCH_CHECK(reps > 0, "reps must be positive");
   TORCH_CHECK(sage_sm90::has_fwd_variant(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every)),

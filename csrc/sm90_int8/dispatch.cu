@@ -1,12 +1,12 @@
-// Runtime (head dim, dtype, causal, poly, flags) -> compiled template variant. The table comes
-// from instantiations/variants.inc (regular build: one flag set per head dim) or
-// instantiations/variants_bench.inc (-DSAGE_SM90_BENCH=1: a few shapes, several flag sets),
+// Runtime (head dim, dtype, causal, exp2 poly share, option flags) -> compiled template variant.
+// The table comes from instantiations/variants.inc (regular build: one option set per head dim)
+// or instantiations/variants_bench.inc (-DSAGE_SM90_BENCH=1: a few shapes, several option sets),
 // both written by generate_instantiations.py next to the variant files.
 #include "launch.h"
 
 namespace sage_sm90 {
 
-template <int D, DType kOut, bool kCausal, int kPoly, int kFlags>
+template <int D, DType kOut, bool kCausal, FwdOptions kOpt>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream);  // instantiations/*.cu
 
 namespace {
@@ -23,8 +23,10 @@ void set_fwd_flags(int flags) { g_flags = flags; }
 #endif
 
 bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every) {
-#define SAGE_SM90_VARIANT(D, DT, CAUSAL, POLY, FLAGS) \
-  if (head_dim == D && causal == CAUSAL && exp_poly_every == POLY && flags_match(FLAGS)) return true;
+#define SAGE_SM90_VARIANT(D, DT, CAUSAL, OPT)                                                   \
+  if (head_dim == D && causal == CAUSAL && exp_poly_every == (OPT).exp2_poly_every &&           \
+      flags_match((OPT).flags()))                                                              \
+    return true;
 #include SAGE_SM90_TABLE
 #undef SAGE_SM90_VARIANT
   return false;
@@ -32,10 +34,10 @@ bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every) {
 
 cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every,
                     cudaStream_t stream) {
-#define SAGE_SM90_VARIANT(D, DT, CAUSAL, POLY, FLAGS)                                          \
-  if (head_dim == D && dtype == DT && causal == CAUSAL && exp_poly_every == POLY &&           \
-      flags_match(FLAGS))                                                                      \
-    return launch_fwd<D, DT, CAUSAL, POLY, FLAGS>(p, stream);
+#define SAGE_SM90_VARIANT(D, DT, CAUSAL, OPT)                                                   \
+  if (head_dim == D && dtype == DT && causal == CAUSAL && exp_poly_every == (OPT).exp2_poly_every && \
+      flags_match((OPT).flags()))                                                              \
+    return launch_fwd<D, DT, CAUSAL, (OPT)>(p, stream);
 #include SAGE_SM90_TABLE
 #undef SAGE_SM90_VARIANT
   return cudaErrorInvalidValue;

@@ -45,7 +45,7 @@ __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax
       if (row[x] < p.Sq) {
         const float o0 = apply_nonfinite(v_first, D, col, last_key[x], o[4 * j + 2 * x] * s.x * inv[x]);
         const float o1 = apply_nonfinite(v_first, D, col + 1, last_key[x], o[4 * j + 2 * x + 1] * s.y * inv[x]);
-        const uint32_t packed = IO<kOut>::from_float2(o0, o1);
+        const uint32_t packed = IO<kOut>::pack2(o0, o1);
         *reinterpret_cast<uint32_t*>(ob + 2 * (row[x] * p.o_ss + col)) = packed;
       }
     }
@@ -55,7 +55,7 @@ __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax
     for (int x = 0; x < 2; ++x) {
       if (row[x] < p.Sq) {
         const float corr = p.qkm[bh * p.n_q_tiles * kRowsPerWG + row[x]];
-        const float lse = l[x] > 0.f ? sm.m[x] * 0.69314718055994531f + logf(l[x]) + corr -
+        const float lse = l[x] > 0.f ? sage_common::lse_from_log2(sm.m[x], l[x]) + corr -
                                            (Softmax::kLean ? 6.1047932324f : 0.f)  // ln 448
                                      : -INFINITY;
         p.lse[bh * p.Sq + row[x]] = bad[x] ? __int_as_float(0x7fffffff) : lse;

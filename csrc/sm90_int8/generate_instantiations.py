@@ -1,55 +1,100 @@
 #!/usr/bin/env python3
-"""Write one .cu per compiled forward variant into instantiations/ (one file each so ninja/nvcc
-compile them in parallel and a slim build can drop files), plus variants.inc, the dispatch table.
+"""The one source of the 8-bit kernel's variants and defaults. Writes:
 
-Variant axes: head dim, output dtype, causal, exp2 polynomial share (0 = all on MUFU; N = every
-N-th exp2 from the FMA polynomial; only hd64 is exp-bound, see NOTES). Re-run after editing VARIANTS:
+* one .cu per compiled forward variant into instantiations/ (one file each so ninja/nvcc compile
+  them in parallel and a slim build can drop files), named by what it is;
+* instantiations/variants.inc and variants_bench.inc, the dispatch tables (dispatch.cu);
+* sage_diffusers/kernels/_sm90_int8_variants.py, the same defaults and variant lists for Python
+  (the binding's exp2 default, the benchmark's variant names).
+
+Variant axes: head dim, output dtype, causal, and the kernel options (FwdOptions in launch.h,
+explained in kernel_fwd.cuh), the exp2 polynomial share among them (0 = every exp2 on MUFU; N =
+every N-th exp2 from the FMA polynomial; only hd64 is bound by the exp unit). The defaults per head
+dim are the fastest correct option sets of the H200 variant benchmark (variants_bench.py; the
+tables are in eval/results/). Re-run after editing this file:
     python csrc/sm90_int8/generate_instantiations.py
 """
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PY_OUT = HERE.parents[1] / "sage_diffusers" / "kernels" / "_sm90_int8_variants.py"
+
+
+@dataclass(frozen=True)
+class FwdOptions:
+    """Mirror of the C++ FwdOptions (launch.h): field names, order and flag bits must match."""
+
+    lean_softmax: bool = False        # bit 1
+    overlap_softmax_pv: bool = False  # bit 2
+    pingpong: bool = False            # bit 4
+    q_in_registers: bool = False      # bit 8
+    fp16_exp2: bool = False           # bit 16, needs lean_softmax
+    split_reductions: bool = False    # bit 32, needs lean_softmax
+    exp2_poly_every: int = 0
+
+    def __post_init__(self):
+        if (self.fp16_exp2 or self.split_reductions) and not self.lean_softmax:
+            raise ValueError(f"{self}: fp16_exp2 and split_reductions are variants of the lean softmax")
+
+    @property
+    def flags(self) -> int:
+        """The run-time key of the option set (FwdOptions::flags(), set_fwd_flags)."""
+        bools = [f.name for f in fields(self) if f.type in ("bool", bool)]
+        return sum(1 << i for i, name in enumerate(bools) if getattr(self, name))
+
+    @property
+    def name(self) -> str:
+        short = {"lean_softmax": "lean", "overlap_softmax_pv": "overlap", "pingpong": "pingpong",
+                 "q_in_registers": "qregs", "fp16_exp2": "fp16exp2", "split_reductions": "split"}
+        parts = [v for k, v in short.items() if getattr(self, k)] or ["plain"]
+        if self.exp2_poly_every:
+            parts.append(f"exp2poly{self.exp2_poly_every}")
+        return "_".join(parts)
+
+    def cpp(self) -> str:
+        """C++20 designated initializer of the same option set."""
+        set_fields = [f".{f.name} = {str(getattr(self, f.name)).lower()}" for f in fields(self)
+                      if getattr(self, f.name) != f.default]
+        return "FwdOptions{" + ", ".join(set_fields) + "}"
+
 
 HEAD_DIMS = (64, 128)
 DTYPES = {"fp16": "DType::kF16", "bf16": "DType::kBF16"}
 CAUSAL = (False, True)
-POLY = {64: (0, 8), 128: (0,)}  # default per head dim = the last entry (see kernels/int8_sm90.py)
-# Kernel flags of the regular variants per head dim (kernel_fwd.cuh; 1 lean softmax, 2 intra-
-# warpgroup overlap, 4 ping-pong, 8 Q in registers), chosen by timing every set on the H200
-# (variants_bench.py, 2026-11-30 02:59): hd128 lean+overlap+ping-pong+Q-in-registers, main kernel
-# 3.99 ms vs 4.76 (flags 0) at 1x24x16384; hd64 lean+overlap+Q-in-registers with poly8, 7.82 ms
-# vs 9.86 at 1x48x17776 (ping-pong costs at hd64; fp16 exp2 pairs lost at both head dims).
-# hd128 + 32 (row max / row sum as four chains): main kernel 3.953 vs 3.984 ms at 1x24x16384, 0.372
-# vs 0.375 at 1x24x4608; at hd64 it lost (8.53 vs 7.87 ms at 1x48x17776): eval/results/
-# int8_variants_h200.md (2026-11-30).
-DEFAULT_FLAGS = {64: 11, 128: 47}
+# The default options per head dim (the backend's choice). hd128: lean softmax, softmax / PV
+# overlap, ping-pong, Q in registers, split reductions; hd64: the same without ping-pong and split
+# reductions (both lost there), with every 8th exp2 on the FMA pipes.
+DEFAULTS = {
+    128: FwdOptions(lean_softmax=True, overlap_softmax_pv=True, pingpong=True, q_in_registers=True,
+                    split_reductions=True),
+    64: FwdOptions(lean_softmax=True, overlap_softmax_pv=True, q_in_registers=True, exp2_poly_every=8),
+}
+# Exp2 polynomial shares compiled besides the default (env SAGE_DIFFUSERS_EXP_POLY picks one): 0.
+EXTRA_EXP_POLY = {64: (0,), 128: ()}
 
-# Benchmark build (-DSAGE_SM90_BENCH=1, env SAGE_DIFFUSERS_SM90_BENCH=1): bf16, non-causal,
-# (head dim, exp2 polynomial share, flags) below (kernel_fwd.cuh: 1 lean, 2 overlap, 4 ping-pong,
-# 8 Q in registers, 16 fp16 exp2 pairs, 32 split reductions)
-# -> bench_*.cu. Flags 0 is the reference of the "cos vs base" column; 1 and 5 lost on every shape
-# in the previous run and are dropped to keep the device build short. hd64 sweeps the polynomial
-# share at the default flags (3): issue slots vs MUFU balance near every 6th..8th exp2.
+# Benchmark build (-DSAGE_SM90_BENCH=1, env SAGE_DIFFUSERS_SM90_BENCH=1): bf16, non-causal. The
+# defaults, the previous defaults (without split reductions) and the exp2 polynomial share swept on
+# top of them.
+_LEAN_OVL_QREGS = FwdOptions(lean_softmax=True, overlap_softmax_pv=True, q_in_registers=True)
 BENCH_VARIANTS = (
-    # the regular defaults, then the exp2 polynomial share swept on top of them: at hd128 the MUFU
-    # time per tile equals the tensor time (16 exp2/clk/SM vs 512 flops per score at 8192/clk),
-    # at hd64 it is twice the tensor time
-    # (2026-11-30, first run: poly 16 / 8 at hd128 -1.4 % / +0.2 % main-kernel time, poly 6 / 4 at
-    # hd64 +1 % / +7 %). 32 = row max / row sum as four chains of 8 (softmax.hpp): the previous
-    # defaults 15 / 11 against 47 / 43.
-    (128, 0, 15), (128, 0, 47), (128, 16, 47),
-    (64, 8, 11), (64, 8, 43), (64, 6, 43),
+    (128, replace(_LEAN_OVL_QREGS, pingpong=True)),
+    (128, DEFAULTS[128]),
+    (128, replace(DEFAULTS[128], exp2_poly_every=16)),
+    (64, replace(_LEAN_OVL_QREGS, exp2_poly_every=8)),
+    (64, replace(_LEAN_OVL_QREGS, split_reductions=True, exp2_poly_every=8)),
+    (64, replace(_LEAN_OVL_QREGS, split_reductions=True, exp2_poly_every=6)),
 )
-BENCH_CAUSAL = (False,)
-
-HERE = Path(__file__).resolve().parent
 
 
 def variants():
+    """(head dim, dtype name, C++ dtype, causal, options) of the regular build."""
     for d, (dt, cpp_dt), causal in itertools.product(HEAD_DIMS, DTYPES.items(), CAUSAL):
-        for poly in POLY[d]:
-            yield d, dt, cpp_dt, causal, poly
+        for poly in (*EXTRA_EXP_POLY[d], DEFAULTS[d].exp2_poly_every):
+            yield d, dt, cpp_dt, causal, replace(DEFAULTS[d], exp2_poly_every=poly)
 
 
 _HEADER = "// Generated by generate_instantiations.py: do not edit.\n"
@@ -65,23 +110,43 @@ def _write_instantiation(path: Path, args: str) -> None:
     )
 
 
+def _poly_suffix(opt: FwdOptions) -> str:
+    return f"_exp2poly{opt.exp2_poly_every}" if opt.exp2_poly_every else ""
+
+
 def main() -> None:
     out = HERE / "instantiations"
     out.mkdir(exist_ok=True)
     for old in [*out.glob("fwd_*.cu"), *out.glob("bench_*.cu")]:
         old.unlink()
     table = []
-    for d, dt, cpp_dt, causal, poly in variants():
-        args = f"{d}, {cpp_dt}, {'true' if causal else 'false'}, {poly}, {DEFAULT_FLAGS[d]}"
-        _write_instantiation(out / f"fwd_hd{d}_{dt}_{'causal' if causal else 'full'}_poly{poly}.cu", args)
-        table.append(f"SAGE_SM90_VARIANT({args})")
+    for d, dt, cpp_dt, causal, opt in variants():
+        args = f"{d}, {cpp_dt}, {'true' if causal else 'false'}, {opt.cpp()}"
+        _write_instantiation(out / f"fwd_hd{d}_{dt}_{'causal' if causal else 'full'}{_poly_suffix(opt)}.cu", args)
+        table.append(f"SAGE_SM90_VARIANT({d}, {cpp_dt}, {'true' if causal else 'false'}, ({opt.cpp()}))")
     (out / "variants.inc").write_text(_HEADER + "\n".join(table) + "\n")
     bench = []
-    for (d, poly, flags), causal in itertools.product(BENCH_VARIANTS, BENCH_CAUSAL):
-        args = f"{d}, DType::kBF16, {'true' if causal else 'false'}, {poly}, {flags}"
-        _write_instantiation(out / f"bench_hd{d}_bf16_{'causal' if causal else 'full'}_poly{poly}_f{flags}.cu", args)
-        bench.append(f"SAGE_SM90_VARIANT({args})")
+    for d, opt in BENCH_VARIANTS:
+        args = f"{d}, DType::kBF16, false, {opt.cpp()}"
+        _write_instantiation(out / f"bench_hd{d}_{opt.name}.cu", args)
+        bench.append(f"SAGE_SM90_VARIANT({d}, DType::kBF16, false, ({opt.cpp()}))")
     (out / "variants_bench.inc").write_text(_HEADER + "\n".join(bench) + "\n")
+    names = {o.flags: replace(o, exp2_poly_every=0).name for o in [*DEFAULTS.values(), *(o for _, o in BENCH_VARIANTS)]}
+    PY_OUT.write_text(
+        '"""Generated by csrc/sm90_int8/generate_instantiations.py: do not edit.\n\n'
+        "The 8-bit kernel's compiled variants and defaults, from the same source as the C++ dispatch\n"
+        'tables (csrc/sm90_int8/instantiations/variants*.inc)."""\n'
+        f"# exp2 polynomial share of the default options per head dim\n"
+        f"DEFAULT_EXP_POLY = {{{', '.join(f'{d}: {o.exp2_poly_every}' for d, o in sorted(DEFAULTS.items()))}}}\n"
+        f"# run-time flags (FwdOptions::flags()) of the default options per head dim\n"
+        f"DEFAULT_FLAGS = {{{', '.join(f'{d}: {o.flags}' for d, o in sorted(DEFAULTS.items()))}}}\n"
+        f"# exp2 polynomial shares the regular build compiles per head dim\n"
+        f"COMPILED_EXP_POLY = {{{', '.join(f'{d}: {tuple(sorted({*EXTRA_EXP_POLY[d], DEFAULTS[d].exp2_poly_every}))}' for d in HEAD_DIMS)}}}\n"
+        f"# benchmark build: (head dim, exp2 polynomial share, flags, name)\n"
+        f"BENCH_VARIANTS = {tuple((d, o.exp2_poly_every, o.flags, o.name) for d, o in BENCH_VARIANTS)!r}\n"
+        f"# option-set name per run-time flags\n"
+        f"FLAG_NAMES = {dict(sorted(names.items()))!r}\n"
+    )
 
 
 if __name__ == "__main__":

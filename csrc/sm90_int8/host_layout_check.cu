@@ -1,7 +1,7 @@
 // Host-only proof that the layouts the kernels rely on are the ones CuTe builds (no GPU needed).
 //
 // Checks, for both head dims:
-//   1. every (row, col, stage) of the Q/K/V^T smem layouts maps to stage*tile + image_offset(row,
+//   1. every (row, col, stage) of the Q/K/V^T smem layouts maps to stage*tile + sw_byte_offset(row,
 //      col): the pre-pass writes those images, the wgmma descriptors read them through CuTe;
 //   2. the wgmma accumulator (C) and register-A fragment maps of the TiledMMAs are the ones the
 //      softmax indexes by hand (see softmax.hpp).
@@ -32,7 +32,7 @@ void check_staged(Layout3 layout, int rows, int cols, int stages, int tile_bytes
       for (int c = 0; c < cols; ++c) {
         long got = sw(base(r, c, s));
         long want = (long)s * tile_bytes +
-                    (cols == 128 ? image_offset<128>(r, c) : image_offset<64>(r, c));
+                    (cols == 128 ? sw_byte_offset<128>(r, c) : sw_byte_offset<64>(r, c));
         CHECK_EQ(got, want, name);
       }
 }
@@ -44,7 +44,7 @@ void check_single(Layout2 layout, int rows, int cols, const char* name) {
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < cols; ++c) {
       long got = sw(base(r, c));
-      long want = cols == 128 ? image_offset<128>(r, c) : image_offset<64>(r, c);
+      long want = cols == 128 ? sw_byte_offset<128>(r, c) : sw_byte_offset<64>(r, c);
       CHECK_EQ(got, want, name);
     }
 }
@@ -88,7 +88,7 @@ void check_config() {
       CHECK_EQ(m, 16 * w + g + 8 * ((v >> 2) & 1), "P A-frag row");
       CHECK_EQ(k, 4 * t + (v & 3) + 16 * (v >> 3), "P A-frag k");
     }
-  // Register A of the INT8 RS QK^T wgmma (kFlagQRegs; mainloop.hpp load_q_frag): same rule, byte
+  // Register A of the INT8 RS QK^T wgmma (FwdOptions::q_in_registers; mainloop.hpp load_q_frag): same rule, byte
   // i of register r = row 16*warp + g + 8*(r&1), k = 16*(r>>1) + 4*t + i.
   auto aQ = decltype(cute::make_tiled_mma(typename C::MmaQKRS{})){}.get_layoutA_TV();
   for (int tid = 0; tid < 128; ++tid)

@@ -1,12 +1,13 @@
 // sm_90a 8-bit attention forward: composes the producer, the consumer mainloop, the softmax and
 // the epilogue. One CTA = 128 query rows of one (b, h): warps 0-7 are two consumer warpgroups,
-// warp 8 the producer. Template axes: head dim, output dtype, causal, exp2 polynomial share.
+// warp 8 the producer. Template axes: head dim, output dtype, causal, options (FwdOptions).
 #pragma once
 
 #include <cstdint>
 
-#include <cutlass/arch/reg_reconfig.h>
-
+#include "../common/launch.cuh"
+#include "../common/sm90/named_barrier.cuh"
+#include "../common/sm90/register_split.cuh"
 #include "epilogue.hpp"
 #include "launch.h"
 #include "mainloop.hpp"
@@ -15,55 +16,49 @@
 
 namespace sage_sm90 {
 
-// Variant flags (template axis kFlags; bits in launch.h, defaults per head dim in
-// generate_instantiations.DEFAULT_FLAGS):
-//   kFlagLean     : fewer instructions per score element in the softmax (softmax.hpp) and the
-//                   O rescale skipped when no row max of the warp moved;
-//   kFlagOverlap  : FA3-style intra-warpgroup overlap: the softmax of tile t runs while the PV
-//                   wgmma of tile t-1 is still on the tensor cores (+16 registers: producer
-//                   warpgroup + setmaxnreg, 384 threads);
-//   kFlagPingPong : the two consumer warpgroups take turns issuing their wgmmas (named barriers),
-//                   so one warpgroup's softmax runs while the other's GEMMs occupy the tensor
-//                   cores (FA3's inter-warpgroup schedule);
-//   kFlagQRegs    : Q K^T as an RS wgmma with the loop-invariant Q tile held in registers (D/8 of
-//                   them), read once from smem: a third less smem operand traffic per tile;
-//   kFlagHalfExp  : (with kFlagLean) two exp2 per MUFU op in fp16 (softmax.hpp step_lean_half);
-//   kFlagSplitReduce : (with kFlagLean) row max and row sum of a tile as four interleaved chains
-//                   of 8 instead of one chain of 32 per row: the chain latency was exposed, since
-//                   each scheduler holds only one warp of each consumer warpgroup.
+// Options (template axis kOpt, FwdOptions in launch.h; defaults per head dim in
+// generate_instantiations.DEFAULTS):
+//   lean_softmax       : fewer instructions per score element in the softmax (softmax.hpp) and the
+//                        O rescale skipped when no row max of the warp moved;
+//   overlap_softmax_pv : FA3-style intra-warpgroup overlap: the softmax of tile t runs while the
+//                        PV wgmma of tile t-1 is still on the tensor cores (+16 registers:
+//                        producer warpgroup + setmaxnreg, 384 threads);
+//   pingpong           : the two consumer warpgroups take turns issuing their wgmmas (named
+//                        barriers), so one warpgroup's softmax runs while the other's GEMMs occupy
+//                        the tensor cores (FA3's inter-warpgroup schedule);
+//   q_in_registers     : Q K^T as an RS wgmma with the loop-invariant Q tile held in registers
+//                        (D/8 of them), read once from smem: a third less smem operand traffic;
+//   fp16_exp2          : (lean only) two exp2 per MUFU op in fp16 (softmax.hpp step_lean_half);
+//   split_reductions   : (lean only) row max and row sum of a tile as four interleaved chains of
+//                        8 instead of one chain of 32 per row: the chain latency was exposed,
+//                        since each scheduler holds only one warp of each consumer warpgroup;
+//   exp2_poly_every    : every N-th exp2 from the FMA polynomial (relieves MUFU where it bounds).
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 224 registers). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
 // The pipelined loops (overlap or ping-pong) hold two P arrays: they take the producer warpgroup.
-template <int kFlags>
-constexpr bool producer_warpgroup() {
-  return (kFlags & (kFlagOverlap | kFlagPingPong)) != 0;
-}
-template <int kFlags>
+template <FwdOptions kOpt>
 constexpr int fwd_threads() {
-  return producer_warpgroup<kFlags>() ? kConsumerThreads + 128 : kThreads;
+  return kOpt.producer_warpgroup() ? kConsumerThreads + 128 : kThreads;
 }
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;
+using FwdRegisterSplit = sage_common::sm90::RegisterSplit<40, 232>;
 
-// Named barriers 1 and 2 (0 is __syncthreads): "warpgroup w may issue its wgmmas".
-__device__ __forceinline__ void sched_sync(int wg) {
-  asm volatile("bar.sync %0, %1;" ::"r"(1 + wg), "n"(kConsumerThreads) : "memory");
-}
-__device__ __forceinline__ void sched_arrive(int wg) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(1 + wg), "n"(kConsumerThreads) : "memory");
-}
+// Named barriers 1 and 2 (0 is __syncthreads): "warpgroup w may issue its wgmmas" (pingpong).
+constexpr int kBarSchedFirst = 1;
 
+// kFlags, kPoly: FwdOptions::flags() and exp2_poly_every of the options (launch_fwd).
 template <int D, DType kOut, bool kCausal, int kPoly, int kFlags>
-__global__ void __launch_bounds__(fwd_threads<kFlags>(), 1)
+__global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPoly)>(), 1)
     fwd_kernel(const __grid_constant__ FwdParams p) {
+  constexpr FwdOptions kOpt = FwdOptions::from_flags(kFlags, kPoly);
+  static_assert(kOpt.valid(), "fp16_exp2 and split_reductions are variants of the lean softmax");
   using C = TileConfig<D>;
-  constexpr bool kLean = (kFlags & kFlagLean) != 0;
-  constexpr bool kOverlapSoftmaxWithPV = (kFlags & kFlagOverlap) != 0;
-  constexpr bool kPingPong = (kFlags & kFlagPingPong) != 0;
-  constexpr bool kQRegs = (kFlags & kFlagQRegs) != 0;
-  constexpr bool kHalfExp = kLean && (kFlags & kFlagHalfExp) != 0;
-  constexpr bool kSplitReduce = kLean && (kFlags & kFlagSplitReduce) != 0;
+  constexpr bool kLean = kOpt.lean_softmax;
+  constexpr bool kOverlapSoftmaxWithPV = kOpt.overlap_softmax_pv;
+  constexpr bool kPingPong = kOpt.pingpong;
+  constexpr bool kQRegs = kOpt.q_in_registers;
+  constexpr bool kHalfExp = kOpt.fp16_exp2;
+  constexpr bool kSplitReduce = kOpt.split_reductions;
   // The plain loop (no overlap, no ping-pong) keeps its original order; the others share one
   // software-pipelined loop (S_t and PV_{t-1} issued together).
   constexpr bool kPipelined = kOverlapSoftmaxWithPV || kPingPong;
@@ -82,7 +77,7 @@ __global__ void __launch_bounds__(fwd_threads<kFlags>(), 1)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   if (warp >= kProducerWarp) {
-    if constexpr (producer_warpgroup<kFlags>()) cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    if constexpr (kOpt.producer_warpgroup()) FwdRegisterSplit::producer();
     if (warp == kProducerWarp && lane == 0) {
       const int64_t bhk = static_cast<int64_t>(b) * p.Hkv + hk;
       const int8_t* q_src = p.q_img + ((static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles +
@@ -94,7 +89,7 @@ __global__ void __launch_bounds__(fwd_threads<kFlags>(), 1)
   }
 
   // ---- consumers ----
-  if constexpr (producer_warpgroup<kFlags>()) cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+  if constexpr (kOpt.producer_warpgroup()) FwdRegisterSplit::consumer();
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   const int g = lane >> 2;
   const int wg_row0 = m_block * kBlockM + wg * kRowsPerWG;
@@ -179,21 +174,12 @@ __global__ void __launch_bounds__(fwd_threads<kFlags>(), 1)
     // rescaled by alpha_t only after that group retired (O_t = alpha_t O_{t-1} + P_t V_t). A
     // tile's stage is released after its PV retired, i.e. one iteration later. P alternates
     // between two register arrays so the one an in-flight wgmma reads is never redefined (else
-    // ptxas serializes). Ping-pong: each issue block is bracketed by sched_sync(own) and
-    // sched_arrive(other); warpgroup 1 starts by letting warpgroup 0 go first and skips its last
-    // arrive, so both barriers see matching sync/arrive counts (n_tiles + 1 each).
+    // ptxas serializes). Ping-pong: each issue block is one turn (common/sm90/named_barrier.cuh).
     uint32_t p_alt[C::kPRegs];
-    if constexpr (kPingPong) {
-      if (wg == 1) sched_arrive(0);
-    }
-    auto turn_begin = [&] {
-      if constexpr (kPingPong) sched_sync(wg);
-    };
-    auto turn_end = [&](bool last) {
-      if constexpr (kPingPong) {
-        if (!(last && wg == 1)) sched_arrive(wg ^ 1);
-      }
-    };
+    const sage_common::sm90::WarpgroupPingPong<kPingPong, kBarSchedFirst, kConsumerThreads> sched{wg};
+    sched.start();
+    auto turn_begin = [&] { sched.begin(); };
+    auto turn_end = [&](bool last) { sched.end(last); };
     {
       const float sk_t = __ldg(sk);
       const TileMask mk = tile_mask(0);
@@ -253,16 +239,12 @@ __global__ void __launch_bounds__(fwd_threads<kFlags>(), 1)
   epilogue_store<D, kOut, kCausal>(p, sm, o, row, b, h, hk);
 }
 
-template <int D, DType kOut, bool kCausal, int kPoly, int kFlags>
+template <int D, DType kOut, bool kCausal, FwdOptions kOpt>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
-  auto kernel = fwd_kernel<D, kOut, kCausal, kPoly, kFlags>;
-  constexpr int kSmem = TileConfig<D>::kSmemBytes;
-  // Per device and cheap: set every launch instead of caching (multi-GPU safe).
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (err != cudaSuccess) return err;
+  static_assert(kOpt.valid(), "fp16_exp2 and split_reductions are variants of the lean softmax");
+  auto kernel = fwd_kernel<D, kOut, kCausal, kOpt.exp2_poly_every, kOpt.flags()>;
   const dim3 grid(p.n_q_tiles / kQTilesPerCTA, p.Hq, p.B);
-  kernel<<<grid, fwd_threads<kFlags>(), kSmem, stream>>>(p);
-  return cudaGetLastError();
+  return sage_common::launch_with_smem(kernel, grid, fwd_threads<kOpt>(), TileConfig<D>::kSmemBytes, p, stream);
 }
 
 }  // namespace sage_sm90

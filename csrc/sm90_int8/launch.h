@@ -10,14 +10,43 @@ namespace sage_sm90 {
 
 enum class DType : int { kF16 = 0, kBF16 = 1 };
 
-// Forward-kernel variant flags (kernel_fwd.cuh explains each); bit set, template axis kFlags.
-constexpr int kFlagLean = 1;
-constexpr int kFlagOverlap = 2;
-constexpr int kFlagPingPong = 4;
-constexpr int kFlagQRegs = 8;
-constexpr int kFlagHalfExp = 16;
-constexpr int kFlagSplitReduce = 32;
-// The regular build compiles one flag set per head dim (generate_instantiations.DEFAULT_FLAGS).
+// Forward-kernel options (kernel_fwd.cuh explains each): one template axis of fwd_kernel, a
+// structural type so every instantiation names its options (instantiations/*.cu). The regular
+// build compiles one option set per head dim (generate_instantiations.DEFAULTS, which also writes
+// the Python side); flags() is the run-time key the benchmark selects with set_fwd_flags.
+struct FwdOptions {
+  bool lean_softmax = false;        // fewer instructions per score; O rescale skipped when no max moved
+  bool overlap_softmax_pv = false;  // softmax of tile t under the PV wgmma of tile t-1
+  bool pingpong = false;            // the two consumer warpgroups take turns issuing wgmmas
+  bool q_in_registers = false;      // Q K^T as an RS wgmma with Q held in registers
+  bool fp16_exp2 = false;           // two exp2 per MUFU op in fp16 (a lean-softmax variant)
+  bool split_reductions = false;    // row max / sum as four chains of 8 (a lean-softmax variant)
+  int exp2_poly_every = 0;          // every N-th exp2 on the FMA pipes (0 = all on MUFU)
+
+  constexpr int flags() const {
+    return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
+           (q_in_registers ? 8 : 0) | (fp16_exp2 ? 16 : 0) | (split_reductions ? 32 : 0);
+  }
+  // The inverse of (flags(), exp2_poly_every). The __global__ kernel takes these two ints as its
+  // template arguments: nvcc's host stubs cannot spell a class-type template argument.
+  static constexpr FwdOptions from_flags(int flags, int exp2_poly_every) {
+    FwdOptions o;
+    o.lean_softmax = (flags & 1) != 0;
+    o.overlap_softmax_pv = (flags & 2) != 0;
+    o.pingpong = (flags & 4) != 0;
+    o.q_in_registers = (flags & 8) != 0;
+    o.fp16_exp2 = (flags & 16) != 0;
+    o.split_reductions = (flags & 32) != 0;
+    o.exp2_poly_every = exp2_poly_every;
+    return o;
+  }
+  // Combinations the kernel implements (fwd_kernel static_asserts it instead of dropping options).
+  constexpr bool valid() const {
+    return ((!fp16_exp2 && !split_reductions) || lean_softmax) && exp2_poly_every >= 0;
+  }
+  // The loops that hold two P arrays (overlap or ping-pong) take a whole producer warpgroup.
+  constexpr bool producer_warpgroup() const { return overlap_softmax_pv || pingpong; }
+};
 
 // Everything the quantization pre-pass reads and writes. Strides are in elements; the last
 // (head) dimension of q, k, v is contiguous and rows are 16-byte aligned (checked by the binding).
@@ -85,7 +114,7 @@ constexpr int kPrepassBatchLoads = 2;
 constexpr int kPrepassOneAlloc = 4;
 constexpr int kPrepassModeMax = 7;
 // The mode every process starts with (prepass.cu); chosen from variants_bench.py's table.
-constexpr int kPrepassDefaultMode = 7;  // all three: 0.079 vs 0.118 ms at Flux, 0.245 vs 0.383 at 16K
+constexpr int kPrepassDefaultMode = 7;  // all three: the fastest in variants_bench.py's pre-pass table
 
 // Return cudaSuccess or the launch error. head_dim in {64, 128}.
 cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, cudaStream_t stream);

@@ -6,8 +6,7 @@
 //   full[s]  : count 1 (producer's arrive.expect_tx) + the copies' transaction bytes
 //   empty[s] : count 8 (lane 0 of each consumer warp, after its PV wgmma retired)
 //   q_full   : count 1 + Q bytes
-// Phase rule: the n-th use (0-based) of stage s is tile t = n*kStages + s; consumers wait
-// full[s] with parity n & 1, the producer waits empty[s] with parity (n - 1) & 1 before use n >= 1.
+// Phase rule: common/sm90/pipeline.cuh.
 //
 // Consumers (two warpgroups, 64 query rows each): S = Q K^T with INT8 SS wgmma, softmax in
 // registers, O += P V^T with FP8 RS wgmma. The wgmma descriptors come from CuTe's smem layouts
@@ -17,16 +16,20 @@
 #include <cstdint>
 #include <utility>
 
-#include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
-#include <cutlass/arch/barrier.h>
 
+#include "../common/smem.cuh"
+#include "../common/sm90/pipeline.cuh"
+#include "../common/sm90/wgmma.cuh"
 #include "tile_config.hpp"
 
 namespace sage_sm90 {
 
-using Barrier = cutlass::arch::ClusterTransactionBarrier;  // mbarrier (+ transaction bytes)
+using Barrier = sage_common::sm90::TxBarrier;
+using sage_common::sm90::fence_regs;
+using sage_common::sm90::wgmma_rs;
+using sage_common::sm90::wgmma_ss;
 
 template <int D>
 struct SmemPlan {
@@ -39,10 +42,7 @@ struct SmemPlan {
   uint64_t* q_full;
 
   __device__ __forceinline__ explicit SmemPlan(uint8_t* raw) {
-    // Swizzle atoms repeat every 1024 bytes of *address*: start the tiles on that boundary.
-    const uint32_t addr = cute::cast_smem_ptr_to_uint(raw);
-    uint8_t* base = raw + ((1024u - (addr & 1023u)) & 1023u);
-    q = base;
+    q = raw + sage_common::smem_align_pad<1024>(sage_common::smem_addr(raw));  // tiles start on the swizzle period
     k = q + C::kSmemQ;
     v = k + C::kSmemK;
     full = reinterpret_cast<uint64_t*>(v + C::kSmemV);
@@ -71,59 +71,38 @@ __device__ __forceinline__ void producer_loop(const SmemPlan<D>& sp, const int8_
                                               const int8_t* k_src, const uint8_t* v_src,
                                               int n_tiles) {
   using C = TileConfig<D>;
+  using sage_common::sm90::bulk_copy_g2s;
   Barrier::arrive_and_expect_tx(sp.q_full, C::kSmemQ);
-  cute::SM90_BULK_COPY_G2S::copy(q_src, sp.q_full, sp.q, C::kSmemQ);
+  bulk_copy_g2s(q_src, sp.q_full, sp.q, C::kSmemQ);
   for (int t = 0; t < n_tiles; ++t) {
     const int s = t % C::kStages, n = t / C::kStages;
     if (n > 0) Barrier::wait(&sp.empty[s], (n - 1) & 1);
     Barrier::arrive_and_expect_tx(&sp.full[s], C::kKTileBytes + C::kVTileBytes);
-    cute::SM90_BULK_COPY_G2S::copy(k_src + static_cast<int64_t>(t) * C::kKTileBytes, &sp.full[s],
-                                   sp.k + s * C::kKTileBytes, C::kKTileBytes);
-    cute::SM90_BULK_COPY_G2S::copy(v_src + static_cast<int64_t>(t) * C::kVTileBytes, &sp.full[s],
-                                   sp.v + s * C::kVTileBytes, C::kVTileBytes);
+    bulk_copy_g2s(k_src + static_cast<int64_t>(t) * C::kKTileBytes, &sp.full[s],
+                  sp.k + s * C::kKTileBytes, C::kKTileBytes);
+    bulk_copy_g2s(v_src + static_cast<int64_t>(t) * C::kVTileBytes, &sp.full[s],
+                  sp.v + s * C::kVTileBytes, C::kVTileBytes);
   }
-}
-
-// ---- wgmma calls with plain register arrays ---------------------------------------------------
-template <class Atom, class Acc, int N, size_t... I>
-__device__ __forceinline__ void wgmma_ss(uint64_t desc_a, uint64_t desc_b, Acc (&d)[N],
-                                         cute::GMMA::ScaleOut scale_d, std::index_sequence<I...>) {
-  Atom::fma(desc_a, desc_b, d[I]..., scale_d);
-}
-template <class Atom, class Acc, int N, size_t... I>
-__device__ __forceinline__ void wgmma_rs(const uint32_t* a, uint64_t desc_b, Acc (&d)[N],
-                                         cute::GMMA::ScaleOut scale_d, std::index_sequence<I...>) {
-  Atom::fma(a[0], a[1], a[2], a[3], desc_b, d[I]..., scale_d);
-}
-template <class Acc, int N>
-__device__ __forceinline__ void fence_regs(Acc (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
 }
 
 // Descriptor tensors of one consumer warpgroup (CuTe builds the GMMA descriptors).
 template <int D>
 struct WarpgroupOperands {
   using C = TileConfig<D>;
-  using TQ = decltype(typename C::TiledMmaQK{}.get_slice(0).partition_fragment_A(
-      cute::make_tensor(cute::make_smem_ptr(static_cast<int8_t*>(nullptr)), typename C::SmemLayoutQ{})));
-  using TK = decltype(typename C::TiledMmaQK{}.get_slice(0).partition_fragment_B(
-      cute::make_tensor(cute::make_smem_ptr(static_cast<int8_t*>(nullptr)), typename C::SmemLayoutK{})));
-  using TV = decltype(typename C::TiledMmaPV{}.get_slice(0).partition_fragment_B(cute::make_tensor(
-      cute::make_smem_ptr(static_cast<cute::float_e4m3_t*>(nullptr)), typename C::SmemLayoutVt{})));
+  using TQ = sage_common::sm90::GmmaDescA<typename C::TiledMmaQK, typename C::SmemLayoutQ, int8_t>;
+  using TK = sage_common::sm90::GmmaDescB<typename C::TiledMmaQK, typename C::SmemLayoutK, int8_t>;
+  using TV = sage_common::sm90::GmmaDescB<typename C::TiledMmaPV, typename C::SmemLayoutVt, cute::float_e4m3_t>;
   TQ q;  // (1, 1, D/32)
   TK k;  // (1, 1, D/32, kStages)
   TV v;  // (1, 1, 128/32, kStages)
 
   __device__ __forceinline__ WarpgroupOperands(const SmemPlan<D>& sp, int wg, int tid_in_wg)
-      : q(typename C::TiledMmaQK{}.get_slice(tid_in_wg).partition_fragment_A(cute::make_tensor(
-            cute::make_smem_ptr(reinterpret_cast<int8_t*>(sp.q + wg * C::kQTileBytes)),
-            typename C::SmemLayoutQ{}))),
-        k(typename C::TiledMmaQK{}.get_slice(tid_in_wg).partition_fragment_B(cute::make_tensor(
-            cute::make_smem_ptr(reinterpret_cast<int8_t*>(sp.k)), typename C::SmemLayoutK{}))),
-        v(typename C::TiledMmaPV{}.get_slice(tid_in_wg).partition_fragment_B(cute::make_tensor(
-            cute::make_smem_ptr(reinterpret_cast<cute::float_e4m3_t*>(sp.v)),
-            typename C::SmemLayoutVt{}))) {
+      : q(sage_common::sm90::gmma_desc_a<typename C::TiledMmaQK, typename C::SmemLayoutQ>(
+            reinterpret_cast<int8_t*>(sp.q + wg * C::kQTileBytes), tid_in_wg)),
+        k(sage_common::sm90::gmma_desc_b<typename C::TiledMmaQK, typename C::SmemLayoutK>(
+            reinterpret_cast<int8_t*>(sp.k), tid_in_wg)),
+        v(sage_common::sm90::gmma_desc_b<typename C::TiledMmaPV, typename C::SmemLayoutVt>(
+            reinterpret_cast<cute::float_e4m3_t*>(sp.v), tid_in_wg)) {
     static_assert(cute::size<0>(TQ{}) == 1 && cute::size<1>(TQ{}) == 1 && cute::size<2>(TQ{}) == D / 32,
                   "Q descriptors: one per 32-wide k-block");
     static_assert(cute::size<1>(TK{}) == 1 && cute::size<2>(TK{}) == D / 32 &&
@@ -148,7 +127,7 @@ struct WarpgroupOperands {
     cute::warpgroup_commit_batch();
   }
 
-  // kFlagQRegs: this warpgroup's Q tile as the A fragments of the RS atom, read once from the
+  // q_in_registers: this warpgroup's Q tile as the A fragments of the RS atom, read once from the
   // swizzled smem image. 8-bit A layout (as P's, tile_config.hpp): register 4kb + r, r =
   // (k+16 half) * 2 + (row half), holds row 16w + g + 8(r & 1), bytes 32kb + 16(r >> 1) + 4t + i;
   // 4 aligned bytes never straddle a 16-byte swizzle chunk.
@@ -162,12 +141,12 @@ struct WarpgroupOperands {
       for (int r = 0; r < 4; ++r) {
         const int row = 16 * (tid_in_wg / 32) + g + 8 * (r & 1);
         const int col = 32 * kb + 16 * (r >> 1) + 4 * t;
-        qf[4 * kb + r] = *reinterpret_cast<const uint32_t*>(tile + image_offset<D>(row, col));
+        qf[4 * kb + r] = *reinterpret_cast<const uint32_t*>(tile + sw_byte_offset<D>(row, col));
       }
     }
   }
 
-  // S = Q K_s^T with Q from registers (kFlagQRegs): saves the 8 KB smem read of Q per tile and
+  // S = Q K_s^T with Q from registers (q_in_registers): saves the 8 KB smem read of Q per tile and
   // warpgroup (a third of the QK operand traffic).
   __device__ __forceinline__ void qk_issue_rs(int stage, const uint32_t (&qf)[D / 8],
                                               uint32_t (&s)[C::kSRegs]) const {

@@ -1,5 +1,6 @@
-// Scalar numerics shared by the pre-pass and the attention kernel: exp2 variants, FP8/INT8
-// rounding exactly as the sage8 spec states, and 16-bit input/output conversions.
+// Scalar numerics of the 8-bit kernel shared by its pre-pass and attention kernel: FP8/INT8
+// rounding exactly as the sage8 spec states and the 16-bit element types per DType. exp2, the
+// non-finite record and the fp16/bf16 conversions themselves are the shared ones (csrc/common/).
 #pragma once
 
 #include <cstdint>
@@ -7,64 +8,20 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "../common/nonfinite.cuh"
+#include "../common/numeric_conversion.cuh"
+#include "../common/softmax_utils.cuh"
 #include "launch.h"
 
 namespace sage_sm90 {
 
-// exp2 on the MUFU unit (16 results/clk/SM on sm_90); ex2.approx(-inf) = +0.
-__device__ __forceinline__ float exp2_mufu(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// exp2 on the FMA pipes for x <= 0 (as FlashAttention-4 does to relieve MUFU at hd64):
-// Cody-Waite split x = j + f with j = floor(x), f in [0, 1); 2^f from a degree-3 polynomial
-// (relative error < 1e-4, far below the 2^-4 step of the E4M3 code P~ is rounded to next);
-// 2^j added to the exponent field. floor comes from adding 1.5*2^23 with rounding toward -inf,
-// which keeps everything off the conversion units. Results below 2^-126 flush to 0 like ftz.
-__device__ __forceinline__ float exp2_poly(float x) {
-  constexpr float kMagic = 12582912.f;  // 1.5 * 2^23
-  constexpr float kC1 = 0.69507056f, kC2 = 0.22765099f, kC3 = 0.07714326f;
-  const float xc = fmaxf(x, -127.f);  // also maps -inf to a finite value
-  const float tm = __fadd_rd(xc, kMagic);
-  const float j = tm - kMagic;         // floor(xc), exact
-  const float f = xc - j;              // exact, in [0, 1)
-  const float p = fmaf(fmaf(fmaf(kC3, f, kC2), f, kC1), f, 1.f);
-  const int e = __float_as_int(tm) - __float_as_int(kMagic);  // floor(xc) as int
-  const float r = __int_as_float(__float_as_int(p) + static_cast<int>(static_cast<unsigned>(e) << 23));
-  return xc < -126.f ? 0.f : r;
-}
-
-// |x| for finite x, 0 for NaN and +-Inf: every absmax of the pre-pass looks only at finite values
-// (numerics contract), so one NaN / Inf cannot change the scale of the finite values beside it.
-__device__ __forceinline__ float finite_abs(float x) {
-  const float a = fabsf(x);
-  return a < INFINITY ? a : 0.f;  // NaN compares false
-}
-
-// Non-finite values of V cannot pass through FP8 (no Inf; P~ x NaN would reach masked rows too):
-// the pre-pass quantizes them as 0 and records, per (b, kv head) and channel, the first attended
-// key holding +Inf, -Inf and NaN (atomicMin: the same result in any order); the epilogue writes
-// them over the output rows that see that key, as exact attention would.
-enum class NonFinite : int { kPosInf = 0, kNegInf = 1, kNaN = 2, kCount = 3 };
-constexpr int kNoKey = 0x7f7f7f7f;  // "no such key": the byte pattern of the workspace memset
-
-// v_first: the (kCount, D) slice of one (b, kv head); records key `key` for element value x.
-__device__ __forceinline__ void record_nonfinite(int* v_first, int D, int c, int key, float x) {
-  const NonFinite kind = x != x ? NonFinite::kNaN : (x > 0.f ? NonFinite::kPosInf : NonFinite::kNegInf);
-  atomicMin(v_first + static_cast<int>(kind) * D + c, key);
-}
-
-// Output value of channel c for a row that sees keys <= `last_key` (x when no non-finite V element
-// reaches it): NaN where a NaN or both infinities meet, else the infinity.
-__device__ __forceinline__ float apply_nonfinite(const int* v_first, int D, int c, int last_key, float x) {
-  const bool pos = v_first[static_cast<int>(NonFinite::kPosInf) * D + c] <= last_key;
-  const bool neg = v_first[static_cast<int>(NonFinite::kNegInf) * D + c] <= last_key;
-  const bool nan = v_first[static_cast<int>(NonFinite::kNaN) * D + c] <= last_key;
-  if (nan || (pos && neg)) return __int_as_float(0x7fffffff);
-  return pos ? INFINITY : (neg ? -INFINITY : x);
-}
+using sage_common::apply_nonfinite;
+using sage_common::exp2_mufu;
+using sage_common::exp2_poly;
+using sage_common::finite_abs;
+using sage_common::kNoKey;
+using sage_common::NonFinite;
+using sage_common::record_nonfinite;
 
 // Two fp32 -> two E4M3 (RNE, saturate to +-448), `lo` in the low byte.
 __device__ __forceinline__ uint32_t pack_e4m3x2(float lo, float hi) {
@@ -89,36 +46,16 @@ __device__ __forceinline__ uint32_t quant_e4m3x2(float x0, float x1, float s0, f
   return pack_e4m3x2(a, b);
 }
 
-// 16-bit input/output element types.
+// 16-bit input/output element type of a DType: the shared conversions (Elem16) plus the type.
 template <DType kDType>
 struct IO;
 template <>
-struct IO<DType::kF16> {
+struct IO<DType::kF16> : sage_common::Elem16<__half> {
   using T = __half;
-  using T2 = __half2;
-  __device__ __forceinline__ static float2 to_float2(uint32_t bits) {
-    __half2 h;
-    *reinterpret_cast<uint32_t*>(&h) = bits;
-    return __half22float2(h);
-  }
-  __device__ __forceinline__ static uint32_t from_float2(float a, float b) {
-    __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
 };
 template <>
-struct IO<DType::kBF16> {
+struct IO<DType::kBF16> : sage_common::Elem16<__nv_bfloat16> {
   using T = __nv_bfloat16;
-  using T2 = __nv_bfloat162;
-  __device__ __forceinline__ static float2 to_float2(uint32_t bits) {
-    __nv_bfloat162 h;
-    *reinterpret_cast<uint32_t*>(&h) = bits;
-    return __bfloat1622float2(h);
-  }
-  __device__ __forceinline__ static uint32_t from_float2(float a, float b) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
 };
 
 // Eight 16-bit elements (one 16-byte word) as fp32.
@@ -127,7 +64,7 @@ __device__ __forceinline__ void raw_to_float8(const uint4& raw, float (&x)[8]) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 f = IO<kDType>::to_float2(w[i]);
+    const float2 f = IO<kDType>::unpack2(w[i]);
     x[2 * i] = f.x;
     x[2 * i + 1] = f.y;
   }

@@ -245,7 +245,7 @@ __device__ void quant_q_block(const PrepassParams& p, int blk) {
     int qi[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) qi[i] = quant_int8(x[i], sq);  // NaN -> 0, +-Inf -> +-127
-    *reinterpret_cast<uint2*>(img + image_offset<D>(r, c0)) = pack_int8x8(qi);
+    *reinterpret_cast<uint2*>(img + sw_byte_offset<D>(r, c0)) = pack_int8x8(qi);
     const int64_t srow = static_cast<int64_t>(bh) * p.n_q_tiles * kRowsPerWG + i_tok;
     // A non-finite row stores scale NaN: the epilogue's "this row is NaN" (its scores stay finite).
     if (tid % RT::kLanes == 0) p.sq[srow] = isnan(bad) ? bad : sq;
@@ -315,7 +315,7 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
       int qi[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) qi[i] = valid ? quant_int8(x[i] - km[i], sk) : 0;
-      *reinterpret_cast<uint2*>(img + image_offset<D>(r, c0)) = pack_int8x8(qi);
+      *reinterpret_cast<uint2*>(img + sw_byte_offset<D>(r, c0)) = pack_int8x8(qi);
     }
     if (tid == 0) p.sk[static_cast<int64_t>(bh) * p.n_kv_tiles + tile] = sk;
     return;
@@ -345,7 +345,7 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
     int qi[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) qi[i] = quant_int8(x[pass][i], sk);
-    *reinterpret_cast<uint2*>(img + image_offset<D>(r, c0)) = pack_int8x8(qi);
+    *reinterpret_cast<uint2*>(img + sw_byte_offset<D>(r, c0)) = pack_int8x8(qi);
   }
   if (tid == 0) p.sk[static_cast<int64_t>(bh) * p.n_kv_tiles + tile] = sk;
 }
@@ -416,7 +416,7 @@ __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
       const uint32_t hi = *reinterpret_cast<const uint16_t*>(row + 8 + 2 * t);
       w[t] = lo | (hi << 16);
     }
-    *reinterpret_cast<uint4*>(img + image_offset<128>(d, 16 * c)) = make_uint4(w[0], w[1], w[2], w[3]);
+    *reinterpret_cast<uint4*>(img + sw_byte_offset<128>(d, 16 * c)) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 

@@ -13,14 +13,10 @@
 
 namespace sage_sm90 {
 
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
+using sage_common::chains_max;
+using sage_common::chains_sum;
+using sage_common::quad_max;
+using sage_common::quad_sum;
 
 // Which keys of the current tile a thread may see. Built once per tile; `active` is uniform per
 // warpgroup so the common unmasked tile pays only one branch.
@@ -49,7 +45,7 @@ struct TileMask {
   }
 };
 
-// kLean_ (variant flag kFlagLean): fewer instructions per score element, same algorithm.
+// kLean_ (option lean_softmax): fewer instructions per score element, same algorithm.
 //  * the int32 score keeps its 1.5*2^23 float bias through the max and goes straight into the
 //    FFMA (the bias times c is folded into the per-row offset): no separate FADD;
 //  * the 448 scale of P~ is folded into the exponent, exp2(x + log2 448) = 448 exp2(x) up to the
@@ -57,12 +53,12 @@ struct TileMask {
 // The offset carries one fp32 rounding of (bias * c) per row and tile: a relative error in p of
 // <= 0.75 c (c = sq sk scale log2e, ~1e-4 on typical data), common to the whole row of the tile,
 // far below the 2^-4 step of the E4M3 code P~ is rounded to.
-// kHalfExp_ (variant flag kFlagHalfExp, needs kLean_): exp2 of two scores per MUFU op
+// kHalfExp_ (option fp16_exp2, needs kLean_): exp2 of two scores per MUFU op
 // (ex2.approx.f16x2), P~ = 448 p formed and rounded to E4M3 from fp16, row sums summed in fp16
 // over 8 values then in fp32. Halves the MUFU work that bounds hd64. x = s c - m <= 0 goes to
 // fp16 before the exp (the 448 factor is a separate HMUL2, so the large-p elements have |x| < 1
 // and an fp16 error < 2^-12): p carries ~2^-10 relative error against the 2^-4 E4M3 step.
-// kSplit_ (variant flag kFlagSplitReduce, with the lean flag): the row max (and, in step_lean,
+// kSplit_ (option split_reductions, with the lean softmax): the row max (and, in step_lean,
 // the row sum) of a tile as four independent chains of 8 values each (columns 8j.. grouped by
 // j mod 4), combined at the end, instead of one dependent chain of 32: same max, sums rounded in
 // another order.
@@ -105,13 +101,7 @@ struct OnlineSoftmax {
       acc = fmaxf(acc, s[v]);
     }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if constexpr (kChains == 4) {
-        mx[h] = fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], part[h][3]));
-      } else {
-        mx[h] = part[h][0];
-      }
-    }
+    for (int h = 0; h < 2; ++h) mx[h] = chains_max(part[h]);
   }
 
   // P~ (fp32, in [0, 448]) -> the FP8 A fragment of the PV wgmma. Register 4kb + r of k-block kb,
@@ -237,13 +227,7 @@ struct OnlineSoftmax {
     }
     float sum[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if constexpr (kChains == 4) {
-        sum[h] = (part_sum[h][0] + part_sum[h][1]) + (part_sum[h][2] + part_sum[h][3]);
-      } else {
-        sum[h] = part_sum[h][0];
-      }
-    }
+    for (int h = 0; h < 2; ++h) sum[h] = chains_sum(part_sum[h]);
     l[0] = l[0] * alpha[0] + sum[0];
     l[1] = l[1] * alpha[1] + sum[1];
     pack_p_frag(s, p_frag);

@@ -4,7 +4,7 @@
 // pre-pass writes each quantized tile into global memory already laid out exactly as the
 // swizzled shared-memory tile that wgmma reads, so the attention kernel moves a whole tile with
 // one 1-D bulk copy (cp.async.bulk) and no per-thread address math. The image functions below
-// (image_offset_*) and the CuTe layouts used for the wgmma descriptors must agree;
+// (sw_byte_offset) and the CuTe layouts used for the wgmma descriptors must agree;
 // host_layout_check.cu verifies that on the host for every coordinate.
 #pragma once
 
@@ -12,6 +12,8 @@
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
+
+#include "../common/sm90/gmma_swizzle.cuh"
 
 namespace sage_sm90 {
 
@@ -68,7 +70,7 @@ struct TileConfig {
 
   // S = Q K^T: INT8 x INT8 -> INT32, both operands K-major in smem.
   using MmaQK = cute::SM90::GMMA::MMA_64x128x32_S32S8S8_SS_TN;
-  // Same product with Q from registers (kFlagQRegs): B descriptors are those of the SS atom.
+  // Same product with Q from registers (q_in_registers): B descriptors are those of the SS atom.
   using MmaQKRS = cute::SM90::GMMA::MMA_64x128x32_S32S8S8_RS_TN;
   // O += P V: FP8 x FP8 -> FP32, P from registers, V^T K-major (keys contiguous) in smem.
   using MmaPV = std::conditional_t<D == 128, cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_RS_TN<>,
@@ -82,18 +84,9 @@ struct TileConfig {
 };
 
 // ---- byte images of the swizzled tiles (shared by the pre-pass and host_layout_check) ----------
-// K-major tile with R rows of `kRowBytes` bytes, 16-byte chunks XOR-swizzled with the row as
-// CuTe's Swizzle<3,4,3> (128-byte rows) / Swizzle<2,4,3> (64-byte rows) on a 1024-byte-aligned
-// base. (r, c) is (row, byte column); the result is the byte offset inside the tile.
-template <int kRowBytes>
-__host__ __device__ __forceinline__ int image_offset(int r, int c) {
-  static_assert(kRowBytes == 128 || kRowBytes == 64, "swizzle atoms of 128 or 64 bytes");
-  if constexpr (kRowBytes == 128) {
-    return r * 128 + ((((c >> 4) ^ (r & 7)) << 4) | (c & 15));
-  } else {
-    return r * 64 + ((((c >> 4) ^ ((r >> 1) & 3)) << 4) | (c & 15));
-  }
-}
+// Q/K tiles have D-byte rows (SW128 at hd128, SW64 at hd64), V^T tiles 128-byte rows:
+// sw_byte_offset<row bytes>(row, byte column) of common/sm90/gmma_swizzle.cuh.
+using sage_common::sm90::sw_byte_offset;
 
 // ---- key order inside the stored V^T tile -------------------------------------------------------
 // The fp32 accumulator of S gives a thread (lane = 4*g + t) the key columns 8j + 2t + {0,1}; the

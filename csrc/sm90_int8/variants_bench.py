@@ -2,7 +2,7 @@
 """Time the forward-kernel variants side by side against cuDNN BF16 SDPA (one GPU, one process).
 
 Builds the benchmark extension (env SAGE_DIFFUSERS_SM90_BENCH=1: bf16 non-causal variants listed in
-generate_instantiations.BENCH_VARIANTS, flags explained in kernel_fwd.cuh), checks every variant and
+generate_instantiations.BENCH_VARIANTS, options explained in kernel_fwd.cuh), checks every variant and
 both pre-pass modes against sage8_reference on small awkward shapes (key mask included), then per
 timed shape and variant:
   full  : median of the whole call (pre-pass + kernel + host work), synchronised per repetition
@@ -34,18 +34,16 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from sage_diffusers.kernels import _sm90_int8_variants as _variants  # noqa: E402
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
-from sage_diffusers.kernels._timing import pipelined_ms  # noqa: E402
-from eval.bench_kernels import make_inputs  # noqa: E402  (the benchmark's inputs)
+from sage_diffusers.kernels.bench_utils import make_inputs, pipelined_ms  # noqa: E402
 from sage_diffusers.reference import cosine, sage8_reference  # noqa: E402
 
 SHAPES = [(1, 24, 4608, 128), (1, 38, 4429, 64), (2, 24, 4096, 128), (1, 24, 16384, 128),
           (1, 48, 17776, 64)]
 QUICK_SHAPES = [(1, 24, 4608, 128), (1, 38, 4429, 64), (1, 24, 16384, 128), (1, 48, 17776, 64)]
-NAMES = {-1: "default", 0: "base", 1: "lean", 3: "lean+ovl", 5: "lean+pp", 7: "lean+ovl+pp",
-         11: "lean+ovl+qreg", 15: "lean+ovl+pp+qreg", 19: "lean+ovl+h2exp", 23: "lean+ovl+pp+h2exp",
-         43: "lean+ovl+qreg+split", 47: "lean+ovl+pp+qreg+split"}
-DEFAULT_FLAGS = {128: 47, 64: 11}  # generate_instantiations.DEFAULT_FLAGS
+NAMES = {-1: "default", **_variants.FLAG_NAMES}  # run-time flags -> option-set name
+DEFAULT_FLAGS = _variants.DEFAULT_FLAGS
 CHECK_MODES = (1, 2, 3, 4, 7)  # pre-pass mode bit sets checked against the reference
 FULL_MODES = (0, 3, 4, 7)      # full-call timings (per-repetition sync)
 
@@ -83,15 +81,10 @@ def main():
     t0 = time.time()
     ext = int8_sm90.build()
     print(f"bench build/load {time.time() - t0:.0f} s", flush=True)
-    table = open(ROOT / "csrc/sm90_int8/instantiations/variants_bench.inc").read()
     if DEFAULT_ONLY:
-        table = "\n".join(f"SAGE_SM90_VARIANT({d}, x, false, {int8_sm90.default_exp_poly_every(d)}, -1)"
-                          for d in (64, 128))
-    variants = []  # (d, poly, flags)
-    for line in table.splitlines():
-        if line.startswith("SAGE_SM90_VARIANT("):
-            d, _, _, poly, flags = [x.strip() for x in line[len("SAGE_SM90_VARIANT("):-1].split(",")]
-            variants.append((int(d), int(poly), int(flags)))
+        variants = [(d, int8_sm90.default_exp_poly_every(d), -1) for d in (64, 128)]
+    else:  # (d, poly, flags) of the benchmark build (generate_instantiations.BENCH_VARIANTS)
+        variants = [(d, poly, flags) for d, poly, flags, _ in _variants.BENCH_VARIANTS]
     has_modes = hasattr(ext, "set_prepass_mode")
 
     def run(q, k, v, poly, flags, mask=None):

@@ -31,6 +31,7 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # .../sage_diffusers
 CHECKOUT_CSRC = _PACKAGE_ROOT.parent / "csrc"  # the source of truth in a checkout
 PACKAGED_CSRC = _PACKAGE_ROOT / "_csrc"  # the copy a wheel carries (setup.py's build_py)
 KERNEL_FOLDERS = ("fp4", "sm90_int8")  # one folder per kernel module under csrc/
+SHARED_FOLDER = "common"  # headers every kernel folder includes (csrc/common/)
 HASHED_SUFFIXES = frozenset({".cu", ".cuh", ".h", ".hpp", ".cpp", ".inc"})
 # One nvcc translation unit of these kernels (CUTLASS/CuTe templates, one head dim x dtype
 # instantiation) takes about this long on one server core; ninja runs ~cpu_count of them at
@@ -208,7 +209,7 @@ def load_extension(
     Parameters
     ----------
     name : module name; also the cache folder prefix.
-    sources : .cpp/.cu files to compile. Every file beside them (headers included) is hashed,
+    sources : .cpp/.cu files to compile. Every file beside them and in csrc/common/ (headers included) is hashed,
         so editing a header rebuilds.
     extra_cuda_cflags : nvcc flags, e.g. ``["-gencode=arch=compute_90a,code=sm_90a"]``.
 
@@ -220,7 +221,9 @@ def load_extension(
         return _loaded[name]
     sources = [Path(s) for s in sources]
     hashed: list[Path] = []
-    for folder in {s.parent for s in sources}:
+    # The kernels include ../common/ (the shared layer): editing it must rebuild them too.
+    folders = {s.parent for s in sources} | {s.parent.parent / SHARED_FOLDER for s in sources}
+    for folder in sorted(folders):
         hashed += [p for p in folder.rglob("*") if p.suffix in HASHED_SUFFIXES]
     flags = list(extra_cuda_cflags) + ["|"] + list(extra_cflags)
     key = f"{name}-{_source_digest(hashed, flags)}"

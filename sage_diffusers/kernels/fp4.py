@@ -57,6 +57,7 @@ torch.ops.sage_diffusers.fp4_attention
 """
 from __future__ import annotations
 
+import enum
 import math
 import os
 import sys
@@ -89,12 +90,25 @@ _FMT_CODE = {FP4Format.NVFP4: 0, FP4Format.MXFP4: 1}  # mirrors Fp4Format in fp4
 # AtomSm90Emulated>() in csrc/fp4/tile_config.cuh): over sm_120's 99 KiB opt-in limit, so on
 # sm_120/121 the emulated build serves the atom tests only.
 _EMULATED_SMEM_BYTES = 141344
-# Performance-variant bits of the kernel (SAGE_FP4_OPT in csrc/fp4/tile_config.cuh); 0 = original
-# schedule, 7 (bits 1, 2, 4) the default: fastest correct variant on the H200 (variants_bench.sh);
-# bit 8 turns the wgmma variant's warpgroup ping-pong off.
+
+
+class KernelOpt(enum.IntFlag):
+    """Performance options of the FP4 kernel, one build each (KernelOptions in
+    csrc/fp4/tile_config.cuh; the build flag -DSAGE_FP4_OPT carries their bits). Env
+    SAGE_DIFFUSERS_FP4_OPT: the bits as an integer, or names joined by "+" ("hoist_mask+tree_reduce";
+    "none" for the original schedule)."""
+
+    HOIST_MASK = 1            # one uniform mask branch per tile instead of one per score
+    TREE_REDUCE = 2           # row max / sum as four independent chains
+    PIPELINED_STAGING = 4     # double-buffered decoded K/V staging (+64 KiB shared memory)
+    NO_WGMMA_PINGPONG = 8     # the wgmma variant's warpgroups issue without taking turns
+
+
+# The default: the fastest correct option set of variants_bench.sh on the H200 (eval/results/).
+DEFAULT_KERNEL_OPT = KernelOpt.HOIST_MASK | KernelOpt.TREE_REDUCE | KernelOpt.PIPELINED_STAGING
 _OPT_ENV = "SAGE_DIFFUSERS_FP4_OPT"
-_OPT_DEFAULT = 7
-_OPT_PIPELINED_STAGING = 4  # this bit adds one decoded tile (64 KiB) of shared memory
+_OPT_DEFAULT = int(DEFAULT_KERNEL_OPT)
+_OPT_PIPELINED_STAGING = int(KernelOpt.PIPELINED_STAGING)  # adds one decoded tile of shared memory
 # GEMM variant of the emulated atom (EmuGemm in csrc/fp4/fp4_api.h): "mma" or "wgmma".
 _EMU_ENV = "SAGE_DIFFUSERS_FP4_EMU"
 # Dynamic shared memory of the wgmma variant at D = 128 (WgmmaConfig<128>::kSmemBytes).
@@ -102,12 +116,20 @@ _WGMMA_SMEM_BYTES = 208536
 
 
 def _opt_bits() -> int:
-    """The SAGE_FP4_OPT bits this process builds with (env SAGE_DIFFUSERS_FP4_OPT, default 7)."""
+    """The KernelOpt bits this process builds with (env SAGE_DIFFUSERS_FP4_OPT, default
+    DEFAULT_KERNEL_OPT)."""
     raw = os.environ.get(_OPT_ENV, str(_OPT_DEFAULT))
     try:
         bits = int(raw)
     except ValueError:
-        raise ValueError(f"{_OPT_ENV} must be an integer bit mask, got {raw!r}") from None
+        names = [n.strip().upper() for n in raw.split("+") if n.strip()]
+        if names == ["NONE"]:
+            return 0
+        unknown = [n for n in names if n not in KernelOpt.__members__]
+        if unknown or not names:
+            raise ValueError(f"{_OPT_ENV} must be an integer bit mask or option names joined by '+' "
+                             f"({', '.join(m.lower() for m in KernelOpt.__members__)}), got {raw!r}") from None
+        bits = int(sum(KernelOpt[n] for n in set(names)))
     if not 0 <= bits < 16:
         raise ValueError(f"{_OPT_ENV} must be in [0, 16), got {bits}")
     return bits
@@ -259,10 +281,6 @@ def key_positions(n: int, device=None) -> torch.Tensor:
     return pos - p + in_chunk
 
 
-def _stream_handle(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
-
-
 # ---- the numerics contract's tensor scales (torch on the GPU: no host synchronisation) ------------
 def tensor_scale(amax: torch.Tensor) -> torch.Tensor:
     """float32 amax (...) -> s = amax / 2688 (IEEE division), 1 where amax is 0: the reference's
@@ -369,9 +387,9 @@ def prepass(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor] = N
         k_scale = scales["k_scale"] if k_scale is None else k_scale
         v_scale = scales["v_scale"] if v_scale is None else v_scale
     k_scale, v_scale = k_scale.float().contiguous(), v_scale.float().contiguous()
-    with torch.cuda.device(k.device):
-        kq, ksf, vq, vsf, v_first = ext.quantize_kv(kk, vv, k_mean, k_scale, v_scale, key_mask,
-                                                    _padded_len(k.shape[2]), _FMT_CODE[fmt], _stream_handle(k.device))
+    # the extension launches on the current stream of k's device (csrc/common/launch_context.h)
+    kq, ksf, vq, vsf, v_first = ext.quantize_kv(kk, vv, k_mean, k_scale, v_scale, key_mask,
+                                                _padded_len(k.shape[2]), _FMT_CODE[fmt])
     if fmt is FP4Format.NVFP4:
         ksf, vsf = ksf.view(torch.float8_e4m3fn), vsf.view(torch.float8_e4m3fn)
     return {"k_mean": k_mean, "k_scale": k_scale, "v_scale": v_scale, "kq": kq, "ksf": ksf, "vq": vq, "vsf": vsf,
@@ -387,12 +405,10 @@ def _run_kernel(ext, q, k, v, key_mask, is_causal, scale, return_lse, p_quant: i
     k_mean = _k_mean(k, key_mask)
     kv = kv_tensor_scales(k, v, k_mean, key_mask)
     q_scale = q_tensor_scale(q)
-    with torch.cuda.device(q.device):
-        stream = _stream_handle(q.device)
-        kq, ksf, vq, vsf, v_first = ext.quantize_kv(k, v, k_mean, kv["k_scale"], kv["v_scale"], key_mask,
-                                                    _padded_len(skv), fmt, stream)
-        return ext.attention_fwd(q, kq, ksf, vq, vsf, k_mean, q_scale, kv["k_scale"], kv["v_scale"], v_first,
-                                 key_mask, skv, scale, is_causal, p_quant, fmt, return_lse, emu, stream)
+    kq, ksf, vq, vsf, v_first = ext.quantize_kv(k, v, k_mean, kv["k_scale"], kv["v_scale"], key_mask,
+                                                _padded_len(skv), fmt)
+    return ext.attention_fwd(q, kq, ksf, vq, vsf, k_mean, q_scale, kv["k_scale"], kv["v_scale"], v_first,
+                             key_mask, skv, scale, is_causal, p_quant, fmt, return_lse, emu)
 
 
 def atom_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor,
@@ -406,8 +422,7 @@ def atom_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Te
     fmt = FP4Format.parse(fmt)
     ext = build(atom)
     as_u8 = lambda x: (x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x).contiguous()  # noqa: E731
-    with torch.cuda.device(a.device):
-        return ext.atom_gemm(as_u8(a), as_u8(sfa), as_u8(b), as_u8(sfb), _FMT_CODE[fmt], _stream_handle(a.device))
+    return ext.atom_gemm(as_u8(a), as_u8(sfa), as_u8(b), as_u8(sfb), _FMT_CODE[fmt])
 
 
 # ---- the custom op -------------------------------------------------------------------------------

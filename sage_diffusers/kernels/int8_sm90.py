@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from . import _jit
+from . import _sm90_int8_variants as _variants
 from ._contract import call_op, check_qkv, fake_out_lse, in_layout_of, kernel_views, normalize_key_mask
 
 __all__ = ["attention_int8_sm90", "prepass", "is_available", "build", "compile_check",
@@ -44,8 +45,9 @@ HEAD_DIMS = (64, 128)
 BLOCK_KV = 128
 Q_TILE_ROWS = 64
 # exp2 share computed on the FMA pipes (every N-th element; 0 = none). Only hd64 is bound by the
-# exp unit (NOTES.md); variants compiled: see csrc/sm90_int8/generate_instantiations.py.
-_DEFAULT_EXP_POLY = {64: 8, 128: 0}
+# exp unit; the defaults and the compiled variants come from csrc/sm90_int8/generate_instantiations.py
+# (the same source as the C++ dispatch table).
+_DEFAULT_EXP_POLY = _variants.DEFAULT_EXP_POLY
 _EXP_POLY_ENV = "SAGE_DIFFUSERS_EXP_POLY"  # override, e.g. "0" to keep every exp2 on MUFU
 # Read once at import: the backend function is traced by torch.compile, which should not see
 # environment lookups. set_exp_poly_every() changes it at run time (benchmarks).
@@ -295,7 +297,7 @@ def compile_check(arch: str = "90a") -> int:
     """nvcc-compile every .cu to objects in a temp dir (no GPU needed); returns the exit code."""
     if arch != "90a":
         raise ValueError(f"this kernel targets sm_90a only, got arch={arch!r}")
-    return subprocess.call(["bash", str(source_dir() / "compile_check.sh")])
+    return subprocess.call(["bash", str(_jit.csrc_dir() / "compile_check.sh"), "sm90_int8"])
 
 
 if __name__ == "__main__":

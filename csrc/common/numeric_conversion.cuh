@@ -1,0 +1,47 @@
+// 16-bit input/output element types (fp16, bf16) <-> fp32, shared by every kernel.
+// Only the conversion intrinsics are used (no half operators), so this compiles both with torch's
+// default -D__CUDA_NO_HALF_OPERATORS__ family (the FP4 build) and without it (the 8-bit build).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace sage_common {
+
+template <typename T>
+struct Elem16;
+
+template <>
+struct Elem16<__half> {
+  using T2 = __half2;
+  __device__ __forceinline__ static float to_float(__half x) { return __half2float(x); }
+  // Two fp32 (round to nearest even) -> one 32-bit word, `a` in the low half.
+  __device__ __forceinline__ static uint32_t pack2(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ __forceinline__ static float2 unpack2(uint32_t bits) {
+    __half2 h;
+    *reinterpret_cast<uint32_t*>(&h) = bits;
+    return __half22float2(h);
+  }
+};
+
+template <>
+struct Elem16<__nv_bfloat16> {
+  using T2 = __nv_bfloat162;
+  __device__ __forceinline__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ __forceinline__ static uint32_t pack2(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  __device__ __forceinline__ static float2 unpack2(uint32_t bits) {
+    __nv_bfloat162 h;
+    *reinterpret_cast<uint32_t*>(&h) = bits;
+    return __bfloat1622float2(h);
+  }
+};
+
+}  // namespace sage_common

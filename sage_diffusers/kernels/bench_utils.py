@@ -1,0 +1,66 @@
+"""Benchmark helpers shared by ``eval/bench_kernels.py`` and the kernel folders' variant benchmarks
+(``csrc/*/variants_bench.py``), in the spirit of ``triton.testing``: one input recipe and one timer,
+so every table times the same tensors the same way.
+
+make_inputs(b, h, s, d, seed) -> [q, k, v]
+    The benchmark's inputs: bf16, BHSD, on CUDA.
+bench_ms(fn, reps) -> float
+    Median milliseconds of ``fn(i)``.
+pipelined_ms(fn, iters, warmup) -> float
+    Mean milliseconds of back-to-back calls (re-exported from ``_timing``).
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+from ._timing import pipelined_ms
+
+__all__ = ["make_inputs", "bench_ms", "pipelined_ms"]
+
+
+def make_inputs(b: int, h: int, s: int, d: int, seed: int = 0) -> list[torch.Tensor]:
+    """Q, V ~ N(0, 1); K = N(0, 1) + 4 N(0, 1) per channel (a shared key bias, as diffusion models'
+    keys carry, which the K smoothing removes).
+
+    Returns
+    -------
+    [q, k, v] : bf16 tensors of shape (b, h, s, d) on the current CUDA device.
+    """
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, h, s, d, generator=g, device="cuda")
+    k = torch.randn(b, h, s, d, generator=g, device="cuda") + 4 * torch.randn(1, h, 1, d, generator=g, device="cuda")
+    v = torch.randn(b, h, s, d, generator=g, device="cuda")
+    return [x.to(torch.bfloat16) for x in (q, k, v)]
+
+
+def bench_ms(fn: Callable[[int], object], reps: int) -> float:
+    """Median milliseconds of fn(i) (i counts the calls, so fn can rotate input copies).
+
+    triton.testing.do_bench when triton is importable, else CUDA events around each call.
+    """
+    counter = [0]
+
+    def step():
+        counter[0] += 1
+        fn(counter[0])
+
+    try:
+        import triton.testing
+
+        return float(triton.testing.do_bench(step, warmup=max(5, reps // 4), rep=reps * 10, return_mode="median"))
+    except ImportError:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)

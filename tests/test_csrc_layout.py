@@ -1,0 +1,118 @@
+"""The kernel source tree's layout contract (CPU only): the shared layer under csrc/common/ is
+included by both kernels and hashed into their JIT cache keys, and the benchmark helpers live in
+the package (kernel folders import from sage_diffusers, never from eval/)."""
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+from sage_diffusers.kernels import _jit, bench_utils
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "csrc"
+
+
+def _includes(folder: Path) -> set[str]:
+    inc = re.compile(r'#include "((?:\.\./)+common/[^"]+)"')
+    return {m.group(1).split("common/", 1)[1] for p in folder.rglob("*") if p.suffix in _jit.HASHED_SUFFIXES
+            for m in inc.finditer(p.read_text())}
+
+
+def test_both_kernels_include_the_shared_hopper_layer():
+    shared = {"sm90/named_barrier.cuh", "sm90/wgmma.cuh", "sm90/pipeline.cuh", "sm90/register_split.cuh",
+              "sm90/gmma_swizzle.cuh", "softmax_utils.cuh", "numeric_conversion.cuh", "nonfinite.cuh", "smem.cuh"}
+    for kernel in _jit.KERNEL_FOLDERS:
+        missing = shared - _includes(CSRC / kernel)
+        assert not missing, f"csrc/{kernel} does not include {sorted(missing)}"
+    for rel in shared:
+        assert (CSRC / "common" / rel).is_file(), rel
+
+
+def test_editing_a_shared_header_changes_every_kernel_cache_key(tmp_path, monkeypatch):
+    tree = tmp_path / "csrc"
+    shutil.copytree(CSRC, tree, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setenv("SAGE_DIFFUSERS_CACHE", str(tmp_path / "cache"))
+    sources = {k: sorted((tree / k).glob("*.cu")) for k in _jit.KERNEL_FOLDERS}
+
+    def keys():
+        return {k: _jit.build_info(lambda s=s, k=k: _jit.load_extension(f"layout_{k}", s)).key
+                for k, s in sources.items()}
+
+    before = keys()
+    header = tree / "common" / "softmax_utils.cuh"
+    header.write_text(header.read_text() + "\n// edited\n")
+    after = keys()
+    assert all(before[k] != after[k] for k in before), (before, after)
+
+
+def test_no_source_points_to_a_missing_notes_file():
+    for p in CSRC.rglob("*"):
+        if p.is_file() and p.suffix in _jit.HASHED_SUFFIXES | {".py", ".sh"}:
+            assert "NOTES.md" not in p.read_text(), f"{p.relative_to(ROOT)} cites a NOTES.md that does not exist"
+
+
+def test_kernel_benchmarks_import_helpers_from_the_package_not_eval():
+    for p in CSRC.rglob("variants_bench.py"):
+        text = p.read_text()
+        assert "from eval" not in text and "import eval" not in text, p
+    assert callable(bench_utils.make_inputs) and callable(bench_utils.bench_ms)
+    import eval.bench_kernels as bk  # the eval benchmark keeps working through the shared module
+
+    assert bk.make_inputs is bench_utils.make_inputs and bk.bench_ms is bench_utils.bench_ms
+
+
+def _generator():
+    import importlib.util
+
+    import sys
+
+    name = "sage_sm90_generate_instantiations"
+    if name not in sys.modules:  # dataclasses look their module up in sys.modules
+        spec = importlib.util.spec_from_file_location(name, CSRC / "sm90_int8" / "generate_instantiations.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def test_int8_variants_come_from_one_source():
+    """The instantiation files, the C++ tables and the Python side all match the generator."""
+    from sage_diffusers.kernels import _sm90_int8_variants as py
+
+    gen = _generator()
+    inst = CSRC / "sm90_int8" / "instantiations"
+    want = {f"bench_hd{d}_{o.name}.cu" for d, o in gen.BENCH_VARIANTS}
+    for d, dt, _, causal, o in gen.variants():
+        want.add(f"fwd_hd{d}_{dt}_{'causal' if causal else 'full'}{gen._poly_suffix(o)}.cu")
+    assert {p.name for p in inst.glob("*.cu")} == want
+    table = (inst / "variants.inc").read_text()
+    for d, o in gen.DEFAULTS.items():
+        assert o.cpp() in table
+        assert py.DEFAULT_EXP_POLY[d] == o.exp2_poly_every and py.DEFAULT_FLAGS[d] == o.flags
+    assert py.BENCH_VARIANTS == tuple((d, o.exp2_poly_every, o.flags, o.name) for d, o in gen.BENCH_VARIANTS)
+    # the flag bits of the Python mirror are those of FwdOptions::flags() in launch.h
+    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
+    for i, name in enumerate(["lean_softmax", "overlap_softmax_pv", "pingpong", "q_in_registers",
+                              "fp16_exp2", "split_reductions"]):
+        assert f"({name} ? {1 << i} : 0)" in launch and f"o.{name} = (flags & {1 << i}) != 0;" in launch
+        assert gen.FwdOptions(**{name: True, "lean_softmax": True}).flags & (1 << i)
+
+
+def test_int8_invalid_option_sets_are_rejected():
+    gen = _generator()
+    for bad in ({"fp16_exp2": True}, {"split_reductions": True}):
+        try:
+            gen.FwdOptions(**bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} without lean_softmax was accepted")
+
+
+def test_fp4_kernel_options_match_the_python_names_and_default():
+    from sage_diffusers.kernels import fp4
+
+    cfg = (CSRC / "fp4" / "tile_config.cuh").read_text()
+    assert re.search(r"#define SAGE_FP4_OPT (\d+)", cfg).group(1) == str(int(fp4.DEFAULT_KERNEL_OPT))
+    for opt in fp4.KernelOpt:
+        assert f"o.{opt.name.lower()} = (bits & {int(opt)}) != 0;" in cfg, opt
