@@ -1,0 +1,135 @@
+"""Tests written for mutants that survived ``eval/mutation/run.sh`` (see eval/results/mutation.md).
+
+Each test pins a documented behaviour that the rest of the CPU suite never exercised; its docstring
+names the mutation it catches. CPU, small shapes, a few seconds in all.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sage_diffusers as sd
+from sage_diffusers import api
+
+from inputs import dit_qkv, exact_attention, key_padding_mask
+
+
+@pytest.fixture(autouse=True)
+def _fresh_stats():
+    sd.reset_fallback_stats()
+    api._MASK_CLASSES.clear()
+
+
+def _row_bias(b: int, sq: int, skv: int, *, seed: int, dead_key: int, dead_row: int) -> torch.Tensor:
+    """Additive float mask (B, 1, Sq, Skv) that differs per query row (so it is no key padding):
+    random biases, scattered -inf, key ``dead_key`` hidden from every row, query row ``dead_row``
+    of batch 0 sees no key."""
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.randn(b, 1, sq, skv, generator=g)
+    bias = bias.masked_fill(torch.rand(b, 1, sq, skv, generator=g) < 0.2, -math.inf)
+    bias[..., 0] = 0.0  # every other row keeps key 0
+    bias[..., dead_key] = -math.inf
+    bias[0, 0, dead_row] = -math.inf
+    return bias
+
+
+# The (Hq, Hkv, Sq, Skv) cases: grouped heads with as many keys as query heads (a head count read
+# from the wrong dim goes unnoticed when the two differ), and more heads x batch than keys.
+_SHAPES = [(4, 2, 9, 4), (4, 2, 50, 37)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", _SHAPES)
+def test_sdpa_path_general_mask_scale_gqa_and_lse(monkeypatch, shape, causal):
+    """The SDPA path with a per-row additive mask, a non-default scale, grouped heads and the LSE,
+    in one chunk and in chunks of 3 query rows, against float64 attention.
+
+    Catches: the chunk's mask rows taken from row 0 (``attn_mask[..., :kend]`` for a per-row mask),
+    the LSE ignoring ``attn_mask``, the causal chunks' SDPA call without ``scale`` or ``enable_gqa``,
+    the GQA flag computed from the key length, ``_visible`` with ``>=`` (keys hidden by -inf from
+    every row then keep their NaN), and a chunk step computed with ``/`` (a float step)."""
+    hq, hkv, sq, skv = shape
+    q, k, v = dit_qkv(2, hq, hkv, sq, skv, 64, seed=3)
+    bias = _row_bias(2, sq, skv, seed=4, dead_key=skv - 1, dead_row=sq // 2)
+    expect, expect_lse = exact_attention(q, k, v, attn_mask=bias, is_causal=causal, scale=0.3)
+    k, v = k.clone(), v.clone()
+    k[:, :, skv - 1] = math.nan  # hidden from every row by the mask: must not reach any output
+    v[:, :, skv - 1] = math.nan
+    for chunk in (1 << 24, skv * 2 * hq * 3):
+        monkeypatch.setattr(api, "_CHUNK_ELEMENTS", chunk)
+        out, lse = sd.attention(q, k, v, bias, is_causal=causal, scale=0.3, mode="sdpa", return_lse=True)
+        torch.testing.assert_close(out.double(), expect, rtol=1e-4, atol=1e-4)  # float32 of sharp rows
+        torch.testing.assert_close(lse.double(), expect_lse, rtol=1e-5, atol=1e-5)
+        assert (out[0, :, sq // 2] == 0).all() and torch.isneginf(lse[0, :, sq // 2]).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_with_a_mask_is_sdpas_dropout(causal):
+    """dropout_p with a key mask (and causal): the same draws as torch SDPA with the same seed.
+
+    Catches: the masked SDPA call (non-causal) and the chunked causal call without ``dropout_p``."""
+    q, k, v = dit_qkv(2, 2, 2, 40, 40, 64, seed=5)
+    kp = key_padding_mask(2, 40, seed=6)
+    mask = kp[:, None, None, :]
+    if causal:
+        mask = mask & torch.ones(40, 40, dtype=torch.bool).tril()
+    torch.manual_seed(0)
+    out = sd.attention(q, k, v, dropout_p=0.5, is_causal=causal, key_mask=kp, mode="sdpa")
+    torch.manual_seed(0)
+    expect = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.5)
+    torch.testing.assert_close(out, expect)
+    torch.manual_seed(0)
+    assert not torch.allclose(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+@pytest.mark.parametrize("mode", ["sdpa", "int8", "fp4"])
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_empty_input_keeps_every_input_in_the_graph(mode, which):
+    """Sq = 0: whichever of q, k, v requires grad gets a zero gradient of its shape, as with SDPA.
+
+    Catches: ``_empty_result`` asking ``_needs_grad`` about q and only one of k, v."""
+    t = [torch.randn(2, 2, 0, 64), torch.randn(2, 2, 16, 64), torch.randn(2, 2, 16, 64)]
+    t[which] = t[which].requires_grad_()
+    out = sd.attention(*t, mode=mode)
+    assert out.requires_grad
+    out.sum().backward()
+    assert t[which].grad.shape == t[which].shape and (t[which].grad == 0).all()
+
+
+def _mask(b: int, skv: int, seed: int) -> torch.Tensor:
+    """A (B, 1, Sq, Skv) bool mask whose query rows are all equal: key padding in disguise."""
+    return key_padding_mask(b, skv, seed=seed)[:, None, None, :].expand(b, 1, 3, skv).contiguous()
+
+
+def test_mask_class_cache_is_a_bounded_lru():
+    """The disguised-key-padding cache keeps ``size`` entries, evicts the least recently used,
+    works on tensors that are not views, and reads nothing under torch.compile.
+
+    Catches: the size or the entry table not kept, ``>=`` in the eviction loop, eviction of the
+    newest entry, and an owner of None (no weak reference) for a tensor that is not a view."""
+    calls = []
+
+    def compute(m):
+        calls.append(m)
+        return m[:, 0, 0, :].clone()
+
+    cache = api._MaskClassCache(size=2)
+    a, b, c = (_mask(2, 20, seed) for seed in (1, 2, 3))
+    assert a._base is None  # not a view: the cache must hold a weak reference to the tensor itself
+    for m in (a, b, a):  # a, b cached; the second a is a hit that makes b the oldest
+        assert torch.equal(cache.cached(m, compute), m[:, 0, 0, :])
+    assert len(calls) == 2
+    cache.cached(c, compute)  # evicts b, the least recently used
+    cache.cached(a, compute)
+    assert len(calls) == 3  # a is still there
+    cache.cached(b, compute)
+    assert len(calls) == 4  # b was evicted
+
+
+def test_mask_class_cache_reads_nothing_while_compiling(monkeypatch):
+    """Under torch.compile the cache returns None without reading the mask (so the mask counts as
+    general and runs SDPA). Catches: the compile guard joined to the CUDA-graph guard with ``and``."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    cache = api._MaskClassCache()
+    assert cache.cached(_mask(2, 20, 1), lambda m: pytest.fail("the mask was read")) is None
