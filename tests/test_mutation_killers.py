@@ -3,6 +3,7 @@
 Each test pins a documented behaviour that the rest of the CPU suite never exercised; its docstring
 names the mutation it catches. CPU, small shapes, a few seconds in all.
 """
+import importlib
 import math
 
 import pytest
@@ -133,3 +134,79 @@ def test_mask_class_cache_reads_nothing_while_compiling(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     cache = api._MaskClassCache()
     assert cache.cached(_mask(2, 20, 1), lambda m: pytest.fail("the mask was read")) is None
+
+
+@pytest.mark.parametrize("cap, algo", [(90, "int8"), (120, "fp4"), (121, "fp4"), (80, None), (89, None),
+                                       (100, None)])
+def test_auto_algorithm_per_arch(cap, algo):
+    """"auto" runs INT8 on sm_9x, FP4 on sm_12x and nothing else (the CPU suite never asked)."""
+    got = api._auto_algorithm_of(cap)
+    assert (got.value if got is not None else None) == algo
+
+
+def test_resolved_lookups_keep_each_key_apart():
+    """What the constant-result lookups resolved is found again under exactly its own key."""
+    r = api._Resolved()
+    gated, plain = object(), object()
+    r.put(gated, "backend", "int8", 90, True)
+    r.put(plain, "backend", "int8", 90, False)
+    assert r.get("backend", "int8", 90, True) is gated and r.get("backend", "int8", 90, False) is plain
+    assert api._Resolved._name("auto_rules", 90) == "auto_rules_90"
+    with pytest.raises(AttributeError):
+        r.get("backend", "fp4", 90, True)
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+@pytest.mark.parametrize("mode", ["int8", "fp4"])
+def test_any_one_input_requiring_grad_chooses_the_gradient_path(monkeypatch, mode, which):
+    """Whichever one of q, k, v requires grad: "int8" trains through SageBwd, "fp4" runs SDPA
+    counted "backward" (never the inference reference, whose gradients are silently wrong).
+
+    Catches: ``_plan`` asking ``_needs_grad`` about only two of q, k, v (either check)."""
+    sagebwd = importlib.import_module("sage_diffusers.sagebwd")  # the package exports a function of that name
+    calls = []
+    real = sagebwd.attention_sagebwd
+    monkeypatch.setattr(sagebwd, "attention_sagebwd", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    t = list(dit_qkv(1, 2, 2, 24, 24, 64, seed=7))
+    t[which] = t[which].requires_grad_()
+    sd.attention(*t, mode=mode).sum().backward()
+    assert t[which].grad is not None
+    assert (len(calls), sd.fallback_stats()) == ((1, {}) if mode == "int8" else (0, {"fp4: backward": 1}))
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp4"])
+def test_a_float_mask_that_requires_grad_runs_sdpa(mode):
+    """A float key-padding mask (0 / -inf) that requires grad has no gradient on the low-bit paths
+    (SageBwd included): SDPA runs, counted "backward", and the mask gets its gradient.
+
+    Catches: the float mask left out of the gradient decision (always None, or ``_needs_grad(None)``)."""
+    q, k, v = dit_qkv(1, 2, 2, 24, 24, 64, seed=8)
+    kp = key_padding_mask(1, 24, seed=9)
+    bias = torch.zeros(1, 1, 1, 24).masked_fill(~kp[:, None, None, :], -math.inf).requires_grad_()
+    qg = q.clone().requires_grad_()
+    sd.attention(qg, k, v, bias, mode=mode).sum().backward()
+    assert sd.fallback_stats() == {f"{mode}: backward": 1}
+    assert bias.grad is not None and qg.grad is not None
+
+
+def test_sagebwd_path_gets_causal_and_returns_the_lse():
+    """mode "int8" with gradients: causal and return_lse reach SageBwd (output and LSE of causal
+    attention). Catches: SageBwd called without ``is_causal`` or ``return_lse``."""
+    q, k, v = dit_qkv(1, 2, 2, 40, 40, 64, seed=10, dtype=torch.bfloat16)
+    qg = q.clone().requires_grad_()
+    out, lse = sd.attention(qg, k, v, is_causal=True, mode="int8", return_lse=True)
+    expect, expect_lse = exact_attention(q, k, v, is_causal=True)
+    assert torch.nn.functional.cosine_similarity(out.detach().double().flatten(), expect.flatten(), 0) > 0.995
+    assert lse is not None and (lse.double() - expect_lse).abs().max() < 1e-4
+
+
+def test_a_bool_key_padding_attn_mask_is_never_read_on_the_host(monkeypatch):
+    """A bool (B, 1, 1, Skv) attn_mask is key padding by its shape: used as a view, its values
+    never read (no host sync). Catches: the shape test looking at the wrong dim or size."""
+    reads = []
+    real = api._classify_key_padding
+    monkeypatch.setattr(api, "_classify_key_padding", lambda m: reads.append(1) or real(m))
+    q, k, v = dit_qkv(2, 2, 2, 24, 24, 64, seed=11)
+    kp = key_padding_mask(2, 24, seed=12)
+    out = sd.attention(q, k, v, kp[:, None, None, :], mode="int8")
+    assert reads == [] and torch.equal(out, sd.attention(q, k, v, key_mask=kp, mode="int8"))
