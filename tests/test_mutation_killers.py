@@ -210,3 +210,45 @@ def test_a_bool_key_padding_attn_mask_is_never_read_on_the_host(monkeypatch):
     kp = key_padding_mask(2, 24, seed=12)
     out = sd.attention(q, k, v, kp[:, None, None, :], mode="int8")
     assert reads == [] and torch.equal(out, sd.attention(q, k, v, key_mask=kp, mode="int8"))
+
+
+_Q = lambda: torch.randn(2, 2, 16, 64)  # noqa: E731
+_K = lambda: torch.randn(2, 2, 16, 64)  # noqa: E731
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    ((None, _K(), _K()), {}, r"^q: expected a torch.Tensor, got NoneType"),
+    ((_Q(), [1.0], _K()), {}, r"^k: expected a torch.Tensor, got list"),
+    ((_Q(), _K(), 3), {}, r"^v: expected a torch.Tensor, got int"),
+    ((_Q(), _K(), torch.randn(2, 2, 15, 64)), {}, r"\(H, S\) \(2, 16\) vs \(2, 15\)"),
+    ((torch.randn(2, 2, 16, 0), torch.randn(2, 2, 16, 0), _K()), {}, "head dim must be at least 1"),
+    ((_Q(), _K(), _K()), {"key_mask": [True] * 16}, r"^key_mask: expected a tensor or None, got list"),
+    ((_Q(), _K(), _K()), {"key_mask": torch.ones(2, 16, dtype=torch.bool, device="meta")},
+     r"^key_mask: expected device cpu, got meta"),
+    ((_Q(), _K(), _K()), {"key_mask": torch.ones(2, 16, 1, dtype=torch.bool)}, r"^key_mask: expected shape"),
+    ((_Q(), _K(), _K(), "mask"), {}, r"^attn_mask: expected a tensor or None, got str"),
+    ((_Q(), _K(), _K(), torch.ones(16, 16, dtype=torch.int32)), {}, r"^attn_mask: expected bool or floating"),
+    ((_Q(), _K(), _K(), torch.ones(2, 16, dtype=torch.bool)), {}, r"pass key padding as key_mask=\(B, Skv\)"),
+])
+def test_malformed_input_is_refused_with_a_message_that_names_it(args, kwargs, match):
+    """Every malformed argument raises ValueError whose message names it and what it got (the
+    existing validation tests check only that something is raised). Catches: messages replaced
+    (None, another name, the wrong shape slice) and the key-mask shape test joined with ``and``."""
+    with pytest.raises(ValueError, match=match):
+        sd.attention(*args, mode="int8", **kwargs)
+
+
+def test_a_key_mask_of_one_row_broadcasts_over_the_batch():
+    """key_mask (1, Skv) is valid for any batch size (one padding pattern for every row).
+    Catches: the batch check accepting (2, B) instead of (1, B)."""
+    q, k, v = dit_qkv(3, 2, 2, 24, 24, 64, seed=13)
+    kp = key_padding_mask(1, 24, seed=14)
+    out = sd.attention(q, k, v, key_mask=kp, mode="int8")
+    assert torch.equal(out, sd.attention(q, k, v, key_mask=kp.expand(3, 24), mode="int8"))
+
+
+@pytest.mark.parametrize("mode", ["sdpa", "int8"])
+def test_dropout_of_one_is_accepted_like_sdpa(mode):
+    """dropout_p = 1.0 is valid SDPA (every weight dropped: zeros). Catches: ``value < 1.0``."""
+    q, k, v = dit_qkv(1, 2, 2, 16, 16, 64, seed=15)
+    assert (sd.attention(q, k, v, dropout_p=1.0, mode=mode) == 0).all()
