@@ -252,3 +252,20 @@ def test_dropout_of_one_is_accepted_like_sdpa(mode):
     """dropout_p = 1.0 is valid SDPA (every weight dropped: zeros). Catches: ``value < 1.0``."""
     q, k, v = dit_qkv(1, 2, 2, 16, 16, 64, seed=15)
     assert (sd.attention(q, k, v, dropout_p=1.0, mode=mode) == 0).all()
+
+
+def test_the_kernel_branch_hands_every_argument_to_the_backend():
+    """``_run_sage`` on a kernel plan calls the backend as the backend contract says:
+    backend(q, k, v, *, key_mask, is_causal, scale, return_lse) on BHSD views, float32 rounded to
+    bfloat16 first (the CPU suite cannot reach a real kernel). Catches: a dropped argument."""
+    seen = {}
+
+    def backend(q, k, v, *, key_mask, is_causal, scale, return_lse):
+        seen.update(q=q, k=k, v=v, key_mask=key_mask, is_causal=is_causal, scale=scale, return_lse=return_lse)
+        return q, None
+
+    q, k, v = dit_qkv(1, 2, 2, 8, 8, 64, seed=16)
+    kp = key_padding_mask(1, 8, seed=17)
+    api._run_sage(api.Plan("kernel", api.Mode.INT8, backend), q, k, v, kp, True, 0.25, True)
+    assert all(torch.equal(seen[n], t.to(torch.bfloat16)) for n, t in (("q", q), ("k", k), ("v", v)))
+    assert seen["key_mask"] is kp and (seen["is_causal"], seen["scale"], seen["return_lse"]) == (True, 0.25, True)
