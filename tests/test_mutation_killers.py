@@ -269,3 +269,15 @@ def test_the_kernel_branch_hands_every_argument_to_the_backend():
     api._run_sage(api.Plan("kernel", api.Mode.INT8, backend), q, k, v, kp, True, 0.25, True)
     assert all(torch.equal(seen[n], t.to(torch.bfloat16)) for n, t in (("q", q), ("k", k), ("v", v)))
     assert seen["key_mask"] is kp and (seen["is_causal"], seen["scale"], seen["return_lse"]) == (True, 0.25, True)
+
+
+def test_q_block_mean_of_a_single_token_block_is_that_token():
+    """A 128-token Q block with one real (or one finite) row has that row as its mean, so the
+    smoothed row is 0. Catches: the count clamped to 2 instead of 1 (halving such a mean)."""
+    from sage_diffusers.reference.sage3 import smooth_q
+
+    q = torch.randn(1, 2, 129, 64)  # the second block holds one token
+    q[0, 1, 1:128] = math.nan  # the first block of head 1 has one finite row, row 0
+    qs, qbar = smooth_q(q)
+    assert torch.equal(qbar[:, :, 128], q[:, :, 128]) and (qs[:, :, 128] == 0).all()
+    assert torch.equal(qbar[0, 1, 0], q[0, 1, 0]) and (qs[0, 1, 0] == 0).all()
