@@ -221,14 +221,14 @@ _K = lambda: torch.randn(2, 2, 16, 64)  # noqa: E731
     ((_Q(), [1.0], _K()), {}, r"^k: expected a torch.Tensor, got list"),
     ((_Q(), _K(), 3), {}, r"^v: expected a torch.Tensor, got int"),
     ((_Q(), _K(), torch.randn(2, 2, 15, 64)), {}, r"\(H, S\) \(2, 16\) vs \(2, 15\)"),
-    ((torch.randn(2, 2, 16, 0), torch.randn(2, 2, 16, 0), _K()), {}, "head dim must be at least 1"),
+    ((torch.randn(2, 2, 16, 0), torch.randn(2, 2, 16, 0), _K()), {}, r"^q and k: head dim must be at least 1$"),
     ((_Q(), _K(), _K()), {"key_mask": [True] * 16}, r"^key_mask: expected a tensor or None, got list"),
     ((_Q(), _K(), _K()), {"key_mask": torch.ones(2, 16, dtype=torch.bool, device="meta")},
      r"^key_mask: expected device cpu, got meta"),
     ((_Q(), _K(), _K()), {"key_mask": torch.ones(2, 16, 1, dtype=torch.bool)}, r"^key_mask: expected shape"),
     ((_Q(), _K(), _K(), "mask"), {}, r"^attn_mask: expected a tensor or None, got str"),
     ((_Q(), _K(), _K(), torch.ones(16, 16, dtype=torch.int32)), {}, r"^attn_mask: expected bool or floating"),
-    ((_Q(), _K(), _K(), torch.ones(2, 16, dtype=torch.bool)), {}, r"pass key padding as key_mask=\(B, Skv\)"),
+    ((_Q(), _K(), _K(), torch.ones(2, 16, dtype=torch.bool)), {}, r"pass key padding as key_mask=\(B, Skv\)\)$"),
 ])
 def test_malformed_input_is_refused_with_a_message_that_names_it(args, kwargs, match):
     """Every malformed argument raises ValueError whose message names it and what it got (the
