@@ -281,3 +281,23 @@ def test_q_block_mean_of_a_single_token_block_is_that_token():
     qs, qbar = smooth_q(q)
     assert torch.equal(qbar[:, :, 128], q[:, :, 128]) and (qs[:, :, 128] == 0).all()
     assert torch.equal(qbar[0, 1, 0], q[0, 1, 0]) and (qs[0, 1, 0] == 0).all()
+
+
+def test_auto_gate_reads_the_table_of_the_gpu_asked_and_names_its_class(monkeypatch, tmp_path):
+    """On a host with an sm_90 GPU 0 (the current one) and an sm_120 GPU 1, the gate for GPU 1 reads
+    sm_120's table (none shipped: not gated), not the current GPU's; its reason names the measured
+    class (head dim, causal, ragged). Catches: the capability of the current GPU instead of the one
+    asked, and the class named without its causal or ragged part."""
+    from sage_diffusers.kernels import _jit, auto_table
+
+    caps = {0: (9, 0), 1: (12, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: caps[0 if device is None else device])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_jit, "cache_root", lambda: tmp_path)  # no calibration file there
+    auto_table.rules_for.cache_clear()
+    try:
+        assert api._auto_prefers_sdpa(torch.device("cuda", 1), 128, 4608, 4608, False) is None
+        assert "d64_causal on sm_90" in api._auto_prefers_sdpa(torch.device("cuda", 0), 64, 16384, 16384, True)
+        assert "d128_full_ragged on sm_90" in api._auto_prefers_sdpa(torch.device("cuda"), 128, 4607, 4607, False)
+    finally:
+        auto_table.rules_for.cache_clear()
