@@ -301,3 +301,29 @@ def test_auto_gate_reads_the_table_of_the_gpu_asked_and_names_its_class(monkeypa
         assert "d128_full_ragged on sm_90" in api._auto_prefers_sdpa(torch.device("cuda"), 128, 4607, 4607, False)
     finally:
         auto_table.rules_for.cache_clear()
+
+
+def test_sage3_reference_without_k_smoothing_takes_half_precision_inputs():
+    """The smooth_k=False ablation on bfloat16 inputs computes from their float32 values, like
+    float32 inputs of the same values. Catches: the zero K mean built in the input dtype (then the
+    LSE shift multiplies float32 by bfloat16)."""
+    from sage_diffusers.reference import sage3_reference
+
+    q, k, v = dit_qkv(1, 2, 2, 40, 40, 64, seed=18, dtype=torch.bfloat16)
+    out, lse = sage3_reference(q, k, v, smooth_k=False, return_lse=True)
+    ref, ref_lse = sage3_reference(q.float(), k.float(), v.float(), smooth_k=False, return_lse=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+def test_sage3_reference_follows_its_block_kv():
+    """block_kv sets the P~ tiles (their running max and two-level scale): 64-key tiles give other
+    P~ codes than 128-key ones, both within the reference's accuracy. Catches: block_kv not
+    passed to the tiled loop (the default 128 always)."""
+    from sage_diffusers.reference import cosine, sage3_reference
+
+    q, k, v = dit_qkv(1, 2, 2, 64, 256, 64, seed=19)
+    out64 = sage3_reference(q, k, v, block_kv=64)
+    out128 = sage3_reference(q, k, v, block_kv=128)
+    expect, _ = exact_attention(q, k, v)
+    assert not torch.equal(out64, out128)
+    assert cosine(out64, expect) > 0.97 and cosine(out128, expect) > 0.97
