@@ -327,3 +327,18 @@ def test_sage3_reference_follows_its_block_kv():
     expect, _ = exact_attention(q, k, v)
     assert not torch.equal(out64, out128)
     assert cosine(out64, expect) > 0.97 and cosine(out128, expect) > 0.97
+
+
+@pytest.mark.parametrize("bad", ["k3d", "v5d", "v_len"])
+def test_references_refuse_malformed_shapes_with_a_value_error(bad):
+    """The references' own shape check: any operand that is not 4-D, or a V that does not match K,
+    raises ValueError naming the shapes. Catches: ``and`` in the 4-D test (a 5-D V passed) and a
+    message that fails to build (TypeError instead of the ValueError)."""
+    from sage_diffusers.reference import sage3_reference, sage8_reference
+
+    q, k, v = (torch.randn(1, 2, 16, 64) for _ in range(3))
+    k = k[0] if bad == "k3d" else k
+    v = v[..., None] if bad == "v5d" else (v[:, :, :15] if bad == "v_len" else v)
+    for ref in (sage8_reference, sage3_reference):
+        with pytest.raises(ValueError, match=r"expected 4-D|incompatible shapes"):
+            ref(q, k, v)

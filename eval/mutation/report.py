@@ -13,9 +13,14 @@ import collections
 import fnmatch
 import glob
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+
+# the mutmut of this interpreter's environment, also when that environment is not activated
+MUTMUT = shutil.which("mutmut", path=os.path.dirname(sys.executable)) or "mutmut"
 
 # mutmut 3's exit codes (mutmut/stats.py), folded into the columns of eval/results/mutation.md.
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", None: "not run",
@@ -26,7 +31,7 @@ COLUMNS = ("killed", "survived", "timeout", "no tests", "not run")
 
 
 def changed_lines(name: str) -> list[str]:
-    diff = subprocess.run(["mutmut", "show", name], capture_output=True, text=True).stdout
+    diff = subprocess.run([MUTMUT, "show", name], capture_output=True, text=True).stdout
     return [d for d in diff.splitlines() if re.match(r"^[-+][^-+]", d)]
 
 
