@@ -329,7 +329,7 @@ def test_sage3_reference_follows_its_block_kv():
     assert cosine(out64, expect) > 0.97 and cosine(out128, expect) > 0.97
 
 
-@pytest.mark.parametrize("bad", ["k3d", "v5d", "v_len"])
+@pytest.mark.parametrize("bad", ["q3d", "k3d", "v5d", "v_len", "heads"])
 def test_references_refuse_malformed_shapes_with_a_value_error(bad):
     """The references' own shape check: any operand that is not 4-D, or a V that does not match K,
     raises ValueError naming the shapes. Catches: ``and`` in the 4-D test (a 5-D V passed) and a
@@ -337,8 +337,23 @@ def test_references_refuse_malformed_shapes_with_a_value_error(bad):
     from sage_diffusers.reference import sage3_reference, sage8_reference
 
     q, k, v = (torch.randn(1, 2, 16, 64) for _ in range(3))
+    q = q[0] if bad == "q3d" else (torch.randn(1, 3, 16, 64) if bad == "heads" else q)
     k = k[0] if bad == "k3d" else k
     v = v[..., None] if bad == "v5d" else (v[:, :, :15] if bad == "v_len" else v)
     for ref in (sage8_reference, sage3_reference):
-        with pytest.raises(ValueError, match=r"expected 4-D|incompatible shapes"):
+        with pytest.raises(ValueError, match=r"^(expected 4-D|incompatible shapes|query heads \(3\) must be a multiple)"):
             ref(q, k, v)
+
+
+def test_k_mean_over_a_single_attended_key_is_that_key():
+    """The attended-key mean of a batch row with one visible key is that key (count 1, not clamped
+    higher). Catches: ``clamp_min(2)`` on the key count."""
+    from sage_diffusers.reference._common import attended_mean
+
+    k = torch.randn(2, 2, 10, 64)
+    mask = torch.zeros(2, 10, dtype=torch.bool)
+    mask[0, 3] = True
+    mask[1, :4] = True
+    mean = attended_mean(k, mask)
+    torch.testing.assert_close(mean[0, :, 0], k[0, :, 3], rtol=0, atol=0)
+    torch.testing.assert_close(mean[1, :, 0], k[1, :, :4].mean(1), rtol=1e-6, atol=1e-6)
