@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sage_diffusers as sd  # noqa: E402
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
-from sage_diffusers.kernels._timing import pipelined_ms  # noqa: E402
+from sage_diffusers.kernels.bench_utils import pipelined_ms, spread  # noqa: E402
 
 # (B, H, S, D): short image length, Flux, SD3.5, CogVideoX-5B, 16K
 SHAPES = [(1, 24, 2048, 128), (1, 24, 4608, 128), (1, 38, 4429, 64), (1, 48, 17776, 64), (1, 24, 16384, 128)]
@@ -47,10 +46,6 @@ def host_us(fn, calls: int = 50) -> float:
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     return (t1 - t0) / calls * 1e6
-
-
-def stats(ts):
-    return {"median": statistics.median(ts), "min": min(ts), "max": max(ts)}
 
 
 def main() -> None:
@@ -88,7 +83,7 @@ def main() -> None:
             for n in order:
                 times[n].append(pipelined_ms(entries[n], iters))
         host = {n: host_us(fn) for n, fn in entries.items()}
-        row = {"shape": [b, h, s, d], "ms": {n: stats(t) for n, t in times.items()}, "host_us": host}
+        row = {"shape": [b, h, s, d], "ms": {n: spread(t) for n, t in times.items()}, "host_us": host}
         rows.append(row)
         print(json.dumps(row), flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

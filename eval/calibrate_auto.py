@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import re
-import statistics
 import sys
 from pathlib import Path
 
@@ -35,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 import sage_diffusers as sd  # noqa: E402
 from eval.bench_kernels import SHAPES, make_inputs  # noqa: E402
 from sage_diffusers.kernels import _jit, auto_table  # noqa: E402
-from sage_diffusers.kernels._timing import pipelined_ms  # noqa: E402
+from sage_diffusers.kernels.bench_utils import interleaved, spread  # noqa: E402
 
 # head dim -> heads used in the sweep (real models: Flux/HunyuanVideo 24x128, CogVideoX-5B 48x64)
 SWEEP_HEADS = {128: 24, 64: 48}
@@ -67,28 +66,11 @@ def _auto(q, k, v, causal):
     return sd.attention(q, k, v, is_causal=causal, mode="auto")
 
 
-def interleaved(methods: dict, args_of, rounds: int, target_ms: float = 40.0) -> dict:
-    """{name: [ms per round]}: every round times each method once, in a rotating order."""
-    names = list(methods)
-    probe = pipelined_ms(lambda: methods[names[0]](*args_of()), 2)
-    iters = max(3, int(target_ms / max(probe, 1e-3)))
-    times = {n: [] for n in names}
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for n in order:
-            times[n].append(pipelined_ms(lambda: methods[n](*args_of()), iters))
-    return times
-
-
 # Decisions and ratios use each method's fastest round. Back-to-back calls at full power let the
 # clock drift between rounds (one method's rounds spanned up to 12 % on the H200 while the
 # interleaved other method's did not), and that drift only ever adds time: the fastest round is
 # the least disturbed estimate of each. Tables still show median [min-max].
 STAT = "min"
-
-
-def _stats(ts):
-    return dict(min=min(ts), median=statistics.median(ts), max=max(ts))
 
 
 def sweep(kernel, lengths, rounds: int, margin: float) -> tuple[list[dict], dict]:
@@ -100,7 +82,7 @@ def sweep(kernel, lengths, rounds: int, margin: float) -> tuple[list[dict], dict
             for s in (L - RAGGED_OFFSET if ragged else L for L in lengths):
                 q, k, v = make_inputs(1, h, s, d)
                 t = interleaved({"kernel": kernel, "sdpa": _sdpa}, lambda: (q, k, v, causal), rounds)
-                ks, ss = _stats(t["kernel"]), _stats(t["sdpa"])
+                ks, ss = spread(t["kernel"]), spread(t["sdpa"])
                 ratios[s] = ks[STAT] / ss[STAT]
                 rows.append(dict(D=d, H=h, S=s, causal=causal, ragged=ragged, kernel=ks, sdpa=ss,
                                  kernel_over_sdpa=ratios[s]))
@@ -123,7 +105,7 @@ def check(kernel, rounds: int) -> list[dict]:
     for (b, h, s, d, causal) in SHAPES:
         q, k, v = make_inputs(b, h, s, d)
         t = interleaved({"kernel": kernel, "sdpa": _sdpa, "auto": _auto}, lambda: (q, k, v, causal), rounds)
-        st = {n: _stats(ts) for n, ts in t.items()}
+        st = {n: spread(ts) for n, ts in t.items()}
         best = min(st["kernel"][STAT], st["sdpa"][STAT])
         rows.append(dict(B=b, H=h, S=s, D=d, causal=causal, **st,
                          auto_over_best=st["auto"][STAT] / best))

@@ -36,7 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from sage_diffusers.kernels import _sm90_int8_variants as _variants  # noqa: E402
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
-from sage_diffusers.kernels.bench_utils import make_inputs, pipelined_ms  # noqa: E402
+from sage_diffusers.kernels.bench_utils import event_median_ms, make_inputs, pipelined_ms  # noqa: E402
 from sage_diffusers.reference import cosine, sage8_reference  # noqa: E402
 
 SHAPES = [(1, 24, 4608, 128), (1, 38, 4429, 64), (2, 24, 4096, 128), (1, 24, 16384, 128),
@@ -52,19 +52,7 @@ FULL_MODES = (0, 3, 4, 7)      # full-call timings (per-repetition sync)
 
 def time_ms(fn, reps):
     """Median of per-repetition event times, synchronised after each (host latency included)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
+    return event_median_ms(fn, reps)
 
 
 def time_pipelined_ms(fn, n=20):

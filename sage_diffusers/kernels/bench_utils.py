@@ -8,6 +8,11 @@ bench_ms(fn, reps) -> float
     Median milliseconds of ``fn(i)``.
 pipelined_ms(fn, iters, warmup) -> float
     Mean milliseconds of back-to-back calls (re-exported from ``_timing``).
+event_median_ms(fn, reps) -> float
+    Median milliseconds of calls each timed alone between two events (host latency included).
+interleaved(methods, args_of, rounds) -> {name: [ms per round]}
+    Several methods timed in rotating order over rounds (side-by-side ratios).
+spread(times) -> {"min", "median", "max"}
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import torch
 
 from ._timing import pipelined_ms
 
-__all__ = ["make_inputs", "bench_ms", "pipelined_ms"]
+__all__ = ["make_inputs", "bench_ms", "pipelined_ms", "event_median_ms", "interleaved", "spread"]
 
 
 def make_inputs(b: int, h: int, s: int, d: int, seed: int = 0) -> list[torch.Tensor]:
@@ -52,15 +57,41 @@ def bench_ms(fn: Callable[[int], object], reps: int) -> float:
 
         return float(triton.testing.do_bench(step, warmup=max(5, reps // 4), rep=reps * 10, return_mode="median"))
     except ImportError:
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return event_median_ms(step, reps)
+
+
+def event_median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    """Median milliseconds of ``reps`` calls of ``fn()``, each between two CUDA events and waited
+    for before the next (so host latency is included), after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def interleaved(methods: dict, args_of: Callable[[], tuple], rounds: int, target_ms: float = 40.0) -> dict:
+    """{name: [ms per round]}: every round times each method once with :func:`pipelined_ms`, in a
+    rotating order, about ``target_ms`` of back-to-back calls each (the count from a probe of the
+    first method). ``args_of()`` gives the call's arguments."""
+    names = list(methods)
+    probe = pipelined_ms(lambda: methods[names[0]](*args_of()), 2)
+    iters = max(3, int(target_ms / max(probe, 1e-3)))
+    times = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            times[n].append(pipelined_ms(lambda: methods[n](*args_of()), iters))
+    return times
+
+
+def spread(times: list) -> dict:
+    """min / median / max of a list of timings."""
+    return dict(min=min(times), median=statistics.median(times), max=max(times))
