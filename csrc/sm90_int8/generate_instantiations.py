@@ -34,6 +34,7 @@ class FwdOptions:
     q_in_registers: bool = False      # bit 8
     fp16_exp2: bool = False           # bit 16, needs lean_softmax
     split_reductions: bool = False    # bit 32, needs lean_softmax
+    fp32_pv_tiles: bool = False       # bit 64
     exp2_poly_every: int = 0
 
     def __post_init__(self):
@@ -49,7 +50,8 @@ class FwdOptions:
     @property
     def name(self) -> str:
         short = {"lean_softmax": "lean", "overlap_softmax_pv": "overlap", "pingpong": "pingpong",
-                 "q_in_registers": "qregs", "fp16_exp2": "fp16exp2", "split_reductions": "split"}
+                 "q_in_registers": "qregs", "fp16_exp2": "fp16exp2", "split_reductions": "split",
+                 "fp32_pv_tiles": "fp32pv"}
         parts = [v for k, v in short.items() if getattr(self, k)] or ["plain"]
         if self.exp2_poly_every:
             parts.append(f"exp2poly{self.exp2_poly_every}")
@@ -67,26 +69,31 @@ DTYPES = {"fp16": "DType::kF16", "bf16": "DType::kBF16"}
 CAUSAL = (False, True)
 # The default options per head dim (the backend's choice). hd128: lean softmax, softmax / PV
 # overlap, ping-pong, Q in registers, split reductions; hd64: the same without ping-pong and split
-# reductions (both lost there), with every 8th exp2 on the FMA pipes.
+# reductions (both lost there), with every 8th exp2 on the FMA pipes. Both sum P V per key tile in
+# fp32 registers (fp32_pv_tiles): without it O shrinks with the key count (kernel_fwd.cuh).
 DEFAULTS = {
     128: FwdOptions(lean_softmax=True, overlap_softmax_pv=True, pingpong=True, q_in_registers=True,
-                    split_reductions=True),
-    64: FwdOptions(lean_softmax=True, overlap_softmax_pv=True, q_in_registers=True, exp2_poly_every=8),
+                    split_reductions=True, fp32_pv_tiles=True),
+    64: FwdOptions(lean_softmax=True, overlap_softmax_pv=True, q_in_registers=True, exp2_poly_every=8,
+                   fp32_pv_tiles=True),
 }
 # Exp2 polynomial shares compiled besides the default (env SAGE_DIFFUSERS_EXP_POLY picks one): 0.
 EXTRA_EXP_POLY = {64: (0,), 128: ()}
 
 # Benchmark build (-DSAGE_SM90_BENCH=1, env SAGE_DIFFUSERS_SM90_BENCH=1): bf16, non-causal. The
-# defaults, the previous defaults (without split reductions) and the exp2 polynomial share swept on
-# top of them.
-_LEAN_OVL_QREGS = FwdOptions(lean_softmax=True, overlap_softmax_pv=True, q_in_registers=True)
+# defaults; the same without fp32_pv_tiles (O accumulated in the tensor core, the previous
+# defaults); and at hd128, where the tile's D/2 registers exceed the consumer budget, option sets
+# that need fewer registers: Q from smem, no softmax / PV overlap (the tile dies before the
+# softmax), a single-chain reduction.
 BENCH_VARIANTS = (
-    (128, replace(_LEAN_OVL_QREGS, pingpong=True)),
     (128, DEFAULTS[128]),
-    (128, replace(DEFAULTS[128], exp2_poly_every=16)),
-    (64, replace(_LEAN_OVL_QREGS, exp2_poly_every=8)),
-    (64, replace(_LEAN_OVL_QREGS, split_reductions=True, exp2_poly_every=8)),
-    (64, replace(_LEAN_OVL_QREGS, split_reductions=True, exp2_poly_every=6)),
+    (128, replace(DEFAULTS[128], fp32_pv_tiles=False)),
+    (128, replace(DEFAULTS[128], q_in_registers=False)),
+    (128, replace(DEFAULTS[128], overlap_softmax_pv=False)),
+    (128, replace(DEFAULTS[128], split_reductions=False)),
+    (64, DEFAULTS[64]),
+    (64, replace(DEFAULTS[64], fp32_pv_tiles=False)),
+    (64, replace(DEFAULTS[64], split_reductions=True)),
 )
 
 

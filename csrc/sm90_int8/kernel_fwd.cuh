@@ -32,7 +32,12 @@ namespace sage_sm90 {
 //   split_reductions   : (lean only) row max and row sum of a tile as four interleaved chains of
 //                        8 instead of one chain of 32 per row: the chain latency was exposed,
 //                        since each scheduler holds only one warp of each consumer warpgroup;
-//   exp2_poly_every    : every N-th exp2 from the FMA polynomial (relieves MUFU where it bounds).
+//   exp2_poly_every    : every N-th exp2 from the FMA polynomial (relieves MUFU where it bounds);
+//   fp32_pv_tiles      : each key tile's P V is computed from zero on the tensor cores and added
+//                        to O in fp32 registers (+D/2 registers, one FADD per O element and tile).
+//                        Without it O accumulates inside the FP8 wgmma across every key tile,
+//                        whose reduced-precision truncating adds shrink O by a share that grows
+//                        with the key count (mainloop.hpp pv_issue).
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 224 registers). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
@@ -59,6 +64,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   constexpr bool kQRegs = kOpt.q_in_registers;
   constexpr bool kHalfExp = kOpt.fp16_exp2;
   constexpr bool kSplitReduce = kOpt.split_reductions;
+  constexpr bool kTilePV = kOpt.fp32_pv_tiles;
   // The plain loop (no overlap, no ping-pong) keeps its original order; the others share one
   // software-pipelined loop (S_t and PV_{t-1} issued together).
   constexpr bool kPipelined = kOverlapSoftmaxWithPV || kPingPong;
@@ -106,8 +112,18 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   uint32_t s_acc[C::kSRegs];
   uint32_t p_frag[C::kPRegs];
   float o[C::kORegs];
+  // fp32_pv_tiles: the PV wgmma's accumulator, one tile's P V (unused, and compiled away, without).
+  float o_tile[C::kORegs];
 #pragma unroll
-  for (int i = 0; i < C::kORegs; ++i) o[i] = 0.f;
+  for (int i = 0; i < C::kORegs; ++i) o[i] = o_tile[i] = 0.f;
+  float (&pv_acc)[C::kORegs] = *(kTilePV ? &o_tile : &o);
+  // O += the tile the last PV wgmma wrote (fp32_pv_tiles; a no-op without).
+  auto add_tile = [&] {
+    if constexpr (kTilePV) {
+#pragma unroll
+      for (int i = 0; i < C::kORegs; ++i) o[i] += o_tile[i];
+    }
+  };
 
   // Per-tile scalars; fetched before waiting on the tile so their latency hides behind the copy.
   auto tile_mask = [&](int t) {
@@ -165,7 +181,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       float alpha[2];
       sm.step(s_acc, sk_t, mk, p_frag, alpha);
       rescale(alpha);
-      ops.pv(s, p_frag, o);
+      ops.pv<kTilePV>(s, p_frag, pv_acc);
+      add_tile();
       release(s);
     }
   } else if (n_tiles > 0) {
@@ -199,20 +216,28 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       Barrier::wait(&sp.full[s], (t / C::kStages) & 1);
       turn_begin();
       qk_issue(s);
-      ops.pv_issue(s_prev, p_prev, o, /*fence=*/false);  // the fence of qk_issue covers it
+      ops.pv_issue<kTilePV>(s_prev, p_prev, pv_acc, /*fence=*/false);  // qk_issue's fence covers it
       turn_end(false);
+      // PV_{t-1} retired: its stage goes back to the producer and O_{t-1} is complete.
+      auto retire_pv = [&] {
+        fence_regs(pv_acc);
+        fence_regs(p_prev);
+        release(s_prev);
+        add_tile();
+      };
       if constexpr (kOverlapSoftmaxWithPV) {
         cute::warpgroup_wait<1>();  // S_t retired, PV_{t-1} may still run
       } else {
         cute::warpgroup_wait<0>();
+        retire_pv();  // before the softmax: fp32_pv_tiles' tile dies before S_t's softmax needs registers
       }
       fence_regs(s_acc);
       float alpha[2];
       sm.step(s_acc, sk_t, mk, p_next, alpha);
-      cute::warpgroup_wait<0>();
-      fence_regs(o);
-      fence_regs(p_prev);
-      release(s_prev);
+      if constexpr (kOverlapSoftmaxWithPV) {
+        cute::warpgroup_wait<0>();
+        retire_pv();
+      }
       rescale(alpha);
     };
     for (int t = 1; t < n_tiles; ++t) {
@@ -225,16 +250,17 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     const int s_last = (n_tiles - 1) % C::kStages;
     turn_begin();
     if ((n_tiles - 1) & 1) {
-      ops.pv_issue(s_last, p_alt, o, /*fence=*/true);
+      ops.pv_issue<kTilePV>(s_last, p_alt, pv_acc, /*fence=*/true);
     } else {
-      ops.pv_issue(s_last, p_frag, o, /*fence=*/true);
+      ops.pv_issue<kTilePV>(s_last, p_frag, pv_acc, /*fence=*/true);
     }
     turn_end(true);
     cute::warpgroup_wait<0>();
-    fence_regs(o);
+    fence_regs(pv_acc);
     fence_regs(p_frag);
     fence_regs(p_alt);
     release(s_last);
+    add_tile();
   }
   epilogue_store<D, kOut, kCausal>(p, sm, o, row, b, h, hk);
 }

@@ -21,11 +21,13 @@ struct FwdOptions {
   bool q_in_registers = false;      // Q K^T as an RS wgmma with Q held in registers
   bool fp16_exp2 = false;           // two exp2 per MUFU op in fp16 (a lean-softmax variant)
   bool split_reductions = false;    // row max / sum as four chains of 8 (a lean-softmax variant)
+  bool fp32_pv_tiles = false;       // each key tile's P V from zero on the tensor cores, O summed in fp32
   int exp2_poly_every = 0;          // every N-th exp2 on the FMA pipes (0 = all on MUFU)
 
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
-           (q_in_registers ? 8 : 0) | (fp16_exp2 ? 16 : 0) | (split_reductions ? 32 : 0);
+           (q_in_registers ? 8 : 0) | (fp16_exp2 ? 16 : 0) | (split_reductions ? 32 : 0) |
+           (fp32_pv_tiles ? 64 : 0);
   }
   // The inverse of (flags(), exp2_poly_every). The __global__ kernel takes these two ints as its
   // template arguments: nvcc's host stubs cannot spell a class-type template argument.
@@ -37,6 +39,7 @@ struct FwdOptions {
     o.q_in_registers = (flags & 8) != 0;
     o.fp16_exp2 = (flags & 16) != 0;
     o.split_reductions = (flags & 32) != 0;
+    o.fp32_pv_tiles = (flags & 64) != 0;
     o.exp2_poly_every = exp2_poly_every;
     return o;
   }

@@ -162,6 +162,12 @@ struct WarpgroupOperands {
   }
 
   // O(64 x D, fp32) += P(64 x 128, e4m3 registers) V_s as one committed group (not waited for).
+  // kZeroFirst: O = P V_s instead (the first k-step overwrites the accumulator), the per-tile
+  // product of fp32_pv_tiles. The FP8 wgmma adds each k-step into its accumulator at reduced
+  // precision with truncation, so summing all key tiles inside the tensor core loses a share of
+  // O that grows with the key count (eval/pv_accumulation_model.py); one tile from zero keeps
+  // that error at one tile's worth, and the tiles are summed in fp32 registers.
+  template <bool kZeroFirst = false>
   __device__ __forceinline__ void pv_issue(int stage, uint32_t (&p)[C::kPRegs], float (&o)[C::kORegs],
                                            bool fence) const {
     fence_regs(p);
@@ -170,7 +176,9 @@ struct WarpgroupOperands {
 #pragma unroll
     for (int kb = 0; kb < kBlockKV / 32; ++kb) {
       wgmma_rs<typename C::MmaPV>(&p[4 * kb], uint64_t(v(0, 0, kb, stage)), o,
-                                  cute::GMMA::ScaleOut::One, std::make_index_sequence<C::kORegs>{});
+                                  kZeroFirst && kb == 0 ? cute::GMMA::ScaleOut::Zero
+                                                        : cute::GMMA::ScaleOut::One,
+                                  std::make_index_sequence<C::kORegs>{});
     }
     cute::warpgroup_commit_batch();
   }
@@ -181,8 +189,9 @@ struct WarpgroupOperands {
     cute::warpgroup_wait<0>();
     fence_regs(s);
   }
+  template <bool kZeroFirst = false>
   __device__ __forceinline__ void pv(int stage, uint32_t (&p)[C::kPRegs], float (&o)[C::kORegs]) const {
-    pv_issue(stage, p, o, /*fence=*/true);
+    pv_issue<kZeroFirst>(stage, p, o, /*fence=*/true);
     cute::warpgroup_wait<0>();
     fence_regs(o);
     fence_regs(p);

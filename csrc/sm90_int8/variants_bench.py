@@ -12,9 +12,11 @@ and per shape, with the default variant: the pre-pass alone (GPU time) in modes 
 kPrepass* bits: 1 = Q quantized inside the stats launch, 2 = batched loads; bit 4 = one workspace
 allocation is host-only), the full call in modes 0, 3, 4 and 7, and the full call pipelined (20
 calls between two events, no sync) in modes 0 and 7: full - pipelined ~ host latency per call.
-A compact table comes last (the device log keeps only its tail).
+Before the timing, --accuracy runs every variant on long sequences (16K-131K tokens) against
+sage8_reference and fp32 SDPA (accumulation_check). A compact table comes last (the device log
+keeps only its tail).
 
-    python csrc/sm90_int8/variants_bench.py [--reps 20] [--shapes all|quick]
+    python csrc/sm90_int8/variants_bench.py [--reps 20] [--shapes all|quick] [--accuracy all|quick|none]
 """
 from __future__ import annotations
 
@@ -37,13 +39,17 @@ import torch.nn.functional as F  # noqa: E402
 from sage_diffusers.kernels import _sm90_int8_variants as _variants  # noqa: E402
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
 from sage_diffusers.kernels.bench_utils import event_median_ms, make_inputs, pipelined_ms  # noqa: E402
-from sage_diffusers.reference import cosine, sage8_reference  # noqa: E402
+from sage_diffusers.reference import cosine, relative_l1, sage8_reference  # noqa: E402
 
 SHAPES = [(1, 24, 4608, 128), (1, 38, 4429, 64), (2, 24, 4096, 128), (1, 24, 16384, 128),
           (1, 48, 17776, 64)]
 QUICK_SHAPES = [(1, 24, 4608, 128), (1, 38, 4429, 64), (1, 24, 16384, 128), (1, 48, 17776, 64)]
 NAMES = {-1: "default", **_variants.FLAG_NAMES}  # run-time flags -> option-set name
 DEFAULT_FLAGS = _variants.DEFAULT_FLAGS
+# long sequences for the P V accumulation check (accumulation_check)
+ACC_SHAPES = [(1, 4, 16384, 128), (1, 8, 17776, 64), (1, 2, 65536, 128), (1, 4, 65536, 64),
+              (1, 1, 131072, 128)]
+ACC_QUICK_SHAPES = [(1, 4, 16384, 128), (1, 8, 17776, 64), (1, 1, 65536, 128)]
 CHECK_MODES = (1, 2, 3, 4, 7)  # pre-pass mode bit sets checked against the reference
 FULL_MODES = (0, 3, 4, 7)      # full-call timings (per-repetition sync)
 
@@ -60,11 +66,40 @@ def time_pipelined_ms(fn, n=20):
     return pipelined_ms(fn, n, warmup=1)
 
 
+def accumulation_check(variants, run, shapes):
+    """Each variant on long sequences, against sage8_reference (same quantization, fp32 sums)
+    and against fp32 SDPA, on two inputs: the benchmark's (SageAttention2's accuracy bound is
+    stated on them) and DiT-like ones with a per-channel Q and V bias, where O is large against
+    each key tile's share and low-precision accumulation of P V shows as a norm ratio below 1."""
+    print("| shape | inputs | variant | cos vs ref | rel-L1 vs ref | |out|/|ref| | cos vs fp32 | "
+          "rel-L1 vs fp32 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (b, h, s, d) in shapes:
+        for label, bias in (("bench", {}), ("dit", {"q_bias": 1.0, "v_bias": 0.5})):
+            q, k, v = make_inputs(b, h, s, d, seed=3, **bias)
+            qf, kf, vf = q.float(), k.float(), v.float()
+            ref = sage8_reference(qf, kf, vf).float()
+            exact = F.scaled_dot_product_attention(qf, kf, vf)
+            qf = kf = vf = None
+            for dd, poly, flags in variants:
+                if dd != d:
+                    continue
+                out = run(q, k, v, poly, flags).float()
+                print(f"| {b}x{h}x{s}x{d} | {label} | {NAMES.get(flags, flags)}/p{poly} | "
+                      f"{cosine(out, ref):.6f} | {relative_l1(out, ref):.4f} | "
+                      f"{(out.norm() / ref.norm()).item():.4f} | {cosine(out, exact):.6f} | "
+                      f"{relative_l1(out, exact):.4f} |", flush=True)
+            q = k = v = ref = exact = out = None
+            torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", choices=("all", "quick"), default="all")
     ap.add_argument("--default", action="store_true")
+    ap.add_argument("--accuracy", choices=("all", "quick", "none"), default="quick",
+                    help="long-sequence accuracy of every variant (accumulation_check)")
     args = ap.parse_args()
     t0 = time.time()
     ext = int8_sm90.build()
@@ -111,6 +146,11 @@ def main():
                 ext.set_prepass_mode(0)
     ext.set_fwd_flags(-1)
     print(f"correctness failures: {bad} ({time.time() - t0:.0f} s)", flush=True)
+
+    if args.accuracy != "none":
+        accumulation_check(variants, run, ACC_SHAPES if args.accuracy == "all" else ACC_QUICK_SHAPES)
+        ext.set_fwd_flags(-1)
+        print(f"accuracy check done ({time.time() - t0:.0f} s)", flush=True)
 
     # ---- timing ----
     from torch.nn.attention import SDPBackend, sdpa_kernel

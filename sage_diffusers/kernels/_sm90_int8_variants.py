@@ -5,10 +5,10 @@ tables (csrc/sm90_int8/instantiations/variants*.inc)."""
 # exp2 polynomial share of the default options per head dim
 DEFAULT_EXP_POLY = {64: 8, 128: 0}
 # run-time flags (FwdOptions::flags()) of the default options per head dim
-DEFAULT_FLAGS = {64: 11, 128: 47}
+DEFAULT_FLAGS = {64: 75, 128: 111}
 # exp2 polynomial shares the regular build compiles per head dim
 COMPILED_EXP_POLY = {64: (0, 8), 128: (0,)}
 # benchmark build: (head dim, exp2 polynomial share, flags, name)
-BENCH_VARIANTS = ((128, 0, 15, 'lean_overlap_pingpong_qregs'), (128, 0, 47, 'lean_overlap_pingpong_qregs_split'), (128, 16, 47, 'lean_overlap_pingpong_qregs_split_exp2poly16'), (64, 8, 11, 'lean_overlap_qregs_exp2poly8'), (64, 8, 43, 'lean_overlap_qregs_split_exp2poly8'), (64, 6, 43, 'lean_overlap_qregs_split_exp2poly6'))
+BENCH_VARIANTS = ((128, 0, 111, 'lean_overlap_pingpong_qregs_split_fp32pv'), (128, 0, 47, 'lean_overlap_pingpong_qregs_split'), (128, 0, 103, 'lean_overlap_pingpong_split_fp32pv'), (128, 0, 109, 'lean_pingpong_qregs_split_fp32pv'), (128, 0, 79, 'lean_overlap_pingpong_qregs_fp32pv'), (64, 8, 75, 'lean_overlap_qregs_fp32pv_exp2poly8'), (64, 8, 11, 'lean_overlap_qregs_exp2poly8'), (64, 8, 107, 'lean_overlap_qregs_split_fp32pv_exp2poly8'))
 # option-set name per run-time flags
-FLAG_NAMES = {11: 'lean_overlap_qregs', 15: 'lean_overlap_pingpong_qregs', 43: 'lean_overlap_qregs_split', 47: 'lean_overlap_pingpong_qregs_split'}
+FLAG_NAMES = {11: 'lean_overlap_qregs', 47: 'lean_overlap_pingpong_qregs_split', 75: 'lean_overlap_qregs_fp32pv', 79: 'lean_overlap_pingpong_qregs_fp32pv', 103: 'lean_overlap_pingpong_split_fp32pv', 107: 'lean_overlap_qregs_split_fp32pv', 109: 'lean_pingpong_qregs_split_fp32pv', 111: 'lean_overlap_pingpong_qregs_split_fp32pv'}

@@ -26,9 +26,16 @@ from ._timing import pipelined_ms
 __all__ = ["make_inputs", "bench_ms", "pipelined_ms", "event_median_ms", "interleaved", "spread"]
 
 
-def make_inputs(b: int, h: int, s: int, d: int, seed: int = 0) -> list[torch.Tensor]:
+def make_inputs(b: int, h: int, s: int, d: int, seed: int = 0, *, q_bias: float = 0.0,
+                v_bias: float = 0.0) -> list[torch.Tensor]:
     """Q, V ~ N(0, 1); K = N(0, 1) + 4 N(0, 1) per channel (a shared key bias, as diffusion models'
     keys carry, which the K smoothing removes).
+
+    Parameters
+    ----------
+    q_bias, v_bias : standard deviation of a per-(head, channel) bias added to Q and V (DiT
+        activations carry one; V's makes O large against each key tile's share of it, which is
+        what exposes low-precision accumulation of P V). 0 keeps the plain inputs (same values).
 
     Returns
     -------
@@ -38,6 +45,10 @@ def make_inputs(b: int, h: int, s: int, d: int, seed: int = 0) -> list[torch.Ten
     q = torch.randn(b, h, s, d, generator=g, device="cuda")
     k = torch.randn(b, h, s, d, generator=g, device="cuda") + 4 * torch.randn(1, h, 1, d, generator=g, device="cuda")
     v = torch.randn(b, h, s, d, generator=g, device="cuda")
+    if q_bias:
+        q = q + q_bias * torch.randn(1, h, 1, d, generator=g, device="cuda")
+    if v_bias:
+        v = v + v_bias * torch.randn(1, h, 1, d, generator=g, device="cuda")
     return [x.to(torch.bfloat16) for x in (q, k, v)]
 
 
