@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compile-check both kernels without a GPU (CI), with the flags of their JIT builds and one C++
-# standard (C++20: what torch's cpp_extension passes from torch 2.10 on):
+# standard (C++20, which both JIT builds name explicitly: torch before 2.12 defaults to C++17):
 #   sm90_int8: every .cu to an object for sm_90a, ptxas register/spill report per file (a spill or
 #     a wgmma serialized by ptxas fails), the host-side layout proof (host_layout_check.cu, built
 #     and run on the CPU), the benchmark-build variants, the binding's syntax against torch.

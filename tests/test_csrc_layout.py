@@ -116,3 +116,10 @@ def test_fp4_kernel_options_match_the_python_names_and_default():
     assert re.search(r"#define SAGE_FP4_OPT (\d+)", cfg).group(1) == str(int(fp4.DEFAULT_KERNEL_OPT))
     for opt in fp4.KernelOpt:
         assert f"o.{opt.name.lower()} = (bits & {int(opt)}) != 0;" in cfg, opt
+
+
+def test_int8_jit_build_names_cxx20():
+    # FwdOptions is a class-type template argument: a C++17 build (torch < 2.12's default) fails
+    from sage_diffusers.kernels import int8_sm90
+
+    assert "-std=c++20" in int8_sm90._NVCC_FLAGS
