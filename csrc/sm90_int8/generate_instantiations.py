@@ -36,16 +36,20 @@ class FwdOptions:
     split_reductions: bool = False    # bit 32, needs lean_softmax
     fp32_pv_tiles: bool = False       # bit 64
     exp2_poly_every: int = 0
+    smem_o_every: int = 0             # flags bits 7 and up (FwdOptions::kFlagsIntShift)
 
     def __post_init__(self):
         if (self.fp16_exp2 or self.split_reductions) and not self.lean_softmax:
             raise ValueError(f"{self}: fp16_exp2 and split_reductions are variants of the lean softmax")
+        n = self.smem_o_every
+        if n < 0 or n > 16 or n & (n - 1) or (n and self.fp32_pv_tiles):
+            raise ValueError(f"{self}: smem_o_every is a power of 2 up to 16, not with fp32_pv_tiles")
 
     @property
     def flags(self) -> int:
         """The run-time key of the option set (FwdOptions::flags(), set_fwd_flags)."""
         bools = [f.name for f in fields(self) if f.type in ("bool", bool)]
-        return sum(1 << i for i, name in enumerate(bools) if getattr(self, name))
+        return sum(1 << i for i, name in enumerate(bools) if getattr(self, name)) | (self.smem_o_every << 7)
 
     @property
     def name(self) -> str:
@@ -53,6 +57,8 @@ class FwdOptions:
                  "q_in_registers": "qregs", "fp16_exp2": "fp16exp2", "split_reductions": "split",
                  "fp32_pv_tiles": "fp32pv"}
         parts = [v for k, v in short.items() if getattr(self, k)] or ["plain"]
+        if self.smem_o_every:
+            parts.append(f"smemo{self.smem_o_every}")
         if self.exp2_poly_every:
             parts.append(f"exp2poly{self.exp2_poly_every}")
         return "_".join(parts)
@@ -69,31 +75,31 @@ DTYPES = {"fp16": "DType::kF16", "bf16": "DType::kBF16"}
 CAUSAL = (False, True)
 # The default options per head dim (the backend's choice). hd128: lean softmax, softmax / PV
 # overlap, ping-pong, Q in registers, split reductions; hd64: the same without ping-pong and split
-# reductions (both lost there), with every 8th exp2 on the FMA pipes. Both sum P V per key tile in
-# fp32 registers (fp32_pv_tiles): without it O shrinks with the key count (kernel_fwd.cuh).
+# reductions (both lost there), with every 8th exp2 on the FMA pipes. Neither lets O accumulate in
+# the FP8 tensor core across all key tiles (O shrinks with the key count, kernel_fwd.cuh): hd64
+# sums each tile in fp32 registers (fp32_pv_tiles); at hd128 that tile does not fit the register
+# budget (it spills), so O's fp32 sum lives in smem and takes the accumulator every 2 tiles.
+_HD128 = FwdOptions(lean_softmax=True, overlap_softmax_pv=True, pingpong=True, q_in_registers=True,
+                    split_reductions=True)
+_HD64 = FwdOptions(lean_softmax=True, overlap_softmax_pv=True, q_in_registers=True, exp2_poly_every=8)
 DEFAULTS = {
-    128: FwdOptions(lean_softmax=True, overlap_softmax_pv=True, pingpong=True, q_in_registers=True,
-                    split_reductions=True, fp32_pv_tiles=True),
-    64: FwdOptions(lean_softmax=True, overlap_softmax_pv=True, q_in_registers=True, exp2_poly_every=8,
-                   fp32_pv_tiles=True),
+    128: replace(_HD128, smem_o_every=2),
+    64: replace(_HD64, fp32_pv_tiles=True),
 }
 # Exp2 polynomial shares compiled besides the default (env SAGE_DIFFUSERS_EXP_POLY picks one): 0.
 EXTRA_EXP_POLY = {64: (0,), 128: ()}
 
-# Benchmark build (-DSAGE_SM90_BENCH=1, env SAGE_DIFFUSERS_SM90_BENCH=1): bf16, non-causal. The
-# defaults; the same without fp32_pv_tiles (O accumulated in the tensor core, the previous
-# defaults); and at hd128, where the tile's D/2 registers exceed the consumer budget, option sets
-# that need fewer registers: Q from smem, no softmax / PV overlap (the tile dies before the
-# softmax), a single-chain reduction.
+# Benchmark build (-DSAGE_SM90_BENCH=1, env SAGE_DIFFUSERS_SM90_BENCH=1): bf16, non-causal. Per
+# head dim: the option set that accumulates O in the tensor core over all tiles (the previous
+# default), the per-tile fp32 sum (at hd128 with Q from smem, its least-spilling form), and the
+# smem sum flushed every 1, 2, 4 and 8 tiles.
 BENCH_VARIANTS = (
-    (128, DEFAULTS[128]),
-    (128, replace(DEFAULTS[128], fp32_pv_tiles=False)),
-    (128, replace(DEFAULTS[128], q_in_registers=False)),
-    (128, replace(DEFAULTS[128], overlap_softmax_pv=False)),
-    (128, replace(DEFAULTS[128], split_reductions=False)),
+    (128, _HD128),
+    (128, replace(_HD128, q_in_registers=False, fp32_pv_tiles=True)),
+    *((128, replace(_HD128, smem_o_every=n)) for n in (1, 2, 4, 8)),
+    (64, _HD64),
     (64, DEFAULTS[64]),
-    (64, replace(DEFAULTS[64], fp32_pv_tiles=False)),
-    (64, replace(DEFAULTS[64], split_reductions=True)),
+    (64, replace(_HD64, smem_o_every=4)),
 )
 
 

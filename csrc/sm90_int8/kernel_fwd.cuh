@@ -38,6 +38,12 @@ namespace sage_sm90 {
 //                        Without it O accumulates inside the FP8 wgmma across every key tile,
 //                        whose reduced-precision truncating adds shrink O by a share that grows
 //                        with the key count (mainloop.hpp pv_issue).
+//   smem_o_every       : the same cure where the tile's registers do not fit (hd128): O's fp32
+//                        sum lives in shared memory (kBlockM x D floats) and the tensor-core
+//                        accumulator is added into it every N key tiles, then restarts from zero,
+//                        so at most N tiles accumulate in the tensor core. The register
+//                        accumulator keeps the online-softmax rescale; the smem sum is rescaled
+//                        by the product of the alphas since its last flush.
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 224 registers). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
@@ -47,6 +53,13 @@ constexpr int fwd_threads() {
   return kOpt.producer_warpgroup() ? kConsumerThreads + 128 : kThreads;
 }
 using FwdRegisterSplit = sage_common::sm90::RegisterSplit<40, 232>;
+
+template <int D, FwdOptions kOpt>
+constexpr int fwd_smem_bytes() {
+  constexpr int bytes = TileConfig<D>::kSmemBytes + (kOpt.smem_o_every > 0 ? kSmemOSumBytes<D> : 0);
+  static_assert(bytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
+  return bytes;
+}
 
 // Named barriers 1 and 2 (0 is __syncthreads): "warpgroup w may issue its wgmmas" (pingpong).
 constexpr int kBarSchedFirst = 1;
@@ -65,6 +78,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   constexpr bool kHalfExp = kOpt.fp16_exp2;
   constexpr bool kSplitReduce = kOpt.split_reductions;
   constexpr bool kTilePV = kOpt.fp32_pv_tiles;
+  constexpr int kSmemOEvery = kOpt.smem_o_every;
+  constexpr bool kSmemO = kSmemOEvery > 0;
   // The plain loop (no overlap, no ping-pong) keeps its original order; the others share one
   // software-pipelined loop (S_t and PV_{t-1} issued together).
   constexpr bool kPipelined = kOverlapSoftmaxWithPV || kPingPong;
@@ -117,6 +132,36 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
 #pragma unroll
   for (int i = 0; i < C::kORegs; ++i) o[i] = o_tile[i] = 0.f;
   float (&pv_acc)[C::kORegs] = *(kTilePV ? &o_tile : &o);
+  // smem_o_every: this thread's share of O's smem sum, as float4 j at o_sum[j * kConsumerThreads]
+  // (a warp's 32 lanes touch 512 consecutive bytes: no bank conflicts); o_scale: per row, the
+  // product of the alphas applied to the register accumulator since the last flush.
+  float4* const o_sum = kSmemO ? smem_o_sum<D>(sp) + threadIdx.x : nullptr;
+  float o_scale[2] = {1.f, 1.f};
+  if constexpr (kSmemO) {
+#pragma unroll
+    for (int j = 0; j < C::kORegs / 4; ++j) o_sum[j * kConsumerThreads] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  // Whether the PV wgmma of key tile u starts its accumulator from zero.
+  auto pv_zero = [&](int u) { return kSmemO && u % kSmemOEvery == 0; };
+  // smem sum = o_scale * smem sum + O (registers). Register i holds row (i >> 1) & 1.
+  auto flush_o = [&] {
+#pragma unroll
+    for (int j = 0; j < C::kORegs / 4; ++j) {
+      float4 x = o_sum[j * kConsumerThreads];
+      x.x = fmaf(x.x, o_scale[0], o[4 * j]);
+      x.y = fmaf(x.y, o_scale[0], o[4 * j + 1]);
+      x.z = fmaf(x.z, o_scale[1], o[4 * j + 2]);
+      x.w = fmaf(x.w, o_scale[1], o[4 * j + 3]);
+      o_sum[j * kConsumerThreads] = x;
+    }
+    o_scale[0] = o_scale[1] = 1.f;
+  };
+  // After key tile u's PV retired and O was rescaled to the next tile's max.
+  auto maybe_flush = [&](int u) {
+    if constexpr (kSmemO) {
+      if (u % kSmemOEvery == kSmemOEvery - 1) flush_o();
+    }
+  };
   // O += the tile the last PV wgmma wrote (fp32_pv_tiles; a no-op without).
   auto add_tile = [&] {
     if constexpr (kTilePV) {
@@ -156,6 +201,10 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     }
 #pragma unroll
     for (int i = 0; i < C::kORegs; ++i) o[i] *= alpha[(i >> 1) & 1];
+    if constexpr (kSmemO) {
+      o_scale[0] *= alpha[0];
+      o_scale[1] *= alpha[1];
+    }
   };
 
   Barrier::wait(sp.q_full, 0);
@@ -181,8 +230,9 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       float alpha[2];
       sm.step(s_acc, sk_t, mk, p_frag, alpha);
       rescale(alpha);
-      ops.pv<kTilePV>(s, p_frag, pv_acc);
+      ops.pv(s, p_frag, pv_acc, kTilePV || pv_zero(t));
       add_tile();
+      maybe_flush(t);
       release(s);
     }
   } else if (n_tiles > 0) {
@@ -216,7 +266,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       Barrier::wait(&sp.full[s], (t / C::kStages) & 1);
       turn_begin();
       qk_issue(s);
-      ops.pv_issue<kTilePV>(s_prev, p_prev, pv_acc, /*fence=*/false);  // qk_issue's fence covers it
+      ops.pv_issue(s_prev, p_prev, pv_acc, /*fence=*/false,  // qk_issue's fence covers it
+                   kTilePV || pv_zero(t - 1));
       turn_end(false);
       // PV_{t-1} retired: its stage goes back to the producer and O_{t-1} is complete.
       auto retire_pv = [&] {
@@ -239,6 +290,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
         retire_pv();
       }
       rescale(alpha);
+      maybe_flush(t - 1);
     };
     for (int t = 1; t < n_tiles; ++t) {
       if (t & 1) {
@@ -250,9 +302,9 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     const int s_last = (n_tiles - 1) % C::kStages;
     turn_begin();
     if ((n_tiles - 1) & 1) {
-      ops.pv_issue<kTilePV>(s_last, p_alt, pv_acc, /*fence=*/true);
+      ops.pv_issue(s_last, p_alt, pv_acc, /*fence=*/true, kTilePV || pv_zero(n_tiles - 1));
     } else {
-      ops.pv_issue<kTilePV>(s_last, p_frag, pv_acc, /*fence=*/true);
+      ops.pv_issue(s_last, p_frag, pv_acc, /*fence=*/true, kTilePV || pv_zero(n_tiles - 1));
     }
     turn_end(true);
     cute::warpgroup_wait<0>();
@@ -262,6 +314,16 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     release(s_last);
     add_tile();
   }
+  if constexpr (kSmemO) {  // O = o_scale * smem sum + the tiles since the last flush
+#pragma unroll
+    for (int j = 0; j < C::kORegs / 4; ++j) {
+      const float4 x = o_sum[j * kConsumerThreads];
+      o[4 * j] = fmaf(x.x, o_scale[0], o[4 * j]);
+      o[4 * j + 1] = fmaf(x.y, o_scale[0], o[4 * j + 1]);
+      o[4 * j + 2] = fmaf(x.z, o_scale[1], o[4 * j + 2]);
+      o[4 * j + 3] = fmaf(x.w, o_scale[1], o[4 * j + 3]);
+    }
+  }
   epilogue_store<D, kOut, kCausal>(p, sm, o, row, b, h, hk);
 }
 
@@ -270,7 +332,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   static_assert(kOpt.valid(), "fp16_exp2 and split_reductions are variants of the lean softmax");
   auto kernel = fwd_kernel<D, kOut, kCausal, kOpt.exp2_poly_every, kOpt.flags()>;
   const dim3 grid(p.n_q_tiles / kQTilesPerCTA, p.Hq, p.B);
-  return sage_common::launch_with_smem(kernel, grid, fwd_threads<kOpt>(), TileConfig<D>::kSmemBytes, p, stream);
+  return sage_common::launch_with_smem(kernel, grid, fwd_threads<kOpt>(), fwd_smem_bytes<D, kOpt>(), p, stream);
 }
 
 }  // namespace sage_sm90

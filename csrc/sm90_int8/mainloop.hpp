@@ -51,6 +51,17 @@ struct SmemPlan {
   }
 };
 
+// smem_o_every's fp32 sum of O (kBlockM x D floats), after the barriers, 16-byte aligned; the
+// launch adds kSmemOSumBytes to the CTA's shared memory (kernel_fwd.cuh fwd_smem_bytes).
+constexpr int kSmemOSumAlign = 16;
+template <int D>
+constexpr int kSmemOSumBytes = kBlockM * D * 4 + kSmemOSumAlign;
+template <int D>
+__device__ __forceinline__ float4* smem_o_sum(const SmemPlan<D>& sp) {
+  uint8_t* end = reinterpret_cast<uint8_t*>(sp.q_full + 1);
+  return reinterpret_cast<float4*>(end + sage_common::smem_align_pad<kSmemOSumAlign>(sage_common::smem_addr(end)));
+}
+
 template <int D>
 __device__ __forceinline__ void init_barriers(const SmemPlan<D>& sp) {
   if (threadIdx.x == 0) {
@@ -162,21 +173,20 @@ struct WarpgroupOperands {
   }
 
   // O(64 x D, fp32) += P(64 x 128, e4m3 registers) V_s as one committed group (not waited for).
-  // kZeroFirst: O = P V_s instead (the first k-step overwrites the accumulator), the per-tile
-  // product of fp32_pv_tiles. The FP8 wgmma adds each k-step into its accumulator at reduced
+  // zero_first: O = P V_s instead (the first k-step overwrites the accumulator): a key tile's
+  // product from zero (fp32_pv_tiles), or the first tile after a flush to smem (smem_o_every). The FP8 wgmma adds each k-step into its accumulator at reduced
   // precision with truncation, so summing all key tiles inside the tensor core loses a share of
   // O that grows with the key count (eval/pv_accumulation_model.py); one tile from zero keeps
   // that error at one tile's worth, and the tiles are summed in fp32 registers.
-  template <bool kZeroFirst = false>
   __device__ __forceinline__ void pv_issue(int stage, uint32_t (&p)[C::kPRegs], float (&o)[C::kORegs],
-                                           bool fence) const {
+                                           bool fence, bool zero_first = false) const {
     fence_regs(p);
     fence_regs(o);
     if (fence) cute::warpgroup_arrive();
 #pragma unroll
     for (int kb = 0; kb < kBlockKV / 32; ++kb) {
       wgmma_rs<typename C::MmaPV>(&p[4 * kb], uint64_t(v(0, 0, kb, stage)), o,
-                                  kZeroFirst && kb == 0 ? cute::GMMA::ScaleOut::Zero
+                                  zero_first && kb == 0 ? cute::GMMA::ScaleOut::Zero
                                                         : cute::GMMA::ScaleOut::One,
                                   std::make_index_sequence<C::kORegs>{});
     }
@@ -189,9 +199,9 @@ struct WarpgroupOperands {
     cute::warpgroup_wait<0>();
     fence_regs(s);
   }
-  template <bool kZeroFirst = false>
-  __device__ __forceinline__ void pv(int stage, uint32_t (&p)[C::kPRegs], float (&o)[C::kORegs]) const {
-    pv_issue<kZeroFirst>(stage, p, o, /*fence=*/true);
+  __device__ __forceinline__ void pv(int stage, uint32_t (&p)[C::kPRegs], float (&o)[C::kORegs],
+                                     bool zero_first = false) const {
+    pv_issue(stage, p, o, /*fence=*/true, zero_first);
     cute::warpgroup_wait<0>();
     fence_regs(o);
     fence_regs(p);
