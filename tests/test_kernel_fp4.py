@@ -155,10 +155,23 @@ def test_opt_bits_env(monkeypatch):
     assert fp4._opt_bits() == 0 and fp4._emulated_smem_bytes() == 141344
     monkeypatch.setenv("SAGE_DIFFUSERS_FP4_OPT", "15")  # bit 8: wgmma variant without ping-pong
     assert fp4._opt_bits() == 15 and fp4._emulated_smem_bytes() == 141344 + 65536
-    for bad in ("x", "16", "-1"):
+    monkeypatch.setenv("SAGE_DIFFUSERS_FP4_OPT", "tree_reduce+hoist_mask")  # names, any order
+    assert fp4._opt_bits() == 3 and fp4._emulated_smem_bytes() == 141344
+    monkeypatch.setenv("SAGE_DIFFUSERS_FP4_OPT", "none")
+    assert fp4._opt_bits() == 0
+    for bad in ("x", "16", "-1", "hoist_mask+bogus", "+"):
         monkeypatch.setenv("SAGE_DIFFUSERS_FP4_OPT", bad)
         with pytest.raises(ValueError):
             fp4._opt_bits()
+
+
+def test_opt_names_round_trip():
+    """Every option set's name (what variants_bench.sh passes) parses back to its bits."""
+    assert fp4.opt_name(0) == "none" and fp4.opt_name(fp4.KernelOpt.HOIST_MASK | fp4.KernelOpt.TREE_REDUCE) == \
+        "hoist_mask+tree_reduce"
+    for bits in range(1 << len(fp4.KernelOpt)):
+        assert int(fp4.parse_opt(fp4.opt_name(bits))) == bits
+    assert fp4.BENCH_VARIANTS[0] == 0 and fp4.DEFAULT_KERNEL_OPT in fp4.BENCH_VARIANTS
 
 
 def test_emu_env(monkeypatch):

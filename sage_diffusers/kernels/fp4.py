@@ -57,7 +57,6 @@ torch.ops.sage_diffusers.fp4_attention
 """
 from __future__ import annotations
 
-import enum
 import math
 import os
 import sys
@@ -72,12 +71,13 @@ from ..options import FP4Format, PQuant
 from ..reference.quant import fp4_tensor_scale
 from ..reference.sage3 import Q_SMOOTH_BLOCK  # query rows per smoothing mean: one CTA tile of the kernel
 from . import _jit
+from ._fp4_variants import BENCH_VARIANTS, DEFAULT_KERNEL_OPT, KernelOpt
 from ._contract import call_op, check_qkv, fake_out_lse, in_layout_of, kernel_views, normalize_key_mask
 
 __all__ = ["attention_fp4", "prepass", "key_positions", "atom_gemm", "is_available", "build",
            "tensor_scale", "kv_tensor_scales", "q_tensor_scale",
            "attention_atoms", "emu_gemms", "selftest", "benchmark", "ablation", "HEAD_DIMS", "Atom",
-           "EmuGemm"]
+           "EmuGemm", "KernelOpt", "DEFAULT_KERNEL_OPT", "BENCH_VARIANTS", "opt_name", "parse_opt"]
 
 HEAD_DIMS = (64, 128)
 BLOCK_KV = 128  # keys per tile, and the padding unit of the pre-pass outputs
@@ -92,23 +92,37 @@ _FMT_CODE = {FP4Format.NVFP4: 0, FP4Format.MXFP4: 1}  # mirrors Fp4Format in fp4
 _EMULATED_SMEM_BYTES = 141344
 
 
-class KernelOpt(enum.IntFlag):
-    """Performance options of the FP4 kernel, one build each (KernelOptions in
-    csrc/fp4/tile_config.cuh; the build flag -DSAGE_FP4_OPT carries their bits). Env
-    SAGE_DIFFUSERS_FP4_OPT: the bits as an integer, or names joined by "+" ("hoist_mask+tree_reduce";
-    "none" for the original schedule)."""
-
-    HOIST_MASK = 1            # one uniform mask branch per tile instead of one per score
-    TREE_REDUCE = 2           # row max / sum as four independent chains
-    PIPELINED_STAGING = 4     # double-buffered decoded K/V staging (+64 KiB shared memory)
-    NO_WGMMA_PINGPONG = 8     # the wgmma variant's warpgroups issue without taking turns
-
-
-# The default: the fastest correct option set of variants_bench.sh on the H200 (eval/results/).
-DEFAULT_KERNEL_OPT = KernelOpt.HOIST_MASK | KernelOpt.TREE_REDUCE | KernelOpt.PIPELINED_STAGING
+# KernelOpt (the performance options, one build each), DEFAULT_KERNEL_OPT and the benchmark's
+# option sets come from csrc/fp4/generate_options.py, the source of the C++ KernelOptions too.
 _OPT_ENV = "SAGE_DIFFUSERS_FP4_OPT"
-_OPT_DEFAULT = int(DEFAULT_KERNEL_OPT)
-_OPT_PIPELINED_STAGING = int(KernelOpt.PIPELINED_STAGING)  # adds one decoded tile of shared memory
+_OPT_LIMIT = 1 << len(KernelOpt)  # bits above the options' are refused
+
+
+def opt_name(opt: int) -> str:
+    """The name of an option set, as SAGE_DIFFUSERS_FP4_OPT accepts it: the option names joined
+    by "+" ("hoist_mask+tree_reduce"), "none" for no option."""
+    return "+".join(o.name.lower() for o in KernelOpt if int(opt) & o) or "none"
+
+
+def parse_opt(raw: str) -> KernelOpt:
+    """An option set from its bits as an integer ("3") or its :func:`opt_name` ("hoist_mask+tree_reduce",
+    "none"). Raises ValueError on unknown names or bits."""
+    try:
+        bits = int(raw)
+    except ValueError:
+        names = [n.strip().upper() for n in raw.split("+") if n.strip()]
+        if names == ["NONE"]:
+            return KernelOpt(0)
+        unknown = [n for n in names if n not in KernelOpt.__members__]
+        if unknown or not names:
+            raise ValueError(f"{_OPT_ENV} must be an integer bit mask or option names joined by '+' "
+                             f"({', '.join(m.lower() for m in KernelOpt.__members__)}), got {raw!r}") from None
+        bits = int(sum(KernelOpt[n] for n in set(names)))
+    if not 0 <= bits < _OPT_LIMIT:
+        raise ValueError(f"{_OPT_ENV} must be in [0, {_OPT_LIMIT}), got {bits}")
+    return KernelOpt(bits)
+
+
 # GEMM variant of the emulated atom (EmuGemm in csrc/fp4/fp4_api.h): "mma" or "wgmma".
 _EMU_ENV = "SAGE_DIFFUSERS_FP4_EMU"
 # Dynamic shared memory of the wgmma variant at D = 128 (WgmmaConfig<128>::kSmemBytes).
@@ -118,25 +132,12 @@ _WGMMA_SMEM_BYTES = 208536
 def _opt_bits() -> int:
     """The KernelOpt bits this process builds with (env SAGE_DIFFUSERS_FP4_OPT, default
     DEFAULT_KERNEL_OPT)."""
-    raw = os.environ.get(_OPT_ENV, str(_OPT_DEFAULT))
-    try:
-        bits = int(raw)
-    except ValueError:
-        names = [n.strip().upper() for n in raw.split("+") if n.strip()]
-        if names == ["NONE"]:
-            return 0
-        unknown = [n for n in names if n not in KernelOpt.__members__]
-        if unknown or not names:
-            raise ValueError(f"{_OPT_ENV} must be an integer bit mask or option names joined by '+' "
-                             f"({', '.join(m.lower() for m in KernelOpt.__members__)}), got {raw!r}") from None
-        bits = int(sum(KernelOpt[n] for n in set(names)))
-    if not 0 <= bits < 16:
-        raise ValueError(f"{_OPT_ENV} must be in [0, 16), got {bits}")
-    return bits
+    raw = os.environ.get(_OPT_ENV)
+    return int(DEFAULT_KERNEL_OPT if raw is None else parse_opt(raw))
 
 
 def _emulated_smem_bytes() -> int:
-    return _EMULATED_SMEM_BYTES + (65536 if _opt_bits() & _OPT_PIPELINED_STAGING else 0)
+    return _EMULATED_SMEM_BYTES + (65536 if _opt_bits() & KernelOpt.PIPELINED_STAGING else 0)
 
 
 class Atom:
