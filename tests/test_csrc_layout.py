@@ -21,7 +21,8 @@ def _includes(folder: Path) -> set[str]:
 
 def test_both_kernels_include_the_shared_hopper_layer():
     shared = {"sm90/named_barrier.cuh", "sm90/wgmma.cuh", "sm90/pipeline.cuh", "sm90/register_split.cuh",
-              "sm90/gmma_swizzle.cuh", "softmax_utils.cuh", "numeric_conversion.cuh", "nonfinite.cuh", "smem.cuh"}
+              "sm90/gmma_swizzle.cuh", "softmax_utils.cuh", "numeric_conversion.cuh", "nonfinite.cuh", "smem.cuh",
+              "token_stats.cuh"}
     for kernel in _jit.KERNEL_FOLDERS:
         missing = shared - _includes(CSRC / kernel)
         assert not missing, f"csrc/{kernel} does not include {sorted(missing)}"
