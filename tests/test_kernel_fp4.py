@@ -313,17 +313,17 @@ def test_kv_stats_exact_sums_match_reference(skv, d, dtype):
     reference's attended_mean and finite attended V absmax bit for bit, with 1e4 / NaN / Inf in
     masked rows, NaN / Inf among attended V values, a batch row attending one key and one
     attending none, in the BSHD layout; without a mask too. Two runs give the same bits."""
-    gen = torch.Generator(device="cuda").manual_seed(skv)
+    gen = torch.Generator().manual_seed(skv)  # inputs built on the CPU (_grid), then moved
     b, h = 3, 2
-    key_mask = torch.rand(b, skv, device="cuda", generator=gen) > 0.3
+    key_mask = torch.rand(b, skv, generator=gen) > 0.3
     key_mask[0, :2] = True
     key_mask[1] = False
     key_mask[1, -1] = True
     key_mask[2] = False
     k = _poison(_grid((b, skv, h, d), gen, 2.0).add(3.0).to(dtype).transpose(1, 2), key_mask, gen,
                 attended_too=False)
-    v = _grid((b, skv, h, d), gen).to(dtype).transpose(1, 2)
-    v = _poison(v, key_mask, gen, attended_too=skv > 1)
+    v = _poison(_grid((b, skv, h, d), gen).to(dtype).transpose(1, 2), key_mask, gen, attended_too=skv > 1)
+    k, v, key_mask = k.cuda(), v.cuda(), key_mask.cuda()  # (B, H, S, D) views of BSHD memory
     keep = key_mask[:, None, :, None]
     for mask in (key_mask, None):
         # without the mask: the masked rows zeroed (exact sums), V's attended NaN / Inf kept

@@ -321,8 +321,9 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor] 
     stats kernel: the deterministic split reduction of the 8-bit pre-pass (csrc/common/token_stats.cuh),
     so the mean has the same bits as ``int8_sm90.prepass``'s for the same K, on every run.
 
-    k, v : (B, Hkv, Skv, D) fp16/bf16 CUDA, D in {64, 128}, rows 16-byte aligned (:func:`kernel_views`).
-    key_mask : bool (B, Skv) contiguous or None; masked rows are selected away (NaN / Inf there vanish).
+    k, v : (B, Hkv, Skv, D) fp16/bf16 CUDA, D in {64, 128} (views allowed).
+    key_mask : bool (B, Skv) (or (B, 1, 1, Skv)) or None, True = attended; masked rows are
+        selected away (NaN / Inf there vanish).
 
     Returns dict with float32 contiguous k_mean and v_amax (B, Hkv, D): the sum of the attended K
     rows divided by their count (the reference's ``attended_mean``, up to the fp32 summation order;
@@ -330,7 +331,8 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor] 
     there is none).
     """
     ext = build(atom)
-    k_mean, v_amax = ext.kv_stats(k, v, key_mask)
+    kk, vv = kernel_views(k, v)
+    k_mean, v_amax = ext.kv_stats(kk, vv, normalize_key_mask(key_mask, k.shape[0], k.shape[2]))
     return {"k_mean": k_mean, "v_amax": v_amax}
 
 
