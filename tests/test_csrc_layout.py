@@ -21,7 +21,8 @@ def _includes(folder: Path) -> set[str]:
 
 def test_both_kernels_include_the_shared_hopper_layer():
     shared = {"sm90/named_barrier.cuh", "sm90/wgmma.cuh", "sm90/pipeline.cuh", "sm90/register_split.cuh",
-              "sm90/gmma_swizzle.cuh", "softmax_utils.cuh", "numeric_conversion.cuh", "nonfinite.cuh", "smem.cuh"}
+              "sm90/gmma_swizzle.cuh", "softmax_utils.cuh", "numeric_conversion.cuh", "nonfinite.cuh", "smem.cuh",
+              "token_stats.cuh"}
     for kernel in _jit.KERNEL_FOLDERS:
         missing = shared - _includes(CSRC / kernel)
         assert not missing, f"csrc/{kernel} does not include {sorted(missing)}"
@@ -109,13 +110,27 @@ def test_int8_invalid_option_sets_are_rejected():
         raise AssertionError(f"{bad} without lean_softmax was accepted")
 
 
-def test_fp4_kernel_options_match_the_python_names_and_default():
-    from sage_diffusers.kernels import fp4
+def test_fp4_options_come_from_one_source(tmp_path):
+    """kernel_options.h and _fp4_variants.py are what generate_options.py writes today, the
+    kernel takes its options and default from that header only, and the Python side is that module."""
+    import subprocess
+    import sys
 
-    cfg = (CSRC / "fp4" / "tile_config.cuh").read_text()
-    assert re.search(r"#define SAGE_FP4_OPT (\d+)", cfg).group(1) == str(int(fp4.DEFAULT_KERNEL_OPT))
+    from sage_diffusers.kernels import _fp4_variants, fp4
+
+    gen = CSRC / "fp4" / "generate_options.py"
+    subprocess.run([sys.executable, str(gen), "--root", str(tmp_path)], check=True, timeout=60)
+    for rel in ("csrc/fp4/kernel_options.h", "sage_diffusers/kernels/_fp4_variants.py"):
+        assert (tmp_path / rel).read_text() == (ROOT / rel).read_text(), f"{rel} is stale: run {gen.name}"
+    header = (CSRC / "fp4" / "kernel_options.h").read_text()
+    assert f"#define SAGE_FP4_DEFAULT_OPT {int(fp4.DEFAULT_KERNEL_OPT)}" in header
     for opt in fp4.KernelOpt:
-        assert f"o.{opt.name.lower()} = (bits & {int(opt)}) != 0;" in cfg, opt
+        assert f"o.{opt.name.lower()} = (bits & {int(opt)}) != 0;" in header, opt
+    defining = [p.name for p in (CSRC / "fp4").iterdir() if p.suffix in _jit.HASHED_SUFFIXES
+                and re.search(r"#define SAGE_FP4_(DEFAULT_)?OPT\b", p.read_text())]
+    assert defining == ["kernel_options.h"], defining
+    assert '#include "kernel_options.h"' in (CSRC / "fp4" / "tile_config.cuh").read_text()
+    assert fp4.KernelOpt is _fp4_variants.KernelOpt and fp4.DEFAULT_KERNEL_OPT is _fp4_variants.DEFAULT_KERNEL_OPT
 
 
 def test_int8_jit_build_names_cxx20():

@@ -94,12 +94,18 @@ def _poison(x: torch.Tensor, key_mask: torch.Tensor, gen, attended_too: bool = T
     return x
 
 
+def _ref_v_amax(v: torch.Tensor, key_mask) -> torch.Tensor:
+    """Reference of kv_stats' v_amax: max |v| over the finite attended values, float32 (B, H, D)."""
+    a = zero_masked(v.float(), key_mask).abs()
+    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax(2)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tensor_scales_match_reference_cpu(dtype):
-    """kv_tensor_scales / q_tensor_scale / _k_mean (the kernel path's torch pre-pass) equal the
-    reference's attended mean and fp4_tensor_scale of the smoothed, masked operands bit for bit,
-    with 1e4 / NaN / Inf in masked rows and NaN / Inf among the attended values (grid inputs, exact
-    sums)."""
+    """kv_tensor_scales / q_tensor_scale (the kernel path's torch part of the pre-pass, fed the K
+    mean and V absmax that kv_stats computes on the GPU) equal the reference's fp4_tensor_scale of
+    the smoothed, masked operands bit for bit, with 1e4 / NaN / Inf in masked rows and NaN / Inf
+    among the attended values (grid inputs, exact sums)."""
     gen = torch.Generator().manual_seed(0)
     b, h, s, d = 2, 3, 300, 64
     key_mask = torch.rand(b, s, generator=gen) > 0.3
@@ -108,16 +114,15 @@ def test_tensor_scales_match_reference_cpu(dtype):
     key_mask[1, 1] = True
     k = _poison(_grid((b, h, s, d), gen, 2.0).add(3.0).to(dtype), key_mask, gen, attended_too=False)
     v = _poison(_grid((b, h, s, d), gen).to(dtype), key_mask, gen)
-    k_mean = fp4._k_mean(k, key_mask)
-    assert torch.equal(k_mean, attended_mean(k, key_mask)[:, :, 0])
-    got = fp4.kv_tensor_scales(k, v, k_mean, key_mask)
+    k_mean = attended_mean(k, key_mask)[:, :, 0]
+    got = fp4.kv_tensor_scales(k, k_mean, _ref_v_amax(v, key_mask), key_mask)
     want_k = fp4_tensor_scale(zero_masked(k.float() - k_mean[:, :, None], key_mask))[..., 0, 0]
     want_v = fp4_tensor_scale(zero_masked(v.float(), key_mask))[..., 0, 0]
     assert torch.equal(got["k_scale"], want_k) and torch.equal(got["v_scale"], want_v)
     k_nan = k.clone()
     k_nan[0, 1, 0, 2] = math.nan  # an attended NaN: channel 2's mean is NaN, ignored by the amax
-    k_mean = fp4._k_mean(k_nan, key_mask)
-    got = fp4.kv_tensor_scales(k_nan, v, k_mean, key_mask)
+    k_mean = attended_mean(k_nan, key_mask)[:, :, 0]
+    got = fp4.kv_tensor_scales(k_nan, k_mean, _ref_v_amax(v, key_mask), key_mask)
     want_k = fp4_tensor_scale(zero_masked(k_nan.float() - k_mean[:, :, None], key_mask))[..., 0, 0]
     assert torch.equal(got["k_scale"], want_k) and torch.isfinite(got["k_scale"]).all()
 
@@ -139,11 +144,11 @@ def test_tensor_scale_magnitudes_cpu():
     gen = torch.Generator().manual_seed(1)
     for mag in (1e-4, 1.0, 1e4):
         v = (torch.randn(b, h, n, d, generator=gen) * mag).to(torch.bfloat16)
-        sv = fp4.kv_tensor_scales(v, v, torch.zeros(b, h, d), None)["v_scale"]
+        sv = fp4.kv_tensor_scales(v, torch.zeros(b, h, d), _ref_v_amax(v, None), None)["v_scale"]
         top = (v.float() / sv[..., None, None]).abs().amax((2, 3))
         torch.testing.assert_close(top, torch.full_like(top, 2688.0), rtol=1e-6, atol=0)
     mask = torch.zeros(b, n, dtype=torch.bool)
-    got = fp4.kv_tensor_scales(v, v, fp4._k_mean(v, mask), mask)
+    got = fp4.kv_tensor_scales(v, attended_mean(v, mask)[:, :, 0], _ref_v_amax(v, mask), mask)
     assert torch.equal(got["k_scale"], torch.ones(b, h)) and torch.equal(got["v_scale"], torch.ones(b, h))
 
 
@@ -155,10 +160,23 @@ def test_opt_bits_env(monkeypatch):
     assert fp4._opt_bits() == 0 and fp4._emulated_smem_bytes() == 141344
     monkeypatch.setenv("SAGE_DIFFUSERS_FP4_OPT", "15")  # bit 8: wgmma variant without ping-pong
     assert fp4._opt_bits() == 15 and fp4._emulated_smem_bytes() == 141344 + 65536
-    for bad in ("x", "16", "-1"):
+    monkeypatch.setenv("SAGE_DIFFUSERS_FP4_OPT", "tree_reduce+hoist_mask")  # names, any order
+    assert fp4._opt_bits() == 3 and fp4._emulated_smem_bytes() == 141344
+    monkeypatch.setenv("SAGE_DIFFUSERS_FP4_OPT", "none")
+    assert fp4._opt_bits() == 0
+    for bad in ("x", "16", "-1", "hoist_mask+bogus", "+"):
         monkeypatch.setenv("SAGE_DIFFUSERS_FP4_OPT", bad)
         with pytest.raises(ValueError):
             fp4._opt_bits()
+
+
+def test_opt_names_round_trip():
+    """Every option set's name (what variants_bench.sh passes) parses back to its bits."""
+    assert fp4.opt_name(0) == "none" and fp4.opt_name(fp4.KernelOpt.HOIST_MASK | fp4.KernelOpt.TREE_REDUCE) == \
+        "hoist_mask+tree_reduce"
+    for bits in range(1 << len(fp4.KernelOpt)):
+        assert int(fp4.parse_opt(fp4.opt_name(bits))) == bits
+    assert fp4.BENCH_VARIANTS[0] == 0 and fp4.DEFAULT_KERNEL_OPT in fp4.BENCH_VARIANTS
 
 
 def test_emu_env(monkeypatch):
@@ -284,6 +302,58 @@ def test_atom_gemm_single_nonzero_locates_layout(atom, fmt):
             expect = torch.zeros(m, n, device="cuda")
             expect[row, col] = 1.0 * 2.0 * 1.5 * 4.0
             assert torch.equal(d, expect), f"{fmt} k={kk} row={row} col={col}"
+
+
+# ---- the pre-pass's K mean / V absmax (common/token_stats.cuh, shared with the 8-bit kernel) ------
+@gpu
+@pytest.mark.parametrize("skv", [1, 300, 5000])
+@pytest.mark.parametrize("d,dtype", [(64, torch.float16), (128, torch.bfloat16)])
+def test_kv_stats_exact_sums_match_reference(skv, d, dtype):
+    """kv_stats on grid inputs (every fp32 sum exact, so the order cannot matter) equals the
+    reference's attended_mean and finite attended V absmax bit for bit, with 1e4 / NaN / Inf in
+    masked rows, NaN / Inf among attended V values, a batch row attending one key and one
+    attending none, in the BSHD layout; without a mask too. Two runs give the same bits."""
+    gen = torch.Generator().manual_seed(skv)  # inputs built on the CPU (_grid), then moved
+    b, h = 3, 2
+    key_mask = torch.rand(b, skv, generator=gen) > 0.3
+    key_mask[0, :2] = True
+    key_mask[1] = False
+    key_mask[1, -1] = True
+    key_mask[2] = False
+    k = _poison(_grid((b, skv, h, d), gen, 2.0).add(3.0).to(dtype).transpose(1, 2), key_mask, gen,
+                attended_too=False)
+    v = _poison(_grid((b, skv, h, d), gen).to(dtype).transpose(1, 2), key_mask, gen, attended_too=skv > 1)
+    k, v, key_mask = k.cuda(), v.cuda(), key_mask.cuda()  # (B, H, S, D) views of BSHD memory
+    keep = key_mask[:, None, :, None]
+    for mask in (key_mask, None):
+        # without the mask: the masked rows zeroed (exact sums), V's attended NaN / Inf kept
+        kk, vv = (k, v) if mask is not None else (torch.where(keep, k, 0), torch.where(keep, v, 0))
+        got = fp4.kv_stats(kk, vv, mask)
+        assert torch.equal(got["k_mean"], attended_mean(kk, mask)[:, :, 0])
+        assert torch.equal(got["v_amax"], _ref_v_amax(vv, mask))
+        again = fp4.kv_stats(kk, vv, mask)
+        assert torch.equal(again["k_mean"], got["k_mean"]) and torch.equal(again["v_amax"], got["v_amax"])
+
+
+@gpu
+@pytest.mark.skipif(not _OK or torch.cuda.get_device_capability() != (9, 0), reason="the 8-bit kernel runs on sm_90")
+@pytest.mark.parametrize("masked", [False, True])
+def test_kv_stats_k_mean_is_the_int8_prepass_mean(masked):
+    """One K mean for both kernels: on random inputs (sums inexact, so the order shows) the FP4
+    pre-pass's mean has the same bits as the 8-bit pre-pass's."""
+    from sage_diffusers.kernels import int8_sm90
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    b, hq, hkv, s, d = 2, 4, 2, 3001, 128
+    q = torch.randn(b, hq, s, d, device="cuda", generator=gen).to(torch.bfloat16)
+    k = (torch.randn(b, hkv, s, d, device="cuda", generator=gen) * 2 + 1).to(torch.bfloat16)
+    v = torch.randn(b, hkv, s, d, device="cuda", generator=gen).to(torch.bfloat16)
+    key_mask = torch.rand(b, s, device="cuda", generator=gen) > 0.2 if masked else None
+    got = fp4.kv_stats(k, v, key_mask)
+    want = int8_sm90.prepass(q, k, v, key_mask=key_mask)
+    assert torch.equal(got["k_mean"], want["k_mean"])
+    assert torch.equal(got["v_amax"] / 448.0, want["sv"])  # the 8-bit V channel scale is amax / 448
+    torch.testing.assert_close(got["k_mean"], attended_mean(k, key_mask)[:, :, 0], rtol=1e-5, atol=1e-6)
 
 
 # ---- the quantization pre-pass, bit-exact -------------------------------------------------------

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include "../common/launch_context.h"
+#include "../common/token_stats.h"
 #include "fp4_api.h"
 
 #ifndef SAGE_FP4_NATIVE
@@ -58,6 +59,42 @@ const uint8_t* key_mask_ptr(const c10::optional<torch::Tensor>& key_mask, int64_
   TORCH_CHECK(m.scalar_type() == torch::kBool && m.is_contiguous() && m.dim() == 2 && m.size(0) == B && m.size(1) == skv,
               "key_mask: contiguous bool (B, Skv)");
   return reinterpret_cast<const uint8_t*>(m.data_ptr<bool>());
+}
+
+// k, v: (B, Hkv, Skv, D), D 64 or 128; key_mask bool (B, Skv) or None. Returns k_mean, v_amax:
+// float32 (B, Hkv, D), K's token mean and V's finite absmax over the attended keys (fp4_api.h).
+std::vector<torch::Tensor> kv_stats(const torch::Tensor& k, const torch::Tensor& v,
+                                    const c10::optional<torch::Tensor>& key_mask) {
+  check_bhsd_16b(k, "k");
+  check_bhsd_16b(v, "v");
+  const sage_common::LaunchContext ctx(k);
+  TORCH_CHECK(v.sizes() == k.sizes() && v.scalar_type() == k.scalar_type(), "v: shape and dtype of k");
+  const auto B = k.size(0), H = k.size(1), S = k.size(2), D = k.size(3);
+  TORCH_CHECK(D == 64 || D == 128, "kv_stats: head dims 64 and 128, got ", D);
+  TORCH_CHECK(S >= 1 && S < (int64_t(1) << 30), "kv_stats: 1 <= Skv < 2^30, got ", S);
+  const auto split = sage_common::stats_split(B * H, S);
+  const auto f32 = k.options().dtype(torch::kFloat32), i32 = k.options().dtype(torch::kInt32);
+  auto k_mean = torch::empty({B, H, D}, f32);
+  auto v_amax = torch::empty({B, H, D}, f32);
+  auto partial = torch::empty({B * H, split.n_split, 2, D}, f32);
+  auto split_count = torch::empty({B * H, split.n_split}, i32);
+  auto counter = torch::zeros({B * H}, i32);
+  sage_fp4::KvStatsParams p{};
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.k_sb = k.stride(0); p.k_sh = k.stride(1); p.k_ss = k.stride(2);
+  p.v_sb = v.stride(0); p.v_sh = v.stride(1); p.v_ss = v.stride(2);
+  p.key_mask = key_mask_ptr(key_mask, B, S);
+  p.B = B; p.Hkv = H; p.Skv = S; p.D = D;
+  p.n_split = static_cast<int>(split.n_split);
+  p.split_len = static_cast<int>(split.split_len);
+  p.partial = partial.data_ptr<float>();
+  p.split_count = split_count.data_ptr<int>();
+  p.counter = counter.data_ptr<int>();
+  p.k_mean = k_mean.data_ptr<float>();
+  p.v_amax = v_amax.data_ptr<float>();
+  FP4_CHECK_CUDA(sage_fp4::launch_kv_stats(p, elem_type(k), ctx.stream()));
+  return {k_mean, v_amax};
 }
 
 // k, v: (B, Hkv, Skv, D); k_mean float32 (B, Hkv, D) (over attended keys); k_scale, v_scale float32
@@ -218,6 +255,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "sage_diffusers FP4 microscaling attention kernels";
   m.attr("native") = bool(SAGE_FP4_NATIVE);
   m.attr("wgmma") = bool(SAGE_FP4_WGMMA);
+  m.def("kv_stats", &kv_stats, "K token mean and V finite absmax over attended keys");
   m.def("quantize_kv", &quantize_kv, "K/V quantization pre-pass");
   m.def("attention_fwd", &attention_fwd, "FP4 attention forward");
   m.def("atom_gemm", &atom_gemm, "MMA atom test GEMM");

@@ -31,6 +31,31 @@ __host__ __device__ constexpr int fp4_block(Fp4Format f) { return f == Fp4Format
 // (448 * 6), 1 where that amax is 0. The pre-pass and the Q prologue block-quantize x / s (IEEE
 // division); s_q * s_k scale the scores, s_v the output.
 
+// Pre-pass statistics, per (b, kv head) over the attended keys: K's token mean and V's finite
+// per-channel absmax, by the 8-bit pre-pass's deterministic split reduction (common/token_stats.cuh:
+// the same bits for the same K in both kernels, every run). The field names are those
+// token_stats_block reads.
+//   k, v: (B, Hkv, Skv, D), element strides, rows 16-byte aligned; key_mask: bool (B, Skv) or
+//   nullptr (masked keys add nothing, NaN / Inf there included); D 64 or 128.
+//   n_split, split_len: sage_common::stats_split(B * Hkv, Skv); partial: float32 (B * Hkv,
+//   n_split, 2, D), split_count: int32 (B * Hkv, n_split), counter: int32 (B * Hkv) zero on entry.
+//   k_mean, v_amax: float32 (B, Hkv, D) (0 for a batch row that attends no key).
+struct KvStatsParams {
+  const void* k;
+  const void* v;
+  int64_t k_sb, k_sh, k_ss;
+  int64_t v_sb, v_sh, v_ss;
+  const uint8_t* key_mask;
+  int B, Hkv, Skv, D;
+  int n_split, split_len;
+  float* partial;
+  int* split_count;
+  int* counter;
+  float* k_mean;
+  float* v_amax;
+};
+cudaError_t launch_kv_stats(const KvStatsParams& p, ElemType dtype, cudaStream_t stream);
+
 // Pre-pass: (K - k_mean) / k_scale quantized along D, tokens permuted within each 64-key chunk (see
 // tile_config.cuh), Skv padded with zeros to `skv_pad` (a multiple of 128). With blk =
 // fp4_block(fmt):

@@ -57,8 +57,8 @@ struct WgmmaConfig {
   // Register split (setmaxnreg): 384 threads launch with 168 registers each; the producer gives
   // part of its share to the consumers: 128 * 72 + 256 * 216 = 64512 = 384 * 168 (ptxas: no
   // spills for NVFP4; 16 bytes for the MXFP4 D = 128 consumers, whose P~ takes the codes path).
-  // 56 / 224 spills nothing but timed slower for NVFP4 on the H200 (the producer's corrections
-  // need the registers); 40 / 232 spills in the producer.
+  // 56 / 224 spills nothing but is slower for NVFP4 (the producer's corrections need the
+  // registers); 40 / 232 spills in the producer.
   using RegSplit = sage_common::sm90::RegisterSplit<72, 216>;
   // Ring depths (a K or V^T tile is 32 KiB at D = 128, 16 KiB at D = 64). With one 2-deep ring
   // of K + V at D = 128 the copy of tile t + 1 left only the softmax of tile t to land.
@@ -474,8 +474,8 @@ __device__ __forceinline__ void consumer_wgmma(const FwdParams& p, const WgmmaSm
   release(sm.empty_k(0));  // K tile 0, its correction and bits are no longer read
   // Iteration `tile`: O *= factor_tile; issue Q K_{tile+1}^T and P~_tile V_tile; wait; softmax of
   // tile + 1. (Running that softmax while P~_tile V_tile is still in flight, FA3's intra-warpgroup
-  // overlap, needs a second P~ array: ptxas then serializes the wgmmas at this register budget,
-  // which timed far slower on the H200.)
+  // overlap, needs a second P~ array: ptxas then serializes the wgmmas at this register budget;
+  // the timing is in eval/results/fp4_emu_speed_h200.md.)
   for (int tile = 0; tile < n_tiles; ++tile) {
     const int sv = tile % kStagesV;
     const bool more = tile + 1 < n_tiles;

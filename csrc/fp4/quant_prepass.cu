@@ -1,19 +1,31 @@
-// Quantization pre-pass of the FP4 forward: K (smoothed, permuted, along D) and V (transposed,
-// along tokens), in NVFP4 (16-element blocks, E4M3 scales) or MXFP4 (32-element blocks, E8M0
-// scales), bit-exact with reference.quantize_nvfp4 / quantize_mxfp4 of the operands divided by
-// their per-(batch, head) tensor scale. Masked keys are zero rows (selected, so NaN / Inf there
-// vanish). Reads the caller's tensors, never writes them.
+// Quantization pre-pass of the FP4 forward: the K mean and V absmax (kv_stats_kernel), then K
+// (smoothed, permuted, along D) and V (transposed, along tokens), in NVFP4 (16-element blocks,
+// E4M3 scales) or MXFP4 (32-element blocks, E8M0 scales), bit-exact with
+// reference.quantize_nvfp4 / quantize_mxfp4 of the operands divided by their per-(batch, head)
+// tensor scale. Masked keys are zero rows (selected, so NaN / Inf there vanish). Reads the
+// caller's tensors, never writes them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "../common/nonfinite.cuh"
 #include "../common/numeric_conversion.cuh"
+#include "../common/token_stats.cuh"
 #include "fp4_api.h"
 #include "fp4_format.cuh"
 #include "tile_config.cuh"
 
 namespace sage_fp4 {
 namespace {
+
+// K mean and V finite absmax: the 8-bit pre-pass's reduction (common/token_stats.cuh) with
+// batched loads (its default mode), alone in its launch.
+template <int D, typename T>
+__global__ void __launch_bounds__(sage_common::kStatsThreads) kv_stats_kernel(const __grid_constant__ KvStatsParams p) {
+  sage_common::token_stats_block<D, T, /*kBatch=*/true>(p, [&](int bh, int d, float mean, float amax) {
+    p.k_mean[bh * D + d] = mean;
+    p.v_amax[bh * D + d] = amax;
+  });
+}
 
 // Quantize one block of kBlock floats (16 or 32) into kBlock / 8 packed words (element 2j in the
 // low nibble of byte j) + a scale byte; a zero block gets scale byte 0 and +0 codes.
@@ -162,6 +174,16 @@ void quantize_v_as(const void* v, int64_t sb, int64_t sh, int64_t ss, const floa
 }
 
 }  // namespace
+
+cudaError_t launch_kv_stats(const KvStatsParams& p, ElemType dtype, cudaStream_t stream) {
+  if (p.B * p.Hkv * p.n_split == 0) return cudaSuccess;
+  if (p.D != 64 && p.D != 128) return cudaErrorInvalidValue;
+  const bool f16 = dtype == ElemType::kFloat16;
+  auto fn = p.D == 64 ? (f16 ? kv_stats_kernel<64, __half> : kv_stats_kernel<64, __nv_bfloat16>)
+                      : (f16 ? kv_stats_kernel<128, __half> : kv_stats_kernel<128, __nv_bfloat16>);
+  fn<<<p.B * p.Hkv * p.n_split, sage_common::kStatsThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_quantize_k(const void* k, ElemType dtype, Fp4Format fmt, int64_t sb, int64_t sh, int64_t ss,
                               const float* k_mean, const float* k_scale, const uint8_t* key_mask, uint8_t* kq,

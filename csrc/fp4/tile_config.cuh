@@ -5,41 +5,13 @@
 #include <cstdint>
 
 #include "fp4_api.h"
-
-// Performance options, one build per option set: the build flag -DSAGE_FP4_OPT carries
-// KernelOptions::bits() (sage_diffusers/kernels/fp4.py KernelOpt names the same bits and holds the
-// default; env SAGE_DIFFUSERS_FP4_OPT). All are bit-identical except tree_reduce (the row sum's
-// fp32 order changes: last-bit differences in l only).
-#ifndef SAGE_FP4_OPT
-#define SAGE_FP4_OPT 7  // kernels/fp4.py DEFAULT_KERNEL_OPT (tests/test_csrc_layout.py keeps them equal)
-#endif
+#include "kernel_options.h"  // KernelOptions and the default SAGE_FP4_OPT (generate_options.py)
 
 namespace sage_fp4 {
 
-struct KernelOptions {
-  // the mask test hoisted out of the score scaling loop: one uniform branch per tile
-  bool hoist_mask = false;
-  // row max / row sum reduced with four independent partials (shorter dependency chains)
-  bool tree_reduce = false;
-  // (atoms that stage decoded fragments) decoded K/V staging double-buffered: tile i + 1 is
-  // decoded while tile i is multiplied, one barrier per tile instead of two
-  bool pipelined_staging = false;
-  // (EmuGemm::kWgmma) the consumer warpgroups issue their wgmmas without taking turns
-  bool no_wgmma_pingpong = false;
-
-  static constexpr KernelOptions from_bits(int bits) {
-    KernelOptions o;
-    o.hoist_mask = (bits & 1) != 0;
-    o.tree_reduce = (bits & 2) != 0;
-    o.pipelined_staging = (bits & 4) != 0;
-    o.no_wgmma_pingpong = (bits & 8) != 0;
-    return o;
-  }
-  constexpr int bits() const {
-    return (hoist_mask ? 1 : 0) | (tree_reduce ? 2 : 0) | (pipelined_staging ? 4 : 0) | (no_wgmma_pingpong ? 8 : 0);
-  }
-};
-static_assert(SAGE_FP4_OPT >= 0 && SAGE_FP4_OPT < 16, "SAGE_FP4_OPT holds KernelOptions bits only");
+// The option set of this build (one per build: -DSAGE_FP4_OPT, default SAGE_FP4_DEFAULT_OPT).
+static_assert(SAGE_FP4_OPT >= 0 && SAGE_FP4_OPT < (1 << KernelOptions::kCount),
+              "SAGE_FP4_OPT holds KernelOptions bits only");
 constexpr KernelOptions kOptions = KernelOptions::from_bits(SAGE_FP4_OPT);
 constexpr bool kOptHoistMask = kOptions.hoist_mask;
 constexpr bool kOptTreeReduce = kOptions.tree_reduce;

@@ -1,8 +1,9 @@
 """One performance variant of the FP4 kernel on the GPU: accuracy vs sage3_reference, timing vs cuDNN.
 
-Run by variants_bench.sh, once per variant (SAGE_DIFFUSERS_FP4_OPT set by the caller), after the
-builds. Prints one JSON line ("RESULT {...}") and saves the small-case outputs to
-$FP4_VARIANT_DIR/opt<bits>.pt so the driver can compare each variant with variant 0.
+Run by variants_bench.sh, once per variant (SAGE_DIFFUSERS_FP4_OPT set by the caller to the option
+names, fp4.opt_name), after the builds. Prints one JSON line ("RESULT {...}", "opt" = the variant's
+name) and saves the small-case outputs to $FP4_VARIANT_DIR/variant_<name>.pt so that every variant
+is compared with the baseline $FP4_BASELINE (the first of the driver's list, run first).
 
     python csrc/fp4/variants_bench.py check|time [--iters N]
 """
@@ -20,7 +21,8 @@ from sage_diffusers.kernels import fp4
 from sage_diffusers.kernels.bench_utils import pipelined_ms
 from sage_diffusers.reference import cosine, sage3_reference
 
-OPT = int(os.environ.get("SAGE_DIFFUSERS_FP4_OPT", "0"))
+OPT = fp4.opt_name(fp4._opt_bits())  # the build's option set (env SAGE_DIFFUSERS_FP4_OPT)
+BASELINE = fp4.opt_name(fp4.parse_opt(os.environ.get("FP4_BASELINE", "none")))
 OUT_DIR = os.environ.get("FP4_VARIANT_DIR", "/tmp/fp4_variants")
 # Small accuracy cases: (B, Hq, Hkv, Sq, Skv, D, dtype, key mask, causal).
 CASES = {
@@ -58,12 +60,12 @@ def check() -> dict:
                      "lse_maxerr": round(lse_err, 5)}
         outs[name] = out.float().cpu()
     os.makedirs(OUT_DIR, exist_ok=True)
-    torch.save(outs, os.path.join(OUT_DIR, f"opt{OPT}.pt"))
-    base = os.path.join(OUT_DIR, "opt0.pt")
-    if OPT != 0 and os.path.exists(base):
-        b0 = torch.load(base)
+    torch.save(outs, os.path.join(OUT_DIR, f"variant_{OPT}.pt"))
+    base = os.path.join(OUT_DIR, f"variant_{BASELINE}.pt")
+    if OPT != BASELINE and os.path.exists(base):
+        b0 = torch.load(base, weights_only=True)
         for name in CASES:
-            res[name]["maxdiff_vs_opt0"] = float((outs[name] - b0[name]).abs().max())
+            res[name]["maxdiff_vs_baseline"] = float((outs[name] - b0[name]).abs().max())
     return res
 
 

@@ -10,6 +10,7 @@
 
 #include "../common/launch_context.h"
 #include "../common/nonfinite.h"
+#include "../common/token_stats.h"
 #include "launch.h"
 
 namespace {
@@ -19,7 +20,6 @@ using sage_sm90::DType;
 constexpr int kBlockKV = 128;
 constexpr int kBlockM = 128;
 constexpr int kQTileRows = 64;
-constexpr int kTargetStatBlocks = 4 * 132;  // ~4 waves of H100/H200 SMs for the reduction
 // v_first (launch.h): +Inf, -Inf, NaN per channel, "no key" = every byte 0x7f (common/nonfinite.h).
 constexpr int kNonFiniteKinds = static_cast<int>(sage_common::NonFinite::kCount);
 constexpr int kNoKeyByte = sage_common::kNoKey & 0xff;
@@ -84,11 +84,8 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   Prepared r;
   const int64_t n_q_tiles = 2 * ((Sq + kBlockM - 1) / kBlockM);
   const int64_t n_kv_tiles = (Skv + kBlockKV - 1) / kBlockKV;
-  int64_t n_split = std::max<int64_t>(1, (kTargetStatBlocks + B * Hkv - 1) / (B * Hkv));
-  n_split = std::min<int64_t>(n_split, (Skv + 255) / 256);
-  n_split = std::max<int64_t>(n_split, 1);
-  const int64_t split_len = (Skv + n_split - 1) / n_split;
-  n_split = (Skv + split_len - 1) / split_len;
+  // token chunks of the k-mean / v-absmax reduction (common/token_stats.h, shared with FP4)
+  const auto [n_split, split_len] = sage_common::stats_split(B * Hkv, Skv);
 
   // Fewer host calls before the first launch (the GPU idles until then when the caller waits
   // on each call): one caching-allocator request and a raw memset instead of ~12 tensors and a

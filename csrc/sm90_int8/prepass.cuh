@@ -1,7 +1,8 @@
 // Fused quantization pre-pass (sage8 spec steps 1-4) in two launches:
 //   stats_kernel: per (b, kv head) k mean and v channel absmax, split over token chunks with a
 //                 deterministic last-block reduction (no float atomics, so every run and every
-//                 CUDA-graph replay is bit-identical); extra blocks turn the bool key mask into
+//                 CUDA-graph replay is bit-identical; common/token_stats.cuh, which the FP4
+//                 pre-pass runs too); extra blocks turn the bool key mask into
 //                 bit words and the per-batch kv_len = last attended key + 1 (no host sync).
 //   quant_kernel: INT8 Q per token, INT8 smoothed K per 128-key block, FP8 V per channel,
 //                 each written as the swizzled shared-memory image the attention kernel copies
@@ -20,6 +21,7 @@
 
 #include <cstdint>
 
+#include "../common/token_stats.cuh"
 #include "launch.h"
 #include "numerics.hpp"
 #include "tile_config.hpp"
@@ -38,9 +40,7 @@ template <int D, DType kIn, bool kBatch>
 __device__ void quant_q_block(const PrepassParams& p, int blk);
 
 // Whether key `key` of batch row b takes part (inside the sequence and attended).
-__device__ __forceinline__ bool key_attended(const PrepassParams& p, int b, int key) {
-  return key < p.Skv && (p.key_mask == nullptr || p.key_mask[static_cast<int64_t>(b) * p.Skv + key] != 0);
-}
+using sage_common::key_attended;
 
 // Eight 16-bit inputs kept as raw bits between load and use: half the registers of 8 floats, so
 // the batched-load paths keep the quant kernel's occupancy. Zero bits are +0 in fp16 and bf16.
@@ -66,17 +66,6 @@ __device__ void mask_bits_block(const PrepassParams& p, int mb) {
   }
 }
 
-// One token row into the k sum and the finite v absmax. A masked row adds +0 and 0 (selected,
-// not multiplied: NaN / Inf there vanish).
-__device__ __forceinline__ void add_stats_row(float (&sum)[8], float (&amax)[8], const float (&kx)[8],
-                                              const float (&vx)[8], bool on) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    sum[i] += on ? kx[i] : 0.f;
-    amax[i] = fmaxf(amax[i], on ? finite_abs(vx[i]) : 0.f);
-  }
-}
-
 // kBatch (pre-pass mode bit kPrepassBatchLoads): every thread issues all its loads of a block
 // (or 4 rows of the stats loop) before using any, instead of leaving that to the scheduler:
 // 4-8x the bytes in flight per thread for these latency-bound, tiny-per-block passes.
@@ -89,7 +78,7 @@ constexpr int kStatsMinBlocks = (D == 128 && kBatch) ? 3 : 0;  // 0: no floor
 template <int D, DType kIn, bool kBatch>
 __global__ void __launch_bounds__(kPrepassThreads, kStatsMinBlocks<D, kBatch>)
     stats_kernel(const __grid_constant__ PrepassParams p) {
-  using RT = RowTiling<D>;
+  static_assert(kPrepassThreads == sage_common::kStatsThreads, "stats blocks of common/token_stats.cuh");
   const int n_stat = p.B * p.Hkv * p.n_split;
   if (static_cast<int>(blockIdx.x) >= n_stat) {
     const int n_mask = p.key_mask != nullptr ? p.B * ((4 * p.n_kv_tiles + 7) / 8) : 0;
@@ -100,85 +89,11 @@ __global__ void __launch_bounds__(kPrepassThreads, kStatsMinBlocks<D, kBatch>)
     }
     return;
   }
-  const int bh = blockIdx.x / p.n_split, split = blockIdx.x % p.n_split;
-  const int b = bh / p.Hkv, hk = bh % p.Hkv;
-  const int tid = threadIdx.x;
-  const int c0 = (tid % RT::kLanes) * 8, r0 = tid / RT::kLanes;
-  const int s_begin = split * p.split_len;
-  const int s_end = min(p.Skv, s_begin + p.split_len);
-  const char* kb = static_cast<const char*>(p.k) + 2 * (b * p.k_sb + hk * p.k_sh + c0);
-  const char* vb = static_cast<const char*>(p.v) + 2 * (b * p.v_sb + hk * p.v_sh + c0);
-
-  float sum[8], amax[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) sum[i] = amax[i] = 0.f;
-  auto accumulate = [&](int s) {
-    float kx[8], vx[8];
-    load8<kIn>(kb + 2 * static_cast<int64_t>(s) * p.k_ss, kx);
-    load8<kIn>(vb + 2 * static_cast<int64_t>(s) * p.v_ss, vx);
-    add_stats_row(sum, amax, kx, vx, key_attended(p, b, s));
-  };
-  int s = s_begin + r0;
-  if constexpr (kBatch) {
-    // Four rows per trip, loads first; the sums keep the sequential order (same bits as below).
-    for (; s + 3 * RT::kRowsPerPass < s_end; s += 4 * RT::kRowsPerPass) {
-      float kx[4][8], vx[4][8];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        load8<kIn>(kb + 2 * static_cast<int64_t>(s + u * RT::kRowsPerPass) * p.k_ss, kx[u]);
-        load8<kIn>(vb + 2 * static_cast<int64_t>(s + u * RT::kRowsPerPass) * p.v_ss, vx[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u) add_stats_row(sum, amax, kx[u], vx[u], key_attended(p, b, s + u * RT::kRowsPerPass));
-    }
-  }
-  for (; s < s_end; s += RT::kRowsPerPass) accumulate(s);
-  __shared__ float red[2][RT::kRowsPerPass][D];  // 16 KB at both head dims
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    red[0][r0][c0 + i] = sum[i];
-    red[1][r0][c0 + i] = amax[i];
-  }
-  // Attended keys of the chunk (the k mean's divisor), an exact integer count; the barriers of
-  // __syncthreads_count also publish red[].
-  int split_attended = s_end - s_begin;
-  if (p.key_mask != nullptr) {
-    split_attended = 0;
-    for (int t0 = s_begin; t0 < s_end; t0 += kPrepassThreads) {
-      split_attended += __syncthreads_count(t0 + tid < s_end && key_attended(p, b, t0 + tid));
-    }
-  }
-  __syncthreads();
-  float* part = p.partial + static_cast<int64_t>(bh) * p.n_split * 2 * D;
-  for (int d = tid; d < D; d += kPrepassThreads) {
-    float s = 0.f, a = 0.f;
-    for (int r = 0; r < RT::kRowsPerPass; ++r) {  // fixed order: deterministic
-      s += red[0][r][d];
-      a = fmaxf(a, red[1][r][d]);
-    }
-    part[(split * 2 + 0) * D + d] = s;
-    part[(split * 2 + 1) * D + d] = a;
-  }
-  if (tid == 0) p.split_count[static_cast<int64_t>(bh) * p.n_split + split] = split_attended;
-  __threadfence();
-  __syncthreads();
-  __shared__ int is_last;
-  if (tid == 0) is_last = atomicAdd(&p.counter[bh], 1) == p.n_split - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  int attended = 0;  // integer sum: exact, any order
-  for (int j = 0; j < p.n_split; ++j) attended += __ldcg(&p.split_count[static_cast<int64_t>(bh) * p.n_split + j]);
-  for (int d = tid; d < D; d += kPrepassThreads) {
-    float s = 0.f, a = 0.f;
-    for (int j = 0; j < p.n_split; ++j) {  // fixed order over chunks
-      s += __ldcg(&part[(j * 2 + 0) * D + d]);
-      a = fmaxf(a, __ldcg(&part[(j * 2 + 1) * D + d]));
-    }
-    // Without a mask attended == Skv: the same bits as the plain token mean.
-    p.kmean[bh * D + d] = attended > 0 ? s / static_cast<float>(attended) : 0.f;
-    p.sv[bh * D + d] = a / kFp8Max;
-  }
+  // The k mean and v absmax (common/token_stats.cuh: the FP4 pre-pass runs the same reduction).
+  sage_common::token_stats_block<D, typename IO<kIn>::T, kBatch>(p, [&](int bh, int d, float mean, float amax) {
+    p.kmean[bh * D + d] = mean;
+    p.sv[bh * D + d] = amax / kFp8Max;
+  });
 }
 
 // ---- quantization ----------------------------------------------------------------------------------

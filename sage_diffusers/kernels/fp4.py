@@ -8,8 +8,8 @@ One kernel source (``csrc/fp4/``) with the MMA atom as a template parameter:
   to fp16 (NVFP4) or bf16 (MXFP4; E8M0 scales exceed fp16's range) and multiplied in fp32, by one
   of two GEMM variants (``emu=``, env ``SAGE_DIFFUSERS_FP4_EMU``): ``"mma"`` (per-warp
   ``mma.sync.m16n8k16``) or ``"wgmma"`` (sm_90a: K/V decoded once per head by a pre-pass into
-  shared-memory tile images, warpgroup MMAs, FA3-style warp specialization; 2.7x faster than mma
-  on the H200, 0.57x cuDNN BF16 at 1x24x16384x128; the same operands, P~ rounded through fp16, so
+  shared-memory tile images, warpgroup MMAs, FA3-style warp specialization; timings in
+  eval/results/fp4_emu_speed_h200.md; the same operands, P~ rounded through fp16, so
   values within ~2^-11 of an E2M1 tie may take the neighbouring code). The default ``"auto"``
   takes wgmma where the build has it (sm_90a) and mma elsewhere.
 
@@ -25,8 +25,10 @@ within 64-key chunks into the order the P.V fragments need), V quantized in 16- 
 the kernel with the correction qbar.deq(K)^T computed per tile in the kernel, two-level (or
 direct) P~ quantization fused with the online softmax, FP32 accumulation, row sums from
 unquantized P~. Masked keys are zero rows before anything is reduced. Q, K and V each get a
-per-(batch, head) FP32 tensor scale (:func:`tensor_scale` of the finite amax, computed here with
-torch on the GPU, no host sync): the operands are block-quantized divided by it, s_q * s_k scale
+per-(batch, head) FP32 tensor scale (:func:`tensor_scale` of the finite amax; no host sync: V's
+amax and K's mean come from the pre-pass's stats kernel, :func:`kv_stats`, the 8-bit pre-pass's
+deterministic reduction in csrc/common/token_stats.cuh; the amaxes of the smoothed Q and K from
+torch on the GPU): the operands are block-quantized divided by it, s_q * s_k scale
 the scores and s_v the output, so any magnitude keeps the N(0, 1) accuracy. Non-finite values stay
 where exact attention puts them: a query row with a NaN / Inf element is NaN (only that row), V's
 non-finite attended elements are quantized as 0, recorded by the pre-pass and written over the
@@ -42,6 +44,9 @@ attention_fp4(q, k, v, *, key_mask, is_causal, scale, return_lse, p_quant, fmt, 
     always runs NVFP4 (it has no format option), fmt is for direct callers and ablations.
 prepass(k, v, k_mean=None, fmt=...) -> dict
     The K/V quantization pre-pass alone (stored format, for bit-exact tests).
+kv_stats(k, v, key_mask=None) -> dict
+    The pre-pass's K token mean and V finite absmax over the attended keys (the 8-bit kernel's
+    reduction: the same K mean bits for the same K).
 key_positions(n) -> LongTensor
     Real key index held by each stored K row (the permutation of the pre-pass).
 atom_gemm(a, sfa, b, sfb) -> Tensor
@@ -57,7 +62,6 @@ torch.ops.sage_diffusers.fp4_attention
 """
 from __future__ import annotations
 
-import enum
 import math
 import os
 import sys
@@ -72,12 +76,13 @@ from ..options import FP4Format, PQuant
 from ..reference.quant import fp4_tensor_scale
 from ..reference.sage3 import Q_SMOOTH_BLOCK  # query rows per smoothing mean: one CTA tile of the kernel
 from . import _jit
+from ._fp4_variants import BENCH_VARIANTS, DEFAULT_KERNEL_OPT, KernelOpt
 from ._contract import call_op, check_qkv, fake_out_lse, in_layout_of, kernel_views, normalize_key_mask
 
 __all__ = ["attention_fp4", "prepass", "key_positions", "atom_gemm", "is_available", "build",
-           "tensor_scale", "kv_tensor_scales", "q_tensor_scale",
+           "tensor_scale", "kv_stats", "kv_tensor_scales", "q_tensor_scale",
            "attention_atoms", "emu_gemms", "selftest", "benchmark", "ablation", "HEAD_DIMS", "Atom",
-           "EmuGemm"]
+           "EmuGemm", "KernelOpt", "DEFAULT_KERNEL_OPT", "BENCH_VARIANTS", "opt_name", "parse_opt"]
 
 HEAD_DIMS = (64, 128)
 BLOCK_KV = 128  # keys per tile, and the padding unit of the pre-pass outputs
@@ -92,23 +97,37 @@ _FMT_CODE = {FP4Format.NVFP4: 0, FP4Format.MXFP4: 1}  # mirrors Fp4Format in fp4
 _EMULATED_SMEM_BYTES = 141344
 
 
-class KernelOpt(enum.IntFlag):
-    """Performance options of the FP4 kernel, one build each (KernelOptions in
-    csrc/fp4/tile_config.cuh; the build flag -DSAGE_FP4_OPT carries their bits). Env
-    SAGE_DIFFUSERS_FP4_OPT: the bits as an integer, or names joined by "+" ("hoist_mask+tree_reduce";
-    "none" for the original schedule)."""
-
-    HOIST_MASK = 1            # one uniform mask branch per tile instead of one per score
-    TREE_REDUCE = 2           # row max / sum as four independent chains
-    PIPELINED_STAGING = 4     # double-buffered decoded K/V staging (+64 KiB shared memory)
-    NO_WGMMA_PINGPONG = 8     # the wgmma variant's warpgroups issue without taking turns
-
-
-# The default: the fastest correct option set of variants_bench.sh on the H200 (eval/results/).
-DEFAULT_KERNEL_OPT = KernelOpt.HOIST_MASK | KernelOpt.TREE_REDUCE | KernelOpt.PIPELINED_STAGING
+# KernelOpt (the performance options, one build each), DEFAULT_KERNEL_OPT and the benchmark's
+# option sets come from csrc/fp4/generate_options.py, the source of the C++ KernelOptions too.
 _OPT_ENV = "SAGE_DIFFUSERS_FP4_OPT"
-_OPT_DEFAULT = int(DEFAULT_KERNEL_OPT)
-_OPT_PIPELINED_STAGING = int(KernelOpt.PIPELINED_STAGING)  # adds one decoded tile of shared memory
+_OPT_LIMIT = 1 << len(KernelOpt)  # bits above the options' are refused
+
+
+def opt_name(opt: int) -> str:
+    """The name of an option set, as SAGE_DIFFUSERS_FP4_OPT accepts it: the option names joined
+    by "+" ("hoist_mask+tree_reduce"), "none" for no option."""
+    return "+".join(o.name.lower() for o in KernelOpt if int(opt) & o) or "none"
+
+
+def parse_opt(raw: str) -> KernelOpt:
+    """An option set from its bits as an integer ("3") or its :func:`opt_name` ("hoist_mask+tree_reduce",
+    "none"). Raises ValueError on unknown names or bits."""
+    try:
+        bits = int(raw)
+    except ValueError:
+        names = [n.strip().upper() for n in raw.split("+") if n.strip()]
+        if names == ["NONE"]:
+            return KernelOpt(0)
+        unknown = [n for n in names if n not in KernelOpt.__members__]
+        if unknown or not names:
+            raise ValueError(f"{_OPT_ENV} must be an integer bit mask or option names joined by '+' "
+                             f"({', '.join(m.lower() for m in KernelOpt.__members__)}), got {raw!r}") from None
+        bits = int(sum(KernelOpt[n] for n in set(names)))
+    if not 0 <= bits < _OPT_LIMIT:
+        raise ValueError(f"{_OPT_ENV} must be in [0, {_OPT_LIMIT}), got {bits}")
+    return KernelOpt(bits)
+
+
 # GEMM variant of the emulated atom (EmuGemm in csrc/fp4/fp4_api.h): "mma" or "wgmma".
 _EMU_ENV = "SAGE_DIFFUSERS_FP4_EMU"
 # Dynamic shared memory of the wgmma variant at D = 128 (WgmmaConfig<128>::kSmemBytes).
@@ -118,25 +137,12 @@ _WGMMA_SMEM_BYTES = 208536
 def _opt_bits() -> int:
     """The KernelOpt bits this process builds with (env SAGE_DIFFUSERS_FP4_OPT, default
     DEFAULT_KERNEL_OPT)."""
-    raw = os.environ.get(_OPT_ENV, str(_OPT_DEFAULT))
-    try:
-        bits = int(raw)
-    except ValueError:
-        names = [n.strip().upper() for n in raw.split("+") if n.strip()]
-        if names == ["NONE"]:
-            return 0
-        unknown = [n for n in names if n not in KernelOpt.__members__]
-        if unknown or not names:
-            raise ValueError(f"{_OPT_ENV} must be an integer bit mask or option names joined by '+' "
-                             f"({', '.join(m.lower() for m in KernelOpt.__members__)}), got {raw!r}") from None
-        bits = int(sum(KernelOpt[n] for n in set(names)))
-    if not 0 <= bits < 16:
-        raise ValueError(f"{_OPT_ENV} must be in [0, 16), got {bits}")
-    return bits
+    raw = os.environ.get(_OPT_ENV)
+    return int(DEFAULT_KERNEL_OPT if raw is None else parse_opt(raw))
 
 
 def _emulated_smem_bytes() -> int:
-    return _EMULATED_SMEM_BYTES + (65536 if _opt_bits() & _OPT_PIPELINED_STAGING else 0)
+    return _EMULATED_SMEM_BYTES + (65536 if _opt_bits() & KernelOpt.PIPELINED_STAGING else 0)
 
 
 class Atom:
@@ -309,28 +315,38 @@ def _key_keep(key_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if key_mask is None else key_mask[:, None, :, None]
 
 
-def _k_mean(k: torch.Tensor, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """float32 (B, Hkv, D) contiguous token mean of k over the attended keys (masked rows are
-    selected away, so NaN / Inf there vanish); 0 for a batch row that attends no key."""
-    if key_mask is None:
-        return k.mean(dim=2, dtype=torch.float32).contiguous()
-    total = torch.where(_key_keep(key_mask), k, 0).sum(2, dtype=torch.float32)  # (B, Hkv, D)
-    n = key_mask.sum(-1, dtype=torch.float32)[:, None, None]  # (B, 1, 1)
-    return torch.where(n > 0, total / n.clamp(min=1), torch.zeros_like(total)).contiguous()
+def kv_stats(k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor] = None,
+             atom: Optional[str] = None) -> dict:
+    """K's token mean and V's finite per-channel absmax over the attended keys, by the pre-pass's
+    stats kernel: the deterministic split reduction of the 8-bit pre-pass (csrc/common/token_stats.cuh),
+    so the mean has the same bits as ``int8_sm90.prepass``'s for the same K, on every run.
+
+    k, v : (B, Hkv, Skv, D) fp16/bf16 CUDA, D in {64, 128} (views allowed).
+    key_mask : bool (B, Skv) (or (B, 1, 1, Skv)) or None, True = attended; masked rows are
+        selected away (NaN / Inf there vanish).
+
+    Returns dict with float32 contiguous k_mean and v_amax (B, Hkv, D): the sum of the attended K
+    rows divided by their count (the reference's ``attended_mean``, up to the fp32 summation order;
+    0 for a batch row that attends no key) and max |v| over the finite attended values (0 where
+    there is none).
+    """
+    ext = build(atom)
+    kk, vv = kernel_views(k, v)
+    k_mean, v_amax = ext.kv_stats(kk, vv, normalize_key_mask(key_mask, k.shape[0], k.shape[2]))
+    return {"k_mean": k_mean, "v_amax": v_amax}
 
 
-def kv_tensor_scales(k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor,
+def kv_tensor_scales(k: torch.Tensor, k_mean: torch.Tensor, v_amax: torch.Tensor,
                      key_mask: Optional[torch.Tensor] = None) -> dict:
     """Per-(batch, kv head) FP32 tensor scales of the smoothed K and of V.
 
-    k, v (B, Hkv, Skv, D); k_mean float32 (B, Hkv, D); key_mask bool (B, Skv) or None.
+    k (B, Hkv, Skv, D); k_mean float32 (B, Hkv, D); v_amax float32 (B, Hkv, D), V's finite attended
+    absmax per channel (:func:`kv_stats`); key_mask bool (B, Skv) or None.
     Returns float32 contiguous k_scale, v_scale (B, Hkv): :func:`tensor_scale` of the finite
     attended amax of k - k_mean and of v (masked rows are 0 and count as 0).
     """
-    keep = _key_keep(key_mask)
-    k_scale = tensor_scale(_finite_dev_amax(k, k_mean[:, :, None], keep))
-    zero = torch.zeros_like(k_mean[:, :, None])
-    v_scale = tensor_scale(_finite_dev_amax(v, zero, keep))
+    k_scale = tensor_scale(_finite_dev_amax(k, k_mean[:, :, None], _key_keep(key_mask)))
+    v_scale = tensor_scale(v_amax.amax(-1))
     return {"k_scale": k_scale.contiguous(), "v_scale": v_scale.contiguous()}
 
 
@@ -359,7 +375,7 @@ def prepass(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor] = N
     Parameters
     ----------
     k, v : (B, Hkv, Skv, D) fp16/bf16 CUDA (views allowed).
-    k_mean : float32 (B, Hkv, D); default the mean of k over attended keys.
+    k_mean : float32 (B, Hkv, D); default the mean of k over attended keys (:func:`kv_stats`).
     key_mask : bool (B, Skv) (or (B, 1, 1, Skv)), True = attended, or None: masked keys are zero rows.
     k_scale, v_scale : float32 (B, Hkv); default :func:`kv_tensor_scales` (pass ones to quantize
         k - k_mean and v themselves).
@@ -379,11 +395,10 @@ def prepass(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor] = N
     ext = build(atom)
     kk, vv = kernel_views(k, v)
     key_mask = normalize_key_mask(key_mask, k.shape[0], k.shape[2])
-    if k_mean is None:
-        k_mean = _k_mean(kk, key_mask)
-    k_mean = k_mean.float().contiguous()
+    stats = kv_stats(kk, vv, key_mask, atom) if k_mean is None or k_scale is None or v_scale is None else None
+    k_mean = (stats["k_mean"] if k_mean is None else k_mean).float().contiguous()
     if k_scale is None or v_scale is None:
-        scales = kv_tensor_scales(kk, vv, k_mean, key_mask)
+        scales = kv_tensor_scales(kk, k_mean, stats["v_amax"], key_mask)
         k_scale = scales["k_scale"] if k_scale is None else k_scale
         v_scale = scales["v_scale"] if v_scale is None else v_scale
     k_scale, v_scale = k_scale.float().contiguous(), v_scale.float().contiguous()
@@ -402,8 +417,9 @@ def _run_kernel(ext, q, k, v, key_mask, is_causal, scale, return_lse, p_quant: i
     q, k, v as the kernel reads them (:func:`kernel_views`); key_mask contiguous bool (B, Skv) or
     None. Returns the extension's (out, lse)."""
     skv = k.shape[2]
-    k_mean = _k_mean(k, key_mask)
-    kv = kv_tensor_scales(k, v, k_mean, key_mask)
+    stats = ext.kv_stats(k, v, key_mask)  # (k_mean, v_amax), see kv_stats
+    k_mean = stats[0]
+    kv = kv_tensor_scales(k, k_mean, stats[1], key_mask)
     q_scale = q_tensor_scale(q)
     kq, ksf, vq, vsf, v_first = ext.quantize_kv(k, v, k_mean, kv["k_scale"], kv["v_scale"], key_mask,
                                                 _padded_len(skv), fmt)
