@@ -133,8 +133,9 @@ def test_fp4_options_come_from_one_source(tmp_path):
     assert fp4.KernelOpt is _fp4_variants.KernelOpt and fp4.DEFAULT_KERNEL_OPT is _fp4_variants.DEFAULT_KERNEL_OPT
 
 
-def test_int8_jit_build_names_cxx20():
+def test_jit_builds_name_cxx20():
     # FwdOptions is a class-type template argument: a C++17 build (torch < 2.12's default) fails
-    from sage_diffusers.kernels import int8_sm90
+    from sage_diffusers.kernels import _jit
 
-    assert "-std=c++20" in int8_sm90._NVCC_FLAGS
+    assert _jit.CXX_STD == "-std=c++20"
+    assert "STD=-std=c++20" in (CSRC / "compile_check.sh").read_text()

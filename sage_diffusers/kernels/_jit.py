@@ -195,6 +195,12 @@ def build_progress(name: str, cuda_files: int, build_dir: Path, stream: TextIO |
         print(f"sage_diffusers: {status} {name} in {time.monotonic() - start:.0f} s", file=stream, flush=True)
 
 
+# The C++ standard of every build, the one csrc/compile_check.sh checks: the 8-bit kernel's
+# FwdOptions is a class-type template argument (C++20), and torch before 2.12 passes -std=c++17
+# unless the flags name a standard.
+CXX_STD = "-std=c++20"
+
+
 def load_extension(
     name: str,
     sources: Sequence[Path],
@@ -225,7 +231,7 @@ def load_extension(
     folders = {s.parent for s in sources} | {s.parent.parent / SHARED_FOLDER for s in sources}
     for folder in sorted(folders):
         hashed += [p for p in folder.rglob("*") if p.suffix in HASHED_SUFFIXES]
-    flags = list(extra_cuda_cflags) + ["|"] + list(extra_cflags)
+    flags = [CXX_STD, *extra_cuda_cflags] + ["|"] + list(extra_cflags)
     key = f"{name}-{_source_digest(hashed, flags)}"
     build_dir = cache_root() / key
     cuda_files = sum(s.suffix == ".cu" for s in sources)
@@ -243,8 +249,8 @@ def load_extension(
                 name=name,
                 sources=[str(s) for s in sources],
                 # No -std here: torch picks the standard its headers need (C++20 from torch 2.10 on).
-                extra_cuda_cflags=["-O3", *extra_cuda_cflags],
-                extra_cflags=["-O3", *extra_cflags],
+                extra_cuda_cflags=["-O3", CXX_STD, *extra_cuda_cflags],
+                extra_cflags=["-O3", CXX_STD, *extra_cflags],
                 extra_include_paths=includes,
                 build_directory=str(build_dir),
                 verbose=verbose,

@@ -54,9 +54,6 @@ _EXP_POLY_ENV = "SAGE_DIFFUSERS_EXP_POLY"  # override, e.g. "0" to keep every ex
 _exp_poly_override: Optional[int] = int(os.environ[_EXP_POLY_ENV]) if _EXP_POLY_ENV in os.environ else None
 
 _NVCC_FLAGS = (
-    # FwdOptions is a class-type template argument (C++20); torch before 2.12 passes -std=c++17
-    # unless the flags name a standard
-    "-std=c++20",
     "-gencode=arch=compute_90a,code=sm_90a",
     "--expt-relaxed-constexpr",
     "-DNDEBUG",
@@ -123,7 +120,6 @@ def build(verbose: bool = False) -> ModuleType:
         "sage_diffusers_int8_sm90" + ("_bench" if _BENCH else ""),
         _build_sources(),
         extra_cuda_cflags=list(_NVCC_FLAGS) + flags,
-        extra_cflags=["-std=c++20"],
         extra_include_paths=[source_dir()],
         verbose=verbose,
     )
