@@ -5,7 +5,7 @@ tables (csrc/sm90_int8/instantiations/variants*.inc)."""
 # exp2 polynomial share of the default options per head dim
 DEFAULT_EXP_POLY = {64: 8, 128: 0}
 # run-time flags (FwdOptions::flags()) of the default options per head dim
-DEFAULT_FLAGS = {64: 75, 128: 303}
+DEFAULT_FLAGS = {64: 75, 128: 559}
 # exp2 polynomial shares the regular build compiles per head dim
 COMPILED_EXP_POLY = {64: (0, 8), 128: (0,)}
 # benchmark build: (head dim, exp2 polynomial share, flags, name)
