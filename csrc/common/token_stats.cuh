@@ -30,23 +30,6 @@ __device__ __forceinline__ bool key_attended(const P& p, int b, int key) {
   return key < p.Skv && (p.key_mask == nullptr || p.key_mask[static_cast<int64_t>(b) * p.Skv + key] != 0);
 }
 
-// Eight 16-bit elements (one 16-byte word) as fp32; T is __half or __nv_bfloat16.
-template <typename T>
-__device__ __forceinline__ void unpack8_float(const uint4& raw, float (&x)[8]) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = Elem16<T>::unpack2(w[i]);
-    x[2 * i] = f.x;
-    x[2 * i + 1] = f.y;
-  }
-}
-// Eight consecutive 16-bit elements (one 16-byte load) as fp32.
-template <typename T>
-__device__ __forceinline__ void load8_float(const void* ptr, float (&x)[8]) {
-  unpack8_float<T>(__ldg(reinterpret_cast<const uint4*>(ptr)), x);
-}
-
 // One token row into the k sum and the finite v absmax. A masked row adds +0 and 0 (selected,
 // not multiplied: NaN / Inf there vanish).
 __device__ __forceinline__ void add_stats_row(float (&sum)[8], float (&amax)[8], const float (&kx)[8],

@@ -58,22 +58,14 @@ struct IO<DType::kBF16> : sage_common::Elem16<__nv_bfloat16> {
   using T = __nv_bfloat16;
 };
 
-// Eight 16-bit elements (one 16-byte word) as fp32.
+// Eight 16-bit elements as fp32 (common/numeric_conversion.cuh), by the kernel's dtype tag.
 template <DType kDType>
 __device__ __forceinline__ void raw_to_float8(const uint4& raw, float (&x)[8]) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = IO<kDType>::unpack2(w[i]);
-    x[2 * i] = f.x;
-    x[2 * i + 1] = f.y;
-  }
+  sage_common::unpack8_float<typename IO<kDType>::T>(raw, x);
 }
-
-// Eight consecutive 16-bit elements (one 16-byte load) as fp32.
 template <DType kDType>
 __device__ __forceinline__ void load8(const void* ptr, float (&x)[8]) {
-  raw_to_float8<kDType>(__ldg(reinterpret_cast<const uint4*>(ptr)), x);
+  sage_common::load8_float<typename IO<kDType>::T>(ptr, x);
 }
 
 }  // namespace sage_sm90
