@@ -166,9 +166,13 @@ check_fp4() {
     compile fwd_native_sm120_no_hw_e2m1 attention_fwd_native.cu "${SM120[@]}" -DSAGE_FP4_NATIVE=1 -DSAGE_FP4_NO_HW_E2M1
   fi
   if [ "${FP4_CHECK_VARIANTS:-0}" = "1" ]; then
-    # the performance variants (SAGE_FP4_OPT bits, tile_config.cuh) that variants_bench.sh times
-    for o in 1 3 4 7; do compile "fwd_emulated_sm90_opt$o" attention_fwd_emulated.cu "${SM90[@]}" -DSAGE_FP4_NATIVE=0 -DSAGE_FP4_OPT=$o; done
-    compile fwd_native_sm120_opt3 attention_fwd_native.cu "${SM120[@]}" -DSAGE_FP4_NATIVE=1 -DSAGE_FP4_OPT=3
+    # the performance variants that variants_bench.sh times (BENCH_VARIANTS of the generated
+    # _fp4_variants.py, as their SAGE_FP4_OPT bits; the empty set is the regular build's baseline)
+    local bits
+    bits=$("$PYTHON" -c 'import runpy, sys; v = runpy.run_path(sys.argv[1]); print(" ".join(str(int(o)) for o in v["BENCH_VARIANTS"] if o))' \
+        "$HERE/../sage_diffusers/kernels/_fp4_variants.py")
+    for o in $bits; do compile "fwd_emulated_sm90_opt$o" attention_fwd_emulated.cu "${SM90[@]}" -DSAGE_FP4_NATIVE=0 -DSAGE_FP4_OPT=$o; done
+    for o in $bits; do compile "fwd_native_sm120_opt$o" attention_fwd_native.cu "${SM120[@]}" -DSAGE_FP4_NATIVE=1 -DSAGE_FP4_OPT=$o; done
   fi
   # The binding against torch's headers (a CPU-only torch is enough: it uses no c10/cuda header).
   if [ -n "$TORCH_INC" ]; then
