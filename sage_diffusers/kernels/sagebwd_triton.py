@@ -716,9 +716,8 @@ if triton is not None:
         if IS_CAUSAL:
             lo = start_n  # earlier query rows see none of these keys
             edge_hi = tl.minimum(start_n + BLOCK_N, SQ)  # the diagonal
-        if start_n + BLOCK_N > SKV:  # the last, partial key block: padded keys must get P~ = 0
-            edge_hi = SQ
-        edge_hi = tl.maximum(edge_hi, lo)
+        # the last, partial key block: every query block tests bounds (padded keys must get P~ = 0)
+        edge_hi = tl.maximum(tl.where(start_n + BLOCK_N > SKV, SQ, edge_hi), lo)
         for g in range(0, GROUP):
             bh = (b * HKV + hkv) * GROUP + g
             dk, dv = _dkdv_loop_v2(
