@@ -94,6 +94,18 @@ def kernel_set() -> KernelSet:
     return KernelSet(os.environ.get("SAGE_DIFFUSERS_SAGEBWD_KERNELS", KernelSet.V2.value))
 
 
+class AccConvert(str, enum.Enum):
+    """How the V2 backward turns each tile's int32 dK/dV/dQ products into float32
+    (``SAGE_DIFFUSERS_SAGEBWD_ACC``; exact either way, so only speed differs)."""
+
+    XU = "xu"  # the conversion instruction, on the otherwise lightly used exp2 pipe
+    ALU = "alu"  # the integer-add / float-subtract form (:func:`_i2f`), one more instruction each
+
+
+def acc_convert() -> AccConvert:
+    return AccConvert(os.environ.get("SAGE_DIFFUSERS_SAGEBWD_ACC", AccConvert.XU.value))
+
+
 class DQPass(str, enum.Enum):
     """How the V1 backward produces dQ (``SAGE_DIFFUSERS_SAGEBWD_DQ``; same numerics, other sum
     order). The V2 backward always runs its own dQ kernel."""
@@ -455,6 +467,15 @@ if triton is not None:
         return (y + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
 
     @triton.jit
+    def _acc_f32(x, XU: tl.constexpr):
+        """int32 MMA result -> float32 for a dK/dV/dQ accumulator: the conversion instruction
+        (XU: the pipe exp2 uses, idle enough in the V2 backward to take these) or :func:`_i2f`
+        (two ALU instructions instead of one). Both exact."""
+        if XU:
+            return x.to(tl.float32)
+        return _i2f(x)
+
+    @triton.jit
     def _codes_by_reciprocal(x, s, r):
         """int8 codes rint(x / s) with x / s the IEEE quotient, from r = 1/s (IEEE): x * r corrected
         by one FMA residual step (Markstein), which gives the correctly rounded quotient here
@@ -638,6 +659,7 @@ if triton is not None:
         mask_ptr, qk_scale, sm_scale, SQ, SKV,
         D: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, HAS_MASK: tl.constexpr,
         IS_CAUSAL: tl.constexpr, EDGE: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
+        ACC_XU: tl.constexpr,
     ):
         """dK, dV (BLOCK_N, D) of one key tile over the query blocks [lo, hi) of head bh, in the
         transposed orientation: S^T = K^ Q^T (BLOCK_N, SUB), so P~^T and dS^T feed the next MMAs
@@ -659,6 +681,10 @@ if triton is not None:
                 pt = tl.where(_keep(qs[None, :], keys[:, None], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL), pt, 0.0)
             elif HAS_MASK:
                 pt = tl.where(_keep(qs[None, :], keys[:, None], mask_ptr, b, SKV, True, False), pt, 0.0)
+            # dV first: its int32 product is dead before dP^T and dS^T need registers
+            dos8t = tl.load(dos8t_ptr + qt_off, mask=inq[None, :], other=0)
+            sdos = tl.load(sdos_ptr + bh * nqb + qi)
+            dv += _acc_f32(tl.dot(_f2i8(pt * 127.0), tl.trans(dos8t), out_dtype=tl.int32), ACC_XU) * (sdos * (1.0 / 127.0))
             p = pt * tl.load(invl_ptr + bh * SQ + qs, mask=inq, other=0.0)[None, :]
             if DOV_INT8:
                 do8 = tl.load(do8_ptr + q_off, mask=inq[:, None], other=0)
@@ -668,16 +694,12 @@ if triton is not None:
                 do = tl.load(do_ptr + q_off, mask=inq[:, None], other=0.0)
                 dpt = _dot16(vc, tl.trans(do), DOT16_AS_F32)
             delta = tl.load(delta_ptr + bh * SQ + qs, mask=inq, other=0.0)
-            dst = p * (dpt - delta[None, :])  # dS^T (BLOCK_N, SUB)
-            dos8t = tl.load(dos8t_ptr + qt_off, mask=inq[None, :], other=0)
-            sdos = tl.load(sdos_ptr + bh * nqb + qi)
-            dv += _i2f(tl.dot(_f2i8(pt * 127.0), tl.trans(dos8t), out_dtype=tl.int32)) * (sdos * (1.0 / 127.0))
-            ds8, sds = _quant_ds_rows(dst, BLOCK_N, SUB)
+            ds8, sds = _quant_ds_rows(p * (dpt - delta[None, :]), BLOCK_N, SUB)  # dS^T (BLOCK_N, SUB)
             q8t = tl.load(q8t_ptr + qt_off, mask=inq[None, :], other=0)
-            dk += _i2f(tl.dot(ds8, tl.trans(q8t), out_dtype=tl.int32)) * ((sds * sq) * sm_scale)[:, None]
+            dk += _acc_f32(tl.dot(ds8, tl.trans(q8t), out_dtype=tl.int32), ACC_XU) * ((sds * sq) * sm_scale)[:, None]
         return dk, dv
 
-    @_autotuned(_DKDV_V2_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8"], max_rows_at_d128=64)
+    @_autotuned(_DKDV_V2_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "ACC_XU"], max_rows_at_d128=64)
     @triton.jit
     def _bwd_dkdv_kernel_v2(
         q8_ptr, sq_ptr, q8t_ptr, k8_ptr, sk_ptr, v8_ptr, sv_ptr, vc_ptr,
@@ -686,6 +708,7 @@ if triton is not None:
         qk_scale, sm_scale, HKV, GROUP, SQ, SKV,
         D: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr,
         HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
+        ACC_XU: tl.constexpr,
     ):
         """dK and dV: one program per BLOCK_N keys (BLOCK_N / SUB quantization blocks), all query
         heads of its group; the query blocks that need no bounds or causal test run in their own loop."""
@@ -724,12 +747,12 @@ if triton is not None:
                 dk, dv, lo, edge_hi, bh, b, keys, k8, sk_row, v8, sv_row, vc,
                 q8_ptr, sq_ptr, q8t_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr,
                 sdos_ptr, mask_ptr, qk_scale, sm_scale, SQ, SKV,
-                D, BLOCK_N, SUB, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32)
+                D, BLOCK_N, SUB, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU)
             dk, dv = _dkdv_loop_v2(
                 dk, dv, edge_hi, SQ, bh, b, keys, k8, sk_row, v8, sv_row, vc,
                 q8_ptr, sq_ptr, q8t_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr,
                 sdos_ptr, mask_ptr, qk_scale, sm_scale, SQ, SKV,
-                D, BLOCK_N, SUB, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32)
+                D, BLOCK_N, SUB, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU)
         tl.store(dk_ptr + kv_off, dk, mask=ink[:, None])
         tl.store(dv_ptr + kv_off, dv, mask=ink[:, None])
 
@@ -739,6 +762,7 @@ if triton is not None:
         k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV,
         D: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.constexpr, HAS_MASK: tl.constexpr,
         IS_CAUSAL: tl.constexpr, EDGE: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
+        ACC_XU: tl.constexpr,
     ):
         """dQ (BLOCK_M, D) of one query tile over the key blocks [lo, hi)."""
         dims = tl.arange(0, D)
@@ -777,10 +801,10 @@ if triton is not None:
                 k8t = tl.load(k8t_ptr + kt_off, mask=(keys < SKV)[None, :], other=0)
             else:
                 k8t = tl.load(k8t_ptr + kt_off)
-            dq += _i2f(tl.dot(ds8, tl.trans(k8t), out_dtype=tl.int32)) * ((sds * sk) * sm_scale)[:, None]
+            dq += _acc_f32(tl.dot(ds8, tl.trans(k8t), out_dtype=tl.int32), ACC_XU) * ((sds * sk) * sm_scale)[:, None]
         return dq
 
-    @_autotuned(_DQ_V2_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8"], max_rows_at_d128=64)
+    @_autotuned(_DQ_V2_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "ACC_XU"], max_rows_at_d128=64)
     @triton.jit
     def _bwd_dq_kernel_v2(
         q8_ptr, sq_ptr, k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr,
@@ -789,6 +813,7 @@ if triton is not None:
         qk_scale, sm_scale, HQ, GROUP, SQ, SKV,
         D: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.constexpr,
         HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
+        ACC_XU: tl.constexpr,
     ):
         """dQ: one program per BLOCK_M query rows (BLOCK_M / SUB quantization blocks) over the key
         blocks; those that need no bounds or causal test run in their own loop."""
@@ -824,10 +849,10 @@ if triton is not None:
             n_free = tl.minimum(n_free, start_m)
         dq = _dq_loop_v2(dq, 0, n_free, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
                          k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV,
-                         D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32)
+                         D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU)
         dq = _dq_loop_v2(dq, n_free, n_end, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
                          k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV,
-                         D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32)
+                         D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU)
         tl.store(dq_ptr + q_off, dq, mask=inq[:, None])
 
 
@@ -981,7 +1006,7 @@ def _backward_impl_v2(do, state: SageBwdState, key_mask, is_causal: bool, scale:
     do16 = do.to(state.vc.dtype).contiguous()
     mask, has_mask = _mask_arg(key_mask, dev)
     common = dict(D=d, SUB=BLOCK_Q, HAS_MASK=has_mask, IS_CAUSAL=bool(is_causal), DOV_INT8=dov_int8,
-                  DOT16_AS_F32=INTERPRET)
+                  DOT16_AS_F32=INTERPRET, ACC_XU=acc_convert() is AccConvert.XU)
     qk_scale = sm_scale * LOG2E
     q8t = _transposed(state.q8)  # (B, Hq, D, Sq)
     k8t = _transposed(state.k8)  # (B, Hkv, D, Skv)
