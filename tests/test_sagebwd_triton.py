@@ -31,19 +31,22 @@ except ImportError:  # the kernels' own availability check reports it; nothing h
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ["cpu"] if IN_INTERPRETER else (["cuda"] if torch.cuda.is_available() else [])
 needs_device = pytest.mark.skipif(not DEVICES, reason="no CUDA device: runs in the interpreter child")
-# (kernel set, rows on the wide tile side under the interpreter; a GPU autotunes it instead)
-KERNEL_SETS = [("v1", 128), ("v2", 128), ("v2", 64)] if IN_INTERPRETER else [("v1", 128), ("v2", 128)]
+# (kernel set, rows on the wide tile side under the interpreter (a GPU autotunes it instead),
+# how the V2 backward converts its int32 products)
+KERNEL_SETS = [("v1", 128, "xu"), ("v2", 128, "xu"), ("v2", 64, "alu")] if IN_INTERPRETER else \
+    [("v1", 128, "xu"), ("v2", 128, "xu"), ("v2", 128, "alu")]
 
 
 def kernels():
     return sagebwd_triton
 
 
-@pytest.fixture(params=KERNEL_SETS, ids=lambda p: f"{p[0]}-wide{p[1]}" if IN_INTERPRETER else p[0])
+@pytest.fixture(params=KERNEL_SETS, ids=lambda p: f"{p[0]}-wide{p[1]}-{p[2]}" if p[0] == "v2" else p[0])
 def kernel_set(request, monkeypatch):
-    """Runs a test under each kernel set (SAGE_DIFFUSERS_SAGEBWD_KERNELS, read at call time)."""
-    name, wide = request.param
+    """Runs a test under each kernel set (SAGE_DIFFUSERS_SAGEBWD_KERNELS and _ACC, read at call time)."""
+    name, wide, acc = request.param
     monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_KERNELS", name)
+    monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_ACC", acc)
     monkeypatch.setattr(sagebwd_triton, "INTERPRET_WIDE", wide)
     return name
 
