@@ -238,7 +238,8 @@ if triton is not None:
         """Runs the V2 kernels' dS quantizer on one (R, SUB) tile."""
         rows = tl.arange(0, R)
         cols = tl.arange(0, SUB)
-        codes, scale = sagebwd_triton._quant_ds_rows(tl.load(x_ptr + rows[:, None] * SUB + cols[None, :]), R, SUB)
+        ds = tl.load(x_ptr + rows[:, None] * SUB + cols[None, :])
+        codes, scale = sagebwd_triton._quant_ds_rows(ds * sagebwd_triton.DS_PRESCALE, R, SUB)
         tl.store(codes_ptr + rows[:, None] * SUB + cols[None, :], codes)
         tl.store(scale_ptr + rows, scale)
 
@@ -246,9 +247,10 @@ if triton is not None:
 @needs_device
 @pytest.mark.parametrize("device", DEVICES)
 def test_ds_quantizer_is_the_ieee_division_at_rounding_ties(device):
-    """The V2 dS codes (reciprocal + one FMA residual step, no per-element division) equal the
-    reference's rint(x / s) where it is hardest: x within a few ulps of (k + 1/2) s for every k,
-    scales of every mantissa, a tile whose scale is tiny (below 2**-90), an all-zero tile."""
+    """The V2 dS codes (reciprocal + one FMA residual step on dS * 2**32, no per-element division)
+    equal the reference's rint(x / s) where it is hardest: x within a few ulps of (k + 1/2) s for
+    every k, scales of every mantissa, a tile whose scale is subnormal (1/s would overflow without
+    the prescale), an all-zero tile."""
     g = torch.Generator().manual_seed(0)
     tiles = []
     for t in range(8):

@@ -74,7 +74,8 @@ class KernelSet(str, enum.Enum):
       dK/dV/dQ/PV accumulator of every tile, all on the 16-per-clock-per-SM pipe that exp2 also
       needs (the forward's measured times match that bound at both head dims);
     - dS quantized with one exact reciprocal per tile and an FMA correction instead of an IEEE
-      division per element (:func:`_quant_ds_rows`; the same codes);
+      division per element, and no test for tiny scales in the loop (:func:`_quant_ds_rows`;
+      the same codes);
     - the dK/dV kernel computes S^T = K Q^T and dP^T = V dO^T, so that P~^T and dS^T come out of
       the MMA in the layout the next MMA reads (V1 transposes two int8 tiles per step), and holds
       up to 128 keys per program (two quantization tiles: half the loads per key);
@@ -95,11 +96,14 @@ def kernel_set() -> KernelSet:
 
 
 class AccConvert(str, enum.Enum):
-    """How the V2 backward turns each tile's int32 dK/dV/dQ products into float32
-    (``SAGE_DIFFUSERS_SAGEBWD_ACC``; exact either way, so only speed differs)."""
+    """Which int32 -> float32 conversions the V2 kernels leave on the conversion (XU) pipe
+    (``SAGE_DIFFUSERS_SAGEBWD_ACC``; exact either way, so only speed differs). Once the other
+    conversions are ALU instructions that pipe mostly runs exp2; by ptxas's SASS for sm_90a it
+    has room for the backward's dK/dV/dQ products and the forward's scores, which then take one
+    instruction instead of two."""
 
-    XU = "xu"  # the conversion instruction, on the otherwise lightly used exp2 pipe
-    ALU = "alu"  # the integer-add / float-subtract form (:func:`_i2f`), one more instruction each
+    XU = "xu"  # those on the conversion pipe
+    ALU = "alu"  # every conversion by :func:`_i2f`
 
 
 def acc_convert() -> AccConvert:
@@ -441,13 +445,18 @@ if triton is not None:
 
     # ---- V2 kernels (KernelSet.V2): the same numerics, organised for Hopper (see KernelSet) ----
 
+    # The V2 backward computes dS times 2**32 (1/l carries the factor): an exact power-of-two shift
+    # that keeps the dS quantizer's reciprocal and FMA residual exact for every tile scale,
+    # subnormal ones included, with no test in the loop (dS would have to exceed 2**96 to overflow).
+    DS_PRESCALE = tl.constexpr(4294967296.0)
+
     # BLOCK_M of the forward, BLOCK_N (keys per program) of the dK/dV kernel, BLOCK_M (query rows
     # per program) of the dQ kernel: multiples of the 64-token quantization blocks; the other
     # tile side stays one block (it is the reduction axis of a per-block scaled MMA).
     _FWD_V2_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=st)
                        for m, w, st in ((128, 8, 2), (128, 8, 3), (64, 4, 3), (64, 4, 2), (128, 4, 2))]
     _DKDV_V2_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
-                        for n, w, st in ((128, 8, 2), (64, 4, 2), (128, 8, 3), (64, 4, 3), (64, 8, 2), (128, 4, 2))]
+                        for n, w, st in ((128, 8, 2), (64, 4, 2), (64, 8, 2), (128, 8, 3), (64, 4, 3), (128, 4, 2))]
     _DQ_V2_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=st)
                       for m, w, st in ((128, 8, 2), (64, 4, 2), (128, 8, 3), (64, 4, 3), (64, 8, 2), (128, 4, 2))]
 
@@ -468,9 +477,8 @@ if triton is not None:
 
     @triton.jit
     def _acc_f32(x, XU: tl.constexpr):
-        """int32 MMA result -> float32 for a dK/dV/dQ accumulator: the conversion instruction
-        (XU: the pipe exp2 uses, idle enough in the V2 backward to take these) or :func:`_i2f`
-        (two ALU instructions instead of one). Both exact."""
+        """int32 MMA result -> float32 by the conversion instruction (XU: the pipe exp2 uses; see
+        :class:`AccConvert`) or by :func:`_i2f` (two ALU instructions instead of one). Both exact."""
         if XU:
             return x.to(tl.float32)
         return _i2f(x)
@@ -484,10 +492,18 @@ if triton is not None:
         return _f2i8(tl.fma(tl.fma(-y, s, x), r, y))
 
     @triton.jit
-    def _quant_ds_rows(ds, R: tl.constexpr, SUB: tl.constexpr):
-        """dS tile (R, SUB) whose quantization tiles are its SUB-row slices (R a multiple of SUB):
-        (codes int8 (R, SUB), scale per row float32 (R,), the scale of the row's tile)."""
-        rmax = tl.max(tl.abs(ds), axis=1)  # (R,)
+    def _quant_ds_rows(ds_big, R: tl.constexpr, SUB: tl.constexpr):
+        """INT8 of a dS tile (R, SUB) whose quantization tiles are its SUB-row slices (R a multiple
+        of SUB), given as ``ds_big`` = dS * DS_PRESCALE (the factor rides on 1/l, so it costs
+        nothing): (codes int8 (R, SUB), scale per row float32 (R,): the reference's scale of the
+        row's tile, absmax(dS) / 127).
+
+        The codes are rint(dS / scale) = rint(ds_big / (scale * DS_PRESCALE)), the quotient
+        rounded once (IEEE), as long as dS carries no subnormal: scaled, the divisor is at least
+        2**-117, so the residual step of :func:`_codes_by_reciprocal` is exact and its reciprocal
+        finite for every scale (a tile whose absmax is below about 1e-36 may differ from the
+        reference in a code worth less than 1e-36)."""
+        rmax = tl.max(tl.abs(ds_big), axis=1)  # (R,)
         if R == SUB:
             amax = tl.zeros((R,), tl.float32) + tl.max(rmax, axis=0)
         else:
@@ -495,19 +511,10 @@ if triton is not None:
             amax = tl.zeros((R,), tl.float32)
             for g in tl.static_range(R // SUB):
                 amax = tl.where(grp == g, tl.max(tl.where(grp == g, rmax, 0.0), axis=0), amax)
-        scale = tl.div_rn(amax, 127.0)
-        # 2**-90: below it the residual x - y s could underflow; scaling x and s by 2**64 first
-        # keeps the quotient (exactly) and the residual exact. A whole-tile branch, taken by nobody
-        # on real gradients.
-        safe = tl.where(scale > 0, scale, 1.0)  # a zero tile (all codes 0) takes r = 0
-        if tl.min(safe, axis=0) < 8.077935669463161e-28:
-            s2 = scale * 18446744073709551616.0
-            r2 = tl.where(scale > 0, tl.div_rn(tl.full((R,), 1.0, tl.float32), safe * 18446744073709551616.0), 0.0)
-            codes = _codes_by_reciprocal(ds * 18446744073709551616.0, s2[:, None], r2[:, None])
-        else:
-            r = tl.where(scale > 0, tl.div_rn(tl.full((R,), 1.0, tl.float32), safe), 0.0)
-            codes = _codes_by_reciprocal(ds, scale[:, None], r[:, None])
-        return codes, scale
+        scale = tl.div_rn(amax * (1.0 / DS_PRESCALE), 127.0)  # amax / DS_PRESCALE is exact
+        s_big = scale * DS_PRESCALE
+        r = tl.where(scale > 0, tl.div_rn(tl.full((R,), 1.0, tl.float32), tl.where(scale > 0, s_big, 1.0)), 0.0)
+        return _codes_by_reciprocal(ds_big, s_big[:, None], r[:, None]), scale
 
     @triton.jit
     def _keep(qi, kj, mask_ptr, b, SKV, KEY_MASK: tl.constexpr, CAUSAL: tl.constexpr):
@@ -525,10 +532,12 @@ if triton is not None:
         acc, m_i, l_i, lo, hi, q8, row_scale, rows, b, bkv,
         k8_ptr, sk_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV,
         D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-        EDGE: tl.constexpr, PV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
+        EDGE: tl.constexpr, PV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr, ACC_XU: tl.constexpr,
     ):
         """Online softmax over the key blocks [lo, hi); EDGE: blocks that need the bounds and causal
-        tests (the diagonal, the last partial block), the others only the key mask if any."""
+        tests (the diagonal, the last partial block), the others only the key mask if any. ACC_XU:
+        the scores' int32 -> float32 on the conversion pipe (its spare capacity here), P~.V's
+        always by :func:`_i2f`."""
         dims = tl.arange(0, D)
         nkb = tl.cdiv(SKV, BLOCK_N)
         for start_n in range(lo, hi, BLOCK_N):
@@ -539,7 +548,7 @@ if triton is not None:
             else:
                 k8 = tl.load(k8_ptr + kv_off)
             sk = tl.load(sk_ptr + bkv * nkb + start_n // BLOCK_N)
-            s = _i2f(tl.dot(q8, tl.trans(k8), out_dtype=tl.int32)) * row_scale[:, None] * sk
+            s = _acc_f32(tl.dot(q8, tl.trans(k8), out_dtype=tl.int32), ACC_XU) * row_scale[:, None] * sk
             if EDGE:
                 s = tl.where(_keep(rows[:, None], cols[None, :], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL), s, float("-inf"))
             elif HAS_MASK:
@@ -567,13 +576,14 @@ if triton is not None:
             m_i = m_new
         return acc, m_i, l_i
 
-    @_autotuned(_FWD_V2_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "PV_INT8"], max_rows_at_d128=64)
+    @_autotuned(_FWD_V2_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "PV_INT8", "ACC_XU"], max_rows_at_d128=64)
     @triton.jit
     def _fwd_kernel_v2(
         q8_ptr, sq_ptr, k8_ptr, sk_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, o_ptr, m_ptr, lse_ptr,
         qk_scale, HQ, GROUP, SQ, SKV,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
         HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
+        ACC_XU: tl.constexpr,
     ):
         """The forward (arguments as :func:`_fwd_kernel`); key blocks without bounds or causal
         tests run in their own loop."""
@@ -599,10 +609,10 @@ if triton is not None:
             n_free = tl.minimum(n_free, start_m)  # keys before the tile's first row: seen by every row
         acc, m_i, l_i = _fwd_loop_v2(acc, m_i, l_i, 0, n_free, q8, row_scale, rows, b, bkv,
                                      k8_ptr, sk_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV,
-                                     D, BLOCK_N, HAS_MASK, IS_CAUSAL, False, PV_INT8, DOT16_AS_F32)
+                                     D, BLOCK_N, HAS_MASK, IS_CAUSAL, False, PV_INT8, DOT16_AS_F32, ACC_XU)
         acc, m_i, l_i = _fwd_loop_v2(acc, m_i, l_i, n_free, n_end, q8, row_scale, rows, b, bkv,
                                      k8_ptr, sk_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV,
-                                     D, BLOCK_N, HAS_MASK, IS_CAUSAL, True, PV_INT8, DOT16_AS_F32)
+                                     D, BLOCK_N, HAS_MASK, IS_CAUSAL, True, PV_INT8, DOT16_AS_F32, ACC_XU)
         empty = l_i == 0
         out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
@@ -619,7 +629,7 @@ if triton is not None:
         m_ptr, lse_ptr,  # float32 (B, Hq, Sq): the forward's log2-domain row max and LSE
         delta_ptr,  # float32 (B, Hq, Sq) out: rowsum(dO * O)
         mb_ptr,  # float32 (B, Hq, Sq) out: the row max, +inf on rows without a visible key (P~ = 0)
-        invl_ptr,  # float32 (B, Hq, Sq) out: 1/l = exp2(m - lse) (1 on rows without a visible key)
+        invl_ptr,  # float32 (B, Hq, Sq) out: DS_PRESCALE / l, l = exp2(lse - m) (1/l = 1 on rows without a visible key)
         dos8t_ptr, sdos_ptr,  # out: int8 (B, Hq, D, Sq) codes of dO' = dO / l, transposed; float32 (B, Hq, nq)
         do8_ptr, sdo_ptr,  # out when DO_INT8: int8 (B, Hq, Sq, D) codes of dO, float32 (B, Hq, nq)
         HQ, SQ,
@@ -642,7 +652,7 @@ if triton is not None:
         live = lse != float("-inf")
         inv_l = tl.exp2(tl.where(live, m, 0.0) - tl.where(live, lse, 0.0))  # the reference's m_safe - lse_safe
         tl.store(mb_ptr + bh * SQ + rows, tl.where(live, m, float("inf")), mask=inb)
-        tl.store(invl_ptr + bh * SQ + rows, inv_l, mask=inb)
+        tl.store(invl_ptr + bh * SQ + rows, inv_l * DS_PRESCALE, mask=inb)
         nqb = tl.cdiv(SQ, BLOCK)
         codes, scale = _quant_block(do * inv_l[:, None])
         tl.store(dos8t_ptr + (bh * D + cols[None, :]) * SQ + rows[:, None], codes, mask=inb[:, None])
@@ -685,7 +695,7 @@ if triton is not None:
             dos8t = tl.load(dos8t_ptr + qt_off, mask=inq[None, :], other=0)
             sdos = tl.load(sdos_ptr + bh * nqb + qi)
             dv += _acc_f32(tl.dot(_f2i8(pt * 127.0), tl.trans(dos8t), out_dtype=tl.int32), ACC_XU) * (sdos * (1.0 / 127.0))
-            p = pt * tl.load(invl_ptr + bh * SQ + qs, mask=inq, other=0.0)[None, :]
+            p = pt * tl.load(invl_ptr + bh * SQ + qs, mask=inq, other=0.0)[None, :]  # P * DS_PRESCALE
             if DOV_INT8:
                 do8 = tl.load(do8_ptr + q_off, mask=inq[:, None], other=0)
                 sdo = tl.load(sdo_ptr + bh * nqb + qi)
@@ -694,7 +704,7 @@ if triton is not None:
                 do = tl.load(do_ptr + q_off, mask=inq[:, None], other=0.0)
                 dpt = _dot16(vc, tl.trans(do), DOT16_AS_F32)
             delta = tl.load(delta_ptr + bh * SQ + qs, mask=inq, other=0.0)
-            ds8, sds = _quant_ds_rows(p * (dpt - delta[None, :]), BLOCK_N, SUB)  # dS^T (BLOCK_N, SUB)
+            ds8, sds = _quant_ds_rows(p * (dpt - delta[None, :]), BLOCK_N, SUB)  # dS^T * DS_PRESCALE
             q8t = tl.load(q8t_ptr + qt_off, mask=inq[None, :], other=0)
             dk += _acc_f32(tl.dot(ds8, tl.trans(q8t), out_dtype=tl.int32), ACC_XU) * ((sds * sq) * sm_scale)[:, None]
         return dk, dv
@@ -782,7 +792,7 @@ if triton is not None:
                 pt = tl.where(_keep(qs[:, None], keys[None, :], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL), pt, 0.0)
             elif HAS_MASK:
                 pt = tl.where(_keep(qs[:, None], keys[None, :], mask_ptr, b, SKV, True, False), pt, 0.0)
-            p = pt * inv_l[:, None]
+            p = pt * inv_l[:, None]  # P * DS_PRESCALE (the factor is in inv_l)
             if DOV_INT8:
                 if EDGE:
                     v8 = tl.load(v8_ptr + kv_off, mask=(keys < SKV)[:, None], other=0)
@@ -922,6 +932,8 @@ def _forward_impl(q, k, v, key_mask, is_causal: bool, scale: Optional[float], pv
             mask, has_mask = _mask_arg(key_mask, q.device)
             launch = dict(D=d, BLOCK_N=BLOCK_KV, BLOCK_Q=BLOCK_Q, HAS_MASK=has_mask, IS_CAUSAL=bool(is_causal),
                           PV_INT8=pv is PVPrecision.INT8, DOT16_AS_F32=INTERPRET)
+            if v2:
+                launch.update(ACC_XU=acc_convert() is AccConvert.XU)
             if INTERPRET:
                 launch.update(BLOCK_M=INTERPRET_WIDE if v2 else BLOCK_Q)
             grid = lambda meta: (triton.cdiv(sq_len, meta["BLOCK_M"]), b * hq)  # noqa: E731
