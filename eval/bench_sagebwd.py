@@ -2,8 +2,9 @@
 
     python eval/bench_sagebwd.py              # hd64 and hd128, 4K-32K tokens (H200: a few minutes)
     python eval/bench_sagebwd.py --quick      # two shapes, fewer rounds
-    SAGE_DIFFUSERS_TRITON_AUTOTUNE=2 python eval/bench_sagebwd.py --compare
+    SAGE_DIFFUSERS_TRITON_AUTOTUNE=3 python eval/bench_sagebwd.py --compare
                                               # V1 vs V2 kernels per pass, 4K and 16K (H200: < 4 min)
+    python eval/bench_sagebwd.py --sass       # no GPU: per-tile SASS issue estimates for sm_90a
 
 Writes eval/results/sagebwd_h200.{json,md} (``--compare``: sagebwd_kernels_h200.{json,md}).
 
@@ -63,7 +64,7 @@ METHOD_ENV = {
     "sagebwd_v2_acc_alu": {"SAGE_DIFFUSERS_SAGEBWD_KERNELS": "v2", "SAGE_DIFFUSERS_SAGEBWD_ACC": "alu"},
     "sagebwd_atomic_dq": {"SAGE_DIFFUSERS_SAGEBWD_KERNELS": "v1", "SAGE_DIFFUSERS_SAGEBWD_DQ": "atomic"},
 }
-COMPARE_METHODS = "sagebwd_v1,sagebwd_v2,sagebwd_v2_acc_alu,sdpa_cudnn"
+COMPARE_METHODS = "sagebwd_v1,sagebwd_v2,sdpa_cudnn"
 COMPARE_SHAPES = [(1, 24, 16384, 128), (1, 48, 16384, 64), (1, 24, 4096, 128), (1, 48, 4096, 64)]
 
 
@@ -146,6 +147,118 @@ def accuracy(q, k, v, do, causal: bool, variants: dict) -> dict:
     return res
 
 
+# Static analysis: every kernel compiled for sm_90a on any machine (Triton ships ptxas and
+# cuobjdump), its innermost loops counted in SASS. Pointer arguments are int8 unless named here.
+_SASS_FLOAT_PTRS = {"sq_ptr", "sk_ptr", "sv_ptr", "m_ptr", "lse_ptr", "delta_ptr", "sdo_ptr", "sdos_ptr", "dk_ptr",
+                    "dv_ptr", "dq_ptr", "mb_ptr", "invl_ptr"}
+_SASS_BF16_PTRS = {"vc_ptr", "do_ptr", "o_ptr"}
+_XU_OPS = ("I2F", "I2FP", "F2I", "F2IP", "F2F", "MUFU", "FCHK")  # the 16-per-clock-per-SM pipe
+
+
+def _sass_loops(kernel, consts: dict, num_warps: int, num_stages: int) -> dict:
+    """Compile ``kernel`` (a jit function, or autotuned) for sm_90a; registers, stack bytes and,
+    for its innermost loops, SASS instructions per warp per iteration and those on the XU pipe."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):
+        kernel = kernel.fn
+    sig, attrs = {}, {}
+    for i, a in enumerate(kernel.arg_names):
+        if a in consts:
+            sig[a] = "constexpr"
+        elif a.endswith("_ptr"):
+            sig[a] = "*fp32" if a in _SASS_FLOAT_PTRS else "*bf16" if a in _SASS_BF16_PTRS else "*i8"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[a] = "fp32" if a.endswith("scale") else "i32"
+            if a in ("SQ", "SKV"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    ck = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=num_warps, num_stages=num_stages))
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tools / "cuobjdump", "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([tools / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    lines = [(int(a, 16), ins) for a, ins in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
+    loops = []
+    for addr, ins in lines:
+        target = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?(0x[0-9a-f]+)", ins)
+        if target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+    counts = []
+    for lo, hi in inner:
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
+                                  for a, ins in lines if lo <= a <= hi)
+        counts.append(dict(instr=sum(ops.values()), xu=sum(ops[k] for k in _XU_OPS), spill=ops["LDL"] + ops["STL"]))
+    return dict(regs=int(re.search(r"REG:(\d+)", res).group(1)), stack=int(re.search(r"STACK:(\d+)", res).group(1)),
+                loops=counts)
+
+
+def sass_report(out: Path) -> None:
+    """--sass: each kernel set's per-tile issue estimate at hd128 and hd64 from sm_90a SASS."""
+    from sage_diffusers.kernels import sagebwd_triton as K
+
+    t0 = time.time()
+    rows = []
+    for d in (128, 64):
+        base = dict(D=d, HAS_MASK=False, IS_CAUSAL=False, DOT16_AS_F32=False)
+        fwd = dict(base, BLOCK_N=64, BLOCK_Q=64, PV_INT8=True)
+        bwd = dict(base, DOV_INT8=False)
+        cases = [  # (kernel set, kernel, constexprs, config kwargs, tiles of 64 x 64 per loop iteration)
+            ("v1", "fwd", K._fwd_kernel, fwd, K._FWD_CONFIGS),
+            ("v2", "fwd", K._fwd_kernel_v2, dict(fwd, ACC_XU=True), K._FWD_V2_CONFIGS),
+            ("v1", "dK/dV", K._bwd_dkdv_kernel, dict(bwd, BLOCK_M=64, BLOCK_N=64, FUSED_DQ=False), K._BWD_CONFIGS),
+            ("v1", "dQ", K._bwd_dq_kernel, dict(bwd, BLOCK_M=64, BLOCK_N=64), K._BWD_CONFIGS),
+            ("v2", "dK/dV", K._bwd_dkdv_kernel_v2, dict(bwd, SUB=64, ACC_XU=True), K._DKDV_V2_CONFIGS),
+            ("v2", "dQ", K._bwd_dq_kernel_v2, dict(bwd, SUB=64, ACC_XU=True), K._DQ_V2_CONFIGS),
+        ]
+        for kset, name, kernel, consts, configs in cases:
+            for cfg in configs[:3]:
+                c = dict(consts, **cfg.kwargs)
+                info = _sass_loops(kernel, c, cfg.num_warps, cfg.num_stages)
+                tiles = max(cfg.kwargs.values(), default=64) // 64
+                per_smsp = cfg.num_warps // 4  # warps of one CTA on each of the SM's 4 schedulers
+                for lp in info["loops"]:
+                    # one instruction issued per cycle per scheduler; the XU pipe takes 8 cycles a warp
+                    issue = lp["instr"] * per_smsp / tiles
+                    xu = lp["xu"] * per_smsp * 8 / tiles
+                    rows.append(dict(d=d, kernels=kset, kernel=name, config=f"{cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}",
+                                     regs=info["regs"], stack=info["stack"], **lp,
+                                     issue_cycles_per_tile=issue, xu_cycles_per_tile=xu, bound=max(issue, xu)))
+                    print(f"[{time.time() - t0:5.1f}s] hd{d} {kset} {name:5s} {rows[-1]['config']:28s} regs {info['regs']} "
+                          f"stack {info['stack']} loop {lp['instr']} instr ({lp['xu']} XU, {lp['spill']} spill) "
+                          f"-> {max(issue, xu):.0f} cycles/tile", flush=True)
+    import triton
+
+    lines = ["# SageBwd Triton kernels: SASS for sm_90a, per-tile issue estimate", "",
+             f"triton {triton.__version__} (its ptxas), compiled without a GPU by `eval/bench_sagebwd.py --sass`; "
+             "bf16, no mask, not causal; each config list's first three. Per innermost loop (the kernels run "
+             "one loop for tiles without bounds or causal tests and one for the others): SASS instructions per "
+             "warp per iteration, of which on the XU pipe (conversions, exp2, division checks: 16 lanes per "
+             "clock per SM), and local-memory spill instructions. Cycles per 64x64 tile = max(instructions x "
+             "warps per scheduler, XU instructions x warps per scheduler x 8) / tiles per iteration: a lower "
+             "bound from issue alone (no stalls, no memory), for comparing variants, not a measurement.", "",
+             "| hd | kernels | kernel | config | regs | stack B | instr/iter | XU | spill | issue | XU cycles | cycles/tile |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['d']} | {r['kernels']} | {r['kernel']} | {r['config']} | {r['regs']} | {r['stack']} | "
+                     f"{r['instr']} | {r['xu']} | {r['spill']} | {r['issue_cycles_per_tile']:.0f} | "
+                     f"{r['xu_cycles_per_tile']:.0f} | {r['bound']:.0f} |")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print("wrote", out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -157,7 +270,12 @@ def main() -> None:
     ap.add_argument("--methods", default=None)
     ap.add_argument("--passes", default=None, help="default fwd,fwd+bwd (all three with --compare)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sass", action="store_true",
+                    help="no GPU needed: compile the kernels for sm_90a and write per-tile SASS issue estimates")
     args = ap.parse_args()
+    if args.sass:
+        sass_report(Path(args.out or RESULTS / "sagebwd_sass_sm90.md"))
+        return
     t0 = time.time()
     if args.compare:
         shapes, causal_shapes = COMPARE_SHAPES, ([s for s in COMPARE_SHAPES if s[2] == 16384] if args.causal else [])
