@@ -5,14 +5,25 @@ quantized operands bit for bit (IEEE division, round half to even), the scale fa
 in the same order. The kernels run on CUDA GPUs (tensor-core INT8 ``tl.dot``) and, for testing,
 on the CPU under ``TRITON_INTERPRET=1`` (tests/test_sagebwd_triton.py).
 
-Passes (one ``@triton.jit`` source each, precision choices as ``tl.constexpr``):
+Two kernel sets (:class:`KernelSet`, ``SAGE_DIFFUSERS_SAGEBWD_KERNELS=v1|v2``, read at each call;
+both produce the same quantized state, so either backward runs on either forward's state):
 
-- ``_quant_kernel``: per-block INT8 of Q, smoothed K, V, dO and dO' = dO / l (masked rows 0).
-- ``_fwd_kernel``: INT8 QK^T, online softmax, P~.V as INT8 (``PV_INT8``) or 16-bit; O, m, LSE.
-- ``_bwd_dkdv_kernel`` (one program per key block, all query heads of its group) and
-  ``_bwd_dq_kernel`` (one per query block): both recompute the same dS tiles with ``_ds_tile``,
-  dP = dO.V^T 16-bit or INT8 (``DOV_INT8``); or, with ``SAGE_DIFFUSERS_SAGEBWD_DQ=atomic``, the
-  dK/dV kernel alone adds each tile's dQ share with FP32 atomics (``FUSED_DQ``).
+- shared: ``_quant_kernel``, per-block INT8 of Q, smoothed K, V (and, for V1's backward, dO and
+  dO' = dO / l); masked rows 0.
+- V1: ``_fwd_kernel`` (INT8 QK^T, online softmax, P~.V as INT8 (``PV_INT8``) or 16-bit; O, m,
+  LSE); ``_bwd_dkdv_kernel`` (one program per key block, all query heads of its group) and
+  ``_bwd_dq_kernel`` (one per query block), both recomputing the same dS tiles with
+  ``_ds_tile``, dP = dO.V^T 16-bit or INT8 (``DOV_INT8``); or, with
+  ``SAGE_DIFFUSERS_SAGEBWD_DQ=atomic``, the dK/dV kernel alone adds each tile's dQ share with
+  FP32 atomics (``FUSED_DQ``).
+- V2 (the default; :class:`KernelSet` says what changes and why): ``_fwd_kernel_v2``;
+  ``_bwd_prep_kernel`` (delta, 1/l, the backward's row max, dO' codes transposed);
+  ``_bwd_dkdv_kernel_v2`` (transposed orientation, up to 128 keys per program) and
+  ``_bwd_dq_kernel_v2`` (up to 128 query rows per program); ``SAGE_DIFFUSERS_SAGEBWD_ACC``
+  (:class:`AccConvert`) picks which int32 results use the conversion instruction.
+
+``eval/bench_sagebwd.py --compare`` times the sets side by side on a GPU; ``--sass`` compiles
+them for sm_90a on any machine and counts their loops' instructions.
 
 On GPUs without this project's CUDA kernels (sm_80/86/89) the forward is also the inference path
 of ``mode="int8"``: :func:`attention_int8_triton` follows the kernels' backend contract.
