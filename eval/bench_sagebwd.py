@@ -139,12 +139,29 @@ def accuracy(q, k, v, do, causal: bool, variants: dict) -> dict:
     res = {}
     for label, method in variants.items():
         x = [t.detach().requires_grad_() for t in (q, k, v)]
-        with method_env(method):
-            out = attention_fn(method, causal)(*x)
-            grads = torch.autograd.grad(out, x, do)
+        try:
+            with method_env(method):
+                out = attention_fn(method, causal)(*x)
+                grads = torch.autograd.grad(out, x, do)
+        except Exception as exc:  # noqa: BLE001 - reported in the table, the timing still runs
+            print(f"accuracy {label} FAILED: {type(exc).__name__}: {exc}"[:400], flush=True)
+            continue
         for name, a, b in zip(("O", "dQ", "dK", "dV"), (out, *grads), (out_ref, *grads_ref)):
             res[f"{label}/{name}"] = dict(cos=cosine(a, b), rel_l1=relative_l1(a, b))
     return res
+
+
+def tuned_configs() -> dict:
+    """{kernel: {autotune key: chosen config}} of the SageBwd Triton kernels run so far."""
+    from sage_diffusers.kernels import sagebwd_triton as K
+
+    out = {}
+    for name in ("_fwd_kernel", "_fwd_kernel_v2", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel_v2",
+                 "_bwd_dq_kernel_v2"):
+        cache = getattr(getattr(K, name, None), "cache", None)
+        if cache:
+            out[name] = {str(key): str(cfg) for key, cfg in cache.items()}
+    return out
 
 
 # Static analysis: every kernel compiled for sm_90a on any machine (Triton ships ptxas and
@@ -294,7 +311,7 @@ def main() -> None:
         passes = (args.passes or "fwd,fwd+bwd").split(",")
         acc_variants = {"fp16": "sagebwd", "int8": "sagebwd_dov_int8"}
         out = Path(args.out or RESULTS / "sagebwd_h200")
-    rows, acc = [], {}
+    rows, acc, failures = [], {}, []
     torch.backends.cuda.matmul.allow_tf32 = False
     for shape, causal in [(s, False) for s in shapes] + [(s, True) for s in causal_shapes]:
         b, h, s, d = shape
@@ -303,14 +320,23 @@ def main() -> None:
             torch.cuda.empty_cache()
         q, k, v, do = make_inputs(*shape)
         for pass_ in passes:
-            steps = {m: step_fn(m, causal, pass_, q, k, v, do) for m in methods}
-            for step in steps.values():  # warm-up: JIT, autotuning, cuDNN plans
-                step()
-            torch.cuda.synchronize()
+            steps = {}
+            for m in methods:  # warm-up: JIT, autotuning, cuDNN plans; a method that fails is reported and left out
+                try:
+                    steps[m] = step_fn(m, causal, pass_, q, k, v, do)
+                    steps[m]()
+                    torch.cuda.synchronize()
+                except Exception as exc:  # noqa: BLE001 - one broken variant must not stop the others' timing
+                    steps.pop(m, None)
+                    failures.append(dict(shape=f"{b}x{h}x{s}x{d}", causal=causal, pass_=pass_, method=m,
+                                         error=f"{type(exc).__name__}: {exc}"[:2000]))
+                    print(f"[{time.time() - t0:6.1f}s] {m} {pass_} FAILED: {failures[-1]['error'][:400]}", flush=True)
+            if not steps:
+                continue
             times = bench_utils.interleaved(steps, tuple, rounds, target_ms=args.target_ms)
             flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0) * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[pass_]
             base = statistics.median(times["sdpa_cudnn"]) if "sdpa_cudnn" in times else None
-            for m in methods:
+            for m in steps:
                 sp = bench_utils.spread(times[m])
                 rows.append(dict(shape=f"{b}x{h}x{s}x{d}", causal=causal, pass_=pass_, method=m,
                                  ms_min=sp["min"], ms_median=sp["median"], ms_max=sp["max"],
@@ -323,12 +349,16 @@ def main() -> None:
             del steps
         del q, k, v, do
         torch.cuda.empty_cache()
+    configs = tuned_configs()
+    for name, chosen in configs.items():
+        print("autotuned", name, chosen, flush=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__("triton").__version__, rounds=rounds, target_ms=args.target_ms,
                 autotune=os.environ.get("SAGE_DIFFUSERS_TRITON_AUTOTUNE", "1"), wall_s=round(time.time() - t0, 1),
                 date=time.strftime("%Y-%m-%d %H:%M:%S"))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows, accuracy={k: v[0] for k, v in acc.items()}), indent=1))
+    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows, failures=failures, autotuned=configs,
+                                                        accuracy={k: v[0] for k, v in acc.items()}), indent=1))
     title = "SageBwd kernel sets" if args.compare else "SageBwd"
     lines = [f"# {title} on {meta['device']} (forward, backward vs torch SDPA)", "",
              f"torch {meta['torch']}, triton {meta['triton']}; {meta['rounds']} interleaved rounds of about "
@@ -344,8 +374,15 @@ def main() -> None:
               "| shape | variant | O cos / rel-L1 | dQ | dK | dV |", "|---|---|---|---|---|---|"]
     for shape, (res, _) in acc.items():
         for label in acc_variants:
+            if f"{label}/O" not in res:
+                continue
             cells = [f"{res[f'{label}/{n}']['cos']:.5f} / {res[f'{label}/{n}']['rel_l1']:.4f}" for n in ("O", "dQ", "dK", "dV")]
             lines.append(f"| {shape} | {label} | " + " | ".join(cells) + " |")
+    if configs:
+        lines += ["", "## Autotuned launch configs", ""] + [f"- `{n}`: {c}" for n, c in configs.items()]
+    if failures:
+        lines += ["", "## Failures (left out of the timing)", ""] + [
+            f"- {f['shape']} causal={int(f['causal'])} {f['pass_']} {f['method']}: `{f['error'][:300]}`" for f in failures]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("wrote", out.with_suffix(".md"), f"after {time.time() - t0:.1f} s")
 
