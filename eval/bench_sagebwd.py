@@ -245,11 +245,12 @@ def sass_report(out: Path) -> None:
                 info = _sass_loops(kernel, c, cfg.num_warps, cfg.num_stages)
                 tiles = max(cfg.kwargs.values(), default=64) // 64
                 per_smsp = cfg.num_warps // 4  # warps of one CTA on each of the SM's 4 schedulers
-                for lp in info["loops"]:
+                for i, lp in enumerate(info["loops"]):
                     # one instruction issued per cycle per scheduler; the XU pipe takes 8 cycles a warp
                     issue = lp["instr"] * per_smsp / tiles
                     xu = lp["xu"] * per_smsp * 8 / tiles
-                    rows.append(dict(d=d, kernels=kset, kernel=name, config=f"{cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}",
+                    rows.append(dict(d=d, kernels=kset, kernel=name, loop=i + 1,
+                                     config=f"{cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}",
                                      regs=info["regs"], stack=info["stack"], **lp,
                                      issue_cycles_per_tile=issue, xu_cycles_per_tile=xu, bound=max(issue, xu)))
                     print(f"[{time.time() - t0:5.1f}s] hd{d} {kset} {name:5s} {rows[-1]['config']:28s} regs {info['regs']} "
@@ -259,16 +260,17 @@ def sass_report(out: Path) -> None:
 
     lines = ["# SageBwd Triton kernels: SASS for sm_90a, per-tile issue estimate", "",
              f"triton {triton.__version__} (its ptxas), compiled without a GPU by `eval/bench_sagebwd.py --sass`; "
-             "bf16, no mask, not causal; each config list's first three. Per innermost loop (the kernels run "
-             "one loop for tiles without bounds or causal tests and one for the others): SASS instructions per "
+             "bf16, no mask, not causal; each config list's first three. Per innermost loop, numbered in code "
+             "order (the V2 kernels run one loop for tiles without bounds or causal tests and one for the "
+             "others, which in this case only the last partial block would enter): SASS instructions per "
              "warp per iteration, of which on the XU pipe (conversions, exp2, division checks: 16 lanes per "
              "clock per SM), and local-memory spill instructions. Cycles per 64x64 tile = max(instructions x "
              "warps per scheduler, XU instructions x warps per scheduler x 8) / tiles per iteration: a lower "
              "bound from issue alone (no stalls, no memory), for comparing variants, not a measurement.", "",
-             "| hd | kernels | kernel | config | regs | stack B | instr/iter | XU | spill | issue | XU cycles | cycles/tile |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| hd | kernels | kernel | config | loop | regs | stack B | instr/iter | XU | spill | issue | XU cycles | cycles/tile |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['d']} | {r['kernels']} | {r['kernel']} | {r['config']} | {r['regs']} | {r['stack']} | "
+        lines.append(f"| {r['d']} | {r['kernels']} | {r['kernel']} | {r['config']} | {r['loop']} | {r['regs']} | {r['stack']} | "
                      f"{r['instr']} | {r['xu']} | {r['spill']} | {r['issue_cycles_per_tile']:.0f} | "
                      f"{r['xu_cycles_per_tile']:.0f} | {r['bound']:.0f} |")
     out.parent.mkdir(parents=True, exist_ok=True)
