@@ -59,7 +59,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # the lists put the likeliest Hopper winners first); the interpreter ignores them.
 _TUNE = os.environ.get("SAGE_DIFFUSERS_TRITON_AUTOTUNE", "1")
 AUTOTUNE = not INTERPRET and _TUNE != "0"
-TUNE_LIMIT: Optional[int] = None if _TUNE == "1" else max(int(_TUNE), 1)
+TUNE_LIMIT: Optional[int] = int(_TUNE) if _TUNE.isdigit() and int(_TUNE) > 1 else None  # None: all
 # Under the interpreter the v2 kernels run with this many rows on their wide tile side (the
 # autotuned BLOCK_N of the dK/dV kernel, BLOCK_M of the dQ kernel and the forward): 128 covers
 # the two-quantization-tile path; tests set 64 to cover the other.
