@@ -457,8 +457,8 @@ if triton is not None:
     # ---- V2 kernels (KernelSet.V2): the same numerics, organised for Hopper (see KernelSet) ----
 
     # The V2 backward computes dS times 2**32 (1/l carries the factor): an exact power-of-two shift
-    # that keeps the dS quantizer's reciprocal and FMA residual exact for every tile scale,
-    # subnormal ones included, with no test in the loop (dS would have to exceed 2**96 to overflow).
+    # that keeps the dS quantizer's reciprocal finite and its FMA residual exact down to tile scales
+    # of 2**-133 (subnormal), with no test in the loop (dS would have to exceed 2**96 to overflow).
     DS_PRESCALE = tl.constexpr(4294967296.0)
 
     # BLOCK_M of the forward, BLOCK_N (keys per program) of the dK/dV kernel, BLOCK_M (query rows
@@ -509,11 +509,12 @@ if triton is not None:
         nothing): (codes int8 (R, SUB), scale per row float32 (R,): the reference's scale of the
         row's tile, absmax(dS) / 127).
 
-        The codes are rint(dS / scale) = rint(ds_big / (scale * DS_PRESCALE)), the quotient
-        rounded once (IEEE), as long as dS carries no subnormal: scaled, the divisor is at least
-        2**-117, so the residual step of :func:`_codes_by_reciprocal` is exact and its reciprocal
-        finite for every scale (a tile whose absmax is below about 1e-36 may differ from the
-        reference in a code worth less than 1e-36)."""
+        The codes are rint(dS / scale) = rint(ds_big / (scale * DS_PRESCALE)) with the quotient
+        rounded once (IEEE): the reference's codes. Scaled, the divisor is at least 2**-101 once the
+        tile's absmax reaches 127 * 2**-133, so the residual step of :func:`_codes_by_reciprocal`
+        is exact; below that, and where a dS entry is subnormal (the reference rounds it to the
+        subnormal grid, ds_big keeps 32 more bits), only tiles whose absmax is under 3e-36 can get
+        a code that differs, by one unit worth under 3e-38."""
         rmax = tl.max(tl.abs(ds_big), axis=1)  # (R,)
         if R == SUB:
             amax = tl.zeros((R,), tl.float32) + tl.max(rmax, axis=0)
