@@ -1,27 +1,37 @@
-"""SageBwd on one GPU: forward + backward time against torch SDPA (cuDNN and flash backends).
+"""SageBwd on one GPU: forward, backward and forward + backward time against torch SDPA.
 
     python eval/bench_sagebwd.py              # hd64 and hd128, 4K-32K tokens (H200: a few minutes)
     python eval/bench_sagebwd.py --quick      # two shapes, fewer rounds
+    SAGE_DIFFUSERS_TRITON_AUTOTUNE=3 python eval/bench_sagebwd.py --compare
+                                              # V1 vs V2 kernels per pass, 4K and 16K (H200: < 4 min)
+    python eval/bench_sagebwd.py --sass       # no GPU: per-tile SASS issue estimates for sm_90a
 
-Writes eval/results/sagebwd_h200.json (every timing, with metadata) and sagebwd_h200.md.
+Writes eval/results/sagebwd_h200.{json,md} (``--compare``: sagebwd_kernels_h200.{json,md}).
 
-- Inputs: bf16 BHSD, Q and V ~ N(0, 1), K = N(0, 1) + 4 N(0, 1) per channel (as
-  eval/bench_kernels.py), dO ~ N(0, 1).
-- Methods: ``sagebwd`` (``sage_diffusers.sagebwd``, Triton kernels, the whole call: quantization
-  pre-passes included), ``sagebwd_atomic_dq`` (dQ by FP32 atomics inside the dK/dV kernel instead
-  of its own kernel: ``SAGE_DIFFUSERS_SAGEBWD_DQ=atomic``), ``sagebwd_dov_int8`` (the dO.V^T INT8
-  ablation), ``sdpa_cudnn`` and
-  ``sdpa_flash`` (``F.scaled_dot_product_attention`` under ``sdpa_kernel``); ``fwd`` rows time the
-  forward alone (no autograd graph), ``fwd+bwd`` rows one forward and
-  ``torch.autograd.grad`` for dQ, dK, dV.
-- Warm-up compiles and autotunes every kernel variant first (a few minutes on an H200, not
-  timed); ``--methods`` narrows the run.
-- Timing: interleaved rounds (every method once per round, in turn), each the mean of ``--iters``
-  back-to-back calls between CUDA events after a warm-up; min / median / max over the rounds.
+- Inputs: bf16 BHSD from ``sage_diffusers.kernels.bench_utils.make_inputs`` (Q, V ~ N(0, 1),
+  K = N(0, 1) + 4 N(0, 1) per channel), dO ~ N(0, 1).
+- Methods: ``sagebwd`` (``sage_diffusers.sagebwd`` with the default kernels, the whole call:
+  quantization pre-passes included); ``sagebwd_v1`` / ``sagebwd_v2``: the two Triton kernel sets
+  (``SAGE_DIFFUSERS_SAGEBWD_KERNELS``); ``sagebwd_v2_acc_alu``: V2 with the backward's int32
+  products converted by ALU instructions instead of the conversion unit
+  (``SAGE_DIFFUSERS_SAGEBWD_ACC=alu``); ``sagebwd_atomic_dq`` (V1 with dQ by FP32 atomics inside
+  the dK/dV kernel: ``SAGE_DIFFUSERS_SAGEBWD_DQ=atomic``); ``sagebwd_dov_int8`` (the dO.V^T INT8
+  ablation); ``sdpa_cudnn`` and ``sdpa_flash`` (``F.scaled_dot_product_attention`` under
+  ``sdpa_kernel``). The environment of a method is set around each of its calls (the kernels
+  read it at call time).
+- Passes: ``fwd`` the forward alone (no autograd graph); ``bwd`` ``torch.autograd.grad`` for dQ,
+  dK, dV of one saved forward (``retain_graph``); ``fwd+bwd`` both.
+- Warm-up compiles and autotunes every kernel variant at the first shape of its head dim (not
+  timed; each line printed carries the elapsed time; the autotuner's choices are recorded). ``SAGE_DIFFUSERS_TRITON_AUTOTUNE=N`` tunes over the first N configs of each
+  list only (the lists put the likeliest Hopper winners first), which bounds the compile time.
+- Timing: ``sage_diffusers.kernels.bench_utils.interleaved``: rounds in which every method runs
+  once, in rotating order, each the mean of back-to-back calls between CUDA events; min / median /
+  max over the rounds. Speed-up = median cuDNN time / median time.
 - TOPS: forward 4 B H S^2 D, backward 2.5 times that (five matmuls of which two are the
   recomputation), halved for causal.
 - Accuracy (each head dim, at 4096 tokens): cos and relative L1 of O, dQ, dK, dV against float32
-  SDPA (math backend) on the same inputs.
+  SDPA (math backend) on the same inputs, for dO.V^T in 16 bits and INT8 (``--compare``: for
+  each kernel set).
 """
 from __future__ import annotations
 
@@ -38,21 +48,31 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import sage_diffusers as sd
-from sage_diffusers.kernels._timing import pipelined_ms
+from sage_diffusers.kernels import bench_utils
 from sage_diffusers.reference import cosine, relative_l1
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ACC_TOKENS = 4096
 SDPA_BACKENDS = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION}
+PASSES = ("fwd", "bwd", "fwd+bwd")
+# The environment each SageBwd method runs under (read by the kernels at call time).
+METHOD_ENV = {
+    "sagebwd": {},
+    "sagebwd_dov_int8": {},
+    "sagebwd_v1": {"SAGE_DIFFUSERS_SAGEBWD_KERNELS": "v1"},
+    "sagebwd_v2": {"SAGE_DIFFUSERS_SAGEBWD_KERNELS": "v2"},
+    "sagebwd_v2_acc_alu": {"SAGE_DIFFUSERS_SAGEBWD_KERNELS": "v2", "SAGE_DIFFUSERS_SAGEBWD_ACC": "alu"},
+    "sagebwd_atomic_dq": {"SAGE_DIFFUSERS_SAGEBWD_KERNELS": "v1", "SAGE_DIFFUSERS_SAGEBWD_DQ": "atomic"},
+}
+COMPARE_METHODS = "sagebwd_v1,sagebwd_v2,sdpa_cudnn"
+COMPARE_SHAPES = [(1, 24, 16384, 128), (1, 48, 16384, 64), (1, 24, 4096, 128), (1, 48, 4096, 64)]
 
 
 def make_inputs(b, h, s, d, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, h, s, d, generator=g, device="cuda")
-    k = torch.randn(b, h, s, d, generator=g, device="cuda") + 4 * torch.randn(1, h, 1, d, generator=g, device="cuda")
-    v = torch.randn(b, h, s, d, generator=g, device="cuda")
-    do = torch.randn(b, h, s, d, generator=g, device="cuda")
-    return [x.to(torch.bfloat16) for x in (q, k, v, do)]
+    """[q, k, v, do]: the shared benchmark inputs and dO ~ N(0, 1), bf16 (b, h, s, d) on CUDA."""
+    q, k, v = bench_utils.make_inputs(b, h, s, d, seed)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    return [q, k, v, torch.randn(b, h, s, d, generator=g, device="cuda").to(torch.bfloat16)]
 
 
 def attention_fn(method: str, causal: bool):
@@ -68,99 +88,287 @@ def attention_fn(method: str, causal: bool):
 
 
 @contextlib.contextmanager
-def dq_pass(method: str):
-    """``sagebwd_atomic_dq``: the backward's dQ by atomics in the dK/dV kernel (read at call time)."""
-    if method != "sagebwd_atomic_dq":
-        yield
-        return
-    os.environ["SAGE_DIFFUSERS_SAGEBWD_DQ"] = "atomic"
+def method_env(method: str):
+    """The method's environment variables (METHOD_ENV) set for the duration, then restored."""
+    env = METHOD_ENV.get(method, {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         yield
     finally:
-        del os.environ["SAGE_DIFFUSERS_SAGEBWD_DQ"]
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def step_fn(method: str, causal: bool, pass_: str, q, k, v, do):
+    """A no-argument callable running one ``pass_`` of ``method`` under its environment."""
     fn = attention_fn(method, causal)
     if pass_ == "fwd":
         def step():
-            with torch.no_grad():
+            with torch.no_grad(), method_env(method):
                 fn(q, k, v)
         return step
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    if pass_ == "bwd":
+        with method_env(method):
+            out = fn(qg, kg, vg)
+
+        def step():
+            with method_env(method):
+                torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
+        return step
 
     def step():
-        with dq_pass(method):
+        with method_env(method):
             out = fn(qg, kg, vg)
             torch.autograd.grad(out, (qg, kg, vg), do)
     return step
 
 
-def accuracy(q, k, v, do, causal: bool) -> dict:
+def accuracy(q, k, v, do, causal: bool, variants: dict) -> dict:
+    """{"<label>/<O|dQ|dK|dV>": {cos, rel_l1}} against float32 math SDPA, for each
+    ``variants`` label -> method."""
     ref = [t.float().detach().requires_grad_() for t in (q, k, v)]
     with sdpa_kernel(SDPBackend.MATH):
         out_ref = F.scaled_dot_product_attention(*ref, is_causal=causal)
     grads_ref = torch.autograd.grad(out_ref, ref, do.float())
+    del ref
     res = {}
-    for dov in ("fp16", "int8"):
+    for label, method in variants.items():
         x = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = sd.sagebwd(*x, is_causal=causal, dov=dov)
-        grads = torch.autograd.grad(out, x, do)
+        try:
+            with method_env(method):
+                out = attention_fn(method, causal)(*x)
+                grads = torch.autograd.grad(out, x, do)
+        except Exception as exc:  # noqa: BLE001 - reported in the table, the timing still runs
+            print(f"accuracy {label} FAILED: {type(exc).__name__}: {exc}"[:400], flush=True)
+            continue
         for name, a, b in zip(("O", "dQ", "dK", "dV"), (out, *grads), (out_ref, *grads_ref)):
-            res[f"{dov}/{name}"] = dict(cos=cosine(a, b), rel_l1=relative_l1(a, b))
+            res[f"{label}/{name}"] = dict(cos=cosine(a, b), rel_l1=relative_l1(a, b))
     return res
+
+
+def tuned_configs() -> dict:
+    """{kernel: {autotune key: chosen config}} of the SageBwd Triton kernels run so far."""
+    from sage_diffusers.kernels import sagebwd_triton as K
+
+    out = {}
+    for name in ("_fwd_kernel", "_fwd_kernel_v2", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel_v2",
+                 "_bwd_dq_kernel_v2"):
+        cache = getattr(getattr(K, name, None), "cache", None)
+        if cache:
+            out[name] = {str(key): str(cfg) for key, cfg in cache.items()}
+    return out
+
+
+# Static analysis: every kernel compiled for sm_90a on any machine (Triton ships ptxas and
+# cuobjdump), its innermost loops counted in SASS. Pointer arguments are int8 unless named here.
+_SASS_FLOAT_PTRS = {"sq_ptr", "sk_ptr", "sv_ptr", "m_ptr", "lse_ptr", "delta_ptr", "sdo_ptr", "sdos_ptr", "dk_ptr",
+                    "dv_ptr", "dq_ptr", "mb_ptr", "invl_ptr"}
+_SASS_BF16_PTRS = {"vc_ptr", "do_ptr", "o_ptr"}
+_XU_OPS = ("I2F", "I2FP", "F2I", "F2IP", "F2F", "MUFU", "FCHK")  # the 16-per-clock-per-SM pipe
+
+
+def _sass_loops(kernel, consts: dict, num_warps: int, num_stages: int) -> dict:
+    """Compile ``kernel`` (a jit function, or autotuned) for sm_90a; registers, stack bytes and,
+    for its innermost loops, SASS instructions per warp per iteration and those on the XU pipe."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):
+        kernel = kernel.fn
+    sig, attrs = {}, {}
+    for i, a in enumerate(kernel.arg_names):
+        if a in consts:
+            sig[a] = "constexpr"
+        elif a.endswith("_ptr"):
+            sig[a] = "*fp32" if a in _SASS_FLOAT_PTRS else "*bf16" if a in _SASS_BF16_PTRS else "*i8"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[a] = "fp32" if a.endswith("scale") else "i32"
+            if a in ("SQ", "SKV"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    ck = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=num_warps, num_stages=num_stages))
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tools / "cuobjdump", "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([tools / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    lines = [(int(a, 16), ins) for a, ins in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
+    loops = []
+    for addr, ins in lines:
+        target = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?(0x[0-9a-f]+)", ins)
+        if target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
+    counts = []
+    for lo, hi in inner:
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
+                                  for a, ins in lines if lo <= a <= hi)
+        counts.append(dict(instr=sum(ops.values()), xu=sum(ops[k] for k in _XU_OPS), spill=ops["LDL"] + ops["STL"]))
+    return dict(regs=int(re.search(r"REG:(\d+)", res).group(1)), stack=int(re.search(r"STACK:(\d+)", res).group(1)),
+                loops=counts)
+
+
+def sass_report(out: Path) -> None:
+    """--sass: each kernel set's per-tile issue estimate at hd128 and hd64 from sm_90a SASS."""
+    from sage_diffusers.kernels import sagebwd_triton as K
+
+    t0 = time.time()
+    rows = []
+    for d in (128, 64):
+        base = dict(D=d, HAS_MASK=False, IS_CAUSAL=False, DOT16_AS_F32=False)
+        fwd = dict(base, BLOCK_N=64, BLOCK_Q=64, PV_INT8=True)
+        bwd = dict(base, DOV_INT8=False)
+        cases = [  # (kernel set, kernel, constexprs, config kwargs, tiles of 64 x 64 per loop iteration)
+            ("v1", "fwd", K._fwd_kernel, fwd, K._FWD_CONFIGS),
+            ("v2", "fwd", K._fwd_kernel_v2, dict(fwd, ACC_XU=True), K._FWD_V2_CONFIGS),
+            ("v1", "dK/dV", K._bwd_dkdv_kernel, dict(bwd, BLOCK_M=64, BLOCK_N=64, FUSED_DQ=False), K._BWD_CONFIGS),
+            ("v1", "dQ", K._bwd_dq_kernel, dict(bwd, BLOCK_M=64, BLOCK_N=64), K._BWD_CONFIGS),
+            ("v2", "dK/dV", K._bwd_dkdv_kernel_v2, dict(bwd, SUB=64, ACC_XU=True), K._DKDV_V2_CONFIGS),
+            ("v2", "dQ", K._bwd_dq_kernel_v2, dict(bwd, SUB=64, ACC_XU=True), K._DQ_V2_CONFIGS),
+        ]
+        for kset, name, kernel, consts, configs in cases:
+            for cfg in configs[:3]:
+                c = dict(consts, **cfg.kwargs)
+                info = _sass_loops(kernel, c, cfg.num_warps, cfg.num_stages)
+                tiles = max(cfg.kwargs.values(), default=64) // 64
+                per_smsp = cfg.num_warps // 4  # warps of one CTA on each of the SM's 4 schedulers
+                for i, lp in enumerate(info["loops"]):
+                    # one instruction issued per cycle per scheduler; the XU pipe takes 8 cycles a warp
+                    issue = lp["instr"] * per_smsp / tiles
+                    xu = lp["xu"] * per_smsp * 8 / tiles
+                    rows.append(dict(d=d, kernels=kset, kernel=name, loop=i + 1,
+                                     config=f"{cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}",
+                                     regs=info["regs"], stack=info["stack"], **lp,
+                                     issue_cycles_per_tile=issue, xu_cycles_per_tile=xu, bound=max(issue, xu)))
+                    print(f"[{time.time() - t0:5.1f}s] hd{d} {kset} {name:5s} {rows[-1]['config']:28s} regs {info['regs']} "
+                          f"stack {info['stack']} loop {lp['instr']} instr ({lp['xu']} XU, {lp['spill']} spill) "
+                          f"-> {max(issue, xu):.0f} cycles/tile", flush=True)
+    import triton
+
+    lines = ["# SageBwd Triton kernels: SASS for sm_90a, per-tile issue estimate", "",
+             f"triton {triton.__version__} (its ptxas), compiled without a GPU by `eval/bench_sagebwd.py --sass`; "
+             "bf16, no mask, not causal; each config list's first three. Per innermost loop, numbered in code "
+             "order (the V2 kernels run one loop for tiles without bounds or causal tests and one for the "
+             "others, which in this case only the last partial block would enter): SASS instructions per "
+             "warp per iteration, of which on the XU pipe (conversions, exp2, division checks: 16 lanes per "
+             "clock per SM), and local-memory spill instructions. Cycles per 64x64 tile = max(instructions x "
+             "warps per scheduler, XU instructions x warps per scheduler x 8) / tiles per iteration: a lower "
+             "bound from issue alone (no stalls, no memory), for comparing variants, not a measurement.", "",
+             "| hd | kernels | kernel | config | loop | regs | stack B | instr/iter | XU | spill | issue | XU cycles | cycles/tile |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['d']} | {r['kernels']} | {r['kernel']} | {r['config']} | {r['loop']} | {r['regs']} | {r['stack']} | "
+                     f"{r['instr']} | {r['xu']} | {r['spill']} | {r['issue_cycles_per_tile']:.0f} | "
+                     f"{r['xu_cycles_per_tile']:.0f} | {r['bound']:.0f} |")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print("wrote", out)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--methods", default="sagebwd,sagebwd_atomic_dq,sagebwd_dov_int8,sdpa_cudnn,sdpa_flash")
-    ap.add_argument("--out", default=str(RESULTS / "sagebwd_h200"))
+    ap.add_argument("--compare", action="store_true",
+                    help=f"kernel sets side by side: {COMPARE_METHODS} at {COMPARE_SHAPES}, passes {PASSES}")
+    ap.add_argument("--causal", action="store_true", help="with --compare: also the 16K shapes causal")
+    ap.add_argument("--rounds", type=int, default=None, help="default 7 (5 with --compare, 3 with --quick)")
+    ap.add_argument("--target-ms", type=float, default=40.0, help="back-to-back time per method per round")
+    ap.add_argument("--methods", default=None)
+    ap.add_argument("--passes", default=None, help="default fwd,fwd+bwd (all three with --compare)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--sass", action="store_true",
+                    help="no GPU needed: compile the kernels for sm_90a and write per-tile SASS issue estimates")
     args = ap.parse_args()
-    shapes = [(1, 24, s, 128) for s in (4096, 8192, 16384, 32768)] + [(1, 48, s, 64) for s in (4096, 8192, 16384, 32768)]
-    causal_shapes = [(1, 24, 16384, 128), (1, 48, 16384, 64)]
-    if args.quick:
-        shapes, causal_shapes, args.rounds = [(1, 24, 16384, 128), (1, 48, 8192, 64)], [], 3
-    methods = args.methods.split(",")
-    rows, acc = [], {}
+    if args.sass:
+        sass_report(Path(args.out or RESULTS / "sagebwd_sass_sm90.md"))
+        return
+    t0 = time.time()
+    if args.compare:
+        shapes, causal_shapes = COMPARE_SHAPES, ([s for s in COMPARE_SHAPES if s[2] == 16384] if args.causal else [])
+        methods = (args.methods or COMPARE_METHODS).split(",")
+        passes = (args.passes or ",".join(PASSES)).split(",")
+        rounds = args.rounds or 5
+        acc_variants = {m[len("sagebwd_"):]: m for m in methods if m.startswith("sagebwd_v")}
+        out = Path(args.out or RESULTS / "sagebwd_kernels_h200")
+    else:
+        shapes = [(1, 24, s, 128) for s in (4096, 8192, 16384, 32768)] + [(1, 48, s, 64) for s in (4096, 8192, 16384, 32768)]
+        causal_shapes = [(1, 24, 16384, 128), (1, 48, 16384, 64)]
+        rounds = args.rounds or 7
+        if args.quick:
+            shapes, causal_shapes, rounds = [(1, 24, 16384, 128), (1, 48, 8192, 64)], [], args.rounds or 3
+        methods = (args.methods or "sagebwd,sagebwd_v1,sagebwd_dov_int8,sdpa_cudnn,sdpa_flash").split(",")
+        passes = (args.passes or "fwd,fwd+bwd").split(",")
+        acc_variants = {"fp16": "sagebwd", "int8": "sagebwd_dov_int8"}
+        out = Path(args.out or RESULTS / "sagebwd_h200")
+    rows, acc, failures = [], {}, []
     torch.backends.cuda.matmul.allow_tf32 = False
     for shape, causal in [(s, False) for s in shapes] + [(s, True) for s in causal_shapes]:
         b, h, s, d = shape
-        if not causal and d not in {a[1] for a in acc.values()}:  # float32 math SDPA needs S^2 memory: 4K tokens
-            acc[f"{b}x{h}x{ACC_TOKENS}x{d}"] = (accuracy(*make_inputs(b, h, ACC_TOKENS, d), causal), d)
-            torch.cuda.empty_cache()
         q, k, v, do = make_inputs(*shape)
-        for pass_ in ("fwd", "fwd+bwd"):
-            steps = {m: step_fn(m, causal, pass_, q, k, v, do) for m in methods}
-            for step in steps.values():  # warm-up: JIT, autotuning, cuDNN plans
-                step()
-            torch.cuda.synchronize()
-            times = {m: [] for m in methods}
-            for _ in range(args.rounds):
-                for m in methods:
-                    times[m].append(pipelined_ms(steps[m], args.iters, warmup=0))
-            flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0) * (1.0 if pass_ == "fwd" else 3.5)
+        for pass_ in passes:
+            steps = {}
+            for m in methods:  # warm-up: JIT, autotuning, cuDNN plans; a method that fails is reported and left out
+                try:
+                    steps[m] = step_fn(m, causal, pass_, q, k, v, do)
+                    steps[m]()
+                    torch.cuda.synchronize()
+                except Exception as exc:  # noqa: BLE001 - one broken variant must not stop the others' timing
+                    steps.pop(m, None)
+                    failures.append(dict(shape=f"{b}x{h}x{s}x{d}", causal=causal, pass_=pass_, method=m,
+                                         error=f"{type(exc).__name__}: {exc}"[:2000]))
+                    print(f"[{time.time() - t0:6.1f}s] {m} {pass_} FAILED: {failures[-1]['error'][:400]}", flush=True)
+            if not steps:
+                continue
+            times = bench_utils.interleaved(steps, tuple, rounds, target_ms=args.target_ms)
+            flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0) * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[pass_]
             base = statistics.median(times["sdpa_cudnn"]) if "sdpa_cudnn" in times else None
-            for m in methods:
-                med = statistics.median(times[m])
+            for m in steps:
+                sp = bench_utils.spread(times[m])
                 rows.append(dict(shape=f"{b}x{h}x{s}x{d}", causal=causal, pass_=pass_, method=m,
-                                 ms_min=min(times[m]), ms_median=med, ms_max=max(times[m]),
-                                 tops=flops / med / 1e9, speedup_vs_cudnn=(base / med) if base else None))
-                print(f"{b}x{h}x{s}x{d} causal={int(causal)} {pass_:8s} {m:18s} {med:8.3f} ms "
-                      f"({flops / med / 1e9:6.1f} TOPS) x{(base / med) if base else float('nan'):.2f}", flush=True)
+                                 ms_min=sp["min"], ms_median=sp["median"], ms_max=sp["max"],
+                                 tops=flops / sp["median"] / 1e9,
+                                 speedup_vs_cudnn=(base / sp["median"]) if base else None))
+                print(f"[{time.time() - t0:6.1f}s] {b}x{h}x{s}x{d} causal={int(causal)} {pass_:8s} {m:20s} "
+                      f"{sp['min']:8.3f} / {sp['median']:8.3f} / {sp['max']:8.3f} ms "
+                      f"({flops / sp['median'] / 1e9:6.1f} TOPS) x{(base / sp['median']) if base else float('nan'):.2f}",
+                      flush=True)
+            del steps
         del q, k, v, do
         torch.cuda.empty_cache()
+    # Accuracy after the timings, so that the autotuner has chosen at the timed shapes (its key has
+    # no sequence length); float32 math SDPA needs S^2 memory: 4K tokens.
+    for b, h, _, d in shapes:
+        if d not in {a[1] for a in acc.values()}:
+            acc[f"{b}x{h}x{ACC_TOKENS}x{d}"] = (accuracy(*make_inputs(b, h, ACC_TOKENS, d), False, acc_variants), d)
+            torch.cuda.empty_cache()
+    configs = tuned_configs()
+    for name, chosen in configs.items():
+        print("autotuned", name, chosen, flush=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=__import__("triton").__version__, rounds=args.rounds, iters=args.iters,
+                triton=__import__("triton").__version__, rounds=rounds, target_ms=args.target_ms,
+                autotune=os.environ.get("SAGE_DIFFUSERS_TRITON_AUTOTUNE", "1"), wall_s=round(time.time() - t0, 1),
                 date=time.strftime("%Y-%m-%d %H:%M:%S"))
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows, accuracy={k: v[0] for k, v in acc.items()}), indent=1))
-    lines = [f"# SageBwd on {meta['device']} (forward + backward vs torch SDPA)", "",
-             f"torch {meta['torch']}, triton {meta['triton']}; {meta['rounds']} interleaved rounds of "
-             f"{meta['iters']} calls each; bf16 inputs; produced by `eval/bench_sagebwd.py`. "
+    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows, failures=failures, autotuned=configs,
+                                                        accuracy={k: v[0] for k, v in acc.items()}), indent=1))
+    title = "SageBwd kernel sets" if args.compare else "SageBwd"
+    lines = [f"# {title} on {meta['device']} (forward, backward vs torch SDPA)", "",
+             f"torch {meta['torch']}, triton {meta['triton']}; {meta['rounds']} interleaved rounds of about "
+             f"{meta['target_ms']:.0f} ms of back-to-back calls per method; autotune {meta['autotune']}; bf16 inputs; "
+             f"produced by `eval/bench_sagebwd.py{' --compare' if args.compare else ''}` in {meta['wall_s']} s. "
              "Speed-up = median cuDNN time / median time.", "",
              "| shape | causal | pass | method | ms min / median / max | TOPS | vs cuDNN |", "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -168,13 +376,20 @@ def main() -> None:
         lines.append(f"| {r['shape']} | {int(r['causal'])} | {r['pass_']} | {r['method']} | {r['ms_min']:.3f} / "
                      f"{r['ms_median']:.3f} / {r['ms_max']:.3f} | {r['tops']:.0f} | {sp} |")
     lines += ["", "## Accuracy against float32 SDPA (same inputs)", "",
-              "| shape | dO·Vᵀ | O cos / rel-L1 | dQ | dK | dV |", "|---|---|---|---|---|---|"]
+              "| shape | variant | O cos / rel-L1 | dQ | dK | dV |", "|---|---|---|---|---|---|"]
     for shape, (res, _) in acc.items():
-        for dov in ("fp16", "int8"):
-            cells = [f"{res[f'{dov}/{n}']['cos']:.5f} / {res[f'{dov}/{n}']['rel_l1']:.4f}" for n in ("O", "dQ", "dK", "dV")]
-            lines.append(f"| {shape} | {dov} | " + " | ".join(cells) + " |")
+        for label in acc_variants:
+            if f"{label}/O" not in res:
+                continue
+            cells = [f"{res[f'{label}/{n}']['cos']:.5f} / {res[f'{label}/{n}']['rel_l1']:.4f}" for n in ("O", "dQ", "dK", "dV")]
+            lines.append(f"| {shape} | {label} | " + " | ".join(cells) + " |")
+    if configs:
+        lines += ["", "## Autotuned launch configs", ""] + [f"- `{n}`: {c}" for n, c in configs.items()]
+    if failures:
+        lines += ["", "## Failures (left out of the timing)", ""] + [
+            f"- {f['shape']} causal={int(f['causal'])} {f['pass_']} {f['method']}: `{f['error'][:300]}`" for f in failures]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("wrote", out.with_suffix(".md"))
+    print("wrote", out.with_suffix(".md"), f"after {time.time() - t0:.1f} s")
 
 
 if __name__ == "__main__":

@@ -17,18 +17,38 @@ from pathlib import Path
 import pytest
 import torch
 
+from sage_diffusers.kernels import sagebwd_triton
 from sage_diffusers.reference import cosine, relative_l1
 from sage_diffusers.reference import sagebwd as ref
+from sage_diffusers.reference.quant import _div
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the kernels' own availability check reports it; nothing here runs without a device
+    triton = None
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ["cpu"] if IN_INTERPRETER else (["cuda"] if torch.cuda.is_available() else [])
 needs_device = pytest.mark.skipif(not DEVICES, reason="no CUDA device: runs in the interpreter child")
+# (kernel set, rows on the wide tile side under the interpreter (a GPU autotunes it instead),
+# how the V2 backward converts its int32 products)
+KERNEL_SETS = [("v1", 128, "xu"), ("v2", 128, "xu"), ("v2", 64, "alu")] if IN_INTERPRETER else \
+    [("v1", 128, "xu"), ("v2", 128, "xu"), ("v2", 128, "alu")]
 
 
 def kernels():
-    from sage_diffusers.kernels import sagebwd_triton
-
     return sagebwd_triton
+
+
+@pytest.fixture(params=KERNEL_SETS, ids=lambda p: f"{p[0]}-wide{p[1]}-{p[2]}" if p[0] == "v2" else p[0])
+def kernel_set(request, monkeypatch):
+    """Runs a test under each kernel set (SAGE_DIFFUSERS_SAGEBWD_KERNELS and _ACC, read at call time)."""
+    name, wide, acc = request.param
+    monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_KERNELS", name)
+    monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_ACC", acc)
+    monkeypatch.setattr(sagebwd_triton, "INTERPRET_WIDE", wide)
+    return name
 
 
 def _triton_version() -> tuple[int, int]:
@@ -82,7 +102,7 @@ def _id(c):
 @needs_device
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=_id)
-def test_kernels_match_reference(case, device):
+def test_kernels_match_reference(case, device, kernel_set):
     b, hq, hkv, sq, skv, d, dtype, causal, masked, pv, dov = case
     tri = kernels()
     q, k, v, do, key_mask = inputs(b, hq, hkv, sq, skv, d, dtype, device, masked)
@@ -120,7 +140,7 @@ def test_dos_prepass_is_bitexact(device):
 
 @needs_device
 @pytest.mark.parametrize("device", DEVICES)
-def test_no_visible_key_rows_and_nan_in_masked_rows(device):
+def test_no_visible_key_rows_and_nan_in_masked_rows(device, kernel_set):
     tri = kernels()
     q, k, v, do, _ = inputs(2, 2, 2, 40, 70, 32, torch.float16, device, False)
     key_mask = torch.rand(2, 70, device=device) > 0.5
@@ -182,9 +202,77 @@ def test_atomic_dq_pass_matches_separate(device, monkeypatch):
     tri = kernels()
     q, k, v, do, key_mask = inputs(1, 4, 2, 113, 90, 64, torch.bfloat16, device, True)
     st = ref.sagebwd_forward(q, k, v, key_mask, True, None)
+    monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_KERNELS", "v1")  # the dQ pass choice is V1's
     monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_DQ", "separate")
     want = tri.sagebwd_backward(do, st, key_mask, True, None)
     monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_DQ", "atomic")
     got = tri.sagebwd_backward(do, st, key_mask, True, None)
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
     assert torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-6 * want[0].abs().max().item())
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernel_sets_agree_on_a_gqa_causal_masked_case(device, monkeypatch):
+    """V1 and V2 from the same inputs: the same quantized state bit for bit, outputs and
+    gradients equal up to summation order (awkward lengths, two tiles on the wide side)."""
+    tri = kernels()
+    q, k, v, do, key_mask = inputs(1, 4, 2, 239, 150, 64, torch.bfloat16, device, True)
+    res = {}
+    for name in ("v1", "v2"):
+        monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_KERNELS", name)
+        st = tri.sagebwd_forward(q, k, v, key_mask, True, None)
+        res[name] = (st, tri.sagebwd_backward(do, st, key_mask, True, None))
+    (s1, g1), (s2, g2) = res["v1"], res["v2"]
+    for field in QUANTIZED:
+        assert torch.equal(getattr(s1, field), getattr(s2, field)), field
+    assert torch.allclose(s1.m2, s2.m2, atol=1e-5, rtol=0) and torch.allclose(s1.lse2, s2.lse2, atol=1e-5, rtol=0)
+    assert (s1.out.float() - s2.out.float()).abs().max() <= 4 * 2 ** -8 * s1.out.float().abs().max()
+    for name, a, w in zip(("dq", "dk", "dv"), g2, g1):
+        assert cosine(a, w) > 0.9999 and relative_l1(a, w) < 5e-3, (name, cosine(a, w), relative_l1(a, w))
+
+
+if triton is not None:
+    @triton.jit
+    def _quant_ds_probe(x_ptr, codes_ptr, scale_ptr, R: tl.constexpr, SUB: tl.constexpr):
+        """Runs the V2 kernels' dS quantizer on one (R, SUB) tile."""
+        rows = tl.arange(0, R)
+        cols = tl.arange(0, SUB)
+        ds = tl.load(x_ptr + rows[:, None] * SUB + cols[None, :])
+        codes, scale = sagebwd_triton._quant_ds_rows(ds * sagebwd_triton.DS_PRESCALE, R, SUB)
+        tl.store(codes_ptr + rows[:, None] * SUB + cols[None, :], codes)
+        tl.store(scale_ptr + rows, scale)
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+def test_ds_quantizer_is_the_ieee_division_at_rounding_ties(device):
+    """The V2 dS codes (reciprocal + one FMA residual step on dS * 2**32, no per-element division)
+    equal the reference's rint(x / s) where it is hardest: x within a few ulps of (k + 1/2) s for
+    every k, scales of every mantissa, a tile whose scale is subnormal (1/s would overflow without
+    the prescale), an all-zero tile."""
+    g = torch.Generator().manual_seed(0)
+    tiles = []
+    for t in range(8):
+        amax = (1 + torch.rand((), generator=g)) * 2.0 ** torch.randint(-40, 40, (), generator=g).item()
+        if t == 6:
+            amax = torch.tensor(2e-38)  # tile scale subnormal, 1/s overflows: the rescaled path
+        s = _div(amax.float().reshape(1), 127.0)[0]
+        k = torch.randint(0, 127, (64, 64), generator=g).float()
+        mid = ((k + 0.5) * s).float()
+        ulps = torch.randint(-4, 5, (64, 64), generator=g, dtype=torch.int32)
+        x = (mid.view(torch.int32) + ulps).view(torch.float32)
+        x = torch.where(torch.rand(64, 64, generator=g) < 0.5, -x, x).clamp(-amax.float(), amax.float())
+        x[0, 0] = amax  # the tile's absmax, so its scale is s
+        tiles.append(torch.zeros(64, 64) if t == 7 else x)
+    ds = torch.cat(tiles).reshape(4, 128, 64)  # four probes of two quantization tiles each
+    want_codes, want_scale = ref.quantize_ds_tiles(ds.reshape(1, 1, 512, 64))
+    want_codes = want_codes.reshape(512, 64).to(torch.int8)
+    want_scale = want_scale.reshape(8).repeat_interleave(64)
+    for i in range(4):
+        x = ds[i].contiguous().to(device)
+        codes = torch.empty(128, 64, dtype=torch.int8, device=device)
+        scale = torch.empty(128, dtype=torch.float32, device=device)
+        _quant_ds_probe[(1,)](x, codes, scale, R=128, SUB=64)
+        assert torch.equal(codes.cpu(), want_codes[128 * i:128 * (i + 1)]), i
+        assert torch.equal(scale.cpu(), want_scale[128 * i:128 * (i + 1)]), i

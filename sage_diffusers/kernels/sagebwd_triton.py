@@ -5,14 +5,25 @@ quantized operands bit for bit (IEEE division, round half to even), the scale fa
 in the same order. The kernels run on CUDA GPUs (tensor-core INT8 ``tl.dot``) and, for testing,
 on the CPU under ``TRITON_INTERPRET=1`` (tests/test_sagebwd_triton.py).
 
-Passes (one ``@triton.jit`` source each, precision choices as ``tl.constexpr``):
+Two kernel sets (:class:`KernelSet`, ``SAGE_DIFFUSERS_SAGEBWD_KERNELS=v1|v2``, read at each call;
+both produce the same quantized state, so either backward runs on either forward's state):
 
-- ``_quant_kernel``: per-block INT8 of Q, smoothed K, V, dO and dO' = dO / l (masked rows 0).
-- ``_fwd_kernel``: INT8 QK^T, online softmax, P~.V as INT8 (``PV_INT8``) or 16-bit; O, m, LSE.
-- ``_bwd_dkdv_kernel`` (one program per key block, all query heads of its group) and
-  ``_bwd_dq_kernel`` (one per query block): both recompute the same dS tiles with ``_ds_tile``,
-  dP = dO.V^T 16-bit or INT8 (``DOV_INT8``); or, with ``SAGE_DIFFUSERS_SAGEBWD_DQ=atomic``, the
-  dK/dV kernel alone adds each tile's dQ share with FP32 atomics (``FUSED_DQ``).
+- shared: ``_quant_kernel``, per-block INT8 of Q, smoothed K, V (and, for V1's backward, dO and
+  dO' = dO / l); masked rows 0.
+- V1: ``_fwd_kernel`` (INT8 QK^T, online softmax, P~.V as INT8 (``PV_INT8``) or 16-bit; O, m,
+  LSE); ``_bwd_dkdv_kernel`` (one program per key block, all query heads of its group) and
+  ``_bwd_dq_kernel`` (one per query block), both recomputing the same dS tiles with
+  ``_ds_tile``, dP = dO.V^T 16-bit or INT8 (``DOV_INT8``); or, with
+  ``SAGE_DIFFUSERS_SAGEBWD_DQ=atomic``, the dK/dV kernel alone adds each tile's dQ share with
+  FP32 atomics (``FUSED_DQ``).
+- V2 (the default; :class:`KernelSet` says what changes and why): ``_fwd_kernel_v2``;
+  ``_bwd_prep_kernel`` (delta, 1/l, the backward's row max, dO' codes transposed);
+  ``_bwd_dkdv_kernel_v2`` (transposed orientation, up to 128 keys per program) and
+  ``_bwd_dq_kernel_v2`` (up to 128 query rows per program); ``SAGE_DIFFUSERS_SAGEBWD_ACC``
+  (:class:`AccConvert`) picks which int32 results use the conversion instruction.
+
+``eval/bench_sagebwd.py --compare`` times the sets side by side on a GPU; ``--sass`` compiles
+them for sm_90a on any machine and counts their loops' instructions.
 
 On GPUs without this project's CUDA kernels (sm_80/86/89) the forward is also the inference path
 of ``mode="int8"``: :func:`attention_int8_triton` follows the kernels' backend contract.
@@ -30,6 +41,9 @@ from ..reference import sagebwd as ref
 from ..reference.online_softmax import LOG2E
 from ..reference.sagebwd import BLOCK_KV, BLOCK_Q, DoVPrecision, PVPrecision, SageBwdState
 
+# The V2 kernels tile dS by whole quantization tiles: one block size for queries and keys.
+assert BLOCK_Q == BLOCK_KV
+
 try:
     import triton
     import triton.language as tl
@@ -40,9 +54,16 @@ except ImportError as exc:  # triton is optional on CPU-only installs
     _IMPORT_ERROR = exc
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Launch parameters are autotuned on GPUs unless SAGE_DIFFUSERS_TRITON_AUTOTUNE=0 (then the
-# first config of each list runs: quick start for tests); the interpreter ignores them.
-AUTOTUNE = not INTERPRET and os.environ.get("SAGE_DIFFUSERS_TRITON_AUTOTUNE", "1") != "0"
+# Launch parameters are autotuned on GPUs over every config of a list, or over its first N with
+# SAGE_DIFFUSERS_TRITON_AUTOTUNE=N (0: the first config only, no tuning: quick start for tests;
+# the lists put the likeliest Hopper winners first); the interpreter ignores them.
+_TUNE = os.environ.get("SAGE_DIFFUSERS_TRITON_AUTOTUNE", "1")
+AUTOTUNE = not INTERPRET and _TUNE != "0"
+TUNE_LIMIT: Optional[int] = int(_TUNE) if _TUNE.isdigit() and int(_TUNE) > 1 else None  # None: all
+# Under the interpreter the v2 kernels run with this many rows on their wide tile side (the
+# autotuned BLOCK_N of the dK/dV kernel, BLOCK_M of the dQ kernel and the forward): 128 covers
+# the two-quantization-tile path; tests set 64 to cover the other.
+INTERPRET_WIDE = 128
 
 
 def is_available() -> tuple[bool, str]:
@@ -54,8 +75,55 @@ def is_available() -> tuple[bool, str]:
     return True, ""
 
 
+class KernelSet(str, enum.Enum):
+    """Which kernels run (``SAGE_DIFFUSERS_SAGEBWD_KERNELS``); both follow the reference's numerics.
+
+    V1 is kept so that one run can measure both side by side. What V2 changes, and why (Hopper):
+
+    - int32 -> float32 and float32 -> int8 conversions without the conversion unit (:func:`_i2f`,
+      :func:`_f2i8`): V1 converts every score twice, P~ and dS once each and every int32
+      dK/dV/dQ/PV accumulator of every tile, all on the 16-per-clock-per-SM pipe that exp2 also
+      needs (the forward's measured times match that bound at both head dims);
+    - dS quantized with one exact reciprocal per tile and an FMA correction instead of an IEEE
+      division per element, and no test for tiny scales in the loop (:func:`_quant_ds_rows`;
+      the same codes);
+    - the dK/dV kernel computes S^T = K Q^T and dP^T = V dO^T, so that P~^T and dS^T come out of
+      the MMA in the layout the next MMA reads (V1 transposes two int8 tiles per step), and holds
+      up to 128 keys per program (two quantization tiles: half the loads per key);
+    - the dQ kernel and the forward hold up to 128 query rows (autotuned);
+    - masks and bounds are only evaluated on the tiles that need them (the diagonal, the last
+      partial block, key masks), in a separate loop;
+    - one pre-pass kernel computes delta, 1/l, the per-row max for the backward and the
+      transposed dO' codes (V1: five torch passes and a transpose); the forward writes V^'s
+      transposed copy from its quantization kernel.
+    """
+
+    V1 = "v1"
+    V2 = "v2"
+
+
+def kernel_set() -> KernelSet:
+    return KernelSet(os.environ.get("SAGE_DIFFUSERS_SAGEBWD_KERNELS", KernelSet.V2.value))
+
+
+class AccConvert(str, enum.Enum):
+    """Which int32 -> float32 conversions the V2 kernels leave on the conversion (XU) pipe
+    (``SAGE_DIFFUSERS_SAGEBWD_ACC``; exact either way, so only speed differs). Once the other
+    conversions are ALU instructions that pipe mostly runs exp2; by ptxas's SASS for sm_90a it
+    has room for the backward's dK/dV/dQ products and the forward's scores, which then take one
+    instruction instead of two."""
+
+    XU = "xu"  # those on the conversion pipe
+    ALU = "alu"  # every conversion by :func:`_i2f`
+
+
+def acc_convert() -> AccConvert:
+    return AccConvert(os.environ.get("SAGE_DIFFUSERS_SAGEBWD_ACC", AccConvert.XU.value))
+
+
 class DQPass(str, enum.Enum):
-    """How the backward produces dQ (``SAGE_DIFFUSERS_SAGEBWD_DQ``; same numerics, other sum order)."""
+    """How the V1 backward produces dQ (``SAGE_DIFFUSERS_SAGEBWD_DQ``; same numerics, other sum
+    order). The V2 backward always runs its own dQ kernel."""
 
     SEPARATE = "separate"  # its own kernel, one program per query block, recomputing the dS tiles
     ATOMIC = "atomic"  # in the dK/dV kernel, FP32 atomic adds of each tile's dS.K (no recomputation)
@@ -65,14 +133,23 @@ def dq_pass() -> DQPass:
     return DQPass(os.environ.get("SAGE_DIFFUSERS_SAGEBWD_DQ", DQPass.SEPARATE.value))
 
 
-def _autotuned(configs, key: list, reset_to_zero: Optional[list] = None):
+def _autotuned(configs, key: list, reset_to_zero: Optional[list] = None, max_rows_at_d128: Optional[int] = None):
     """triton.autotune on a GPU (launch parameters only, never the numerics); the interpreter runs
-    the kernels as called. ``reset_to_zero``: outputs accumulated with atomics, zeroed between trials."""
+    the kernels as called. ``reset_to_zero``: outputs accumulated with atomics, zeroed between trials.
+    ``max_rows_at_d128``: drop configs with more tile rows per warpgroup than this at D=128 (their
+    FP32 accumulators alone would take most of the registers: spills)."""
+    def prune(cfgs, nargs, **kwargs):
+        d = kwargs.get("D", nargs.get("D"))
+        keep = [c for c in cfgs if d != 128 or max_rows_at_d128 is None
+                or max(c.kwargs.values(), default=64) * 4 // c.num_warps <= max_rows_at_d128]
+        return keep or cfgs[:1]
+
     def wrap(kernel):
         if INTERPRET:
             return kernel
-        return triton.autotune(configs=configs if AUTOTUNE else configs[:1], key=key,
-                               reset_to_zero=reset_to_zero)(kernel)
+        chosen = configs[:TUNE_LIMIT] if AUTOTUNE else configs[:1]
+        return triton.autotune(configs=chosen, key=key, reset_to_zero=reset_to_zero,
+                               prune_configs_by={"early_config_prune": prune} if max_rows_at_d128 else None)(kernel)
     return wrap
 
 
@@ -101,16 +178,25 @@ if triton is not None:
         return tl.dot(a, b, out_dtype=tl.float32)
 
     @triton.jit
+    def _quant_block(x):
+        """Per-block INT8 of a float32 block (rows, D): (codes int8, scale = absmax / 127), IEEE division."""
+        scale = tl.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 127.0)
+        safe = tl.where(scale > 0, scale, 1.0)
+        qv = tl.minimum(tl.maximum(_rint(tl.div_rn(x, safe)), -127.0), 127.0)
+        return tl.where(scale > 0, qv, 0.0).to(tl.int8), scale
+
+    @triton.jit
     def _quant_kernel(
         x_ptr, sxb, sxh, sxs, sxd,  # input (B, H, S, D), any float dtype, any strides
         mean_ptr,  # float32 (B, H, D), subtracted when HAS_MEAN
         mask_ptr,  # int8 (B, S), 0 = masked row (becomes 0), when HAS_MASK
         rs_ptr,  # float32 (B, H, S), per-row factor when HAS_ROWSCALE
         q_ptr,  # int8 (B, H, S, D) contiguous
+        qt_ptr,  # int8 (B, H, D, S): the same codes transposed, written when STORE_T
         scale_ptr,  # float32 (B, H, ceil(S / BLOCK))
         H, S,
         D: tl.constexpr, BLOCK: tl.constexpr,
-        HAS_MEAN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
+        HAS_MEAN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROWSCALE: tl.constexpr, STORE_T: tl.constexpr,
     ):
         blk = tl.program_id(0)
         bh = tl.program_id(1)
@@ -129,11 +215,10 @@ if triton is not None:
         if HAS_ROWSCALE:
             x = x * tl.load(rs_ptr + bh * S + rows, mask=inb, other=0.0)[:, None]
         x = tl.where(keep[:, None], x, 0.0)  # masked rows: 0 (NaN/Inf there vanish)
-        scale = tl.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 127.0)
-        safe = tl.where(scale > 0, scale, 1.0)
-        qv = tl.minimum(tl.maximum(_rint(tl.div_rn(x, safe)), -127.0), 127.0)
-        qv = tl.where(scale > 0, qv, 0.0)
-        tl.store(q_ptr + (bh * S + rows[:, None]) * D + cols[None, :], qv.to(tl.int8), mask=inb[:, None])
+        codes, scale = _quant_block(x)
+        tl.store(q_ptr + (bh * S + rows[:, None]) * D + cols[None, :], codes, mask=inb[:, None])
+        if STORE_T:
+            tl.store(qt_ptr + (bh * D + cols[None, :]) * S + rows[:, None], codes, mask=inb[:, None])
         tl.store(scale_ptr + bh * tl.cdiv(S, BLOCK) + blk, scale)
 
     @triton.jit
@@ -369,6 +454,430 @@ if triton is not None:
         tl.store(dq_ptr + (bh * SQ + rows[:, None]) * D + dims[None, :], dq, mask=(rows < SQ)[:, None])
 
 
+    # ---- V2 kernels (KernelSet.V2): the same numerics, organised for Hopper (see KernelSet) ----
+
+    # The V2 backward computes dS times 2**32 (1/l carries the factor): an exact power-of-two shift
+    # that keeps the dS quantizer's reciprocal finite and its FMA residual exact down to tile scales
+    # of 2**-133 (subnormal), with no test in the loop (dS would have to exceed 2**96 to overflow).
+    DS_PRESCALE = tl.constexpr(4294967296.0)
+
+    # BLOCK_M of the forward, BLOCK_N (keys per program) of the dK/dV kernel, BLOCK_M (query rows
+    # per program) of the dQ kernel: multiples of the 64-token quantization blocks; the other
+    # tile side stays one block (it is the reduction axis of a per-block scaled MMA).
+    _FWD_V2_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=st)
+                       for m, w, st in ((128, 8, 2), (128, 8, 3), (64, 4, 3), (64, 4, 2), (128, 4, 2))]
+    _DKDV_V2_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
+                        for n, w, st in ((128, 8, 2), (64, 4, 2), (64, 8, 2), (128, 8, 3), (64, 4, 3), (128, 4, 2))]
+    _DQ_V2_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=st)
+                      for m, w, st in ((128, 8, 2), (64, 4, 2), (128, 8, 3), (64, 4, 3), (64, 8, 2), (128, 4, 2))]
+
+    @triton.jit
+    def _i2f(x):
+        """int32 -> float32, exact for |x| < 2**22 (every int8 dot here: 127 * 127 * 128 < 2**21).
+
+        Adding the bits of 1.5 * 2**23 puts x in the mantissa of a float worth 1.5 * 2**23 + x;
+        subtracting 1.5 * 2**23 leaves x. An integer add and a float add replace one conversion
+        (the conversion pipe is the exp2 pipe: 16 per clock per SM against 64-128 for these)."""
+        return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+    @triton.jit
+    def _f2i8(y):
+        """float32 y with |y| <= 127.5 -> int8 rint(y) (half to even), without the conversion pipe:
+        the low byte of the bits of y + 1.5 * 2**23 is the two's complement of rint(y)."""
+        return (y + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+
+    @triton.jit
+    def _acc_f32(x, XU: tl.constexpr):
+        """int32 MMA result -> float32 by the conversion instruction (XU: the pipe exp2 uses; see
+        :class:`AccConvert`) or by :func:`_i2f` (two ALU instructions instead of one). Both exact."""
+        if XU:
+            return x.to(tl.float32)
+        return _i2f(x)
+
+    @triton.jit
+    def _codes_by_reciprocal(x, s, r):
+        """int8 codes rint(x / s) with x / s the IEEE quotient, from r = 1/s (IEEE): x * r corrected
+        by one FMA residual step (Markstein), which gives the correctly rounded quotient here
+        (tests/test_sagebwd_triton.py checks it at the rounding boundaries). |x| <= 127 s, so no clamp."""
+        y = x * r
+        return _f2i8(tl.fma(tl.fma(-y, s, x), r, y))
+
+    @triton.jit
+    def _quant_ds_rows(ds_big, R: tl.constexpr, SUB: tl.constexpr):
+        """INT8 of a dS tile (R, SUB) whose quantization tiles are its SUB-row slices (R a multiple
+        of SUB), given as ``ds_big`` = dS * DS_PRESCALE (the factor rides on 1/l, so it costs
+        nothing): (codes int8 (R, SUB), scale per row float32 (R,): the reference's scale of the
+        row's tile, absmax(dS) / 127).
+
+        The codes are rint(dS / scale) = rint(ds_big / (scale * DS_PRESCALE)) with the quotient
+        rounded once (IEEE): the reference's codes. Scaled, the divisor is at least 2**-101 once the
+        tile's absmax reaches 127 * 2**-133, so the residual step of :func:`_codes_by_reciprocal`
+        is exact; below that, and where a dS entry is subnormal (the reference rounds it to the
+        subnormal grid, ds_big keeps 32 more bits), only tiles whose absmax is under 3e-36 can get
+        a code that differs, by one unit worth under 3e-38."""
+        rmax = tl.max(tl.abs(ds_big), axis=1)  # (R,)
+        if R == SUB:
+            amax = tl.zeros((R,), tl.float32) + tl.max(rmax, axis=0)
+        else:
+            grp = tl.arange(0, R) // SUB
+            amax = tl.zeros((R,), tl.float32)
+            for g in tl.static_range(R // SUB):
+                amax = tl.where(grp == g, tl.max(tl.where(grp == g, rmax, 0.0), axis=0), amax)
+        scale = tl.div_rn(amax * (1.0 / DS_PRESCALE), 127.0)  # amax / DS_PRESCALE is exact
+        s_big = scale * DS_PRESCALE
+        r = tl.where(scale > 0, tl.div_rn(tl.full((R,), 1.0, tl.float32), tl.where(scale > 0, s_big, 1.0)), 0.0)
+        return _codes_by_reciprocal(ds_big, s_big[:, None], r[:, None]), scale
+
+    @triton.jit
+    def _keep(qi, kj, mask_ptr, b, SKV, KEY_MASK: tl.constexpr, CAUSAL: tl.constexpr):
+        """bool of the broadcast shape of qi (query indices) and kj (key indices, one of the two a
+        column, the other a row): key in range, attended (KEY_MASK), at or before the query (CAUSAL)."""
+        keep = (kj < SKV) & (qi >= 0)
+        if KEY_MASK:
+            keep = keep & (tl.load(mask_ptr + b * SKV + kj, mask=kj < SKV, other=0) != 0)
+        if CAUSAL:
+            keep = keep & (kj <= qi)
+        return keep
+
+    @triton.jit
+    def _fwd_loop_v2(
+        acc, m_i, l_i, lo, hi, q8, row_scale, rows, b, bkv,
+        k8_ptr, sk_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV,
+        D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+        EDGE: tl.constexpr, PV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr, ACC_XU: tl.constexpr,
+    ):
+        """Online softmax over the key blocks [lo, hi); EDGE: blocks that need the bounds and causal
+        tests (the diagonal, the last partial block), the others only the key mask if any. ACC_XU:
+        the scores' int32 -> float32 on the conversion pipe (its spare capacity here), P~.V's
+        always by :func:`_i2f`."""
+        dims = tl.arange(0, D)
+        nkb = tl.cdiv(SKV, BLOCK_N)
+        for start_n in range(lo, hi, BLOCK_N):
+            cols = start_n + tl.arange(0, BLOCK_N)
+            kv_off = (bkv * SKV + cols[:, None]) * D + dims[None, :]
+            if EDGE:
+                k8 = tl.load(k8_ptr + kv_off, mask=(cols < SKV)[:, None], other=0)
+            else:
+                k8 = tl.load(k8_ptr + kv_off)
+            sk = tl.load(sk_ptr + bkv * nkb + start_n // BLOCK_N)
+            s = _acc_f32(tl.dot(q8, tl.trans(k8), out_dtype=tl.int32), ACC_XU) * row_scale[:, None] * sk
+            if EDGE:
+                s = tl.where(_keep(rows[:, None], cols[None, :], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL), s, float("-inf"))
+            elif HAS_MASK:
+                s = tl.where(_keep(rows[:, None], cols[None, :], mask_ptr, b, SKV, True, False), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp2 gives 0, not NaN
+            p = tl.exp2(s - m_safe[:, None])  # (M, N) in [0, 1]
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if PV_INT8:
+                if EDGE:
+                    v8t = tl.load(v8t_ptr + (bkv * D + dims[:, None]) * SKV + cols[None, :],
+                                  mask=(cols < SKV)[None, :], other=0)
+                else:
+                    v8t = tl.load(v8t_ptr + (bkv * D + dims[:, None]) * SKV + cols[None, :])
+                sv = tl.load(sv_ptr + bkv * nkb + start_n // BLOCK_N)
+                pv = _i2f(tl.dot(_f2i8(p * 127.0), tl.trans(v8t), out_dtype=tl.int32)) * (sv * (1.0 / 127.0))
+            else:
+                if EDGE:
+                    vc = tl.load(vc_ptr + kv_off, mask=(cols < SKV)[:, None], other=0.0)
+                else:
+                    vc = tl.load(vc_ptr + kv_off)
+                pv = _dot16(p.to(vc.dtype), vc, DOT16_AS_F32)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @_autotuned(_FWD_V2_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "PV_INT8", "ACC_XU"], max_rows_at_d128=64)
+    @triton.jit
+    def _fwd_kernel_v2(
+        q8_ptr, sq_ptr, k8_ptr, sk_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, o_ptr, m_ptr, lse_ptr,
+        qk_scale, HQ, GROUP, SQ, SKV,
+        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+        HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
+        ACC_XU: tl.constexpr,
+    ):
+        """The forward (arguments as :func:`_fwd_kernel`); key blocks without bounds or causal
+        tests run in their own loop."""
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // HQ
+        h = bh % HQ
+        bkv = b * (HQ // GROUP) + h // GROUP
+        nqb = tl.cdiv(SQ, BLOCK_Q)
+        start_m = pid_m * BLOCK_M
+        rows = start_m + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, D)
+        inq = rows < SQ
+        q8 = tl.load(q8_ptr + (bh * SQ + rows[:, None]) * D + dims[None, :], mask=inq[:, None], other=0)
+        row_scale = tl.load(sq_ptr + bh * nqb + rows // BLOCK_Q, mask=inq, other=0.0) * qk_scale  # (M,)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        n_free = (SKV // BLOCK_N) * BLOCK_N  # full key blocks
+        n_end = SKV
+        if IS_CAUSAL:
+            n_end = tl.minimum(SKV, start_m + BLOCK_M)
+            n_free = tl.minimum(n_free, start_m)  # keys before the tile's first row: seen by every row
+        acc, m_i, l_i = _fwd_loop_v2(acc, m_i, l_i, 0, n_free, q8, row_scale, rows, b, bkv,
+                                     k8_ptr, sk_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV,
+                                     D, BLOCK_N, HAS_MASK, IS_CAUSAL, False, PV_INT8, DOT16_AS_F32, ACC_XU)
+        acc, m_i, l_i = _fwd_loop_v2(acc, m_i, l_i, n_free, n_end, q8, row_scale, rows, b, bkv,
+                                     k8_ptr, sk_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV,
+                                     D, BLOCK_N, HAS_MASK, IS_CAUSAL, True, PV_INT8, DOT16_AS_F32, ACC_XU)
+        empty = l_i == 0
+        out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        m_out = tl.where(empty, float("-inf"), m_i)
+        tl.store(o_ptr + (bh * SQ + rows[:, None]) * D + dims[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=inq[:, None])
+        tl.store(m_ptr + bh * SQ + rows, m_out, mask=inq)
+        tl.store(lse_ptr + bh * SQ + rows, lse, mask=inq)
+
+    @triton.jit
+    def _bwd_prep_kernel(
+        do_ptr, sdb, sdh, sds, sdd,  # dO (B, Hq, Sq, D), any float dtype, any strides
+        o_ptr,  # out (B, Hq, Sq, D) contiguous
+        m_ptr, lse_ptr,  # float32 (B, Hq, Sq): the forward's log2-domain row max and LSE
+        delta_ptr,  # float32 (B, Hq, Sq) out: rowsum(dO * O)
+        mb_ptr,  # float32 (B, Hq, Sq) out: the row max, +inf on rows without a visible key (P~ = 0)
+        invl_ptr,  # float32 (B, Hq, Sq) out: DS_PRESCALE / l, l = exp2(lse - m) (1/l = 1 on rows without a visible key)
+        dos8t_ptr, sdos_ptr,  # out: int8 (B, Hq, D, Sq) codes of dO' = dO / l, transposed; float32 (B, Hq, nq)
+        do8_ptr, sdo_ptr,  # out when DO_INT8: int8 (B, Hq, Sq, D) codes of dO, float32 (B, Hq, nq)
+        HQ, SQ,
+        D: tl.constexpr, BLOCK: tl.constexpr, DO_INT8: tl.constexpr,
+    ):
+        """The backward's pre-pass, one program per BLOCK_Q query rows: one read of dO and O."""
+        blk = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // HQ
+        h = bh % HQ
+        rows = blk * BLOCK + tl.arange(0, BLOCK)
+        cols = tl.arange(0, D)
+        inb = rows < SQ
+        do = tl.load(do_ptr + b * sdb + h * sdh + rows[:, None] * sds + cols[None, :] * sdd,
+                     mask=inb[:, None], other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + (bh * SQ + rows[:, None]) * D + cols[None, :], mask=inb[:, None], other=0.0)
+        tl.store(delta_ptr + bh * SQ + rows, tl.sum(do * o.to(tl.float32), axis=1), mask=inb)
+        m = tl.load(m_ptr + bh * SQ + rows, mask=inb, other=0.0)
+        lse = tl.load(lse_ptr + bh * SQ + rows, mask=inb, other=0.0)
+        live = lse != float("-inf")
+        inv_l = tl.exp2(tl.where(live, m, 0.0) - tl.where(live, lse, 0.0))  # the reference's m_safe - lse_safe
+        tl.store(mb_ptr + bh * SQ + rows, tl.where(live, m, float("inf")), mask=inb)
+        tl.store(invl_ptr + bh * SQ + rows, inv_l * DS_PRESCALE, mask=inb)
+        nqb = tl.cdiv(SQ, BLOCK)
+        codes, scale = _quant_block(do * inv_l[:, None])
+        tl.store(dos8t_ptr + (bh * D + cols[None, :]) * SQ + rows[:, None], codes, mask=inb[:, None])
+        tl.store(sdos_ptr + bh * nqb + blk, scale)
+        if DO_INT8:
+            codes8, scale8 = _quant_block(do)
+            tl.store(do8_ptr + (bh * SQ + rows[:, None]) * D + cols[None, :], codes8, mask=inb[:, None])
+            tl.store(sdo_ptr + bh * nqb + blk, scale8)
+
+    @triton.jit
+    def _dkdv_loop_v2(
+        dk, dv, lo, hi, bh, b, keys, k8, sk_row, v8, sv_row, vc,
+        q8_ptr, sq_ptr, q8t_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr, sdos_ptr,
+        mask_ptr, qk_scale, sm_scale, SQ, SKV,
+        D: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, HAS_MASK: tl.constexpr,
+        IS_CAUSAL: tl.constexpr, EDGE: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
+        ACC_XU: tl.constexpr,
+    ):
+        """dK, dV (BLOCK_N, D) of one key tile over the query blocks [lo, hi) of head bh, in the
+        transposed orientation: S^T = K^ Q^T (BLOCK_N, SUB), so P~^T and dS^T feed the next MMAs
+        as they come out. Rows past SQ load as 0 with +inf row max: P~ = dS = 0 there."""
+        dims = tl.arange(0, D)
+        nqb = tl.cdiv(SQ, SUB)
+        for start_m in range(lo, hi, SUB):
+            qs = start_m + tl.arange(0, SUB)
+            inq = qs < SQ
+            qi = start_m // SUB
+            q_off = (bh * SQ + qs[:, None]) * D + dims[None, :]  # (SUB, D)
+            qt_off = (bh * D + dims[:, None]) * SQ + qs[None, :]  # (D, SUB) of a transposed copy
+            q8 = tl.load(q8_ptr + q_off, mask=inq[:, None], other=0)
+            sq = tl.load(sq_ptr + bh * nqb + qi)
+            st = _i2f(tl.dot(k8, tl.trans(q8), out_dtype=tl.int32)) * (sq * qk_scale) * sk_row[:, None]
+            mb = tl.load(mb_ptr + bh * SQ + qs, mask=inq, other=float("inf"))
+            pt = tl.exp2(st - mb[None, :])  # P~^T in [0, 1]
+            if EDGE:
+                pt = tl.where(_keep(qs[None, :], keys[:, None], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL), pt, 0.0)
+            elif HAS_MASK:
+                pt = tl.where(_keep(qs[None, :], keys[:, None], mask_ptr, b, SKV, True, False), pt, 0.0)
+            # dV first: its int32 product is dead before dP^T and dS^T need registers
+            dos8t = tl.load(dos8t_ptr + qt_off, mask=inq[None, :], other=0)
+            sdos = tl.load(sdos_ptr + bh * nqb + qi)
+            dv += _acc_f32(tl.dot(_f2i8(pt * 127.0), tl.trans(dos8t), out_dtype=tl.int32), ACC_XU) * (sdos * (1.0 / 127.0))
+            p = pt * tl.load(invl_ptr + bh * SQ + qs, mask=inq, other=0.0)[None, :]  # P * DS_PRESCALE
+            if DOV_INT8:
+                do8 = tl.load(do8_ptr + q_off, mask=inq[:, None], other=0)
+                sdo = tl.load(sdo_ptr + bh * nqb + qi)
+                dpt = _i2f(tl.dot(v8, tl.trans(do8), out_dtype=tl.int32)) * sdo * sv_row[:, None]
+            else:
+                do = tl.load(do_ptr + q_off, mask=inq[:, None], other=0.0)
+                dpt = _dot16(vc, tl.trans(do), DOT16_AS_F32)
+            delta = tl.load(delta_ptr + bh * SQ + qs, mask=inq, other=0.0)
+            ds8, sds = _quant_ds_rows(p * (dpt - delta[None, :]), BLOCK_N, SUB)  # dS^T * DS_PRESCALE
+            q8t = tl.load(q8t_ptr + qt_off, mask=inq[None, :], other=0)
+            dk += _acc_f32(tl.dot(ds8, tl.trans(q8t), out_dtype=tl.int32), ACC_XU) * ((sds * sq) * sm_scale)[:, None]
+        return dk, dv
+
+    @_autotuned(_DKDV_V2_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "ACC_XU"], max_rows_at_d128=64)
+    @triton.jit
+    def _bwd_dkdv_kernel_v2(
+        q8_ptr, sq_ptr, q8t_ptr, k8_ptr, sk_ptr, v8_ptr, sv_ptr, vc_ptr,
+        mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr, sdos_ptr, mask_ptr,
+        dk_ptr, dv_ptr,  # float32 (B, Hkv, Skv, D)
+        qk_scale, sm_scale, HKV, GROUP, SQ, SKV,
+        D: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr,
+        HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
+        ACC_XU: tl.constexpr,
+    ):
+        """dK and dV: one program per BLOCK_N keys (BLOCK_N / SUB quantization blocks), all query
+        heads of its group; the query blocks that need no bounds or causal test run in their own loop."""
+        pid_n = tl.program_id(0)
+        bkv = tl.program_id(1)
+        b = bkv // HKV
+        hkv = bkv % HKV
+        start_n = pid_n * BLOCK_N
+        keys = start_n + tl.arange(0, BLOCK_N)
+        dims = tl.arange(0, D)
+        ink = keys < SKV
+        nkb = tl.cdiv(SKV, SUB)
+        kv_off = (bkv * SKV + keys[:, None]) * D + dims[None, :]
+        k8 = tl.load(k8_ptr + kv_off, mask=ink[:, None], other=0)
+        sk_row = tl.load(sk_ptr + bkv * nkb + keys // SUB, mask=ink, other=0.0)  # (BLOCK_N,)
+        v8 = k8  # placeholders for the operands the chosen dP precision does not read
+        sv_row = sk_row
+        vc = tl.zeros((BLOCK_N, D), vc_ptr.dtype.element_ty)
+        if DOV_INT8:
+            v8 = tl.load(v8_ptr + kv_off, mask=ink[:, None], other=0)
+            sv_row = tl.load(sv_ptr + bkv * nkb + keys // SUB, mask=ink, other=0.0)
+        else:
+            vc = tl.load(vc_ptr + kv_off, mask=ink[:, None], other=0.0)
+        dk = tl.zeros((BLOCK_N, D), tl.float32)
+        dv = tl.zeros((BLOCK_N, D), tl.float32)
+        lo = 0  # query blocks [lo, edge_hi) get the bounds / causal tests, [edge_hi, SQ) none
+        edge_hi = 0
+        if IS_CAUSAL:
+            lo = start_n  # earlier query rows see none of these keys
+            edge_hi = tl.minimum(start_n + BLOCK_N, SQ)  # the diagonal
+        # the last, partial key block: every query block tests bounds (padded keys must get P~ = 0)
+        edge_hi = tl.maximum(tl.where(start_n + BLOCK_N > SKV, SQ, edge_hi), lo)
+        for g in range(0, GROUP):
+            bh = (b * HKV + hkv) * GROUP + g
+            dk, dv = _dkdv_loop_v2(
+                dk, dv, lo, edge_hi, bh, b, keys, k8, sk_row, v8, sv_row, vc,
+                q8_ptr, sq_ptr, q8t_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr,
+                sdos_ptr, mask_ptr, qk_scale, sm_scale, SQ, SKV,
+                D, BLOCK_N, SUB, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU)
+            dk, dv = _dkdv_loop_v2(
+                dk, dv, edge_hi, SQ, bh, b, keys, k8, sk_row, v8, sv_row, vc,
+                q8_ptr, sq_ptr, q8t_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr,
+                sdos_ptr, mask_ptr, qk_scale, sm_scale, SQ, SKV,
+                D, BLOCK_N, SUB, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU)
+        tl.store(dk_ptr + kv_off, dk, mask=ink[:, None])
+        tl.store(dv_ptr + kv_off, dv, mask=ink[:, None])
+
+    @triton.jit
+    def _dq_loop_v2(
+        dq, lo, hi, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
+        k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV,
+        D: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.constexpr, HAS_MASK: tl.constexpr,
+        IS_CAUSAL: tl.constexpr, EDGE: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
+        ACC_XU: tl.constexpr,
+    ):
+        """dQ (BLOCK_M, D) of one query tile over the key blocks [lo, hi)."""
+        dims = tl.arange(0, D)
+        nkb = tl.cdiv(SKV, SUB)
+        for start_n in range(lo, hi, SUB):
+            keys = start_n + tl.arange(0, SUB)
+            kv_off = (bkv * SKV + keys[:, None]) * D + dims[None, :]
+            kt_off = (bkv * D + dims[:, None]) * SKV + keys[None, :]
+            if EDGE:
+                k8 = tl.load(k8_ptr + kv_off, mask=(keys < SKV)[:, None], other=0)
+            else:
+                k8 = tl.load(k8_ptr + kv_off)
+            sk = tl.load(sk_ptr + bkv * nkb + start_n // SUB)
+            s = _i2f(tl.dot(q8, tl.trans(k8), out_dtype=tl.int32)) * row_qk[:, None] * sk
+            pt = tl.exp2(s - mb[:, None])
+            if EDGE:
+                pt = tl.where(_keep(qs[:, None], keys[None, :], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL), pt, 0.0)
+            elif HAS_MASK:
+                pt = tl.where(_keep(qs[:, None], keys[None, :], mask_ptr, b, SKV, True, False), pt, 0.0)
+            p = pt * inv_l[:, None]  # P * DS_PRESCALE (the factor is in inv_l)
+            if DOV_INT8:
+                if EDGE:
+                    v8 = tl.load(v8_ptr + kv_off, mask=(keys < SKV)[:, None], other=0)
+                else:
+                    v8 = tl.load(v8_ptr + kv_off)
+                sv = tl.load(sv_ptr + bkv * nkb + start_n // SUB)
+                dp = _i2f(tl.dot(do8, tl.trans(v8), out_dtype=tl.int32)) * sdo_row[:, None] * sv
+            else:
+                if EDGE:
+                    vc = tl.load(vc_ptr + kv_off, mask=(keys < SKV)[:, None], other=0.0)
+                else:
+                    vc = tl.load(vc_ptr + kv_off)
+                dp = _dot16(do, tl.trans(vc), DOT16_AS_F32)
+            ds8, sds = _quant_ds_rows(p * (dp - delta[:, None]), BLOCK_M, SUB)
+            if EDGE:
+                k8t = tl.load(k8t_ptr + kt_off, mask=(keys < SKV)[None, :], other=0)
+            else:
+                k8t = tl.load(k8t_ptr + kt_off)
+            dq += _acc_f32(tl.dot(ds8, tl.trans(k8t), out_dtype=tl.int32), ACC_XU) * ((sds * sk) * sm_scale)[:, None]
+        return dq
+
+    @_autotuned(_DQ_V2_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "ACC_XU"], max_rows_at_d128=64)
+    @triton.jit
+    def _bwd_dq_kernel_v2(
+        q8_ptr, sq_ptr, k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr,
+        mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, mask_ptr,
+        dq_ptr,  # float32 (B, Hq, Sq, D)
+        qk_scale, sm_scale, HQ, GROUP, SQ, SKV,
+        D: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.constexpr,
+        HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
+        ACC_XU: tl.constexpr,
+    ):
+        """dQ: one program per BLOCK_M query rows (BLOCK_M / SUB quantization blocks) over the key
+        blocks; those that need no bounds or causal test run in their own loop."""
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // HQ
+        h = bh % HQ
+        bkv = b * (HQ // GROUP) + h // GROUP
+        start_m = pid_m * BLOCK_M
+        qs = start_m + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, D)
+        inq = qs < SQ
+        nqb = tl.cdiv(SQ, SUB)
+        q_off = (bh * SQ + qs[:, None]) * D + dims[None, :]
+        q8 = tl.load(q8_ptr + q_off, mask=inq[:, None], other=0)
+        row_qk = tl.load(sq_ptr + bh * nqb + qs // SUB, mask=inq, other=0.0) * qk_scale
+        mb = tl.load(mb_ptr + bh * SQ + qs, mask=inq, other=float("inf"))
+        inv_l = tl.load(invl_ptr + bh * SQ + qs, mask=inq, other=0.0)
+        delta = tl.load(delta_ptr + bh * SQ + qs, mask=inq, other=0.0)
+        do = tl.zeros((BLOCK_M, D), do_ptr.dtype.element_ty)  # placeholders, as in the dK/dV kernel
+        do8 = q8
+        sdo_row = row_qk
+        if DOV_INT8:
+            do8 = tl.load(do8_ptr + q_off, mask=inq[:, None], other=0)
+            sdo_row = tl.load(sdo_ptr + bh * nqb + qs // SUB, mask=inq, other=0.0)
+        else:
+            do = tl.load(do_ptr + q_off, mask=inq[:, None], other=0.0)
+        dq = tl.zeros((BLOCK_M, D), tl.float32)
+        n_free = (SKV // SUB) * SUB  # key blocks [0, n_free) need no bounds / causal test
+        n_end = SKV
+        if IS_CAUSAL:
+            n_end = tl.minimum(SKV, start_m + BLOCK_M)
+            n_free = tl.minimum(n_free, start_m)
+        dq = _dq_loop_v2(dq, 0, n_free, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
+                         k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV,
+                         D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU)
+        dq = _dq_loop_v2(dq, n_free, n_end, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
+                         k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV,
+                         D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU)
+        tl.store(dq_ptr + q_off, dq, mask=inq[:, None])
+
+
 def _transposed(x8: torch.Tensor) -> torch.Tensor:
     """int8 (B, H, S, D) -> contiguous (B, H, D, S): the K-major copy the 8-bit MMAs read when the
     token axis is their reduction axis (P~.V, P~^T.dO', dS^T.Q, dS.K)."""
@@ -383,8 +892,10 @@ def _mask_arg(key_mask: Optional[torch.Tensor], device) -> tuple[torch.Tensor, b
 
 
 def quantize_blocks(x: torch.Tensor, block: int, mean: Optional[torch.Tensor] = None,
-                    key_mask: Optional[torch.Tensor] = None, row_scale: Optional[torch.Tensor] = None):
-    """Per-block INT8 of x (B, H, S, D): (int8 (B, H, S, D) contiguous, float32 (B, H, ceil(S/block))).
+                    key_mask: Optional[torch.Tensor] = None, row_scale: Optional[torch.Tensor] = None,
+                    transposed: bool = False):
+    """Per-block INT8 of x (B, H, S, D): (int8 (B, H, S, D) contiguous, float32 (B, H, ceil(S/block)))
+    and, with ``transposed``, a third result: the same codes as a contiguous (B, H, D, S).
 
     ``mean`` float32 (B, H, D) is subtracted, rows with ``key_mask`` (B, S) False become 0,
     ``row_scale`` float32 (B, H, S) multiplies each row, all before the block absmax.
@@ -392,26 +903,32 @@ def quantize_blocks(x: torch.Tensor, block: int, mean: Optional[torch.Tensor] = 
     b, h, s, d = x.shape
     nb = triton.cdiv(s, block)
     q = torch.empty((b, h, s, d), dtype=torch.int8, device=x.device)
+    qt = torch.empty((b, h, d, s), dtype=torch.int8, device=x.device) if transposed else q
     scale = torch.empty((b, h, nb), dtype=torch.float32, device=x.device)
     if q.numel() == 0:
-        return q, scale.zero_()
+        return (q, scale.zero_(), qt) if transposed else (q, scale.zero_())
     mask, has_mask = _mask_arg(key_mask, x.device)
     dummy = scale
     _quant_kernel[(nb, b * h)](
         x, *x.stride(), mean.contiguous() if mean is not None else dummy, mask,
-        row_scale.contiguous() if row_scale is not None else dummy, q, scale, h, s,
+        row_scale.contiguous() if row_scale is not None else dummy, q, qt, scale, h, s,
         D=d, BLOCK=block, HAS_MEAN=mean is not None, HAS_MASK=has_mask, HAS_ROWSCALE=row_scale is not None,
+        STORE_T=transposed,
     )
-    return q, scale
+    return (q, scale, qt) if transposed else (q, scale)
 
 
 def _forward_impl(q, k, v, key_mask, is_causal: bool, scale: Optional[float], pv: PVPrecision) -> SageBwdState:
     b, hq, sq_len, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    v2 = kernel_set() is KernelSet.V2
     q8, sq = quantize_blocks(q, BLOCK_Q)
     k8, sk = quantize_blocks(k, BLOCK_KV, mean=ref.key_mean(k, key_mask), key_mask=key_mask)
-    v8, sv = quantize_blocks(v, BLOCK_KV, key_mask=key_mask)
+    if v2:  # V^ and its transposed copy (the P~.V operand) from one pass
+        v8, sv, v8t = quantize_blocks(v, BLOCK_KV, key_mask=key_mask, transposed=True)
+    else:
+        v8, sv = quantize_blocks(v, BLOCK_KV, key_mask=key_mask)
     vc = ref.masked_v(v, key_mask).to(ref.compute_dtype(v.dtype)).contiguous()
     if vc.data_ptr() == v.data_ptr():  # a custom op's outputs never alias its inputs
         vc = vc.clone()
@@ -427,16 +944,22 @@ def _forward_impl(q, k, v, key_mask, is_causal: bool, scale: Optional[float], pv
             mask, has_mask = _mask_arg(key_mask, q.device)
             launch = dict(D=d, BLOCK_N=BLOCK_KV, BLOCK_Q=BLOCK_Q, HAS_MASK=has_mask, IS_CAUSAL=bool(is_causal),
                           PV_INT8=pv is PVPrecision.INT8, DOT16_AS_F32=INTERPRET)
+            if v2:
+                launch.update(ACC_XU=acc_convert() is AccConvert.XU)
             if INTERPRET:
-                launch.update(BLOCK_M=BLOCK_Q)
+                launch.update(BLOCK_M=INTERPRET_WIDE if v2 else BLOCK_Q)
             grid = lambda meta: (triton.cdiv(sq_len, meta["BLOCK_M"]), b * hq)  # noqa: E731
-            v8t = _transposed(v8)  # (B, Hkv, D, Skv)
-            _fwd_kernel[grid](q8, sq, k8, sk, v8t, sv, vc, mask, out, m2, lse2,
-                              sm_scale * LOG2E, hq, hq // hkv, sq_len, skv, **launch)
+            kernel = _fwd_kernel_v2 if v2 else _fwd_kernel
+            if not v2:
+                v8t = _transposed(v8)  # (B, Hkv, D, Skv)
+            kernel[grid](q8, sq, k8, sk, v8t, sv, vc, mask, out, m2, lse2,
+                         sm_scale * LOG2E, hq, hq // hkv, sq_len, skv, **launch)
     return SageBwdState(q8=q8, sq=sq, k8=k8, sk=sk, v8=v8, sv=sv, vc=vc, out=out, m2=m2, lse2=lse2)
 
 
 def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Optional[float], dov: DoVPrecision):
+    if kernel_set() is KernelSet.V2:
+        return _backward_impl_v2(do, state, key_mask, is_causal, scale, dov)
     b, hq, sq_len, d = state.q8.shape
     hkv, skv = state.k8.shape[1], state.k8.shape[2]
     dev = do.device
@@ -474,6 +997,55 @@ def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Op
             state.m2, state.lse2, delta, do16, do8, sdo, mask, k8t, dq,
             qk_scale, sm_scale, hq, hq // hkv, sq_len, skv, **common,
         )
+    return dq, dk, dv
+
+
+def _backward_impl_v2(do, state: SageBwdState, key_mask, is_causal: bool, scale: Optional[float],
+                      dov: DoVPrecision):
+    """The V2 backward: pre-pass kernel, dK/dV kernel, dQ kernel; returns float32 dq, dk, dv."""
+    b, hq, sq_len, d = state.q8.shape
+    hkv, skv = state.k8.shape[1], state.k8.shape[2]
+    dev = do.device
+    sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if b * hq * sq_len * d == 0 or skv == 0:
+        z = dict(dtype=torch.float32, device=dev)
+        return (torch.zeros((b, hq, sq_len, d), **z), torch.zeros((b, hkv, skv, d), **z),
+                torch.zeros((b, hkv, skv, d), **z))
+    dq = torch.empty((b, hq, sq_len, d), dtype=torch.float32, device=dev)  # every element is stored
+    dk = torch.empty((b, hkv, skv, d), dtype=torch.float32, device=dev)
+    dv = torch.empty_like(dk)
+    dov_int8 = dov is DoVPrecision.INT8
+    rows = dict(dtype=torch.float32, device=dev)
+    delta, mb, inv_l = (torch.empty((b, hq, sq_len), **rows) for _ in range(3))
+    nq = triton.cdiv(sq_len, BLOCK_Q)
+    dos8t = torch.empty((b, hq, d, sq_len), dtype=torch.int8, device=dev)
+    sdos = torch.empty((b, hq, nq), **rows)
+    if dov_int8:
+        do8, sdo = torch.empty((b, hq, sq_len, d), dtype=torch.int8, device=dev), torch.empty((b, hq, nq), **rows)
+    else:
+        do8, sdo = dos8t, sdos  # not read
+    _bwd_prep_kernel[(nq, b * hq)](do, *do.stride(), state.out.contiguous(), state.m2, state.lse2, delta, mb,
+                                   inv_l, dos8t, sdos, do8, sdo, hq, sq_len,
+                                   D=d, BLOCK=BLOCK_Q, DO_INT8=dov_int8)
+    do16 = do.to(state.vc.dtype).contiguous()
+    mask, has_mask = _mask_arg(key_mask, dev)
+    common = dict(D=d, SUB=BLOCK_Q, HAS_MASK=has_mask, IS_CAUSAL=bool(is_causal), DOV_INT8=dov_int8,
+                  DOT16_AS_F32=INTERPRET, ACC_XU=acc_convert() is AccConvert.XU)
+    qk_scale = sm_scale * LOG2E
+    q8t = _transposed(state.q8)  # (B, Hq, D, Sq)
+    k8t = _transposed(state.k8)  # (B, Hkv, D, Skv)
+    wide_n = dict(BLOCK_N=INTERPRET_WIDE) if INTERPRET else {}
+    wide_m = dict(BLOCK_M=INTERPRET_WIDE) if INTERPRET else {}
+    _bwd_dkdv_kernel_v2[lambda meta: (triton.cdiv(skv, meta["BLOCK_N"]), b * hkv)](
+        state.q8, state.sq, q8t, state.k8, state.sk, state.v8, state.sv, state.vc,
+        mb, inv_l, delta, do16, do8, sdo, dos8t, sdos, mask, dk, dv,
+        qk_scale, sm_scale, hkv, hq // hkv, sq_len, skv, **common, **wide_n,
+    )
+    _bwd_dq_kernel_v2[lambda meta: (triton.cdiv(sq_len, meta["BLOCK_M"]), b * hq)](
+        state.q8, state.sq, state.k8, state.sk, k8t, state.v8, state.sv, state.vc,
+        mb, inv_l, delta, do16, do8, sdo, mask, dq,
+        qk_scale, sm_scale, hq, hq // hkv, sq_len, skv, **common, **wide_m,
+    )
     return dq, dk, dv
 
 
