@@ -75,7 +75,9 @@ DTYPES = {"fp16": "DType::kF16", "bf16": "DType::kBF16"}
 CAUSAL = (False, True)
 # The default options per head dim (the backend's choice). hd128: lean softmax, softmax / PV
 # overlap, ping-pong, Q in registers, split reductions; hd64: the same without ping-pong and split
-# reductions (both lost there), with every 8th exp2 on the FMA pipes. Neither lets O accumulate in
+# reductions (both lost there), every exp2 on MUFU (with the per-tile fp32 sum the FMA pipes are
+# busier: every 8th exp2 from the polynomial became 4 % slower, kernels_h200.md's
+# ours_exp_mufu_only against ours at hd64). Neither lets O accumulate in
 # the FP8 tensor core across all key tiles (O shrinks with the key count, kernel_fwd.cuh): hd64
 # sums each tile in fp32 registers (fp32_pv_tiles); at hd128 that tile does not fit the register
 # budget (it spills), so O's fp32 sum lives in smem and takes the accumulator every 4 tiles: within
@@ -85,10 +87,10 @@ _HD128 = FwdOptions(lean_softmax=True, overlap_softmax_pv=True, pingpong=True, q
 _HD64 = FwdOptions(lean_softmax=True, overlap_softmax_pv=True, q_in_registers=True, exp2_poly_every=8)
 DEFAULTS = {
     128: replace(_HD128, smem_o_every=4),
-    64: replace(_HD64, fp32_pv_tiles=True),
+    64: replace(_HD64, fp32_pv_tiles=True, exp2_poly_every=0),
 }
-# Exp2 polynomial shares compiled besides the default (env SAGE_DIFFUSERS_EXP_POLY picks one): 0.
-EXTRA_EXP_POLY = {64: (0,), 128: ()}
+# Exp2 polynomial shares compiled besides the default (env SAGE_DIFFUSERS_EXP_POLY picks one).
+EXTRA_EXP_POLY = {64: (8,), 128: ()}
 
 # Benchmark build (-DSAGE_SM90_BENCH=1, env SAGE_DIFFUSERS_SM90_BENCH=1): bf16, non-causal. Per
 # head dim: the defaults and the option set that accumulates O in the tensor core over all tiles

@@ -3,12 +3,12 @@
 The 8-bit kernel's compiled variants and defaults, from the same source as the C++ dispatch
 tables (csrc/sm90_int8/instantiations/variants*.inc)."""
 # exp2 polynomial share of the default options per head dim
-DEFAULT_EXP_POLY = {64: 8, 128: 0}
+DEFAULT_EXP_POLY = {64: 0, 128: 0}
 # run-time flags (FwdOptions::flags()) of the default options per head dim
 DEFAULT_FLAGS = {64: 75, 128: 559}
 # exp2 polynomial shares the regular build compiles per head dim
 COMPILED_EXP_POLY = {64: (0, 8), 128: (0,)}
 # benchmark build: (head dim, exp2 polynomial share, flags, name)
-BENCH_VARIANTS = ((128, 0, 559, 'lean_overlap_pingpong_qregs_split_smemo4'), (128, 0, 47, 'lean_overlap_pingpong_qregs_split'), (128, 0, 303, 'lean_overlap_pingpong_qregs_split_smemo2'), (128, 0, 1071, 'lean_overlap_pingpong_qregs_split_smemo8'), (64, 8, 75, 'lean_overlap_qregs_fp32pv_exp2poly8'), (64, 8, 11, 'lean_overlap_qregs_exp2poly8'))
+BENCH_VARIANTS = ((128, 0, 559, 'lean_overlap_pingpong_qregs_split_smemo4'), (128, 0, 47, 'lean_overlap_pingpong_qregs_split'), (128, 0, 303, 'lean_overlap_pingpong_qregs_split_smemo2'), (128, 0, 1071, 'lean_overlap_pingpong_qregs_split_smemo8'), (64, 0, 75, 'lean_overlap_qregs_fp32pv'), (64, 8, 11, 'lean_overlap_qregs_exp2poly8'))
 # option-set name per run-time flags
 FLAG_NAMES = {11: 'lean_overlap_qregs', 47: 'lean_overlap_pingpong_qregs_split', 75: 'lean_overlap_qregs_fp32pv', 303: 'lean_overlap_pingpong_qregs_split_smemo2', 559: 'lean_overlap_pingpong_qregs_split_smemo4', 1071: 'lean_overlap_pingpong_qregs_split_smemo8'}
