@@ -69,7 +69,7 @@ template <int D, DType kOut, bool kCausal, int kPoly, int kFlags>
 __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPoly)>(), 1)
     fwd_kernel(const __grid_constant__ FwdParams p) {
   constexpr FwdOptions kOpt = FwdOptions::from_flags(kFlags, kPoly);
-  static_assert(kOpt.valid(), "fp16_exp2 and split_reductions are variants of the lean softmax");
+  static_assert(kOpt.valid(), "FwdOptions combination the kernel does not implement (FwdOptions::valid)");
   using C = TileConfig<D>;
   constexpr bool kLean = kOpt.lean_softmax;
   constexpr bool kOverlapSoftmaxWithPV = kOpt.overlap_softmax_pv;
@@ -143,17 +143,18 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   }
   // Whether the PV wgmma of key tile u starts its accumulator from zero.
   auto pv_zero = [&](int u) { return kSmemO && u % kSmemOEvery == 0; };
-  // smem sum = o_scale * smem sum + O (registers). Register i holds row (i >> 1) & 1.
+  // o_scale * (float4 j of the smem sum) + O's registers 4j..4j+3 (register i holds row (i >> 1) & 1).
+  auto scaled_sum = [&](int j) {
+    float4 x = o_sum[j * kConsumerThreads];
+    x.x = fmaf(x.x, o_scale[0], o[4 * j]);
+    x.y = fmaf(x.y, o_scale[0], o[4 * j + 1]);
+    x.z = fmaf(x.z, o_scale[1], o[4 * j + 2]);
+    x.w = fmaf(x.w, o_scale[1], o[4 * j + 3]);
+    return x;
+  };
   auto flush_o = [&] {
 #pragma unroll
-    for (int j = 0; j < C::kORegs / 4; ++j) {
-      float4 x = o_sum[j * kConsumerThreads];
-      x.x = fmaf(x.x, o_scale[0], o[4 * j]);
-      x.y = fmaf(x.y, o_scale[0], o[4 * j + 1]);
-      x.z = fmaf(x.z, o_scale[1], o[4 * j + 2]);
-      x.w = fmaf(x.w, o_scale[1], o[4 * j + 3]);
-      o_sum[j * kConsumerThreads] = x;
-    }
+    for (int j = 0; j < C::kORegs / 4; ++j) o_sum[j * kConsumerThreads] = scaled_sum(j);
     o_scale[0] = o_scale[1] = 1.f;
   };
   // After key tile u's PV retired and O was rescaled to the next tile's max.
@@ -317,11 +318,11 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   if constexpr (kSmemO) {  // O = o_scale * smem sum + the tiles since the last flush
 #pragma unroll
     for (int j = 0; j < C::kORegs / 4; ++j) {
-      const float4 x = o_sum[j * kConsumerThreads];
-      o[4 * j] = fmaf(x.x, o_scale[0], o[4 * j]);
-      o[4 * j + 1] = fmaf(x.y, o_scale[0], o[4 * j + 1]);
-      o[4 * j + 2] = fmaf(x.z, o_scale[1], o[4 * j + 2]);
-      o[4 * j + 3] = fmaf(x.w, o_scale[1], o[4 * j + 3]);
+      const float4 x = scaled_sum(j);
+      o[4 * j] = x.x;
+      o[4 * j + 1] = x.y;
+      o[4 * j + 2] = x.z;
+      o[4 * j + 3] = x.w;
     }
   }
   epilogue_store<D, kOut, kCausal>(p, sm, o, row, b, h, hk);
@@ -329,7 +330,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
 
 template <int D, DType kOut, bool kCausal, FwdOptions kOpt>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
-  static_assert(kOpt.valid(), "fp16_exp2 and split_reductions are variants of the lean softmax");
+  static_assert(kOpt.valid(), "FwdOptions combination the kernel does not implement (FwdOptions::valid)");
   auto kernel = fwd_kernel<D, kOut, kCausal, kOpt.exp2_poly_every, kOpt.flags()>;
   const dim3 grid(p.n_q_tiles / kQTilesPerCTA, p.Hq, p.B);
   return sage_common::launch_with_smem(kernel, grid, fwd_threads<kOpt>(), fwd_smem_bytes<D, kOpt>(), p, stream);
