@@ -110,17 +110,23 @@ def test_bounds_per_tile():
 
 def test_two_tile_bodies_selected_by_a_branch_count_once():
     # t & 1 picks one of two copies of the tile body: the path follows the first copy, jumps over
-    # the second (unconditional branch) and counts one tile.
+    # the second (unconditional branch) and counts one tile. The barrier retry of the second copy
+    # returns by a backward branch whose range (0x110..0x210) is smaller than the loop's: it is
+    # unconditional and holds an EXIT, so it is not the loop.
     body = """
 0040 @P0 BRA 0x100
 0050 IGMMA.64x128x32.S8.S8 R24, R180, gdesc[UR12], RZ, !UPT, gsb0
 0060 QGMMA.64x128x128.F32.E4M3.E4M3 R88, R196, gdesc[UR12], R88, gsb0
 0070 MUFU.EX2 R1, R1
 0080 BRA 0x140
-0100 IGMMA.64x128x32.S8.S8 R24, R180, gdesc[UR12], RZ, !UPT, gsb0
-0110 QGMMA.64x128x128.F32.E4M3.E4M3 R88, R196, gdesc[UR12], R88, gsb0
-0120 MUFU.EX2 R1, R1
+0100 @!P3 BRA 0x200
+0110 IGMMA.64x128x32.S8.S8 R24, R180, gdesc[UR12], RZ, !UPT, gsb0
+0120 QGMMA.64x128x128.F32.E4M3.E4M3 R88, R196, gdesc[UR12], R88, gsb0
+0130 MUFU.EX2 R1, R1
 0140 @!P4 BRA 0x40
+0150 EXIT
+0200 SYNCS.PHASECHK.TRANS64.TRYWAIT P3, [UR4], R0
+0210 BRA 0x110
 """
     r = sass_cost.analyse(_listing(body))
     assert r["tiles"] == 1 and r["total"] == 6 and r["skipped"] == []

@@ -5,8 +5,9 @@
     python csrc/sm90_int8/sass_cost.py path/to/unit.sass        # cuobjdump -sass text
     python csrc/sm90_int8/sass_cost.py path/to/unit.cubin       # or a cubin / .o (cuobjdump runs)
 
-The main loop is the smallest backward-branch range (target .. branch) that holds both wgmma kinds
-(IGMMA for S = Q K^T, QGMMA for O += P V). Its steady-state path is walked from the loop head to
+The main loop is the smallest range (target .. branch) of a conditional backward branch that holds
+both wgmma kinds (IGMMA for S = Q K^T, QGMMA for O += P V) and no EXIT; with two such loops (an
+unmasked and a masked one) that is the smaller. Its steady-state path is walked from the loop head to
 the back edge: unconditional branches are followed; a conditional forward branch inside the loop
 is taken when its fall-through path reaches the target without a wgmma (it skips a conditional
 block: a masked tile's masking, the O rescale when a row max moved, the O flush), else it falls
@@ -128,16 +129,18 @@ def parse(sass: str) -> dict[str, list[Instr]]:
 
 
 def find_main_loop(code: list[Instr]) -> tuple[int, int]:
-    """Indices (head, back edge) of the smallest backward-branch range holding IGMMA and QGMMA."""
+    """Indices (head, back edge) of the smallest range of a conditional backward branch that
+    holds IGMMA and QGMMA and no EXIT. (The out-of-line barrier retry blocks after the epilogue
+    return into the loop by unconditional backward branches: their ranges hold EXITs.)"""
     index = {ins.addr: i for i, ins in enumerate(code)}
     best = None
     for j, ins in enumerate(code):
         t = ins.target
-        if t is None or t > ins.addr or t not in index:
+        if t is None or t > ins.addr or t not in index or not ins.conditional:
             continue
         i = index[t]
         kinds = {c.base for c in code[i:j + 1]}
-        if {"IGMMA", "QGMMA"} <= kinds and (best is None or j - i < best[1] - best[0]):
+        if {"IGMMA", "QGMMA"} <= kinds and "EXIT" not in kinds and (best is None or j - i < best[1] - best[0]):
             best = (i, j)
     if best is None:
         raise ValueError("no backward branch encloses both IGMMA and QGMMA: not the attention kernel?")
@@ -174,11 +177,34 @@ def _fall_through_block(code: list[Instr], index: dict[int, int], i: int, target
     return None
 
 
-def steady_path(code: list[Instr], head: int, back: int) -> LoopCost:
-    """Walk the loop's steady-state path (module docstring) and collect the regions it skips."""
+MAX_PATHS = 16
+
+
+def steady_paths(code: list[Instr], head: int, back: int) -> list[LoopCost]:
+    """Every steady-state path through the loop (module docstring): one per combination of the
+    branches that select a copy of the tile body (the P register parity, an unmasked / masked
+    body), each with the conditional blocks it skips."""
+    out, todo = [], [()]
+    while todo:
+        choices = todo.pop(0)
+        res = steady_path(code, head, back, choices)
+        if res is None:  # met one more selecting branch: both ways
+            todo += [choices + (False,), choices + (True,)]
+        else:
+            out.append(res)
+        if len(out) + len(todo) > MAX_PATHS:
+            raise ValueError(f"more than {MAX_PATHS} paths through the loop")
+    return out
+
+
+def steady_path(code: list[Instr], head: int, back: int,
+                choices: tuple[bool, ...] = ()) -> LoopCost | None:
+    """Walk one steady-state path: at the k-th branch that selects a body copy, take it iff
+    choices[k]. None when the path meets more such branches than there are choices."""
     index = {ins.addr: i for i, ins in enumerate(code)}
     lo, hi = code[head].addr, code[back].addr
     res = LoopCost(path=[])
+    n_fork = 0
     i, seen = head, set()
     while True:
         if i in seen:
@@ -198,6 +224,13 @@ def steady_path(code: list[Instr], head: int, back: int) -> LoopCost:
                 res.skipped.append((ins.addr, t, block))
                 i = index[t]
                 continue
+            if t > ins.addr:  # selects a body copy
+                if n_fork == len(choices):
+                    return None
+                n_fork += 1
+                if choices[n_fork - 1]:
+                    i = index[t]
+                    continue
         i += 1
     k = sum(int(m.group(3)) for c in res.path if c.base == "QGMMA" and (m := _GMMA_SHAPE.search(c.opcode)))
     res.tiles = k / KEYS_PER_TILE
@@ -233,17 +266,20 @@ def analyse(sass: str, kernel: str = "fwd_kernel", threads: int = 256) -> dict:
         raise ValueError(f"no function matching {kernel!r}")
     name, code = next(iter(funcs.items()))
     head, back = find_main_loop(code)
-    loop = steady_path(code, head, back)
+    paths = steady_paths(code, head, back)
+    loop = min(paths, key=lambda c: len(c.path) / c.tiles)  # the cheapest body (e.g. unmasked)
     per_tile = {k: v / loop.tiles for k, v in loop.counts().items()}
     skipped = [(a, b, {k: v for k, v in loop.counts(r).items()}) for a, b, r in loop.skipped]
     return {"kernel": name, "loop": (code[head].addr, code[back].addr), "tiles": loop.tiles,
             "per_tile": per_tile, "total": sum(per_tile.values()), "skipped": skipped,
+            "path_totals": sorted(len(c.path) / c.tiles for c in paths),
             "bounds": bounds(loop.path, loop.tiles, threads)}
 
 
 def format_report(r: dict) -> str:
     lines = [f"kernel {r['kernel']}", f"main loop {r['loop'][0]:#x}..{r['loop'][1]:#x}, "
-             f"{r['tiles']:g} tile(s) on the steady path", "",
+             f"{r['tiles']:g} tile(s) on the steady path (the cheapest of {len(r['path_totals'])} "
+             f"paths: {', '.join(f'{t:g}' for t in r['path_totals'])} instructions per tile)", "",
              "| class | per tile and thread |", "|---|---:|"]
     order = [n for n, _ in CLASSES] + ["other"]
     for cls in order:
