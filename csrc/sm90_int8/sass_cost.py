@@ -321,11 +321,12 @@ def load_sass(arg: str) -> tuple[str, str]:
     sys.path.insert(0, str(HERE.parent))
     import sass_diff
 
-    out = Path(tempfile.mkdtemp(prefix="sass_cost_"))
-    if sass_diff.dump(out, HERE.parent, only=f"^i8_{re.escape(p.stem)}$") != 0 or not list(out.glob("*.sass")):
-        sys.exit(f"could not compile {arg} (an instantiations/ stem such as fwd_hd128_bf16_full)")
-    sass = next(out.glob("*.sass"))
-    return sass.read_text(), sass.with_suffix(".log").read_text()
+    with tempfile.TemporaryDirectory(prefix="sass_cost_") as tmp:
+        out = Path(tmp)
+        if sass_diff.dump(out, HERE.parent, only=f"^i8_{re.escape(p.stem)}$") != 0 or not list(out.glob("*.sass")):
+            sys.exit(f"could not compile {arg} (an instantiations/ stem such as fwd_hd128_bf16_full)")
+        sass = next(out.glob("*.sass"))
+        return sass.read_text(), sass.with_suffix(".log").read_text()
 
 
 def main(argv: list[str] | None = None) -> int:
