@@ -65,7 +65,7 @@ struct TileMask {
 // kSeed_ (option seed_reductions, with the lean softmax): each chain of the row max and of
 // step_lean's row sum starts from its first value instead of fmaxf(-inf, s) / 0 + p, which ptxas
 // must keep (fmaxf(-inf, NaN) is -inf, 0 + -0 is +0): one FMNMX and one FADD fewer per chain and
-// tile. The same values: scores are never NaN (biased integers or -inf) and p >= +0.
+// tile. The same values: scores are never NaN (biased integers or -inf) and p is never -0.
 template <int kPolyEvery, bool kLean_ = false, bool kHalfExp_ = false, bool kSplit_ = false, bool kSeed_ = false>
 struct OnlineSoftmax {
   static constexpr bool kLean = kLean_;
