@@ -24,6 +24,12 @@ HERE = Path(__file__).resolve().parent
 PY_OUT = HERE.parents[1] / "sage_diffusers" / "kernels" / "_sm90_int8_variants.py"
 
 
+# Bools added after smem_o_every take flag bits above its five (FwdOptions::kFlagsHighShift), so
+# the flags of the older option sets (in eval/results/) stay what they were.
+_HIGH_SHIFT = 12
+_HIGH_BOOLS = ("seed_reductions",)
+
+
 @dataclass(frozen=True)
 class FwdOptions:
     """Mirror of the C++ FwdOptions (launch.h): field names, order and flag bits must match."""
@@ -36,11 +42,12 @@ class FwdOptions:
     split_reductions: bool = False    # bit 32, needs lean_softmax
     fp32_pv_tiles: bool = False       # bit 64
     exp2_poly_every: int = 0
-    smem_o_every: int = 0             # flags bits 7 and up (FwdOptions::kFlagsIntShift)
+    smem_o_every: int = 0             # flags bits 7-11 (FwdOptions::kFlagsIntShift)
+    seed_reductions: bool = False     # bit 1 << 12 (FwdOptions::kFlagsHighShift), needs lean_softmax
 
     def __post_init__(self):
-        if (self.fp16_exp2 or self.split_reductions) and not self.lean_softmax:
-            raise ValueError(f"{self}: fp16_exp2 and split_reductions are variants of the lean softmax")
+        if (self.fp16_exp2 or self.split_reductions or self.seed_reductions) and not self.lean_softmax:
+            raise ValueError(f"{self}: fp16_exp2, split_reductions and seed_reductions are variants of the lean softmax")
         n = self.smem_o_every
         if n < 0 or n > 16 or n & (n - 1) or (n and self.fp32_pv_tiles):
             raise ValueError(f"{self}: smem_o_every is a power of 2 up to 16, not with fp32_pv_tiles")
@@ -48,8 +55,9 @@ class FwdOptions:
     @property
     def flags(self) -> int:
         """The run-time key of the option set (FwdOptions::flags(), set_fwd_flags)."""
-        bools = [f.name for f in fields(self) if f.type in ("bool", bool)]
-        return sum(1 << i for i, name in enumerate(bools) if getattr(self, name)) | (self.smem_o_every << 7)
+        bools = [f.name for f in fields(self) if f.type in ("bool", bool) and f.name not in _HIGH_BOOLS]
+        high = sum(1 << (_HIGH_SHIFT + i) for i, name in enumerate(_HIGH_BOOLS) if getattr(self, name))
+        return sum(1 << i for i, name in enumerate(bools) if getattr(self, name)) | (self.smem_o_every << 7) | high
 
     @property
     def name(self) -> str:
@@ -59,6 +67,7 @@ class FwdOptions:
         parts = [v for k, v in short.items() if getattr(self, k)] or ["plain"]
         if self.smem_o_every:
             parts.append(f"smemo{self.smem_o_every}")
+        parts += [v for k, v in {"seed_reductions": "seed"}.items() if getattr(self, k)]
         if self.exp2_poly_every:
             parts.append(f"exp2poly{self.exp2_poly_every}")
         return "_".join(parts)
@@ -93,16 +102,18 @@ DEFAULTS = {
 EXTRA_EXP_POLY = {64: (8,), 128: ()}
 
 # Benchmark build (-DSAGE_SM90_BENCH=1, env SAGE_DIFFUSERS_SM90_BENCH=1): bf16, non-causal. Per
-# head dim: the defaults and the option set that accumulates O in the tensor core over all tiles
-# (the previous default); at hd128 the smem sum flushed every 2 and 8 tiles around the default's
-# 4. Measured and dropped (eval/results/int8_pv_accumulation_h200.md): hd128's per-tile register
-# sum (it spills), the smem sum at hd64 and flushing every tile.
+# head dim: the defaults, the option set that accumulates O in the tensor core over all tiles
+# (the previous default), and the defaults with the row max / sum chains seeded by their first
+# value (seed_reductions: 16 fewer instructions per tile at hd128, eval/results/int8_sass_cost_sm90.md).
+# Measured and dropped (eval/results/int8_pv_accumulation_h200.md): hd128's per-tile register
+# sum (it spills), the smem sum at hd64, flushing every tile, and every 2 or 8 tiles.
 BENCH_VARIANTS = (
     (128, DEFAULTS[128]),
     (128, _HD128),
-    *((128, replace(_HD128, smem_o_every=n)) for n in (2, 8)),
+    (128, replace(DEFAULTS[128], seed_reductions=True)),
     (64, DEFAULTS[64]),
     (64, _HD64),
+    (64, replace(DEFAULTS[64], seed_reductions=True)),
 )
 
 

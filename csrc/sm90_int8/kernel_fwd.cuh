@@ -44,6 +44,10 @@ namespace sage_sm90 {
 //                        so at most N tiles accumulate in the tensor core. The register
 //                        accumulator keeps the online-softmax rescale; the smem sum is rescaled
 //                        by the product of the alphas since its last flush.
+//   seed_reductions    : (lean only) each row max / row sum chain of a tile starts from its
+//                        first value instead of -inf / 0: one FMNMX and one FADD fewer per chain
+//                        (16 per tile with split_reductions; eval/results/int8_sass_cost_sm90.md).
+//                        Same results bit for bit (softmax.hpp OnlineSoftmax).
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 224 registers). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
@@ -117,7 +121,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   const int row[2] = {wg_row0 + 16 * (tid / 32) + g, wg_row0 + 16 * (tid / 32) + g + 8};
   const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
 
-  OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce> sm;
+  OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce, kOpt.seed_reductions> sm;
   sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
   const WarpgroupOperands<D> ops(sp, wg, tid);
   const float* sk = p.sk + (static_cast<int64_t>(b) * p.Hkv + hk) * p.n_kv_tiles;

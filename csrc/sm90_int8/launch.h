@@ -25,13 +25,16 @@ struct FwdOptions {
   int exp2_poly_every = 0;          // every N-th exp2 on the FMA pipes (0 = all on MUFU)
   int smem_o_every = 0;             // O's fp32 sum in smem, the tensor-core one flushed into it
                                     // every N key tiles (0 = O only in registers); power of 2
+  bool seed_reductions = false;     // (lean only) row max / sum chains start from their first value
 
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
            (q_in_registers ? 8 : 0) | (fp16_exp2 ? 16 : 0) | (split_reductions ? 32 : 0) |
-           (fp32_pv_tiles ? 64 : 0) | (smem_o_every << kFlagsIntShift);
+           (fp32_pv_tiles ? 64 : 0) | (smem_o_every << kFlagsIntShift) |
+           (seed_reductions ? 1 << kFlagsHighShift : 0);
   }
-  static constexpr int kFlagsIntShift = 7;  // smem_o_every sits above the bool bits
+  static constexpr int kFlagsIntShift = 7;  // smem_o_every (<= 16: 5 bits) sits above the first bools
+  static constexpr int kFlagsHighShift = 12;  // bools added later sit above it (flags stay stable)
   // The inverse of (flags(), exp2_poly_every). The __global__ kernel takes these two ints as its
   // template arguments: nvcc's host stubs cannot spell a class-type template argument.
   static constexpr FwdOptions from_flags(int flags, int exp2_poly_every) {
@@ -43,13 +46,14 @@ struct FwdOptions {
     o.fp16_exp2 = (flags & 16) != 0;
     o.split_reductions = (flags & 32) != 0;
     o.fp32_pv_tiles = (flags & 64) != 0;
-    o.smem_o_every = flags >> kFlagsIntShift;
+    o.smem_o_every = (flags >> kFlagsIntShift) & ((1 << (kFlagsHighShift - kFlagsIntShift)) - 1);
+    o.seed_reductions = ((flags >> kFlagsHighShift) & 1) != 0;
     o.exp2_poly_every = exp2_poly_every;
     return o;
   }
   // Combinations the kernel implements (fwd_kernel static_asserts it instead of dropping options).
   constexpr bool valid() const {
-    return ((!fp16_exp2 && !split_reductions) || lean_softmax) && exp2_poly_every >= 0 &&
+    return ((!fp16_exp2 && !split_reductions && !seed_reductions) || lean_softmax) && exp2_poly_every >= 0 &&
            smem_o_every >= 0 && smem_o_every <= 16 && (smem_o_every & (smem_o_every - 1)) == 0 &&
            !(fp32_pv_tiles && smem_o_every > 0);
   }

@@ -62,12 +62,18 @@ struct TileMask {
 // the row sum) of a tile as four independent chains of 8 values each (columns 8j.. grouped by
 // j mod 4), combined at the end, instead of one dependent chain of 32: same max, sums rounded in
 // another order.
-template <int kPolyEvery, bool kLean_ = false, bool kHalfExp_ = false, bool kSplit_ = false>
+// kSeed_ (option seed_reductions, with the lean softmax): each chain of the row max and of
+// step_lean's row sum starts from its first value instead of fmaxf(-inf, s) / 0 + p, which ptxas
+// must keep (fmaxf(-inf, NaN) is -inf, 0 + -0 is +0): one FMNMX and one FADD fewer per chain and
+// tile. The same values: scores are never NaN (biased integers or -inf) and p is never -0.
+template <int kPolyEvery, bool kLean_ = false, bool kHalfExp_ = false, bool kSplit_ = false, bool kSeed_ = false>
 struct OnlineSoftmax {
   static constexpr bool kLean = kLean_;
   static constexpr bool kHalfExp = kHalfExp_;
+  static constexpr bool kSeed = kSeed_;
   static constexpr int kChains = kSplit_ ? 4 : 1;
   static_assert(!kHalfExp_ || kLean_, "the fp16 exp2 path is a variant of the lean softmax");
+  static_assert(!kSeed_ || kLean_, "seeded reductions are a variant of the lean softmax");
   static constexpr int kN = 64;  // accumulator values per thread
   float m[2];       // running max of s (log2 domain), -inf before any unmasked key
   float l[2];       // this thread's partial row sums of unquantized p (quad-reduced at the end)
@@ -87,18 +93,22 @@ struct OnlineSoftmax {
     for (int h = 0; h < 2; ++h) c[h] = fmaxf(rowf[h] * sk_tile, 1.17549435e-38f);
   }
 
+  // Value v belongs to row half (v >> 1) & 1 and chain (v >> 2) % kChains; the first value of
+  // (half h, chain j) is v = 4j + 2h.
+  __device__ __forceinline__ static constexpr bool opens_chain(int v) { return v < 4 * kChains && (v & 1) == 0; }
+
   // This thread's max of each row half over the tile, in kChains independent chains.
   __device__ __forceinline__ static void tile_row_max(const float (&s)[kN], float (&mx)[2]) {
     float part[2][kChains];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
-      for (int j = 0; j < kChains; ++j) part[h][j] = -INFINITY;
+      for (int j = 0; j < kChains; ++j) part[h][j] = kSeed ? s[4 * j + 2 * h] : -INFINITY;
     }
 #pragma unroll
     for (int v = 0; v < kN; ++v) {
       float& acc = part[(v >> 1) & 1][(v >> 2) % kChains];
-      acc = fmaxf(acc, s[v]);
+      if (!(kSeed && opens_chain(v))) acc = fmaxf(acc, s[v]);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) mx[h] = chains_max(part[h]);
@@ -222,7 +232,8 @@ struct OnlineSoftmax {
       } else {
         p = exp2_mufu(x);
       }
-      part_sum[h][(v >> 2) % kChains] += p;
+      float& acc = part_sum[h][(v >> 2) % kChains];
+      acc = kSeed && opens_chain(v) ? p : acc + p;
       s[v] = p;  // already P~ * 448 (cvt saturates the rare 448 * (1 + 1e-7))
     }
     float sum[2];
