@@ -165,6 +165,19 @@ if triton is not None:
     _BWD_CONFIGS = [triton.Config({}, num_warps=w, num_stages=st) for w in (4, 8) for st in (2, 3)]
 
     @triton.jit
+    def _fwd_store(acc, m_i, l_i, o_ptr, m_ptr, lse_ptr, bh, SQ, rows, dims, inq, D: tl.constexpr):
+        """The forward's epilogue (both kernel sets): O = acc / l, the log2-domain row max and LSE;
+        rows without a visible key (l = 0) store O = 0 and -inf."""
+        empty = l_i == 0
+        out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        m_out = tl.where(empty, float("-inf"), m_i)
+        tl.store(o_ptr + (bh * SQ + rows[:, None]) * D + dims[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=inq[:, None])
+        tl.store(m_ptr + bh * SQ + rows, m_out, mask=inq)
+        tl.store(lse_ptr + bh * SQ + rows, lse, mask=inq)
+
+    @triton.jit
     def _rint(x):
         """Round half to even (torch.round) for |x| < 2**22: adding 1.5 * 2**23 drops the fraction."""
         return (x + 12582912.0) - 12582912.0
@@ -288,14 +301,7 @@ if triton is not None:
                 pv = _dot16(p.to(vc.dtype), vc, DOT16_AS_F32)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        empty = l_i == 0
-        out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        m_out = tl.where(empty, float("-inf"), m_i)
-        tl.store(o_ptr + (bh * SQ + rows[:, None]) * D + dims[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=inq[:, None])
-        tl.store(m_ptr + bh * SQ + rows, m_out, mask=inq)
-        tl.store(lse_ptr + bh * SQ + rows, lse, mask=inq)
+        _fwd_store(acc, m_i, l_i, o_ptr, m_ptr, lse_ptr, bh, SQ, rows, dims, inq, D)
 
     @triton.jit
     def _ds_tile(
@@ -625,14 +631,7 @@ if triton is not None:
         acc, m_i, l_i = _fwd_loop_v2(acc, m_i, l_i, n_free, n_end, q8, row_scale, rows, b, bkv,
                                      k8_ptr, sk_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV,
                                      D, BLOCK_N, HAS_MASK, IS_CAUSAL, True, PV_INT8, DOT16_AS_F32, ACC_XU)
-        empty = l_i == 0
-        out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        m_out = tl.where(empty, float("-inf"), m_i)
-        tl.store(o_ptr + (bh * SQ + rows[:, None]) * D + dims[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=inq[:, None])
-        tl.store(m_ptr + bh * SQ + rows, m_out, mask=inq)
-        tl.store(lse_ptr + bh * SQ + rows, lse, mask=inq)
+        _fwd_store(acc, m_i, l_i, o_ptr, m_ptr, lse_ptr, bh, SQ, rows, dims, inq, D)
 
     @triton.jit
     def _bwd_prep_kernel(
