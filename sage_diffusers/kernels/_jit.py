@@ -69,6 +69,15 @@ def dry_run() -> Iterator[None]:
         _dry_run.reset(token)
 
 
+def cuda_missing() -> str | None:
+    """Why no kernel can run in this process (no CUDA build of torch, no GPU), or None."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if torch.version.cuda is None:
+        return "torch was built without CUDA"
+    return None
+
+
 def build_info(build: Callable[[], object]) -> BuildInfo:
     """The :class:`BuildInfo` of one kernel module's ``build`` function, without building."""
     with dry_run():

@@ -220,10 +220,9 @@ def is_available() -> tuple[bool, str]:
     -------
     (ok, reason) : reason says what is missing when ok is False.
     """
-    if not torch.cuda.is_available():
-        return False, "CUDA is not available"
-    if torch.version.cuda is None:
-        return False, "torch was built without CUDA"
+    missing = _jit.cuda_missing()
+    if missing is not None:
+        return False, missing
     if _device_arch() is None:
         cap = torch.cuda.get_device_capability()
         return False, (f"FP4 kernel needs compute capability 12.0/12.1 (native) or 9.0 (emulated), "

@@ -83,10 +83,9 @@ def is_available() -> tuple[bool, str]:
     -------
     (ok, reason) : reason says what is missing when ok is False.
     """
-    if not torch.cuda.is_available():
-        return False, "CUDA is not available"
-    if torch.version.cuda is None:
-        return False, "torch was built without CUDA"
+    missing = _jit.cuda_missing()
+    if missing is not None:
+        return False, missing
     cap = torch.cuda.get_device_capability()
     if cap != ARCH:
         return False, f"needs compute capability 9.0 (H100/H200/H20), device has {cap[0]}.{cap[1]}"
