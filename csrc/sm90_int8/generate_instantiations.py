@@ -85,7 +85,7 @@ CAUSAL = (False, True)
 # The default options per head dim (the backend's choice). hd128: lean softmax, softmax / PV
 # overlap, ping-pong, Q in registers, split reductions; hd64: the same without ping-pong and split
 # reductions (both lost there), every exp2 on MUFU (with the per-tile fp32 sum the FMA pipes are
-# busier: every 8th exp2 from the polynomial became 4 % slower, kernels_h200.md's
+# busier: every 8th exp2 from the polynomial became 2-4 % slower, kernels_h200.md's
 # ours_exp_mufu_only against ours at hd64). Neither lets O accumulate in
 # the FP8 tensor core across all key tiles (O shrinks with the key count, kernel_fwd.cuh): hd64
 # sums each tile in fp32 registers (fp32_pv_tiles); at hd128 that tile does not fit the register
