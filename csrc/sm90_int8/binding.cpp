@@ -294,7 +294,7 @@ std::vector<double> bench_parts(const at::Tensor& q, const at::Tensor& k, const 
 void set_prepass_mode(int64_t mode) {
   TORCH_CHECK(mode >= 0 && mode <= sage_sm90::kPrepassModeMax,
               "pre-pass mode is a bit set: 1 = Q in the stats launch, 2 = batched loads, "
-              "4 = one workspace allocation");
+              "4 = one workspace allocation, 8 = programmatic dependent launches");
   sage_sm90::set_prepass_mode(static_cast<int>(mode));
 }
 

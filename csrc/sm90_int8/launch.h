@@ -122,10 +122,14 @@ struct FwdParams {
 //   bit kPrepassBatchLoads: each thread issues all its loads of a block before using them;
 //   bit kPrepassOneAlloc (binding.cpp, host only): one workspace allocation + a raw memset
 //   instead of ~12 tensors and a fill kernel (the forward path; prepass() keeps its tensors).
+//   bit kPrepassPdl: the quant launch and the forward kernel start with programmatic dependent
+//   launch (common/sm90/pdl.cuh): each may begin while the launch before it drains, and waits
+//   (pdl_wait) before it reads that launch's outputs.
 constexpr int kPrepassQInStats = 1;
 constexpr int kPrepassBatchLoads = 2;
 constexpr int kPrepassOneAlloc = 4;
-constexpr int kPrepassModeMax = 7;
+constexpr int kPrepassPdl = 8;
+constexpr int kPrepassModeMax = 15;
 // The mode every process starts with (prepass.cu); chosen from variants_bench.py's table.
 constexpr int kPrepassDefaultMode = 7;  // all three: the fastest in variants_bench.py's pre-pass table
 
@@ -143,5 +147,8 @@ void set_fwd_flags(int flags);
 // Benchmarks: the pre-pass mode used from now on (default kSplit).
 void set_prepass_mode(int mode);
 int prepass_mode();
+// Whether the current mode launches with PDL (bit kPrepassPdl): the quant launch and run_fwd's
+// kernel take sage_common::LaunchKind::kPdl then.
+bool pdl_launches();
 
 }  // namespace sage_sm90
