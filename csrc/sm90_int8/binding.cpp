@@ -321,7 +321,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("reps"));
   m.def("set_prepass_mode", &set_prepass_mode,
         "benchmarks: pre-pass bit set (launch.h kPrepass*): 0 = original, 1 = Q in the stats "
-        "launch (no LSE), 2 = batched loads, 4 = one workspace allocation (no LSE)",
+        "launch (no LSE), 2 = batched loads, 4 = one workspace allocation (no LSE), 8 = programmatic "
+        "dependent launches",
         py::arg("mode"));
   m.def("prepass_mode", &get_prepass_mode, "the current pre-pass mode bit set");
   m.def("set_fwd_flags", &sage_sm90::set_fwd_flags,

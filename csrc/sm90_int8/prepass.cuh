@@ -8,6 +8,9 @@
 //                 each written as the swizzled shared-memory image the attention kernel copies
 //                 with one bulk copy per tile (tile_config.hpp). V is transposed on the way, with
 //                 the key permutation that lets P stay in registers. Padding rows/keys are 0.
+// With kPrepassPdl (launch.h) both launches after the first start early (common/sm90/pdl.cuh): the
+// quant launch's Q blocks overlap the stats launch's tail, and the forward kernel's prologue
+// overlaps the quant launch's.
 // Masked keys (numerics contract, sage8_quantize): their K and V rows are selected away (never
 // multiplied, so a NaN or Inf there vanishes) before anything is reduced: the k mean is taken
 // over attended keys only (0 when a batch row attends none), and a masked key is code 0 excluded
@@ -21,6 +24,8 @@
 
 #include <cstdint>
 
+#include "../common/launch.cuh"
+#include "../common/sm90/pdl.cuh"
 #include "../common/token_stats.cuh"
 #include "launch.h"
 #include "numerics.hpp"
@@ -79,6 +84,9 @@ template <int D, DType kIn, bool kBatch>
 __global__ void __launch_bounds__(kPrepassThreads, kStatsMinBlocks<D, kBatch>)
     stats_kernel(const __grid_constant__ PrepassParams p) {
   static_assert(kPrepassThreads == sage_common::kStatsThreads, "stats blocks of common/token_stats.cuh");
+  // PDL (kPrepassPdl): the quant launch may start once every stats block runs; its K and V
+  // blocks wait for this launch's results (pdl_wait), its Q blocks need none of them.
+  sage_common::sm90::pdl_launch_dependents();
   const int n_stat = p.B * p.Hkv * p.n_split;
   if (static_cast<int>(blockIdx.x) >= n_stat) {
     const int n_mask = p.key_mask != nullptr ? p.B * ((4 * p.n_kv_tiles + 7) / 8) : 0;
@@ -344,11 +352,19 @@ __global__ void __launch_bounds__(kPrepassThreads) quant_kernel(const __grid_con
   const int n_qb = p.q_in_stats ? 0 : p.B * p.Hq * p.n_q_tiles;
   const int n_kb = p.B * p.Hkv * p.n_kv_tiles;
   const int blk = blockIdx.x;
+  // PDL (kPrepassPdl): the forward kernel may be scheduled once every block of this launch runs
+  // (it waits for this launch's results itself); without the launch attribute both are no-ops.
+  sage_common::sm90::pdl_launch_dependents();
   if (blk < n_qb) {
+    // Q needs nothing from the stats launch but the k mean for the LSE correction, so under PDL
+    // these blocks run while the stats launch drains.
+    if (p.qkm != nullptr) sage_common::sm90::pdl_wait();
     quant_q_block<D, kIn, kBatch>(p, blk);
   } else if (blk < n_qb + n_kb) {
+    sage_common::sm90::pdl_wait();  // the k mean
     quant_k_block<D, kIn, kBatch>(p, blk - n_qb, scratch);
   } else {
+    sage_common::sm90::pdl_wait();  // the V channel scales
     quant_v_block<D, kIn, kBatch>(p, blk - n_qb - n_kb, stage);
   }
 }
@@ -367,8 +383,8 @@ cudaError_t launch_prepass_impl(const PrepassParams& p, cudaStream_t stream) {
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int n_quant = (p.q_in_stats ? 0 : p.B * p.Hq * p.n_q_tiles) + 2 * p.B * p.Hkv * p.n_kv_tiles;
-  quant_kernel<D, kIn, kBatch><<<n_quant, kPrepassThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return sage_common::launch_with_smem(quant_kernel<D, kIn, kBatch>, dim3(n_quant), kPrepassThreads, 0, p, stream,
+                                       pdl_launches() ? sage_common::LaunchKind::kPdl : sage_common::LaunchKind::kPlain);
 }
 
 template <int D, DType kIn>

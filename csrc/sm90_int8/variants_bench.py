@@ -8,10 +8,11 @@ timed shape and variant:
   full  : median of the whole call (pre-pass + kernel + host work), synchronised per repetition
           (the convention of eval/bench_kernels.py, host latency included like cuDNN's);
   main  : the attention kernel alone, back-to-back launches (ext.bench_parts);
-and per shape, with the default variant: the pre-pass alone (GPU time) in modes 0-3 (launch.h
-kPrepass* bits: 1 = Q quantized inside the stats launch, 2 = batched loads; bit 4 = one workspace
-allocation is host-only), the full call in modes 0, 3, 4 and 7, and the full call pipelined (20
-calls between two events, no sync) in modes 0 and 7: full - pipelined ~ host latency per call.
+and per shape, with the default variant: the pre-pass alone (GPU time) in modes 0-3 and 11 (launch.h
+kPrepass* bits: 1 = Q quantized inside the stats launch, 2 = batched loads, 8 = programmatic
+dependent launches; bit 4 = one workspace allocation is host-only), the full call in modes 0, 3, 4,
+7, 14 and 15, and the full call pipelined (20 calls between two events, no sync) in modes 0, 7 and
+15: full - pipelined ~ host latency per call.
 Before the timing, --accuracy runs every variant on long sequences (16K-131K tokens) against
 sage8_reference and fp32 SDPA (accumulation_check). A compact table comes last (the device log
 keeps only its tail).
@@ -50,8 +51,8 @@ DEFAULT_FLAGS = _variants.DEFAULT_FLAGS
 ACC_SHAPES = [(1, 4, 16384, 128), (1, 8, 17776, 64), (1, 2, 65536, 128), (1, 4, 65536, 64),
               (1, 1, 131072, 128)]
 ACC_QUICK_SHAPES = [(1, 4, 16384, 128), (1, 8, 17776, 64), (1, 1, 65536, 128)]
-CHECK_MODES = (1, 2, 3, 4, 7)  # pre-pass mode bit sets checked against the reference
-FULL_MODES = (0, 3, 4, 7)      # full-call timings (per-repetition sync)
+CHECK_MODES = (1, 2, 3, 4, 7, 8, 15)  # pre-pass mode bit sets checked against the reference
+FULL_MODES = (0, 3, 4, 7, 14, 15)  # full-call timings (per-repetition sync)
 
 
 
@@ -188,9 +189,9 @@ def main():
             if has_modes:
                 ext.set_prepass_mode(mode)
             row["full"][mode] = time_ms(lambda: run(q, k, v, poly, flags), args.reps)
-            if mode in (0, 7):
+            if mode in (0, 7, 15):
                 row["pipe"][mode] = time_pipelined_ms(lambda: run(q, k, v, poly, flags))
-        for mode in ((0, 1, 2, 3) if has_modes else (0,)):
+        for mode in ((0, 1, 2, 3, 11) if has_modes else (0,)):
             if has_modes:
                 ext.set_prepass_mode(mode)
             row["pre"][mode], main_ms = ext.bench_parts(q, k, v, False, poly, args.reps)
@@ -208,17 +209,17 @@ def main():
     nan = float("nan")
     print(f"\n== summary (ms; x = cuDNN / ours; m = pre-pass mode bits, launch.h; total "
           f"{time.time() - t0:.0f} s, correctness failures {bad})")
-    print("| shape | cuDNN | full m0 | x | full m7 | x | best m | main | pre m0 | pre m1 | pre m2 | pre m3 "
-          "| pipe m0 | pipe m7 | best main (variant) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | cuDNN | full m0 | x | full m7 | x | full m15 | x | best m | main | pre m0 | pre m1 | pre m2 "
+          "| pre m3 | pre m11 | pipe m0 | pipe m7 | pipe m15 | best main (variant) |")
+    print("|---" * 19 + "|")
     for r in summary:
-        f0, f7 = r["full"].get(0, nan), r["full"].get(7, nan)
+        full = [r["full"].get(m, nan) for m in (0, 7, 15)]
         bm = min(r["full"], key=r["full"].get)
-        pre = [r["pre"].get(m, nan) for m in range(4)]
-        print(f"| {r['shape']} | {r['cudnn']:.3f} | {f0:.3f} | {r['cudnn'] / f0:.2f} | {f7:.3f} | "
-              f"{r['cudnn'] / f7:.2f} | {bm} | {r['main']:.3f} | " + " | ".join(f"{x:.3f}" for x in pre) +
-              f" | {r['pipe'].get(0, nan):.3f} | {r['pipe'].get(7, nan):.3f} | "
-              f"{r['best'][2]:.3f} ({r['best'][0]}) |")
+        pre = [r["pre"].get(m, nan) for m in (0, 1, 2, 3, 11)]
+        pipe = [r["pipe"].get(m, nan) for m in (0, 7, 15)]
+        print(f"| {r['shape']} | {r['cudnn']:.3f} | " + " | ".join(f"{f:.3f} | {r['cudnn'] / f:.2f}" for f in full) +
+              f" | {bm} | {r['main']:.3f} | " + " | ".join(f"{x:.3f}" for x in (*pre, *pipe)) +
+              f" | {r['best'][2]:.3f} ({r['best'][0]}) |")
 
 
 if __name__ == "__main__":
