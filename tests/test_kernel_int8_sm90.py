@@ -250,22 +250,32 @@ def test_torch_compile_fullgraph_matches_eager():
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
 
 
-def test_cuda_graph_replay_matches_eager():
+@pytest.mark.parametrize("prepass_mode", [None, 15], ids=["default_mode", "pdl_mode15"])
+def test_cuda_graph_replay_matches_eager(prepass_mode):
+    """Graph capture and replay give the eager bits, also with the launches chained by PDL (mode
+    bit 8: the captured graph holds programmatic dependencies between the three kernels)."""
+    ext = int8_sm90.build()
+    default = ext.prepass_mode()
     q, k, v = make_qkv(2, 4, 4, 513, 700, 128, torch.bfloat16)
     mask = make_mask(2, 700)
     eager = _call(q, k, v, mask)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            _call(q, k, v, mask)  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = _call(q, k, v, mask)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
+    try:
+        if prepass_mode is not None:
+            ext.set_prepass_mode(prepass_mode)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                _call(q, k, v, mask)  # warm-up outside capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = _call(q, k, v, mask)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        ext.set_prepass_mode(default)
     assert torch.equal(eager[0], captured[0]) and torch.equal(eager[1], captured[1])
 
 
