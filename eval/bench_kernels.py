@@ -2,7 +2,8 @@
 """Side-by-side attention kernel benchmark on one GPU (H200 targeted), one process, same inputs.
 
 Columns: ours (sage8 on sm_90a, every quantization step included), SDPA (bf16, torch's default
-backend: what ``mode="sdpa"`` and auto's fallback run), SDPA cuDNN and SDPA flash (bf16), cuDNN FP8 (cudnn-frontend graph.sdpa_fp8, per-tensor scales; timed with and without its
+backend: what ``mode="sdpa"`` and auto's fallback run), SDPA cuDNN and SDPA flash (bf16), cuDNN
+FP8 (cudnn-frontend graph.sdpa_fp8, per-tensor scales; timed with and without its
 quantization), SageAttention (``sageattention`` if importable), and FP4 (``sage_diffusers.kernels.fp4``
 if importable and available on this device). Per row: time, TOPS = 4*B*H*Sq*Skv*D / t (halved for
 causal), speed-up vs cuDNN, and accuracy vs fp32 SDPA (cos, rel-L1, RMSE).
@@ -17,7 +18,7 @@ median over rounds with min-max. Peers a user might pick instead, when importabl
 per shape, flagged where over ``auto_table.AUTO_TOLERANCE`` (1.03).
 
     python eval/bench_kernels.py            # full table -> eval/results/kernels_h200.{json,md,png}
-    python eval/bench_kernels.py --quick    # three shapes, fewer repetitions
+    python eval/bench_kernels.py --quick    # three shapes
 """
 from __future__ import annotations
 
@@ -349,7 +350,7 @@ def run(args) -> list[dict]:
         for row in shape_rows:
             print(json.dumps(row), flush=True)
         rows += shape_rows
-        base = ref = timed = None  # free before the next shape (lambdas above close over them)
+        base = ref = timed = None  # free before the next shape
         torch.cuda.empty_cache()
     # speed-up vs cuDNN bf16 of the same shape
     for r in rows:
@@ -425,7 +426,7 @@ def write_outputs(rows, out_dir: Path, meta: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="three shapes, fewer repetitions")
+    parser.add_argument("--quick", action="store_true", help="three shapes")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "eval" / "results")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default 5)")
     parser.add_argument("--target-ms", type=float, default=TARGET_MS,

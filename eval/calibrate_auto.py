@@ -19,6 +19,9 @@ decisions taken on the medians.
                                                      # eval/results/auto_calibration_<gpu>.{md,json}
                                                      # and the table into the JIT cache ("auto" uses it)
     python -m eval.calibrate_auto --quick            # fewer lengths and rounds
+    python -m eval.calibrate_auto --compare-timers   # kernel and SDPA under the old back-to-back
+                                                     # timer and the current one, with and without
+                                                     # the L2 flush (-> timer_comparison_<gpu>.md)
     python -m eval.calibrate_auto --ship eval/results/auto_calibration_h200.json
                                                      # no GPU: rewrite the shipped sm_90 table
                                                      # (auto_table.SM90_RULES) from a run's JSON
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import re
 import subprocess
@@ -47,7 +51,8 @@ sys.path.insert(0, str(ROOT))
 import sage_diffusers as sd  # noqa: E402
 from eval.bench_kernels import SHAPES, make_inputs  # noqa: E402
 from sage_diffusers.kernels import _jit, auto_table  # noqa: E402
-from sage_diffusers.kernels.bench_utils import MAX_CALLS, MIN_CALLS, TARGET_MS, compare_ms, spread  # noqa: E402
+from sage_diffusers.kernels.bench_utils import (  # noqa: E402
+    MAX_CALLS, MIN_CALLS, TARGET_MS, compare_ms, flushed_median_ms, interleaved, spread)
 
 # head dim -> heads used in the sweep (real models: Flux/HunyuanVideo 24x128, CogVideoX-5B 48x64)
 SWEEP_HEADS = {128: 24, 64: 48}
@@ -58,6 +63,15 @@ RAGGED_OFFSET = 72  # L - 72 is a multiple of neither 128 nor 64, like 17776 or 
 TIMER = (f"bench_utils.compare_ms: a method's value per round is the median of per-call CUDA-event "
          f"times, L2 flushed before each call, about {TARGET_MS:g} ms of calls ({MIN_CALLS}-{MAX_CALLS}); "
          "methods in an order rotated every round")
+# --compare-timers: the shapes where the two timers disagreed most (eval/results of commit 6f90e44)
+TIMER_SHAPES = [(1, 24, 16384, 128, True), (1, 24, 16384, 128, False), (2, 24, 4096, 128, False)]
+TIMERS = {
+    # the calibration's timer before compare_ms: rounds of back-to-back means, ~40 ms, same tensors
+    "back_to_back_mean": interleaved,
+    # compare_ms's per-call medians without the L2 flush (calls still one pair of events each)
+    "per_call_no_flush": functools.partial(compare_ms, sample=functools.partial(flushed_median_ms, flush=False)),
+    "per_call_flushed": compare_ms,  # the timer of the calibration and of bench_kernels
+}
 SHIP_BEGIN = "# BEGIN sm_90 table"
 SHIP_END = "# END sm_90 table"
 Timer = Callable[..., dict]
@@ -152,6 +166,46 @@ def check(kernel, rounds: int, *, shapes=SHAPES, sdpa=_sdpa, auto=_auto, inputs=
         args = None  # free this shape's inputs before the next
         _free()
     return rows
+
+
+def compare_timers(kernel, rounds: int, *, shapes=TIMER_SHAPES, timers=TIMERS, sdpa=_sdpa,
+                   inputs=make_inputs) -> list[dict]:
+    """Kernel and SDPA at ``shapes`` under each timer (one after another per shape, the order
+    rotated per shape): what each timer makes of the same two calls."""
+    rows = []
+    names = list(timers)
+    for i, (b, h, s, d, causal) in enumerate(shapes):
+        args = (*inputs(b, h, s, d), causal)
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            t = timers[name]({"kernel": kernel, "sdpa": sdpa}, lambda: args, rounds)
+            ks, ss = _stats(t["kernel"]), _stats(t["sdpa"])
+            rows.append(dict(B=b, H=h, S=s, D=d, causal=causal, timer=name, kernel=ks, sdpa=ss,
+                             ratio_median=ks["median"] / ss["median"], ratio_min=ks["min"] / ss["min"]))
+            print(json.dumps(rows[-1]), flush=True)
+        args = None
+        _free()
+    return rows
+
+
+def write_timer_comparison(out_dir: Path, meta: dict, rows: list[dict]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"timer_comparison_{gpu_slug(meta['gpu'])}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    lines = [f"# One shape, three timers: kernel (sage8, quantization included) and SDPA on {meta['gpu']}", "",
+             f"torch {meta['torch']}, {meta['date']}, commit {meta.get('commit') or 'unknown'}; "
+             f"{meta['rounds']} interleaved rounds per timer, median [min-max]. Timers: "
+             "`back_to_back_mean` (bench_utils.interleaved: a round is the mean of ~40 ms of back-to-back "
+             "calls on the same tensors; the calibration's timer before compare_ms, which decided on "
+             "min rounds), `per_call_no_flush` (compare_ms's per-call medians without the L2 flush), "
+             "`per_call_flushed` (compare_ms: the calibration's and bench_kernels' timer now).", "",
+             "| shape (BxHxSxD) | causal | timer | kernel ms | SDPA ms | kernel / SDPA (medians) | (mins) |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['B']}x{r['H']}x{r['S']}x{r['D']} | {r['causal']} | {r['timer']} | {_fmt(r['kernel'])} | "
+                     f"{_fmt(r['sdpa'])} | {r['ratio_median']:.3f} | {r['ratio_min']:.3f} |")
+    path = out_dir / f"{stem}.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def gpu_slug(name: str) -> str:
@@ -297,6 +351,8 @@ def main() -> None:
     p.add_argument("--install", action="store_true", help="write the measured table into the JIT cache")
     p.add_argument("--out-dir", type=Path, default=ROOT / "eval" / "results")
     p.add_argument("--commit", default=None, help="commit named in the results (default: git rev-parse)")
+    p.add_argument("--compare-timers", action="store_true",
+                   help="only time kernel and SDPA at a few shapes under each timer (about 15 s), then exit")
     p.add_argument("--ship", type=Path, default=None, metavar="JSON",
                    help="no GPU: rewrite auto_table.SM90_RULES from this calibration JSON, then exit")
     args = p.parse_args()
@@ -316,6 +372,9 @@ def main() -> None:
     meta = dict(gpu=torch.cuda.get_device_name(), capability=list(cap), torch=torch.__version__,
                 date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), commit=args.commit or _commit(),
                 rounds=rounds, margin=args.margin, tolerance=auto_table.AUTO_TOLERANCE, timer=TIMER)
+    if args.compare_timers:
+        print("wrote", write_timer_comparison(args.out_dir, meta, compare_timers(kernel, rounds)))
+        return
     sweep_rows, rules, why = sweep(kernel, QUICK_LENGTHS if args.quick else SWEEP_LENGTHS, rounds, args.margin)
     if args.install:
         print("installed", install(rules, cap))

@@ -197,6 +197,24 @@ def test_shipped_table_has_its_markers():
     assert text.index(calibrate_auto.SHIP_BEGIN) < text.index("SM90_RULES:") < text.index(calibrate_auto.SHIP_END)
 
 
+def test_timer_comparison_times_both_methods_under_every_timer(tmp_path):
+    def timer(scale):
+        return functools.partial(bench_utils.compare_ms, sample=lambda fn, calls: fn()[1] * scale)
+
+    timers = {"old": timer(1.1), "new": timer(1.0)}
+    shapes = [(1, 24, 16384, 128, True), (1, 24, 4096, 128, False)]
+    rows = calibrate_auto.compare_timers(make_method("kernel", kernel_ms), 3, shapes=shapes, timers=timers,
+                                         sdpa=make_method("sdpa", sdpa_ms), inputs=fake_inputs)
+    assert [(r["S"], r["timer"]) for r in rows] == [(16384, "old"), (16384, "new"), (4096, "new"), (4096, "old")]
+    assert rows[1]["ratio_median"] == pytest.approx(0.95) and rows[0]["kernel"]["median"] == pytest.approx(
+        1.1 * rows[1]["kernel"]["median"])
+    meta = dict(gpu="NVIDIA H200", torch="x", date="d", commit=None, rounds=3)
+    md = calibrate_auto.write_timer_comparison(tmp_path, meta, rows).read_text()
+    assert md.count("| 1x24x16384x128 | True |") == 2 and "commit unknown" in md
+    assert set(calibrate_auto.TIMERS) == {"back_to_back_mean", "per_call_no_flush", "per_call_flushed"}
+    assert calibrate_auto.TIMERS["per_call_flushed"] is bench_utils.compare_ms
+
+
 # ---- bench_kernels: the same timer, the acceptance column -------------------------------------------
 def test_bench_kernels_times_with_the_shared_timer():
     assert bench_kernels.time_methods.__defaults__[-1] is bench_utils.compare_ms

@@ -95,19 +95,21 @@ def _flush_buffer(device: torch.device) -> torch.Tensor:
     return buf
 
 
-def flushed_call_ms(fn: Callable[[], object], calls: int) -> list[float]:
+def flushed_call_ms(fn: Callable[[], object], calls: int, *, flush: bool = True) -> list[float]:
     """Milliseconds of each of ``calls`` calls of ``fn()``, each between its own two CUDA events on
-    the current stream with the L2 cache flushed (a large buffer zeroed) just before it.
+    the current stream with the L2 cache flushed (a large buffer zeroed) just before it
+    (``flush=False``: without the flush, to study what it changes).
 
     Nothing waits between calls: the host queues flush, event, call, event and moves on, so while
     the GPU zeroes the flush buffer the host has time to launch the next call (its launch latency
     stays hidden, as in a model whose GPU runs ahead of Python). The flush separates consecutive
     calls, so none overlaps the previous one's tail or finds its lines in L2.
     """
-    flush = _flush_buffer(torch.device("cuda"))
+    buf = _flush_buffer(torch.device("cuda")) if flush else None
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
     for start, end in events:
-        flush.zero_()
+        if buf is not None:
+            buf.zero_()
         start.record()
         fn()
         end.record()
@@ -115,9 +117,9 @@ def flushed_call_ms(fn: Callable[[], object], calls: int) -> list[float]:
     return [start.elapsed_time(end) for start, end in events]
 
 
-def flushed_median_ms(fn: Callable[[], object], calls: int) -> float:
+def flushed_median_ms(fn: Callable[[], object], calls: int, *, flush: bool = True) -> float:
     """Median of :func:`flushed_call_ms` (robust to the odd slow call: a clock dip, a host stall)."""
-    return statistics.median(flushed_call_ms(fn, calls))
+    return statistics.median(flushed_call_ms(fn, calls, flush=flush))
 
 
 def calls_for(probe_ms: float, target_ms: float = TARGET_MS, min_calls: int = MIN_CALLS,
