@@ -290,6 +290,8 @@ def shipped_block(data: dict, source_name: str) -> str:
     meta = data["meta"]
     if list(meta.get("capability", [])) != [9, 0]:
         raise ValueError(f"the shipped table is for sm_90; this run is sm_{meta.get('capability')}")
+    if not str(meta.get("timer", "")).startswith("bench_utils.compare_ms"):
+        raise ValueError("this run predates the shared timer (bench_utils.compare_ms): re-run the calibration")
     rules = auto_table.rules_from_json(data["rules"])
     expected = {(d, c, r) for d in SWEEP_HEADS for c in (False, True) for r in (False, True)}
     if set(rules) != expected:

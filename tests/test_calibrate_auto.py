@@ -189,6 +189,13 @@ def test_ship_refuses_another_arch_or_a_partial_run(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="classes"):
         calibrate_auto.ship(path, tmp_path / "unused.py")
+    # results of the back-to-back timer (commit 6f90e44's format: no timer named, margin 0.97)
+    data = json.loads(run_files(tmp_path / "old")[0].read_text())
+    del data["meta"]["timer"]
+    data["meta"]["margin"] = 0.97
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="predates the shared timer"):
+        calibrate_auto.ship(path, tmp_path / "unused.py")
 
 
 def test_shipped_table_has_its_markers():
@@ -246,3 +253,28 @@ def test_bench_kernels_auto_column_flags_over_the_goal():
     assert accept[1]["auto_over_best"] == pytest.approx(2.92 / 2.58)
     auto_b = next(r for r in table if r["method"] == "auto" and r["causal"])
     assert auto_b["meets_goal"] is False and auto_b["auto_over_best"] == pytest.approx(2.92 / 2.58)
+
+
+# ---- on an H100/H200: the real calls through the real timer -----------------------------------------
+def _sm90_kernel_available():
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    from sage_diffusers.kernels import int8_sm90
+
+    return int8_sm90.is_available()[0]
+
+
+@pytest.mark.skipif(not _sm90_kernel_available(), reason="needs the 8-bit kernel on an sm_90 GPU")
+def test_calibration_runs_end_to_end_on_the_gpu(tmp_path):
+    kernel = calibrate_auto._kernel()
+    rows, rules, why = calibrate_auto.sweep(kernel, [4096], 2, auto_table.PREFER_SDPA_WITHIN)
+    assert set(rules) == {(d, c, r) for d in (64, 128) for c in (False, True) for r in (False, True)}
+    assert all(r["kernel"]["min"] > 0 and r["sdpa"]["min"] > 0 for r in rows)
+    checked = calibrate_auto.check(kernel, 2, shapes=[(1, 24, 4096, 128, False)])
+    assert checked[0]["auto"]["median"] > 0 and checked[0]["auto_over_best"] > 0.5
+    meta = dict(gpu="NVIDIA H200", capability=[9, 0], torch="x", date="d", commit=None, rounds=2,
+                margin=auto_table.PREFER_SDPA_WITHIN, tolerance=auto_table.AUTO_TOLERANCE,
+                timer=calibrate_auto.TIMER)
+    assert calibrate_auto.write(tmp_path, meta, rows, rules, why, checked).is_file()
