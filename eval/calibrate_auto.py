@@ -366,7 +366,7 @@ def main() -> None:
     if args.rounds is not None and args.rounds < 1:
         p.error("--rounds must be >= 1")
     if not 0.0 <= args.margin < 0.5:
-        p.error("--margin is a fraction in [0, 0.5), e.g. 0.02")
+        p.error("--margin is a fraction in [0, 0.5), e.g. 0.01")
     t0 = time.time()
     rounds = args.rounds or (3 if args.quick else 5)
     kernel = _kernel()
