@@ -40,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from sage_diffusers.reference import cosine, relative_l1, rmse  # noqa: E402
 from sage_diffusers.kernels import auto_table  # noqa: E402
-from sage_diffusers.kernels.bench_utils import TARGET_MS, bench_ms, compare_ms, make_inputs  # noqa: E402,F401  (shared with csrc/*/variants_bench.py)
+from sage_diffusers.kernels.bench_utils import (  # noqa: E402,F401  (bench_ms, make_inputs: shared with csrc/*/variants_bench.py)
+    TARGET_MS, bench_ms, compare_ms, make_inputs)
 
 # (B, H, S, D, causal)
 SHAPES = [

@@ -277,8 +277,8 @@ def install(rules, capability, root: Optional[Path] = None) -> Path:
     path = (root or _jit.cache_root()) / auto_table.TABLE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(path.read_text()) if path.is_file() else {}
-    data[f"sm_{capability[0]}{capability[1]}"] = dict(rules=auto_table.rules_to_json(rules),
-                                                     gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "",
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    data[f"sm_{capability[0]}{capability[1]}"] = dict(rules=auto_table.rules_to_json(rules), gpu=gpu,
                                                      date=datetime.date.today().isoformat())
     path.write_text(json.dumps(data, indent=1))
     auto_table.rules_for.cache_clear()

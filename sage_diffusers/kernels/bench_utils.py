@@ -103,7 +103,9 @@ def flushed_call_ms(fn: Callable[[], object], calls: int, *, flush: bool = True)
     Nothing waits between calls: the host queues flush, event, call, event and moves on, so while
     the GPU zeroes the flush buffer the host has time to launch the next call (its launch latency
     stays hidden, as in a model whose GPU runs ahead of Python). The flush separates consecutive
-    calls, so none overlaps the previous one's tail or finds its lines in L2.
+    calls as a model's other kernels do: no call finds the previous one's lines in L2 or starts
+    early against its tail (programmatic dependent launch lets back-to-back calls of one kernel
+    chain do that).
     """
     buf = _flush_buffer(torch.device("cuda")) if flush else None
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
