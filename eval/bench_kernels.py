@@ -1,22 +1,24 @@
 #!/usr/bin/env python3
 """Side-by-side attention kernel benchmark on one GPU (H200 targeted), one process, same inputs.
 
-Columns: ours (sage8 on sm_90a, every quantization step included), SDPA cuDNN (bf16), SDPA flash
-(bf16), cuDNN FP8 (cudnn-frontend graph.sdpa_fp8, per-tensor scales; timed with and without its
+Columns: ours (sage8 on sm_90a, every quantization step included), SDPA (bf16, torch's default
+backend: what ``mode="sdpa"`` and auto's fallback run), SDPA cuDNN and SDPA flash (bf16), cuDNN
+FP8 (cudnn-frontend graph.sdpa_fp8, per-tensor scales; timed with and without its
 quantization), SageAttention (``sageattention`` if importable), and FP4 (``sage_diffusers.kernels.fp4``
 if importable and available on this device). Per row: time, TOPS = 4*B*H*Sq*Skv*D / t (halved for
 causal), speed-up vs cuDNN, and accuracy vs fp32 SDPA (cos, rel-L1, RMSE).
 
 Inputs: Q, V ~ N(0, 1); K = N(0, 1) + 4 N(0, 1) per channel (1 x H x 1 x D), bf16, BHSD.
-Timing: each method's time per round is the median of triton.testing.do_bench (CUDA events
-otherwise); ``--rounds`` rounds interleave the methods (rotated order) and the table gives the
-median over rounds with min-max. Inputs are rotated over enough copies to exceed L2 when one set
-would fit in it. Peers a user might pick instead, when importable: ``sageattention`` (1.0.6,
-Triton), ``comfy_kitchen`` (ComfyUI's INT8 attention), cuDNN FP8; ``auto`` is what
-``sd.attention`` does by default.
+Timing: ``sage_diffusers.kernels.bench_utils.compare_ms``, the timer eval/calibrate_auto.py decides
+"auto" with: ``--rounds`` rounds interleave the methods (rotated order); a method's value per round
+is the median of per-call CUDA-event times with L2 flushed before each call; the table gives the
+median over rounds with min-max. Peers a user might pick instead, when importable:
+``sageattention`` (1.0.6, Triton), ``comfy_kitchen`` (ComfyUI's INT8 attention), cuDNN FP8;
+``auto`` is what ``sd.attention`` does by default, and its section gives auto / min(ours, SDPA)
+per shape, flagged where over ``auto_table.AUTO_TOLERANCE`` (1.03).
 
     python eval/bench_kernels.py            # full table -> eval/results/kernels_h200.{json,md,png}
-    python eval/bench_kernels.py --quick    # three shapes, fewer repetitions
+    python eval/bench_kernels.py --quick    # three shapes
 """
 from __future__ import annotations
 
@@ -37,7 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sage_diffusers.reference import cosine, relative_l1, rmse  # noqa: E402
-from sage_diffusers.kernels.bench_utils import bench_ms, make_inputs  # noqa: E402,F401  (shared with csrc/*/variants_bench.py)
+from sage_diffusers.kernels import auto_table  # noqa: E402
+from sage_diffusers.kernels.bench_utils import (  # noqa: E402,F401  (bench_ms, make_inputs: shared with csrc/*/variants_bench.py)
+    TARGET_MS, bench_ms, compare_ms, make_inputs)
 
 # (B, H, S, D, causal)
 SHAPES = [
@@ -53,7 +57,6 @@ SHAPES = [
     (1, 48, 17776, 64, True),
 ]
 QUICK_SHAPES = [(1, 24, 4608, 128, False), (1, 48, 17776, 64, False), (1, 24, 16384, 128, True)]
-L2_BYTES = 50 * 2**20  # H100/H200
 
 
 # ---- methods: each returns (run(q, k, v) -> out bf16 BHSD, note) or raises ------------------------
@@ -77,9 +80,12 @@ def m_ours(poly: Optional[int] = None):
     return run
 
 
-def m_sdpa(backend_name: str):
+def m_sdpa(backend_name: Optional[str] = None):
+    """torch SDPA with one backend forced, or (None) torch's own choice."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if backend_name is None:
+        return lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     backend = getattr(SDPBackend, backend_name)
 
     def run(q, k, v, causal):
@@ -232,6 +238,7 @@ def methods(args):
 
     add("ours", lambda: m_ours())
     add("ours_exp2poly8", lambda: m_ours(poly=8))  # every 8th exp2 on the FMA pipes: hd64 only
+    add("sdpa", lambda: m_sdpa())
     add("sdpa_cudnn", lambda: m_sdpa("CUDNN_ATTENTION"))
     add("sdpa_flash", lambda: m_sdpa("FLASH_ATTENTION"))
     try:
@@ -247,18 +254,64 @@ def methods(args):
     return table
 
 
+class _MethodFailed(Exception):
+    def __init__(self, name: str, exc: Exception):
+        super().__init__(f"{type(exc).__name__}: {exc}")
+        self.name = name
+
+
+def _guarded(name: str, fn):
+    """fn, with its exceptions tagged by the method's name (to drop just that method)."""
+    def run(*args):
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the name
+            raise _MethodFailed(name, exc) from exc
+
+    return run
+
+
+def time_methods(fns: dict, args: tuple, rounds: int, target_ms: float, timer=compare_ms) -> tuple[dict, dict]:
+    """({name: [ms per round]}, {name: error}): ``timer`` over all methods at once; a method that
+    raises is reported and left out, and the others are timed again without it."""
+    errors = {}
+    fns = dict(fns)
+    while fns:
+        try:
+            return timer({n: _guarded(n, f) for n, f in fns.items()}, lambda: args, rounds,
+                         target_ms=target_ms), errors
+        except _MethodFailed as exc:
+            errors[exc.name] = str(exc)
+            fns.pop(exc.name)
+    return {}, errors
+
+
+def auto_acceptance(rows: list[dict]) -> list[dict]:
+    """Per shape with auto, ours and SDPA timed: auto / min(ours, SDPA) (medians), also written into
+    the auto row (``auto_over_best``, ``meets_goal``)."""
+    out = []
+    keys = list(dict.fromkeys((r["B"], r["H"], r["S"], r["D"], r["causal"]) for r in rows))
+    for key in keys:
+        by = {r["method"]: r for r in rows if (r["B"], r["H"], r["S"], r["D"], r["causal"]) == key and "ms" in r}
+        if not {"auto", "ours", "sdpa"} <= set(by):
+            continue
+        ratio = auto_table.auto_over_best(by["auto"]["ms"], by["ours"]["ms"], by["sdpa"]["ms"])
+        ok = ratio <= auto_table.AUTO_TOLERANCE
+        by["auto"].update(auto_over_best=ratio, meets_goal=ok)
+        out.append(dict(shape=key, ours=by["ours"]["ms"], sdpa=by["sdpa"]["ms"], auto=by["auto"]["ms"],
+                        auto_over_best=ratio, meets_goal=ok))
+    return out
+
+
 def run(args) -> list[dict]:
-    """Per shape: accuracy once per method, then ``args.rounds`` rounds that time every method once
-    each, in an order rotated every round, so slow drifts (clocks, heat) hit all methods alike."""
+    """Per shape: accuracy once per method, then ``args.rounds`` rounds of :func:`compare_ms` that
+    time every method once each, in an order rotated every round, so slow drifts (clocks, heat) hit
+    all methods alike."""
     shapes = QUICK_SHAPES if args.quick else SHAPES
-    reps = 10 if args.quick else 30
     table = methods(args)
     rows = []
     for (b, h, s, d, causal) in shapes:
         base = make_inputs(b, h, s, d)
-        set_bytes = sum(x.numel() * x.element_size() for x in base)
-        n_copies = 1 if set_bytes > 2 * L2_BYTES else int(math.ceil(4 * L2_BYTES / set_bytes))
-        inputs = [base] + [[x.clone() for x in base] for _ in range(n_copies - 1)]
         # fp32 reference with SDPA's memory-efficient kernel (fp32 math, no S matrix in memory)
         with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
                                              torch.nn.attention.SDPBackend.MATH]):
@@ -287,26 +340,18 @@ def run(args) -> list[dict]:
                 row["error"] = f"{type(exc).__name__}: {exc}"
                 if args.verbose:
                     traceback.print_exc()
-        names = list(timed)
-        per_round = {n: [] for n in names}
-        for r in range(args.rounds):
-            for n in names[r % max(1, len(names)):] + names[:r % max(1, len(names))]:
-                row, fn = timed[n]
-                if "error" in row:
-                    continue
-                try:
-                    per_round[n].append(bench_ms(lambda i: fn(*inputs[i % len(inputs)], causal), reps))
-                except Exception as exc:
-                    row["error"] = f"{type(exc).__name__}: {exc}"
-        for n in names:
-            row, ts = timed[n][0], per_round[n]
-            if ts and "error" not in row:
-                ms = statistics.median(ts)
-                row.update(ms=ms, ms_min=min(ts), ms_max=max(ts), rounds=len(ts), tops=flops / (ms * 1e-3) / 1e12)
+        per_round, errors = time_methods({n: fn for n, (_, fn) in timed.items()}, (*base, causal),
+                                         args.rounds, args.target_ms)
+        for n, err in errors.items():
+            timed[n][0]["error"] = err
+        for n, ts in per_round.items():
+            ms = statistics.median(ts)
+            timed[n][0].update(ms=ms, ms_min=min(ts), ms_max=max(ts), rounds=len(ts),
+                               tops=flops / (ms * 1e-3) / 1e12)
         for row in shape_rows:
             print(json.dumps(row), flush=True)
         rows += shape_rows
-        inputs = base = ref = timed = None  # free before the next shape (lambdas above close over them)
+        base = ref = timed = None  # free before the next shape
         torch.cuda.empty_cache()
     # speed-up vs cuDNN bf16 of the same shape
     for r in rows:
@@ -319,11 +364,14 @@ def run(args) -> list[dict]:
 
 def write_outputs(rows, out_dir: Path, meta: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "kernels_h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    accept = auto_acceptance(rows)  # also marks the auto rows
+    (out_dir / "kernels_h200.json").write_text(json.dumps({"meta": meta, "rows": rows, "auto_acceptance": accept},
+                                                          indent=1))
     lines = [f"# Attention kernels on {meta['device']}", "",
              f"torch {meta['torch']}, {meta['date']}. TOPS = 4*B*H*Sq*Skv*D/t (x0.5 causal), "
              "quantization included unless the method says kernel_only. Accuracy vs fp32 SDPA.", "",
-             f"Times: median of {meta.get('rounds', 1)} interleaved rounds [min-max].", "",
+             f"Times: median of {meta.get('rounds', 1)} interleaved rounds [min-max], each round "
+             f"{meta.get('timer', 'see eval/bench_kernels.py')}.", "",
              "| shape (BxHxSxD) | causal | method | ms [min-max] | TOPS | vs cuDNN | cos | rel-L1 | RMSE |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -335,6 +383,16 @@ def write_outputs(rows, out_dir: Path, meta: dict) -> None:
         lines.append(f"| {shape} | {r['causal']} | {r['method']} | {r['ms']:.3f}{spread} | {r['tops']:.0f} | "
                      f"{r.get('speedup_vs_cudnn', float('nan')):.2f}x | {r['cos']:.5f} | {r['rel_l1']:.4f} | "
                      f"{r['rmse']:.4f} |")
+    if accept:
+        over = [a for a in accept if not a["meets_goal"]]
+        lines += ["", f"## auto against the faster of ours and SDPA (goal: auto / best <= {auto_table.AUTO_TOLERANCE})",
+                  "", ("Every shape meets the goal." if not over else f"**{len(over)} shape(s) over the goal.**"),
+                  "", "| shape (BxHxSxD) | causal | ours ms | SDPA ms | auto ms | auto / best | goal |",
+                  "|---|---|---:|---:|---:|---:|---|"]
+        for a in accept:
+            b, h, s, d, c = a["shape"]
+            lines.append(f"| {b}x{h}x{s}x{d} | {c} | {a['ours']:.3f} | {a['sdpa']:.3f} | {a['auto']:.3f} | "
+                         f"{a['auto_over_best']:.3f} | {'ok' if a['meets_goal'] else '**over**'} |")
     (out_dir / "kernels_h200.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -369,19 +427,29 @@ def write_outputs(rows, out_dir: Path, meta: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="three shapes, fewer repetitions")
+    parser.add_argument("--quick", action="store_true", help="three shapes")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "eval" / "results")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default 5)")
+    parser.add_argument("--target-ms", type=float, default=TARGET_MS,
+                        help=f"about this long a sample per method and round (default {TARGET_MS:g})")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    if args.target_ms <= 0:
+        parser.error("--target-ms must be > 0")
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                date=time.strftime("%Y-%m-%d %H:%M"), quick=args.quick, rounds=args.rounds)
+                date=time.strftime("%Y-%m-%d %H:%M"), quick=args.quick, rounds=args.rounds,
+                timer=f"the median of per-call times with L2 flushed (bench_utils.compare_ms, about "
+                      f"{args.target_ms:g} ms of calls)")
     rows = run(args)
     write_outputs(rows, args.out_dir, meta)
+    for a in auto_acceptance(rows):
+        b, h, s, d, c = a["shape"]
+        flag = "ok" if a["meets_goal"] else f"OVER {auto_table.AUTO_TOLERANCE}"
+        print(f"auto / best {b}x{h}x{s}x{d}{' causal' if c else ''}: {a['auto_over_best']:.3f} {flag}")
     print(f"wrote {args.out_dir}/kernels_h200.json/.md/.png")
 
 

@@ -1,0 +1,79 @@
+"""The shared side-by-side timer (bench_utils.compare_ms) that both eval/calibrate_auto.py and
+eval/bench_kernels.py time with, checked with a fake sample timer (deterministic) on the CPU, and
+its CUDA-event core on a GPU."""
+import pytest
+import torch
+
+from sage_diffusers.kernels import bench_utils
+
+
+class FakeClock:
+    """A sample timer that records (method, calls) and answers from a per-method script."""
+
+    def __init__(self, script):
+        self.script = {n: list(v) for n, v in script.items()}  # name -> values, popped in order
+        self.log = []
+
+    def __call__(self, fn, calls):
+        name, args = fn()  # the fake methods return their name and the arguments they got
+        self.log.append((name, calls))
+        return self.script[name].pop(0)
+
+
+def fake_methods(*names):
+    return {n: (lambda *a, n=n: (n, a)) for n in names}
+
+
+def test_compare_ms_warms_probes_then_rotates_methods_over_rounds():
+    # per method: untimed call, probe (3 calls), then one value per round
+    clock = FakeClock({"a": [99.0, 0.5, 1.0, 1.1, 1.2], "b": [99.0, 4.0, 2.0, 2.1, 2.2]})
+    times = bench_utils.compare_ms(fake_methods("a", "b"), lambda: ("q", "k", "v", False), 3,
+                                   target_ms=20.0, sample=clock)
+    assert times == {"a": [1.0, 1.1, 1.2], "b": [2.0, 2.1, 2.2]}
+    calls_a, calls_b = 40, 5  # 20 ms / 0.5 ms; 20 ms / 4 ms
+    assert clock.log == [("a", 1), ("a", bench_utils.PROBE_CALLS), ("b", 1), ("b", bench_utils.PROBE_CALLS),
+                         ("a", calls_a), ("b", calls_b),   # round 0: a first
+                         ("b", calls_b), ("a", calls_a),   # round 1: rotated
+                         ("a", calls_a), ("b", calls_b)]
+
+
+def test_compare_ms_calls_every_method_with_the_same_arguments():
+    seen = {}
+
+    def sample(fn, calls):
+        name, args = fn()
+        seen.setdefault(name, set()).add(args)
+        return 1.0
+
+    args = ("q", "k", "v", True)
+    bench_utils.compare_ms(fake_methods("kernel", "sdpa", "auto"), lambda: args, 2, sample=sample)
+    assert seen == {n: {args} for n in ("kernel", "sdpa", "auto")}
+
+
+def test_compare_ms_rejects_no_rounds():
+    with pytest.raises(ValueError, match="rounds"):
+        bench_utils.compare_ms(fake_methods("a"), tuple, 0, sample=lambda fn, n: 1.0)
+
+
+def test_calls_for_targets_the_sample_length_within_bounds():
+    assert bench_utils.calls_for(2.0, 20.0, 5, 100) == 10
+    assert bench_utils.calls_for(1.5, 20.0, 5, 100) == 14  # rounded up
+    assert bench_utils.calls_for(30.0, 20.0, 5, 100) == 5  # a slow call: still a median of 5
+    assert bench_utils.calls_for(0.001, 20.0, 5, 100) == 100  # a fast call: the flush would dominate
+    assert bench_utils.calls_for(0.0, 20.0, 5, 100) == 100
+
+
+def test_spread_is_min_median_max():
+    assert bench_utils.spread([3.0, 1.0, 2.0, 10.0, 2.5]) == dict(min=1.0, median=2.5, max=10.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")
+def test_flushed_calls_are_timed_one_by_one_on_the_gpu():
+    x = torch.randn(4096, 4096, device="cuda")
+    times = bench_utils.flushed_call_ms(lambda: x @ x, 7)
+    assert len(times) == 7 and all(t > 0 for t in times)
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    assert bench_utils._flush_buffer(torch.device("cuda")).numel() >= 4 * l2
+    both = bench_utils.compare_ms({"mm": lambda a: a @ a, "add": lambda a: a + a}, lambda: (x,), 3, target_ms=2.0)
+    assert set(both) == {"mm", "add"} and all(len(v) == 3 for v in both.values())
+    assert bench_utils.spread(both["mm"])["median"] > bench_utils.spread(both["add"])["median"]
