@@ -59,7 +59,8 @@ namespace sage_sm90 {
 //                        H200); here the producer runs ahead into the next work tile's K/V (one
 //                        running ring counter over the work tiles) and loads its Q as soon as the
 //                        consumers hold the current Q in registers (needs q_in_registers;
-//                        q_empty barrier). Same results bit for bit.
+//                        q_empty barrier). Still serial per work tile on the consumers: the
+//                        first key tile's softmax and the epilogue. Same results bit for bit.
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 224 registers). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
