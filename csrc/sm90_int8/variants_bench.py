@@ -10,8 +10,9 @@ timed shape and variant:
   main  : the attention kernel alone, back-to-back launches (ext.bench_parts);
 and per shape, with the default variant: the pre-pass alone (GPU time) in modes 0-3 (launch.h
 kPrepass* bits: 1 = Q quantized inside the stats launch, 2 = batched loads; bit 4 = one workspace
-allocation is host-only), the full call in modes 0, 3, 4 and 7, and the full call pipelined (20
-calls between two events, no sync) in modes 0 and 7: full - pipelined ~ host latency per call.
+allocation is host-only; bit 8 = PDL launches), the full call in modes 0, 3, 4, 7 and 15, and the
+full call pipelined (20 calls between two events, no sync) in modes 0 and 7: full - pipelined ~
+host latency per call. The correctness check runs every variant in mode 0 and in mode 15.
 Before the timing, --accuracy runs every variant on long sequences (16K-131K tokens) against
 sage8_reference and fp32 SDPA (accumulation_check). A compact table comes last (the device log
 keeps only its tail).
@@ -50,8 +51,9 @@ DEFAULT_FLAGS = _variants.DEFAULT_FLAGS
 ACC_SHAPES = [(1, 4, 16384, 128), (1, 8, 17776, 64), (1, 2, 65536, 128), (1, 4, 65536, 64),
               (1, 1, 131072, 128)]
 ACC_QUICK_SHAPES = [(1, 4, 16384, 128), (1, 8, 17776, 64), (1, 1, 65536, 128)]
-CHECK_MODES = (1, 2, 3, 4, 7)  # pre-pass mode bit sets checked against the reference
-FULL_MODES = (0, 3, 4, 7)      # full-call timings (per-repetition sync)
+PDL_MODE = 15  # mode 7 + bit 8 (launch.h kPrepassPdl): the quant launch and the forward kernel start with PDL
+CHECK_MODES = (1, 2, 3, 4, 7, PDL_MODE)  # pre-pass mode bit sets checked against the reference
+FULL_MODES = (0, 3, 4, 7, PDL_MODE)      # full-call timings (per-repetition sync)
 
 
 
@@ -131,7 +133,9 @@ def main():
             mask[-1, s // 3:] = False
             refs = {False: sage8_reference(q.float(), k.float(), v.float()).float(),
                     True: sage8_reference(q.float(), k.float(), v.float(), key_mask=mask).float()}
-            cases = [(poly, flags, 0) for dd, poly, flags in variants if dd == d]
+            # every variant in mode 0 and launched with PDL (its pdl_wait guards the pre-pass outputs)
+            cases = [(poly, flags, mode) for dd, poly, flags in variants if dd == d
+                     for mode in ((0, PDL_MODE) if has_modes else (0,))]
             if has_modes:
                 cases += [(*default_variant(d), mode) for mode in CHECK_MODES]
             for poly, flags, mode in cases:
