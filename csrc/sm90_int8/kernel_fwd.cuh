@@ -193,12 +193,12 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   for_each_work([&](const FwdWork& wk, int work, int tile0) {
     const int m_block = wk.m_block, h = wk.h, b = wk.b, hk = wk.hk, kv_len = wk.kv_len, n_tiles = wk.n_tiles;
     // Stage and phase parity of key tile t of this work tile in the K/V ring.
-    auto stage = [&](int t) {
+    auto stage_of = [&](int t) {
       int s, n;
       ring_slot<D, kPersistent>(tile0 + t, s, n);
       return s;
     };
-    auto phase = [&](int t) {
+    auto parity_of = [&](int t) {
       int s, n;
       ring_slot<D, kPersistent>(tile0 + t, s, n);
       return n & 1;
@@ -315,10 +315,10 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     if constexpr (!kPipelined) {
       // Plain order: S_t, softmax_t, O += P_t V_t, each retired before the next.
       for (int t = 0; t < n_tiles; ++t) {
-        const int s = stage(t);
+        const int s = stage_of(t);
         const float sk_t = __ldg(sk + t);
         const TileMask mk = tile_mask(t);
-        Barrier::wait(&sp.full[s], phase(t));
+        Barrier::wait(&sp.full[s], parity_of(t));
         qk_issue(s);
         cute::warpgroup_wait<0>();
         fence_regs(s_acc);
@@ -345,9 +345,9 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       {
         const float sk_t = __ldg(sk);
         const TileMask mk = tile_mask(0);
-        Barrier::wait(&sp.full[stage(0)], phase(0));
+        Barrier::wait(&sp.full[stage_of(0)], parity_of(0));
         turn_begin();
-        qk_issue(stage(0));
+        qk_issue(stage_of(0));
         turn_end(false);
         cute::warpgroup_wait<0>();
         fence_regs(s_acc);
@@ -355,10 +355,10 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
         sm.step(s_acc, sk_t, mk, p_frag, alpha);  // O is still 0: alpha unused
       }
       auto body = [&](int t, uint32_t (&p_prev)[C::kPRegs], uint32_t (&p_next)[C::kPRegs]) {
-        const int s = stage(t), s_prev = stage(t - 1);
+        const int s = stage_of(t), s_prev = stage_of(t - 1);
         const float sk_t = __ldg(sk + t);
         const TileMask mk = tile_mask(t);
-        Barrier::wait(&sp.full[s], phase(t));
+        Barrier::wait(&sp.full[s], parity_of(t));
         turn_begin();
         qk_issue(s);
         ops.pv_issue(s_prev, p_prev, pv_acc, /*fence=*/false,  // qk_issue's fence covers it
@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
           body(t, p_alt, p_frag);
         }
       }
-      const int s_last = stage(n_tiles - 1);
+      const int s_last = stage_of(n_tiles - 1);
       turn_begin();
       if ((n_tiles - 1) & 1) {
         ops.pv_issue(s_last, p_alt, pv_acc, /*fence=*/true, kTilePV || pv_zero(n_tiles - 1));
