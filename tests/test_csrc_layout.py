@@ -110,6 +110,38 @@ def test_int8_invalid_option_sets_are_rejected():
         raise AssertionError(f"{bad} without lean_softmax was accepted")
 
 
+def test_int8_persistent_flag_and_name_round_trip():
+    """`persistent` is flag bit 1 << 13 (FwdOptions::kFlagsHighShift + 1) on both sides, named
+    "persist", needs Q in registers, and its benchmark variants reach the generated Python module."""
+    from dataclasses import replace
+
+    from sage_diffusers.kernels import _sm90_int8_variants as py
+
+    gen = _generator()
+    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
+    assert f"static constexpr int kFlagsHighShift = {gen._HIGH_SHIFT};" in launch
+    assert "(persistent ? 1 << (kFlagsHighShift + 1) : 0)" in launch
+    assert "o.persistent = ((flags >> (kFlagsHighShift + 1)) & 1) != 0;" in launch
+    assert gen._HIGH_BOOLS.index("persistent") == 1
+    for d in (64, 128):
+        base = gen.DEFAULTS[d]
+        assert not base.persistent  # the defaults are decided from a GPU run
+        pers = replace(base, persistent=True)
+        assert pers.flags == base.flags | 1 << 13 and not base.flags & 1 << 13
+        assert pers.name == base.name.replace(f"_exp2poly{base.exp2_poly_every}", "") + "_persist" + (
+            f"_exp2poly{base.exp2_poly_every}" if base.exp2_poly_every else "")
+        assert pers.cpp().endswith(", .persistent = true}")
+        assert (d, pers) in gen.BENCH_VARIANTS
+        assert (d, pers.exp2_poly_every, pers.flags, pers.name) in py.BENCH_VARIANTS
+        assert py.FLAG_NAMES[pers.flags] == replace(pers, exp2_poly_every=0).name
+    try:
+        gen.FwdOptions(persistent=True)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("persistent without q_in_registers was accepted")
+
+
 def test_fp4_options_come_from_one_source(tmp_path):
     """kernel_options.h and _fp4_variants.py are what generate_options.py writes today, the
     kernel takes its options and default from that header only, and the Python side is that module."""

@@ -27,7 +27,7 @@ PY_OUT = HERE.parents[1] / "sage_diffusers" / "kernels" / "_sm90_int8_variants.p
 # Bools added after smem_o_every take flag bits above its five (FwdOptions::kFlagsHighShift), so
 # the flags of the older option sets (in eval/results/) stay what they were.
 _HIGH_SHIFT = 12
-_HIGH_BOOLS = ("seed_reductions",)
+_HIGH_BOOLS = ("seed_reductions", "persistent")
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class FwdOptions:
     exp2_poly_every: int = 0
     smem_o_every: int = 0             # flags bits 7-11 (FwdOptions::kFlagsIntShift)
     seed_reductions: bool = False     # bit 1 << 12 (FwdOptions::kFlagsHighShift), needs lean_softmax
+    persistent: bool = False          # bit 1 << 13 (kFlagsHighShift + 1), needs q_in_registers
 
     def __post_init__(self):
         if (self.fp16_exp2 or self.split_reductions or self.seed_reductions) and not self.lean_softmax:
@@ -51,6 +52,8 @@ class FwdOptions:
         n = self.smem_o_every
         if n < 0 or n > 16 or n & (n - 1) or (n and self.fp32_pv_tiles):
             raise ValueError(f"{self}: smem_o_every is a power of 2 up to 16, not with fp32_pv_tiles")
+        if self.persistent and not self.q_in_registers:
+            raise ValueError(f"{self}: persistent loads the next work tile's Q while Q is held in registers (q_in_registers)")
 
     @property
     def flags(self) -> int:
@@ -67,7 +70,7 @@ class FwdOptions:
         parts = [v for k, v in short.items() if getattr(self, k)] or ["plain"]
         if self.smem_o_every:
             parts.append(f"smemo{self.smem_o_every}")
-        parts += [v for k, v in {"seed_reductions": "seed"}.items() if getattr(self, k)]
+        parts += [v for k, v in {"seed_reductions": "seed", "persistent": "persist"}.items() if getattr(self, k)]
         if self.exp2_poly_every:
             parts.append(f"exp2poly{self.exp2_poly_every}")
         return "_".join(parts)
@@ -103,17 +106,21 @@ EXTRA_EXP_POLY = {64: (8,), 128: ()}
 
 # Benchmark build (-DSAGE_SM90_BENCH=1, env SAGE_DIFFUSERS_SM90_BENCH=1): bf16, non-causal. Per
 # head dim: the defaults, the option set that accumulates O in the tensor core over all tiles
-# (the previous default), and the defaults with the row max / sum chains seeded by their first
-# value (seed_reductions: 16 fewer instructions per tile at hd128, eval/results/int8_sass_cost_sm90.md).
+# (the previous default), and the defaults on a persistent grid (one CTA per SM looping over the
+# work tiles: a CTA's prologue and epilogue, about 16 us of fixed cost per 128 query rows, overlap
+# the next work tile's loads; the K/V ring runs on across work tiles).
 # Measured and dropped (eval/results/int8_pv_accumulation_h200.md): hd128's per-tile register
-# sum (it spills), the smem sum at hd64, flushing every tile, and every 2 or 8 tiles.
+# sum (it spills), the smem sum at hd64, flushing every tile, and every 2 or 8 tiles. The
+# defaults with seed_reductions (16 fewer instructions per tile at hd128,
+# eval/results/int8_sass_cost_sm90.md) were no faster on the H200, attention kernel alone:
+# 1x24x16384x128 4.258 against 4.223 ms, 1x24x4608x128 0.428 against 0.424, hd64 0.493 against 0.491.
 BENCH_VARIANTS = (
     (128, DEFAULTS[128]),
     (128, _HD128),
-    (128, replace(DEFAULTS[128], seed_reductions=True)),
+    (128, replace(DEFAULTS[128], persistent=True)),
     (64, DEFAULTS[64]),
     (64, _HD64),
-    (64, replace(DEFAULTS[64], seed_reductions=True)),
+    (64, replace(DEFAULTS[64], persistent=True)),
 )
 
 

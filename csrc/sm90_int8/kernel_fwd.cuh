@@ -1,12 +1,16 @@
 // sm_90a 8-bit attention forward: composes the producer, the consumer mainloop, the softmax and
-// the epilogue. One CTA = 128 query rows of one (b, h): warps 0-7 are two consumer warpgroups,
-// warp 8 the producer. Template axes: head dim, output dtype, causal, options (FwdOptions).
+// the epilogue. One work tile = 128 query rows of one (b, h); a CTA runs one (or, with
+// `persistent`, several): warps 0-7 are two consumer warpgroups, warp 8 the producer. Template
+// axes: head dim, output dtype, causal, options (FwdOptions). Launched with programmatic dependent
+// launch when the pre-pass mode says so (launch.h pdl_launches): the kernel waits for the pre-pass
+// (pdl_wait) before its first read of the pre-pass's outputs.
 #pragma once
 
 #include <cstdint>
 
 #include "../common/launch.cuh"
 #include "../common/sm90/named_barrier.cuh"
+#include "../common/sm90/pdl.cuh"
 #include "../common/sm90/register_split.cuh"
 #include "epilogue.hpp"
 #include "launch.h"
@@ -48,6 +52,15 @@ namespace sage_sm90 {
 //                        first value instead of -inf / 0: one FMNMX and one FADD fewer per chain
 //                        (16 per tile with split_reductions; eval/results/int8_sass_cost_sm90.md).
 //                        Same results bit for bit (softmax.hpp OnlineSoftmax).
+//   persistent         : min(#SMs, work tiles) CTAs, each looping over the work tiles c,
+//                        c + gridDim.x, ... (causal: the longest first). With one CTA per SM
+//                        nothing overlaps a CTA's prologue (barriers, Q load, pipeline fill, a
+//                        first softmax without overlap) and epilogue (about 16 us per CTA on the
+//                        H200); here the producer runs ahead into the next work tile's K/V (one
+//                        running ring counter over the work tiles) and loads its Q as soon as the
+//                        consumers hold the current Q in registers (needs q_in_registers;
+//                        q_empty barrier). Still serial per work tile on the consumers: the
+//                        first key tile's softmax and the epilogue. Same results bit for bit.
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 224 registers). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
@@ -68,6 +81,46 @@ constexpr int fwd_smem_bytes() {
 // Named barriers 1 and 2 (0 is __syncthreads): "warpgroup w may issue its wgmmas" (pingpong).
 constexpr int kBarSchedFirst = 1;
 
+// A work tile: 128 query rows (m_block) of one (b, h), and the key tiles it visits.
+struct FwdWork {
+  int m_block, h, b, hk;
+  int kv_len;   // keys of batch b that may be attended (key mask: the last attended one + 1)
+  int n_tiles;  // key tiles of the loop; causal: at most m_block + 1 (keys j <= i < (m_block+1)*128)
+};
+
+template <bool kCausal>
+__device__ __forceinline__ FwdWork make_work(const FwdParams& p, int m_block, int h, int b) {
+  FwdWork w;
+  w.m_block = m_block;
+  w.h = h;
+  w.b = b;
+  w.hk = h / (p.Hq / p.Hkv);
+  w.kv_len = p.kv_len != nullptr ? min(p.kv_len[b], p.Skv) : p.Skv;
+  w.n_tiles = (w.kv_len + kBlockKV - 1) / kBlockKV;
+  if constexpr (kCausal) w.n_tiles = min(w.n_tiles, m_block + 1);
+  return w;
+}
+
+// Work tiles of one launch: (query-row blocks) x Hq x B.
+__device__ __forceinline__ int fwd_work_count(const FwdParams& p) {
+  return p.n_q_tiles / kQTilesPerCTA * p.Hq * p.B;
+}
+
+// Work tile w of a persistent launch (CTA c takes w = c, c + gridDim.x, ...). m_block varies
+// fastest, so the CTAs running at the same time share few (b, h) and their K/V stays in L2;
+// causal: m_block varies slowest and descends, so the longest work tiles go first.
+template <bool kCausal>
+__device__ __forceinline__ FwdWork persistent_work(const FwdParams& p, int w) {
+  const int n_m = p.n_q_tiles / kQTilesPerCTA;
+  if constexpr (kCausal) {
+    const int bh = w % (p.Hq * p.B);
+    return make_work<kCausal>(p, n_m - 1 - w / (p.Hq * p.B), bh % p.Hq, bh / p.Hq);
+  } else {
+    const int bh = w / n_m;
+    return make_work<kCausal>(p, w % n_m, bh % p.Hq, bh / p.Hq);
+  }
+}
+
 // kFlags, kPoly: FwdOptions::flags() and exp2_poly_every of the options (launch_fwd).
 template <int D, DType kOut, bool kCausal, int kPoly, int kFlags>
 __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPoly)>(), 1)
@@ -87,28 +140,48 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   // The plain loop (no overlap, no ping-pong) keeps its original order; the others share one
   // software-pipelined loop (S_t and PV_{t-1} issued together).
   constexpr bool kPipelined = kOverlapSoftmaxWithPV || kPingPong;
+  constexpr bool kPersistent = kOpt.persistent;
+  // With PDL the pre-pass may still be draining: every read of its outputs (kv_len, sq, sk, the
+  // mask bits, the Q / K / V^T images) comes after this (a no-op in a plain launch).
+  sage_common::sm90::pdl_wait();
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const SmemPlan<D> sp(smem_raw);
 
-  // Causal CTAs near the diagonal end early: launch the longest ones first.
-  const int m_block = kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int hk = h / (p.Hq / p.Hkv);
-  const int kv_len = p.kv_len != nullptr ? min(p.kv_len[b], p.Skv) : p.Skv;
-  int n_tiles = (kv_len + kBlockKV - 1) / kBlockKV;
-  if constexpr (kCausal) n_tiles = min(n_tiles, m_block + 1);  // keys j <= i < (m_block+1)*128
+  // Without `persistent` the CTA's one work tile is (blockIdx.x, y, z).
+  FwdWork work0{};
+  if constexpr (!kPersistent) {
+    work0 = make_work<kCausal>(p, kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
+  }
 
-  init_barriers<D>(sp);
+  init_barriers<D, kPersistent>(sp);
+
+  // body(work tile, its index among this CTA's, the K/V ring items of the ones before) for each
+  // work tile of the CTA: the same sequence on the producer lane and on every consumer thread.
+  auto for_each_work = [&](auto&& body) {
+    if constexpr (kPersistent) {
+      const int n_work = fwd_work_count(p);
+      int tile0 = 0;
+      for (int w = blockIdx.x, i = 0; w < n_work; w += gridDim.x, ++i) {
+        const FwdWork wk = persistent_work<kCausal>(p, w);
+        body(wk, i, tile0);
+        tile0 += wk.n_tiles;
+      }
+    } else {
+      body(work0, 0, 0);
+    }
+  };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   if (warp >= kProducerWarp) {
     if constexpr (kOpt.producer_warpgroup()) FwdRegisterSplit::producer();
     if (warp == kProducerWarp && lane == 0) {
-      const int64_t bhk = static_cast<int64_t>(b) * p.Hkv + hk;
-      const int8_t* q_src = p.q_img + ((static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles +
-                                       kQTilesPerCTA * m_block) * C::kQTileBytes;
-      producer_loop<D>(sp, q_src, p.k_img + bhk * p.n_kv_tiles * C::kKTileBytes,
-                       p.vt_img + bhk * p.n_kv_tiles * C::kVTileBytes, n_tiles);
+      for_each_work([&](const FwdWork& wk, int work, int tile0) {
+        const int64_t bhk = static_cast<int64_t>(wk.b) * p.Hkv + wk.hk;
+        const int8_t* q_src = p.q_img + ((static_cast<int64_t>(wk.b) * p.Hq + wk.h) * p.n_q_tiles +
+                                         kQTilesPerCTA * wk.m_block) * C::kQTileBytes;
+        producer_loop<D, kPersistent>(sp, q_src, p.k_img + bhk * p.n_kv_tiles * C::kKTileBytes,
+                                      p.vt_img + bhk * p.n_kv_tiles * C::kVTileBytes, wk.n_tiles, work, tile0);
+      });
     }
     return;
   }
@@ -117,227 +190,254 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   if constexpr (kOpt.producer_warpgroup()) FwdRegisterSplit::consumer();
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   const int g = lane >> 2;
-  const int wg_row0 = m_block * kBlockM + wg * kRowsPerWG;
-  const int row[2] = {wg_row0 + 16 * (tid / 32) + g, wg_row0 + 16 * (tid / 32) + g + 8};
-  const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
-
-  OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce, kOpt.seed_reductions> sm;
-  sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
-  const WarpgroupOperands<D> ops(sp, wg, tid);
-  const float* sk = p.sk + (static_cast<int64_t>(b) * p.Hkv + hk) * p.n_kv_tiles;
-  const uint32_t* bits =
-      p.mask_bits != nullptr ? p.mask_bits + static_cast<int64_t>(b) * 4 * p.n_kv_tiles : nullptr;
-
-  uint32_t s_acc[C::kSRegs];
-  uint32_t p_frag[C::kPRegs];
-  float o[C::kORegs];
-  // fp32_pv_tiles: the PV wgmma's accumulator, one tile's P V (unused, and compiled away, without).
-  float o_tile[C::kORegs];
-#pragma unroll
-  for (int i = 0; i < C::kORegs; ++i) o[i] = o_tile[i] = 0.f;
-  float (&pv_acc)[C::kORegs] = *(kTilePV ? &o_tile : &o);
-  // smem_o_every: this thread's share of O's smem sum, as float4 j at o_sum[j * kConsumerThreads]
-  // (a warp's 32 lanes touch 512 consecutive bytes: no bank conflicts); o_scale: per row, the
-  // product of the alphas applied to the register accumulator since the last flush.
-  float4* const o_sum = kSmemO ? smem_o_sum<D>(sp) + threadIdx.x : nullptr;
-  float o_scale[2] = {1.f, 1.f};
-  if constexpr (kSmemO) {
-#pragma unroll
-    for (int j = 0; j < C::kORegs / 4; ++j) o_sum[j * kConsumerThreads] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  // Whether the PV wgmma of key tile u starts its accumulator from zero.
-  auto pv_zero = [&](int u) { return kSmemO && u % kSmemOEvery == 0; };
-  // o_scale * (float4 j of the smem sum) + O's registers 4j..4j+3 (register i holds row (i >> 1) & 1).
-  auto scaled_sum = [&](int j) {
-    float4 x = o_sum[j * kConsumerThreads];
-    x.x = fmaf(x.x, o_scale[0], o[4 * j]);
-    x.y = fmaf(x.y, o_scale[0], o[4 * j + 1]);
-    x.z = fmaf(x.z, o_scale[1], o[4 * j + 2]);
-    x.w = fmaf(x.w, o_scale[1], o[4 * j + 3]);
-    return x;
-  };
-  auto flush_o = [&] {
-#pragma unroll
-    for (int j = 0; j < C::kORegs / 4; ++j) o_sum[j * kConsumerThreads] = scaled_sum(j);
-    o_scale[0] = o_scale[1] = 1.f;
-  };
-  // After key tile u's PV retired and O was rescaled to the next tile's max.
-  auto maybe_flush = [&](int u) {
-    if constexpr (kSmemO) {
-      if (u % kSmemOEvery == kSmemOEvery - 1) flush_o();
-    }
-  };
-  // O += the tile the last PV wgmma wrote (fp32_pv_tiles; a no-op without).
-  auto add_tile = [&] {
-    if constexpr (kTilePV) {
-#pragma unroll
-      for (int i = 0; i < C::kORegs; ++i) o[i] += o_tile[i];
-    }
-  };
-
-  // Per-tile scalars; fetched before waiting on the tile so their latency hides behind the copy.
-  auto tile_mask = [&](int t) {
-    TileMask mk;
-    mk.key_base = t * kBlockKV;
-    mk.kv_len = kv_len;
-    mk.causal = kCausal;
-    mk.row[0] = row[0];
-    mk.row[1] = row[1];
-    if (bits != nullptr) {
-      const uint4 w = __ldg(reinterpret_cast<const uint4*>(bits + 4 * t));
-      mk.words[0] = w.x; mk.words[1] = w.y; mk.words[2] = w.z; mk.words[3] = w.w;
-    } else {
-      mk.words[0] = mk.words[1] = mk.words[2] = mk.words[3] = 0xffffffffu;
-    }
-    mk.active = mk.key_base + kBlockKV > kv_len ||
-                (mk.words[0] & mk.words[1] & mk.words[2] & mk.words[3]) != 0xffffffffu ||
-                (kCausal && mk.key_base + kBlockKV - 1 > wg_row0);
-    return mk;
-  };
-  auto release = [&](int stage) {
-    __syncwarp();
-    if (lane == 0) Barrier::arrive(&sp.empty[stage]);
-  };
-
-  // O *= alpha; with kLean skipped when no row of the warp changed its max (warp-uniform).
-  auto rescale = [&](const float (&alpha)[2]) {
-    if constexpr (kLean) {
-      if (__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
-    }
-#pragma unroll
-    for (int i = 0; i < C::kORegs; ++i) o[i] *= alpha[(i >> 1) & 1];
-    if constexpr (kSmemO) {
-      o_scale[0] *= alpha[0];
-      o_scale[1] *= alpha[1];
-    }
-  };
-
-  Barrier::wait(sp.q_full, 0);
-  uint32_t q_frag[D / 8];
-  if constexpr (kQRegs) WarpgroupOperands<D>::load_q_frag(sp, wg, tid, q_frag);
-  auto qk_issue = [&](int stage) {
-    if constexpr (kQRegs) {
-      ops.qk_issue_rs(stage, q_frag, s_acc);
-    } else {
-      ops.qk_issue(stage, s_acc);
-    }
-  };
-  if constexpr (!kPipelined) {
-    // Plain order: S_t, softmax_t, O += P_t V_t, each retired before the next.
-    for (int t = 0; t < n_tiles; ++t) {
-      const int s = t % C::kStages;
-      const float sk_t = __ldg(sk + t);
-      const TileMask mk = tile_mask(t);
-      Barrier::wait(&sp.full[s], (t / C::kStages) & 1);
-      qk_issue(s);
-      cute::warpgroup_wait<0>();
-      fence_regs(s_acc);
-      float alpha[2];
-      sm.step(s_acc, sk_t, mk, p_frag, alpha);
-      rescale(alpha);
-      ops.pv(s, p_frag, pv_acc, kTilePV || pv_zero(t));
-      add_tile();
-      maybe_flush(t);
-      release(s);
-    }
-  } else if (n_tiles > 0) {
-    // Pipelined order: S_t and O += P_{t-1} V_{t-1} are issued back to back; with the overlap
-    // the softmax of tile t starts as soon as S_t retired, while the PV group still runs. O is
-    // rescaled by alpha_t only after that group retired (O_t = alpha_t O_{t-1} + P_t V_t). A
-    // tile's stage is released after its PV retired, i.e. one iteration later. P alternates
-    // between two register arrays so the one an in-flight wgmma reads is never redefined (else
-    // ptxas serializes). Ping-pong: each issue block is one turn (common/sm90/named_barrier.cuh).
-    uint32_t p_alt[C::kPRegs];
-    const sage_common::sm90::WarpgroupPingPong<kPingPong, kBarSchedFirst, kConsumerThreads> sched{wg};
-    sched.start();
-    auto turn_begin = [&] { sched.begin(); };
-    auto turn_end = [&](bool last) { sched.end(last); };
-    {
-      const float sk_t = __ldg(sk);
-      const TileMask mk = tile_mask(0);
-      Barrier::wait(&sp.full[0], 0);
-      turn_begin();
-      qk_issue(0);
-      turn_end(false);
-      cute::warpgroup_wait<0>();
-      fence_regs(s_acc);
-      float alpha[2];
-      sm.step(s_acc, sk_t, mk, p_frag, alpha);  // O is still 0: alpha unused
-    }
-    auto body = [&](int t, uint32_t (&p_prev)[C::kPRegs], uint32_t (&p_next)[C::kPRegs]) {
-      const int s = t % C::kStages, s_prev = (t - 1) % C::kStages;
-      const float sk_t = __ldg(sk + t);
-      const TileMask mk = tile_mask(t);
-      Barrier::wait(&sp.full[s], (t / C::kStages) & 1);
-      turn_begin();
-      qk_issue(s);
-      ops.pv_issue(s_prev, p_prev, pv_acc, /*fence=*/false,  // qk_issue's fence covers it
-                   kTilePV || pv_zero(t - 1));
-      turn_end(false);
-      // PV_{t-1} retired: its stage goes back to the producer and O_{t-1} is complete.
-      auto retire_pv = [&] {
-        fence_regs(pv_acc);
-        fence_regs(p_prev);
-        release(s_prev);
-        add_tile();
-      };
-      if constexpr (kOverlapSoftmaxWithPV) {
-        cute::warpgroup_wait<1>();  // S_t retired, PV_{t-1} may still run
-      } else {
-        cute::warpgroup_wait<0>();
-        retire_pv();  // before the softmax: fp32_pv_tiles' tile dies before S_t's softmax needs registers
-      }
-      fence_regs(s_acc);
-      float alpha[2];
-      sm.step(s_acc, sk_t, mk, p_next, alpha);
-      if constexpr (kOverlapSoftmaxWithPV) {
-        cute::warpgroup_wait<0>();
-        retire_pv();
-      }
-      rescale(alpha);
-      maybe_flush(t - 1);
+  for_each_work([&](const FwdWork& wk, int work, int tile0) {
+    const int m_block = wk.m_block, h = wk.h, b = wk.b, hk = wk.hk, kv_len = wk.kv_len, n_tiles = wk.n_tiles;
+    // Stage and phase parity of key tile t of this work tile in the K/V ring.
+    auto stage_of = [&](int t) {
+      int s, n;
+      ring_slot<D, kPersistent>(tile0 + t, s, n);
+      return s;
     };
-    for (int t = 1; t < n_tiles; ++t) {
-      if (t & 1) {
-        body(t, p_frag, p_alt);
+    auto parity_of = [&](int t) {
+      int s, n;
+      ring_slot<D, kPersistent>(tile0 + t, s, n);
+      return n & 1;
+    };
+    const int wg_row0 = m_block * kBlockM + wg * kRowsPerWG;
+    const int row[2] = {wg_row0 + 16 * (tid / 32) + g, wg_row0 + 16 * (tid / 32) + g + 8};
+    const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
+
+    OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce, kOpt.seed_reductions> sm;
+    sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
+    const WarpgroupOperands<D> ops(sp, wg, tid);
+    const float* sk = p.sk + (static_cast<int64_t>(b) * p.Hkv + hk) * p.n_kv_tiles;
+    const uint32_t* bits =
+        p.mask_bits != nullptr ? p.mask_bits + static_cast<int64_t>(b) * 4 * p.n_kv_tiles : nullptr;
+
+    uint32_t s_acc[C::kSRegs];
+    uint32_t p_frag[C::kPRegs];
+    float o[C::kORegs];
+    // fp32_pv_tiles: the PV wgmma's accumulator, one tile's P V (unused, and compiled away, without).
+    float o_tile[C::kORegs];
+#pragma unroll
+    for (int i = 0; i < C::kORegs; ++i) o[i] = o_tile[i] = 0.f;
+    float (&pv_acc)[C::kORegs] = *(kTilePV ? &o_tile : &o);
+    // smem_o_every: this thread's share of O's smem sum, as float4 j at o_sum[j * kConsumerThreads]
+    // (a warp's 32 lanes touch 512 consecutive bytes: no bank conflicts); o_scale: per row, the
+    // product of the alphas applied to the register accumulator since the last flush.
+    float4* const o_sum = kSmemO ? smem_o_sum<D>(sp) + threadIdx.x : nullptr;
+    float o_scale[2] = {1.f, 1.f};
+    if constexpr (kSmemO) {
+#pragma unroll
+      for (int j = 0; j < C::kORegs / 4; ++j) o_sum[j * kConsumerThreads] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    // Whether the PV wgmma of key tile u starts its accumulator from zero.
+    auto pv_zero = [&](int u) { return kSmemO && u % kSmemOEvery == 0; };
+    // o_scale * (float4 j of the smem sum) + O's registers 4j..4j+3 (register i holds row (i >> 1) & 1).
+    auto scaled_sum = [&](int j) {
+      float4 x = o_sum[j * kConsumerThreads];
+      x.x = fmaf(x.x, o_scale[0], o[4 * j]);
+      x.y = fmaf(x.y, o_scale[0], o[4 * j + 1]);
+      x.z = fmaf(x.z, o_scale[1], o[4 * j + 2]);
+      x.w = fmaf(x.w, o_scale[1], o[4 * j + 3]);
+      return x;
+    };
+    auto flush_o = [&] {
+#pragma unroll
+      for (int j = 0; j < C::kORegs / 4; ++j) o_sum[j * kConsumerThreads] = scaled_sum(j);
+      o_scale[0] = o_scale[1] = 1.f;
+    };
+    // After key tile u's PV retired and O was rescaled to the next tile's max.
+    auto maybe_flush = [&](int u) {
+      if constexpr (kSmemO) {
+        if (u % kSmemOEvery == kSmemOEvery - 1) flush_o();
+      }
+    };
+    // O += the tile the last PV wgmma wrote (fp32_pv_tiles; a no-op without).
+    auto add_tile = [&] {
+      if constexpr (kTilePV) {
+#pragma unroll
+        for (int i = 0; i < C::kORegs; ++i) o[i] += o_tile[i];
+      }
+    };
+
+    // Per-tile scalars; fetched before waiting on the tile so their latency hides behind the copy.
+    auto tile_mask = [&](int t) {
+      TileMask mk;
+      mk.key_base = t * kBlockKV;
+      mk.kv_len = kv_len;
+      mk.causal = kCausal;
+      mk.row[0] = row[0];
+      mk.row[1] = row[1];
+      if (bits != nullptr) {
+        const uint4 w = __ldg(reinterpret_cast<const uint4*>(bits + 4 * t));
+        mk.words[0] = w.x; mk.words[1] = w.y; mk.words[2] = w.z; mk.words[3] = w.w;
       } else {
-        body(t, p_alt, p_frag);
+        mk.words[0] = mk.words[1] = mk.words[2] = mk.words[3] = 0xffffffffu;
+      }
+      mk.active = mk.key_base + kBlockKV > kv_len ||
+                  (mk.words[0] & mk.words[1] & mk.words[2] & mk.words[3]) != 0xffffffffu ||
+                  (kCausal && mk.key_base + kBlockKV - 1 > wg_row0);
+      return mk;
+    };
+    auto release = [&](int stage) {
+      __syncwarp();
+      if (lane == 0) Barrier::arrive(&sp.empty[stage]);
+    };
+
+    // O *= alpha; with kLean skipped when no row of the warp changed its max (warp-uniform).
+    auto rescale = [&](const float (&alpha)[2]) {
+      if constexpr (kLean) {
+        if (__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
+      }
+#pragma unroll
+      for (int i = 0; i < C::kORegs; ++i) o[i] *= alpha[(i >> 1) & 1];
+      if constexpr (kSmemO) {
+        o_scale[0] *= alpha[0];
+        o_scale[1] *= alpha[1];
+      }
+    };
+
+    Barrier::wait(sp.q_full, work & 1);
+    uint32_t q_frag[D / 8];
+    if constexpr (kQRegs) WarpgroupOperands<D>::load_q_frag(sp, wg, tid, q_frag);
+    if constexpr (kPersistent) {  // Q is in registers: the producer may load the next work tile's
+      __syncwarp();
+      if (lane == 0) Barrier::arrive(sp.q_empty);
+    }
+    auto qk_issue = [&](int stage) {
+      if constexpr (kQRegs) {
+        ops.qk_issue_rs(stage, q_frag, s_acc);
+      } else {
+        ops.qk_issue(stage, s_acc);
+      }
+    };
+    if constexpr (!kPipelined) {
+      // Plain order: S_t, softmax_t, O += P_t V_t, each retired before the next.
+      for (int t = 0; t < n_tiles; ++t) {
+        const int s = stage_of(t);
+        const float sk_t = __ldg(sk + t);
+        const TileMask mk = tile_mask(t);
+        Barrier::wait(&sp.full[s], parity_of(t));
+        qk_issue(s);
+        cute::warpgroup_wait<0>();
+        fence_regs(s_acc);
+        float alpha[2];
+        sm.step(s_acc, sk_t, mk, p_frag, alpha);
+        rescale(alpha);
+        ops.pv(s, p_frag, pv_acc, kTilePV || pv_zero(t));
+        add_tile();
+        maybe_flush(t);
+        release(s);
+      }
+    } else if (n_tiles > 0) {
+      // Pipelined order: S_t and O += P_{t-1} V_{t-1} are issued back to back; with the overlap
+      // the softmax of tile t starts as soon as S_t retired, while the PV group still runs. O is
+      // rescaled by alpha_t only after that group retired (O_t = alpha_t O_{t-1} + P_t V_t). A
+      // tile's stage is released after its PV retired, i.e. one iteration later. P alternates
+      // between two register arrays so the one an in-flight wgmma reads is never redefined (else
+      // ptxas serializes). Ping-pong: each issue block is one turn (common/sm90/named_barrier.cuh).
+      uint32_t p_alt[C::kPRegs];
+      const sage_common::sm90::WarpgroupPingPong<kPingPong, kBarSchedFirst, kConsumerThreads> sched{wg};
+      sched.start();
+      auto turn_begin = [&] { sched.begin(); };
+      auto turn_end = [&](bool last) { sched.end(last); };
+      {
+        const float sk_t = __ldg(sk);
+        const TileMask mk = tile_mask(0);
+        Barrier::wait(&sp.full[stage_of(0)], parity_of(0));
+        turn_begin();
+        qk_issue(stage_of(0));
+        turn_end(false);
+        cute::warpgroup_wait<0>();
+        fence_regs(s_acc);
+        float alpha[2];
+        sm.step(s_acc, sk_t, mk, p_frag, alpha);  // O is still 0: alpha unused
+      }
+      auto body = [&](int t, uint32_t (&p_prev)[C::kPRegs], uint32_t (&p_next)[C::kPRegs]) {
+        const int s = stage_of(t), s_prev = stage_of(t - 1);
+        const float sk_t = __ldg(sk + t);
+        const TileMask mk = tile_mask(t);
+        Barrier::wait(&sp.full[s], parity_of(t));
+        turn_begin();
+        qk_issue(s);
+        ops.pv_issue(s_prev, p_prev, pv_acc, /*fence=*/false,  // qk_issue's fence covers it
+                     kTilePV || pv_zero(t - 1));
+        turn_end(false);
+        // PV_{t-1} retired: its stage goes back to the producer and O_{t-1} is complete.
+        auto retire_pv = [&] {
+          fence_regs(pv_acc);
+          fence_regs(p_prev);
+          release(s_prev);
+          add_tile();
+        };
+        if constexpr (kOverlapSoftmaxWithPV) {
+          cute::warpgroup_wait<1>();  // S_t retired, PV_{t-1} may still run
+        } else {
+          cute::warpgroup_wait<0>();
+          retire_pv();  // before the softmax: fp32_pv_tiles' tile dies before S_t's softmax needs registers
+        }
+        fence_regs(s_acc);
+        float alpha[2];
+        sm.step(s_acc, sk_t, mk, p_next, alpha);
+        if constexpr (kOverlapSoftmaxWithPV) {
+          cute::warpgroup_wait<0>();
+          retire_pv();
+        }
+        rescale(alpha);
+        maybe_flush(t - 1);
+      };
+      for (int t = 1; t < n_tiles; ++t) {
+        if (t & 1) {
+          body(t, p_frag, p_alt);
+        } else {
+          body(t, p_alt, p_frag);
+        }
+      }
+      const int s_last = stage_of(n_tiles - 1);
+      turn_begin();
+      if ((n_tiles - 1) & 1) {
+        ops.pv_issue(s_last, p_alt, pv_acc, /*fence=*/true, kTilePV || pv_zero(n_tiles - 1));
+      } else {
+        ops.pv_issue(s_last, p_frag, pv_acc, /*fence=*/true, kTilePV || pv_zero(n_tiles - 1));
+      }
+      turn_end(true);
+      cute::warpgroup_wait<0>();
+      fence_regs(pv_acc);
+      fence_regs(p_frag);
+      fence_regs(p_alt);
+      release(s_last);
+      add_tile();
+    }
+    if constexpr (kSmemO) {  // O = o_scale * smem sum + the tiles since the last flush
+#pragma unroll
+      for (int j = 0; j < C::kORegs / 4; ++j) {
+        const float4 x = scaled_sum(j);
+        o[4 * j] = x.x;
+        o[4 * j + 1] = x.y;
+        o[4 * j + 2] = x.z;
+        o[4 * j + 3] = x.w;
       }
     }
-    const int s_last = (n_tiles - 1) % C::kStages;
-    turn_begin();
-    if ((n_tiles - 1) & 1) {
-      ops.pv_issue(s_last, p_alt, pv_acc, /*fence=*/true, kTilePV || pv_zero(n_tiles - 1));
-    } else {
-      ops.pv_issue(s_last, p_frag, pv_acc, /*fence=*/true, kTilePV || pv_zero(n_tiles - 1));
-    }
-    turn_end(true);
-    cute::warpgroup_wait<0>();
-    fence_regs(pv_acc);
-    fence_regs(p_frag);
-    fence_regs(p_alt);
-    release(s_last);
-    add_tile();
-  }
-  if constexpr (kSmemO) {  // O = o_scale * smem sum + the tiles since the last flush
-#pragma unroll
-    for (int j = 0; j < C::kORegs / 4; ++j) {
-      const float4 x = scaled_sum(j);
-      o[4 * j] = x.x;
-      o[4 * j + 1] = x.y;
-      o[4 * j + 2] = x.z;
-      o[4 * j + 3] = x.w;
-    }
-  }
-  epilogue_store<D, kOut, kCausal>(p, sm, o, row, b, h, hk);
+    epilogue_store<D, kOut, kCausal>(p, sm, o, row, b, h, hk);
+  });
 }
 
 template <int D, DType kOut, bool kCausal, FwdOptions kOpt>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   static_assert(kOpt.valid(), "FwdOptions combination the kernel does not implement (FwdOptions::valid)");
   auto kernel = fwd_kernel<D, kOut, kCausal, kOpt.exp2_poly_every, kOpt.flags()>;
-  const dim3 grid(p.n_q_tiles / kQTilesPerCTA, p.Hq, p.B);
-  return sage_common::launch_with_smem(kernel, grid, fwd_threads<kOpt>(), fwd_smem_bytes<D, kOpt>(), p, stream);
+  dim3 grid(p.n_q_tiles / kQTilesPerCTA, p.Hq, p.B);
+  if constexpr (kOpt.persistent) {  // one CTA per SM (the launch bounds allow one), looping over the work tiles
+    int device = 0, sms = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    const int64_t works = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+    grid = dim3(static_cast<unsigned>(works < sms ? works : sms));
+  }
+  const sage_common::LaunchKind kind = pdl_launches() ? sage_common::LaunchKind::kPdl : sage_common::LaunchKind::kPlain;
+  return sage_common::launch_with_smem(kernel, grid, fwd_threads<kOpt>(), fwd_smem_bytes<D, kOpt>(), p, stream, kind);
 }
 
 }  // namespace sage_sm90

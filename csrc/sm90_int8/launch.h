@@ -26,12 +26,13 @@ struct FwdOptions {
   int smem_o_every = 0;             // O's fp32 sum in smem, the tensor-core one flushed into it
                                     // every N key tiles (0 = O only in registers); power of 2
   bool seed_reductions = false;     // (lean only) row max / sum chains start from their first value
+  bool persistent = false;          // min(#SMs, work tiles) CTAs, each looping over work tiles (needs q_in_registers)
 
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
            (q_in_registers ? 8 : 0) | (fp16_exp2 ? 16 : 0) | (split_reductions ? 32 : 0) |
            (fp32_pv_tiles ? 64 : 0) | (smem_o_every << kFlagsIntShift) |
-           (seed_reductions ? 1 << kFlagsHighShift : 0);
+           (seed_reductions ? 1 << kFlagsHighShift : 0) | (persistent ? 1 << (kFlagsHighShift + 1) : 0);
   }
   static constexpr int kFlagsIntShift = 7;  // smem_o_every (<= 16: 5 bits) sits above the first bools
   static constexpr int kFlagsHighShift = 12;  // bools added later sit above it (flags stay stable)
@@ -48,6 +49,7 @@ struct FwdOptions {
     o.fp32_pv_tiles = (flags & 64) != 0;
     o.smem_o_every = (flags >> kFlagsIntShift) & ((1 << (kFlagsHighShift - kFlagsIntShift)) - 1);
     o.seed_reductions = ((flags >> kFlagsHighShift) & 1) != 0;
+    o.persistent = ((flags >> (kFlagsHighShift + 1)) & 1) != 0;
     o.exp2_poly_every = exp2_poly_every;
     return o;
   }
@@ -55,11 +57,20 @@ struct FwdOptions {
   constexpr bool valid() const {
     return ((!fp16_exp2 && !split_reductions && !seed_reductions) || lean_softmax) && exp2_poly_every >= 0 &&
            smem_o_every >= 0 && smem_o_every <= 16 && (smem_o_every & (smem_o_every - 1)) == 0 &&
-           !(fp32_pv_tiles && smem_o_every > 0);
+           !(fp32_pv_tiles && smem_o_every > 0) &&
+           // persistent: the next work tile's Q lands in smem while the current one runs, which
+           // needs the current Q held in registers
+           (!persistent || q_in_registers);
   }
   // The loops that hold two P arrays (overlap or ping-pong) take a whole producer warpgroup.
   constexpr bool producer_warpgroup() const { return overlap_softmax_pv || pingpong; }
 };
+// from_flags inverts flags() for the bools above smem_o_every's bits (which they must not touch).
+static_assert(FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .persistent = true}.flags(), 0).persistent &&
+                  FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .persistent = true}.flags(), 0).smem_o_every == 16 &&
+                  !FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .persistent = true}.flags(), 0).seed_reductions &&
+                  FwdOptions{.persistent = true}.flags() == 2 << FwdOptions::kFlagsHighShift,
+              "FwdOptions::flags / from_flags");
 
 // Everything the quantization pre-pass reads and writes. Strides are in elements; the last
 // (head) dimension of q, k, v is contiguous and rows are 16-byte aligned (checked by the binding).

@@ -1,12 +1,16 @@
 // Data movement and tensor-core work of the attention mainloop.
 //
-// Producer (one elected lane of warp 8): bulk-copies the CTA's two Q tiles once, then each K and
-// V^T tile of the kv loop into a kStages-deep ring. Every tile is a pre-swizzled image written by
-// the pre-pass, so one cp.async.bulk per operand per tile suffices (no tensor maps).
+// Producer (one elected lane of warp 8): bulk-copies the two Q tiles of a work tile (128 query
+// rows of one (b, h)), then each K and V^T tile of its kv loop into a kStages-deep ring. Every
+// tile is a pre-swizzled image written by the pre-pass, so one cp.async.bulk per operand per tile
+// suffices (no tensor maps).
 //   full[s]  : count 1 (producer's arrive.expect_tx) + the copies' transaction bytes
 //   empty[s] : count 8 (lane 0 of each consumer warp, after its PV wgmma retired)
-//   q_full   : count 1 + Q bytes
-// Phase rule: common/sm90/pipeline.cuh.
+//   q_full   : count 1 + Q bytes; phase w is work tile w of the CTA (0 without `persistent`)
+//   q_empty  : (persistent only) count 8 (lane 0 of each consumer warp, once its Q is in registers)
+// Phase rule: common/sm90/pipeline.cuh. A persistent CTA runs several work tiles: the K/V ring's
+// item index is one running key-tile counter over all of them (`tile0` = the key tiles of the
+// work tiles before), so the producer runs ahead into the next work tile's keys.
 //
 // Consumers (two warpgroups, 64 query rows each): S = Q K^T with INT8 SS wgmma, softmax in
 // registers, O += P V^T with FP8 RS wgmma. The wgmma descriptors come from CuTe's smem layouts
@@ -40,6 +44,10 @@ struct SmemPlan {
   uint64_t* full;
   uint64_t* empty;
   uint64_t* q_full;
+  // Initialised only by persistent kernels. It takes the 8 bytes that smem_o_sum's alignment pad
+  // skips after q_full (so no other layout moves) and that the 1024-byte base slack of
+  // TileConfig::kSmemBytes covers (the dynamic smem base is 16-byte aligned: at most 1008 used).
+  uint64_t* q_empty;
 
   __device__ __forceinline__ explicit SmemPlan(uint8_t* raw) {
     q = raw + sage_common::smem_align_pad<1024>(sage_common::smem_addr(raw));  // tiles start on the swizzle period
@@ -48,6 +56,7 @@ struct SmemPlan {
     full = reinterpret_cast<uint64_t*>(v + C::kSmemV);
     empty = full + C::kStages;
     q_full = empty + C::kStages;
+    q_empty = q_full + 1;
   }
 };
 
@@ -58,11 +67,15 @@ template <int D>
 constexpr int kSmemOSumBytes = kBlockM * D * 4 + kSmemOSumAlign;
 template <int D>
 __device__ __forceinline__ float4* smem_o_sum(const SmemPlan<D>& sp) {
+  using C = TileConfig<D>;
+  static_assert((C::kSmemQ + C::kSmemK + C::kSmemV + 8 * (2 * C::kStages + 1)) % kSmemOSumAlign == 8,
+                "q_empty must fit in the alignment pad between q_full and the O sum (SmemPlan)");
   uint8_t* end = reinterpret_cast<uint8_t*>(sp.q_full + 1);
   return reinterpret_cast<float4*>(end + sage_common::smem_align_pad<kSmemOSumAlign>(sage_common::smem_addr(end)));
 }
 
-template <int D>
+// kQEmpty: also q_empty (persistent kernels).
+template <int D, bool kQEmpty = false>
 __device__ __forceinline__ void init_barriers(const SmemPlan<D>& sp) {
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -71,22 +84,44 @@ __device__ __forceinline__ void init_barriers(const SmemPlan<D>& sp) {
       Barrier::init(&sp.empty[s], kConsumerThreads / 32);
     }
     Barrier::init(sp.q_full, 1);
+    if constexpr (kQEmpty) Barrier::init(sp.q_empty, kConsumerThreads / 32);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
 }
 
-// Runs on one lane only.
-template <int D>
+// Stage and use count (n) of item `tile` of the K/V ring. kRunning: a running counter over a
+// persistent CTA's work tiles (unsigned: no sign fix-up in the division).
+template <int D, bool kRunning>
+__device__ __forceinline__ void ring_slot(int tile, int& stage, int& n) {
+  constexpr int kStages = TileConfig<D>::kStages;
+  if constexpr (kRunning) {
+    stage = static_cast<int>(static_cast<unsigned>(tile) % kStages);
+    n = static_cast<int>(static_cast<unsigned>(tile) / kStages);
+  } else {
+    stage = tile % kStages;
+    n = tile / kStages;
+  }
+}
+
+// One work tile's copies; runs on one lane only. work: the CTA's work-tile count so far (0
+// without `persistent`); tile0: the ring items used by the work tiles before (kPersistent).
+// kPersistent: Q goes into smem only after the consumers took the previous work tile's Q into
+// registers (q_empty).
+template <int D, bool kPersistent = false>
 __device__ __forceinline__ void producer_loop(const SmemPlan<D>& sp, const int8_t* q_src,
                                               const int8_t* k_src, const uint8_t* v_src,
-                                              int n_tiles) {
+                                              int n_tiles, int work = 0, int tile0 = 0) {
   using C = TileConfig<D>;
   using sage_common::sm90::bulk_copy_g2s;
+  if constexpr (kPersistent) {
+    if (work > 0) Barrier::wait(sp.q_empty, (work - 1) & 1);
+  }
   Barrier::arrive_and_expect_tx(sp.q_full, C::kSmemQ);
   bulk_copy_g2s(q_src, sp.q_full, sp.q, C::kSmemQ);
   for (int t = 0; t < n_tiles; ++t) {
-    const int s = t % C::kStages, n = t / C::kStages;
+    int s, n;
+    ring_slot<D, kPersistent>(tile0 + t, s, n);
     if (n > 0) Barrier::wait(&sp.empty[s], (n - 1) & 1);
     Barrier::arrive_and_expect_tx(&sp.full[s], C::kKTileBytes + C::kVTileBytes);
     bulk_copy_g2s(k_src + static_cast<int64_t>(t) * C::kKTileBytes, &sp.full[s],

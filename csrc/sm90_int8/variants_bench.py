@@ -12,7 +12,8 @@ and per shape, with the default variant: the pre-pass alone (GPU time) in modes 
 kPrepass* bits: 1 = Q quantized inside the stats launch, 2 = batched loads, 8 = programmatic
 dependent launches; bit 4 = one workspace allocation is host-only), the full call in modes 0, 3, 4,
 7, 14 and 15, and the full call pipelined (20 calls between two events, no sync) in modes 0, 7 and
-15: full - pipelined ~ host latency per call.
+15: full - pipelined ~ host latency per call. The correctness check runs every variant in mode 0
+and in mode 15.
 Before the timing, --accuracy runs every variant on long sequences (16K-131K tokens) against
 sage8_reference and fp32 SDPA (accumulation_check). A compact table comes last (the device log
 keeps only its tail).
@@ -51,8 +52,9 @@ DEFAULT_FLAGS = _variants.DEFAULT_FLAGS
 ACC_SHAPES = [(1, 4, 16384, 128), (1, 8, 17776, 64), (1, 2, 65536, 128), (1, 4, 65536, 64),
               (1, 1, 131072, 128)]
 ACC_QUICK_SHAPES = [(1, 4, 16384, 128), (1, 8, 17776, 64), (1, 1, 65536, 128)]
-CHECK_MODES = (1, 2, 3, 4, 7, 8, 15)  # pre-pass mode bit sets checked against the reference
-FULL_MODES = (0, 3, 4, 7, 14, 15)  # full-call timings (per-repetition sync)
+PDL_MODE = 15  # mode 7 + bit 8 (launch.h kPrepassPdl): the quant launch and the forward kernel start with PDL
+CHECK_MODES = (1, 2, 3, 4, 7, 8, PDL_MODE)  # pre-pass mode bit sets checked against the reference
+FULL_MODES = (0, 3, 4, 7, 14, PDL_MODE)     # full-call timings (per-repetition sync)
 
 
 
@@ -127,9 +129,14 @@ def main():
             q, k, v = make_inputs(b, h, s, d, seed=1)
             mask = torch.rand(b, s, device="cuda") > 0.2
             mask[:, :5] = True
+            # the last batch row sees only its first third: key-tile counts differ between the
+            # work tiles a persistent CTA runs in turn (its K/V ring runs on across them)
+            mask[-1, s // 3:] = False
             refs = {False: sage8_reference(q.float(), k.float(), v.float()).float(),
                     True: sage8_reference(q.float(), k.float(), v.float(), key_mask=mask).float()}
-            cases = [(poly, flags, 0) for dd, poly, flags in variants if dd == d]
+            # every variant in mode 0 and launched with PDL (its pdl_wait guards the pre-pass outputs)
+            cases = [(poly, flags, mode) for dd, poly, flags in variants if dd == d
+                     for mode in ((0, PDL_MODE) if has_modes else (0,))]
             if has_modes:
                 cases += [(*default_variant(d), mode) for mode in CHECK_MODES]
             for poly, flags, mode in cases:
