@@ -12,6 +12,7 @@ import torch
 
 import sage_diffusers as sd
 from inputs import dit_qkv, exact_attention
+from sage_diffusers.kernels import auto_table
 from sage_diffusers.reference import cosine, relative_l1, sage3_reference, sage8_reference
 
 from _util import assert_unchanged, snapshot
@@ -89,15 +90,15 @@ def test_gpu_modes_match_their_reference(mode, layout):
         f"{algo} reference ({relative_l1(out.float(), ref):.5f}): SDPA ran, or the kernel is not its algorithm")
 
 
-def _long_hd128_inputs():
-    # 16384 aligned tokens at head dim 128: the shipped table runs the kernel from 12288
-    return dit_qkv(1, 4, 4, 16384, 16384, 128, seed=1, dtype=torch.bfloat16, device="cuda")
+def _long_hd128_inputs(s=16384):
+    return dit_qkv(1, 4, 4, s, s, 128, seed=1, dtype=torch.bfloat16, device="cuda")
 
 
 def test_auto_on_hopper_uses_the_int8_kernel():
     if _arch_major() != 9:
         pytest.skip("sm_90 only")
-    q, k, v = _long_hd128_inputs()
+    # aligned head dim 128 at the shipped table's crossover (auto_table.SM90_RULES), where auto runs the kernel
+    q, k, v = _long_hd128_inputs(auto_table.SM90_RULES[(128, False, False)] or 32768)
     keeps_sdpa = _auto_keeps_sdpa(q, k)
     out = sd.attention(q, k, v, mode="auto")
     if keeps_sdpa is not None:  # a calibration file on this machine moved the crossover: counted

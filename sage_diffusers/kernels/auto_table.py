@@ -45,22 +45,29 @@ Key = tuple[int, bool, bool]
 Rules = Mapping[Key, Optional[int]]
 
 # BEGIN sm_90 table (written by `python -m eval.calibrate_auto --ship <calibration json>`)
-# sm_90 (H100 / H200): measured on an H200 against cuDNN SDPA (bf16), quantization included
-# (eval/results/auto_calibration_h200.md, each method's fastest of 5 interleaved rounds, margin
-# 0.97), with O's sum kept out of the FP8 tensor core (kernel_fwd.cuh smem_o_every /
-# fp32_pv_tiles). Full attention: aligned hd128 wins from 16384 (0.957x), ragged hd128 from 10168,
-# ragged hd64 from 16312 (0.946x; aligned hd64 loses at every length to 20480). Causal: the sweep
-# measured the kernel slower at every length (hd128 1.08x at 16384, 1.01x at 20480), although
-# eval/results/kernels_h200.md's do_bench timing put it at 0.88x of cuDNN at 1x24x16384x128: the
-# table follows the sweep, the method made for this decision. (That sweep timed back-to-back means
-# and took each method's fastest round; `--ship` from a run of the current timer replaces this block.)
+# Measured on an NVIDIA H200 (2026-12-02 03:28, torch 2.11.0+cu130, commit 1c3f586) against SDPA's
+# default backend (bf16, cuDNN there), quantization included:
+# eval/results/auto_calibration_h200.json. Per length, medians of 5 interleaved rounds of per-call
+# times with L2 flushed (bench_utils.compare_ms); a class runs the kernel from the shortest length
+# at which it takes less than 0.99x SDPA's time there and at every longer length measured (see the
+# module docstring for the margin).
+# d128_full: kernel: its time < 0.99x SDPA's from 20480 (0.989x) to 20480 (0.989x); 1.008x at 18432
+# d128_full_ragged: kernel: its time < 0.99x SDPA's from 12216 (0.929x) to 20408 (0.891x); 1.015x at
+#     10168
+# d128_causal: SDPA: kernel slower at every length measured (closest 1.061x at 16384)
+# d128_causal_ragged: SDPA: kernel slower at every length measured (closest 1.052x at 20408)
+# d64_full: SDPA: kernel slower at every length measured (closest 1.017x at 20480)
+# d64_full_ragged: kernel: its time < 0.99x SDPA's from 10168 (0.980x) to 20408 (0.905x); 1.016x at
+#     8120
+# d64_causal: SDPA: kernel slower at every length measured (closest 1.091x at 20480)
+# d64_causal_ragged: SDPA: kernel slower at every length measured (closest 1.131x at 20408)
 SM90_RULES: dict[Key, Optional[int]] = {
-    (128, False, False): 16384,
-    (128, False, True): 10168,
+    (128, False, False): 20480,
+    (128, False, True): 12216,
     (128, True, False): None,
     (128, True, True): None,
     (64, False, False): None,
-    (64, False, True): 16312,
+    (64, False, True): 10168,
     (64, True, False): None,
     (64, True, True): None,
 }
