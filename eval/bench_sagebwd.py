@@ -3,20 +3,18 @@
     python eval/bench_sagebwd.py              # hd64 and hd128, 4K-32K tokens (H200: a few minutes)
     python eval/bench_sagebwd.py --quick      # two shapes, fewer rounds
     SAGE_DIFFUSERS_TRITON_AUTOTUNE=3 python eval/bench_sagebwd.py --compare
-                                              # V1 vs V2 kernels per pass, 4K and 16K (H200: < 4 min)
+                                              # the conversion variants per pass, 4K and 16K (H200: < 4 min)
     python eval/bench_sagebwd.py --sass       # no GPU: per-tile SASS issue estimates for sm_90a
 
-Writes eval/results/sagebwd_h200.{json,md} (``--compare``: sagebwd_kernels_h200.{json,md}).
+Writes eval/results/sagebwd_h200.{json,md} (``--compare``: sagebwd_variants_h200.{json,md}).
 
 - Inputs: bf16 BHSD from ``sage_diffusers.kernels.bench_utils.make_inputs`` (Q, V ~ N(0, 1),
   K = N(0, 1) + 4 N(0, 1) per channel), dO ~ N(0, 1).
 - Methods: ``sagebwd`` (``sage_diffusers.sagebwd`` with the default kernels, the whole call:
-  quantization pre-passes included); ``sagebwd_v1`` / ``sagebwd_v2``: the two Triton kernel sets
-  (``SAGE_DIFFUSERS_SAGEBWD_KERNELS``); ``sagebwd_v2_acc_alu``: V2 with the backward's int32
-  products converted by ALU instructions instead of the conversion unit
-  (``SAGE_DIFFUSERS_SAGEBWD_ACC=alu``); ``sagebwd_atomic_dq`` (V1 with dQ by FP32 atomics inside
-  the dK/dV kernel: ``SAGE_DIFFUSERS_SAGEBWD_DQ=atomic``); ``sagebwd_dov_int8`` (the dO.V^T INT8
-  ablation); ``sdpa_cudnn`` and ``sdpa_flash`` (``F.scaled_dot_product_attention`` under
+  quantization pre-passes included); ``sagebwd_acc_alu``: the same with the backward's int32
+  products and the forward's scores converted by ALU instructions instead of the conversion unit
+  (``SAGE_DIFFUSERS_SAGEBWD_ACC=alu``); ``sagebwd_dov_int8`` (the dO.V^T INT8 ablation);
+  ``sdpa_cudnn`` and ``sdpa_flash`` (``F.scaled_dot_product_attention`` under
   ``sdpa_kernel``). The environment of a method is set around each of its calls (the kernels
   read it at call time).
 - Passes: ``fwd`` the forward alone (no autograd graph); ``bwd`` ``torch.autograd.grad`` for dQ,
@@ -31,7 +29,7 @@ Writes eval/results/sagebwd_h200.{json,md} (``--compare``: sagebwd_kernels_h200.
   recomputation), halved for causal.
 - Accuracy (each head dim, at 4096 tokens): cos and relative L1 of O, dQ, dK, dV against float32
   SDPA (math backend) on the same inputs, for dO.V^T in 16 bits and INT8 (``--compare``: for
-  each kernel set).
+  each SageBwd method).
 """
 from __future__ import annotations
 
@@ -59,12 +57,9 @@ PASSES = ("fwd", "bwd", "fwd+bwd")
 METHOD_ENV = {
     "sagebwd": {},
     "sagebwd_dov_int8": {},
-    "sagebwd_v1": {"SAGE_DIFFUSERS_SAGEBWD_KERNELS": "v1"},
-    "sagebwd_v2": {"SAGE_DIFFUSERS_SAGEBWD_KERNELS": "v2"},
-    "sagebwd_v2_acc_alu": {"SAGE_DIFFUSERS_SAGEBWD_KERNELS": "v2", "SAGE_DIFFUSERS_SAGEBWD_ACC": "alu"},
-    "sagebwd_atomic_dq": {"SAGE_DIFFUSERS_SAGEBWD_KERNELS": "v1", "SAGE_DIFFUSERS_SAGEBWD_DQ": "atomic"},
+    "sagebwd_acc_alu": {"SAGE_DIFFUSERS_SAGEBWD_ACC": "alu"},
 }
-COMPARE_METHODS = "sagebwd_v1,sagebwd_v2,sdpa_cudnn"
+COMPARE_METHODS = "sagebwd,sagebwd_acc_alu,sdpa_cudnn"
 COMPARE_SHAPES = [(1, 24, 16384, 128), (1, 48, 16384, 64), (1, 24, 4096, 128), (1, 48, 4096, 64)]
 
 
@@ -156,8 +151,7 @@ def tuned_configs() -> dict:
     from sage_diffusers.kernels import sagebwd_triton as K
 
     out = {}
-    for name in ("_fwd_kernel", "_fwd_kernel_v2", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel_v2",
-                 "_bwd_dq_kernel_v2"):
+    for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"):
         cache = getattr(getattr(K, name, None), "cache", None)
         if cache:
             out[name] = {str(key): str(cfg) for key, cfg in cache.items()}
@@ -222,38 +216,34 @@ def _sass_loops(kernel, consts: dict, num_warps: int, num_stages: int) -> dict:
 
 
 def sass_report(out: Path) -> None:
-    """--sass: each kernel set's per-tile issue estimate at hd128 and hd64 from sm_90a SASS."""
+    """--sass: each kernel's per-tile issue estimate at hd128 and hd64 from sm_90a SASS."""
     from sage_diffusers.kernels import sagebwd_triton as K
 
     t0 = time.time()
     rows = []
     for d in (128, 64):
         base = dict(D=d, HAS_MASK=False, IS_CAUSAL=False, DOT16_AS_F32=False)
-        fwd = dict(base, BLOCK_N=64, BLOCK_Q=64, PV_INT8=True)
         bwd = dict(base, DOV_INT8=False)
-        cases = [  # (kernel set, kernel, constexprs, config kwargs, tiles of 64 x 64 per loop iteration)
-            ("v1", "fwd", K._fwd_kernel, fwd, K._FWD_CONFIGS),
-            ("v2", "fwd", K._fwd_kernel_v2, dict(fwd, ACC_XU=True), K._FWD_V2_CONFIGS),
-            ("v1", "dK/dV", K._bwd_dkdv_kernel, dict(bwd, BLOCK_M=64, BLOCK_N=64, FUSED_DQ=False), K._BWD_CONFIGS),
-            ("v1", "dQ", K._bwd_dq_kernel, dict(bwd, BLOCK_M=64, BLOCK_N=64), K._BWD_CONFIGS),
-            ("v2", "dK/dV", K._bwd_dkdv_kernel_v2, dict(bwd, SUB=64, ACC_XU=True), K._DKDV_V2_CONFIGS),
-            ("v2", "dQ", K._bwd_dq_kernel_v2, dict(bwd, SUB=64, ACC_XU=True), K._DQ_V2_CONFIGS),
+        cases = [  # (kernel, constexprs, launch configs)
+            ("fwd", K._fwd_kernel, dict(base, BLOCK_N=64, BLOCK_Q=64, PV_INT8=True, ACC_XU=True), K._FWD_CONFIGS),
+            ("dK/dV", K._bwd_dkdv_kernel, dict(bwd, SUB=64, ACC_XU=True), K._DKDV_CONFIGS),
+            ("dQ", K._bwd_dq_kernel, dict(bwd, SUB=64, ACC_XU=True), K._DQ_CONFIGS),
         ]
-        for kset, name, kernel, consts, configs in cases:
+        for name, kernel, consts, configs in cases:
             for cfg in configs[:3]:
                 c = dict(consts, **cfg.kwargs)
                 info = _sass_loops(kernel, c, cfg.num_warps, cfg.num_stages)
-                tiles = max(cfg.kwargs.values(), default=64) // 64
+                tiles = max(cfg.kwargs.values(), default=64) // 64  # 64 x 64 tiles per loop iteration
                 per_smsp = cfg.num_warps // 4  # warps of one CTA on each of the SM's 4 schedulers
                 for i, lp in enumerate(info["loops"]):
                     # one instruction issued per cycle per scheduler; the XU pipe takes 8 cycles a warp
                     issue = lp["instr"] * per_smsp / tiles
                     xu = lp["xu"] * per_smsp * 8 / tiles
-                    rows.append(dict(d=d, kernels=kset, kernel=name, loop=i + 1,
+                    rows.append(dict(d=d, kernel=name, loop=i + 1,
                                      config=f"{cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}",
                                      regs=info["regs"], stack=info["stack"], **lp,
                                      issue_cycles_per_tile=issue, xu_cycles_per_tile=xu, bound=max(issue, xu)))
-                    print(f"[{time.time() - t0:5.1f}s] hd{d} {kset} {name:5s} {rows[-1]['config']:28s} regs {info['regs']} "
+                    print(f"[{time.time() - t0:5.1f}s] hd{d} {name:5s} {rows[-1]['config']:28s} regs {info['regs']} "
                           f"stack {info['stack']} loop {lp['instr']} instr ({lp['xu']} XU, {lp['spill']} spill) "
                           f"-> {max(issue, xu):.0f} cycles/tile", flush=True)
     import triton
@@ -261,16 +251,16 @@ def sass_report(out: Path) -> None:
     lines = ["# SageBwd Triton kernels: SASS for sm_90a, per-tile issue estimate", "",
              f"triton {triton.__version__} (its ptxas), compiled without a GPU by `eval/bench_sagebwd.py --sass`; "
              "bf16, no mask, not causal; each config list's first three. Per innermost loop, numbered in code "
-             "order (the V2 kernels run one loop for tiles without bounds or causal tests and one for the "
+             "order (the kernels run one loop for tiles without bounds or causal tests and one for the "
              "others, which in this case only the last partial block would enter): SASS instructions per "
              "warp per iteration, of which on the XU pipe (conversions, exp2, division checks: 16 lanes per "
              "clock per SM), and local-memory spill instructions. Cycles per 64x64 tile = max(instructions x "
              "warps per scheduler, XU instructions x warps per scheduler x 8) / tiles per iteration: a lower "
              "bound from issue alone (no stalls, no memory), for comparing variants, not a measurement.", "",
-             "| hd | kernels | kernel | config | loop | regs | stack B | instr/iter | XU | spill | issue | XU cycles | cycles/tile |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| hd | kernel | config | loop | regs | stack B | instr/iter | XU | spill | issue | XU cycles | cycles/tile |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['d']} | {r['kernels']} | {r['kernel']} | {r['config']} | {r['loop']} | {r['regs']} | {r['stack']} | "
+        lines.append(f"| {r['d']} | {r['kernel']} | {r['config']} | {r['loop']} | {r['regs']} | {r['stack']} | "
                      f"{r['instr']} | {r['xu']} | {r['spill']} | {r['issue_cycles_per_tile']:.0f} | "
                      f"{r['xu_cycles_per_tile']:.0f} | {r['bound']:.0f} |")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -282,7 +272,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compare", action="store_true",
-                    help=f"kernel sets side by side: {COMPARE_METHODS} at {COMPARE_SHAPES}, passes {PASSES}")
+                    help=f"conversion variants side by side: {COMPARE_METHODS} at {COMPARE_SHAPES}, passes {PASSES}")
     ap.add_argument("--causal", action="store_true", help="with --compare: also the 16K shapes causal")
     ap.add_argument("--rounds", type=int, default=None, help="default 7 (5 with --compare, 3 with --quick)")
     ap.add_argument("--target-ms", type=float, default=40.0, help="back-to-back time per method per round")
@@ -301,15 +291,15 @@ def main() -> None:
         methods = (args.methods or COMPARE_METHODS).split(",")
         passes = (args.passes or ",".join(PASSES)).split(",")
         rounds = args.rounds or 5
-        acc_variants = {m[len("sagebwd_"):]: m for m in methods if m.startswith("sagebwd_v")}
-        out = Path(args.out or RESULTS / "sagebwd_kernels_h200")
+        acc_variants = {m: m for m in methods if m.startswith("sagebwd")}
+        out = Path(args.out or RESULTS / "sagebwd_variants_h200")
     else:
         shapes = [(1, 24, s, 128) for s in (4096, 8192, 16384, 32768)] + [(1, 48, s, 64) for s in (4096, 8192, 16384, 32768)]
         causal_shapes = [(1, 24, 16384, 128), (1, 48, 16384, 64)]
         rounds = args.rounds or 7
         if args.quick:
             shapes, causal_shapes, rounds = [(1, 24, 16384, 128), (1, 48, 8192, 64)], [], args.rounds or 3
-        methods = (args.methods or "sagebwd,sagebwd_v1,sagebwd_dov_int8,sdpa_cudnn,sdpa_flash").split(",")
+        methods = (args.methods or "sagebwd,sagebwd_dov_int8,sdpa_cudnn,sdpa_flash").split(",")
         passes = (args.passes or "fwd,fwd+bwd").split(",")
         acc_variants = {"fp16": "sagebwd", "int8": "sagebwd_dov_int8"}
         out = Path(args.out or RESULTS / "sagebwd_h200")
@@ -364,7 +354,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows, failures=failures, autotuned=configs,
                                                         accuracy={k: v[0] for k, v in acc.items()}), indent=1))
-    title = "SageBwd kernel sets" if args.compare else "SageBwd"
+    title = "SageBwd variants" if args.compare else "SageBwd"
     lines = [f"# {title} on {meta['device']} (forward, backward vs torch SDPA)", "",
              f"torch {meta['torch']}, triton {meta['triton']}; {meta['rounds']} interleaved rounds of about "
              f"{meta['target_ms']:.0f} ms of back-to-back calls per method; autotune {meta['autotune']}; bf16 inputs; "

@@ -31,24 +31,23 @@ except ImportError:  # the kernels' own availability check reports it; nothing h
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ["cpu"] if IN_INTERPRETER else (["cuda"] if torch.cuda.is_available() else [])
 needs_device = pytest.mark.skipif(not DEVICES, reason="no CUDA device: runs in the interpreter child")
-# (kernel set, rows on the wide tile side under the interpreter (a GPU autotunes it instead),
-# how the V2 backward converts its int32 products)
-KERNEL_SETS = [("v1", 128, "xu"), ("v2", 128, "xu"), ("v2", 64, "alu")] if IN_INTERPRETER else \
-    [("v1", 128, "xu"), ("v2", 128, "xu"), ("v2", 128, "alu")]
+# (rows on the wide tile side under the interpreter (a GPU autotunes it instead), how the
+# kernels convert their int32 products: SAGE_DIFFUSERS_SAGEBWD_ACC)
+VARIANTS = [(128, "xu"), (64, "alu")] if IN_INTERPRETER else [(None, "xu"), (None, "alu")]
 
 
 def kernels():
     return sagebwd_triton
 
 
-@pytest.fixture(params=KERNEL_SETS, ids=lambda p: f"{p[0]}-wide{p[1]}-{p[2]}" if p[0] == "v2" else p[0])
-def kernel_set(request, monkeypatch):
-    """Runs a test under each kernel set (SAGE_DIFFUSERS_SAGEBWD_KERNELS and _ACC, read at call time)."""
-    name, wide, acc = request.param
-    monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_KERNELS", name)
+@pytest.fixture(params=VARIANTS, ids=lambda p: f"wide{p[0]}-{p[1]}" if p[0] else p[1])
+def variant(request, monkeypatch):
+    """Runs a test under each variant (SAGE_DIFFUSERS_SAGEBWD_ACC is read at call time)."""
+    wide, acc = request.param
     monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_ACC", acc)
-    monkeypatch.setattr(sagebwd_triton, "INTERPRET_WIDE", wide)
-    return name
+    if wide:
+        monkeypatch.setattr(sagebwd_triton, "INTERPRET_WIDE", wide)
+    return request.param
 
 
 def _triton_version() -> tuple[int, int]:
@@ -92,6 +91,7 @@ CASES = [
     (1, 1, 1, 1, 1, 32, torch.bfloat16, False, False, "int8", "fp16"),
     (1, 2, 2, 40, 70, 128, torch.bfloat16, True, False, "int8", "int8"),
     (1, 2, 2, 33, 50, 32, torch.float32, False, True, "int8", "fp16"),
+    (1, 4, 2, 239, 150, 64, torch.bfloat16, True, True, "int8", "fp16"),  # GQA, two wide tiles and a partial one
 ]
 
 
@@ -102,7 +102,7 @@ def _id(c):
 @needs_device
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=_id)
-def test_kernels_match_reference(case, device, kernel_set):
+def test_kernels_match_reference(case, device, variant):
     b, hq, hkv, sq, skv, d, dtype, causal, masked, pv, dov = case
     tri = kernels()
     q, k, v, do, key_mask = inputs(b, hq, hkv, sq, skv, d, dtype, device, masked)
@@ -128,19 +128,35 @@ def test_kernels_match_reference(case, device, kernel_set):
 
 @needs_device
 @pytest.mark.parametrize("device", DEVICES)
-def test_dos_prepass_is_bitexact(device):
-    """dO' = dO / l quantized per query block, as the reference quantizes it."""
+@pytest.mark.parametrize("dov", ["fp16", "int8"])
+def test_backward_prepass_matches_reference(device, dov):
+    """The pre-pass kernel: delta, 1/l and the row max as the reference computes them, and the
+    codes of dO' = dO / l (and of dO for the INT8 dP) bit for bit as the reference quantizes
+    them given that 1/l; a row without a visible key (lse -inf) gets 1/l = 1 and row max +inf."""
     tri = kernels()
-    do = torch.randn(1, 2, 70, 32, device=device).to(torch.bfloat16)
-    inv_l = torch.rand(1, 2, 70, device=device)
-    want = ref.quantize_int8_per_block(do.float() * inv_l[..., None], ref.BLOCK_Q)
-    got = tri.quantize_blocks(do, ref.BLOCK_Q, row_scale=inv_l)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    q, k, v, do, key_mask = inputs(1, 2, 1, 70, 50, 32, torch.bfloat16, device, True)
+    st = ref.sagebwd_forward(q, k, v, key_mask, True, None)
+    lse2, m2 = st.lse2.clone(), st.m2.clone()
+    lse2[0, 1, 3], m2[0, 1, 3] = float("-inf"), float("-inf")
+    st = st._replace(lse2=lse2, m2=m2)
+    do_t = do.transpose(-1, -2).contiguous().transpose(-1, -2)  # any strides
+    r = tri.backward_rows(do_t, st, dov == "int8")
+    live = torch.isfinite(lse2)
+    want_inv_l = torch.exp2(torch.where(live, m2, 0.0) - torch.where(live, lse2, 0.0))
+    inv_l = r.inv_l / tri.DS_PRESCALE.value  # an exact power-of-two factor
+    assert torch.allclose(inv_l, want_inv_l, rtol=1e-6, atol=0) and inv_l[0, 1, 3] == 1
+    assert torch.equal(r.mb, torch.where(live, m2, float("inf")))
+    assert torch.allclose(r.delta, (do.float() * st.out.float()).sum(-1), rtol=1e-5, atol=1e-6)
+    dos8, sdos = ref.quantize_int8_per_block(do.float() * inv_l[..., None], ref.BLOCK_Q)
+    assert torch.equal(r.dos8t.transpose(-1, -2), dos8) and torch.equal(r.sdos, sdos)
+    if dov == "int8":
+        do8, sdo = ref.quantize_int8_per_block(do, ref.BLOCK_Q)
+        assert torch.equal(r.do8, do8) and torch.equal(r.sdo, sdo)
 
 
 @needs_device
 @pytest.mark.parametrize("device", DEVICES)
-def test_no_visible_key_rows_and_nan_in_masked_rows(device, kernel_set):
+def test_no_visible_key_rows_and_nan_in_masked_rows(device, variant):
     tri = kernels()
     q, k, v, do, _ = inputs(2, 2, 2, 40, 70, 32, torch.float16, device, False)
     key_mask = torch.rand(2, 70, device=device) > 0.5
@@ -195,47 +211,10 @@ def test_custom_ops_and_compile(device):
     assert torch.equal(qs.grad, gq.to(q.dtype)) and torch.equal(vs.grad, gv.to(v.dtype))
 
 
-@needs_device
-@pytest.mark.parametrize("device", DEVICES)
-def test_atomic_dq_pass_matches_separate(device, monkeypatch):
-    """SAGE_DIFFUSERS_SAGEBWD_DQ=atomic: the same dS tiles, dQ summed by atomics in another order."""
-    tri = kernels()
-    q, k, v, do, key_mask = inputs(1, 4, 2, 113, 90, 64, torch.bfloat16, device, True)
-    st = ref.sagebwd_forward(q, k, v, key_mask, True, None)
-    monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_KERNELS", "v1")  # the dQ pass choice is V1's
-    monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_DQ", "separate")
-    want = tri.sagebwd_backward(do, st, key_mask, True, None)
-    monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_DQ", "atomic")
-    got = tri.sagebwd_backward(do, st, key_mask, True, None)
-    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
-    assert torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-6 * want[0].abs().max().item())
-
-
-@needs_device
-@pytest.mark.parametrize("device", DEVICES)
-def test_kernel_sets_agree_on_a_gqa_causal_masked_case(device, monkeypatch):
-    """V1 and V2 from the same inputs: the same quantized state bit for bit, outputs and
-    gradients equal up to summation order (awkward lengths, two tiles on the wide side)."""
-    tri = kernels()
-    q, k, v, do, key_mask = inputs(1, 4, 2, 239, 150, 64, torch.bfloat16, device, True)
-    res = {}
-    for name in ("v1", "v2"):
-        monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_KERNELS", name)
-        st = tri.sagebwd_forward(q, k, v, key_mask, True, None)
-        res[name] = (st, tri.sagebwd_backward(do, st, key_mask, True, None))
-    (s1, g1), (s2, g2) = res["v1"], res["v2"]
-    for field in QUANTIZED:
-        assert torch.equal(getattr(s1, field), getattr(s2, field)), field
-    assert torch.allclose(s1.m2, s2.m2, atol=1e-5, rtol=0) and torch.allclose(s1.lse2, s2.lse2, atol=1e-5, rtol=0)
-    assert (s1.out.float() - s2.out.float()).abs().max() <= 4 * 2 ** -8 * s1.out.float().abs().max()
-    for name, a, w in zip(("dq", "dk", "dv"), g2, g1):
-        assert cosine(a, w) > 0.9999 and relative_l1(a, w) < 5e-3, (name, cosine(a, w), relative_l1(a, w))
-
-
 if triton is not None:
     @triton.jit
     def _quant_ds_probe(x_ptr, codes_ptr, scale_ptr, R: tl.constexpr, SUB: tl.constexpr):
-        """Runs the V2 kernels' dS quantizer on one (R, SUB) tile."""
+        """Runs the kernels' dS quantizer on one (R, SUB) tile."""
         rows = tl.arange(0, R)
         cols = tl.arange(0, SUB)
         ds = tl.load(x_ptr + rows[:, None] * SUB + cols[None, :])
@@ -247,7 +226,7 @@ if triton is not None:
 @needs_device
 @pytest.mark.parametrize("device", DEVICES)
 def test_ds_quantizer_is_the_ieee_division_at_rounding_ties(device):
-    """The V2 dS codes (reciprocal + one FMA residual step on dS * 2**32, no per-element division)
+    """The kernels' dS codes (reciprocal + one FMA residual step on dS * 2**32, no per-element division)
     equal the reference's rint(x / s) where it is hardest: x within a few ulps of (k + 1/2) s for
     every k, scales of every mantissa, a tile whose scale is subnormal (1/s would overflow without
     the prescale), an all-zero tile."""

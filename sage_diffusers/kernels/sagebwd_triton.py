@@ -5,25 +5,37 @@ quantized operands bit for bit (IEEE division, round half to even), the scale fa
 in the same order. The kernels run on CUDA GPUs (tensor-core INT8 ``tl.dot``) and, for testing,
 on the CPU under ``TRITON_INTERPRET=1`` (tests/test_sagebwd_triton.py).
 
-Two kernel sets (:class:`KernelSet`, ``SAGE_DIFFUSERS_SAGEBWD_KERNELS=v1|v2``, read at each call;
-both produce the same quantized state, so either backward runs on either forward's state):
+The kernels:
 
-- shared: ``_quant_kernel``, per-block INT8 of Q, smoothed K, V (and, for V1's backward, dO and
-  dO' = dO / l); masked rows 0.
-- V1: ``_fwd_kernel`` (INT8 QK^T, online softmax, P~.V as INT8 (``PV_INT8``) or 16-bit; O, m,
-  LSE); ``_bwd_dkdv_kernel`` (one program per key block, all query heads of its group) and
-  ``_bwd_dq_kernel`` (one per query block), both recomputing the same dS tiles with
-  ``_ds_tile``, dP = dO.V^T 16-bit or INT8 (``DOV_INT8``); or, with
-  ``SAGE_DIFFUSERS_SAGEBWD_DQ=atomic``, the dK/dV kernel alone adds each tile's dQ share with
-  FP32 atomics (``FUSED_DQ``).
-- V2 (the default; :class:`KernelSet` says what changes and why): ``_fwd_kernel_v2``;
-  ``_bwd_prep_kernel`` (delta, 1/l, the backward's row max, dO' codes transposed);
-  ``_bwd_dkdv_kernel_v2`` (transposed orientation, up to 128 keys per program) and
-  ``_bwd_dq_kernel_v2`` (up to 128 query rows per program); ``SAGE_DIFFUSERS_SAGEBWD_ACC``
-  (:class:`AccConvert`) picks which int32 results use the conversion instruction.
+- ``_quant_kernel``: per-block INT8 of Q, smoothed K and V (V^ also transposed, the P~.V
+  operand), masked rows 0;
+- ``_fwd_kernel``: INT8 QK^T, online softmax, P~.V as INT8 (``PV_INT8``) or 16-bit; O, the
+  row max m and the LSE (log2 domain), up to 128 query rows per program (autotuned);
+- ``_bwd_prep_kernel``: delta = rowsum(dO o O), 1/l, the backward's row max and the transposed
+  codes of dO' = dO / l (and of dO for the INT8 dP ablation), from one read of dO and O;
+- ``_bwd_dkdv_kernel`` (up to 128 keys per program, all query heads of its group) and
+  ``_bwd_dq_kernel`` (up to 128 query rows per program), both recomputing the same P~ and dS
+  tiles; dP = dO.V^T 16-bit or INT8 (``DOV_INT8``).
 
-``eval/bench_sagebwd.py --compare`` times the sets side by side on a GPU; ``--sass`` compiles
-them for sm_90a on any machine and counts their loops' instructions.
+How they are organised for Hopper, and why:
+
+- int32 -> float32 and float32 -> int8 conversions mostly without the conversion unit
+  (:func:`_i2f`, :func:`_f2i8`): that unit runs 16 per clock per SM and exp2 needs it too (a
+  forward that converts every score twice measured at that bound at both head dims);
+  :class:`AccConvert` picks which int32 products stay on it;
+- dS quantized with one exact reciprocal per tile and an FMA correction instead of an IEEE
+  division per element, and no test for tiny scales in the loop (:func:`_quant_ds_rows`; the
+  reference's codes);
+- the dK/dV kernel computes S^T = K Q^T and dP^T = V dO^T, so that P~^T and dS^T come out of
+  the MMA in the layout the next MMA reads (no int8 tile transposed per step), and holds up to
+  128 keys per program (two quantization tiles: half the loads per key);
+- masks and bounds are only evaluated on the tiles that need them (the diagonal, the last
+  partial block, key masks), in a separate loop (``EDGE``);
+- the backward's row quantities come from one pre-pass kernel, V^'s transposed copy from the
+  forward's quantization kernel.
+
+``eval/bench_sagebwd.py --compare`` times the conversion choices side by side on a GPU;
+``--sass`` compiles the kernels for sm_90a on any machine and counts their loops' instructions.
 
 On GPUs without this project's CUDA kernels (sm_80/86/89) the forward is also the inference path
 of ``mode="int8"``: :func:`attention_int8_triton` follows the kernels' backend contract.
@@ -33,7 +45,7 @@ from __future__ import annotations
 import enum
 import math
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -41,7 +53,7 @@ from ..reference import sagebwd as ref
 from ..reference.online_softmax import LOG2E
 from ..reference.sagebwd import BLOCK_KV, BLOCK_Q, DoVPrecision, PVPrecision, SageBwdState
 
-# The V2 kernels tile dS by whole quantization tiles: one block size for queries and keys.
+# The backward kernels tile dS by whole quantization tiles: one block size for queries and keys.
 assert BLOCK_Q == BLOCK_KV
 
 try:
@@ -60,7 +72,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _TUNE = os.environ.get("SAGE_DIFFUSERS_TRITON_AUTOTUNE", "1")
 AUTOTUNE = not INTERPRET and _TUNE != "0"
 TUNE_LIMIT: Optional[int] = int(_TUNE) if _TUNE.isdigit() and int(_TUNE) > 1 else None  # None: all
-# Under the interpreter the v2 kernels run with this many rows on their wide tile side (the
+# Under the interpreter the kernels run with this many rows on their wide tile side (the
 # autotuned BLOCK_N of the dK/dV kernel, BLOCK_M of the dQ kernel and the forward): 128 covers
 # the two-quantization-tile path; tests set 64 to cover the other.
 INTERPRET_WIDE = 128
@@ -75,43 +87,12 @@ def is_available() -> tuple[bool, str]:
     return True, ""
 
 
-class KernelSet(str, enum.Enum):
-    """Which kernels run (``SAGE_DIFFUSERS_SAGEBWD_KERNELS``); both follow the reference's numerics.
-
-    V1 is kept so that one run can measure both side by side. What V2 changes, and why (Hopper):
-
-    - int32 -> float32 and float32 -> int8 conversions without the conversion unit (:func:`_i2f`,
-      :func:`_f2i8`): V1 converts every score twice, P~ and dS once each and every int32
-      dK/dV/dQ/PV accumulator of every tile, all on the 16-per-clock-per-SM pipe that exp2 also
-      needs (the forward's measured times match that bound at both head dims);
-    - dS quantized with one exact reciprocal per tile and an FMA correction instead of an IEEE
-      division per element, and no test for tiny scales in the loop (:func:`_quant_ds_rows`;
-      the same codes);
-    - the dK/dV kernel computes S^T = K Q^T and dP^T = V dO^T, so that P~^T and dS^T come out of
-      the MMA in the layout the next MMA reads (V1 transposes two int8 tiles per step), and holds
-      up to 128 keys per program (two quantization tiles: half the loads per key);
-    - the dQ kernel and the forward hold up to 128 query rows (autotuned);
-    - masks and bounds are only evaluated on the tiles that need them (the diagonal, the last
-      partial block, key masks), in a separate loop;
-    - one pre-pass kernel computes delta, 1/l, the per-row max for the backward and the
-      transposed dO' codes (V1: five torch passes and a transpose); the forward writes V^'s
-      transposed copy from its quantization kernel.
-    """
-
-    V1 = "v1"
-    V2 = "v2"
-
-
-def kernel_set() -> KernelSet:
-    return KernelSet(os.environ.get("SAGE_DIFFUSERS_SAGEBWD_KERNELS", KernelSet.V2.value))
-
-
 class AccConvert(str, enum.Enum):
-    """Which int32 -> float32 conversions the V2 kernels leave on the conversion (XU) pipe
-    (``SAGE_DIFFUSERS_SAGEBWD_ACC``; exact either way, so only speed differs). Once the other
-    conversions are ALU instructions that pipe mostly runs exp2; by ptxas's SASS for sm_90a it
-    has room for the backward's dK/dV/dQ products and the forward's scores, which then take one
-    instruction instead of two."""
+    """Which int32 -> float32 conversions the kernels leave on the conversion (XU) pipe
+    (``SAGE_DIFFUSERS_SAGEBWD_ACC``, read at each call; exact either way, so only speed differs).
+    Once the other conversions are ALU instructions that pipe mostly runs exp2; by ptxas's SASS
+    for sm_90a it has room for the backward's dK/dV/dQ products and the forward's scores, which
+    then take one instruction instead of two."""
 
     XU = "xu"  # those on the conversion pipe
     ALU = "alu"  # every conversion by :func:`_i2f`
@@ -121,35 +102,20 @@ def acc_convert() -> AccConvert:
     return AccConvert(os.environ.get("SAGE_DIFFUSERS_SAGEBWD_ACC", AccConvert.XU.value))
 
 
-class DQPass(str, enum.Enum):
-    """How the V1 backward produces dQ (``SAGE_DIFFUSERS_SAGEBWD_DQ``; same numerics, other sum
-    order). The V2 backward always runs its own dQ kernel."""
-
-    SEPARATE = "separate"  # its own kernel, one program per query block, recomputing the dS tiles
-    ATOMIC = "atomic"  # in the dK/dV kernel, FP32 atomic adds of each tile's dS.K (no recomputation)
-
-
-def dq_pass() -> DQPass:
-    return DQPass(os.environ.get("SAGE_DIFFUSERS_SAGEBWD_DQ", DQPass.SEPARATE.value))
-
-
-def _autotuned(configs, key: list, reset_to_zero: Optional[list] = None, max_rows_at_d128: Optional[int] = None):
+def _autotuned(configs, key: list, max_rows_at_d128: int):
     """triton.autotune on a GPU (launch parameters only, never the numerics); the interpreter runs
-    the kernels as called. ``reset_to_zero``: outputs accumulated with atomics, zeroed between trials.
-    ``max_rows_at_d128``: drop configs with more tile rows per warpgroup than this at D=128 (their
-    FP32 accumulators alone would take most of the registers: spills)."""
+    the kernels as called. ``max_rows_at_d128``: drop configs with more tile rows per warpgroup
+    than this at D=128 (their FP32 accumulators alone would take most of the registers: spills)."""
     def prune(cfgs, nargs, **kwargs):
         d = kwargs.get("D", nargs.get("D"))
-        keep = [c for c in cfgs if d != 128 or max_rows_at_d128 is None
-                or max(c.kwargs.values(), default=64) * 4 // c.num_warps <= max_rows_at_d128]
+        keep = [c for c in cfgs if d != 128 or max(c.kwargs.values(), default=64) * 4 // c.num_warps <= max_rows_at_d128]
         return keep or cfgs[:1]
 
     def wrap(kernel):
         if INTERPRET:
             return kernel
         chosen = configs[:TUNE_LIMIT] if AUTOTUNE else configs[:1]
-        return triton.autotune(configs=chosen, key=key, reset_to_zero=reset_to_zero,
-                               prune_configs_by={"early_config_prune": prune} if max_rows_at_d128 else None)(kernel)
+        return triton.autotune(configs=chosen, key=key, prune_configs_by={"early_config_prune": prune})(kernel)
     return wrap
 
 
@@ -158,15 +124,24 @@ def build() -> None:
 
 
 if triton is not None:
-    # Tile rows of the forward (a multiple of BLOCK_Q: each row reads its own block's Q scale),
-    # warps and pipeline depth; the backward tiles are fixed by the dS quantization tile.
+    # The backward computes dS times 2**32 (1/l carries the factor): an exact power-of-two shift
+    # that keeps the dS quantizer's reciprocal finite and its FMA residual exact down to tile scales
+    # of 2**-133 (subnormal), with no test in the loop (dS would have to exceed 2**96 to overflow).
+    DS_PRESCALE = tl.constexpr(4294967296.0)
+
+    # BLOCK_M of the forward, BLOCK_N (keys per program) of the dK/dV kernel, BLOCK_M (query rows
+    # per program) of the dQ kernel: multiples of the 64-token quantization blocks; the other
+    # tile side stays one block (it is the reduction axis of a per-block scaled MMA).
     _FWD_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=st)
-                    for m in (128, 64) for w in (8, 4) for st in (2, 3)]
-    _BWD_CONFIGS = [triton.Config({}, num_warps=w, num_stages=st) for w in (4, 8) for st in (2, 3)]
+                    for m, w, st in ((128, 8, 2), (128, 8, 3), (64, 4, 3), (64, 4, 2), (128, 4, 2))]
+    _DKDV_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
+                     for n, w, st in ((128, 8, 2), (64, 4, 2), (64, 8, 2), (128, 8, 3), (64, 4, 3), (128, 4, 2))]
+    _DQ_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=st)
+                   for m, w, st in ((128, 8, 2), (64, 4, 2), (128, 8, 3), (64, 4, 3), (64, 8, 2), (128, 4, 2))]
 
     @triton.jit
     def _fwd_store(acc, m_i, l_i, o_ptr, m_ptr, lse_ptr, bh, SQ, rows, dims, inq, D: tl.constexpr):
-        """The forward's epilogue (both kernel sets): O = acc / l, the log2-domain row max and LSE;
+        """The forward's epilogue: O = acc / l, the log2-domain row max and LSE;
         rows without a visible key (l = 0) store O = 0 and -inf."""
         empty = l_i == 0
         out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
@@ -198,284 +173,6 @@ if triton is not None:
         qv = tl.minimum(tl.maximum(_rint(tl.div_rn(x, safe)), -127.0), 127.0)
         return tl.where(scale > 0, qv, 0.0).to(tl.int8), scale
 
-    @triton.jit
-    def _quant_kernel(
-        x_ptr, sxb, sxh, sxs, sxd,  # input (B, H, S, D), any float dtype, any strides
-        mean_ptr,  # float32 (B, H, D), subtracted when HAS_MEAN
-        mask_ptr,  # int8 (B, S), 0 = masked row (becomes 0), when HAS_MASK
-        rs_ptr,  # float32 (B, H, S), per-row factor when HAS_ROWSCALE
-        q_ptr,  # int8 (B, H, S, D) contiguous
-        qt_ptr,  # int8 (B, H, D, S): the same codes transposed, written when STORE_T
-        scale_ptr,  # float32 (B, H, ceil(S / BLOCK))
-        H, S,
-        D: tl.constexpr, BLOCK: tl.constexpr,
-        HAS_MEAN: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROWSCALE: tl.constexpr, STORE_T: tl.constexpr,
-    ):
-        blk = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        rows = blk * BLOCK + tl.arange(0, BLOCK)
-        cols = tl.arange(0, D)
-        inb = rows < S
-        x = tl.load(x_ptr + b * sxb + h * sxh + rows[:, None] * sxs + cols[None, :] * sxd,
-                    mask=inb[:, None], other=0.0).to(tl.float32)
-        keep = inb
-        if HAS_MASK:
-            keep = keep & (tl.load(mask_ptr + b * S + rows, mask=inb, other=0) != 0)
-        if HAS_MEAN:
-            x = x - tl.load(mean_ptr + bh * D + cols)[None, :]
-        if HAS_ROWSCALE:
-            x = x * tl.load(rs_ptr + bh * S + rows, mask=inb, other=0.0)[:, None]
-        x = tl.where(keep[:, None], x, 0.0)  # masked rows: 0 (NaN/Inf there vanish)
-        codes, scale = _quant_block(x)
-        tl.store(q_ptr + (bh * S + rows[:, None]) * D + cols[None, :], codes, mask=inb[:, None])
-        if STORE_T:
-            tl.store(qt_ptr + (bh * D + cols[None, :]) * S + rows[:, None], codes, mask=inb[:, None])
-        tl.store(scale_ptr + bh * tl.cdiv(S, BLOCK) + blk, scale)
-
-    @triton.jit
-    def _visible(rows, cols, mask_ptr, b, SKV, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr):
-        """bool (M, N): key cols visible to query rows (in range, key mask, top-left causal)."""
-        vis = (cols < SKV)[None, :] & (rows >= 0)[:, None]
-        if HAS_MASK:
-            km = tl.load(mask_ptr + b * SKV + cols, mask=cols < SKV, other=0) != 0
-            vis = vis & km[None, :]
-        if IS_CAUSAL:
-            vis = vis & (cols[None, :] <= rows[:, None])
-        return vis
-
-    @_autotuned(_FWD_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "PV_INT8"])
-    @triton.jit
-    def _fwd_kernel(
-        q8_ptr, sq_ptr,  # int8 (B, Hq, Sq, D), float32 (B, Hq, ceil(Sq/BLOCK_Q))
-        k8_ptr, sk_ptr,  # int8 (B, Hkv, Skv, D) smoothed, float32 (B, Hkv, ceil(Skv/BLOCK_N))
-        v8t_ptr, sv_ptr,  # int8 (B, Hkv, D, Skv): V^ transposed (8-bit MMAs want K-major operands)
-        vc_ptr,  # 16-bit (B, Hkv, Skv, D), masked V (read when not PV_INT8)
-        mask_ptr,  # int8 (B, Skv)
-        o_ptr, m_ptr, lse_ptr,  # (B, Hq, Sq, D) out dtype; float32 (B, Hq, Sq) x2
-        qk_scale, HQ, GROUP, SQ, SKV,
-        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
-        HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
-    ):
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // HQ
-        h = bh % HQ
-        bkv = b * (HQ // GROUP) + h // GROUP
-        nqb = tl.cdiv(SQ, BLOCK_Q)
-        nkb = tl.cdiv(SKV, BLOCK_N)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        dims = tl.arange(0, D)
-        inq = rows < SQ
-        q8 = tl.load(q8_ptr + (bh * SQ + rows[:, None]) * D + dims[None, :], mask=inq[:, None], other=0)
-        sq_row = tl.load(sq_ptr + bh * nqb + rows // BLOCK_Q, mask=inq, other=0.0)
-        row_scale = sq_row * qk_scale  # (M,)
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, D), tl.float32)
-        n_end = SKV
-        if IS_CAUSAL:
-            n_end = tl.minimum(SKV, (pid_m + 1) * BLOCK_M)
-        for start_n in range(0, n_end, BLOCK_N):
-            cols = start_n + tl.arange(0, BLOCK_N)
-            ink = cols < SKV
-            kv_off = (bkv * SKV + cols[:, None]) * D + dims[None, :]
-            k8 = tl.load(k8_ptr + kv_off, mask=ink[:, None], other=0)
-            sk = tl.load(sk_ptr + bkv * nkb + start_n // BLOCK_N)
-            s = tl.dot(q8, tl.trans(k8), out_dtype=tl.int32).to(tl.float32) * row_scale[:, None] * sk
-            if HAS_MASK or IS_CAUSAL or start_n + BLOCK_N > SKV:  # full unmasked tiles skip the test
-                s = tl.where(_visible(rows, cols, mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp2 gives 0, not NaN
-            p = tl.exp2(s - m_safe[:, None])  # (M, N) in [0, 1]
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if PV_INT8:
-                v8t = tl.load(v8t_ptr + (bkv * D + dims[:, None]) * SKV + cols[None, :], mask=ink[None, :], other=0)
-                sv = tl.load(sv_ptr + bkv * nkb + start_n // BLOCK_N)
-                p8 = _rint(p * 127.0).to(tl.int8)
-                pv = tl.dot(p8, tl.trans(v8t), out_dtype=tl.int32).to(tl.float32) * (sv * (1.0 / 127.0))
-            else:
-                vc = tl.load(vc_ptr + kv_off, mask=ink[:, None], other=0.0)
-                pv = _dot16(p.to(vc.dtype), vc, DOT16_AS_F32)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        _fwd_store(acc, m_i, l_i, o_ptr, m_ptr, lse_ptr, bh, SQ, rows, dims, inq, D)
-
-    @triton.jit
-    def _ds_tile(
-        bh, bkv, b, start_m, start_n,
-        q8_ptr, sq_ptr, k8, sk, v8, sv, vc,
-        m_ptr, lse_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, mask_ptr,
-        qk_scale, SQ, SKV,
-        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
-    ):
-        """One BLOCK_M x BLOCK_N tile of the backward: returns (q8, P~, dS, sq)."""
-        rows = start_m + tl.arange(0, BLOCK_M)
-        cols = start_n + tl.arange(0, BLOCK_N)
-        dims = tl.arange(0, D)
-        inq = rows < SQ
-        qi = start_m // BLOCK_M
-        nqb = tl.cdiv(SQ, BLOCK_M)
-        q_off = (bh * SQ + rows[:, None]) * D + dims[None, :]
-        q8 = tl.load(q8_ptr + q_off, mask=inq[:, None], other=0)
-        sq = tl.load(sq_ptr + bh * nqb + qi)
-        s = tl.dot(q8, tl.trans(k8), out_dtype=tl.int32).to(tl.float32) * (sq * qk_scale) * sk
-        lse = tl.load(lse_ptr + bh * SQ + rows, mask=inq, other=float("-inf"))
-        m = tl.load(m_ptr + bh * SQ + rows, mask=inq, other=float("-inf"))
-        live = lse != float("-inf")
-        keep = _visible(rows, cols, mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL) & live[:, None]
-        lse_safe = tl.where(live, lse, 0.0)
-        m_safe = tl.where(live, m, 0.0)
-        inv_l = tl.exp2(m_safe - lse_safe)  # 1 / row sum of P~
-        pt = tl.where(keep, tl.exp2(s - m_safe[:, None]), 0.0)  # P~ in [0, 1]
-        p = pt * inv_l[:, None]  # softmax
-        if DOV_INT8:
-            do8 = tl.load(do8_ptr + q_off, mask=inq[:, None], other=0)
-            sdo = tl.load(sdo_ptr + bh * nqb + qi)
-            dp = tl.dot(do8, tl.trans(v8), out_dtype=tl.int32).to(tl.float32) * sdo * sv
-        else:
-            do = tl.load(do_ptr + q_off, mask=inq[:, None], other=0.0)
-            dp = _dot16(do, tl.trans(vc), DOT16_AS_F32)
-        delta = tl.load(delta_ptr + bh * SQ + rows, mask=inq, other=0.0)
-        ds = p * (dp - delta[:, None])
-        return q8, pt, ds, sq
-
-    @triton.jit
-    def _quant_ds(ds):
-        """Per-tile INT8 of dS: (codes int8 (M, N), scale)."""
-        scale = tl.div_rn(tl.max(tl.max(tl.abs(ds), axis=1), axis=0), 127.0)
-        safe = tl.where(scale > 0, scale, 1.0)
-        qv = tl.minimum(tl.maximum(_rint(tl.div_rn(ds, safe)), -127.0), 127.0)
-        return tl.where(scale > 0, qv, 0.0).to(tl.int8), scale
-
-    @_autotuned(_BWD_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "FUSED_DQ"], reset_to_zero=["dq_ptr"])
-    @triton.jit
-    def _bwd_dkdv_kernel(
-        q8_ptr, sq_ptr, k8_ptr, sk_ptr, v8_ptr, sv_ptr, vc_ptr,
-        m_ptr, lse_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr, sdos_ptr, mask_ptr,
-        q8t_ptr,  # int8 (B, Hq, D, Sq): Q^ transposed, like dO'^ (dos8t): K-major for dK and dV
-        k8t_ptr,  # int8 (B, Hkv, D, Skv): K^ transposed, read with FUSED_DQ
-        dk_ptr, dv_ptr,  # float32 (B, Hkv, Skv, D)
-        dq_ptr,  # float32 (B, Hq, Sq, D), zeroed, accumulated with atomics when FUSED_DQ
-        qk_scale, sm_scale, HKV, GROUP, SQ, SKV,
-        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
-        FUSED_DQ: tl.constexpr,
-    ):
-        pid_n = tl.program_id(0)
-        bkv = tl.program_id(1)
-        b = bkv // HKV
-        hkv = bkv % HKV
-        start_n = pid_n * BLOCK_N
-        cols = start_n + tl.arange(0, BLOCK_N)
-        dims = tl.arange(0, D)
-        ink = cols < SKV
-        nkb = tl.cdiv(SKV, BLOCK_N)
-        nqb = tl.cdiv(SQ, BLOCK_M)
-        kv_off = (bkv * SKV + cols[:, None]) * D + dims[None, :]
-        k8 = tl.load(k8_ptr + kv_off, mask=ink[:, None], other=0)
-        sk = tl.load(sk_ptr + bkv * nkb + pid_n)
-        v8 = tl.load(v8_ptr + kv_off, mask=ink[:, None], other=0)
-        sv = tl.load(sv_ptr + bkv * nkb + pid_n)
-        vc = tl.load(vc_ptr + kv_off, mask=ink[:, None], other=0.0)
-        if FUSED_DQ:
-            k8t = tl.load(k8t_ptr + (bkv * D + dims[:, None]) * SKV + cols[None, :], mask=ink[None, :], other=0)
-        dk = tl.zeros((BLOCK_N, D), tl.float32)
-        dv = tl.zeros((BLOCK_N, D), tl.float32)
-        m_lo = 0
-        if IS_CAUSAL:
-            m_lo = (start_n // BLOCK_M) * BLOCK_M  # earlier query rows see none of these keys
-        for g in range(0, GROUP):
-            bh = (b * HKV + hkv) * GROUP + g
-            for start_m in range(m_lo, SQ, BLOCK_M):
-                q8, pt, ds, sq = _ds_tile(
-                    bh, bkv, b, start_m, start_n, q8_ptr, sq_ptr, k8, sk, v8, sv, vc,
-                    m_ptr, lse_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, mask_ptr, qk_scale, SQ, SKV,
-                    D, BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL, DOV_INT8, DOT16_AS_F32)
-                rows = start_m + tl.arange(0, BLOCK_M)
-                qt_off = (bh * D + dims[:, None]) * SQ + rows[None, :]  # (D, M) tile of a transposed copy
-                inq = (rows < SQ)[None, :]
-                dos8t = tl.load(dos8t_ptr + qt_off, mask=inq, other=0)
-                sdos = tl.load(sdos_ptr + bh * nqb + start_m // BLOCK_M)
-                p8 = _rint(pt * 127.0).to(tl.int8)
-                dv += tl.dot(tl.trans(p8), tl.trans(dos8t), out_dtype=tl.int32).to(tl.float32) * (sdos * (1.0 / 127.0))
-                ds8, sds = _quant_ds(ds)
-                q8t = tl.load(q8t_ptr + qt_off, mask=inq, other=0)
-                dk += tl.dot(tl.trans(ds8), tl.trans(q8t), out_dtype=tl.int32).to(tl.float32) * (sds * sq * sm_scale)
-                if FUSED_DQ:
-                    dq_part = tl.dot(ds8, tl.trans(k8t), out_dtype=tl.int32).to(tl.float32) * (sds * sk * sm_scale)
-                    tl.atomic_add(dq_ptr + (bh * SQ + rows[:, None]) * D + dims[None, :], dq_part,
-                                  mask=(rows < SQ)[:, None])
-        tl.store(dk_ptr + kv_off, dk, mask=ink[:, None])
-        tl.store(dv_ptr + kv_off, dv, mask=ink[:, None])
-
-    @_autotuned(_BWD_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8"])
-    @triton.jit
-    def _bwd_dq_kernel(
-        q8_ptr, sq_ptr, k8_ptr, sk_ptr, v8_ptr, sv_ptr, vc_ptr,
-        m_ptr, lse_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, mask_ptr,
-        k8t_ptr,  # int8 (B, Hkv, D, Skv): K^ transposed (K-major for dQ = dS.K)
-        dq_ptr,  # float32 (B, Hq, Sq, D)
-        qk_scale, sm_scale, HQ, GROUP, SQ, SKV,
-        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
-    ):
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // HQ
-        h = bh % HQ
-        bkv = b * (HQ // GROUP) + h // GROUP
-        start_m = pid_m * BLOCK_M
-        rows = start_m + tl.arange(0, BLOCK_M)
-        dims = tl.arange(0, D)
-        nkb = tl.cdiv(SKV, BLOCK_N)
-        dq = tl.zeros((BLOCK_M, D), tl.float32)
-        n_end = SKV
-        if IS_CAUSAL:
-            n_end = tl.minimum(SKV, start_m + BLOCK_M)
-        for start_n in range(0, n_end, BLOCK_N):
-            cols = start_n + tl.arange(0, BLOCK_N)
-            ink = cols < SKV
-            kv_off = (bkv * SKV + cols[:, None]) * D + dims[None, :]
-            k8 = tl.load(k8_ptr + kv_off, mask=ink[:, None], other=0)
-            sk = tl.load(sk_ptr + bkv * nkb + start_n // BLOCK_N)
-            v8 = k8  # placeholders when DOV_INT8 is off (not read by _ds_tile then)
-            sv = sk
-            vc = tl.zeros((BLOCK_N, D), vc_ptr.dtype.element_ty)
-            if DOV_INT8:
-                v8 = tl.load(v8_ptr + kv_off, mask=ink[:, None], other=0)
-                sv = tl.load(sv_ptr + bkv * nkb + start_n // BLOCK_N)
-            else:
-                vc = tl.load(vc_ptr + kv_off, mask=ink[:, None], other=0.0)
-            q8, pt, ds, sq = _ds_tile(
-                bh, bkv, b, start_m, start_n, q8_ptr, sq_ptr, k8, sk, v8, sv, vc,
-                m_ptr, lse_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, mask_ptr, qk_scale, SQ, SKV,
-                D, BLOCK_M, BLOCK_N, HAS_MASK, IS_CAUSAL, DOV_INT8, DOT16_AS_F32)
-            ds8, sds = _quant_ds(ds)
-            k8t = tl.load(k8t_ptr + (bkv * D + dims[:, None]) * SKV + cols[None, :], mask=ink[None, :], other=0)
-            dq += tl.dot(ds8, tl.trans(k8t), out_dtype=tl.int32).to(tl.float32) * (sds * sk * sm_scale)
-        tl.store(dq_ptr + (bh * SQ + rows[:, None]) * D + dims[None, :], dq, mask=(rows < SQ)[:, None])
-
-
-    # ---- V2 kernels (KernelSet.V2): the same numerics, organised for Hopper (see KernelSet) ----
-
-    # The V2 backward computes dS times 2**32 (1/l carries the factor): an exact power-of-two shift
-    # that keeps the dS quantizer's reciprocal finite and its FMA residual exact down to tile scales
-    # of 2**-133 (subnormal), with no test in the loop (dS would have to exceed 2**96 to overflow).
-    DS_PRESCALE = tl.constexpr(4294967296.0)
-
-    # BLOCK_M of the forward, BLOCK_N (keys per program) of the dK/dV kernel, BLOCK_M (query rows
-    # per program) of the dQ kernel: multiples of the 64-token quantization blocks; the other
-    # tile side stays one block (it is the reduction axis of a per-block scaled MMA).
-    _FWD_V2_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=st)
-                       for m, w, st in ((128, 8, 2), (128, 8, 3), (64, 4, 3), (64, 4, 2), (128, 4, 2))]
-    _DKDV_V2_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
-                        for n, w, st in ((128, 8, 2), (64, 4, 2), (64, 8, 2), (128, 8, 3), (64, 4, 3), (128, 4, 2))]
-    _DQ_V2_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=st)
-                      for m, w, st in ((128, 8, 2), (64, 4, 2), (128, 8, 3), (64, 4, 3), (64, 8, 2), (128, 4, 2))]
 
     @triton.jit
     def _i2f(x):
@@ -546,7 +243,102 @@ if triton is not None:
         return keep
 
     @triton.jit
-    def _fwd_loop_v2(
+    def _keep_where(x, fill, qi, kj, mask_ptr, b, SKV, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                    EDGE: tl.constexpr):
+        """x where the key is visible to the query (:func:`_keep`), else ``fill``. EDGE tiles (the
+        diagonal, the last partial block) test bounds and causality; the others only the key mask
+        if there is one (their keys are in range and before every query of the tile)."""
+        if EDGE:
+            x = tl.where(_keep(qi, kj, mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL), x, fill)
+        elif HAS_MASK:
+            x = tl.where(_keep(qi, kj, mask_ptr, b, SKV, True, False), x, fill)
+        return x
+
+    @triton.jit
+    def _load_tile(ptrs, idx, n, ROWS: tl.constexpr, EDGE: tl.constexpr):
+        """A tile load. On EDGE tiles entries whose token index ``idx`` (1-D, along the tile's rows
+        when ROWS, else its columns) is not below ``n`` load as 0; the other tiles are in range
+        everywhere and load without a mask (the test is only built where it is needed)."""
+        if EDGE:
+            if ROWS:
+                x = tl.load(ptrs, mask=(idx < n)[:, None], other=0)
+            else:
+                x = tl.load(ptrs, mask=(idx < n)[None, :], other=0)
+        else:
+            x = tl.load(ptrs)
+        return x
+
+    @triton.jit
+    def _query_program(HQ, GROUP):
+        """This program of a query-tiled grid (query tile, b * HQ + h): (tile index, bh, b, bkv),
+        bkv = b * Hkv + h // GROUP the key/value head its query head reads."""
+        pid = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // HQ
+        h = bh % HQ
+        return pid, bh, b, b * (HQ // GROUP) + h // GROUP
+
+    @triton.jit
+    def _key_range(start_m, SKV, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+        """(n_free, n_end) of the query rows [start_m, start_m + BLOCK_M): the key blocks [0, n_free)
+        need no bounds or causal test, [n_free, n_end) do; causal rows see no key past their tile."""
+        n_free = (SKV // BLOCK_N) * BLOCK_N  # full key blocks
+        n_end = SKV
+        if IS_CAUSAL:
+            n_end = tl.minimum(SKV, start_m + BLOCK_M)
+            n_free = tl.minimum(n_free, start_m)  # keys before the tile's first row: seen by every row
+        return n_free, n_end
+
+    @triton.jit
+    def _load_block(x_ptr, sxb, sxh, sxs, sxd, H, S, D: tl.constexpr, BLOCK: tl.constexpr):
+        """This program's rows of x (B, H, S, D), any float dtype and strides, in a grid of
+        (row block, b * H + h): (x float32 (BLOCK, D), 0 past S; blk, bh, b, rows, cols, inb)."""
+        blk = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        rows = blk * BLOCK + tl.arange(0, BLOCK)
+        cols = tl.arange(0, D)
+        inb = rows < S
+        x = tl.load(x_ptr + b * sxb + h * sxh + rows[:, None] * sxs + cols[None, :] * sxd,
+                    mask=inb[:, None], other=0.0).to(tl.float32)
+        return x, blk, bh, b, rows, cols, inb
+
+    @triton.jit
+    def _store_rows(ptr, x, bh, rows, cols, inb, S, D: tl.constexpr, TRANSPOSED: tl.constexpr):
+        """Stores x (BLOCK, D) at ``rows`` of head bh of a contiguous (B, H, S, D), or of a
+        contiguous (B, H, D, S) (TRANSPOSED: the K-major copy an 8-bit MMA reads); rows past S not."""
+        if TRANSPOSED:
+            tl.store(ptr + (bh * D + cols[None, :]) * S + rows[:, None], x, mask=inb[:, None])
+        else:
+            tl.store(ptr + (bh * S + rows[:, None]) * D + cols[None, :], x, mask=inb[:, None])
+
+    @triton.jit
+    def _quant_kernel(
+        x_ptr, sxb, sxh, sxs, sxd,  # input (B, H, S, D), any float dtype, any strides
+        mean_ptr,  # float32 (B, H, D), subtracted when HAS_MEAN
+        mask_ptr,  # int8 (B, S), 0 = masked row (becomes 0), when HAS_MASK
+        q_ptr,  # int8 (B, H, S, D) contiguous
+        qt_ptr,  # int8 (B, H, D, S): the same codes transposed, written when STORE_T
+        scale_ptr,  # float32 (B, H, ceil(S / BLOCK))
+        H, S,
+        D: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_MASK: tl.constexpr, STORE_T: tl.constexpr,
+    ):
+        x, blk, bh, b, rows, cols, inb = _load_block(x_ptr, sxb, sxh, sxs, sxd, H, S, D, BLOCK)
+        keep = inb
+        if HAS_MASK:
+            keep = keep & (tl.load(mask_ptr + b * S + rows, mask=inb, other=0) != 0)
+        if HAS_MEAN:
+            x = x - tl.load(mean_ptr + bh * D + cols)[None, :]
+        x = tl.where(keep[:, None], x, 0.0)  # masked rows: 0 (NaN/Inf there vanish)
+        codes, scale = _quant_block(x)
+        _store_rows(q_ptr, codes, bh, rows, cols, inb, S, D, False)
+        if STORE_T:
+            _store_rows(qt_ptr, codes, bh, rows, cols, inb, S, D, True)
+        tl.store(scale_ptr + bh * tl.cdiv(S, BLOCK) + blk, scale)
+
+    @triton.jit
+    def _fwd_loop(
         acc, m_i, l_i, lo, hi, q8, row_scale, rows, b, bkv,
         k8_ptr, sk_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV,
         D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -561,55 +353,46 @@ if triton is not None:
         for start_n in range(lo, hi, BLOCK_N):
             cols = start_n + tl.arange(0, BLOCK_N)
             kv_off = (bkv * SKV + cols[:, None]) * D + dims[None, :]
-            if EDGE:
+            if EDGE:  # not by _load_tile: ptxas then schedules the masked forward's loop otherwise
                 k8 = tl.load(k8_ptr + kv_off, mask=(cols < SKV)[:, None], other=0)
             else:
                 k8 = tl.load(k8_ptr + kv_off)
             sk = tl.load(sk_ptr + bkv * nkb + start_n // BLOCK_N)
             s = _acc_f32(tl.dot(q8, tl.trans(k8), out_dtype=tl.int32), ACC_XU) * row_scale[:, None] * sk
-            if EDGE:
-                s = tl.where(_keep(rows[:, None], cols[None, :], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL), s, float("-inf"))
-            elif HAS_MASK:
-                s = tl.where(_keep(rows[:, None], cols[None, :], mask_ptr, b, SKV, True, False), s, float("-inf"))
+            s = _keep_where(s, float("-inf"), rows[:, None], cols[None, :], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL, EDGE)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp2 gives 0, not NaN
             p = tl.exp2(s - m_safe[:, None])  # (M, N) in [0, 1]
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if PV_INT8:
-                if EDGE:
-                    v8t = tl.load(v8t_ptr + (bkv * D + dims[:, None]) * SKV + cols[None, :],
-                                  mask=(cols < SKV)[None, :], other=0)
-                else:
-                    v8t = tl.load(v8t_ptr + (bkv * D + dims[:, None]) * SKV + cols[None, :])
+                v8t = _load_tile(v8t_ptr + (bkv * D + dims[:, None]) * SKV + cols[None, :], cols, SKV, False, EDGE)
                 sv = tl.load(sv_ptr + bkv * nkb + start_n // BLOCK_N)
                 pv = _i2f(tl.dot(_f2i8(p * 127.0), tl.trans(v8t), out_dtype=tl.int32)) * (sv * (1.0 / 127.0))
             else:
-                if EDGE:
-                    vc = tl.load(vc_ptr + kv_off, mask=(cols < SKV)[:, None], other=0.0)
-                else:
-                    vc = tl.load(vc_ptr + kv_off)
+                vc = _load_tile(vc_ptr + kv_off, cols, SKV, True, EDGE)
                 pv = _dot16(p.to(vc.dtype), vc, DOT16_AS_F32)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         return acc, m_i, l_i
 
-    @_autotuned(_FWD_V2_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "PV_INT8", "ACC_XU"], max_rows_at_d128=64)
+    @_autotuned(_FWD_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "PV_INT8", "ACC_XU"], max_rows_at_d128=64)
     @triton.jit
-    def _fwd_kernel_v2(
-        q8_ptr, sq_ptr, k8_ptr, sk_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, o_ptr, m_ptr, lse_ptr,
+    def _fwd_kernel(
+        q8_ptr, sq_ptr,  # int8 (B, Hq, Sq, D), float32 (B, Hq, ceil(Sq/BLOCK_Q))
+        k8_ptr, sk_ptr,  # int8 (B, Hkv, Skv, D) smoothed, float32 (B, Hkv, ceil(Skv/BLOCK_N))
+        v8t_ptr, sv_ptr,  # int8 (B, Hkv, D, Skv): V^ transposed (8-bit MMAs want K-major operands)
+        vc_ptr,  # 16-bit (B, Hkv, Skv, D), masked V (read when not PV_INT8)
+        mask_ptr,  # int8 (B, Skv)
+        o_ptr, m_ptr, lse_ptr,  # (B, Hq, Sq, D) out dtype; float32 (B, Hq, Sq) x2
         qk_scale, HQ, GROUP, SQ, SKV,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
         HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
         ACC_XU: tl.constexpr,
     ):
-        """The forward (arguments as :func:`_fwd_kernel`); key blocks without bounds or causal
-        tests run in their own loop."""
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // HQ
-        h = bh % HQ
-        bkv = b * (HQ // GROUP) + h // GROUP
+        """The forward: one program per BLOCK_M query rows (BLOCK_M / BLOCK_Q quantization blocks);
+        key blocks without bounds or causal tests run in their own loop."""
+        pid_m, bh, b, bkv = _query_program(HQ, GROUP)
         nqb = tl.cdiv(SQ, BLOCK_Q)
         start_m = pid_m * BLOCK_M
         rows = start_m + tl.arange(0, BLOCK_M)
@@ -620,17 +403,13 @@ if triton is not None:
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
-        n_free = (SKV // BLOCK_N) * BLOCK_N  # full key blocks
-        n_end = SKV
-        if IS_CAUSAL:
-            n_end = tl.minimum(SKV, start_m + BLOCK_M)
-            n_free = tl.minimum(n_free, start_m)  # keys before the tile's first row: seen by every row
-        acc, m_i, l_i = _fwd_loop_v2(acc, m_i, l_i, 0, n_free, q8, row_scale, rows, b, bkv,
-                                     k8_ptr, sk_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV,
-                                     D, BLOCK_N, HAS_MASK, IS_CAUSAL, False, PV_INT8, DOT16_AS_F32, ACC_XU)
-        acc, m_i, l_i = _fwd_loop_v2(acc, m_i, l_i, n_free, n_end, q8, row_scale, rows, b, bkv,
-                                     k8_ptr, sk_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV,
-                                     D, BLOCK_N, HAS_MASK, IS_CAUSAL, True, PV_INT8, DOT16_AS_F32, ACC_XU)
+        n_free, n_end = _key_range(start_m, SKV, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, 0, n_free, q8, row_scale, rows, b, bkv,
+                                  k8_ptr, sk_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV,
+                                  D, BLOCK_N, HAS_MASK, IS_CAUSAL, False, PV_INT8, DOT16_AS_F32, ACC_XU)
+        acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, n_free, n_end, q8, row_scale, rows, b, bkv,
+                                  k8_ptr, sk_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV,
+                                  D, BLOCK_N, HAS_MASK, IS_CAUSAL, True, PV_INT8, DOT16_AS_F32, ACC_XU)
         _fwd_store(acc, m_i, l_i, o_ptr, m_ptr, lse_ptr, bh, SQ, rows, dims, inq, D)
 
     @triton.jit
@@ -647,15 +426,7 @@ if triton is not None:
         D: tl.constexpr, BLOCK: tl.constexpr, DO_INT8: tl.constexpr,
     ):
         """The backward's pre-pass, one program per BLOCK_Q query rows: one read of dO and O."""
-        blk = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // HQ
-        h = bh % HQ
-        rows = blk * BLOCK + tl.arange(0, BLOCK)
-        cols = tl.arange(0, D)
-        inb = rows < SQ
-        do = tl.load(do_ptr + b * sdb + h * sdh + rows[:, None] * sds + cols[None, :] * sdd,
-                     mask=inb[:, None], other=0.0).to(tl.float32)
+        do, blk, bh, b, rows, cols, inb = _load_block(do_ptr, sdb, sdh, sds, sdd, HQ, SQ, D, BLOCK)
         o = tl.load(o_ptr + (bh * SQ + rows[:, None]) * D + cols[None, :], mask=inb[:, None], other=0.0)
         tl.store(delta_ptr + bh * SQ + rows, tl.sum(do * o.to(tl.float32), axis=1), mask=inb)
         m = tl.load(m_ptr + bh * SQ + rows, mask=inb, other=0.0)
@@ -666,15 +437,15 @@ if triton is not None:
         tl.store(invl_ptr + bh * SQ + rows, inv_l * DS_PRESCALE, mask=inb)
         nqb = tl.cdiv(SQ, BLOCK)
         codes, scale = _quant_block(do * inv_l[:, None])
-        tl.store(dos8t_ptr + (bh * D + cols[None, :]) * SQ + rows[:, None], codes, mask=inb[:, None])
+        _store_rows(dos8t_ptr, codes, bh, rows, cols, inb, SQ, D, True)
         tl.store(sdos_ptr + bh * nqb + blk, scale)
         if DO_INT8:
             codes8, scale8 = _quant_block(do)
-            tl.store(do8_ptr + (bh * SQ + rows[:, None]) * D + cols[None, :], codes8, mask=inb[:, None])
+            _store_rows(do8_ptr, codes8, bh, rows, cols, inb, SQ, D, False)
             tl.store(sdo_ptr + bh * nqb + blk, scale8)
 
     @triton.jit
-    def _dkdv_loop_v2(
+    def _dkdv_loop(
         dk, dv, lo, hi, bh, b, keys, k8, sk_row, v8, sv_row, vc,
         q8_ptr, sq_ptr, q8t_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr, sdos_ptr,
         mask_ptr, qk_scale, sm_scale, SQ, SKV,
@@ -698,10 +469,7 @@ if triton is not None:
             st = _i2f(tl.dot(k8, tl.trans(q8), out_dtype=tl.int32)) * (sq * qk_scale) * sk_row[:, None]
             mb = tl.load(mb_ptr + bh * SQ + qs, mask=inq, other=float("inf"))
             pt = tl.exp2(st - mb[None, :])  # P~^T in [0, 1]
-            if EDGE:
-                pt = tl.where(_keep(qs[None, :], keys[:, None], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL), pt, 0.0)
-            elif HAS_MASK:
-                pt = tl.where(_keep(qs[None, :], keys[:, None], mask_ptr, b, SKV, True, False), pt, 0.0)
+            pt = _keep_where(pt, 0.0, qs[None, :], keys[:, None], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL, EDGE)
             # dV first: its int32 product is dead before dP^T and dS^T need registers
             dos8t = tl.load(dos8t_ptr + qt_off, mask=inq[None, :], other=0)
             sdos = tl.load(sdos_ptr + bh * nqb + qi)
@@ -720,9 +488,9 @@ if triton is not None:
             dk += _acc_f32(tl.dot(ds8, tl.trans(q8t), out_dtype=tl.int32), ACC_XU) * ((sds * sq) * sm_scale)[:, None]
         return dk, dv
 
-    @_autotuned(_DKDV_V2_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "ACC_XU"], max_rows_at_d128=64)
+    @_autotuned(_DKDV_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "ACC_XU"], max_rows_at_d128=64)
     @triton.jit
-    def _bwd_dkdv_kernel_v2(
+    def _bwd_dkdv_kernel(
         q8_ptr, sq_ptr, q8t_ptr, k8_ptr, sk_ptr, v8_ptr, sv_ptr, vc_ptr,
         mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr, sdos_ptr, mask_ptr,
         dk_ptr, dv_ptr,  # float32 (B, Hkv, Skv, D)
@@ -764,12 +532,12 @@ if triton is not None:
         edge_hi = tl.maximum(tl.where(start_n + BLOCK_N > SKV, SQ, edge_hi), lo)
         for g in range(0, GROUP):
             bh = (b * HKV + hkv) * GROUP + g
-            dk, dv = _dkdv_loop_v2(
+            dk, dv = _dkdv_loop(
                 dk, dv, lo, edge_hi, bh, b, keys, k8, sk_row, v8, sv_row, vc,
                 q8_ptr, sq_ptr, q8t_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr,
                 sdos_ptr, mask_ptr, qk_scale, sm_scale, SQ, SKV,
                 D, BLOCK_N, SUB, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU)
-            dk, dv = _dkdv_loop_v2(
+            dk, dv = _dkdv_loop(
                 dk, dv, edge_hi, SQ, bh, b, keys, k8, sk_row, v8, sv_row, vc,
                 q8_ptr, sq_ptr, q8t_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr,
                 sdos_ptr, mask_ptr, qk_scale, sm_scale, SQ, SKV,
@@ -778,7 +546,7 @@ if triton is not None:
         tl.store(dv_ptr + kv_off, dv, mask=ink[:, None])
 
     @triton.jit
-    def _dq_loop_v2(
+    def _dq_loop(
         dq, lo, hi, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
         k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV,
         D: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -792,42 +560,27 @@ if triton is not None:
             keys = start_n + tl.arange(0, SUB)
             kv_off = (bkv * SKV + keys[:, None]) * D + dims[None, :]
             kt_off = (bkv * D + dims[:, None]) * SKV + keys[None, :]
-            if EDGE:
-                k8 = tl.load(k8_ptr + kv_off, mask=(keys < SKV)[:, None], other=0)
-            else:
-                k8 = tl.load(k8_ptr + kv_off)
+            k8 = _load_tile(k8_ptr + kv_off, keys, SKV, True, EDGE)
             sk = tl.load(sk_ptr + bkv * nkb + start_n // SUB)
             s = _i2f(tl.dot(q8, tl.trans(k8), out_dtype=tl.int32)) * row_qk[:, None] * sk
             pt = tl.exp2(s - mb[:, None])
-            if EDGE:
-                pt = tl.where(_keep(qs[:, None], keys[None, :], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL), pt, 0.0)
-            elif HAS_MASK:
-                pt = tl.where(_keep(qs[:, None], keys[None, :], mask_ptr, b, SKV, True, False), pt, 0.0)
+            pt = _keep_where(pt, 0.0, qs[:, None], keys[None, :], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL, EDGE)
             p = pt * inv_l[:, None]  # P * DS_PRESCALE (the factor is in inv_l)
             if DOV_INT8:
-                if EDGE:
-                    v8 = tl.load(v8_ptr + kv_off, mask=(keys < SKV)[:, None], other=0)
-                else:
-                    v8 = tl.load(v8_ptr + kv_off)
+                v8 = _load_tile(v8_ptr + kv_off, keys, SKV, True, EDGE)
                 sv = tl.load(sv_ptr + bkv * nkb + start_n // SUB)
                 dp = _i2f(tl.dot(do8, tl.trans(v8), out_dtype=tl.int32)) * sdo_row[:, None] * sv
             else:
-                if EDGE:
-                    vc = tl.load(vc_ptr + kv_off, mask=(keys < SKV)[:, None], other=0.0)
-                else:
-                    vc = tl.load(vc_ptr + kv_off)
+                vc = _load_tile(vc_ptr + kv_off, keys, SKV, True, EDGE)
                 dp = _dot16(do, tl.trans(vc), DOT16_AS_F32)
             ds8, sds = _quant_ds_rows(p * (dp - delta[:, None]), BLOCK_M, SUB)
-            if EDGE:
-                k8t = tl.load(k8t_ptr + kt_off, mask=(keys < SKV)[None, :], other=0)
-            else:
-                k8t = tl.load(k8t_ptr + kt_off)
+            k8t = _load_tile(k8t_ptr + kt_off, keys, SKV, False, EDGE)
             dq += _acc_f32(tl.dot(ds8, tl.trans(k8t), out_dtype=tl.int32), ACC_XU) * ((sds * sk) * sm_scale)[:, None]
         return dq
 
-    @_autotuned(_DQ_V2_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "ACC_XU"], max_rows_at_d128=64)
+    @_autotuned(_DQ_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "ACC_XU"], max_rows_at_d128=64)
     @triton.jit
-    def _bwd_dq_kernel_v2(
+    def _bwd_dq_kernel(
         q8_ptr, sq_ptr, k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr,
         mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, mask_ptr,
         dq_ptr,  # float32 (B, Hq, Sq, D)
@@ -838,11 +591,7 @@ if triton is not None:
     ):
         """dQ: one program per BLOCK_M query rows (BLOCK_M / SUB quantization blocks) over the key
         blocks; those that need no bounds or causal test run in their own loop."""
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // HQ
-        h = bh % HQ
-        bkv = b * (HQ // GROUP) + h // GROUP
+        pid_m, bh, b, bkv = _query_program(HQ, GROUP)
         start_m = pid_m * BLOCK_M
         qs = start_m + tl.arange(0, BLOCK_M)
         dims = tl.arange(0, D)
@@ -863,23 +612,19 @@ if triton is not None:
         else:
             do = tl.load(do_ptr + q_off, mask=inq[:, None], other=0.0)
         dq = tl.zeros((BLOCK_M, D), tl.float32)
-        n_free = (SKV // SUB) * SUB  # key blocks [0, n_free) need no bounds / causal test
-        n_end = SKV
-        if IS_CAUSAL:
-            n_end = tl.minimum(SKV, start_m + BLOCK_M)
-            n_free = tl.minimum(n_free, start_m)
-        dq = _dq_loop_v2(dq, 0, n_free, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
-                         k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV,
-                         D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU)
-        dq = _dq_loop_v2(dq, n_free, n_end, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
-                         k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV,
-                         D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU)
+        n_free, n_end = _key_range(start_m, SKV, BLOCK_M, SUB, IS_CAUSAL)
+        dq = _dq_loop(dq, 0, n_free, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
+                      k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV,
+                      D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU)
+        dq = _dq_loop(dq, n_free, n_end, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
+                      k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV,
+                      D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU)
         tl.store(dq_ptr + q_off, dq, mask=inq[:, None])
 
 
 def _transposed(x8: torch.Tensor) -> torch.Tensor:
     """int8 (B, H, S, D) -> contiguous (B, H, D, S): the K-major copy the 8-bit MMAs read when the
-    token axis is their reduction axis (P~.V, P~^T.dO', dS^T.Q, dS.K)."""
+    token axis is their reduction axis (dS^T.Q, dS.K)."""
     return x8.transpose(-1, -2).contiguous()
 
 
@@ -891,13 +636,12 @@ def _mask_arg(key_mask: Optional[torch.Tensor], device) -> tuple[torch.Tensor, b
 
 
 def quantize_blocks(x: torch.Tensor, block: int, mean: Optional[torch.Tensor] = None,
-                    key_mask: Optional[torch.Tensor] = None, row_scale: Optional[torch.Tensor] = None,
-                    transposed: bool = False):
+                    key_mask: Optional[torch.Tensor] = None, transposed: bool = False):
     """Per-block INT8 of x (B, H, S, D): (int8 (B, H, S, D) contiguous, float32 (B, H, ceil(S/block)))
     and, with ``transposed``, a third result: the same codes as a contiguous (B, H, D, S).
 
-    ``mean`` float32 (B, H, D) is subtracted, rows with ``key_mask`` (B, S) False become 0,
-    ``row_scale`` float32 (B, H, S) multiplies each row, all before the block absmax.
+    ``mean`` float32 (B, H, D) is subtracted and rows with ``key_mask`` (B, S) False become 0,
+    both before the block absmax.
     """
     b, h, s, d = x.shape
     nb = triton.cdiv(s, block)
@@ -907,12 +651,9 @@ def quantize_blocks(x: torch.Tensor, block: int, mean: Optional[torch.Tensor] = 
     if q.numel() == 0:
         return (q, scale.zero_(), qt) if transposed else (q, scale.zero_())
     mask, has_mask = _mask_arg(key_mask, x.device)
-    dummy = scale
     _quant_kernel[(nb, b * h)](
-        x, *x.stride(), mean.contiguous() if mean is not None else dummy, mask,
-        row_scale.contiguous() if row_scale is not None else dummy, q, qt, scale, h, s,
-        D=d, BLOCK=block, HAS_MEAN=mean is not None, HAS_MASK=has_mask, HAS_ROWSCALE=row_scale is not None,
-        STORE_T=transposed,
+        x, *x.stride(), mean.contiguous() if mean is not None else scale, mask, q, qt, scale, h, s,
+        D=d, BLOCK=block, HAS_MEAN=mean is not None, HAS_MASK=has_mask, STORE_T=transposed,
     )
     return (q, scale, qt) if transposed else (q, scale)
 
@@ -921,13 +662,10 @@ def _forward_impl(q, k, v, key_mask, is_causal: bool, scale: Optional[float], pv
     b, hq, sq_len, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    v2 = kernel_set() is KernelSet.V2
     q8, sq = quantize_blocks(q, BLOCK_Q)
     k8, sk = quantize_blocks(k, BLOCK_KV, mean=ref.key_mean(k, key_mask), key_mask=key_mask)
-    if v2:  # V^ and its transposed copy (the P~.V operand) from one pass
-        v8, sv, v8t = quantize_blocks(v, BLOCK_KV, key_mask=key_mask, transposed=True)
-    else:
-        v8, sv = quantize_blocks(v, BLOCK_KV, key_mask=key_mask)
+    # V^ and its transposed copy (the P~.V operand, K-major) from one pass
+    v8, sv, v8t = quantize_blocks(v, BLOCK_KV, key_mask=key_mask, transposed=True)
     vc = ref.masked_v(v, key_mask).to(ref.compute_dtype(v.dtype)).contiguous()
     if vc.data_ptr() == v.data_ptr():  # a custom op's outputs never alias its inputs
         vc = vc.clone()
@@ -941,67 +679,49 @@ def _forward_impl(q, k, v, key_mask, is_causal: bool, scale: Optional[float], pv
             lse2.fill_(-math.inf)
         else:
             mask, has_mask = _mask_arg(key_mask, q.device)
-            launch = dict(D=d, BLOCK_N=BLOCK_KV, BLOCK_Q=BLOCK_Q, HAS_MASK=has_mask, IS_CAUSAL=bool(is_causal),
-                          PV_INT8=pv is PVPrecision.INT8, DOT16_AS_F32=INTERPRET)
-            if v2:
-                launch.update(ACC_XU=acc_convert() is AccConvert.XU)
-            if INTERPRET:
-                launch.update(BLOCK_M=INTERPRET_WIDE if v2 else BLOCK_Q)
-            grid = lambda meta: (triton.cdiv(sq_len, meta["BLOCK_M"]), b * hq)  # noqa: E731
-            kernel = _fwd_kernel_v2 if v2 else _fwd_kernel
-            if not v2:
-                v8t = _transposed(v8)  # (B, Hkv, D, Skv)
-            kernel[grid](q8, sq, k8, sk, v8t, sv, vc, mask, out, m2, lse2,
-                         sm_scale * LOG2E, hq, hq // hkv, sq_len, skv, **launch)
+            wide = dict(BLOCK_M=INTERPRET_WIDE) if INTERPRET else {}
+            _fwd_kernel[lambda meta: (triton.cdiv(sq_len, meta["BLOCK_M"]), b * hq)](
+                q8, sq, k8, sk, v8t, sv, vc, mask, out, m2, lse2, sm_scale * LOG2E, hq, hq // hkv, sq_len, skv,
+                D=d, BLOCK_N=BLOCK_KV, BLOCK_Q=BLOCK_Q, HAS_MASK=has_mask, IS_CAUSAL=bool(is_causal),
+                PV_INT8=pv is PVPrecision.INT8, DOT16_AS_F32=INTERPRET, ACC_XU=acc_convert() is AccConvert.XU,
+                **wide,
+            )
     return SageBwdState(q8=q8, sq=sq, k8=k8, sk=sk, v8=v8, sv=sv, vc=vc, out=out, m2=m2, lse2=lse2)
 
 
-def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Optional[float], dov: DoVPrecision):
-    if kernel_set() is KernelSet.V2:
-        return _backward_impl_v2(do, state, key_mask, is_causal, scale, dov)
+class BackwardRows(NamedTuple):
+    """What the backward's pre-pass (``_bwd_prep_kernel``) computes from dO and the forward's state."""
+
+    delta: torch.Tensor  # float32 (B, Hq, Sq): rowsum(dO o O)
+    mb: torch.Tensor  # float32 (B, Hq, Sq): the forward's row max m2, +inf on rows without a visible key
+    inv_l: torch.Tensor  # float32 (B, Hq, Sq): DS_PRESCALE / l (DS_PRESCALE on rows without a visible key)
+    dos8t: torch.Tensor  # int8 (B, Hq, D, Sq): codes of dO' = dO / l per query block, transposed
+    sdos: torch.Tensor  # float32 (B, Hq, ceil(Sq / BLOCK_Q)): their block scales
+    do8: torch.Tensor  # int8 (B, Hq, Sq, D): codes of dO per query block (with dov_int8; else dos8t)
+    sdo: torch.Tensor  # float32 (B, Hq, ceil(Sq / BLOCK_Q)): their block scales (with dov_int8; else sdos)
+
+
+def backward_rows(do: torch.Tensor, state: SageBwdState, dov_int8: bool) -> BackwardRows:
+    """The backward's pre-pass over dO (B, Hq, Sq, D), any strides, and ``state`` (non-empty)."""
     b, hq, sq_len, d = state.q8.shape
-    hkv, skv = state.k8.shape[1], state.k8.shape[2]
     dev = do.device
-    sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    dq = torch.zeros((b, hq, sq_len, d), dtype=torch.float32, device=dev)
-    dk = torch.zeros((b, hkv, skv, d), dtype=torch.float32, device=dev)
-    dv = torch.zeros_like(dk)
-    if dq.numel() == 0 or dk.numel() == 0:
-        return dq, dk, dv
-    # The same torch expressions as the reference, so dO' and delta carry the same bits.
-    live = torch.isfinite(state.lse2)
-    zero = torch.zeros((), dtype=torch.float32, device=dev)
-    inv_l = torch.exp2(torch.where(live, state.m2, zero) - torch.where(live, state.lse2, zero))  # (B, Hq, Sq)
-    delta = (do.float() * state.out.float()).sum(-1).contiguous()  # (B, Hq, Sq)
-    dos8, sdos = quantize_blocks(do, BLOCK_Q, row_scale=inv_l)
-    do16 = do.to(state.vc.dtype).contiguous()
-    if dov is DoVPrecision.INT8:
-        do8, sdo = quantize_blocks(do, BLOCK_Q)
+    rows = dict(dtype=torch.float32, device=dev)
+    delta, mb, inv_l = (torch.empty((b, hq, sq_len), **rows) for _ in range(3))
+    nq = triton.cdiv(sq_len, BLOCK_Q)
+    dos8t = torch.empty((b, hq, d, sq_len), dtype=torch.int8, device=dev)
+    sdos = torch.empty((b, hq, nq), **rows)
+    if dov_int8:
+        do8, sdo = torch.empty((b, hq, sq_len, d), dtype=torch.int8, device=dev), torch.empty((b, hq, nq), **rows)
     else:
-        do8, sdo = dos8, sdos  # not read
-    mask, has_mask = _mask_arg(key_mask, dev)
-    common = dict(D=d, BLOCK_M=BLOCK_Q, BLOCK_N=BLOCK_KV, HAS_MASK=has_mask, IS_CAUSAL=bool(is_causal),
-                  DOV_INT8=dov is DoVPrecision.INT8, DOT16_AS_F32=INTERPRET)
-    qk_scale = sm_scale * LOG2E
-    fused = dq_pass() is DQPass.ATOMIC
-    k8t = _transposed(state.k8)
-    _bwd_dkdv_kernel[(triton.cdiv(skv, BLOCK_KV), b * hkv)](
-        state.q8, state.sq, state.k8, state.sk, state.v8, state.sv, state.vc,
-        state.m2, state.lse2, delta, do16, do8, sdo, _transposed(dos8), sdos, mask, _transposed(state.q8), k8t,
-        dk, dv, dq, qk_scale, sm_scale, hkv, hq // hkv, sq_len, skv, FUSED_DQ=fused, **common,
-    )
-    if not fused:
-        _bwd_dq_kernel[(triton.cdiv(sq_len, BLOCK_Q), b * hq)](
-            state.q8, state.sq, state.k8, state.sk, state.v8, state.sv, state.vc,
-            state.m2, state.lse2, delta, do16, do8, sdo, mask, k8t, dq,
-            qk_scale, sm_scale, hq, hq // hkv, sq_len, skv, **common,
-        )
-    return dq, dk, dv
+        do8, sdo = dos8t, sdos  # not written, not read
+    _bwd_prep_kernel[(nq, b * hq)](do, *do.stride(), state.out.contiguous(), state.m2, state.lse2, delta, mb,
+                                   inv_l, dos8t, sdos, do8, sdo, hq, sq_len,
+                                   D=d, BLOCK=BLOCK_Q, DO_INT8=dov_int8)
+    return BackwardRows(delta, mb, inv_l, dos8t, sdos, do8, sdo)
 
 
-def _backward_impl_v2(do, state: SageBwdState, key_mask, is_causal: bool, scale: Optional[float],
-                      dov: DoVPrecision):
-    """The V2 backward: pre-pass kernel, dK/dV kernel, dQ kernel; returns float32 dq, dk, dv."""
+def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Optional[float], dov: DoVPrecision):
+    """Pre-pass kernel, dK/dV kernel, dQ kernel; returns float32 dq, dk, dv."""
     b, hq, sq_len, d = state.q8.shape
     hkv, skv = state.k8.shape[1], state.k8.shape[2]
     dev = do.device
@@ -1014,18 +734,7 @@ def _backward_impl_v2(do, state: SageBwdState, key_mask, is_causal: bool, scale:
     dk = torch.empty((b, hkv, skv, d), dtype=torch.float32, device=dev)
     dv = torch.empty_like(dk)
     dov_int8 = dov is DoVPrecision.INT8
-    rows = dict(dtype=torch.float32, device=dev)
-    delta, mb, inv_l = (torch.empty((b, hq, sq_len), **rows) for _ in range(3))
-    nq = triton.cdiv(sq_len, BLOCK_Q)
-    dos8t = torch.empty((b, hq, d, sq_len), dtype=torch.int8, device=dev)
-    sdos = torch.empty((b, hq, nq), **rows)
-    if dov_int8:
-        do8, sdo = torch.empty((b, hq, sq_len, d), dtype=torch.int8, device=dev), torch.empty((b, hq, nq), **rows)
-    else:
-        do8, sdo = dos8t, sdos  # not read
-    _bwd_prep_kernel[(nq, b * hq)](do, *do.stride(), state.out.contiguous(), state.m2, state.lse2, delta, mb,
-                                   inv_l, dos8t, sdos, do8, sdo, hq, sq_len,
-                                   D=d, BLOCK=BLOCK_Q, DO_INT8=dov_int8)
+    r = backward_rows(do, state, dov_int8)
     do16 = do.to(state.vc.dtype).contiguous()
     mask, has_mask = _mask_arg(key_mask, dev)
     common = dict(D=d, SUB=BLOCK_Q, HAS_MASK=has_mask, IS_CAUSAL=bool(is_causal), DOV_INT8=dov_int8,
@@ -1035,14 +744,14 @@ def _backward_impl_v2(do, state: SageBwdState, key_mask, is_causal: bool, scale:
     k8t = _transposed(state.k8)  # (B, Hkv, D, Skv)
     wide_n = dict(BLOCK_N=INTERPRET_WIDE) if INTERPRET else {}
     wide_m = dict(BLOCK_M=INTERPRET_WIDE) if INTERPRET else {}
-    _bwd_dkdv_kernel_v2[lambda meta: (triton.cdiv(skv, meta["BLOCK_N"]), b * hkv)](
+    _bwd_dkdv_kernel[lambda meta: (triton.cdiv(skv, meta["BLOCK_N"]), b * hkv)](
         state.q8, state.sq, q8t, state.k8, state.sk, state.v8, state.sv, state.vc,
-        mb, inv_l, delta, do16, do8, sdo, dos8t, sdos, mask, dk, dv,
+        r.mb, r.inv_l, r.delta, do16, r.do8, r.sdo, r.dos8t, r.sdos, mask, dk, dv,
         qk_scale, sm_scale, hkv, hq // hkv, sq_len, skv, **common, **wide_n,
     )
-    _bwd_dq_kernel_v2[lambda meta: (triton.cdiv(sq_len, meta["BLOCK_M"]), b * hq)](
+    _bwd_dq_kernel[lambda meta: (triton.cdiv(sq_len, meta["BLOCK_M"]), b * hq)](
         state.q8, state.sq, state.k8, state.sk, k8t, state.v8, state.sv, state.vc,
-        mb, inv_l, delta, do16, do8, sdo, mask, dq,
+        r.mb, r.inv_l, r.delta, do16, r.do8, r.sdo, mask, dq,
         qk_scale, sm_scale, hq, hq // hkv, sq_len, skv, **common, **wide_m,
     )
     return dq, dk, dv
