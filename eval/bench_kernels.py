@@ -13,7 +13,8 @@ Timing: ``sage_diffusers.kernels.bench_utils.compare_ms``, the timer eval/calibr
 "auto" with: ``--rounds`` rounds interleave the methods (rotated order); a method's value per round
 is the median of per-call CUDA-event times with L2 flushed before each call; the table gives the
 median over rounds with min-max. Peers a user might pick instead, when importable:
-``sageattention`` (1.0.6, Triton), ``comfy_kitchen`` (ComfyUI's INT8 attention), cuDNN FP8;
+``sageattention`` (1.0.6, Triton), ``comfy_kitchen`` (ComfyUI's INT8 attention), ``flash_attn_4``
+(FlashAttention-4, CuTe DSL), cuDNN FP8;
 ``auto`` is what ``sd.attention`` does by default, and its section gives auto / min(ours, SDPA)
 per shape, flagged where over ``auto_table.AUTO_TOLERANCE`` (1.03).
 
@@ -191,6 +192,19 @@ def m_sageattention():
     return run
 
 
+def m_flash_attn_4():
+    """FlashAttention-4 (``flash-attn-4``, CuTe DSL; runs on sm_90), bf16, its own BSHD layout:
+    the BHSD inputs are passed as transposed views (last dimension contiguous, as it requires)."""
+    from flash_attn.cute import flash_attn_func
+
+    def run(q, k, v, causal):
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+        out = out[0] if isinstance(out, tuple) else out
+        return out.transpose(1, 2)
+
+    return run
+
+
 def m_comfy_kitchen():
     """ComfyUI's own INT8 attention (comfy-kitchen, ``--use-ck-attention``); no causal mask."""
     from comfy_kitchen.sage_attention import int8_attention
@@ -249,6 +263,7 @@ def methods(args):
         table["cudnn_fp8"] = table["cudnn_fp8_kernel_only"] = f"n/a: {type(exc).__name__}: {exc}"
     add("sageattention", m_sageattention)
     add("comfy_kitchen", m_comfy_kitchen)
+    add("flash_attn_4", m_flash_attn_4)
     add("auto", m_auto)
     add("fp4", m_fp4)
     return table
