@@ -120,9 +120,11 @@ def test_int8_persistent_flag_and_name_round_trip():
     gen = _generator()
     launch = (CSRC / "sm90_int8" / "launch.h").read_text()
     assert f"static constexpr int kFlagsHighShift = {gen._HIGH_SHIFT};" in launch
-    assert "(persistent ? 1 << (kFlagsHighShift + 1) : 0)" in launch
-    assert "o.persistent = ((flags >> (kFlagsHighShift + 1)) & 1) != 0;" in launch
-    assert gen._HIGH_BOOLS.index("persistent") == 1
+    for name, bit in gen._HIGH_BITS.items():  # each high bool at the same bit on both sides
+        shift = "kFlagsHighShift" if bit == 0 else f"(kFlagsHighShift + {bit})"
+        assert f"({name} ? 1 << {shift} : 0)" in launch, name
+        assert f"o.{name} = ((flags >> {shift}) & 1) != 0;" in launch, name
+    assert gen._HIGH_BITS["persistent"] == 1
     for d in (64, 128):
         base = gen.DEFAULTS[d]
         assert not base.persistent  # the defaults are decided from a GPU run

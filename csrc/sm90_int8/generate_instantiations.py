@@ -27,7 +27,8 @@ PY_OUT = HERE.parents[1] / "sage_diffusers" / "kernels" / "_sm90_int8_variants.p
 # Bools added after smem_o_every take flag bits above its five (FwdOptions::kFlagsHighShift), so
 # the flags of the older option sets (in eval/results/) stay what they were.
 _HIGH_SHIFT = 12
-_HIGH_BOOLS = ("seed_reductions", "persistent")
+# name -> bit above _HIGH_SHIFT (FwdOptions::flags() in launch.h spells the same positions)
+_HIGH_BITS = {"seed_reductions": 0, "persistent": 1}
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,8 @@ class FwdOptions:
     @property
     def flags(self) -> int:
         """The run-time key of the option set (FwdOptions::flags(), set_fwd_flags)."""
-        bools = [f.name for f in fields(self) if f.type in ("bool", bool) and f.name not in _HIGH_BOOLS]
-        high = sum(1 << (_HIGH_SHIFT + i) for i, name in enumerate(_HIGH_BOOLS) if getattr(self, name))
+        bools = [f.name for f in fields(self) if f.type in ("bool", bool) and f.name not in _HIGH_BITS]
+        high = sum(1 << (_HIGH_SHIFT + bit) for name, bit in _HIGH_BITS.items() if getattr(self, name))
         return sum(1 << i for i, name in enumerate(bools) if getattr(self, name)) | (self.smem_o_every << 7) | high
 
     @property
