@@ -119,6 +119,7 @@ def build(verbose: bool = False) -> ModuleType:
         "sage_diffusers_int8_sm90" + ("_bench" if _BENCH else ""),
         _build_sources(),
         extra_cuda_cflags=list(_NVCC_FLAGS) + flags,
+        extra_cflags=flags,  # binding.cpp's benchmark-only functions
         extra_include_paths=[source_dir()],
         verbose=verbose,
     )
