@@ -216,6 +216,24 @@ def test_int8_phase_record_layout_and_split():
     assert abs(out["F_est"]["mean"] - (total - 4 * 50 + 2000 - total) / 1e3) < 1e-9
 
 
+def test_int8_epilogue_sass_finds_both_store_paths():
+    """eval/int8_epilogue_sass.py splits a dump at the epilogue's warp vote into the lookup path
+    (up to its branch to the join) and the fast path (up to the join)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("int8_epilogue_sass", ROOT / "eval" / "int8_epilogue_sass.py")
+    es = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(es)
+    lines = ["VOTE.ALL P2, P2", "LEA R3, R4, R5", "@P2 BRA 0x60",       # 0x00-0x20
+             "LDG.E R6, desc[UR4][R2.64]", "FSEL R7, R7, +QNAN , !P5", "BRA 0x90",  # lookup 0x30-0x50
+             "FMUL R8, R8, R9", "STG.E desc[UR4][R4.64], R8", "BRA 0x90",  # fast 0x60-0x80
+             "EXIT"]                                                          # join 0x90
+    text = "\n".join(f"        /*{16 * i:04x}*/                   {t} ;   /* 0x0 */" for i, t in enumerate(lines))
+    r = es.epilogue_paths(es.parse(text))
+    assert r["lookup"]["instructions"] == 3 and r["lookup"]["LDG"] == 1 and r["lookup"]["FSEL"] == 1
+    assert r["fast"]["instructions"] == 2 and r["fast"]["STG"] == 1 and r["fast"]["LDG"] == 0
+
+
 def test_fp4_options_come_from_one_source(tmp_path):
     """kernel_options.h and _fp4_variants.py are what generate_options.py writes today, the
     kernel takes its options and default from that header only, and the Python side is that module."""

@@ -201,7 +201,7 @@ std::vector<at::Tensor> prepass(const at::Tensor& q, const at::Tensor& k, const 
   Prepared r = prepare(q, k, v, key_mask, scale, /*want_qkm=*/true);
   const int64_t B = q.size(0), Hkv = k.size(1);
   at::Tensor kv_len = r.ws_int.slice(0, B * Hkv, B * Hkv + B);
-  return {r.q_img, r.sq, r.qkm, r.k_img, r.sk, r.vt_img, r.sv, r.kmean, kv_len, r.mask_bits, r.v_first};
+  return {r.q_img, r.sq, r.qkm, r.k_img, r.sk, r.vt_img, r.sv, r.kmean, kv_len, r.mask_bits, r.v_first, r.v_summary};
 }
 
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -355,7 +355,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("is_causal"),
         py::arg("scale"), py::arg("return_lse"), py::arg("exp_poly_every"));
   m.def("prepass", &prepass,
-        "quantization pre-pass -> [q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, mask_bits, v_first]",
+        "quantization pre-pass -> [q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, mask_bits, v_first, v_summary]",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("scale"));
   m.def("has_variant", &has_variant, py::arg("head_dim"), py::arg("causal"), py::arg("exp_poly_every"));
   m.def("bench_parts", &bench_parts,

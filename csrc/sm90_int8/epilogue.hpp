@@ -63,7 +63,21 @@ __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax
     // warp-uniform, so each warp runs one of the two loops (last_key differs per row only when causal)
     const int first_bad = p.v_summary[b * p.Hkv + hk];
     if (__all_sync(0xffffffffu, first_bad > max(last_key[0], last_key[1]))) {
-      store([](int, float x, int) { return x; });
+      // no lookup, and each row's address computed once: the stores take immediate offsets
+      // (store()'s per-store 64-bit address arithmetic and branch go; same values and bytes)
+      uint32_t* orow[2];
+#pragma unroll
+      for (int x = 0; x < 2; ++x) orow[x] = reinterpret_cast<uint32_t*>(ob + 2 * (row[x] * p.o_ss + 2 * t));
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        const float2 s = *reinterpret_cast<const float2*>(sv + 8 * j + 2 * t);
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          if (row[x] < p.Sq) {
+            orow[x][4 * j] = IO<kOut>::pack2(o[4 * j + 2 * x] * s.x * inv[x], o[4 * j + 2 * x + 1] * s.y * inv[x]);
+          }
+        }
+      }
     } else {
       store(lookup);
     }

@@ -86,27 +86,25 @@ constexpr int fwd_smem_bytes() {
   return bytes;
 }
 
-// phase_clock: the record of one CTA's phase points (launch.h kPhaseSlots). `rec` is this thread's
-// part of the CTA's record, or nullptr where the thread writes none (every thread but lane 0 of
-// warp 0 of each warpgroup, or no buffer); without kOn everything compiles away.
+// phase_clock: the CTA's record of its phase points (launch.h kPhaseSlots). Lane 0 of warp 0 of
+// each warpgroup writes (the producer lane, thread 256, as warpgroup 2: from kProducerSlot0 on);
+// nothing is kept in registers between the marks (the address is recomputed from the kernel
+// parameters each time: the consumers' register budget is full); without kOn it compiles away.
 template <bool kOn>
 struct PhaseClock {
-  unsigned long long* rec = nullptr;
+  const FwdParams& p;
 
-  __device__ __forceinline__ explicit PhaseClock(const FwdParams& p) {
-    if constexpr (kOn) {
-      static_assert(kConsumerWGs * kConsumerPhases == kProducerSlot0, "launch.h: two consumer warpgroups");
-      const int wg = threadIdx.x / 128;  // the producer warp (lane 0: thread 256) is warpgroup 2
-      if (p.phase_clock != nullptr && threadIdx.x % 128 == 0) {
-        const int64_t cta = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z);
-        rec = p.phase_clock + (cta * kPhaseSlots + wg * kConsumerPhases) * kPhaseWords;
-      }
-    }
+  // This thread's part of the CTA's record, or nullptr where the thread writes none.
+  __device__ __forceinline__ unsigned long long* record() const {
+    static_assert(kConsumerWGs * kConsumerPhases == kProducerSlot0, "launch.h: two consumer warpgroups");
+    if (p.phase_clock == nullptr || threadIdx.x % 128 != 0) return nullptr;
+    const int64_t cta = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z);
+    return p.phase_clock + (cta * kPhaseSlots + threadIdx.x / 128 * kConsumerPhases) * kPhaseWords;
   }
-  // Slot `phase` of this thread's part of the record (a consumer or producer phase index).
+  // {%globaltimer, %clock64} into slot `phase` of this thread's part (a consumer or producer phase).
   __device__ __forceinline__ void mark(int phase) const {
     if constexpr (kOn) {
-      if (rec != nullptr) {
+      if (unsigned long long* rec = record()) {
         unsigned long long ns, cycles;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
         asm volatile("mov.u64 %0, %%clock64;" : "=l"(cycles));
@@ -118,7 +116,7 @@ struct PhaseClock {
   // The producer lane: {%smid, 0} into the record's kSmSlot.
   __device__ __forceinline__ void mark_sm() const {
     if constexpr (kOn) {
-      if (rec != nullptr) {
+      if (unsigned long long* rec = record()) {
         unsigned sm;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
         rec[(kSmSlot - kProducerSlot0) * kPhaseWords] = sm;
@@ -193,7 +191,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   // software-pipelined loop (S_t and PV_{t-1} issued together).
   constexpr bool kPipelined = kOverlapSoftmaxWithPV || kPingPong;
   constexpr bool kPersistent = kOpt.persistent;
-  const PhaseClock<kOpt.phase_clock> clock(p);
+  const PhaseClock<kOpt.phase_clock> clock{p};
   clock.mark(ConsumerPhase::kEntry);  // ProducerPhase::kEntry is the same slot index
   static_assert(static_cast<int>(ConsumerPhase::kEntry) == static_cast<int>(ProducerPhase::kEntry) &&
                 static_cast<int>(ConsumerPhase::kReady) == static_cast<int>(ProducerPhase::kReady));
