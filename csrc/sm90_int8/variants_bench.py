@@ -74,10 +74,23 @@ def time_pipelined_ms(fn, n=20):
 SAME_BITS_FLAGS = (1 << 14) | (1 << 15)
 
 
-def bit_identity_check(variants, run):
+def bit_identity_check(variants, run, ext=None):
     """Each variant with phase_clock or epilogue_summary against the same flags without them, bit
     for bit, with and without a key mask, on V without and with +-Inf / NaN (one channel with both
-    infinities, a NaN, a lone Inf, and a NaN on a masked key, which must vanish). Returns failures."""
+    infinities, a NaN, a lone Inf, and a NaN on a masked key, which must vanish), in pre-pass modes
+    0 and 7 (separate tensors / one workspace: both carve v_summary; ext None: the current mode
+    only). Returns failures."""
+    bad = 0
+    for mode in ((0, 7) if ext is not None else (None,)):
+        if mode is not None:
+            ext.set_prepass_mode(mode)
+        bad += _bit_identity_once(variants, run, mode)
+    if ext is not None:
+        ext.set_prepass_mode(0)
+    return bad
+
+
+def _bit_identity_once(variants, run, mode):
     bad = 0
     compiled = {(d, poly, flags) for d, poly, flags in variants}
     for d in (64, 128):
@@ -101,7 +114,7 @@ def bit_identity_check(variants, run):
                     bad += not ok
                     if not ok:
                         print(f"BAD bit identity d={d} {NAMES.get(flags, flags)} vs {NAMES.get(base, base)} "
-                              f"{label} mask={m is not None}", flush=True)
+                              f"{label} mask={m is not None} prepass={mode}", flush=True)
     return bad
 
 
@@ -188,7 +201,7 @@ def main():
                               f"{NAMES.get(flags, flags)} prepass={mode}: cos={c:.6f}", flush=True)
             if has_modes:
                 ext.set_prepass_mode(0)
-    bad += bit_identity_check(variants, run)
+    bad += bit_identity_check(variants, run, ext if has_modes else None)
     ext.set_fwd_flags(-1)
     print(f"correctness failures: {bad} ({time.time() - t0:.0f} s)", flush=True)
 
