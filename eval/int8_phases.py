@@ -17,8 +17,8 @@ of each phase's duration:
   SM gap     : a CTA's entry - the previous CTA's last store on the same SM (launch turnaround)
   producer   : entry -> ready, ready -> the last K/V copy issued
 
-and F_est = CTA total - (n_tiles - 1) x loop per tile + SM gap: the part that does not scale with
-the key count, to set against eval/results/int8_fixed_cost_h200.md's fitted F. The globaltimer
+and F_est = CTA total + SM gap - n_tiles x loop per tile: the part that does not scale with the key
+count, defined as eval/results/int8_fixed_cost_h200.md's fit t = W (F + n c) defines F. The globaltimer
 may tick coarsely (about 1 us on some GPUs unless a profiler raises its rate): the mean and the
 clock64 column (cycles, exact within an SM) stay meaningful where the median is quantised. Each
 variant's output is also checked bit for bit against the variant without the clock.
@@ -120,7 +120,7 @@ def phases(rec: torch.Tensor, n_tiles: int) -> dict[str, dict[str, float]]:
     add("producer prologue", ns[:, p["ready"]] - ns[:, p["entry"]], cyc[:, p["ready"]] - cyc[:, p["entry"]])
     add("producer copies", ns[:, p["last_copy"]] - ns[:, p["ready"]], cyc[:, p["last_copy"]] - cyc[:, p["ready"]])
     per_tile = out.get("loop per tile", {"mean": 0.0})["mean"]
-    f_est = out["CTA total"]["mean"] - (n_tiles - 1) * per_tile + out.get("SM gap", {"mean": 0.0})["mean"]
+    f_est = out["CTA total"]["mean"] + out.get("SM gap", {"mean": 0.0})["mean"] - n_tiles * per_tile
     out["F_est"] = {"median": f_est, "p10": float("nan"), "p90": float("nan"), "mean": f_est, "kcycles": float("nan")}
     return out
 
@@ -164,6 +164,16 @@ def main() -> None:
             print("\n".join(lines[-len(ph) - 4:]), flush=True)
         q = k = v = None
     ext.set_fwd_flags(-1)
+    # compact summary last (a device log keeps only its tail): means in us
+    cols = ("prologue", "Q wait", "first tile", "loop per tile", "tail", "epilogue", "SM gap", "CTA total", "F_est")
+    lines.append("Summary (mean us per CTA; F_est = CTA total + SM gap - n_tiles x loop per tile):")
+    lines.append("")
+    lines.append("| shape | variant | " + " | ".join(cols) + " |")
+    lines.append("|---|---|" + "---|" * len(cols))
+    for r in results:
+        lines.append(f"| {r['shape']} | {r['variant']} | " +
+                     " | ".join(f"{r['phases'][c]['mean']:.2f}" if c in r["phases"] else "-" for c in cols) + " |")
+    print("\n".join(lines[-len(results) - 4:]))
     print(f"bit-identity failures: {bad}")
     if args.out:
         Path(args.out + ".md").write_text("# Phases of the 8-bit kernel's CTAs\n\n" + "\n".join(lines) + "\n")

@@ -213,7 +213,7 @@ def test_int8_phase_record_layout_and_split():
     assert abs(out["CTA total"]["mean"] - total / 1e3) < 1e-9
     assert abs(out["SM gap"]["mean"] - (2000 - total) / 1e3) < 1e-9
     assert abs(out["producer copies"]["mean"] - 0.4) < 1e-9
-    assert abs(out["F_est"]["mean"] - (total - 4 * 50 + 2000 - total) / 1e3) < 1e-9
+    assert abs(out["F_est"]["mean"] - (total + 2000 - total - 5 * 50) / 1e3) < 1e-9
 
 
 def test_int8_epilogue_sass_finds_both_store_paths():
