@@ -144,6 +144,96 @@ def test_int8_persistent_flag_and_name_round_trip():
         raise AssertionError("persistent without q_in_registers was accepted")
 
 
+def test_int8_phase_clock_and_epilogue_summary_flags():
+    """`phase_clock` is flag bit 1 << 14 and `epilogue_summary` 1 << 15 on both sides, named
+    "clock" / "esum", off in the defaults, and the benchmark build has each over both defaults."""
+    from dataclasses import replace
+
+    from sage_diffusers.kernels import _sm90_int8_variants as py
+
+    gen = _generator()
+    assert gen._HIGH_BITS["phase_clock"] == 2 and gen._HIGH_BITS["epilogue_summary"] == 3
+    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
+    assert "FwdOptions{.phase_clock = true}.flags() == 1 << 14" in launch
+    assert "FwdOptions{.epilogue_summary = true}.flags() == 1 << 15" in launch
+    for d in (64, 128):
+        base = gen.DEFAULTS[d]
+        assert not base.phase_clock and not base.epilogue_summary  # decided from a GPU run
+        clock, esum = replace(base, phase_clock=True), replace(base, epilogue_summary=True)
+        both = replace(base, phase_clock=True, epilogue_summary=True)
+        assert clock.flags == base.flags | 1 << 14 and esum.flags == base.flags | 1 << 15
+        assert both.flags == base.flags | 3 << 14
+        assert clock.name == base.name + "_clock" and esum.name == base.name + "_esum"
+        assert both.name == base.name + "_esum_clock"
+        assert clock.cpp().endswith(", .phase_clock = true}")
+        assert esum.cpp().endswith(", .epilogue_summary = true}")
+        for o in (clock, esum, both):
+            assert (d, o) in gen.BENCH_VARIANTS
+            assert (d, o.exp2_poly_every, o.flags, o.name) in py.BENCH_VARIANTS
+            assert py.FLAG_NAMES[o.flags] == o.name
+        # the regular build compiles neither
+        assert all(not o.phase_clock and not o.epilogue_summary for *_, o in gen.variants())
+
+
+def test_int8_phase_record_layout_and_split():
+    """eval/int8_phases.py reads the record with launch.h's slot layout, and splits a synthetic
+    record into the phases it was built from."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("int8_phases", ROOT / "eval" / "int8_phases.py")
+    ph = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ph)
+    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
+    consumer = re.search(r"enum class ConsumerPhase : int \{(.*?)\};", launch, re.S).group(1)
+    producer = re.search(r"enum class ProducerPhase : int \{(.*?)\};", launch, re.S).group(1)
+    assert re.findall(r"k(\w+) = (\d+)", consumer)[-1] == ("Count", str(len(ph.CONSUMER_PHASES)))
+    assert re.findall(r"k(\w+) = (\d+)", producer)[-1] == ("Count", str(len(ph.PRODUCER_PHASES)))
+    assert "constexpr int kPhaseWords = 2;" in launch and "kPhaseSlots = kSmSlot + 1;" in launch
+    assert ph.PHASE_CLOCK_BIT == 1 << (12 + _generator()._HIGH_BITS["phase_clock"])
+    # 4 CTAs on 2 SMs, 5 key tiles each; phase steps (ns) per warpgroup: 100, 200, 300, 4 x 50, 60, 70
+    n_tiles, steps = 5, [100, 200, 300, 4 * 50, 60, 70]
+    rec = torch.zeros(4, ph.SLOTS, 2, dtype=torch.long)
+    for cta in range(4):
+        t0 = 1000 + (cta // 2) * 2000  # the second pair starts after the first ends (+ a gap)
+        for w in (0, 1):
+            t = t0
+            for i in range(ph.N_CONSUMER):
+                t += steps[i - 1] if i else 0
+                rec[cta, w * ph.N_CONSUMER + i] = torch.tensor([t, 2 * t])
+        rec[cta, ph.PRODUCER0:ph.SM_SLOT, 0] = torch.tensor([t0, t0 + 100, t0 + 500])
+        rec[cta, ph.PRODUCER0:ph.SM_SLOT, 1] = 2 * rec[cta, ph.PRODUCER0:ph.SM_SLOT, 0]
+        rec[cta, ph.SM_SLOT, 0] = cta % 2
+    out = ph.phases(rec, n_tiles)
+    for (label, *_), want in zip(ph.SPANS, steps):
+        assert abs(out[label]["median"] - want / 1e3) < 1e-9 and abs(out[label]["kcycles"] - 2 * want / 1e3) < 1e-9
+    assert abs(out["loop per tile"]["mean"] - 0.05) < 1e-9
+    total = sum(steps)
+    assert abs(out["CTA total"]["mean"] - total / 1e3) < 1e-9
+    assert abs(out["SM gap"]["mean"] - (2000 - total) / 1e3) < 1e-9
+    assert abs(out["producer copies"]["mean"] - 0.4) < 1e-9
+    assert abs(out["F_est"]["mean"] - (total + 2000 - total - 5 * 50) / 1e3) < 1e-9
+
+
+def test_int8_epilogue_sass_finds_both_store_paths():
+    """eval/int8_epilogue_sass.py splits a dump at the epilogue's warp vote into the lookup path
+    (up to its branch to the join) and the fast path (up to the join)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("int8_epilogue_sass", ROOT / "eval" / "int8_epilogue_sass.py")
+    es = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(es)
+    lines = ["VOTE.ALL P2, P2", "LEA R3, R4, R5", "@P2 BRA 0x60",       # 0x00-0x20
+             "LDG.E R6, desc[UR4][R2.64]", "FSEL R7, R7, +QNAN , !P5", "BRA 0x90",  # lookup 0x30-0x50
+             "FMUL R8, R8, R9", "STG.E desc[UR4][R4.64], R8", "BRA 0x90",  # fast 0x60-0x80
+             "EXIT"]                                                          # join 0x90
+    text = "\n".join(f"        /*{16 * i:04x}*/                   {t} ;   /* 0x0 */" for i, t in enumerate(lines))
+    r = es.epilogue_paths(es.parse(text))
+    assert r["lookup"]["instructions"] == 3 and r["lookup"]["LDG"] == 1 and r["lookup"]["FSEL"] == 1
+    assert r["fast"]["instructions"] == 2 and r["fast"]["STG"] == 1 and r["fast"]["LDG"] == 0
+
+
 def test_fp4_options_come_from_one_source(tmp_path):
     """kernel_options.h and _fp4_variants.py are what generate_options.py writes today, the
     kernel takes its options and default from that header only, and the Python side is that module."""

@@ -336,6 +336,9 @@ def test_prepass_masked_keys_match_reference(d):
     masked = ~mask[:, None, :, None].expand_as(got["k8"])
     assert not got["k8"][masked].any(), "masked keys must be code 0"
     assert torch.equal(got["v_first"], nonfinite_first_keys(v, mask))
+    # epilogue_summary's shortcut: per (b, kv head) the first attended key with any non-finite V
+    assert torch.equal(got["v_summary"], got["v_first"].amin(dim=(2, 3)))
+    assert (got["v_summary"] != 0x7F7F7F7F).sum() == 2  # (0, 1) and (1, 0) hold one
 
 
 @pytest.mark.parametrize("poison", [1e4, math.nan])

@@ -25,6 +25,10 @@ constexpr int kNonFiniteKinds = static_cast<int>(sage_common::NonFinite::kCount)
 constexpr int kNoKeyByte = sage_common::kNoKey & 0xff;
 constexpr int kNoKey = sage_common::kNoKey;
 
+// ints of V's non-finite record: v_first (B, Hkv, kinds, D), then v_summary (B, Hkv) right after
+// it, so the one memset to kNoKey covers both (launch.h PrepassParams).
+int64_t v_record_ints(int64_t B, int64_t Hkv, int64_t D) { return B * Hkv * (kNonFiniteKinds * D + 1); }
+
 void check_qkv(const at::Tensor& x, const char* name, const at::Tensor& q) {
   TORCH_CHECK(x.is_cuda(), name, " must be a CUDA tensor");
   TORCH_CHECK(x.dim() == 4, name, " must be (B, H, S, D), got ", x.sizes());
@@ -44,7 +48,7 @@ DType dtype_of(const at::Tensor& q) {
 }
 
 struct Prepared {
-  at::Tensor q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, v_first, ws_int, partial, split_count, mask_bits;
+  at::Tensor q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, v_first, v_summary, ws_int, partial, split_count, mask_bits;
   at::Tensor ws;  // kPrepassOneAlloc: every buffer above carved from this one (tensors undefined)
   int n_ints = 0;  // split counters + kv_len, zeroed before the pre-pass
   sage_sm90::PrepassParams p;
@@ -102,7 +106,7 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const int64_t o_v = c.take(B * Hkv * n_kv_tiles * D * kBlockKV);
     const int64_t o_sv = c.take(4 * B * Hkv * D);
     const int64_t o_km = c.take(4 * B * Hkv * D);
-    const int64_t o_vf = c.take(4 * B * Hkv * kNonFiniteKinds * D);
+    const int64_t o_vf = c.take(4 * v_record_ints(B, Hkv, D));
     const int64_t o_part = c.take(4 * B * Hkv * n_split * 2 * D);
     const int64_t o_cnt = c.take(4 * B * Hkv * n_split);
     const int64_t o_int = c.take(4 * (B * Hkv + B));
@@ -118,6 +122,7 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     p.sv = reinterpret_cast<float*>(base + o_sv);
     p.kmean = reinterpret_cast<float*>(base + o_km);
     p.v_first = reinterpret_cast<int*>(base + o_vf);
+    p.v_summary = p.v_first + B * Hkv * kNonFiniteKinds * D;
     p.partial = reinterpret_cast<float*>(base + o_part);
     p.split_count = reinterpret_cast<int*>(base + o_cnt);
     p.counter = reinterpret_cast<int*>(base + o_int);
@@ -125,7 +130,7 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     p.mask_bits = key_mask.has_value() ? reinterpret_cast<uint32_t*>(base + o_bits) : nullptr;
     const cudaError_t e = cudaMemsetAsync(p.counter, 0, sizeof(int) * r.n_ints, c10::cuda::getCurrentCUDAStream());
     TORCH_CHECK(e == cudaSuccess, "sage sm90 workspace memset failed: ", cudaGetErrorString(e));
-    const cudaError_t e2 = cudaMemsetAsync(p.v_first, kNoKeyByte, sizeof(int) * B * Hkv * kNonFiniteKinds * D,
+    const cudaError_t e2 = cudaMemsetAsync(p.v_first, kNoKeyByte, sizeof(int) * v_record_ints(B, Hkv, D),
                                            c10::cuda::getCurrentCUDAStream());
     TORCH_CHECK(e2 == cudaSuccess, "sage sm90 workspace memset failed: ", cudaGetErrorString(e2));
   }
@@ -142,7 +147,9 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     r.vt_img = at::empty({B, Hkv, n_kv_tiles, D * kBlockKV}, u8);
     r.sv = at::empty({B, Hkv, D}, f32);
     r.kmean = at::empty({B, Hkv, D}, f32);
-    r.v_first = at::full({B, Hkv, kNonFiniteKinds, D}, kNoKey, i32);
+    const at::Tensor v_record = at::full({v_record_ints(B, Hkv, D)}, kNoKey, i32);
+    r.v_first = v_record.narrow(0, 0, B * Hkv * kNonFiniteKinds * D).view({B, Hkv, kNonFiniteKinds, D});
+    r.v_summary = v_record.narrow(0, B * Hkv * kNonFiniteKinds * D, B * Hkv).view({B, Hkv});
     r.partial = at::empty({B * Hkv, n_split, 2, D}, f32);
     r.split_count = at::empty({B * Hkv, n_split}, i32);
     r.ws_int = at::zeros({B * Hkv + B}, i32);  // split counters, then kv_len per batch
@@ -173,6 +180,7 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     p.sv = r.sv.data_ptr<float>();
     p.kmean = r.kmean.data_ptr<float>();
     p.v_first = r.v_first.data_ptr<int>();
+    p.v_summary = r.v_summary.data_ptr<int>();
     p.partial = r.partial.data_ptr<float>();
     p.split_count = r.split_count.data_ptr<int>();
     p.counter = r.ws_int.data_ptr<int>();
@@ -193,7 +201,7 @@ std::vector<at::Tensor> prepass(const at::Tensor& q, const at::Tensor& k, const 
   Prepared r = prepare(q, k, v, key_mask, scale, /*want_qkm=*/true);
   const int64_t B = q.size(0), Hkv = k.size(1);
   at::Tensor kv_len = r.ws_int.slice(0, B * Hkv, B * Hkv + B);
-  return {r.q_img, r.sq, r.qkm, r.k_img, r.sk, r.vt_img, r.sv, r.kmean, kv_len, r.mask_bits, r.v_first};
+  return {r.q_img, r.sq, r.qkm, r.k_img, r.sk, r.vt_img, r.sv, r.kmean, kv_len, r.mask_bits, r.v_first, r.v_summary};
 }
 
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -219,6 +227,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   p.vt_img = r.p.vt_img;
   p.sv = r.p.sv;
   p.v_first = r.p.v_first;
+  p.v_summary = r.p.v_summary;
   p.kv_len = key_mask.has_value() ? r.p.kv_len : nullptr;
   p.mask_bits = r.p.mask_bits;
   p.out = out.data_ptr();
@@ -235,6 +244,27 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   return {out, lse};
 }
 
+// Benchmarks: the forward kernel's parameters for r's pre-pass outputs (no key mask, no LSE).
+sage_sm90::FwdParams bench_fwd_params(const Prepared& r, const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& out, double scale) {
+  sage_sm90::FwdParams p{};
+  p.q_img = r.p.q_img;
+  p.sq = r.p.sq;
+  p.k_img = r.p.k_img;
+  p.sk = r.p.sk;
+  p.vt_img = r.p.vt_img;
+  p.sv = r.p.sv;
+  p.v_first = r.p.v_first;
+  p.v_summary = r.p.v_summary;
+  p.out = out.data_ptr();
+  p.o_sb = out.stride(0); p.o_sh = out.stride(1); p.o_ss = out.stride(2);
+  p.B = q.size(0); p.Hq = q.size(1); p.Hkv = k.size(1); p.Sq = q.size(2); p.Skv = k.size(2);
+  p.n_q_tiles = r.p.n_q_tiles;
+  p.n_kv_tiles = r.p.n_kv_tiles;
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  return p;
+}
+
 // Benchmarks: GPU time of the two parts of fwd alone, without host overheads (allocations,
 // argument checks, the Python call): prepare once, then `reps` back-to-back launches of the
 // pre-pass (with the memset of its counters, as in every call) and of the attention kernel,
@@ -249,27 +279,14 @@ std::vector<double> bench_parts(const at::Tensor& q, const at::Tensor& k, const 
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   Prepared r = prepare(q, k, v, c10::nullopt, scale, /*want_qkm=*/false);
   at::Tensor out = at::empty_like(q);
-  sage_sm90::FwdParams p{};
-  p.q_img = r.p.q_img;
-  p.sq = r.p.sq;
-  p.k_img = r.p.k_img;
-  p.sk = r.p.sk;
-  p.vt_img = r.p.vt_img;
-  p.sv = r.p.sv;
-  p.v_first = r.p.v_first;
-  p.out = out.data_ptr();
-  p.o_sb = out.stride(0); p.o_sh = out.stride(1); p.o_ss = out.stride(2);
-  p.B = q.size(0); p.Hq = q.size(1); p.Hkv = k.size(1); p.Sq = q.size(2); p.Skv = k.size(2);
-  p.n_q_tiles = r.p.n_q_tiles;
-  p.n_kv_tiles = r.p.n_kv_tiles;
-  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  const sage_sm90::FwdParams p = bench_fwd_params(r, q, k, out, scale);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const DType dt = dtype_of(q);
   cudaEvent_t ev[3];
   for (auto& e : ev) TORCH_CHECK(cudaEventCreate(&e) == cudaSuccess, "cudaEventCreate failed");
   auto prepass_once = [&] {
     cudaMemsetAsync(r.p.counter, 0, sizeof(int) * r.n_ints, stream);
-    cudaMemsetAsync(r.p.v_first, kNoKeyByte, sizeof(int) * q.size(0) * k.size(1) * kNonFiniteKinds * D, stream);
+    cudaMemsetAsync(r.p.v_first, kNoKeyByte, sizeof(int) * v_record_ints(q.size(0), k.size(1), D), stream);
     return sage_sm90::run_prepass(r.p, static_cast<int>(D), dt, stream);
   };
   auto fwd_once = [&] {
@@ -290,6 +307,32 @@ std::vector<double> bench_parts(const at::Tensor& q, const at::Tensor& k, const 
   for (auto& e : ev) cudaEventDestroy(e);
   return {t_pre / reps, t_fwd / reps};
 }
+
+#if SAGE_SM90_BENCH
+// Benchmarks (phase_clock variants, selected with set_fwd_flags): the pre-pass and one forward
+// with a phase record. Returns int64 (CTAs, kPhaseSlots, kPhaseWords): per CTA and phase point
+// (launch.h ConsumerPhase for warpgroups 0 and 1, then ProducerPhase) {%globaltimer ns, %clock64
+// cycles}; 0 where nothing was recorded (a variant without phase_clock writes nothing; a
+// persistent grid fills only its first min(#SMs, CTAs) rows).
+at::Tensor fwd_phase_clock(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
+                           int64_t exp_poly_every) {
+  const sage_common::LaunchContext launch(q);  // q's device and its current stream (common/launch_context.h)
+  const int64_t D = q.size(3);
+  TORCH_CHECK(sage_sm90::has_fwd_variant(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every)),
+              "no compiled variant for this call");
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  Prepared r = prepare(q, k, v, c10::nullopt, scale, /*want_qkm=*/false);
+  at::Tensor out = at::empty_like(q);
+  sage_sm90::FwdParams p = bench_fwd_params(r, q, k, out, scale);
+  const int64_t ctas = r.p.n_q_tiles / (kBlockM / kQTileRows) * q.size(1) * q.size(0);  // grid.x * Hq * B
+  at::Tensor rec = at::zeros({ctas, sage_sm90::kPhaseSlots, sage_sm90::kPhaseWords}, q.options().dtype(at::kLong));
+  p.phase_clock = reinterpret_cast<unsigned long long*>(rec.data_ptr<int64_t>());
+  const cudaError_t err = sage_sm90::run_fwd(p, static_cast<int>(D), dtype_of(q), is_causal,
+                                             static_cast<int>(exp_poly_every), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "sage sm90 attention launch failed: ", cudaGetErrorString(err));
+  return rec;
+}
+#endif
 
 void set_prepass_mode(int64_t mode) {
   TORCH_CHECK(mode >= 0 && mode <= sage_sm90::kPrepassModeMax,
@@ -312,13 +355,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("is_causal"),
         py::arg("scale"), py::arg("return_lse"), py::arg("exp_poly_every"));
   m.def("prepass", &prepass,
-        "quantization pre-pass -> [q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, mask_bits, v_first]",
+        "quantization pre-pass -> [q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, mask_bits, v_first, v_summary]",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("scale"));
   m.def("has_variant", &has_variant, py::arg("head_dim"), py::arg("causal"), py::arg("exp_poly_every"));
   m.def("bench_parts", &bench_parts,
         "benchmarks: [pre-pass ms, attention-kernel ms] per call, back-to-back launches, no host work",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("is_causal"), py::arg("exp_poly_every"),
         py::arg("reps"));
+#if SAGE_SM90_BENCH
+  m.def("fwd_phase_clock", &fwd_phase_clock,
+        "benchmarks: pre-pass + one forward with a phase record -> int64 (CTAs, slots, {globaltimer ns, clock64})",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("is_causal"), py::arg("exp_poly_every"));
+#endif
   m.def("set_prepass_mode", &set_prepass_mode,
         "benchmarks: pre-pass bit set (launch.h kPrepass*): 0 = original, 1 = Q in the stats "
         "launch (no LSE), 2 = batched loads, 4 = one workspace allocation (no LSE), 8 = programmatic "

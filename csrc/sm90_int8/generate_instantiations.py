@@ -28,7 +28,7 @@ PY_OUT = HERE.parents[1] / "sage_diffusers" / "kernels" / "_sm90_int8_variants.p
 # the flags of the older option sets (in eval/results/) stay what they were.
 _HIGH_SHIFT = 12
 # name -> bit above _HIGH_SHIFT (FwdOptions::flags() in launch.h spells the same positions)
-_HIGH_BITS = {"seed_reductions": 0, "persistent": 1}
+_HIGH_BITS = {"seed_reductions": 0, "persistent": 1, "phase_clock": 2, "epilogue_summary": 3}
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,8 @@ class FwdOptions:
     smem_o_every: int = 0             # flags bits 7-11 (FwdOptions::kFlagsIntShift)
     seed_reductions: bool = False     # bit 1 << 12 (FwdOptions::kFlagsHighShift), needs lean_softmax
     persistent: bool = False          # bit 1 << 13 (kFlagsHighShift + 1), needs q_in_registers
+    phase_clock: bool = False         # bit 1 << 14 (kFlagsHighShift + 2), benchmarks: timestamps per phase
+    epilogue_summary: bool = False    # bit 1 << 15 (kFlagsHighShift + 3)
 
     def __post_init__(self):
         if (self.fp16_exp2 or self.split_reductions or self.seed_reductions) and not self.lean_softmax:
@@ -71,7 +73,7 @@ class FwdOptions:
         parts = [v for k, v in short.items() if getattr(self, k)] or ["plain"]
         if self.smem_o_every:
             parts.append(f"smemo{self.smem_o_every}")
-        parts += [v for k, v in {"seed_reductions": "seed", "persistent": "persist"}.items() if getattr(self, k)]
+        parts += [v for k, v in _HIGH_SHORT.items() if getattr(self, k)]
         if self.exp2_poly_every:
             parts.append(f"exp2poly{self.exp2_poly_every}")
         return "_".join(parts)
@@ -82,6 +84,9 @@ class FwdOptions:
                       if getattr(self, f.name) != f.default]
         return "FwdOptions{" + ", ".join(set_fields) + "}"
 
+
+# name parts of the high bools, in this order after smemo<N>
+_HIGH_SHORT = {"seed_reductions": "seed", "persistent": "persist", "epilogue_summary": "esum", "phase_clock": "clock"}
 
 HEAD_DIMS = (64, 128)
 DTYPES = {"fp16": "DType::kF16", "bf16": "DType::kBF16"}
@@ -115,13 +120,23 @@ EXTRA_EXP_POLY = {64: (8,), 128: ()}
 # defaults with seed_reductions (16 fewer instructions per tile at hd128,
 # eval/results/int8_sass_cost_sm90.md) were no faster on the H200, attention kernel alone:
 # 1x24x16384x128 4.258 against 4.223 ms, 1x24x4608x128 0.428 against 0.424, hd64 0.493 against 0.491.
+# Per head dim also: the defaults with phase_clock (timestamps at the phase points of each CTA:
+# eval/int8_phases.py splits the fixed cost) and with epilogue_summary (the epilogue skips the
+# per-channel non-finite lookup of V when the pre-pass saw none), and both together (the
+# epilogue's phase with the summary).
 BENCH_VARIANTS = (
     (128, DEFAULTS[128]),
     (128, _HD128),
     (128, replace(DEFAULTS[128], persistent=True)),
+    (128, replace(DEFAULTS[128], phase_clock=True)),
+    (128, replace(DEFAULTS[128], epilogue_summary=True)),
+    (128, replace(DEFAULTS[128], epilogue_summary=True, phase_clock=True)),
     (64, DEFAULTS[64]),
     (64, _HD64),
     (64, replace(DEFAULTS[64], persistent=True)),
+    (64, replace(DEFAULTS[64], phase_clock=True)),
+    (64, replace(DEFAULTS[64], epilogue_summary=True)),
+    (64, replace(DEFAULTS[64], epilogue_summary=True, phase_clock=True)),
 )
 
 

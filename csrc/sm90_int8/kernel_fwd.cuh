@@ -61,6 +61,14 @@ namespace sage_sm90 {
 //                        consumers hold the current Q in registers (needs q_in_registers;
 //                        q_empty barrier). Still serial per work tile on the consumers: the
 //                        first key tile's softmax and the epilogue. Same results bit for bit.
+//   phase_clock        : (benchmarks) lane 0 of warp 0 of each consumer warpgroup and the producer
+//                        lane record %globaltimer and %clock64 at fixed phase points of the CTA
+//                        (launch.h ConsumerPhase / ProducerPhase) into p.phase_clock, to split the
+//                        per-CTA fixed cost into prologue, first tile, loop, tail and epilogue
+//                        (eval/int8_phases.py). Only timer reads and stores: same results bit for bit.
+//   epilogue_summary   : the epilogue reads one int per (b, kv head), the first attended key with
+//                        any non-finite V element (p.v_summary), and where no row of the warp sees
+//                        it skips the per-channel v_first lookup (epilogue.hpp). Same results.
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 224 registers). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
@@ -77,6 +85,48 @@ constexpr int fwd_smem_bytes() {
   static_assert(bytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
   return bytes;
 }
+
+// phase_clock: the CTA's record of its phase points (launch.h kPhaseSlots). Lane 0 of warp 0 of
+// each warpgroup writes (the producer lane, thread 256, as warpgroup 2: from kProducerSlot0 on);
+// nothing is kept in registers between the marks (the address is recomputed from the kernel
+// parameters each time: the consumers' register budget is full); without kOn it compiles away.
+template <bool kOn>
+struct PhaseClock {
+  const FwdParams& p;
+
+  // This thread's part of the CTA's record, or nullptr where the thread writes none.
+  __device__ __forceinline__ unsigned long long* record() const {
+    static_assert(kConsumerWGs * kConsumerPhases == kProducerSlot0, "launch.h: two consumer warpgroups");
+    if (p.phase_clock == nullptr || threadIdx.x % 128 != 0) return nullptr;
+    const int64_t cta = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z);
+    return p.phase_clock + (cta * kPhaseSlots + threadIdx.x / 128 * kConsumerPhases) * kPhaseWords;
+  }
+  // {%globaltimer, %clock64} into slot `phase` of this thread's part (a consumer or producer phase).
+  __device__ __forceinline__ void mark(int phase) const {
+    if constexpr (kOn) {
+      if (unsigned long long* rec = record()) {
+        unsigned long long ns, cycles;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+        asm volatile("mov.u64 %0, %%clock64;" : "=l"(cycles));
+        rec[phase * kPhaseWords] = ns;
+        rec[phase * kPhaseWords + 1] = cycles;
+      }
+    }
+  }
+  // The producer lane: {%smid, 0} into the record's kSmSlot.
+  __device__ __forceinline__ void mark_sm() const {
+    if constexpr (kOn) {
+      if (unsigned long long* rec = record()) {
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        rec[(kSmSlot - kProducerSlot0) * kPhaseWords] = sm;
+        rec[(kSmSlot - kProducerSlot0) * kPhaseWords + 1] = 0;
+      }
+    }
+  }
+  __device__ __forceinline__ void mark(ConsumerPhase ph) const { mark(static_cast<int>(ph)); }
+  __device__ __forceinline__ void mark(ProducerPhase ph) const { mark(static_cast<int>(ph)); }
+};
 
 // Named barriers 1 and 2 (0 is __syncthreads): "warpgroup w may issue its wgmmas" (pingpong).
 constexpr int kBarSchedFirst = 1;
@@ -141,6 +191,10 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   // software-pipelined loop (S_t and PV_{t-1} issued together).
   constexpr bool kPipelined = kOverlapSoftmaxWithPV || kPingPong;
   constexpr bool kPersistent = kOpt.persistent;
+  const PhaseClock<kOpt.phase_clock> clock{p};
+  clock.mark(ConsumerPhase::kEntry);  // ProducerPhase::kEntry is the same slot index
+  static_assert(static_cast<int>(ConsumerPhase::kEntry) == static_cast<int>(ProducerPhase::kEntry) &&
+                static_cast<int>(ConsumerPhase::kReady) == static_cast<int>(ProducerPhase::kReady));
   // With PDL the pre-pass may still be draining: every read of its outputs (kv_len, sq, sk, the
   // mask bits, the Q / K / V^T images) comes after this (a no-op in a plain launch).
   sage_common::sm90::pdl_wait();
@@ -154,6 +208,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   }
 
   init_barriers<D, kPersistent>(sp);
+  clock.mark(ConsumerPhase::kReady);  // = ProducerPhase::kReady on the producer lane
 
   // body(work tile, its index among this CTA's, the K/V ring items of the ones before) for each
   // work tile of the CTA: the same sequence on the producer lane and on every consumer thread.
@@ -175,12 +230,14 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   if (warp >= kProducerWarp) {
     if constexpr (kOpt.producer_warpgroup()) FwdRegisterSplit::producer();
     if (warp == kProducerWarp && lane == 0) {
+      clock.mark_sm();
       for_each_work([&](const FwdWork& wk, int work, int tile0) {
         const int64_t bhk = static_cast<int64_t>(wk.b) * p.Hkv + wk.hk;
         const int8_t* q_src = p.q_img + ((static_cast<int64_t>(wk.b) * p.Hq + wk.h) * p.n_q_tiles +
                                          kQTilesPerCTA * wk.m_block) * C::kQTileBytes;
         producer_loop<D, kPersistent>(sp, q_src, p.k_img + bhk * p.n_kv_tiles * C::kKTileBytes,
                                       p.vt_img + bhk * p.n_kv_tiles * C::kVTileBytes, wk.n_tiles, work, tile0);
+        if (work == 0) clock.mark(ProducerPhase::kLastCopy);
       });
     }
     return;
@@ -305,6 +362,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       __syncwarp();
       if (lane == 0) Barrier::arrive(sp.q_empty);
     }
+    if (work == 0) clock.mark(ConsumerPhase::kQReady);
     auto qk_issue = [&](int stage) {
       if constexpr (kQRegs) {
         ops.qk_issue_rs(stage, q_frag, s_acc);
@@ -324,6 +382,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
         fence_regs(s_acc);
         float alpha[2];
         sm.step(s_acc, sk_t, mk, p_frag, alpha);
+        if (t == 0 && work == 0) clock.mark(ConsumerPhase::kFirstSoftmax);
         rescale(alpha);
         ops.pv(s, p_frag, pv_acc, kTilePV || pv_zero(t));
         add_tile();
@@ -353,6 +412,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
         fence_regs(s_acc);
         float alpha[2];
         sm.step(s_acc, sk_t, mk, p_frag, alpha);  // O is still 0: alpha unused
+        if (work == 0) clock.mark(ConsumerPhase::kFirstSoftmax);
       }
       auto body = [&](int t, uint32_t (&p_prev)[C::kPRegs], uint32_t (&p_next)[C::kPRegs]) {
         const int s = stage_of(t), s_prev = stage_of(t - 1);
@@ -409,6 +469,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       release(s_last);
       add_tile();
     }
+    if (work == 0) clock.mark(ConsumerPhase::kLastPV);
     if constexpr (kSmemO) {  // O = o_scale * smem sum + the tiles since the last flush
 #pragma unroll
       for (int j = 0; j < C::kORegs / 4; ++j) {
@@ -419,7 +480,9 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
         o[4 * j + 3] = x.w;
       }
     }
-    epilogue_store<D, kOut, kCausal>(p, sm, o, row, b, h, hk);
+    if (work == 0) clock.mark(ConsumerPhase::kEpilogue);
+    epilogue_store<D, kOut, kCausal, kOpt.epilogue_summary>(p, sm, o, row, b, h, hk);
+    if (work == 0) clock.mark(ConsumerPhase::kStored);
   });
 }
 

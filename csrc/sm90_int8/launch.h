@@ -27,12 +27,15 @@ struct FwdOptions {
                                     // every N key tiles (0 = O only in registers); power of 2
   bool seed_reductions = false;     // (lean only) row max / sum chains start from their first value
   bool persistent = false;          // min(#SMs, work tiles) CTAs, each looping over work tiles (needs q_in_registers)
+  bool phase_clock = false;         // (benchmarks) %globaltimer / %clock64 at fixed phase points (FwdParams::phase_clock)
+  bool epilogue_summary = false;    // the epilogue skips V's non-finite lookup when FwdParams::v_summary says none is seen
 
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
            (q_in_registers ? 8 : 0) | (fp16_exp2 ? 16 : 0) | (split_reductions ? 32 : 0) |
            (fp32_pv_tiles ? 64 : 0) | (smem_o_every << kFlagsIntShift) |
-           (seed_reductions ? 1 << kFlagsHighShift : 0) | (persistent ? 1 << (kFlagsHighShift + 1) : 0);
+           (seed_reductions ? 1 << kFlagsHighShift : 0) | (persistent ? 1 << (kFlagsHighShift + 1) : 0) |
+           (phase_clock ? 1 << (kFlagsHighShift + 2) : 0) | (epilogue_summary ? 1 << (kFlagsHighShift + 3) : 0);
   }
   static constexpr int kFlagsIntShift = 7;  // smem_o_every (<= 16: 5 bits) sits above the first bools
   static constexpr int kFlagsHighShift = 12;  // bools added later sit above it (flags stay stable)
@@ -50,6 +53,8 @@ struct FwdOptions {
     o.smem_o_every = (flags >> kFlagsIntShift) & ((1 << (kFlagsHighShift - kFlagsIntShift)) - 1);
     o.seed_reductions = ((flags >> kFlagsHighShift) & 1) != 0;
     o.persistent = ((flags >> (kFlagsHighShift + 1)) & 1) != 0;
+    o.phase_clock = ((flags >> (kFlagsHighShift + 2)) & 1) != 0;
+    o.epilogue_summary = ((flags >> (kFlagsHighShift + 3)) & 1) != 0;
     o.exp2_poly_every = exp2_poly_every;
     return o;
   }
@@ -71,6 +76,40 @@ static_assert(FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .persistent 
                   !FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .persistent = true}.flags(), 0).seed_reductions &&
                   FwdOptions{.persistent = true}.flags() == 2 << FwdOptions::kFlagsHighShift,
               "FwdOptions::flags / from_flags");
+static_assert(FwdOptions::from_flags(FwdOptions{.phase_clock = true}.flags(), 0).phase_clock &&
+                  !FwdOptions::from_flags(FwdOptions{.phase_clock = true}.flags(), 0).epilogue_summary &&
+                  FwdOptions::from_flags(FwdOptions{.epilogue_summary = true}.flags(), 0).epilogue_summary &&
+                  FwdOptions{.phase_clock = true}.flags() == 1 << 14 &&
+                  FwdOptions{.epilogue_summary = true}.flags() == 1 << 15,
+              "FwdOptions::flags / from_flags: phase_clock, epilogue_summary");
+
+// phase_clock: the phase points of one CTA's record (kernel_fwd.cuh). Lane 0 of warp 0 of consumer
+// warpgroup w writes slots w * kConsumerPhases + ConsumerPhase, the producer lane the slots from
+// kProducerSlot0 on; each slot holds {%globaltimer ns, %clock64 SM cycles} (kSmSlot: the SM). With `persistent`
+// only the CTA's first work tile is recorded.
+enum class ConsumerPhase : int {
+  kEntry = 0,         // kernel entry (before pdl_wait)
+  kReady = 1,         // after pdl_wait and the barrier init (__syncthreads)
+  kQReady = 2,        // Q arrived (q_full) and, with q_in_registers, is in registers
+  kFirstSoftmax = 3,  // the first key tile's softmax done
+  kLastPV = 4,        // the loop's last PV wgmma retired
+  kEpilogue = 5,      // O complete (smem_o_every: the smem sum added), the epilogue starts
+  kStored = 6,        // the epilogue's output (and LSE) stores issued
+  kCount = 7
+};
+enum class ProducerPhase : int {
+  kEntry = 0,     // kernel entry
+  kReady = 1,     // after the barrier init: the Q copy and the first K/V copies are issued next
+  kLastCopy = 2,  // the last K/V copy issued
+  kCount = 3
+};
+constexpr int kConsumerPhases = static_cast<int>(ConsumerPhase::kCount);
+constexpr int kProducerSlot0 = 2 * kConsumerPhases;  // two consumer warpgroups
+// The last slot is no phase: {%smid, 0} of the CTA (the producer lane writes it at entry), so the
+// gap between consecutive CTAs on one SM can be measured too.
+constexpr int kSmSlot = kProducerSlot0 + static_cast<int>(ProducerPhase::kCount);
+constexpr int kPhaseSlots = kSmSlot + 1;
+constexpr int kPhaseWords = 2;  // per slot: globaltimer, clock64
 
 // Everything the quantization pre-pass reads and writes. Strides are in elements; the last
 // (head) dimension of q, k, v is contiguous and rows are 16-byte aligned (checked by the binding).
@@ -107,6 +146,9 @@ struct PrepassParams {
   int* counter;       // (B*Hkv) zero-initialised
   int* kv_len;        // (B) zero-initialised; written only when key_mask != nullptr
   uint32_t* mask_bits;  // (B, 4*n_kv_tiles) bit j%32 of word j/32 = key j attends
+  // added later, last so the offsets of the fields above stay
+  int* v_summary;     // (B, Hkv) min of v_first over kinds and channels; follows v_first in
+                      // memory so one memset covers both
 };
 
 struct FwdParams {
@@ -125,6 +167,12 @@ struct FwdParams {
   float* lse;             // (B, Hq, Sq) contiguous, or nullptr
   int B, Hq, Hkv, Sq, Skv, n_q_tiles, n_kv_tiles;
   float scale_log2;       // scale * log2(e)
+  // Fields added later sit last, so the offsets of the others (and the SASS of the variants that
+  // do not read them) stay as they were.
+  const int* v_summary;   // (B, Hkv): min of v_first over kinds and channels (epilogue_summary)
+  // phase_clock variants: (CTAs, kPhaseSlots, kPhaseWords) timestamps, CTA = blockIdx.x +
+  // gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); nullptr: nothing recorded
+  unsigned long long* phase_clock;
 };
 
 // Pre-pass variants (benchmarks: set_prepass_mode), a bit set; same output bits in every mode.

@@ -318,6 +318,7 @@ __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
           x[i] = 0.f;
         }
       }
+      atomicMin(p.v_summary + bh, key);  // the epilogue's shortcut (FwdOptions::epilogue_summary)
     }
 #pragma unroll
     for (int i = 0; i < 8; i += 2) {

@@ -4,7 +4,8 @@
 Builds the benchmark extension (env SAGE_DIFFUSERS_SM90_BENCH=1: bf16 non-causal variants listed in
 generate_instantiations.BENCH_VARIANTS, options explained in kernel_fwd.cuh), checks every variant and
 both pre-pass modes against sage8_reference on small awkward shapes (key mask included), then per
-timed shape and variant:
+timed shape and variant (the phase_clock and epilogue_summary variants are also compared bit for
+bit with the flags without them, V with and without +-Inf / NaN: bit_identity_check):
   full  : median of the whole call (pre-pass + kernel + host work), synchronised per repetition
           (the convention of eval/bench_kernels.py, host latency included like cuDNN's);
   main  : the attention kernel alone, back-to-back launches (ext.bench_parts);
@@ -67,6 +68,54 @@ def time_ms(fn, reps):
 def time_pipelined_ms(fn, n=20):
     """Mean time of n back-to-back calls between two events (host work overlaps the GPU)."""
     return pipelined_ms(fn, n, warmup=1)
+
+
+# FwdOptions bits that must change no output bit (launch.h): phase_clock, epilogue_summary
+SAME_BITS_FLAGS = (1 << 14) | (1 << 15)
+
+
+def bit_identity_check(variants, run, ext=None):
+    """Each variant with phase_clock or epilogue_summary against the same flags without them, bit
+    for bit, with and without a key mask, on V without and with +-Inf / NaN (one channel with both
+    infinities, a NaN, a lone Inf, and a NaN on a masked key, which must vanish), in pre-pass modes
+    0 and 7 (separate tensors / one workspace: both carve v_summary; ext None: the current mode
+    only). Returns failures."""
+    bad = 0
+    for mode in ((0, 7) if ext is not None else (None,)):
+        if mode is not None:
+            ext.set_prepass_mode(mode)
+        bad += _bit_identity_once(variants, run, mode)
+    if ext is not None:
+        ext.set_prepass_mode(0)
+    return bad
+
+
+def _bit_identity_once(variants, run, mode):
+    bad = 0
+    compiled = {(d, poly, flags) for d, poly, flags in variants}
+    for d in (64, 128):
+        q, k, v = make_inputs(2, 3, 1023, d, seed=2)
+        mask = torch.ones(2, 1023, dtype=torch.bool, device="cuda")
+        mask[1, 600:] = False
+        v_bad = v.clone()
+        v_bad[0, 1, 100, 5], v_bad[0, 1, 300, 5] = float("inf"), float("-inf")
+        v_bad[1, 2, 500, d - 1], v_bad[1, 0, 7, 0] = float("nan"), float("inf")
+        v_bad[1, 1, 700, 3] = float("nan")  # a masked key: no output sees it
+        for dd, poly, flags in variants:
+            base = flags & ~SAME_BITS_FLAGS
+            if dd != d or base == flags or (d, poly, base) not in compiled:
+                continue
+            for label, vv in (("finite V", v), ("V with Inf/NaN", v_bad)):
+                for m in (None, mask):
+                    got, want = run(q, k, vv, poly, flags, mask=m), run(q, k, vv, poly, base, mask=m)
+                    ok = torch.equal(got.view(torch.int16), want.view(torch.int16))
+                    if vv is v_bad:  # the non-finite values reach the output (else this proves little)
+                        ok &= bool(torch.isinf(got[0, 1, :, 5]).any() or torch.isnan(got[0, 1, :, 5]).any())
+                    bad += not ok
+                    if not ok:
+                        print(f"BAD bit identity d={d} {NAMES.get(flags, flags)} vs {NAMES.get(base, base)} "
+                              f"{label} mask={m is not None} prepass={mode}", flush=True)
+    return bad
 
 
 def accumulation_check(variants, run, shapes):
@@ -152,6 +201,7 @@ def main():
                               f"{NAMES.get(flags, flags)} prepass={mode}: cos={c:.6f}", flush=True)
             if has_modes:
                 ext.set_prepass_mode(0)
+    bad += bit_identity_check(variants, run, ext if has_modes else None)
     ext.set_fwd_flags(-1)
     print(f"correctness failures: {bad} ({time.time() - t0:.0f} s)", flush=True)
 

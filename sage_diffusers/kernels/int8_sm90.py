@@ -119,6 +119,7 @@ def build(verbose: bool = False) -> ModuleType:
         "sage_diffusers_int8_sm90" + ("_bench" if _BENCH else ""),
         _build_sources(),
         extra_cuda_cflags=list(_NVCC_FLAGS) + flags,
+        extra_cflags=flags,  # binding.cpp's benchmark-only functions
         extra_include_paths=[source_dir()],
         verbose=verbose,
     )
@@ -257,7 +258,8 @@ def prepass(q, k, v, key_mask=None, scale=None) -> dict:
     k8 (B, Hkv, Skv, D) int8, sk (B, Hkv, ceil(Skv/128)) f32, v8 (B, Hkv, Skv, D) float8_e4m3fn,
     sv (B, Hkv, D) f32, k_mean (B, Hkv, D) f32, kv_len (B,) int32 (only with a mask),
     mask_bits (B, 4*ceil(Skv/128)) int32, v_first (B, Hkv, 3, D) int32: the first attended key
-    whose V is +Inf, -Inf, NaN in each channel (0x7f7f7f7f where none).
+    whose V is +Inf, -Inf, NaN in each channel (0x7f7f7f7f where none), v_summary (B, Hkv) int32:
+    its minimum over kinds and channels (the epilogue's shortcut, FwdOptions::epilogue_summary).
 
     Numerics as ``sage8_quantize(q, k, v, key_mask=key_mask)``: k mean over attended keys, masked K
     and V rows 0, finite absmaxes; one difference: sq of a query row holding a NaN / Inf is NaN
@@ -268,8 +270,8 @@ def prepass(q, k, v, key_mask=None, scale=None) -> dict:
     d, sq_len, skv = q.shape[-1], q.shape[2], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     qq, kk, vv = kernel_views(q, k, v)
-    q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, bits, v_first = _extension().prepass(qq, kk, vv, key_mask,
-                                                                                         scale)
+    q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, bits, v_first, v_summary = _extension().prepass(
+        qq, kk, vv, key_mask, scale)
     b, hkv = k.shape[0], k.shape[1]
     n_kv = vt_img.shape[2]
     # V^T tile (d, 128 positions): key j of the tile sits at position inv[j].
@@ -289,6 +291,7 @@ def prepass(q, k, v, key_mask=None, scale=None) -> dict:
         "kv_len": kv_len,
         "mask_bits": bits,
         "v_first": v_first,
+        "v_summary": v_summary,
     }
 
 
