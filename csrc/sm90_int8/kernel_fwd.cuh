@@ -61,6 +61,12 @@ namespace sage_sm90 {
 //                        consumers hold the current Q in registers (needs q_in_registers;
 //                        q_empty barrier). Still serial per work tile on the consumers: the
 //                        first key tile's softmax and the epilogue. Same results bit for bit.
+//   q_in_kernel        : (needs q_in_registers) each consumer thread loads its Q fragment's
+//                        elements from the 16-bit input and quantizes them itself
+//                        (mainloop.hpp quant_q_frag: the pre-pass's rule, same codes and scales
+//                        bit for bit), so the pre-pass skips Q (PrepassParams::skip_q) and the
+//                        producer copies no Q. No LSE (its q . k_mean correction stays in the
+//                        pre-pass): dispatch never picks such a variant for an LSE call.
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 224 registers). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
@@ -141,6 +147,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   // software-pipelined loop (S_t and PV_{t-1} issued together).
   constexpr bool kPipelined = kOverlapSoftmaxWithPV || kPingPong;
   constexpr bool kPersistent = kOpt.persistent;
+  constexpr bool kQInKernel = kOpt.q_in_kernel;
   // With PDL the pre-pass may still be draining: every read of its outputs (kv_len, sq, sk, the
   // mask bits, the Q / K / V^T images) comes after this (a no-op in a plain launch).
   sage_common::sm90::pdl_wait();
@@ -179,7 +186,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
         const int64_t bhk = static_cast<int64_t>(wk.b) * p.Hkv + wk.hk;
         const int8_t* q_src = p.q_img + ((static_cast<int64_t>(wk.b) * p.Hq + wk.h) * p.n_q_tiles +
                                          kQTilesPerCTA * wk.m_block) * C::kQTileBytes;
-        producer_loop<D, kPersistent>(sp, q_src, p.k_img + bhk * p.n_kv_tiles * C::kKTileBytes,
+        producer_loop<D, kPersistent, !kQInKernel>(sp, q_src, p.k_img + bhk * p.n_kv_tiles * C::kKTileBytes,
                                       p.vt_img + bhk * p.n_kv_tiles * C::kVTileBytes, wk.n_tiles, work, tile0);
       });
     }
@@ -205,10 +212,12 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     };
     const int wg_row0 = m_block * kBlockM + wg * kRowsPerWG;
     const int row[2] = {wg_row0 + 16 * (tid / 32) + g, wg_row0 + 16 * (tid / 32) + g + 8};
-    const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
 
     OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce, kOpt.seed_reductions> sm;
-    sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
+    if constexpr (!kQInKernel) {  // q_in_kernel: the row scales come with its Q fragments below
+      const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
+      sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
+    }
     const WarpgroupOperands<D> ops(sp, wg, tid);
     const float* sk = p.sk + (static_cast<int64_t>(b) * p.Hkv + hk) * p.n_kv_tiles;
     const uint32_t* bits =
@@ -298,12 +307,20 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       }
     };
 
-    Barrier::wait(sp.q_full, work & 1);
     uint32_t q_frag[D / 8];
-    if constexpr (kQRegs) WarpgroupOperands<D>::load_q_frag(sp, wg, tid, q_frag);
-    if constexpr (kPersistent) {  // Q is in registers: the producer may load the next work tile's
-      __syncwarp();
-      if (lane == 0) Barrier::arrive(sp.q_empty);
+    if constexpr (kQInKernel) {
+      // Q's fragments and row scales straight from the 16-bit input (no pre-pass image, no copy).
+      float sq[2];
+      const char* q_bh = static_cast<const char*>(p.q) + 2 * (b * p.q_sb + h * p.q_sh);
+      WarpgroupOperands<D>::template quant_q_frag<kOut>(q_bh, p.q_ss, row, p.Sq, q_frag, sq);
+      sm.init(sq[0] * p.scale_log2, sq[1] * p.scale_log2);
+    } else {
+      Barrier::wait(sp.q_full, work & 1);
+      if constexpr (kQRegs) WarpgroupOperands<D>::load_q_frag(sp, wg, tid, q_frag);
+      if constexpr (kPersistent) {  // Q is in registers: the producer may load the next work tile's
+        __syncwarp();
+        if (lane == 0) Barrier::arrive(sp.q_empty);
+      }
     }
     auto qk_issue = [&](int stage) {
       if constexpr (kQRegs) {

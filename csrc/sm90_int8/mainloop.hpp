@@ -26,6 +26,7 @@
 #include "../common/smem.cuh"
 #include "../common/sm90/pipeline.cuh"
 #include "../common/sm90/wgmma.cuh"
+#include "numerics.hpp"
 #include "tile_config.hpp"
 
 namespace sage_sm90 {
@@ -107,18 +108,21 @@ __device__ __forceinline__ void ring_slot(int tile, int& stage, int& n) {
 // One work tile's copies; runs on one lane only. work: the CTA's work-tile count so far (0
 // without `persistent`); tile0: the ring items used by the work tiles before (kPersistent).
 // kPersistent: Q goes into smem only after the consumers took the previous work tile's Q into
-// registers (q_empty).
-template <int D, bool kPersistent = false>
+// registers (q_empty). kCopyQ false (q_in_kernel): the consumers load Q themselves (quant_q_frag):
+// no Q copy, q_full / q_empty unused.
+template <int D, bool kPersistent = false, bool kCopyQ = true>
 __device__ __forceinline__ void producer_loop(const SmemPlan<D>& sp, const int8_t* q_src,
                                               const int8_t* k_src, const uint8_t* v_src,
                                               int n_tiles, int work = 0, int tile0 = 0) {
   using C = TileConfig<D>;
   using sage_common::sm90::bulk_copy_g2s;
-  if constexpr (kPersistent) {
-    if (work > 0) Barrier::wait(sp.q_empty, (work - 1) & 1);
+  if constexpr (kCopyQ) {
+    if constexpr (kPersistent) {
+      if (work > 0) Barrier::wait(sp.q_empty, (work - 1) & 1);
+    }
+    Barrier::arrive_and_expect_tx(sp.q_full, C::kSmemQ);
+    bulk_copy_g2s(q_src, sp.q_full, sp.q, C::kSmemQ);
   }
-  Barrier::arrive_and_expect_tx(sp.q_full, C::kSmemQ);
-  bulk_copy_g2s(q_src, sp.q_full, sp.q, C::kSmemQ);
   for (int t = 0; t < n_tiles; ++t) {
     int s, n;
     ring_slot<D, kPersistent>(tile0 + t, s, n);
@@ -188,6 +192,53 @@ struct WarpgroupOperands {
         const int row = 16 * (tid_in_wg / 32) + g + 8 * (r & 1);
         const int col = 32 * kb + 16 * (r >> 1) + 4 * t;
         qf[4 * kb + r] = *reinterpret_cast<const uint32_t*>(tile + sw_byte_offset<D>(row, col));
+      }
+    }
+  }
+
+  // q_in_kernel: the same fragments as load_q_frag, quantized here from the 16-bit input instead
+  // of the pre-pass's image. Row x of this thread (rows[x], its index in the (b, h) sequence) is
+  // held in registers 4kb + 2h + x as columns 32kb + 16h + 4t + {0..3}: D/4 elements per row
+  // (8-byte loads), the other D - D/4 with the quad's other lanes t, so the row's absmax and
+  // non-finite flag reduce over the quad. QRowQuant + quant_int8 are the pre-pass's
+  // (quant_q_block) rule, so codes and scales are bit-identical to its image and sq; rows >= Sq
+  // are zeros there (codes 0, scale 0) and here. q_bh: Q of this (b, h); q_ss: its row stride.
+  // sq: the rows' stored scales (NaN for a non-finite row), as the pre-pass's p.sq.
+  template <DType kIn>
+  __device__ __forceinline__ static void quant_q_frag(const void* q_bh, int64_t q_ss, const int (&rows)[2], int Sq,
+                                                      uint32_t (&qf)[D / 8], float (&sq)[2]) {
+    constexpr int kVecs = D / 16;  // 4-element vectors per row and thread: (kb, h) = (j >> 1, j & 1)
+    const int t = threadIdx.x & 3;
+    const char* base = static_cast<const char*>(q_bh);
+    uint2 raw[2][kVecs];
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const char* row_ptr = base + 2 * static_cast<int64_t>(rows[x]) * q_ss;
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) {
+        const int col = 16 * j + 4 * t;  // 32 (j >> 1) + 16 (j & 1) + 4t
+        raw[x][j] = rows[x] < Sq ? __ldg(reinterpret_cast<const uint2*>(row_ptr + 2 * col)) : make_uint2(0u, 0u);
+      }
+    }
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      QRowQuant rq;
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) {
+        const float2 a = IO<kIn>::unpack2(raw[x][j].x), b = IO<kIn>::unpack2(raw[x][j].y);
+        rq.add(a.x);
+        rq.add(a.y);
+        rq.add(b.x);
+        rq.add(b.y);
+      }
+      rq.reduce<4>();  // the quad t = 0..3 holds the whole row
+      const float s = rq.scale();
+      sq[x] = rq.stored_scale();
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) {
+        const float2 a = IO<kIn>::unpack2(raw[x][j].x), b = IO<kIn>::unpack2(raw[x][j].y);
+        qf[2 * j + x] = (quant_int8(a.x, s) & 0xff) | ((quant_int8(a.y, s) & 0xff) << 8) |
+                        ((quant_int8(b.x, s) & 0xff) << 16) | (static_cast<uint32_t>(quant_int8(b.y, s)) << 24);
       }
     }
   }

@@ -9,6 +9,6 @@ DEFAULT_FLAGS = {64: 75, 128: 559}
 # exp2 polynomial shares the regular build compiles per head dim
 COMPILED_EXP_POLY = {64: (0, 8), 128: (0,)}
 # benchmark build: (head dim, exp2 polynomial share, flags, name)
-BENCH_VARIANTS = ((128, 0, 559, 'lean_overlap_pingpong_qregs_split_smemo4'), (128, 0, 47, 'lean_overlap_pingpong_qregs_split'), (128, 0, 8751, 'lean_overlap_pingpong_qregs_split_smemo4_persist'), (64, 0, 75, 'lean_overlap_qregs_fp32pv'), (64, 8, 11, 'lean_overlap_qregs_exp2poly8'), (64, 0, 8267, 'lean_overlap_qregs_fp32pv_persist'))
+BENCH_VARIANTS = ((128, 0, 559, 'lean_overlap_pingpong_qregs_split_smemo4'), (128, 0, 47, 'lean_overlap_pingpong_qregs_split'), (128, 0, 8751, 'lean_overlap_pingpong_qregs_split_smemo4_persist'), (64, 0, 75, 'lean_overlap_qregs_fp32pv'), (64, 8, 11, 'lean_overlap_qregs_exp2poly8'), (64, 0, 8267, 'lean_overlap_qregs_fp32pv_persist'), (128, 0, 66095, 'lean_overlap_pingpong_qregs_split_smemo4_qk'), (64, 0, 65611, 'lean_overlap_qregs_fp32pv_qk'))
 # option-set name per run-time flags
-FLAG_NAMES = {11: 'lean_overlap_qregs', 47: 'lean_overlap_pingpong_qregs_split', 75: 'lean_overlap_qregs_fp32pv', 559: 'lean_overlap_pingpong_qregs_split_smemo4', 8267: 'lean_overlap_qregs_fp32pv_persist', 8751: 'lean_overlap_pingpong_qregs_split_smemo4_persist'}
+FLAG_NAMES = {11: 'lean_overlap_qregs', 47: 'lean_overlap_pingpong_qregs_split', 75: 'lean_overlap_qregs_fp32pv', 559: 'lean_overlap_pingpong_qregs_split_smemo4', 8267: 'lean_overlap_qregs_fp32pv_persist', 8751: 'lean_overlap_pingpong_qregs_split_smemo4_persist', 65611: 'lean_overlap_qregs_fp32pv_qk', 66095: 'lean_overlap_pingpong_qregs_split_smemo4_qk'}
