@@ -184,8 +184,10 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     if (warp == kProducerWarp && lane == 0) {
       for_each_work([&](const FwdWork& wk, int work, int tile0) {
         const int64_t bhk = static_cast<int64_t>(wk.b) * p.Hkv + wk.hk;
-        const int8_t* q_src = p.q_img + ((static_cast<int64_t>(wk.b) * p.Hq + wk.h) * p.n_q_tiles +
-                                         kQTilesPerCTA * wk.m_block) * C::kQTileBytes;
+        // q_in_kernel: no pre-pass image (p.q_img is null) and no Q copy
+        const int8_t* q_src = kQInKernel ? nullptr
+                                         : p.q_img + ((static_cast<int64_t>(wk.b) * p.Hq + wk.h) * p.n_q_tiles +
+                                                      kQTilesPerCTA * wk.m_block) * C::kQTileBytes;
         producer_loop<D, kPersistent, !kQInKernel>(sp, q_src, p.k_img + bhk * p.n_kv_tiles * C::kKTileBytes,
                                       p.vt_img + bhk * p.n_kv_tiles * C::kVTileBytes, wk.n_tiles, work, tile0);
       });
