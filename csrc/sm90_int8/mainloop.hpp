@@ -1,7 +1,7 @@
 // Data movement and tensor-core work of the attention mainloop.
 //
 // Producer (one elected lane of warp 8): bulk-copies the two Q tiles of a work tile (128 query
-// rows of one (b, h)), then each K and V^T tile of its kv loop into a kStages-deep ring. Every
+// rows of one (b, h); not with q_in_kernel, whose consumers quantize Q themselves), then each K and V^T tile of its kv loop into a kStages-deep ring. Every
 // tile is a pre-swizzled image written by the pre-pass, so one cp.async.bulk per operand per tile
 // suffices (no tensor maps).
 //   full[s]  : count 1 (producer's arrive.expect_tx) + the copies' transaction bytes
