@@ -1,9 +1,9 @@
 // Data movement and tensor-core work of the attention mainloop.
 //
 // Producer (one elected lane of warp 8): bulk-copies the two Q tiles of a work tile (128 query
-// rows of one (b, h); not with q_in_kernel, whose consumers quantize Q themselves), then each K and V^T tile of its kv loop into a kStages-deep ring. Every
-// tile is a pre-swizzled image written by the pre-pass, so one cp.async.bulk per operand per tile
-// suffices (no tensor maps).
+// rows of one (b, h); not with q_in_kernel, whose consumers quantize Q themselves), then each K
+// and V^T tile of its kv loop into a kStages-deep ring. Every tile is a pre-swizzled image written
+// by the pre-pass, so one cp.async.bulk per operand per tile suffices (no tensor maps).
 //   full[s]  : count 1 (producer's arrive.expect_tx) + the copies' transaction bytes
 //   empty[s] : count 8 (lane 0 of each consumer warp, after its PV wgmma retired)
 //   q_full   : count 1 + Q bytes; phase w is work tile w of the CTA (0 without `persistent`)
