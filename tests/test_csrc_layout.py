@@ -234,6 +234,42 @@ def test_int8_epilogue_sass_finds_both_store_paths():
     assert r["fast"]["instructions"] == 2 and r["fast"]["STG"] == 1 and r["fast"]["LDG"] == 0
 
 
+def test_int8_q_in_kernel_flag_name_and_lse_rule():
+    """`q_in_kernel` is flag bit 1 << 16 (FwdOptions::kFlagsHighShift + 4) on both sides, named
+    "qk", needs Q in registers, is benchmarked at both head dims but not a default, and dispatch
+    never picks it for an LSE call (it computes no q . k_mean correction)."""
+    from dataclasses import replace
+
+    from sage_diffusers.kernels import _sm90_int8_variants as py
+
+    gen = _generator()
+    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
+    assert gen._HIGH_BITS["q_in_kernel"] == 4
+    assert "(q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0)" in launch
+    assert "o.q_in_kernel = ((flags >> (kFlagsHighShift + 4)) & 1) != 0;" in launch
+    assert "(!q_in_kernel || q_in_registers)" in launch
+    for d in (64, 128):
+        base = gen.DEFAULTS[d]
+        assert not base.q_in_kernel
+        qk = replace(base, q_in_kernel=True)
+        assert qk.flags == base.flags | 1 << 16
+        assert qk.name == base.name + "_qk" and qk.cpp().endswith(", .q_in_kernel = true}")
+        assert (d, qk) in gen.BENCH_VARIANTS
+        assert (d, qk.exp2_poly_every, qk.flags, qk.name) in py.BENCH_VARIANTS
+        assert py.FLAG_NAMES[qk.flags] == qk.name
+    try:
+        gen.FwdOptions(q_in_kernel=True)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("q_in_kernel without q_in_registers was accepted")
+    # the regular build compiles no q_in_kernel variant; dispatch's LSE rule covers every query
+    regular = (CSRC / "sm90_int8" / "instantiations" / "variants.inc").read_text()
+    assert "q_in_kernel" not in regular
+    dispatch = (CSRC / "sm90_int8" / "dispatch.cu").read_text()
+    assert dispatch.count("serves_lse(OPT, ") == 3  # has_fwd_variant, fwd_quantizes_q, run_fwd
+
+
 def test_fp4_options_come_from_one_source(tmp_path):
     """kernel_options.h and _fp4_variants.py are what generate_options.py writes today, the
     kernel takes its options and default from that header only, and the Python side is that module."""

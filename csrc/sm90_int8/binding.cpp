@@ -64,8 +64,11 @@ struct Carver {
   }
 };
 
+// skip_q: the forward variant quantizes Q itself (sage_sm90::fwd_quantizes_q): no Q blocks, no
+// q_img / sq (empty tensors, null pointers), so it cannot want qkm.
 Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const c10::optional<at::Tensor>& key_mask, double scale, bool want_qkm) {
+                 const c10::optional<at::Tensor>& key_mask, double scale, bool want_qkm, bool skip_q = false) {
+  TORCH_CHECK(!(skip_q && want_qkm), "internal: the LSE correction needs the pre-pass's Q");
   check_qkv(q, "q", q);
   check_qkv(k, "k", q);
   check_qkv(v, "v", q);
@@ -99,8 +102,9 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   r.n_ints = static_cast<int>(B * Hkv + B);
   if (one_alloc) {
     Carver c;
-    const int64_t o_q = c.take(B * Hq * n_q_tiles * kQTileRows * D);
-    const int64_t o_sq = c.take(4 * B * Hq * n_q_tiles * kQTileRows);
+    const int64_t q_elems = skip_q ? 0 : B * Hq * n_q_tiles * kQTileRows;
+    const int64_t o_q = c.take(q_elems * D);
+    const int64_t o_sq = c.take(4 * q_elems);
     const int64_t o_k = c.take(B * Hkv * n_kv_tiles * kBlockKV * D);
     const int64_t o_sk = c.take(4 * B * Hkv * n_kv_tiles);
     const int64_t o_v = c.take(B * Hkv * n_kv_tiles * D * kBlockKV);
@@ -113,8 +117,8 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const int64_t o_bits = c.take(key_mask.has_value() ? 4 * B * 4 * n_kv_tiles : 0);
     r.ws = at::empty({c.bytes}, q.options().dtype(at::kByte));
     uint8_t* base = r.ws.data_ptr<uint8_t>();
-    p.q_img = reinterpret_cast<int8_t*>(base + o_q);
-    p.sq = reinterpret_cast<float*>(base + o_sq);
+    p.q_img = skip_q ? nullptr : reinterpret_cast<int8_t*>(base + o_q);
+    p.sq = skip_q ? nullptr : reinterpret_cast<float*>(base + o_sq);
     p.qkm = nullptr;
     p.k_img = reinterpret_cast<int8_t*>(base + o_k);
     p.sk = reinterpret_cast<float*>(base + o_sk);
@@ -139,8 +143,8 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const auto f32 = q.options().dtype(at::kFloat);
   const auto i32 = q.options().dtype(at::kInt);
   if (!one_alloc) {
-    r.q_img = at::empty({B, Hq, n_q_tiles, kQTileRows * D}, i8);
-    r.sq = at::empty({B, Hq, n_q_tiles * kQTileRows}, f32);
+    r.q_img = skip_q ? at::empty({0}, i8) : at::empty({B, Hq, n_q_tiles, kQTileRows * D}, i8);
+    r.sq = skip_q ? at::empty({0}, f32) : at::empty({B, Hq, n_q_tiles * kQTileRows}, f32);
     r.qkm = want_qkm ? at::empty({B, Hq, n_q_tiles * kQTileRows}, f32) : at::empty({0}, f32);
     r.k_img = at::empty({B, Hkv, n_kv_tiles, kBlockKV * D}, i8);
     r.sk = at::empty({B, Hkv, n_kv_tiles}, f32);
@@ -170,9 +174,10 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   p.scale = static_cast<float>(scale);
   p.q_in_stats = (sage_sm90::prepass_mode() & sage_sm90::kPrepassQInStats) != 0 && !want_qkm;
   p.batch_loads = (sage_sm90::prepass_mode() & sage_sm90::kPrepassBatchLoads) != 0;
+  p.skip_q = skip_q ? 1 : 0;
   if (!one_alloc) {
-    p.q_img = r.q_img.data_ptr<int8_t>();
-    p.sq = r.sq.data_ptr<float>();
+    p.q_img = skip_q ? nullptr : r.q_img.data_ptr<int8_t>();
+    p.sq = skip_q ? nullptr : r.sq.data_ptr<float>();
     p.qkm = want_qkm ? r.qkm.data_ptr<float>() : nullptr;
     p.k_img = r.k_img.data_ptr<int8_t>();
     p.sk = r.sk.data_ptr<float>();
@@ -204,23 +209,33 @@ std::vector<at::Tensor> prepass(const at::Tensor& q, const at::Tensor& k, const 
   return {r.q_img, r.sq, r.qkm, r.k_img, r.sk, r.vt_img, r.sv, r.kmean, kv_len, r.mask_bits, r.v_first, r.v_summary};
 }
 
+// The forward kernel's Q: the pre-pass's image and scales, and the 16-bit input with its strides
+// (read instead by q_in_kernel variants; the pre-pass then left q_img / sq null).
+void set_fwd_q(sage_sm90::FwdParams& p, const at::Tensor& q, const Prepared& r) {
+  p.q = q.data_ptr();
+  p.q_sb = q.stride(0); p.q_sh = q.stride(1); p.q_ss = q.stride(2);
+  p.q_img = r.p.q_img;
+  p.sq = r.p.sq;
+}
+
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& key_mask, bool is_causal, double scale,
                             bool return_lse, int64_t exp_poly_every) {
   const sage_common::LaunchContext launch(q);  // q's device and its current stream (common/launch_context.h)
   const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
-  TORCH_CHECK(sage_sm90::has_fwd_variant(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every)),
+  TORCH_CHECK(sage_sm90::has_fwd_variant(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), return_lse),
               "no compiled variant for head dim ", D, ", causal ", is_causal, ", exp_poly_every ",
-              exp_poly_every);
-  Prepared r = prepare(q, k, v, key_mask, scale, return_lse);
+              exp_poly_every, ", return_lse ", return_lse);
+  const bool q_in_kernel =
+      sage_sm90::fwd_quantizes_q(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), return_lse);
+  Prepared r = prepare(q, k, v, key_mask, scale, return_lse, q_in_kernel);
   at::Tensor out = at::empty_like(q);  // keeps q's memory layout: BSHD callers get BSHD back
   at::Tensor lse = return_lse ? at::empty({B, Hq, Sq}, q.options().dtype(at::kFloat))
                               : at::empty({0}, q.options().dtype(at::kFloat));
   TORCH_CHECK(out.stride(3) == 1, "internal: output last dim must be contiguous");
 
   sage_sm90::FwdParams p{};
-  p.q_img = r.p.q_img;
-  p.sq = r.p.sq;
+  set_fwd_q(p, q, r);
   p.qkm = return_lse ? r.p.qkm : nullptr;
   p.k_img = r.p.k_img;
   p.sk = r.p.sk;
@@ -248,8 +263,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
 sage_sm90::FwdParams bench_fwd_params(const Prepared& r, const at::Tensor& q, const at::Tensor& k,
                                       const at::Tensor& out, double scale) {
   sage_sm90::FwdParams p{};
-  p.q_img = r.p.q_img;
-  p.sq = r.p.sq;
+  set_fwd_q(p, q, r);
   p.k_img = r.p.k_img;
   p.sk = r.p.sk;
   p.vt_img = r.p.vt_img;
@@ -274,10 +288,13 @@ std::vector<double> bench_parts(const at::Tensor& q, const at::Tensor& k, const 
   const sage_common::LaunchContext launch(q);  // q's device and its current stream (common/launch_context.h)
   const int64_t D = q.size(3);
   TORCH_CHECK(reps > 0, "reps must be positive");
-  TORCH_CHECK(sage_sm90::has_fwd_variant(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every)),
+  TORCH_CHECK(sage_sm90::has_fwd_variant(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), false),
               "no compiled variant for this call");
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  Prepared r = prepare(q, k, v, c10::nullopt, scale, /*want_qkm=*/false);
+  // the pre-pass the dispatched variant needs: without Q when it quantizes Q itself
+  const bool q_in_kernel =
+      sage_sm90::fwd_quantizes_q(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), false);
+  Prepared r = prepare(q, k, v, c10::nullopt, scale, /*want_qkm=*/false, q_in_kernel);
   at::Tensor out = at::empty_like(q);
   const sage_sm90::FwdParams p = bench_fwd_params(r, q, k, out, scale);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

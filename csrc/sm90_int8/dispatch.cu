@@ -12,6 +12,8 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream);  // instantiati
 namespace {
 int g_flags = -1;  // set_fwd_flags (benchmarks); -1 = any (the regular table has one per key)
 bool flags_match(int flags) { return g_flags < 0 || g_flags == flags; }
+// q_in_kernel variants compute no LSE (FwdOptions::q_in_kernel): never picked for a call that wants it.
+constexpr bool serves_lse(const FwdOptions& o, bool lse) { return !lse || !o.q_in_kernel; }
 }  // namespace
 
 void set_fwd_flags(int flags) { g_flags = flags; }
@@ -22,11 +24,22 @@ void set_fwd_flags(int flags) { g_flags = flags; }
 #define SAGE_SM90_TABLE "instantiations/variants.inc"
 #endif
 
-bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every) {
+bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every, bool lse) {
 #define SAGE_SM90_VARIANT(D, DT, CAUSAL, OPT)                                                   \
   if (head_dim == D && causal == CAUSAL && exp_poly_every == (OPT).exp2_poly_every &&           \
-      flags_match((OPT).flags()))                                                              \
+      flags_match((OPT).flags()) && serves_lse(OPT, lse))                                        \
     return true;
+#include SAGE_SM90_TABLE
+#undef SAGE_SM90_VARIANT
+  return false;
+}
+
+// The first table entry run_fwd would match (every dtype compiles the same option sets).
+bool fwd_quantizes_q(int head_dim, bool causal, int exp_poly_every, bool lse) {
+#define SAGE_SM90_VARIANT(D, DT, CAUSAL, OPT)                                                   \
+  if (head_dim == D && causal == CAUSAL && exp_poly_every == (OPT).exp2_poly_every &&           \
+      flags_match((OPT).flags()) && serves_lse(OPT, lse))                                        \
+    return (OPT).q_in_kernel;
 #include SAGE_SM90_TABLE
 #undef SAGE_SM90_VARIANT
   return false;
@@ -36,7 +49,7 @@ cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, 
                     cudaStream_t stream) {
 #define SAGE_SM90_VARIANT(D, DT, CAUSAL, OPT)                                                   \
   if (head_dim == D && dtype == DT && causal == CAUSAL && exp_poly_every == (OPT).exp2_poly_every && \
-      flags_match((OPT).flags()))                                                              \
+      flags_match((OPT).flags()) && serves_lse(OPT, p.lse != nullptr))                           \
     return launch_fwd<D, DT, CAUSAL, (OPT)>(p, stream);
 #include SAGE_SM90_TABLE
 #undef SAGE_SM90_VARIANT

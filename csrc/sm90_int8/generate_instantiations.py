@@ -28,7 +28,7 @@ PY_OUT = HERE.parents[1] / "sage_diffusers" / "kernels" / "_sm90_int8_variants.p
 # the flags of the older option sets (in eval/results/) stay what they were.
 _HIGH_SHIFT = 12
 # name -> bit above _HIGH_SHIFT (FwdOptions::flags() in launch.h spells the same positions)
-_HIGH_BITS = {"seed_reductions": 0, "persistent": 1, "phase_clock": 2, "epilogue_summary": 3}
+_HIGH_BITS = {"seed_reductions": 0, "persistent": 1, "phase_clock": 2, "epilogue_summary": 3, "q_in_kernel": 4}
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ class FwdOptions:
     persistent: bool = False          # bit 1 << 13 (kFlagsHighShift + 1), needs q_in_registers
     phase_clock: bool = False         # bit 1 << 14 (kFlagsHighShift + 2), benchmarks: timestamps per phase
     epilogue_summary: bool = False    # bit 1 << 15 (kFlagsHighShift + 3)
+    q_in_kernel: bool = False         # bit 1 << 16 (kFlagsHighShift + 4), needs q_in_registers; no LSE
 
     def __post_init__(self):
         if (self.fp16_exp2 or self.split_reductions or self.seed_reductions) and not self.lean_softmax:
@@ -57,6 +58,8 @@ class FwdOptions:
             raise ValueError(f"{self}: smem_o_every is a power of 2 up to 16, not with fp32_pv_tiles")
         if self.persistent and not self.q_in_registers:
             raise ValueError(f"{self}: persistent loads the next work tile's Q while Q is held in registers (q_in_registers)")
+        if self.q_in_kernel and not self.q_in_registers:
+            raise ValueError(f"{self}: q_in_kernel quantizes each thread's Q register fragments (q_in_registers)")
 
     @property
     def flags(self) -> int:
@@ -86,7 +89,8 @@ class FwdOptions:
 
 
 # name parts of the high bools, in this order after smemo<N>
-_HIGH_SHORT = {"seed_reductions": "seed", "persistent": "persist", "epilogue_summary": "esum", "phase_clock": "clock"}
+_HIGH_SHORT = {"seed_reductions": "seed", "persistent": "persist", "epilogue_summary": "esum", "phase_clock": "clock",
+               "q_in_kernel": "qk"}
 
 HEAD_DIMS = (64, 128)
 DTYPES = {"fp16": "DType::kF16", "bf16": "DType::kBF16"}
@@ -114,7 +118,9 @@ EXTRA_EXP_POLY = {64: (8,), 128: ()}
 # head dim: the defaults, the option set that accumulates O in the tensor core over all tiles
 # (the previous default), and the defaults on a persistent grid (one CTA per SM looping over the
 # work tiles: a CTA's prologue and epilogue, about 16 us of fixed cost per 128 query rows, overlap
-# the next work tile's loads; the K/V ring runs on across work tiles).
+# the next work tile's loads; the K/V ring runs on across work tiles; measured no faster on the H200:
+# eval/results/int8_fixed_cost_h200.md), and the defaults with Q
+# quantized inside the kernel (q_in_kernel: the pre-pass skips Q, a third of its bytes).
 # Measured and dropped (eval/results/int8_pv_accumulation_h200.md): hd128's per-tile register
 # sum (it spills), the smem sum at hd64, flushing every tile, and every 2 or 8 tiles. The
 # defaults with seed_reductions (16 fewer instructions per tile at hd128,
@@ -131,12 +137,14 @@ BENCH_VARIANTS = (
     (128, replace(DEFAULTS[128], phase_clock=True)),
     (128, replace(DEFAULTS[128], epilogue_summary=True)),
     (128, replace(DEFAULTS[128], epilogue_summary=True, phase_clock=True)),
+    (128, replace(DEFAULTS[128], q_in_kernel=True)),
     (64, DEFAULTS[64]),
     (64, _HD64),
     (64, replace(DEFAULTS[64], persistent=True)),
     (64, replace(DEFAULTS[64], phase_clock=True)),
     (64, replace(DEFAULTS[64], epilogue_summary=True)),
     (64, replace(DEFAULTS[64], epilogue_summary=True, phase_clock=True)),
+    (64, replace(DEFAULTS[64], q_in_kernel=True)),
 )
 
 

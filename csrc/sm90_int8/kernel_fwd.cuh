@@ -69,6 +69,12 @@ namespace sage_sm90 {
 //   epilogue_summary   : the epilogue reads one int per (b, kv head), the first attended key with
 //                        any non-finite V element (p.v_summary), and where no row of the warp sees
 //                        it skips the per-channel v_first lookup (epilogue.hpp). Same results.
+//   q_in_kernel        : (needs q_in_registers) each consumer thread loads its Q fragment's
+//                        elements from the 16-bit input and quantizes them itself
+//                        (mainloop.hpp quant_q_frag: the pre-pass's rule, same codes and scales
+//                        bit for bit), so the pre-pass skips Q (PrepassParams::skip_q) and the
+//                        producer copies no Q. No LSE (its q . k_mean correction stays in the
+//                        pre-pass): dispatch never picks such a variant for an LSE call.
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 224 registers). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
@@ -195,6 +201,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   clock.mark(ConsumerPhase::kEntry);  // ProducerPhase::kEntry is the same slot index
   static_assert(static_cast<int>(ConsumerPhase::kEntry) == static_cast<int>(ProducerPhase::kEntry) &&
                 static_cast<int>(ConsumerPhase::kReady) == static_cast<int>(ProducerPhase::kReady));
+  constexpr bool kQInKernel = kOpt.q_in_kernel;
   // With PDL the pre-pass may still be draining: every read of its outputs (kv_len, sq, sk, the
   // mask bits, the Q / K / V^T images) comes after this (a no-op in a plain launch).
   sage_common::sm90::pdl_wait();
@@ -233,9 +240,11 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       clock.mark_sm();
       for_each_work([&](const FwdWork& wk, int work, int tile0) {
         const int64_t bhk = static_cast<int64_t>(wk.b) * p.Hkv + wk.hk;
-        const int8_t* q_src = p.q_img + ((static_cast<int64_t>(wk.b) * p.Hq + wk.h) * p.n_q_tiles +
-                                         kQTilesPerCTA * wk.m_block) * C::kQTileBytes;
-        producer_loop<D, kPersistent>(sp, q_src, p.k_img + bhk * p.n_kv_tiles * C::kKTileBytes,
+        // q_in_kernel: no pre-pass image (p.q_img is null) and no Q copy
+        const int8_t* q_src = kQInKernel ? nullptr
+                                         : p.q_img + ((static_cast<int64_t>(wk.b) * p.Hq + wk.h) * p.n_q_tiles +
+                                                      kQTilesPerCTA * wk.m_block) * C::kQTileBytes;
+        producer_loop<D, kPersistent, !kQInKernel>(sp, q_src, p.k_img + bhk * p.n_kv_tiles * C::kKTileBytes,
                                       p.vt_img + bhk * p.n_kv_tiles * C::kVTileBytes, wk.n_tiles, work, tile0);
         if (work == 0) clock.mark(ProducerPhase::kLastCopy);
       });
@@ -262,10 +271,12 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     };
     const int wg_row0 = m_block * kBlockM + wg * kRowsPerWG;
     const int row[2] = {wg_row0 + 16 * (tid / 32) + g, wg_row0 + 16 * (tid / 32) + g + 8};
-    const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
 
     OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce, kOpt.seed_reductions> sm;
-    sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
+    if constexpr (!kQInKernel) {  // q_in_kernel: the row scales come with its Q fragments below
+      const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
+      sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
+    }
     const WarpgroupOperands<D> ops(sp, wg, tid);
     const float* sk = p.sk + (static_cast<int64_t>(b) * p.Hkv + hk) * p.n_kv_tiles;
     const uint32_t* bits =
@@ -355,12 +366,20 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       }
     };
 
-    Barrier::wait(sp.q_full, work & 1);
     uint32_t q_frag[D / 8];
-    if constexpr (kQRegs) WarpgroupOperands<D>::load_q_frag(sp, wg, tid, q_frag);
-    if constexpr (kPersistent) {  // Q is in registers: the producer may load the next work tile's
-      __syncwarp();
-      if (lane == 0) Barrier::arrive(sp.q_empty);
+    if constexpr (kQInKernel) {
+      // Q's fragments and row scales straight from the 16-bit input (no pre-pass image, no copy).
+      float sq[2];
+      const char* q_bh = static_cast<const char*>(p.q) + 2 * (b * p.q_sb + h * p.q_sh);
+      WarpgroupOperands<D>::template quant_q_frag<kOut>(q_bh, p.q_ss, row, p.Sq, q_frag, sq);
+      sm.init(sq[0] * p.scale_log2, sq[1] * p.scale_log2);
+    } else {
+      Barrier::wait(sp.q_full, work & 1);
+      if constexpr (kQRegs) WarpgroupOperands<D>::load_q_frag(sp, wg, tid, q_frag);
+      if constexpr (kPersistent) {  // Q is in registers: the producer may load the next work tile's
+        __syncwarp();
+        if (lane == 0) Barrier::arrive(sp.q_empty);
+      }
     }
     if (work == 0) clock.mark(ConsumerPhase::kQReady);
     auto qk_issue = [&](int stage) {

@@ -29,13 +29,16 @@ struct FwdOptions {
   bool persistent = false;          // min(#SMs, work tiles) CTAs, each looping over work tiles (needs q_in_registers)
   bool phase_clock = false;         // (benchmarks) %globaltimer / %clock64 at fixed phase points (FwdParams::phase_clock)
   bool epilogue_summary = false;    // the epilogue skips V's non-finite lookup when FwdParams::v_summary says none is seen
+  bool q_in_kernel = false;         // consumers quantize Q from the 16-bit input (no pre-pass Q; needs
+                                    // q_in_registers; no LSE: run_fwd never picks it for lse)
 
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
            (q_in_registers ? 8 : 0) | (fp16_exp2 ? 16 : 0) | (split_reductions ? 32 : 0) |
            (fp32_pv_tiles ? 64 : 0) | (smem_o_every << kFlagsIntShift) |
            (seed_reductions ? 1 << kFlagsHighShift : 0) | (persistent ? 1 << (kFlagsHighShift + 1) : 0) |
-           (phase_clock ? 1 << (kFlagsHighShift + 2) : 0) | (epilogue_summary ? 1 << (kFlagsHighShift + 3) : 0);
+           (phase_clock ? 1 << (kFlagsHighShift + 2) : 0) | (epilogue_summary ? 1 << (kFlagsHighShift + 3) : 0) |
+           (q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0);
   }
   static constexpr int kFlagsIntShift = 7;  // smem_o_every (<= 16: 5 bits) sits above the first bools
   static constexpr int kFlagsHighShift = 12;  // bools added later sit above it (flags stay stable)
@@ -55,6 +58,7 @@ struct FwdOptions {
     o.persistent = ((flags >> (kFlagsHighShift + 1)) & 1) != 0;
     o.phase_clock = ((flags >> (kFlagsHighShift + 2)) & 1) != 0;
     o.epilogue_summary = ((flags >> (kFlagsHighShift + 3)) & 1) != 0;
+    o.q_in_kernel = ((flags >> (kFlagsHighShift + 4)) & 1) != 0;
     o.exp2_poly_every = exp2_poly_every;
     return o;
   }
@@ -65,7 +69,9 @@ struct FwdOptions {
            !(fp32_pv_tiles && smem_o_every > 0) &&
            // persistent: the next work tile's Q lands in smem while the current one runs, which
            // needs the current Q held in registers
-           (!persistent || q_in_registers);
+           (!persistent || q_in_registers) &&
+           // q_in_kernel: each consumer thread quantizes exactly its RS A fragments of Q
+           (!q_in_kernel || q_in_registers);
   }
   // The loops that hold two P arrays (overlap or ping-pong) take a whole producer warpgroup.
   constexpr bool producer_warpgroup() const { return overlap_softmax_pv || pingpong; }
@@ -110,6 +116,9 @@ constexpr int kProducerSlot0 = 2 * kConsumerPhases;  // two consumer warpgroups
 constexpr int kSmSlot = kProducerSlot0 + static_cast<int>(ProducerPhase::kCount);
 constexpr int kPhaseSlots = kSmSlot + 1;
 constexpr int kPhaseWords = 2;  // per slot: globaltimer, clock64
+static_assert(FwdOptions{.q_in_kernel = true}.flags() == 1 << 16 &&
+                  FwdOptions::from_flags(1 << 16, 0).q_in_kernel && !FwdOptions::from_flags(1 << 16, 0).persistent,
+              "FwdOptions::q_in_kernel flag bit (generate_instantiations._HIGH_BITS)");
 
 // Everything the quantization pre-pass reads and writes. Strides are in elements; the last
 // (head) dimension of q, k, v is contiguous and rows are 16-byte aligned (checked by the binding).
@@ -129,6 +138,8 @@ struct PrepassParams {
   float scale;     // softmax scale, for the LSE correction scale * q . k_mean
   int q_in_stats;   // 1: Q blocks run in the stats launch (needs qkm == nullptr; PrepassMode)
   int batch_loads;  // 1: each thread issues all loads of a block first (PrepassMode)
+  int skip_q;       // 1: no Q blocks, q_img / sq / qkm unused (the forward variant quantizes Q itself,
+                    // FwdOptions::q_in_kernel; fwd_quantizes_q)
   // outputs
   int8_t* q_img;      // (B, Hq, n_q_tiles, 64*D) swizzled tile images
   float* sq;          // (B, Hq, n_q_tiles*64)
@@ -152,6 +163,8 @@ struct PrepassParams {
 };
 
 struct FwdParams {
+  const void* q;          // q_in_kernel only: the 16-bit Q (B, Hq, Sq, D), strides in elements, last
+  int64_t q_sb, q_sh, q_ss;  // dim contiguous, rows 16-byte aligned (then q_img, sq are unused)
   const int8_t* q_img;
   const float* sq;        // NaN for a query row with a non-finite element: that row's out / lse are NaN
   const float* qkm;       // nullptr unless lse != nullptr
@@ -198,8 +211,12 @@ cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, cudaS
 // (compiled variants only: see instantiations/).
 cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every,
                     cudaStream_t stream);
-// Whether run_fwd has a compiled variant for these arguments.
-bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every);
+// Whether run_fwd has a compiled variant for these arguments (lse: the call wants the LSE, which
+// q_in_kernel variants do not compute, so run_fwd skips them when p.lse != nullptr).
+bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every, bool lse = false);
+// Whether the variant run_fwd picks for these arguments quantizes Q itself (FwdOptions::q_in_kernel):
+// then the pre-pass skips Q (PrepassParams::skip_q) and FwdParams carries q and its strides.
+bool fwd_quantizes_q(int head_dim, bool causal, int exp_poly_every, bool lse);
 // Benchmarks only: the variant flags run_fwd dispatches on from now on (-1 = whatever is compiled).
 // Builds with -DSAGE_SM90_BENCH=1 compile a set of flag variants (instantiations/bench_*.cu).
 void set_fwd_flags(int flags);

@@ -1,9 +1,9 @@
 // Data movement and tensor-core work of the attention mainloop.
 //
 // Producer (one elected lane of warp 8): bulk-copies the two Q tiles of a work tile (128 query
-// rows of one (b, h)), then each K and V^T tile of its kv loop into a kStages-deep ring. Every
-// tile is a pre-swizzled image written by the pre-pass, so one cp.async.bulk per operand per tile
-// suffices (no tensor maps).
+// rows of one (b, h); not with q_in_kernel, whose consumers quantize Q themselves), then each K
+// and V^T tile of its kv loop into a kStages-deep ring. Every tile is a pre-swizzled image written
+// by the pre-pass, so one cp.async.bulk per operand per tile suffices (no tensor maps).
 //   full[s]  : count 1 (producer's arrive.expect_tx) + the copies' transaction bytes
 //   empty[s] : count 8 (lane 0 of each consumer warp, after its PV wgmma retired)
 //   q_full   : count 1 + Q bytes; phase w is work tile w of the CTA (0 without `persistent`)
@@ -26,6 +26,7 @@
 #include "../common/smem.cuh"
 #include "../common/sm90/pipeline.cuh"
 #include "../common/sm90/wgmma.cuh"
+#include "numerics.hpp"
 #include "tile_config.hpp"
 
 namespace sage_sm90 {
@@ -107,18 +108,21 @@ __device__ __forceinline__ void ring_slot(int tile, int& stage, int& n) {
 // One work tile's copies; runs on one lane only. work: the CTA's work-tile count so far (0
 // without `persistent`); tile0: the ring items used by the work tiles before (kPersistent).
 // kPersistent: Q goes into smem only after the consumers took the previous work tile's Q into
-// registers (q_empty).
-template <int D, bool kPersistent = false>
+// registers (q_empty). kCopyQ false (q_in_kernel): the consumers load Q themselves (quant_q_frag):
+// no Q copy, q_full / q_empty unused.
+template <int D, bool kPersistent = false, bool kCopyQ = true>
 __device__ __forceinline__ void producer_loop(const SmemPlan<D>& sp, const int8_t* q_src,
                                               const int8_t* k_src, const uint8_t* v_src,
                                               int n_tiles, int work = 0, int tile0 = 0) {
   using C = TileConfig<D>;
   using sage_common::sm90::bulk_copy_g2s;
-  if constexpr (kPersistent) {
-    if (work > 0) Barrier::wait(sp.q_empty, (work - 1) & 1);
+  if constexpr (kCopyQ) {
+    if constexpr (kPersistent) {
+      if (work > 0) Barrier::wait(sp.q_empty, (work - 1) & 1);
+    }
+    Barrier::arrive_and_expect_tx(sp.q_full, C::kSmemQ);
+    bulk_copy_g2s(q_src, sp.q_full, sp.q, C::kSmemQ);
   }
-  Barrier::arrive_and_expect_tx(sp.q_full, C::kSmemQ);
-  bulk_copy_g2s(q_src, sp.q_full, sp.q, C::kSmemQ);
   for (int t = 0; t < n_tiles; ++t) {
     int s, n;
     ring_slot<D, kPersistent>(tile0 + t, s, n);
@@ -177,18 +181,70 @@ struct WarpgroupOperands {
   // swizzled smem image. 8-bit A layout (as P's, tile_config.hpp): register 4kb + r, r =
   // (k+16 half) * 2 + (row half), holds row 16w + g + 8(r & 1), bytes 32kb + 16(r >> 1) + 4t + i;
   // 4 aligned bytes never straddle a 16-byte swizzle chunk.
+  // The first column of register `reg` (= 4kb + r) of that layout for quad lane t (its row: 16w +
+  // g + 8 * q_frag_row_half(reg)); quant_q_frag fills the same registers from the same coordinates.
+  __host__ __device__ static constexpr int q_frag_col(int reg, int t) {
+    return 32 * (reg >> 2) + 16 * ((reg >> 1) & 1) + 4 * t;
+  }
+  __host__ __device__ static constexpr int q_frag_row_half(int reg) { return reg & 1; }
+
   __device__ __forceinline__ static void load_q_frag(const SmemPlan<D>& sp, int wg, int tid_in_wg,
                                                      uint32_t (&qf)[D / 8]) {
     const int lane = tid_in_wg & 31, g = lane >> 2, t = lane & 3;
     const uint8_t* tile = sp.q + wg * C::kQTileBytes;
 #pragma unroll
-    for (int kb = 0; kb < D / 32; ++kb) {
+    for (int reg = 0; reg < D / 8; ++reg) {
+      const int row = 16 * (tid_in_wg / 32) + g + 8 * q_frag_row_half(reg);
+      qf[reg] = *reinterpret_cast<const uint32_t*>(tile + sw_byte_offset<D>(row, q_frag_col(reg, t)));
+    }
+  }
+
+  // q_in_kernel: the same fragments as load_q_frag (same registers, same coordinates:
+  // q_frag_col / q_frag_row_half), quantized here from the 16-bit input instead of read from the
+  // pre-pass's image. Register `reg` holds 4 consecutive columns of row rows[reg & 1] (its index in
+  // the (b, h) sequence), one 8-byte load each: D/4 elements per row and thread, the rest with the
+  // quad's other lanes t, so the row's absmax and non-finite flag reduce over the quad. QRowQuant +
+  // quant_int8 are the pre-pass's (quant_q_block) rule, so codes and scales are bit-identical to
+  // its image and sq; rows >= Sq are zeros there (codes 0, scale 0) and here. q_bh: Q of this
+  // (b, h); q_ss: its row stride (elements). sq: the rows' stored scales (NaN for a row with a
+  // non-finite element), as the pre-pass's p.sq.
+  template <DType kIn>
+  __device__ __forceinline__ static void quant_q_frag(const void* q_bh, int64_t q_ss, const int (&rows)[2], int Sq,
+                                                      uint32_t (&qf)[D / 8], float (&sq)[2]) {
+    const int t = threadIdx.x & 3;
+    const char* row_ptr[2] = {static_cast<const char*>(q_bh) + 2 * static_cast<int64_t>(rows[0]) * q_ss,
+                              static_cast<const char*>(q_bh) + 2 * static_cast<int64_t>(rows[1]) * q_ss};
+    uint2 raw[D / 8];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int row = 16 * (tid_in_wg / 32) + g + 8 * (r & 1);
-        const int col = 32 * kb + 16 * (r >> 1) + 4 * t;
-        qf[4 * kb + r] = *reinterpret_cast<const uint32_t*>(tile + sw_byte_offset<D>(row, col));
-      }
+    for (int reg = 0; reg < D / 8; ++reg) {
+      const int x = q_frag_row_half(reg);
+      raw[reg] = rows[x] < Sq ? __ldg(reinterpret_cast<const uint2*>(row_ptr[x] + 2 * q_frag_col(reg, t)))
+                              : make_uint2(0u, 0u);
+    }
+    QRowQuant rq[2];
+#pragma unroll
+    for (int reg = 0; reg < D / 8; ++reg) {
+      const float2 a = IO<kIn>::unpack2(raw[reg].x), b = IO<kIn>::unpack2(raw[reg].y);
+      QRowQuant& r = rq[q_frag_row_half(reg)];
+      r.add(a.x);
+      r.add(a.y);
+      r.add(b.x);
+      r.add(b.y);
+    }
+    float s[2];
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      rq[x].reduce<4>();  // the quad t = 0..3 holds the whole row
+      s[x] = rq[x].scale();
+      sq[x] = rq[x].stored_scale();
+    }
+#pragma unroll
+    for (int reg = 0; reg < D / 8; ++reg) {
+      const float2 a = IO<kIn>::unpack2(raw[reg].x), b = IO<kIn>::unpack2(raw[reg].y);
+      const float sr = s[q_frag_row_half(reg)];
+      // byte i = column q_frag_col + i, as the image's 4 bytes there (pack_int8x8's order)
+      qf[reg] = (quant_int8(a.x, sr) & 0xff) | ((quant_int8(a.y, sr) & 0xff) << 8) |
+                ((quant_int8(b.x, sr) & 0xff) << 16) | (static_cast<uint32_t>(quant_int8(b.y, sr)) << 24);
     }
   }
 

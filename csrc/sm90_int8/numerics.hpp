@@ -12,6 +12,7 @@
 #include "../common/numeric_conversion.cuh"
 #include "../common/softmax_utils.cuh"
 #include "launch.h"
+#include "tile_config.hpp"
 
 namespace sage_sm90 {
 
@@ -38,6 +39,35 @@ __device__ __forceinline__ int quant_int8(float x, float s) {
   const int q = __float2int_rn(x / s);
   return max(-127, min(127, q));
 }
+
+// Per-token INT8 quantization of one Q row (sage8: scale = max finite |x| / 127), shared by the
+// pre-pass (prepass.cuh quant_q_block) and the forward kernel's in-kernel Q (FwdOptions::q_in_kernel,
+// mainloop.hpp quant_q_frag) so both give the same codes and scales bit for bit. Each lane adds its
+// part of the row, reduce() combines kWidth consecutive lanes; the max is exact in any order and
+// `bad` only tells whether the row holds a non-finite element, so the lane split does not matter.
+struct QRowQuant {
+  float amax = 0.f;
+  float bad = 0.f;  // the sum of x * 0: NaN exactly when the row holds a NaN or Inf
+
+  __device__ __forceinline__ void add(float x) {
+    amax = fmaxf(amax, finite_abs(x));
+    bad += x * 0.f;
+  }
+  // Butterfly over kWidth consecutive lanes (all 32 lanes take part): every lane gets the row's.
+  template <int kWidth>
+  __device__ __forceinline__ void reduce() {
+#pragma unroll
+    for (int o = kWidth / 2; o > 0; o >>= 1) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      bad += __shfl_xor_sync(0xffffffffu, bad, o);
+    }
+  }
+  // The codes' scale: quant_int8(x, scale()) (NaN -> 0, +-Inf -> +-127).
+  __device__ __forceinline__ float scale() const { return amax / kInt8Max; }
+  // The row's stored scale sq: NaN for a row with a non-finite element (the epilogue's "this row
+  // is NaN"; its codes use the finite absmax, as the reference's), else scale().
+  __device__ __forceinline__ float stored_scale() const { return isnan(bad) ? bad : scale(); }
+};
 
 // E4M3 codes of x0 / s, x1 / s (fp32 true division, RNE, satfinite), x0 in the low byte.
 __device__ __forceinline__ uint32_t quant_e4m3x2(float x0, float x1, float s0, float s1) {

@@ -44,6 +44,12 @@ struct RowTiling {
 template <int D, DType kIn, bool kBatch>
 __device__ void quant_q_block(const PrepassParams& p, int blk);
 
+// Q image tiles the pre-pass quantizes (one block each): none with p.skip_q (the forward variant
+// quantizes Q itself, FwdOptions::q_in_kernel).
+__host__ __device__ __forceinline__ int q_block_count(const PrepassParams& p) {
+  return p.skip_q ? 0 : p.B * p.Hq * p.n_q_tiles;
+}
+
 // Whether key `key` of batch row b takes part (inside the sequence and attended).
 using sage_common::key_attended;
 
@@ -156,22 +162,18 @@ __device__ void quant_q_block(const PrepassParams& p, int blk) {
     if constexpr (!kBatch) load_pass(pass);
     float x[8];
     raw_to_float8<kIn>(xs[pass], x);
-    float a = 0.f, bad = 0.f;  // bad: the sum of x * 0, NaN exactly when the row holds a NaN or Inf
+    QRowQuant rq;  // numerics.hpp: the rule the forward kernel's q_in_kernel shares
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      a = fmaxf(a, finite_abs(x[i]));
-      bad += x[i] * 0.f;
-    }
-    a = group_max<RT::kLanes>(a);
-    bad = group_sum<RT::kLanes>(bad);
-    const float sq = a / kInt8Max;
+    for (int i = 0; i < 8; ++i) rq.add(x[i]);
+    rq.reduce<RT::kLanes>();
+    const float sq = rq.scale();
     int qi[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) qi[i] = quant_int8(x[i], sq);  // NaN -> 0, +-Inf -> +-127
     *reinterpret_cast<uint2*>(img + sw_byte_offset<D>(r, c0)) = pack_int8x8(qi);
     const int64_t srow = static_cast<int64_t>(bh) * p.n_q_tiles * kRowsPerWG + i_tok;
     // A non-finite row stores scale NaN: the epilogue's "this row is NaN" (its scores stay finite).
-    if (tid % RT::kLanes == 0) p.sq[srow] = isnan(bad) ? bad : sq;
+    if (tid % RT::kLanes == 0) p.sq[srow] = rq.stored_scale();
     if (p.qkm != nullptr) {
       float dot = 0.f;
 #pragma unroll
@@ -350,7 +352,7 @@ template <int D, DType kIn, bool kBatch>
 __global__ void __launch_bounds__(kPrepassThreads) quant_kernel(const __grid_constant__ PrepassParams p) {
   __shared__ __align__(16) uint8_t stage[D * kVtStride];
   __shared__ float scratch[kPrepassThreads / 32];
-  const int n_qb = p.q_in_stats ? 0 : p.B * p.Hq * p.n_q_tiles;
+  const int n_qb = p.q_in_stats ? 0 : q_block_count(p);
   const int n_kb = p.B * p.Hkv * p.n_kv_tiles;
   const int blk = blockIdx.x;
   // PDL (kPrepassPdl): the forward kernel may be scheduled once every block of this launch runs
@@ -379,11 +381,11 @@ template <int D, DType kIn, bool kBatch>
 cudaError_t launch_prepass_impl(const PrepassParams& p, cudaStream_t stream) {
   const int n_stat = p.B * p.Hkv * p.n_split;
   const int n_mask = p.key_mask ? p.B * ((4 * p.n_kv_tiles + 7) / 8) : 0;
-  const int n_q = p.q_in_stats ? p.B * p.Hq * p.n_q_tiles : 0;
+  const int n_q = p.q_in_stats ? q_block_count(p) : 0;
   stats_kernel<D, kIn, kBatch><<<n_stat + n_mask + n_q, kPrepassThreads, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  const int n_quant = (p.q_in_stats ? 0 : p.B * p.Hq * p.n_q_tiles) + 2 * p.B * p.Hkv * p.n_kv_tiles;
+  const int n_quant = (p.q_in_stats ? 0 : q_block_count(p)) + 2 * p.B * p.Hkv * p.n_kv_tiles;
   return sage_common::launch_with_smem(quant_kernel<D, kIn, kBatch>, dim3(n_quant), kPrepassThreads, 0, p, stream,
                                        pdl_launches() ? sage_common::LaunchKind::kPdl : sage_common::LaunchKind::kPlain);
 }

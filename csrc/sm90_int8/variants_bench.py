@@ -14,7 +14,9 @@ kPrepass* bits: 1 = Q quantized inside the stats launch, 2 = batched loads, 8 = 
 dependent launches; bit 4 = one workspace allocation is host-only), the full call in modes 0, 3, 4,
 7, 14 and 15, and the full call pipelined (20 calls between two events, no sync) in modes 0, 7 and
 15: full - pipelined ~ host latency per call. The correctness check runs every variant in mode 0
-and in mode 15.
+and in mode 15; a q_in_kernel variant ("_qk": Q quantized inside the kernel, the pre-pass without
+Q) must also give bit for bit the output of its base variant, Q rows with NaN / Inf included.
+Per variant, "pre ms" is the pre-pass alone as that variant needs it (Q-less for "_qk").
 Before the timing, --accuracy runs every variant on long sequences (16K-131K tokens) against
 sage8_reference and fp32 SDPA (accumulation_check). A compact table comes last (the device log
 keeps only its tail).
@@ -53,6 +55,7 @@ DEFAULT_FLAGS = _variants.DEFAULT_FLAGS
 ACC_SHAPES = [(1, 4, 16384, 128), (1, 8, 17776, 64), (1, 2, 65536, 128), (1, 4, 65536, 64),
               (1, 1, 131072, 128)]
 ACC_QUICK_SHAPES = [(1, 4, 16384, 128), (1, 8, 17776, 64), (1, 1, 65536, 128)]
+QK_BIT = 1 << 16  # FwdOptions::q_in_kernel (generate_instantiations._HIGH_BITS)
 PDL_MODE = 15  # mode 7 + bit 8 (launch.h kPrepassPdl): the quant launch and the forward kernel start with PDL
 CHECK_MODES = (1, 2, 3, 4, 7, 8, PDL_MODE)  # pre-pass mode bit sets checked against the reference
 FULL_MODES = (0, 3, 4, 7, 14, PDL_MODE)     # full-call timings (per-repetition sync)
@@ -199,6 +202,26 @@ def main():
                     if not ok:
                         print(f"BAD ref d={d} {b}x{h}x{s} mask={masked} poly={poly} "
                               f"{NAMES.get(flags, flags)} prepass={mode}: cos={c:.6f}", flush=True)
+            # q_in_kernel: the same bits as the variant without it (same codes, scales, kernel math),
+            # also with non-finite Q elements (those rows are NaN, the pre-pass's NaN-row rule)
+            q_odd = q.clone()
+            q_odd[0, 0, 7, 3] = float("nan")
+            q_odd[-1, -1, s - 2, 0] = float("inf")
+            q_odd[0, 1 % h, 130, 1] = float("-inf")
+            for poly, flags, mode in cases:
+                if not flags & QK_BIT:
+                    continue
+                if has_modes:
+                    ext.set_prepass_mode(mode)
+                for qq, masked in ((q, False), (q, True), (q_odd, False), (q_odd, True)):
+                    m = mask if masked else None
+                    a = run(qq, k, v, poly, flags, mask=m)
+                    b_ = run(qq, k, v, poly, flags & ~QK_BIT, mask=m)
+                    same = torch.equal(a.view(torch.int16), b_.view(torch.int16))
+                    bad += not same
+                    if not same:
+                        print(f"BAD qk bits d={d} {b}x{h}x{s} mask={masked} nonfinite={qq is q_odd} "
+                              f"{NAMES.get(flags, flags)} prepass={mode}", flush=True)
             if has_modes:
                 ext.set_prepass_mode(0)
     bad += bit_identity_check(variants, run, ext if has_modes else None)
@@ -213,8 +236,8 @@ def main():
     # ---- timing ----
     from torch.nn.attention import SDPBackend, sdpa_kernel
     summary = []
-    print("| shape | variant | poly | full ms | main ms | TOPS(full) | vs cuDNN | cos vs base |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape | variant | poly | full ms | main ms | pre ms | TOPS(full) | vs cuDNN | cos vs base | bits = base |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     shapes = SHAPES if args.shapes == "all" else QUICK_SHAPES
     for (b, h, s, d) in shapes:
         q, k, v = make_inputs(b, h, s, d)
@@ -222,7 +245,7 @@ def main():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             t_cudnn = time_ms(lambda: F.scaled_dot_product_attention(q, k, v), args.reps)
         tag = f"{b}x{h}x{s}x{d}"
-        print(f"| {tag} | cuDNN bf16 | - | {t_cudnn:.3f} | - | {flops / t_cudnn / 1e9:.0f} | 1.00 | - |", flush=True)
+        print(f"| {tag} | cuDNN bf16 | - | {t_cudnn:.3f} | - | - | {flops / t_cudnn / 1e9:.0f} | 1.00 | - | - |", flush=True)
         base = run(q, k, v, *default_variant(d)).float()
         best = None
         for dd, poly, flags in variants:
@@ -230,12 +253,13 @@ def main():
                 continue
             out = run(q, k, v, poly, flags)
             c = cosine(out.float(), base)
+            same = torch.equal(out.float(), base)
             t = time_ms(lambda: run(q, k, v, poly, flags), args.reps)
             ext.set_fwd_flags(flags)
             t_pre, t_main = ext.bench_parts(q, k, v, False, poly, args.reps)
             name = f"{NAMES.get(flags, flags)}/p{poly}"
-            print(f"| {tag} | {NAMES.get(flags, flags)} | {poly} | {t:.3f} | {t_main:.3f} | "
-                  f"{flops / t / 1e9:.0f} | {t_cudnn / t:.2f} | {c:.6f} |", flush=True)
+            print(f"| {tag} | {NAMES.get(flags, flags)} | {poly} | {t:.3f} | {t_main:.3f} | {t_pre:.3f} | "
+                  f"{flops / t / 1e9:.0f} | {t_cudnn / t:.2f} | {c:.6f} | {'yes' if same else 'no'} |", flush=True)
             if best is None or t_main < best[2]:
                 best = (name, t, t_main)
         # pre-pass modes, pipelined call, with the default variant
