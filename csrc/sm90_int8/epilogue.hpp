@@ -17,6 +17,8 @@
 // whole share of O in registers, writes it to a per-warp shared-memory tile with stmatrix
 // (StagedOut below), and the warp then copies its 16 rows out with 16-byte loads and coalesced
 // 16-byte stores (a half warp per 256-byte row at hd128). Rows >= Sq are still never written.
+// Those stores need 16-byte aligned output rows: the binding allocates out like q, whose rows it
+// checks to be 16-byte aligned (binding.cpp check_qkv); a caller-provided output must be as well.
 #pragma once
 
 #include <cstdint>
@@ -48,7 +50,6 @@ struct StagedOut {
   static constexpr int kBytes = kPieces * kConsumerThreads * 16 + kSmemOSumAlign;  // + alignment pad
   static_assert(kChunks >= 8 && 32 % kChunks == 0 && kWarpRows % kRowsPerPiece == 0, "D in {64, 128}");
   static_assert(kBytes <= kSmemOSumBytes<D>, "the staged tile fits in smem_o_every's fp32 sum");
-
   static_assert((kRowsPerPiece & (kRowsPerPiece - 1)) == 0 && kRowsPerPiece <= 8, "a power of 2 up to 8");
 
   // float4 index of chunk c of warp row r, relative to the warp's first chunk (32 * warp), given
@@ -66,6 +67,7 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
                ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
 
+// 16 bytes from shared memory; volatile with a memory clobber, so it stays after the stmatrix.
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
