@@ -272,6 +272,40 @@ def test_int8_q_in_kernel_flag_name_and_lse_rule():
     assert dispatch.count("serves_lse(OPT, ") == 3  # has_fwd_variant, fwd_quantizes_q, run_fwd
 
 
+def test_int8_epilogue_staged_flag_name_and_bench_twins():
+    """`epilogue_staged` is flag bit 1 << 17 (FwdOptions::kFlagsHighShift + 5) on both sides, named
+    "stage"; the benchmark build has the defaults with it, alone and with phase_clock, and
+    variants_bench.py compares it bit for bit (SAME_BITS_FLAGS)."""
+    from dataclasses import replace
+
+    from sage_diffusers.kernels import _sm90_int8_variants as py
+
+    gen = _generator()
+    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
+    assert gen._HIGH_BITS["epilogue_staged"] == 5 and gen._HIGH_SHORT["epilogue_staged"] == "stage"
+    assert "(epilogue_staged ? 1 << (kFlagsHighShift + 5) : 0)" in launch
+    assert "o.epilogue_staged = ((flags >> (kFlagsHighShift + 5)) & 1) != 0;" in launch
+    assert "FwdOptions{.epilogue_staged = true}.flags() == 1 << 17" in launch
+    for d in (64, 128):
+        base = replace(gen.DEFAULTS[d], epilogue_staged=False)
+        staged = replace(base, epilogue_staged=True)
+        clock = replace(staged, phase_clock=True)
+        assert staged.flags == base.flags | 1 << 17 and clock.flags == base.flags | 1 << 17 | 1 << 14
+        assert staged.name == base.name + "_stage" and clock.name == base.name + "_clock_stage"
+        assert staged.cpp().endswith(", .epilogue_staged = true}")
+        for o in (staged, clock):
+            assert (d, o) in gen.BENCH_VARIANTS
+            assert (d, o.exp2_poly_every, o.flags, o.name) in py.BENCH_VARIANTS
+            assert py.FLAG_NAMES[o.flags] == o.name
+    bench = (CSRC / "sm90_int8" / "variants_bench.py").read_text()
+    bits = [int(b) for b in re.findall(r"1 << (\d+)", re.search(r"^SAME_BITS_FLAGS = (.+)$", bench, re.M).group(1))]
+    assert set(bits) == {14, 15, 17}  # phase_clock, epilogue_summary, epilogue_staged
+    same_bits = sum(1 << b for b in bits)
+    # the staged variants' unstaged, summary-free base is compiled too: the bit identity check runs
+    flags = {o.flags for _, o in gen.BENCH_VARIANTS}
+    assert all(o.flags & ~same_bits in flags for _, o in gen.BENCH_VARIANTS if o.epilogue_staged)
+
+
 def test_fp4_options_come_from_one_source(tmp_path):
     """kernel_options.h and _fp4_variants.py are what generate_options.py writes today, the
     kernel takes its options and default from that header only, and the Python side is that module."""

@@ -10,20 +10,75 @@
 // Inf. p.v_summary holds, per (b, kv head), the first attended key with any non-finite V element
 // (the minimum of v_first); where every row of the warp ends before it, no lookup can find one
 // and the values are stored as they are: the same results, without the loads.
+// kStaged (FwdOptions::epilogue_staged): the same values, stored in two steps. The direct stores
+// above write 4 bytes per thread (a warp store covers 8 rows x 16 B, half of each 32-byte sector)
+// and, interleaved with them, load sv (and v_first) again per row, each load one L2 round trip
+// behind the stores it may alias. Staged, a thread loads every sv value it needs first, packs its
+// whole share of O in registers, writes it to a per-warp shared-memory tile with stmatrix
+// (StagedOut below), and the warp then copies its 16 rows out with 16-byte loads and coalesced
+// 16-byte stores (a half warp per 256-byte row at hd128). Rows >= Sq are still never written.
+// Those stores need 16-byte aligned output rows: the binding allocates out like q, whose rows it
+// checks to be 16-byte aligned (binding.cpp check_qkv); a caller-provided output must be as well.
 #pragma once
 
 #include <cstdint>
 
+#include "../common/smem.cuh"
+#include "mainloop.hpp"
 #include "numerics.hpp"
 #include "softmax.hpp"
 #include "tile_config.hpp"
 
 namespace sage_sm90 {
 
-template <int D, DType kOut, bool kCausal, bool kSummary, class Softmax>
+// epilogue_staged's shared-memory tile: per consumer warp its 16 output rows x D 16-bit values,
+// in 16-byte chunks (8 values). The region is smem_o_sum's place (after the barriers): with
+// smem_o_every it is O's fp32 sum itself, which the warp has read back into registers by then,
+// else the launch adds kBytes there (kernel_fwd.cuh fwd_smem_bytes). The warp's chunks are the
+// slots smem_o_sum gives its own 32 threads: piece i (i < kPieces) holds 32 consecutive chunks at
+// float4 index i * kConsumerThreads + 32 * warp, so no warp touches another's bytes (only
+// __syncwarp between the steps) and the fp32 sum needs only its own threads' reads done.
+// Within a piece row r takes kChunks consecutive chunks, chunk c stored at position c ^ (r & 7):
+// the eight rows of one stmatrix 8x8 matrix (same c, r = 0..7) land in eight different bank
+// groups, and the copy-out reads each piece as 512 contiguous bytes (both conflict-free).
+template <int D>
+struct StagedOut {
+  static constexpr int kChunks = D / 8;               // 16-byte chunks of one output row
+  static constexpr int kWarpRows = kRowsPerWG / 4;    // rows of one consumer warp (wgmma m64)
+  static constexpr int kRowsPerPiece = 32 / kChunks;  // a piece is one chunk per lane of the warp
+  static constexpr int kPieces = kWarpRows / kRowsPerPiece;
+  static constexpr int kBytes = kPieces * kConsumerThreads * 16 + kSmemOSumAlign;  // + alignment pad
+  static_assert(kChunks >= 8 && 32 % kChunks == 0 && kWarpRows % kRowsPerPiece == 0, "D in {64, 128}");
+  static_assert(kBytes <= kSmemOSumBytes<D>, "the staged tile fits in smem_o_every's fp32 sum");
+  static_assert((kRowsPerPiece & (kRowsPerPiece - 1)) == 0 && kRowsPerPiece <= 8, "a power of 2 up to 8");
+
+  // float4 index of chunk c of warp row r, relative to the warp's first chunk (32 * warp), given
+  // r & 7 as `r7`: c ^ r7, spelled so that a compile-time c keeps its bits above 3 an immediate.
+  __device__ __forceinline__ static int slot(int r, int c, int r7) {
+    return r / kRowsPerPiece * kConsumerThreads + r % kRowsPerPiece * kChunks + (c & ~7) + ((c & 7) ^ r7);
+  }
+};
+
+// Four 8x8 16-bit matrices from registers to shared memory: lane 8m + i gives the address of row i
+// of matrix m; register m of lane 4i + t holds row i, columns 2t and 2t + 1 of matrix m (the low
+// half the lower column), the accumulator layout of the wgmma fragments.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+               ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
+// 16 bytes from shared memory; volatile with a memory clobber, so it stays after the stmatrix.
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+  return v;
+}
+
+// stage: kStaged's tile region (smem_o_sum's place), unused without kStaged.
+template <int D, DType kOut, bool kCausal, bool kSummary, bool kStaged, class Softmax>
 __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax& sm,
                                                const float (&o)[D / 2], const int (&row)[2], int b,
-                                               int h, int hk) {
+                                               int h, int hk, const float4* stage) {
   const int t = threadIdx.x & 3;
   const int64_t bh = static_cast<int64_t>(b) * p.Hq + h;
   float l[2], inv[2];
@@ -59,7 +114,81 @@ __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax
     }
   };
   auto lookup = [&](int c, float x, int k) { return apply_nonfinite(v_first, D, c, k, x); };
-  if constexpr (kSummary) {
+  if constexpr (kStaged) {
+    // Every sv value this thread needs first (nothing stored yet, so nothing for them to wait on).
+    float2 s[D / 8];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) s[j] = *reinterpret_cast<const float2*>(sv + 8 * j + 2 * t);
+    // packed[j][x]: columns 8j + 2t + {0, 1} of row x, the same expressions as store()'s (the
+    // padding rows >= Sq are computed too, and never stored)
+    uint32_t packed[D / 8][2];
+    auto pack_all = [&](auto&& fix) {
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        const int col = 8 * j + 2 * t;
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          const float o0 = fix(col, o[4 * j + 2 * x] * s[j].x * inv[x], last_key[x]);
+          const float o1 = fix(col + 1, o[4 * j + 2 * x + 1] * s[j].y * inv[x], last_key[x]);
+          packed[j][x] = IO<kOut>::pack2(o0, o1);
+        }
+      }
+    };
+    bool lookup_needed = true;
+    if constexpr (kSummary) {
+      const int first_bad = p.v_summary[b * p.Hkv + hk];
+      lookup_needed = !__all_sync(0xffffffffu, first_bad > max(last_key[0], last_key[1]));
+    }
+    if (lookup_needed) {
+      pack_all(lookup);
+    } else {
+      pack_all([](int, float x, int) { return x; });
+    }
+    using SO = StagedOut<D>;
+    const int lane = threadIdx.x & 31;
+    const uint32_t warp_tile = sage_common::smem_addr(stage + 32 * (threadIdx.x / 32));
+    // smem_o_every: every lane of the warp has read its fp32 sum (its slots are the tile's)
+    __syncwarp();
+    {
+      // stmatrix j / 2: matrices (rows 0-7, chunk j), (rows 8-15, chunk j), (0-7, j + 1), (8-15, j + 1);
+      // this lane addresses row i of matrix m
+      const int m = lane >> 3, i = lane & 7;
+      // chunk j + (m >> 1) of row r = i + 8 (m & 1) (j even): slot(r, 0, 0) + (j & ~7) + ((j & 7) ^ w),
+      // four lane addresses (j & 7 in {0, 2, 4, 6}) and immediate offsets for the rest
+      const int w = (m >> 1) ^ i;
+      const uint32_t row_base = warp_tile + 16 * SO::slot(i + 8 * (m & 1), 0, 0);
+#pragma unroll
+      for (int j = 0; j < D / 8; j += 2) {
+        const uint32_t addr = row_base + 16 * ((j & 7) ^ w) + 16 * (j & ~7);
+        stmatrix_x4(addr, packed[j][0], packed[j][1], packed[j + 1][0], packed[j + 1][1]);
+      }
+    }
+    __syncwarp();
+    {
+      // piece i: chunk q = lane % kChunks of warp row i * kRowsPerPiece + lane / kChunks, read all
+      // first (one shared-memory round trip), then stored where the row is real
+      const int q = lane % SO::kChunks, r_lane = lane / SO::kChunks;
+      uint4 v[SO::kPieces];
+#pragma unroll
+      for (int i = 0; i < SO::kPieces; ++i) {
+        // (i * kRowsPerPiece + r_lane) & 7 without the add: r_lane < kRowsPerPiece, a power of 2
+        const int r7 = ((i * SO::kRowsPerPiece) & 7) | r_lane;
+        v[i] = lds128(warp_tile + 16 * SO::slot(i * SO::kRowsPerPiece + r_lane, q, r7));
+      }
+      const int row_lane = row[0] - (lane >> 2) + r_lane;  // the warp's first row + r_lane
+      const int rows_left = p.Sq - row_lane;                // piece i is real while i * kRowsPerPiece < this
+      char* dst = ob + 2 * (row_lane * p.o_ss + 8 * q);
+      const int64_t piece_bytes = 2 * SO::kRowsPerPiece * p.o_ss;
+#pragma unroll
+      for (int i = 0; i < SO::kPieces; ++i) {
+        if (i * SO::kRowsPerPiece < rows_left) *reinterpret_cast<uint4*>(dst) = v[i];
+        dst += piece_bytes;
+      }
+    }
+    // the region is read by other lanes above: none of the next work tile's writes (persistent:
+    // the fp32 sum's zeroing, the next epilogue's stmatrix) may overtake them
+    __syncwarp();
+  } else if constexpr (kSummary) {
     // warp-uniform, so each warp runs one of the two loops (last_key differs per row only when causal)
     const int first_bad = p.v_summary[b * p.Hkv + hk];
     if (__all_sync(0xffffffffu, first_bad > max(last_key[0], last_key[1]))) {

@@ -28,7 +28,8 @@ PY_OUT = HERE.parents[1] / "sage_diffusers" / "kernels" / "_sm90_int8_variants.p
 # the flags of the older option sets (in eval/results/) stay what they were.
 _HIGH_SHIFT = 12
 # name -> bit above _HIGH_SHIFT (FwdOptions::flags() in launch.h spells the same positions)
-_HIGH_BITS = {"seed_reductions": 0, "persistent": 1, "phase_clock": 2, "epilogue_summary": 3, "q_in_kernel": 4}
+_HIGH_BITS = {"seed_reductions": 0, "persistent": 1, "phase_clock": 2, "epilogue_summary": 3, "q_in_kernel": 4,
+              "epilogue_staged": 5}
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class FwdOptions:
     phase_clock: bool = False         # bit 1 << 14 (kFlagsHighShift + 2), benchmarks: timestamps per phase
     epilogue_summary: bool = False    # bit 1 << 15 (kFlagsHighShift + 3)
     q_in_kernel: bool = False         # bit 1 << 16 (kFlagsHighShift + 4), needs q_in_registers; no LSE
+    epilogue_staged: bool = False     # bit 1 << 17 (kFlagsHighShift + 5), O staged in smem, 16-byte stores
 
     def __post_init__(self):
         if (self.fp16_exp2 or self.split_reductions or self.seed_reductions) and not self.lean_softmax:
@@ -90,7 +92,7 @@ class FwdOptions:
 
 # name parts of the high bools, in this order after smemo<N>
 _HIGH_SHORT = {"seed_reductions": "seed", "persistent": "persist", "epilogue_summary": "esum", "phase_clock": "clock",
-               "q_in_kernel": "qk"}
+               "q_in_kernel": "qk", "epilogue_staged": "stage"}
 
 HEAD_DIMS = (64, 128)
 DTYPES = {"fp16": "DType::kF16", "bf16": "DType::kBF16"}
@@ -134,8 +136,12 @@ EXTRA_EXP_POLY = {64: (8,), 128: ()}
 # Per head dim also: the defaults with phase_clock (timestamps at the phase points of each CTA:
 # eval/int8_phases.py splits the fixed cost) and without epilogue_summary (the previous defaults:
 # every output value looks V's non-finite record up), both compared bit for bit with the defaults.
+# And the defaults with epilogue_staged (O packed into shared memory, then whole rows written with
+# 16-byte stores), alone and with phase_clock (eval/int8_phases.py: its epilogue time), compared
+# bit for bit too.
 # Option changes the benchmark build makes to the defaults of each head dim, in this order.
-_BENCH_CHANGES = ({"persistent": True}, {"phase_clock": True}, {"epilogue_summary": False}, {"q_in_kernel": True})
+_BENCH_CHANGES = ({"persistent": True}, {"phase_clock": True}, {"epilogue_summary": False}, {"q_in_kernel": True},
+                  {"epilogue_staged": True}, {"epilogue_staged": True, "phase_clock": True})
 _UNCORRECTED = {128: _HD128, 64: _HD64}
 # dict.fromkeys: a change the defaults already have names the defaults once (one file, one table row)
 BENCH_VARIANTS = tuple(dict.fromkeys(

@@ -69,6 +69,9 @@ namespace sage_sm90 {
 //   epilogue_summary   : the epilogue reads one int per (b, kv head), the first attended key with
 //                        any non-finite V element (p.v_summary), and where no row of the warp sees
 //                        it skips the per-channel v_first lookup (epilogue.hpp). Same results.
+//   epilogue_staged    : the epilogue loads its sv values before any store, packs O into a per-warp
+//                        shared-memory tile (stmatrix) and writes whole rows with coalesced 16-byte
+//                        stores instead of 4-byte ones (epilogue.hpp StagedOut). Same results.
 //   q_in_kernel        : (needs q_in_registers) each consumer thread loads its Q fragment's
 //                        elements from the 16-bit input and quantizes them itself
 //                        (mainloop.hpp quant_q_frag: the pre-pass's rule, same codes and scales
@@ -87,7 +90,10 @@ using FwdRegisterSplit = sage_common::sm90::RegisterSplit<40, 232>;
 
 template <int D, FwdOptions kOpt>
 constexpr int fwd_smem_bytes() {
-  constexpr int bytes = TileConfig<D>::kSmemBytes + (kOpt.smem_o_every > 0 ? kSmemOSumBytes<D> : 0);
+  // epilogue_staged: its tile takes the O sum's place (StagedOut, epilogue.hpp), or adds it
+  constexpr int bytes = TileConfig<D>::kSmemBytes + (kOpt.smem_o_every > 0 ? kSmemOSumBytes<D>
+                                                     : kOpt.epilogue_staged ? StagedOut<D>::kBytes
+                                                                            : 0);
   static_assert(bytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
   return bytes;
 }
@@ -500,7 +506,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       }
     }
     if (work == 0) clock.mark(ConsumerPhase::kEpilogue);
-    epilogue_store<D, kOut, kCausal, kOpt.epilogue_summary>(p, sm, o, row, b, h, hk);
+    epilogue_store<D, kOut, kCausal, kOpt.epilogue_summary, kOpt.epilogue_staged>(
+        p, sm, o, row, b, h, hk, kOpt.epilogue_staged ? smem_o_sum<D>(sp) : nullptr);
     if (work == 0) clock.mark(ConsumerPhase::kStored);
   });
 }

@@ -31,6 +31,7 @@ struct FwdOptions {
   bool epilogue_summary = false;    // the epilogue skips V's non-finite lookup when FwdParams::v_summary says none is seen
   bool q_in_kernel = false;         // consumers quantize Q from the 16-bit input (no pre-pass Q; needs
                                     // q_in_registers; no LSE: run_fwd never picks it for lse)
+  bool epilogue_staged = false;     // the epilogue stages O in smem and writes rows with 16-byte stores
 
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
@@ -38,7 +39,7 @@ struct FwdOptions {
            (fp32_pv_tiles ? 64 : 0) | (smem_o_every << kFlagsIntShift) |
            (seed_reductions ? 1 << kFlagsHighShift : 0) | (persistent ? 1 << (kFlagsHighShift + 1) : 0) |
            (phase_clock ? 1 << (kFlagsHighShift + 2) : 0) | (epilogue_summary ? 1 << (kFlagsHighShift + 3) : 0) |
-           (q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0);
+           (q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0) | (epilogue_staged ? 1 << (kFlagsHighShift + 5) : 0);
   }
   static constexpr int kFlagsIntShift = 7;  // smem_o_every (<= 16: 5 bits) sits above the first bools
   static constexpr int kFlagsHighShift = 12;  // bools added later sit above it (flags stay stable)
@@ -59,6 +60,7 @@ struct FwdOptions {
     o.phase_clock = ((flags >> (kFlagsHighShift + 2)) & 1) != 0;
     o.epilogue_summary = ((flags >> (kFlagsHighShift + 3)) & 1) != 0;
     o.q_in_kernel = ((flags >> (kFlagsHighShift + 4)) & 1) != 0;
+    o.epilogue_staged = ((flags >> (kFlagsHighShift + 5)) & 1) != 0;
     o.exp2_poly_every = exp2_poly_every;
     return o;
   }
@@ -119,6 +121,10 @@ constexpr int kPhaseWords = 2;  // per slot: globaltimer, clock64
 static_assert(FwdOptions{.q_in_kernel = true}.flags() == 1 << 16 &&
                   FwdOptions::from_flags(1 << 16, 0).q_in_kernel && !FwdOptions::from_flags(1 << 16, 0).persistent,
               "FwdOptions::q_in_kernel flag bit (generate_instantiations._HIGH_BITS)");
+static_assert(FwdOptions{.epilogue_staged = true}.flags() == 1 << 17 &&
+                  FwdOptions::from_flags(1 << 17, 0).epilogue_staged && !FwdOptions::from_flags(1 << 17, 0).q_in_kernel &&
+                  !FwdOptions::from_flags(1 << 16, 0).epilogue_staged,
+              "FwdOptions::epilogue_staged flag bit (generate_instantiations._HIGH_BITS)");
 
 // Everything the quantization pre-pass reads and writes. Strides are in elements; the last
 // (head) dimension of q, k, v is contiguous and rows are 16-byte aligned (checked by the binding).

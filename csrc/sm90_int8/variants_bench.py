@@ -4,8 +4,8 @@
 Builds the benchmark extension (env SAGE_DIFFUSERS_SM90_BENCH=1: bf16 non-causal variants listed in
 generate_instantiations.BENCH_VARIANTS, options explained in kernel_fwd.cuh), checks every variant and
 both pre-pass modes against sage8_reference on small awkward shapes (key mask included), then per
-timed shape and variant (the phase_clock and epilogue_summary variants are also compared bit for
-bit with the flags without them, V with and without +-Inf / NaN: bit_identity_check):
+timed shape and variant (the phase_clock, epilogue_summary and epilogue_staged variants are also
+compared bit for bit with the flags without them, V with and without +-Inf / NaN: bit_identity_check):
   full  : median of the whole call (pre-pass + kernel + host work), synchronised per repetition
           (the convention of eval/bench_kernels.py, host latency included like cuDNN's);
   main  : the attention kernel alone, back-to-back launches (ext.bench_parts);
@@ -73,12 +73,14 @@ def time_pipelined_ms(fn, n=20):
     return pipelined_ms(fn, n, warmup=1)
 
 
-# FwdOptions bits that must change no output bit (launch.h): phase_clock, epilogue_summary
-SAME_BITS_FLAGS = (1 << 14) | (1 << 15)
+# FwdOptions bits that must change no output bit (launch.h): phase_clock, epilogue_summary,
+# epilogue_staged
+SAME_BITS_FLAGS = (1 << 14) | (1 << 15) | (1 << 17)
 
 
 def bit_identity_check(variants, run, ext=None):
-    """Each variant with phase_clock or epilogue_summary against the same flags without them, bit
+    """Each variant with phase_clock, epilogue_summary or epilogue_staged against the same flags
+    without any of them (a staged variant with the summary thus against the unstaged lookup path), bit
     for bit, with and without a key mask, on V without and with +-Inf / NaN (one channel with both
     infinities, a NaN, a lone Inf, and a NaN on a masked key, which must vanish), in pre-pass modes
     0 and 7 (separate tensors / one workspace: both carve v_summary; ext None: the current mode
