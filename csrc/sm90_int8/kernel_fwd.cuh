@@ -170,8 +170,11 @@ __device__ __forceinline__ FwdWork make_work(const FwdParams& p, int m_block, in
   w.hk = h / (p.Hq / p.Hkv);
   w.kv_len = p.kv_len != nullptr ? min(p.kv_len[b], p.Skv) : p.Skv;
   w.n_tiles = (w.kv_len + kBlockKV - 1) / kBlockKV;
-  // (m_block + 1) at kBlockM = kBlockKV; with 192 rows the last block's keys end mid-tile
-  if constexpr (kCausal) w.n_tiles = min(w.n_tiles, ((m_block + 1) * kBlockM + kBlockKV - 1) / kBlockKV);
+  if constexpr (kCausal) {
+    // the tiles up to the block's last row; at kBlockM = kBlockKV spelled as before (same SASS)
+    const int last = kBlockM == kBlockKV ? m_block + 1 : ((m_block + 1) * kBlockM + kBlockKV - 1) / kBlockKV;
+    w.n_tiles = min(w.n_tiles, last);
+  }
   return w;
 }
 
