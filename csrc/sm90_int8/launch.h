@@ -32,7 +32,7 @@ struct FwdOptions {
   bool q_in_kernel = false;         // consumers quantize Q from the 16-bit input (no pre-pass Q; needs
                                     // q_in_registers; no LSE: run_fwd never picks it for lse)
   bool three_consumers = false;     // three consumer warpgroups (192 query rows per CTA) instead of two;
-                                    // head dim 64 only (fwd_kernel static_asserts it), no ping-pong
+                                    // head dim 64 only (fwd_kernel static_asserts it), no ping-pong or phase_clock
 
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
