@@ -269,7 +269,67 @@ def test_int8_q_in_kernel_flag_name_and_lse_rule():
     regular = (CSRC / "sm90_int8" / "instantiations" / "variants.inc").read_text()
     assert "q_in_kernel" not in regular
     dispatch = (CSRC / "sm90_int8" / "dispatch.cu").read_text()
-    assert dispatch.count("serves_lse(OPT, ") == 3  # has_fwd_variant, fwd_quantizes_q, run_fwd
+    # find_fwd_variant (behind has_fwd_variant, fwd_quantizes_q, fwd_rows_per_cta) and run_fwd
+    assert dispatch.count("serves_lse(OPT, ") == 2
+    for query in ("has_fwd_variant", "fwd_quantizes_q", "fwd_rows_per_cta"):
+        body = dispatch.split(f" {query}(int head_dim", 1)[1].split("\n}\n", 1)[0]
+        assert "find_fwd_variant(head_dim, causal, exp_poly_every, lse, o)" in body, query
+
+
+def test_int8_three_consumers_flag_name_validity_and_q_tiles():
+    """`three_consumers` is flag bit 1 << 18 (FwdOptions::kFlagsHighShift + 6) on both sides, named
+    "wg3", hd64 only, never with ping-pong or the phase clock, not a default; the benchmark build has
+    it (without the overlap, which spills at 160 registers) with a partner the bit-identity check
+    pairs it with; the binding sizes the Q images by the dispatched variant's rows per CTA."""
+    import ast
+    from dataclasses import replace
+
+    from sage_diffusers.kernels import _sm90_int8_variants as py
+
+    gen = _generator()
+    k = CSRC / "sm90_int8"
+    launch = (k / "launch.h").read_text()
+    assert gen._HIGH_BITS["three_consumers"] == 6 and gen._HIGH_SHORT["three_consumers"] == "wg3"
+    assert "(three_consumers ? 1 << (kFlagsHighShift + 6) : 0)" in launch
+    assert "o.three_consumers = ((flags >> (kFlagsHighShift + 6)) & 1) != 0;" in launch
+    assert "FwdOptions{.three_consumers = true}.flags() == 1 << 18" in launch
+    assert "(!three_consumers || (!pingpong && !phase_clock))" in launch
+    assert "three_consumers ? 3 : 2" in launch
+    assert "static_assert(!kOpt.three_consumers || D == 64," in (k / "kernel_fwd.cuh").read_text()
+    for bad in ({"pingpong": True}, {"phase_clock": True}):
+        try:
+            gen.FwdOptions(lean_softmax=True, three_consumers=True, **bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"three_consumers with {bad} was accepted")
+    try:
+        gen._checked(128, gen.FwdOptions(three_consumers=True))
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("three_consumers at head dim 128 was accepted")
+    assert all(not o.three_consumers for o in gen.DEFAULTS.values())  # decided from a GPU run
+    assert all(not o.three_consumers for *_, o in gen.variants())
+    assert all(d == 64 for d, o in gen.BENCH_VARIANTS if o.three_consumers)
+    base = gen.DEFAULTS[64]
+    wg3 = replace(base, three_consumers=True, overlap_softmax_pv=False)
+    partner = replace(base, overlap_softmax_pv=False, epilogue_summary=False)
+    assert wg3.name == partner.name + "_esum_wg3" and wg3.cpp().endswith(", .three_consumers = true}")
+    assert wg3.flags == partner.flags | 1 << 15 | 1 << 18
+    for o in (wg3, partner):
+        assert (64, o) in gen.BENCH_VARIANTS
+        assert (64, o.exp2_poly_every, o.flags, o.name) in py.BENCH_VARIANTS
+        assert py.FLAG_NAMES[o.flags] == o.name
+    # variants_bench.bit_identity_check compares wg3 with flags & ~SAME_BITS_FLAGS: the partner
+    tree = ast.parse((k / "variants_bench.py").read_text())
+    same = next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "SAME_BITS_FLAGS")
+    same_bits = eval(compile(ast.Expression(same), "SAME_BITS_FLAGS", "eval"))
+    assert same_bits & 1 << 18 and wg3.flags & ~same_bits == partner.flags
+    # the Q images cover whole CTAs of the variant run_fwd picks: no fixed 128-row block in the binding
+    binding = (k / "binding.cpp").read_text()
+    assert "kBlockM" not in binding and "sage_sm90::fwd_q_tiles(Sq, rows_per_cta)" in binding
+    assert binding.count("sage_sm90::fwd_rows_per_cta(") == 3  # fwd, bench_parts, fwd_phase_clock
+    assert "fwd_q_tiles(4429, 192) == 3 * 24" in launch
 
 
 def test_int8_epilogue_staged_flag_name_and_bench_twins():
@@ -299,7 +359,7 @@ def test_int8_epilogue_staged_flag_name_and_bench_twins():
             assert py.FLAG_NAMES[o.flags] == o.name
     bench = (CSRC / "sm90_int8" / "variants_bench.py").read_text()
     bits = [int(b) for b in re.findall(r"1 << (\d+)", re.search(r"^SAME_BITS_FLAGS = (.+)$", bench, re.M).group(1))]
-    assert set(bits) == {14, 15, 17}  # phase_clock, epilogue_summary, epilogue_staged
+    assert set(bits) == {14, 15, 17, 18}  # phase_clock, epilogue_summary, epilogue_staged, three_consumers
     same_bits = sum(1 << b for b in bits)
     # the staged variants' unstaged, summary-free base is compiled too: the bit identity check runs
     flags = {o.flags for _, o in gen.BENCH_VARIANTS}

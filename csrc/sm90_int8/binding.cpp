@@ -18,8 +18,7 @@ namespace {
 using sage_sm90::DType;
 
 constexpr int kBlockKV = 128;
-constexpr int kBlockM = 128;
-constexpr int kQTileRows = 64;
+constexpr int kQTileRows = sage_sm90::kQImageRows;
 // v_first (launch.h): +Inf, -Inf, NaN per channel, "no key" = every byte 0x7f (common/nonfinite.h).
 constexpr int kNonFiniteKinds = static_cast<int>(sage_common::NonFinite::kCount);
 constexpr int kNoKeyByte = sage_common::kNoKey & 0xff;
@@ -65,9 +64,11 @@ struct Carver {
 };
 
 // skip_q: the forward variant quantizes Q itself (sage_sm90::fwd_quantizes_q): no Q blocks, no
-// q_img / sq (empty tensors, null pointers), so it cannot want qkm.
+// q_img / sq (empty tensors, null pointers), so it cannot want qkm. rows_per_cta: query rows per
+// CTA of the forward variant (sage_sm90::fwd_rows_per_cta): the Q images cover whole CTAs.
 Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const c10::optional<at::Tensor>& key_mask, double scale, bool want_qkm, bool skip_q = false) {
+                 const c10::optional<at::Tensor>& key_mask, double scale, bool want_qkm, bool skip_q = false,
+                 int rows_per_cta = 2 * kQTileRows) {
   TORCH_CHECK(!(skip_q && want_qkm), "internal: the LSE correction needs the pre-pass's Q");
   check_qkv(q, "q", q);
   check_qkv(k, "k", q);
@@ -89,7 +90,7 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
 
   Prepared r;
-  const int64_t n_q_tiles = 2 * ((Sq + kBlockM - 1) / kBlockM);
+  const int64_t n_q_tiles = sage_sm90::fwd_q_tiles(Sq, rows_per_cta);
   const int64_t n_kv_tiles = (Skv + kBlockKV - 1) / kBlockKV;
   // token chunks of the k-mean / v-absmax reduction (common/token_stats.h, shared with FP4)
   const auto [n_split, split_len] = sage_common::stats_split(B * Hkv, Skv);
@@ -228,7 +229,9 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
               exp_poly_every, ", return_lse ", return_lse);
   const bool q_in_kernel =
       sage_sm90::fwd_quantizes_q(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), return_lse);
-  Prepared r = prepare(q, k, v, key_mask, scale, return_lse, q_in_kernel);
+  const int rows_per_cta =
+      sage_sm90::fwd_rows_per_cta(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), return_lse);
+  Prepared r = prepare(q, k, v, key_mask, scale, return_lse, q_in_kernel, rows_per_cta);
   at::Tensor out = at::empty_like(q);  // keeps q's memory layout: BSHD callers get BSHD back
   at::Tensor lse = return_lse ? at::empty({B, Hq, Sq}, q.options().dtype(at::kFloat))
                               : at::empty({0}, q.options().dtype(at::kFloat));
@@ -294,7 +297,9 @@ std::vector<double> bench_parts(const at::Tensor& q, const at::Tensor& k, const 
   // the pre-pass the dispatched variant needs: without Q when it quantizes Q itself
   const bool q_in_kernel =
       sage_sm90::fwd_quantizes_q(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), false);
-  Prepared r = prepare(q, k, v, c10::nullopt, scale, /*want_qkm=*/false, q_in_kernel);
+  const int rows_per_cta =
+      sage_sm90::fwd_rows_per_cta(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), false);
+  Prepared r = prepare(q, k, v, c10::nullopt, scale, /*want_qkm=*/false, q_in_kernel, rows_per_cta);
   at::Tensor out = at::empty_like(q);
   const sage_sm90::FwdParams p = bench_fwd_params(r, q, k, out, scale);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -338,10 +343,12 @@ at::Tensor fwd_phase_clock(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(sage_sm90::has_fwd_variant(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every)),
               "no compiled variant for this call");
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  Prepared r = prepare(q, k, v, c10::nullopt, scale, /*want_qkm=*/false);
+  const int rows_per_cta =
+      sage_sm90::fwd_rows_per_cta(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), false);
+  Prepared r = prepare(q, k, v, c10::nullopt, scale, /*want_qkm=*/false, /*skip_q=*/false, rows_per_cta);
   at::Tensor out = at::empty_like(q);
   sage_sm90::FwdParams p = bench_fwd_params(r, q, k, out, scale);
-  const int64_t ctas = r.p.n_q_tiles / (kBlockM / kQTileRows) * q.size(1) * q.size(0);  // grid.x * Hq * B
+  const int64_t ctas = r.p.n_q_tiles / (rows_per_cta / kQTileRows) * q.size(1) * q.size(0);  // grid.x * Hq * B
   at::Tensor rec = at::zeros({ctas, sage_sm90::kPhaseSlots, sage_sm90::kPhaseWords}, q.options().dtype(at::kLong));
   p.phase_clock = reinterpret_cast<unsigned long long*>(rec.data_ptr<int64_t>());
   const cudaError_t err = sage_sm90::run_fwd(p, static_cast<int>(D), dtype_of(q), is_causal,

@@ -24,25 +24,36 @@ void set_fwd_flags(int flags) { g_flags = flags; }
 #define SAGE_SM90_TABLE "instantiations/variants.inc"
 #endif
 
-bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every, bool lse) {
+namespace {
+// The options of the first table entry run_fwd would match (every dtype compiles the same option
+// sets), or false where none does: the one lookup behind the queries below.
+bool find_fwd_variant(int head_dim, bool causal, int exp_poly_every, bool lse, FwdOptions& found) {
 #define SAGE_SM90_VARIANT(D, DT, CAUSAL, OPT)                                                   \
   if (head_dim == D && causal == CAUSAL && exp_poly_every == (OPT).exp2_poly_every &&           \
-      flags_match((OPT).flags()) && serves_lse(OPT, lse))                                        \
-    return true;
+      flags_match((OPT).flags()) && serves_lse(OPT, lse)) {                                      \
+    found = (OPT);                                                                              \
+    return true;                                                                                \
+  }
 #include SAGE_SM90_TABLE
 #undef SAGE_SM90_VARIANT
   return false;
 }
+}  // namespace
 
-// The first table entry run_fwd would match (every dtype compiles the same option sets).
+bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every, bool lse) {
+  FwdOptions o;
+  return find_fwd_variant(head_dim, causal, exp_poly_every, lse, o);
+}
+
 bool fwd_quantizes_q(int head_dim, bool causal, int exp_poly_every, bool lse) {
-#define SAGE_SM90_VARIANT(D, DT, CAUSAL, OPT)                                                   \
-  if (head_dim == D && causal == CAUSAL && exp_poly_every == (OPT).exp2_poly_every &&           \
-      flags_match((OPT).flags()) && serves_lse(OPT, lse))                                        \
-    return (OPT).q_in_kernel;
-#include SAGE_SM90_TABLE
-#undef SAGE_SM90_VARIANT
-  return false;
+  FwdOptions o;
+  return find_fwd_variant(head_dim, causal, exp_poly_every, lse, o) && o.q_in_kernel;
+}
+
+int fwd_rows_per_cta(int head_dim, bool causal, int exp_poly_every, bool lse) {
+  FwdOptions o;  // no variant: the default shape (run_fwd refuses the call anyway)
+  find_fwd_variant(head_dim, causal, exp_poly_every, lse, o);
+  return kQImageRows * o.consumer_warpgroups();
 }
 
 cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every,

@@ -41,15 +41,16 @@ namespace sage_sm90 {
 // Within a piece row r takes kChunks consecutive chunks, chunk c stored at position c ^ (r & 7):
 // the eight rows of one stmatrix 8x8 matrix (same c, r = 0..7) land in eight different bank
 // groups, and the copy-out reads each piece as 512 contiguous bytes (both conflict-free).
-template <int D>
+template <int D, int kWGs>
 struct StagedOut {
+  static constexpr int kConsumerThreads = CtaShape<kWGs>::kConsumerThreads;
   static constexpr int kChunks = D / 8;               // 16-byte chunks of one output row
   static constexpr int kWarpRows = kRowsPerWG / 4;    // rows of one consumer warp (wgmma m64)
   static constexpr int kRowsPerPiece = 32 / kChunks;  // a piece is one chunk per lane of the warp
   static constexpr int kPieces = kWarpRows / kRowsPerPiece;
   static constexpr int kBytes = kPieces * kConsumerThreads * 16 + kSmemOSumAlign;  // + alignment pad
   static_assert(kChunks >= 8 && 32 % kChunks == 0 && kWarpRows % kRowsPerPiece == 0, "D in {64, 128}");
-  static_assert(kBytes <= kSmemOSumBytes<D>, "the staged tile fits in smem_o_every's fp32 sum");
+  static_assert(kBytes <= kSmemOSumBytes<D, kWGs>, "the staged tile fits in smem_o_every's fp32 sum");
   static_assert((kRowsPerPiece & (kRowsPerPiece - 1)) == 0 && kRowsPerPiece <= 8, "a power of 2 up to 8");
 
   // float4 index of chunk c of warp row r, relative to the warp's first chunk (32 * warp), given
@@ -75,7 +76,7 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
 }
 
 // stage: kStaged's tile region (smem_o_sum's place), unused without kStaged.
-template <int D, DType kOut, bool kCausal, bool kSummary, bool kStaged, class Softmax>
+template <int D, DType kOut, bool kCausal, bool kSummary, bool kStaged, int kWGs, class Softmax>
 __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax& sm,
                                                const float (&o)[D / 2], const int (&row)[2], int b,
                                                int h, int hk, const float4* stage) {
@@ -144,7 +145,7 @@ __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax
     } else {
       pack_all([](int, float x, int) { return x; });
     }
-    using SO = StagedOut<D>;
+    using SO = StagedOut<D, kWGs>;
     const int lane = threadIdx.x & 31;
     const uint32_t warp_tile = sage_common::smem_addr(stage + 32 * (threadIdx.x / 32));
     // smem_o_every: every lane of the warp has read its fp32 sum (its slots are the tile's)

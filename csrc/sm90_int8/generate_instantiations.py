@@ -29,7 +29,7 @@ PY_OUT = HERE.parents[1] / "sage_diffusers" / "kernels" / "_sm90_int8_variants.p
 _HIGH_SHIFT = 12
 # name -> bit above _HIGH_SHIFT (FwdOptions::flags() in launch.h spells the same positions)
 _HIGH_BITS = {"seed_reductions": 0, "persistent": 1, "phase_clock": 2, "epilogue_summary": 3, "q_in_kernel": 4,
-              "epilogue_staged": 5}
+              "epilogue_staged": 5, "three_consumers": 6}
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ class FwdOptions:
     epilogue_summary: bool = False    # bit 1 << 15 (kFlagsHighShift + 3)
     q_in_kernel: bool = False         # bit 1 << 16 (kFlagsHighShift + 4), needs q_in_registers; no LSE
     epilogue_staged: bool = False     # bit 1 << 17 (kFlagsHighShift + 5), O staged in smem, 16-byte stores
+    three_consumers: bool = False     # bit 1 << 18 (kFlagsHighShift + 6), head dim 64 only; no pingpong / phase_clock
 
     def __post_init__(self):
         if (self.fp16_exp2 or self.split_reductions or self.seed_reductions) and not self.lean_softmax:
@@ -62,6 +63,8 @@ class FwdOptions:
             raise ValueError(f"{self}: persistent loads the next work tile's Q while Q is held in registers (q_in_registers)")
         if self.q_in_kernel and not self.q_in_registers:
             raise ValueError(f"{self}: q_in_kernel quantizes each thread's Q register fragments (q_in_registers)")
+        if self.three_consumers and (self.pingpong or self.phase_clock):
+            raise ValueError(f"{self}: three_consumers has no ping-pong schedule or phase record (two warpgroups)")
 
     @property
     def flags(self) -> int:
@@ -92,7 +95,7 @@ class FwdOptions:
 
 # name parts of the high bools, in this order after smemo<N>
 _HIGH_SHORT = {"seed_reductions": "seed", "persistent": "persist", "epilogue_summary": "esum", "phase_clock": "clock",
-               "q_in_kernel": "qk", "epilogue_staged": "stage"}
+               "q_in_kernel": "qk", "epilogue_staged": "stage", "three_consumers": "wg3"}
 
 HEAD_DIMS = (64, 128)
 DTYPES = {"fp16": "DType::kF16", "bf16": "DType::kBF16"}
@@ -139,21 +142,45 @@ EXTRA_EXP_POLY = {64: (8,), 128: ()}
 # And the defaults with epilogue_staged (O packed into shared memory, then whole rows written with
 # 16-byte stores), alone and with phase_clock (eval/int8_phases.py: its epilogue time), compared
 # bit for bit too.
+# hd64 also: the defaults with three consumer warpgroups (192 query rows per CTA: a third more
+# softmax chains in flight per SM; 160 registers per consumer thread) without the softmax / PV
+# overlap, which does not fit 160 registers (sm_90a ptxas: the defaults with three_consumers spill
+# 432 bytes, even without fp32_pv_tiles 24, and serialize the wgmmas; without the overlap the loop
+# takes 135), and the defaults without the overlap and without epilogue_summary on two warpgroups:
+# the plain loop three_consumers is timed against, and its bit-identity partner
+# (variants_bench.SAME_BITS_FLAGS strips three_consumers and epilogue_summary).
 # Option changes the benchmark build makes to the defaults of each head dim, in this order.
-_BENCH_CHANGES = ({"persistent": True}, {"phase_clock": True}, {"epilogue_summary": False}, {"q_in_kernel": True},
-                  {"epilogue_staged": True}, {"epilogue_staged": True, "phase_clock": True})
+_BENCH_COMMON = ({"persistent": True}, {"phase_clock": True}, {"epilogue_summary": False}, {"q_in_kernel": True},
+                 {"epilogue_staged": True}, {"epilogue_staged": True, "phase_clock": True})
+_BENCH_CHANGES = {
+    128: _BENCH_COMMON,
+    64: (*_BENCH_COMMON, {"overlap_softmax_pv": False, "epilogue_summary": False},
+         {"overlap_softmax_pv": False, "three_consumers": True}),
+}
 _UNCORRECTED = {128: _HD128, 64: _HD64}
+# Options that exist at one head dim only (the kernel static_asserts the same).
+_HEAD_DIM_ONLY = {"three_consumers": 64}
+
+
+def _checked(d: int, opt: FwdOptions) -> FwdOptions:
+    """opt, after checking that every option it sets exists at head dim d."""
+    for name, only in _HEAD_DIM_ONLY.items():
+        if getattr(opt, name) and d != only:
+            raise ValueError(f"{opt}: {name} is implemented at head dim {only} only, not {d}")
+    return opt
+
+
 # dict.fromkeys: a change the defaults already have names the defaults once (one file, one table row)
 BENCH_VARIANTS = tuple(dict.fromkeys(
-    (d, opt) for d in (128, 64)
-    for opt in (DEFAULTS[d], _UNCORRECTED[d], *(replace(DEFAULTS[d], **c) for c in _BENCH_CHANGES))))
+    (d, _checked(d, opt)) for d in (128, 64)
+    for opt in (DEFAULTS[d], _UNCORRECTED[d], *(replace(DEFAULTS[d], **c) for c in _BENCH_CHANGES[d]))))
 
 
 def variants():
     """(head dim, dtype name, C++ dtype, causal, options) of the regular build."""
     for d, (dt, cpp_dt), causal in itertools.product(HEAD_DIMS, DTYPES.items(), CAUSAL):
         for poly in (*EXTRA_EXP_POLY[d], DEFAULTS[d].exp2_poly_every):
-            yield d, dt, cpp_dt, causal, replace(DEFAULTS[d], exp2_poly_every=poly)
+            yield d, dt, cpp_dt, causal, _checked(d, replace(DEFAULTS[d], exp2_poly_every=poly))
 
 
 _HEADER = "// Generated by generate_instantiations.py: do not edit.\n"

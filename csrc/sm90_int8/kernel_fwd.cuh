@@ -1,6 +1,7 @@
 // sm_90a 8-bit attention forward: composes the producer, the consumer mainloop, the softmax and
-// the epilogue. One work tile = 128 query rows of one (b, h); a CTA runs one (or, with
-// `persistent`, several): warps 0-7 are two consumer warpgroups, warp 8 the producer. Template
+// the epilogue. One work tile = 128 query rows of one (b, h) (192 with three_consumers); a CTA runs
+// one (or, with `persistent`, several): warps 0-7 are two consumer warpgroups (0-11: three), the
+// warp after them the producer. Template
 // axes: head dim, output dtype, causal, options (FwdOptions). Launched with programmatic dependent
 // launch when the pre-pass mode says so (launch.h pdl_launches): the kernel waits for the pre-pass
 // (pdl_wait) before its first read of the pre-pass's outputs.
@@ -78,22 +79,37 @@ namespace sage_sm90 {
 //                        bit for bit), so the pre-pass skips Q (PrepassParams::skip_q) and the
 //                        producer copies no Q. No LSE (its q . k_mean correction stays in the
 //                        pre-pass): dispatch never picks such a variant for an LSE call.
+//   three_consumers    : (hd64) three consumer warpgroups, 192 query rows per CTA, so each SM
+//                        scheduler holds three consumer warps whose softmax chains and barrier
+//                        waits hide each other (the hd64 loop is latency-bound: ~1970 cycles per
+//                        128x128 tile against ~1024 of MUFU work). 512 threads; setmaxnreg gives
+//                        the consumers 160 registers and the producer warpgroup 32
+//                        (128 * (32 + 3 * 160) = 65536). The grid has ceil(Sq / 192) row blocks
+//                        and the pre-pass writes 3 Q tiles per block (launch.h fwd_rows_per_cta).
+//                        Each row's math is unchanged: same results bit for bit (causal: a
+//                        warpgroup may visit a key tile wholly above its rows, an exact no-op).
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 224 registers). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
 // The pipelined loops (overlap or ping-pong) hold two P arrays: they take the producer warpgroup.
 template <FwdOptions kOpt>
+using FwdCta = CtaShape<kOpt.consumer_warpgroups()>;
+template <FwdOptions kOpt>
 constexpr int fwd_threads() {
-  return kOpt.producer_warpgroup() ? kConsumerThreads + 128 : kThreads;
+  return kOpt.producer_warpgroup() ? FwdCta<kOpt>::kConsumerThreads + 128 : FwdCta<kOpt>::kThreads;
 }
-using FwdRegisterSplit = sage_common::sm90::RegisterSplit<40, 232>;
+// Three consumer warpgroups (512 threads launch with 128 registers): 128 * (32 + 3 * 160) = 65536.
+template <FwdOptions kOpt>
+using FwdRegisterSplit = std::conditional_t<kOpt.consumer_warpgroups() == 3, sage_common::sm90::RegisterSplit<32, 160, 3>,
+                                            sage_common::sm90::RegisterSplit<40, 232>>;
 
 template <int D, FwdOptions kOpt>
 constexpr int fwd_smem_bytes() {
   // epilogue_staged: its tile takes the O sum's place (StagedOut, epilogue.hpp), or adds it
-  constexpr int bytes = TileConfig<D>::kSmemBytes + (kOpt.smem_o_every > 0 ? kSmemOSumBytes<D>
-                                                     : kOpt.epilogue_staged ? StagedOut<D>::kBytes
-                                                                            : 0);
+  constexpr int kWGs = kOpt.consumer_warpgroups();
+  constexpr int bytes = TileConfig<D, kWGs>::kSmemBytes + (kOpt.smem_o_every > 0 ? kSmemOSumBytes<D, kWGs>
+                                                           : kOpt.epilogue_staged ? StagedOut<D, kWGs>::kBytes
+                                                                                  : 0);
   static_assert(bytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
   return bytes;
 }
@@ -108,7 +124,8 @@ struct PhaseClock {
 
   // This thread's part of the CTA's record, or nullptr where the thread writes none.
   __device__ __forceinline__ unsigned long long* record() const {
-    static_assert(kConsumerWGs * kConsumerPhases == kProducerSlot0, "launch.h: two consumer warpgroups");
+    // two consumer warpgroups (FwdOptions::valid refuses phase_clock with three_consumers)
+    static_assert(CtaShape<2>::kConsumerWGs * kConsumerPhases == kProducerSlot0, "launch.h: two consumer warpgroups");
     if (p.phase_clock == nullptr || threadIdx.x % 128 != 0) return nullptr;
     const int64_t cta = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + gridDim.y * blockIdx.z);
     return p.phase_clock + (cta * kPhaseSlots + threadIdx.x / 128 * kConsumerPhases) * kPhaseWords;
@@ -143,14 +160,14 @@ struct PhaseClock {
 // Named barriers 1 and 2 (0 is __syncthreads): "warpgroup w may issue its wgmmas" (pingpong).
 constexpr int kBarSchedFirst = 1;
 
-// A work tile: 128 query rows (m_block) of one (b, h), and the key tiles it visits.
+// A work tile: kBlockM query rows (m_block) of one (b, h), and the key tiles it visits.
 struct FwdWork {
   int m_block, h, b, hk;
   int kv_len;   // keys of batch b that may be attended (key mask: the last attended one + 1)
-  int n_tiles;  // key tiles of the loop; causal: at most m_block + 1 (keys j <= i < (m_block+1)*128)
+  int n_tiles;  // key tiles of the loop; causal: those holding a key j <= i < (m_block+1)*kBlockM
 };
 
-template <bool kCausal>
+template <bool kCausal, int kBlockM>
 __device__ __forceinline__ FwdWork make_work(const FwdParams& p, int m_block, int h, int b) {
   FwdWork w;
   w.m_block = m_block;
@@ -159,11 +176,16 @@ __device__ __forceinline__ FwdWork make_work(const FwdParams& p, int m_block, in
   w.hk = h / (p.Hq / p.Hkv);
   w.kv_len = p.kv_len != nullptr ? min(p.kv_len[b], p.Skv) : p.Skv;
   w.n_tiles = (w.kv_len + kBlockKV - 1) / kBlockKV;
-  if constexpr (kCausal) w.n_tiles = min(w.n_tiles, m_block + 1);
+  if constexpr (kCausal) {
+    // the tiles up to the block's last row; at kBlockM = kBlockKV spelled as before (same SASS)
+    const int last = kBlockM == kBlockKV ? m_block + 1 : ((m_block + 1) * kBlockM + kBlockKV - 1) / kBlockKV;
+    w.n_tiles = min(w.n_tiles, last);
+  }
   return w;
 }
 
 // Work tiles of one launch: (query-row blocks) x Hq x B.
+template <int kQTilesPerCTA>
 __device__ __forceinline__ int fwd_work_count(const FwdParams& p) {
   return p.n_q_tiles / kQTilesPerCTA * p.Hq * p.B;
 }
@@ -171,15 +193,16 @@ __device__ __forceinline__ int fwd_work_count(const FwdParams& p) {
 // Work tile w of a persistent launch (CTA c takes w = c, c + gridDim.x, ...). m_block varies
 // fastest, so the CTAs running at the same time share few (b, h) and their K/V stays in L2;
 // causal: m_block varies slowest and descends, so the longest work tiles go first.
-template <bool kCausal>
+template <bool kCausal, int kWGs>
 __device__ __forceinline__ FwdWork persistent_work(const FwdParams& p, int w) {
-  const int n_m = p.n_q_tiles / kQTilesPerCTA;
+  using Cta = CtaShape<kWGs>;
+  const int n_m = p.n_q_tiles / Cta::kQTilesPerCTA;
   if constexpr (kCausal) {
     const int bh = w % (p.Hq * p.B);
-    return make_work<kCausal>(p, n_m - 1 - w / (p.Hq * p.B), bh % p.Hq, bh / p.Hq);
+    return make_work<kCausal, Cta::kBlockM>(p, n_m - 1 - w / (p.Hq * p.B), bh % p.Hq, bh / p.Hq);
   } else {
     const int bh = w / n_m;
-    return make_work<kCausal>(p, w % n_m, bh % p.Hq, bh / p.Hq);
+    return make_work<kCausal, Cta::kBlockM>(p, w % n_m, bh % p.Hq, bh / p.Hq);
   }
 }
 
@@ -189,7 +212,15 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     fwd_kernel(const __grid_constant__ FwdParams p) {
   constexpr FwdOptions kOpt = FwdOptions::from_flags(kFlags, kPoly);
   static_assert(kOpt.valid(), "FwdOptions combination the kernel does not implement (FwdOptions::valid)");
-  using C = TileConfig<D>;
+  static_assert(!kOpt.three_consumers || D == 64,
+                "three_consumers: head dim 64 only (hd128's loop needs more than 160 registers per thread)");
+  // The CTA shape (tile_config.hpp CtaShape): two or three consumer warpgroups.
+  constexpr int kWGs = kOpt.consumer_warpgroups();
+  using Cta = CtaShape<kWGs>;
+  constexpr int kBlockM = Cta::kBlockM, kConsumerThreads = Cta::kConsumerThreads;
+  constexpr int kProducerWarp = Cta::kProducerWarp, kQTilesPerCTA = Cta::kQTilesPerCTA;
+  static_assert(kRowsPerWG == kQImageRows, "launch.h sizes the Q images in tiles of one warpgroup's rows");
+  using C = TileConfig<D, kWGs>;
   constexpr bool kLean = kOpt.lean_softmax;
   constexpr bool kOverlapSoftmaxWithPV = kOpt.overlap_softmax_pv;
   constexpr bool kPingPong = kOpt.pingpong;
@@ -212,12 +243,12 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   // mask bits, the Q / K / V^T images) comes after this (a no-op in a plain launch).
   sage_common::sm90::pdl_wait();
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  const SmemPlan<D> sp(smem_raw);
+  const SmemPlan<D, kWGs> sp(smem_raw);
 
   // Without `persistent` the CTA's one work tile is (blockIdx.x, y, z).
   FwdWork work0{};
   if constexpr (!kPersistent) {
-    work0 = make_work<kCausal>(p, kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
+    work0 = make_work<kCausal, kBlockM>(p, kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
   }
 
   init_barriers<D, kPersistent>(sp);
@@ -227,10 +258,10 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   // work tile of the CTA: the same sequence on the producer lane and on every consumer thread.
   auto for_each_work = [&](auto&& body) {
     if constexpr (kPersistent) {
-      const int n_work = fwd_work_count(p);
+      const int n_work = fwd_work_count<kQTilesPerCTA>(p);
       int tile0 = 0;
       for (int w = blockIdx.x, i = 0; w < n_work; w += gridDim.x, ++i) {
-        const FwdWork wk = persistent_work<kCausal>(p, w);
+        const FwdWork wk = persistent_work<kCausal, kWGs>(p, w);
         body(wk, i, tile0);
         tile0 += wk.n_tiles;
       }
@@ -241,7 +272,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   if (warp >= kProducerWarp) {
-    if constexpr (kOpt.producer_warpgroup()) FwdRegisterSplit::producer();
+    if constexpr (kOpt.producer_warpgroup()) FwdRegisterSplit<kOpt>::producer();
     if (warp == kProducerWarp && lane == 0) {
       clock.mark_sm();
       for_each_work([&](const FwdWork& wk, int work, int tile0) {
@@ -259,7 +290,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   }
 
   // ---- consumers ----
-  if constexpr (kOpt.producer_warpgroup()) FwdRegisterSplit::consumer();
+  if constexpr (kOpt.producer_warpgroup()) FwdRegisterSplit<kOpt>::consumer();
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   const int g = lane >> 2;
   for_each_work([&](const FwdWork& wk, int work, int tile0) {
@@ -422,7 +453,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       // between two register arrays so the one an in-flight wgmma reads is never redefined (else
       // ptxas serializes). Ping-pong: each issue block is one turn (common/sm90/named_barrier.cuh).
       uint32_t p_alt[C::kPRegs];
-      const sage_common::sm90::WarpgroupPingPong<kPingPong, kBarSchedFirst, kConsumerThreads> sched{wg};
+      // two consumer warpgroups only (FwdOptions::valid: no ping-pong with three_consumers)
+      const sage_common::sm90::WarpgroupPingPong<kPingPong, kBarSchedFirst, CtaShape<2>::kConsumerThreads> sched{wg};
       sched.start();
       auto turn_begin = [&] { sched.begin(); };
       auto turn_end = [&](bool last) { sched.end(last); };
@@ -506,7 +538,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       }
     }
     if (work == 0) clock.mark(ConsumerPhase::kEpilogue);
-    epilogue_store<D, kOut, kCausal, kOpt.epilogue_summary, kOpt.epilogue_staged>(
+    epilogue_store<D, kOut, kCausal, kOpt.epilogue_summary, kOpt.epilogue_staged, kWGs>(
         p, sm, o, row, b, h, hk, kOpt.epilogue_staged ? smem_o_sum<D>(sp) : nullptr);
     if (work == 0) clock.mark(ConsumerPhase::kStored);
   });
@@ -516,7 +548,7 @@ template <int D, DType kOut, bool kCausal, FwdOptions kOpt>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   static_assert(kOpt.valid(), "FwdOptions combination the kernel does not implement (FwdOptions::valid)");
   auto kernel = fwd_kernel<D, kOut, kCausal, kOpt.exp2_poly_every, kOpt.flags()>;
-  dim3 grid(p.n_q_tiles / kQTilesPerCTA, p.Hq, p.B);
+  dim3 grid(p.n_q_tiles / FwdCta<kOpt>::kQTilesPerCTA, p.Hq, p.B);  // ceil(Sq / kBlockM) row blocks
   if constexpr (kOpt.persistent) {  // one CTA per SM (the launch bounds allow one), looping over the work tiles
     int device = 0, sms = 0;
     cudaError_t err = cudaGetDevice(&device);

@@ -32,6 +32,8 @@ struct FwdOptions {
   bool q_in_kernel = false;         // consumers quantize Q from the 16-bit input (no pre-pass Q; needs
                                     // q_in_registers; no LSE: run_fwd never picks it for lse)
   bool epilogue_staged = false;     // the epilogue stages O in smem and writes rows with 16-byte stores
+  bool three_consumers = false;     // three consumer warpgroups (192 query rows per CTA) instead of two;
+                                    // head dim 64 only (fwd_kernel static_asserts it), no ping-pong or phase_clock
 
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
@@ -39,7 +41,8 @@ struct FwdOptions {
            (fp32_pv_tiles ? 64 : 0) | (smem_o_every << kFlagsIntShift) |
            (seed_reductions ? 1 << kFlagsHighShift : 0) | (persistent ? 1 << (kFlagsHighShift + 1) : 0) |
            (phase_clock ? 1 << (kFlagsHighShift + 2) : 0) | (epilogue_summary ? 1 << (kFlagsHighShift + 3) : 0) |
-           (q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0) | (epilogue_staged ? 1 << (kFlagsHighShift + 5) : 0);
+           (q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0) | (epilogue_staged ? 1 << (kFlagsHighShift + 5) : 0) |
+           (three_consumers ? 1 << (kFlagsHighShift + 6) : 0);
   }
   static constexpr int kFlagsIntShift = 7;  // smem_o_every (<= 16: 5 bits) sits above the first bools
   static constexpr int kFlagsHighShift = 12;  // bools added later sit above it (flags stay stable)
@@ -61,6 +64,7 @@ struct FwdOptions {
     o.epilogue_summary = ((flags >> (kFlagsHighShift + 3)) & 1) != 0;
     o.q_in_kernel = ((flags >> (kFlagsHighShift + 4)) & 1) != 0;
     o.epilogue_staged = ((flags >> (kFlagsHighShift + 5)) & 1) != 0;
+    o.three_consumers = ((flags >> (kFlagsHighShift + 6)) & 1) != 0;
     o.exp2_poly_every = exp2_poly_every;
     return o;
   }
@@ -73,10 +77,17 @@ struct FwdOptions {
            // needs the current Q held in registers
            (!persistent || q_in_registers) &&
            // q_in_kernel: each consumer thread quantizes exactly its RS A fragments of Q
-           (!q_in_kernel || q_in_registers);
+           (!q_in_kernel || q_in_registers) &&
+           // three_consumers: the ping-pong schedule and the phase record are written for two
+           // consumer warpgroups (head dim 64 only: fwd_kernel, which knows D, asserts that)
+           (!three_consumers || (!pingpong && !phase_clock));
   }
-  // The loops that hold two P arrays (overlap or ping-pong) take a whole producer warpgroup.
-  constexpr bool producer_warpgroup() const { return overlap_softmax_pv || pingpong; }
+  // The loops that hold two P arrays (overlap or ping-pong) take a whole producer warpgroup; so
+  // do three consumer warpgroups, whose 160 registers each exist only with setmaxnreg (512 threads
+  // launch with 128).
+  constexpr bool producer_warpgroup() const { return overlap_softmax_pv || pingpong || three_consumers; }
+  // Consumer warpgroups of a CTA (64 query rows each: tile_config.hpp CtaShape).
+  constexpr int consumer_warpgroups() const { return three_consumers ? 3 : 2; }
 };
 // from_flags inverts flags() for the bools above smem_o_every's bits (which they must not touch).
 static_assert(FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .persistent = true}.flags(), 0).persistent &&
@@ -125,6 +136,12 @@ static_assert(FwdOptions{.epilogue_staged = true}.flags() == 1 << 17 &&
                   FwdOptions::from_flags(1 << 17, 0).epilogue_staged && !FwdOptions::from_flags(1 << 17, 0).q_in_kernel &&
                   !FwdOptions::from_flags(1 << 16, 0).epilogue_staged,
               "FwdOptions::epilogue_staged flag bit (generate_instantiations._HIGH_BITS)");
+static_assert(FwdOptions{.three_consumers = true}.flags() == 1 << 18 &&
+                  FwdOptions::from_flags(1 << 18, 0).three_consumers && !FwdOptions::from_flags(1 << 18, 0).q_in_kernel &&
+                  FwdOptions::from_flags(1 << 18, 0).consumer_warpgroups() == 3 &&
+                  !FwdOptions{.pingpong = true, .three_consumers = true}.valid() &&
+                  !FwdOptions{.phase_clock = true, .three_consumers = true}.valid(),
+              "FwdOptions::three_consumers flag bit (generate_instantiations._HIGH_BITS) and validity");
 
 // Everything the quantization pre-pass reads and writes. Strides are in elements; the last
 // (head) dimension of q, k, v is contiguous and rows are 16-byte aligned (checked by the binding).
@@ -137,7 +154,7 @@ struct PrepassParams {
   int64_t v_sb, v_sh, v_ss;
   const uint8_t* key_mask;  // (B, Skv) bool, or nullptr
   int B, Hq, Hkv, Sq, Skv;
-  int n_q_tiles;   // 64-row Q image tiles per (b, h): 2 * ceil(Sq / 128)
+  int n_q_tiles;   // 64-row Q image tiles per (b, h): (R / 64) * ceil(Sq / R), R = fwd_rows_per_cta
   int n_kv_tiles;  // ceil(Skv / 128)
   int n_split;     // token chunks of the k-mean / v-absmax reduction
   int split_len;   // tokens per chunk
@@ -223,6 +240,18 @@ bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every, bool lse = f
 // Whether the variant run_fwd picks for these arguments quantizes Q itself (FwdOptions::q_in_kernel):
 // then the pre-pass skips Q (PrepassParams::skip_q) and FwdParams carries q and its strides.
 bool fwd_quantizes_q(int head_dim, bool causal, int exp_poly_every, bool lse);
+// Query rows per CTA of the variant run_fwd picks for these arguments (64 per consumer warpgroup:
+// 128, or 192 with FwdOptions::three_consumers; 128 where none matches). The Q images are sized by
+// it: n_q_tiles = (rows / 64) * ceil(Sq / rows) tiles of 64 rows (rows >= Sq zero), so that every
+// CTA's Q tiles exist (fwd_q_tiles).
+int fwd_rows_per_cta(int head_dim, bool causal, int exp_poly_every, bool lse);
+constexpr int kQImageRows = 64;  // rows of one Q image tile = one consumer warpgroup's (tile_config.hpp kRowsPerWG)
+constexpr int64_t fwd_q_tiles(int64_t Sq, int rows_per_cta) {
+  return rows_per_cta / kQImageRows * ((Sq + rows_per_cta - 1) / rows_per_cta);
+}
+static_assert(fwd_q_tiles(128, 128) == 2 && fwd_q_tiles(129, 128) == 4 && fwd_q_tiles(192, 192) == 3 &&
+                  fwd_q_tiles(4429, 192) == 3 * 24,
+              "fwd_q_tiles: whole CTAs of 64-row tiles");
 // Benchmarks only: the variant flags run_fwd dispatches on from now on (-1 = whatever is compiled).
 // Builds with -DSAGE_SM90_BENCH=1 compile a set of flag variants (instantiations/bench_*.cu).
 void set_fwd_flags(int flags);

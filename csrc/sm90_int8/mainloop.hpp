@@ -1,18 +1,19 @@
 // Data movement and tensor-core work of the attention mainloop.
 //
-// Producer (one elected lane of warp 8): bulk-copies the two Q tiles of a work tile (128 query
-// rows of one (b, h); not with q_in_kernel, whose consumers quantize Q themselves), then each K
+// Producer (one elected lane of the warp after the consumers): bulk-copies the Q tiles of a work
+// tile (one per consumer warpgroup: 128 or 192 query rows of one (b, h), tile_config.hpp CtaShape;
+// not with q_in_kernel, whose consumers quantize Q themselves), then each K
 // and V^T tile of its kv loop into a kStages-deep ring. Every tile is a pre-swizzled image written
 // by the pre-pass, so one cp.async.bulk per operand per tile suffices (no tensor maps).
 //   full[s]  : count 1 (producer's arrive.expect_tx) + the copies' transaction bytes
-//   empty[s] : count 8 (lane 0 of each consumer warp, after its PV wgmma retired)
+//   empty[s] : count 8 or 12 (lane 0 of each consumer warp, after its PV wgmma retired)
 //   q_full   : count 1 + Q bytes; phase w is work tile w of the CTA (0 without `persistent`)
-//   q_empty  : (persistent only) count 8 (lane 0 of each consumer warp, once its Q is in registers)
+//   q_empty  : (persistent only) count 8 or 12 (lane 0 of each consumer warp, once its Q is in registers)
 // Phase rule: common/sm90/pipeline.cuh. A persistent CTA runs several work tiles: the K/V ring's
 // item index is one running key-tile counter over all of them (`tile0` = the key tiles of the
 // work tiles before), so the producer runs ahead into the next work tile's keys.
 //
-// Consumers (two warpgroups, 64 query rows each): S = Q K^T with INT8 SS wgmma, softmax in
+// Consumers (two or three warpgroups, 64 query rows each): S = Q K^T with INT8 SS wgmma, softmax in
 // registers, O += P V^T with FP8 RS wgmma. The wgmma descriptors come from CuTe's smem layouts
 // (tile_config.hpp); accumulators are plain register arrays handed to the atoms.
 #pragma once
@@ -36,10 +37,11 @@ using sage_common::sm90::fence_regs;
 using sage_common::sm90::wgmma_rs;
 using sage_common::sm90::wgmma_ss;
 
-template <int D>
+// kWGs: consumer warpgroups of the CTA (CtaShape), one Q tile each.
+template <int D, int kWGs = 2>
 struct SmemPlan {
-  using C = TileConfig<D>;
-  uint8_t* q;   // kConsumerWGs tiles of kQTileBytes
+  using C = TileConfig<D, kWGs>;
+  uint8_t* q;   // kWGs tiles of kQTileBytes
   uint8_t* k;   // kStages tiles of kKTileBytes
   uint8_t* v;   // kStages tiles of kVTileBytes (V^T)
   uint64_t* full;
@@ -64,11 +66,11 @@ struct SmemPlan {
 // smem_o_every's fp32 sum of O (kBlockM x D floats), after the barriers, 16-byte aligned; the
 // launch adds kSmemOSumBytes to the CTA's shared memory (kernel_fwd.cuh fwd_smem_bytes).
 constexpr int kSmemOSumAlign = 16;
-template <int D>
-constexpr int kSmemOSumBytes = kBlockM * D * 4 + kSmemOSumAlign;
-template <int D>
-__device__ __forceinline__ float4* smem_o_sum(const SmemPlan<D>& sp) {
-  using C = TileConfig<D>;
+template <int D, int kWGs>
+constexpr int kSmemOSumBytes = CtaShape<kWGs>::kBlockM * D * 4 + kSmemOSumAlign;
+template <int D, int kWGs>
+__device__ __forceinline__ float4* smem_o_sum(const SmemPlan<D, kWGs>& sp) {
+  using C = TileConfig<D, kWGs>;
   static_assert((C::kSmemQ + C::kSmemK + C::kSmemV + 8 * (2 * C::kStages + 1)) % kSmemOSumAlign == 8,
                 "q_empty must fit in the alignment pad between q_full and the O sum (SmemPlan)");
   uint8_t* end = reinterpret_cast<uint8_t*>(sp.q_full + 1);
@@ -76,16 +78,17 @@ __device__ __forceinline__ float4* smem_o_sum(const SmemPlan<D>& sp) {
 }
 
 // kQEmpty: also q_empty (persistent kernels).
-template <int D, bool kQEmpty = false>
-__device__ __forceinline__ void init_barriers(const SmemPlan<D>& sp) {
+template <int D, bool kQEmpty = false, int kWGs>
+__device__ __forceinline__ void init_barriers(const SmemPlan<D, kWGs>& sp) {
+  constexpr int kConsumerWarps = CtaShape<kWGs>::kConsumerThreads / 32;  // every one arrives
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < TileConfig<D>::kStages; ++s) {
       Barrier::init(&sp.full[s], 1);
-      Barrier::init(&sp.empty[s], kConsumerThreads / 32);
+      Barrier::init(&sp.empty[s], kConsumerWarps);
     }
     Barrier::init(sp.q_full, 1);
-    if constexpr (kQEmpty) Barrier::init(sp.q_empty, kConsumerThreads / 32);
+    if constexpr (kQEmpty) Barrier::init(sp.q_empty, kConsumerWarps);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -110,11 +113,11 @@ __device__ __forceinline__ void ring_slot(int tile, int& stage, int& n) {
 // kPersistent: Q goes into smem only after the consumers took the previous work tile's Q into
 // registers (q_empty). kCopyQ false (q_in_kernel): the consumers load Q themselves (quant_q_frag):
 // no Q copy, q_full / q_empty unused.
-template <int D, bool kPersistent = false, bool kCopyQ = true>
-__device__ __forceinline__ void producer_loop(const SmemPlan<D>& sp, const int8_t* q_src,
+template <int D, bool kPersistent = false, bool kCopyQ = true, int kWGs>
+__device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs>& sp, const int8_t* q_src,
                                               const int8_t* k_src, const uint8_t* v_src,
                                               int n_tiles, int work = 0, int tile0 = 0) {
-  using C = TileConfig<D>;
+  using C = TileConfig<D, kWGs>;  // kSmemQ: the Q tiles of every consumer warpgroup
   using sage_common::sm90::bulk_copy_g2s;
   if constexpr (kCopyQ) {
     if constexpr (kPersistent) {
@@ -146,7 +149,8 @@ struct WarpgroupOperands {
   TK k;  // (1, 1, D/32, kStages)
   TV v;  // (1, 1, 128/32, kStages)
 
-  __device__ __forceinline__ WarpgroupOperands(const SmemPlan<D>& sp, int wg, int tid_in_wg)
+  template <int kWGs>
+  __device__ __forceinline__ WarpgroupOperands(const SmemPlan<D, kWGs>& sp, int wg, int tid_in_wg)
       : q(sage_common::sm90::gmma_desc_a<typename C::TiledMmaQK, typename C::SmemLayoutQ>(
             reinterpret_cast<int8_t*>(sp.q + wg * C::kQTileBytes), tid_in_wg)),
         k(sage_common::sm90::gmma_desc_b<typename C::TiledMmaQK, typename C::SmemLayoutK>(
@@ -188,7 +192,8 @@ struct WarpgroupOperands {
   }
   __host__ __device__ static constexpr int q_frag_row_half(int reg) { return reg & 1; }
 
-  __device__ __forceinline__ static void load_q_frag(const SmemPlan<D>& sp, int wg, int tid_in_wg,
+  template <int kWGs>
+  __device__ __forceinline__ static void load_q_frag(const SmemPlan<D, kWGs>& sp, int wg, int tid_in_wg,
                                                      uint32_t (&qf)[D / 8]) {
     const int lane = tid_in_wg & 31, g = lane >> 2, t = lane & 3;
     const uint8_t* tile = sp.q + wg * C::kQTileBytes;

@@ -24,28 +24,37 @@ constexpr float kFp8Max = 448.f;       // E4M3 max; P~ is scaled by this before 
 
 // ---- CTA shape ----------------------------------------------------------------------------
 constexpr int kRowsPerWG = 64;         // wgmma M: one consumer warpgroup owns 64 query rows
-constexpr int kConsumerWGs = 2;
-constexpr int kBlockM = kRowsPerWG * kConsumerWGs;     // 128 query rows per CTA
-constexpr int kConsumerThreads = 128 * kConsumerWGs;   // 256
-constexpr int kProducerWarp = kConsumerThreads / 32;   // warp 8 issues the bulk copies
-constexpr int kThreads = kConsumerThreads + 32;        // 288: registers 65536/288 -> 224/thread
-constexpr int kQTilesPerCTA = kConsumerWGs;            // Q image tiles are 64 rows (one per WG)
 
-template <int D>
+// What the number of consumer warpgroups sizes: two by default; three with
+// FwdOptions::three_consumers (hd64: 192 query rows per CTA, a third more softmax work in flight
+// per SM, FA3's hd64 shape). kWGs comes from the options (FwdOptions::consumer_warpgroups()).
+template <int kWGs>
+struct CtaShape {
+  static_assert(kWGs == 2 || kWGs == 3, "two or three consumer warpgroups");
+  static constexpr int kConsumerWGs = kWGs;
+  static constexpr int kBlockM = kRowsPerWG * kWGs;          // 128 or 192 query rows per CTA
+  static constexpr int kConsumerThreads = 128 * kWGs;        // 256 or 384
+  static constexpr int kProducerWarp = kConsumerThreads / 32;  // the warp after the consumers issues the bulk copies
+  static constexpr int kThreads = kConsumerThreads + 32;      // with a producer warp only: 288 -> 224 regs/thread
+  static constexpr int kQTilesPerCTA = kWGs;                  // Q image tiles are 64 rows (one per WG)
+};
+
+template <int D, int kWGs = 2>
 struct TileConfig {
   static_assert(D == 64 || D == 128, "head dims 64 and 128 only");
   static constexpr int kHeadDim = D;
+  using Cta = CtaShape<kWGs>;
 
   // Stages of the K/V ring. One CTA per SM (224 regs x 288 threads fill the register file), so
   // shared memory is not shared with a second CTA: use it for depth.
   //   hd128: Q 2*8 KB + 4 * (K 16 KB + V^T 16 KB) = 144 KB  (< 227 KB)
-  //   hd64 : Q 2*4 KB + 4 * (K  8 KB + V^T  8 KB) =  72 KB
+  //   hd64 : Q 2*4 KB + 4 * (K  8 KB + V^T  8 KB) =  72 KB  (three consumers: Q 3*4 KB, 76 KB)
   static constexpr int kStages = 4;
 
   static constexpr int kQTileBytes = kRowsPerWG * D;   // int8, 64 rows x D
   static constexpr int kKTileBytes = kBlockKV * D;     // int8, 128 keys x D
   static constexpr int kVTileBytes = D * kBlockKV;     // fp8, D channels x 128 keys (V^T)
-  static constexpr int kSmemQ = kQTileBytes * kConsumerWGs;
+  static constexpr int kSmemQ = kQTileBytes * kWGs;
   static constexpr int kSmemK = kKTileBytes * kStages;
   static constexpr int kSmemV = kVTileBytes * kStages;
   static constexpr int kSmemBarriers = 8 * (2 * kStages + 1);
