@@ -131,10 +131,12 @@ def bwd_kernels() -> BwdKernels:
     return BwdKernels(os.environ.get("SAGE_DIFFUSERS_SAGEBWD_BWD", BwdKernels.SPLIT.value))
 
 
-def _autotuned(configs, key: list, max_rows_at_d128: int):
+def _autotuned(configs, key: list, max_rows_at_d128: int, reset_to_zero: Optional[list] = None):
     """triton.autotune on a GPU (launch parameters only, never the numerics); the interpreter runs
     the kernels as called. ``max_rows_at_d128``: drop configs with more tile rows per warpgroup
-    than this at D=128 (their FP32 accumulators alone would take most of the registers: spills)."""
+    than this at D=128 (their FP32 accumulators alone would take most of the registers: spills).
+    ``reset_to_zero``: outputs the kernel accumulates into (atomics), zeroed before each timed
+    run and before the real one."""
     def prune(cfgs, nargs, **kwargs):
         d = kwargs.get("D", nargs.get("D"))
         keep = [c for c in cfgs if d != 128 or max(c.kwargs.values(), default=64) * 4 // c.num_warps <= max_rows_at_d128]
@@ -144,7 +146,8 @@ def _autotuned(configs, key: list, max_rows_at_d128: int):
         if INTERPRET:
             return kernel
         chosen = configs[:TUNE_LIMIT] if AUTOTUNE else configs[:1]
-        return triton.autotune(configs=chosen, key=key, prune_configs_by={"early_config_prune": prune})(kernel)
+        return triton.autotune(configs=chosen, key=key, prune_configs_by={"early_config_prune": prune},
+                               reset_to_zero=reset_to_zero)(kernel)
     return wrap
 
 
@@ -165,7 +168,8 @@ if triton is not None:
                     for m, w, st in ((128, 8, 2), (128, 8, 3), (64, 4, 3), (64, 4, 2), (128, 4, 2))]
     _DKDV_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
                      for n, w, st in ((128, 8, 2), (64, 4, 2), (64, 8, 2), (128, 8, 3), (64, 4, 3), (128, 4, 2))]
-    _FUSED_CONFIGS = [triton.Config({"BLOCK_N": 64}, num_warps=w, num_stages=st) for w, st in ((4, 2), (4, 3), (8, 2))]
+    _FUSED_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
+                      for n, w, st in ((64, 4, 2), (128, 8, 2), (64, 4, 3), (64, 8, 2))]
     _DQ_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=st)
                    for m, w, st in ((128, 8, 2), (64, 4, 2), (128, 8, 3), (64, 4, 3), (64, 8, 2), (128, 4, 2))]
 
@@ -508,17 +512,32 @@ if triton is not None:
         return dv, dv2
 
     @triton.jit
-    def _dq_add(dq_ptr, ds8, k8t, scale, bh, qs, inq, SQ, COL0: tl.constexpr, W: tl.constexpr, D: tl.constexpr,
-                ACC_XU: tl.constexpr):
-        """dQ[qs, COL0:COL0 + W] += float(ds8 (SUB, BLOCK_N) @ K^[:, COL0:COL0 + W]) * scale by FP32
-        atomic adds (the fused backward); k8t (W, BLOCK_N) the K-major copy of those K^ columns."""
+    def _dq_add(dq_ptr, ds8, sds, k8t, sk_ptr, kb0, nkb, sm_scale, bh, qs, inq, SQ, COL0: tl.constexpr,
+                W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, ACC_XU: tl.constexpr):
+        """The fused backward's dQ: dQ[qs, COL0:COL0 + W] += the sum over the key blocks g = kb0, ... of
+        this tile of float(dS_g @ K^_g[:, COL0:COL0 + W]) * (s_g * sk_g) * sm_scale, by FP32 atomic adds.
+
+        ds8 (BLOCK_N, SUB): the dS^T codes; sds: their scale, a scalar when BLOCK_N = SUB, else per
+        row; k8t (W, BLOCK_N): K^'s K-major columns. With two key blocks (BLOCK_N = 2 SUB) each is
+        one MMA over all BLOCK_N keys with the other block's codes zeroed (its own scale; the tensor
+        core has room), and one atomic add serves both: half the atomic traffic of 64-key programs."""
         dims = COL0 + tl.arange(0, W)
-        part = _acc_f32(tl.dot(ds8, tl.trans(k8t), out_dtype=tl.int32), ACC_XU) * scale
+        if BLOCK_N == SUB:
+            sk = tl.load(sk_ptr + kb0)
+            part = _acc_f32(tl.dot(tl.trans(ds8), tl.trans(k8t), out_dtype=tl.int32), ACC_XU) * ((sds * sk) * sm_scale)
+        else:
+            grp = tl.arange(0, BLOCK_N) // SUB
+            part = tl.zeros((SUB, W), tl.float32)
+            for g in tl.static_range(BLOCK_N // SUB):
+                s_g = tl.max(tl.where(grp == g, sds, 0.0), axis=0)  # scales are >= 0: the block's own
+                sk_g = tl.load(sk_ptr + kb0 + g, mask=kb0 + g < nkb, other=0.0)
+                ds_g = tl.trans(tl.where((grp == g)[:, None], ds8, 0).to(tl.int8))  # (SUB, BLOCK_N)
+                part += _acc_f32(tl.dot(ds_g, tl.trans(k8t), out_dtype=tl.int32), ACC_XU) * ((s_g * sk_g) * sm_scale)
         tl.atomic_add(dq_ptr + (bh * SQ + qs[:, None]) * D + dims[None, :], part, mask=inq[:, None], sem="relaxed")
 
     @triton.jit
     def _dkdv_loop(
-        dk, dv, dk2, dv2, lo, hi, bh, b, keys, k8, sk_row, v8, sv_row, vc, k8t_a, k8t_b, sk_blk,
+        dk, dv, dk2, dv2, lo, hi, bh, b, keys, k8, sk_row, v8, sv_row, vc, k8t_a, k8t_b, sk_ptr, kb0, nkb,
         q8_ptr, sq_ptr, q8t_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr, sdos_ptr,
         mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV,
         D: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, DW: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -532,8 +551,8 @@ if triton is not None:
         The dK/dV accumulators come as column blocks of width DW (dk, dv the first; dk2, dv2 the
         second when DW = D / 2, else unused): each int32 product then holds DW columns, not D.
         DV_LAST: the dV product after dK's, else right after P~^T (see :class:`BwdKernels`).
-        FUSE_DQ (BLOCK_N = SUB): this tile's dQ = dS.K^ is added to dq_ptr atomically (k8t_a,
-        k8t_b: the K-major K^ column blocks; sk_blk: the key block's scale)."""
+        FUSE_DQ: this tile's dQ = dS.K^ is added to dq_ptr atomically (:func:`_dq_add`; k8t_a, k8t_b:
+        the K-major K^ column blocks; the key blocks' scales at sk_ptr from block kb0 on, of nkb)."""
         dims = tl.arange(0, D)
         nqb = tl.cdiv(SQ, SUB)
         for start_m in range(lo, hi, SUB):
@@ -559,18 +578,18 @@ if triton is not None:
                 do = tl.load(do_ptr + q_off, mask=inq[:, None], other=0.0)
                 dpt = _dot16(vc, tl.trans(do), DOT16_AS_F32)
             delta = tl.load(delta_ptr + bh * SQ + qs, mask=inq, other=0.0)
-            if FUSE_DQ:  # one quantization tile: a scalar scale
+            if FUSE_DQ and BLOCK_N == SUB:  # one quantization tile: a scalar scale
                 ds8, sds = _quant_ds_tile(p * (dpt - delta[None, :]))  # dS^T * DS_PRESCALE
                 dk_scale = (sds * sq) * sm_scale
-                # dQ before dK: fewer registers live (ptxas for sm_90a: half the spills at D = 128)
-                ds8q = tl.trans(ds8)  # (SUB, BLOCK_N): dS
-                dq_scale = (sds * sk_blk) * sm_scale
-                _dq_add(dq_ptr, ds8q, k8t_a, dq_scale, bh, qs, inq, SQ, 0, DW, D, ACC_XU)
-                if DW < D:
-                    _dq_add(dq_ptr, ds8q, k8t_b, dq_scale, bh, qs, inq, SQ, DW, DW, D, ACC_XU)
             else:
                 ds8, sds = _quant_ds_rows(p * (dpt - delta[None, :]), BLOCK_N, SUB)
                 dk_scale = ((sds * sq) * sm_scale)[:, None]
+            if FUSE_DQ:  # before dK: fewer registers live (ptxas for sm_90a: half the spills at D = 128)
+                _dq_add(dq_ptr, ds8, sds, k8t_a, sk_ptr, kb0, nkb, sm_scale, bh, qs, inq, SQ, 0, DW, D,
+                        BLOCK_N, SUB, ACC_XU)
+                if DW < D:
+                    _dq_add(dq_ptr, ds8, sds, k8t_b, sk_ptr, kb0, nkb, sm_scale, bh, qs, inq, SQ, DW, DW, D,
+                            BLOCK_N, SUB, ACC_XU)
             dk = _dot_t_acc(dk, ds8, q8t_ptr, bh * D, qs, SQ, inq, 0, DW, dk_scale, ACC_XU)
             if DW < D:
                 dk2 = _dot_t_acc(dk2, ds8, q8t_ptr, bh * D, qs, SQ, inq, DW, DW, dk_scale, ACC_XU)
@@ -592,9 +611,8 @@ if triton is not None:
         """dK and dV: one program per BLOCK_N keys (BLOCK_N / SUB quantization blocks), all query
         heads of its group; the query blocks that need no bounds or causal test run in their own loop.
         DW: D or D / 2, the column width of each int32 dK / dV product; DV_LAST: the dV product
-        last in each step (:class:`BwdKernels`); FUSE_DQ: also dQ, by atomic adds (BLOCK_N = SUB)."""
+        last in each step (:class:`BwdKernels`); FUSE_DQ: also dQ, by atomic adds."""
         tl.static_assert(DW == D or DW * 2 == D)
-        tl.static_assert(not FUSE_DQ or BLOCK_N == SUB)
         pid_n = tl.program_id(0)
         bkv = tl.program_id(1)
         b = bkv // HKV
@@ -612,7 +630,6 @@ if triton is not None:
         vc = tl.zeros((BLOCK_N, D), vc_ptr.dtype.element_ty)
         k8t_a = k8
         k8t_b = k8
-        sk_blk = 0.0
         if DOV_INT8:
             v8 = tl.load(v8_ptr + kv_off, mask=ink[:, None], other=0)
             sv_row = tl.load(sv_ptr + bkv * nkb + keys // SUB, mask=ink, other=0.0)
@@ -624,7 +641,6 @@ if triton is not None:
             k8t_a = tl.load(k8t_ptr + kt_off, mask=ink[None, :], other=0)
             if DW < D:
                 k8t_b = tl.load(k8t_ptr + kt_off + DW * SKV, mask=ink[None, :], other=0)
-            sk_blk = tl.load(sk_ptr + bkv * nkb + start_n // SUB)
         dk = tl.zeros((BLOCK_N, DW), tl.float32)
         dv = tl.zeros((BLOCK_N, DW), tl.float32)
         dk2 = tl.zeros((BLOCK_N, DW), tl.float32)  # the second column block when DW < D
@@ -639,12 +655,14 @@ if triton is not None:
         for g in range(0, GROUP):
             bh = (b * HKV + hkv) * GROUP + g
             dk, dv, dk2, dv2 = _dkdv_loop(
-                dk, dv, dk2, dv2, lo, edge_hi, bh, b, keys, k8, sk_row, v8, sv_row, vc, k8t_a, k8t_b, sk_blk,
+                dk, dv, dk2, dv2, lo, edge_hi, bh, b, keys, k8, sk_row, v8, sv_row, vc, k8t_a, k8t_b,
+                sk_ptr + bkv * nkb, start_n // SUB, nkb,
                 q8_ptr, sq_ptr, q8t_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr,
                 sdos_ptr, mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV,
                 D, BLOCK_N, SUB, DW, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU, FUSE_DQ, DV_LAST)
             dk, dv, dk2, dv2 = _dkdv_loop(
-                dk, dv, dk2, dv2, edge_hi, SQ, bh, b, keys, k8, sk_row, v8, sv_row, vc, k8t_a, k8t_b, sk_blk,
+                dk, dv, dk2, dv2, edge_hi, SQ, bh, b, keys, k8, sk_row, v8, sv_row, vc, k8t_a, k8t_b,
+                sk_ptr + bkv * nkb, start_n // SUB, nkb,
                 q8_ptr, sq_ptr, q8t_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr,
                 sdos_ptr, mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV,
                 D, BLOCK_N, SUB, DW, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU, FUSE_DQ, DV_LAST)
@@ -657,8 +675,9 @@ if triton is not None:
 
     _BWD_KEY = ["D", "DW", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "ACC_XU", "FUSE_DQ", "DV_LAST"]
     _bwd_dkdv_kernel = _autotuned(_DKDV_CONFIGS, key=_BWD_KEY, max_rows_at_d128=64)(_bwd_dkdv_jit)
-    # the fused backward: 64 keys per program (one dS quantization tile per step)
-    _bwd_fused_kernel = _autotuned(_FUSED_CONFIGS, key=_BWD_KEY, max_rows_at_d128=64)(_bwd_dkdv_jit)
+    # the fused backward: its own list (64 keys per program, or 128 on two warpgroups)
+    _bwd_fused_kernel = _autotuned(_FUSED_CONFIGS, key=_BWD_KEY, max_rows_at_d128=64, reset_to_zero=["dq_ptr"])(
+        _bwd_dkdv_jit)
 
     @triton.jit
     def _dq_loop(
@@ -863,7 +882,7 @@ def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Op
     k8t = _transposed(state.k8)  # (B, Hkv, D, Skv)
     lean = kernels is not BwdKernels.SPLIT
     dw = min(d, LEAN_COLUMNS) if lean else d
-    wide_n = dict(BLOCK_N=BLOCK_KV if fused else INTERPRET_WIDE) if INTERPRET else {}
+    wide_n = dict(BLOCK_N=INTERPRET_WIDE) if INTERPRET else {}
     wide_m = dict(BLOCK_M=INTERPRET_WIDE) if INTERPRET else {}
     kernel = _bwd_fused_kernel if fused else _bwd_dkdv_kernel
     kernel[lambda meta: (triton.cdiv(skv, meta["BLOCK_N"]), b * hkv)](
