@@ -176,7 +176,8 @@ def test_backward_kernel_choices_agree(device, causal, monkeypatch):
             monkeypatch.setattr(tri, "INTERPRET_WIDE", wide)
         elif choice is tri.BwdKernels.FUSED:  # one config: the autotuner runs it untimed, uncached
             monkeypatch.setattr(tri._bwd_fused_kernel, "configs",
-                                [triton.Config({"BLOCK_N": wide}, num_warps=wide // 16, num_stages=2)])
+                                [triton.Config({"BLOCK_N": wide}, num_warps=wide // 16, num_stages=2,
+                                               pre_hook=tri._zero_dq)])
         grads[choice, wide] = tri.sagebwd_backward(do, st, key_mask, causal, None)
     split = grads[tri.BwdKernels.SPLIT, 128]
     for name, a, w in zip(("dq", "dk", "dv"), grads[tri.BwdKernels.LEAN, 128], split):

@@ -131,12 +131,10 @@ def bwd_kernels() -> BwdKernels:
     return BwdKernels(os.environ.get("SAGE_DIFFUSERS_SAGEBWD_BWD", BwdKernels.SPLIT.value))
 
 
-def _autotuned(configs, key: list, max_rows_at_d128: int, reset_to_zero: Optional[list] = None):
+def _autotuned(configs, key: list, max_rows_at_d128: int):
     """triton.autotune on a GPU (launch parameters only, never the numerics); the interpreter runs
     the kernels as called. ``max_rows_at_d128``: drop configs with more tile rows per warpgroup
-    than this at D=128 (their FP32 accumulators alone would take most of the registers: spills).
-    ``reset_to_zero``: outputs the kernel accumulates into (atomics), zeroed before each timed
-    run and before the real one."""
+    than this at D=128 (their FP32 accumulators alone would take most of the registers: spills)."""
     def prune(cfgs, nargs, **kwargs):
         d = kwargs.get("D", nargs.get("D"))
         keep = [c for c in cfgs if d != 128 or max(c.kwargs.values(), default=64) * 4 // c.num_warps <= max_rows_at_d128]
@@ -146,8 +144,7 @@ def _autotuned(configs, key: list, max_rows_at_d128: int, reset_to_zero: Optiona
         if INTERPRET:
             return kernel
         chosen = configs[:TUNE_LIMIT] if AUTOTUNE else configs[:1]
-        return triton.autotune(configs=chosen, key=key, prune_configs_by={"early_config_prune": prune},
-                               reset_to_zero=reset_to_zero)(kernel)
+        return triton.autotune(configs=chosen, key=key, prune_configs_by={"early_config_prune": prune})(kernel)
     return wrap
 
 
@@ -168,7 +165,12 @@ if triton is not None:
                     for m, w, st in ((128, 8, 2), (128, 8, 3), (64, 4, 3), (64, 4, 2), (128, 4, 2))]
     _DKDV_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
                      for n, w, st in ((128, 8, 2), (64, 4, 2), (64, 8, 2), (128, 8, 3), (64, 4, 3), (128, 4, 2))]
-    _FUSED_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
+    def _zero_dq(nargs):
+        """The fused kernel adds into dQ: zeroed before every launch, the autotuner's timed ones
+        included (a config's pre_hook runs before each of them and before the real one)."""
+        nargs["dq_ptr"].zero_()
+
+    _FUSED_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st, pre_hook=_zero_dq)
                       for n, w, st in ((64, 4, 2), (128, 8, 2), (64, 4, 3), (64, 8, 2))]
     _DQ_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=st)
                    for m, w, st in ((128, 8, 2), (64, 4, 2), (128, 8, 3), (64, 4, 3), (64, 8, 2), (128, 4, 2))]
@@ -676,8 +678,7 @@ if triton is not None:
     _BWD_KEY = ["D", "DW", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "ACC_XU", "FUSE_DQ", "DV_LAST"]
     _bwd_dkdv_kernel = _autotuned(_DKDV_CONFIGS, key=_BWD_KEY, max_rows_at_d128=64)(_bwd_dkdv_jit)
     # the fused backward: its own list (64 keys per program, or 128 on two warpgroups)
-    _bwd_fused_kernel = _autotuned(_FUSED_CONFIGS, key=_BWD_KEY, max_rows_at_d128=64, reset_to_zero=["dq_ptr"])(
-        _bwd_dkdv_jit)
+    _bwd_fused_kernel = _autotuned(_FUSED_CONFIGS, key=_BWD_KEY, max_rows_at_d128=64)(_bwd_dkdv_jit)
 
     @triton.jit
     def _dq_loop(
