@@ -15,7 +15,8 @@ The kernels:
   codes of dO' = dO / l (and of dO for the INT8 dP ablation), from one read of dO and O;
 - ``_bwd_dkdv_kernel`` (up to 128 keys per program, all query heads of its group) and
   ``_bwd_dq_kernel`` (up to 128 query rows per program), both recomputing the same P~ and dS
-  tiles; dP = dO.V^T 16-bit or INT8 (``DOV_INT8``).
+  tiles; dP = dO.V^T 16-bit or INT8 (``DOV_INT8``); or ``_bwd_fused_kernel``, the dK/dV kernel
+  that also adds dQ by atomics (:class:`BwdKernels` picks, ``SAGE_DIFFUSERS_SAGEBWD_BWD``).
 
 How they are organised for Hopper, and why:
 
@@ -34,7 +35,7 @@ How they are organised for Hopper, and why:
 - the backward's row quantities come from one pre-pass kernel, V^'s transposed copy from the
   forward's quantization kernel.
 
-``eval/bench_sagebwd.py --compare`` times the conversion choices side by side on a GPU;
+``eval/bench_sagebwd.py --compare`` times the conversion and backward-kernel choices side by side on a GPU;
 ``--sass`` compiles the kernels for sm_90a on any machine and counts their loops' instructions.
 
 On GPUs without this project's CUDA kernels (sm_80/86/89) the forward is also the inference path
