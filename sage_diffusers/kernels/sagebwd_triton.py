@@ -166,6 +166,7 @@ if triton is not None:
                     for m, w, st in ((128, 8, 2), (128, 8, 3), (64, 4, 3), (64, 4, 2), (128, 4, 2))]
     _DKDV_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
                      for n, w, st in ((128, 8, 2), (64, 4, 2), (64, 8, 2), (128, 8, 3), (64, 4, 3), (128, 4, 2))]
+
     def _zero_dq(nargs):
         """The fused kernel adds into dQ: zeroed before every launch, the autotuner's timed ones
         included (a config's pre_hook runs before each of them and before the real one)."""
