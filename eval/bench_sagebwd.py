@@ -3,7 +3,10 @@
     python eval/bench_sagebwd.py              # hd64 and hd128, 4K-32K tokens (H200: a few minutes)
     python eval/bench_sagebwd.py --quick      # two shapes, fewer rounds
     SAGE_DIFFUSERS_TRITON_AUTOTUNE=3 python eval/bench_sagebwd.py --compare
-                                              # the conversion variants per pass, 4K and 16K (H200: < 4 min)
+                                              # the kernel variants per pass, 4K and 16K (H200: < 4 min)
+    SAGE_DIFFUSERS_TRITON_AUTOTUNE=3 python eval/bench_sagebwd.py --compare --passes fwd+bwd \
+        --methods sagebwd_split,sagebwd_lean,sagebwd_fused,sdpa_cudnn --shapes 1x24x16384x128,1x48x16384x64
+                                              # the backward kernel choices side by side
     python eval/bench_sagebwd.py --sass       # no GPU: per-tile SASS issue estimates for sm_90a
 
 Writes eval/results/sagebwd_h200.{json,md} (``--compare``: sagebwd_variants_h200.{json,md}).
@@ -13,7 +16,10 @@ Writes eval/results/sagebwd_h200.{json,md} (``--compare``: sagebwd_variants_h200
 - Methods: ``sagebwd`` (``sage_diffusers.sagebwd`` with the default kernels, the whole call:
   quantization pre-passes included); ``sagebwd_acc_alu``: the same with the backward's int32
   products and the forward's scores converted by ALU instructions instead of the conversion unit
-  (``SAGE_DIFFUSERS_SAGEBWD_ACC=alu``); ``sagebwd_dov_int8`` (the dO.V^T INT8 ablation);
+  (``SAGE_DIFFUSERS_SAGEBWD_ACC=alu``); ``sagebwd_split``, ``sagebwd_lean``, ``sagebwd_fused``:
+  the backward kernel choices of ``SAGE_DIFFUSERS_SAGEBWD_BWD`` (``BwdKernels``: dK/dV and dQ
+  kernels as before, the register-lean dK/dV kernel, dQ fused into it by atomic adds);
+  ``sagebwd_dov_int8`` (the dO.V^T INT8 ablation);
   ``sdpa_cudnn`` and ``sdpa_flash`` (``F.scaled_dot_product_attention`` under
   ``sdpa_kernel``). The environment of a method is set around each of its calls (the kernels
   read it at call time).
@@ -58,8 +64,11 @@ METHOD_ENV = {
     "sagebwd": {},
     "sagebwd_dov_int8": {},
     "sagebwd_acc_alu": {"SAGE_DIFFUSERS_SAGEBWD_ACC": "alu"},
+    "sagebwd_split": {"SAGE_DIFFUSERS_SAGEBWD_BWD": "split"},
+    "sagebwd_lean": {"SAGE_DIFFUSERS_SAGEBWD_BWD": "lean"},
+    "sagebwd_fused": {"SAGE_DIFFUSERS_SAGEBWD_BWD": "fused"},
 }
-COMPARE_METHODS = "sagebwd,sagebwd_acc_alu,sdpa_cudnn"
+COMPARE_METHODS = "sagebwd,sagebwd_acc_alu,sagebwd_lean,sagebwd_fused,sdpa_cudnn"
 COMPARE_SHAPES = [(1, 24, 16384, 128), (1, 48, 16384, 64), (1, 24, 4096, 128), (1, 48, 4096, 64)]
 
 
@@ -151,7 +160,7 @@ def tuned_configs() -> dict:
     from sage_diffusers.kernels import sagebwd_triton as K
 
     out = {}
-    for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"):
+    for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_fused_kernel", "_bwd_dq_kernel"):
         cache = getattr(getattr(K, name, None), "cache", None)
         if cache:
             out[name] = {str(key): str(cfg) for key, cfg in cache.items()}
@@ -210,7 +219,8 @@ def _sass_loops(kernel, consts: dict, num_warps: int, num_stages: int) -> dict:
     for lo, hi in inner:
         ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
                                   for a, ins in lines if lo <= a <= hi)
-        counts.append(dict(instr=sum(ops.values()), xu=sum(ops[k] for k in _XU_OPS), spill=ops["LDL"] + ops["STL"]))
+        counts.append(dict(instr=sum(ops.values()), xu=sum(ops[k] for k in _XU_OPS), spill=ops["LDL"] + ops["STL"],
+                           gmma=ops["HGMMA"] + ops["IGMMA"], mma=ops["HMMA"] + ops["IMMA"]))
     return dict(regs=int(re.search(r"REG:(\d+)", res).group(1)), stack=int(re.search(r"STACK:(\d+)", res).group(1)),
                 loops=counts)
 
@@ -226,8 +236,13 @@ def sass_report(out: Path) -> None:
         bwd = dict(base, DOV_INT8=False)
         cases = [  # (kernel, constexprs, launch configs)
             ("fwd", K._fwd_kernel, dict(base, BLOCK_N=64, BLOCK_Q=64, PV_INT8=True, ACC_XU=True), K._FWD_CONFIGS),
-            ("dK/dV", K._bwd_dkdv_kernel, dict(bwd, SUB=64, ACC_XU=True), K._DKDV_CONFIGS),
+            ("dK/dV", K._bwd_dkdv_kernel, dict(bwd, SUB=64, ACC_XU=True, DW=d, FUSE_DQ=False, DV_LAST=False),
+             K._DKDV_CONFIGS),
             ("dQ", K._bwd_dq_kernel, dict(bwd, SUB=64, ACC_XU=True), K._DQ_CONFIGS),
+            ("dK/dV lean", K._bwd_dkdv_kernel,
+             dict(bwd, SUB=64, ACC_XU=True, DW=min(d, K.LEAN_COLUMNS), FUSE_DQ=False, DV_LAST=True), K._DKDV_CONFIGS),
+            ("fused", K._bwd_fused_kernel,
+             dict(bwd, SUB=64, ACC_XU=True, DW=min(d, K.LEAN_COLUMNS), FUSE_DQ=True, DV_LAST=True), K._FUSED_CONFIGS),
         ]
         for name, kernel, consts, configs in cases:
             for cfg in configs[:3]:
@@ -254,14 +269,15 @@ def sass_report(out: Path) -> None:
              "order (the kernels run one loop for tiles without bounds or causal tests and one for the "
              "others, which in this case only the last partial block would enter): SASS instructions per "
              "warp per iteration, of which on the XU pipe (conversions, exp2, division checks: 16 lanes per "
-             "clock per SM), and local-memory spill instructions. Cycles per 64x64 tile = max(instructions x "
+             "clock per SM), local-memory spill instructions, and tensor-core instructions (HGMMA/IGMMA = wgmma, "
+             "HMMA/IMMA = mma.sync). Cycles per 64x64 tile = max(instructions x "
              "warps per scheduler, XU instructions x warps per scheduler x 8) / tiles per iteration: a lower "
              "bound from issue alone (no stalls, no memory), for comparing variants, not a measurement.", "",
-             "| hd | kernel | config | loop | regs | stack B | instr/iter | XU | spill | issue | XU cycles | cycles/tile |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| hd | kernel | config | loop | regs | stack B | instr/iter | XU | spill | wgmma / mma.sync | issue | XU cycles | cycles/tile |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['d']} | {r['kernel']} | {r['config']} | {r['loop']} | {r['regs']} | {r['stack']} | "
-                     f"{r['instr']} | {r['xu']} | {r['spill']} | {r['issue_cycles_per_tile']:.0f} | "
+                     f"{r['instr']} | {r['xu']} | {r['spill']} | {r['gmma']} / {r['mma']} | {r['issue_cycles_per_tile']:.0f} | "
                      f"{r['xu_cycles_per_tile']:.0f} | {r['bound']:.0f} |")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
@@ -272,12 +288,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compare", action="store_true",
-                    help=f"conversion variants side by side: {COMPARE_METHODS} at {COMPARE_SHAPES}, passes {PASSES}")
+                    help=f"kernel variants side by side: {COMPARE_METHODS} at {COMPARE_SHAPES}, passes {PASSES}")
     ap.add_argument("--causal", action="store_true", help="with --compare: also the 16K shapes causal")
     ap.add_argument("--rounds", type=int, default=None, help="default 7 (5 with --compare, 3 with --quick)")
     ap.add_argument("--target-ms", type=float, default=40.0, help="back-to-back time per method per round")
     ap.add_argument("--methods", default=None)
     ap.add_argument("--passes", default=None, help="default fwd,fwd+bwd (all three with --compare)")
+    ap.add_argument("--shapes", default=None, help="BxHxSxD[,...]: only these shapes (default: the mode's list)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--sass", action="store_true",
                     help="no GPU needed: compile the kernels for sm_90a and write per-tile SASS issue estimates")
@@ -303,6 +320,9 @@ def main() -> None:
         passes = (args.passes or "fwd,fwd+bwd").split(",")
         acc_variants = {"fp16": "sagebwd", "int8": "sagebwd_dov_int8"}
         out = Path(args.out or RESULTS / "sagebwd_h200")
+    if args.shapes:
+        shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
+        causal_shapes = [sh for sh in causal_shapes if sh in shapes]
     rows, acc, failures = [], {}, []
     torch.backends.cuda.matmul.allow_tf32 = False
     for shape, causal in [(s, False) for s in shapes] + [(s, True) for s in causal_shapes]:

@@ -32,19 +32,22 @@ IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ["cpu"] if IN_INTERPRETER else (["cuda"] if torch.cuda.is_available() else [])
 needs_device = pytest.mark.skipif(not DEVICES, reason="no CUDA device: runs in the interpreter child")
 # (rows on the wide tile side under the interpreter (a GPU autotunes it instead), how the
-# kernels convert their int32 products: SAGE_DIFFUSERS_SAGEBWD_ACC)
-VARIANTS = [(128, "xu"), (64, "alu")] if IN_INTERPRETER else [(None, "xu"), (None, "alu")]
+# kernels convert their int32 products: SAGE_DIFFUSERS_SAGEBWD_ACC, which backward kernels:
+# SAGE_DIFFUSERS_SAGEBWD_BWD; the fused one always takes 64 keys per program)
+VARIANTS = ([(128, "xu", "split"), (64, "alu", "lean"), (128, "xu", "fused")] if IN_INTERPRETER
+            else [(None, "xu", "split"), (None, "alu", "split"), (None, "xu", "lean"), (None, "xu", "fused")])
 
 
 def kernels():
     return sagebwd_triton
 
 
-@pytest.fixture(params=VARIANTS, ids=lambda p: f"wide{p[0]}-{p[1]}" if p[0] else p[1])
+@pytest.fixture(params=VARIANTS, ids=lambda p: "-".join(([f"wide{p[0]}"] if p[0] else []) + list(p[1:])))
 def variant(request, monkeypatch):
-    """Runs a test under each variant (SAGE_DIFFUSERS_SAGEBWD_ACC is read at call time)."""
-    wide, acc = request.param
+    """Runs a test under each variant (the kernels read the environment at call time)."""
+    wide, acc, bwd = request.param
     monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_ACC", acc)
+    monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_BWD", bwd)
     if wide:
         monkeypatch.setattr(sagebwd_triton, "INTERPRET_WIDE", wide)
     return request.param
@@ -152,6 +155,38 @@ def test_backward_prepass_matches_reference(device, dov):
     if dov == "int8":
         do8, sdo = ref.quantize_int8_per_block(do, ref.BLOCK_Q)
         assert torch.equal(r.do8, do8) and torch.equal(r.sdo, sdo)
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_kernel_choices_agree(device, causal, monkeypatch):
+    """LEAN reorders SPLIT's dK/dV kernel (dV product last, int32 products in column halves at
+    D = 128) without changing any operation: the same bits. FUSED computes dK and dV the same way
+    (same bits) and adds dQ by atomics, so only dQ's summation order differs; both of its paths:
+    128 keys per program (two dS tiles per atomic add) and 64."""
+    tri = kernels()
+    q, k, v, do, key_mask = inputs(1, 4, 2, 100, 130, 128, torch.bfloat16, device, True)
+    st = ref.sagebwd_forward(q, k, v, key_mask, causal, None)
+    runs = [(c, 128) for c in tri.BwdKernels] + [(tri.BwdKernels.FUSED, 64)]
+    grads = {}
+    for choice, wide in runs:
+        monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_BWD", choice.value)
+        if IN_INTERPRETER:
+            monkeypatch.setattr(tri, "INTERPRET_WIDE", wide)
+        elif choice is tri.BwdKernels.FUSED:  # one config: the autotuner runs it untimed, uncached
+            monkeypatch.setattr(tri._bwd_fused_kernel, "configs",
+                                [triton.Config({"BLOCK_N": wide}, num_warps=wide // 16, num_stages=2,
+                                               pre_hook=tri._zero_dq)])
+        grads[choice, wide] = tri.sagebwd_backward(do, st, key_mask, causal, None)
+    split = grads[tri.BwdKernels.SPLIT, 128]
+    for name, a, w in zip(("dq", "dk", "dv"), grads[tri.BwdKernels.LEAN, 128], split):
+        assert torch.equal(a, w), name
+    for choice, wide in runs:
+        if choice is tri.BwdKernels.FUSED:
+            dq, dk, dv = grads[choice, wide]
+            assert torch.equal(dk, split[1]) and torch.equal(dv, split[2]), wide
+            assert (dq - split[0]).abs().max() <= 1e-5 * split[0].abs().max(), wide
 
 
 @needs_device

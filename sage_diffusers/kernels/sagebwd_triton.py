@@ -15,7 +15,8 @@ The kernels:
   codes of dO' = dO / l (and of dO for the INT8 dP ablation), from one read of dO and O;
 - ``_bwd_dkdv_kernel`` (up to 128 keys per program, all query heads of its group) and
   ``_bwd_dq_kernel`` (up to 128 query rows per program), both recomputing the same P~ and dS
-  tiles; dP = dO.V^T 16-bit or INT8 (``DOV_INT8``).
+  tiles; dP = dO.V^T 16-bit or INT8 (``DOV_INT8``); or ``_bwd_fused_kernel``, the dK/dV kernel
+  that also adds dQ by atomics (:class:`BwdKernels` picks, ``SAGE_DIFFUSERS_SAGEBWD_BWD``).
 
 How they are organised for Hopper, and why:
 
@@ -34,7 +35,7 @@ How they are organised for Hopper, and why:
 - the backward's row quantities come from one pre-pass kernel, V^'s transposed copy from the
   forward's quantization kernel.
 
-``eval/bench_sagebwd.py --compare`` times the conversion choices side by side on a GPU;
+``eval/bench_sagebwd.py --compare`` times the conversion and backward-kernel choices side by side on a GPU;
 ``--sass`` compiles the kernels for sm_90a on any machine and counts their loops' instructions.
 
 On GPUs without this project's CUDA kernels (sm_80/86/89) the forward is also the inference path
@@ -102,6 +103,35 @@ def acc_convert() -> AccConvert:
     return AccConvert(os.environ.get("SAGE_DIFFUSERS_SAGEBWD_ACC", AccConvert.XU.value))
 
 
+class BwdKernels(str, enum.Enum):
+    """How the backward's dK/dV and dQ are computed (``SAGE_DIFFUSERS_SAGEBWD_BWD``, read at each
+    call). All three compute the same quantized operands, the reference's; SPLIT and LEAN give the
+    same bits, FUSED sums dQ in another order.
+
+    On sm_90a every ``tl.dot`` here is a wgmma already (eval/results/sagebwd_sass_sm90.md); what
+    costs is registers. At D = 128 one warpgroup per 64 keys holds dK and dV in FP32 (128 registers
+    per thread) and SPLIT's dK/dV kernel spills, so the autotuner picks 8 warps on 64 keys, where
+    Triton gives each M = 64 MMA to one warpgroup and both warpgroups compute the same S^T, P~ and
+    dS: twice the elementwise work. LEAN makes 64 keys per warpgroup fit: the dV product comes
+    after dK's (while its int32 product is live, of the step's tiles only the P~^T codes are) and
+    the int32 dK / dV products are taken LEAN_COLUMNS columns at a time.
+    """
+
+    SPLIT = "split"  # dK/dV kernel + dQ kernel, whole-D int32 products, dV first (deterministic)
+    LEAN = "lean"  # the same two kernels, the dK/dV kernel's register-lean order (deterministic, same bits)
+    FUSED = "fused"  # LEAN's dK/dV kernel also adds dQ by FP32 atomics: no dQ kernel, no second S / dS (order varies)
+
+
+# Columns per int32 dK / dV product in LEAN and FUSED (64 x 64 int32 = 32 registers per thread of a
+# warpgroup): ptxas for sm_90a, D = 128, 64 keys per warpgroup: 2 spill instructions per step
+# with halves, about 100 with whole rows.
+LEAN_COLUMNS = 64
+
+
+def bwd_kernels() -> BwdKernels:
+    return BwdKernels(os.environ.get("SAGE_DIFFUSERS_SAGEBWD_BWD", BwdKernels.SPLIT.value))
+
+
 def _autotuned(configs, key: list, max_rows_at_d128: int):
     """triton.autotune on a GPU (launch parameters only, never the numerics); the interpreter runs
     the kernels as called. ``max_rows_at_d128``: drop configs with more tile rows per warpgroup
@@ -136,6 +166,14 @@ if triton is not None:
                     for m, w, st in ((128, 8, 2), (128, 8, 3), (64, 4, 3), (64, 4, 2), (128, 4, 2))]
     _DKDV_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
                      for n, w, st in ((128, 8, 2), (64, 4, 2), (64, 8, 2), (128, 8, 3), (64, 4, 3), (128, 4, 2))]
+
+    def _zero_dq(nargs):
+        """The fused kernel adds into dQ: zeroed before every launch, the autotuner's timed ones
+        included (a config's pre_hook runs before each of them and before the real one)."""
+        nargs["dq_ptr"].zero_()
+
+    _FUSED_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st, pre_hook=_zero_dq)
+                      for n, w, st in ((64, 4, 2), (128, 8, 2), (64, 4, 3), (64, 8, 2))]
     _DQ_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=st)
                    for m, w, st in ((128, 8, 2), (64, 4, 2), (128, 8, 3), (64, 4, 3), (64, 8, 2), (128, 4, 2))]
 
@@ -226,10 +264,23 @@ if triton is not None:
             amax = tl.zeros((R,), tl.float32)
             for g in tl.static_range(R // SUB):
                 amax = tl.where(grp == g, tl.max(tl.where(grp == g, rmax, 0.0), axis=0), amax)
+        scale, s_big, r = _ds_scale(amax)
+        return _codes_by_reciprocal(ds_big, s_big[:, None], r[:, None]), scale
+
+    @triton.jit
+    def _ds_scale(amax):
+        """From the absmax of ds_big (any shape): (the tile scale absmax(dS) / 127, that scale times
+        DS_PRESCALE, its IEEE reciprocal or 0 where the scale is 0)."""
         scale = tl.div_rn(amax * (1.0 / DS_PRESCALE), 127.0)  # amax / DS_PRESCALE is exact
         s_big = scale * DS_PRESCALE
-        r = tl.where(scale > 0, tl.div_rn(tl.full((R,), 1.0, tl.float32), tl.where(scale > 0, s_big, 1.0)), 0.0)
-        return _codes_by_reciprocal(ds_big, s_big[:, None], r[:, None]), scale
+        r = tl.where(scale > 0, tl.div_rn(tl.zeros_like(amax) + 1.0, tl.where(scale > 0, s_big, 1.0)), 0.0)
+        return scale, s_big, r
+
+    @triton.jit
+    def _quant_ds_tile(ds_big):
+        """:func:`_quant_ds_rows` of one quantization tile (SUB, SUB): (codes int8, scale float32 scalar)."""
+        scale, s_big, r = _ds_scale(tl.max(tl.max(tl.abs(ds_big), axis=1), axis=0))
+        return _codes_by_reciprocal(ds_big, s_big, r), scale
 
     @triton.jit
     def _keep(qi, kj, mask_ptr, b, SKV, KEY_MASK: tl.constexpr, CAUSAL: tl.constexpr):
@@ -445,17 +496,67 @@ if triton is not None:
             tl.store(sdo_ptr + bh * nqb + blk, scale8)
 
     @triton.jit
+    def _dot_t_acc(acc, a8, bt_ptr, row0, toks, n, inb, COL0: tl.constexpr, W: tl.constexpr, scale,
+                   ACC_XU: tl.constexpr):
+        """acc (R, W) + float(a8 (R, T) @ X[toks, COL0:COL0 + W]) * scale for an int8 X whose
+        transposed copy (rows = feature dims, ``n`` tokens per row, this head's rows from ``row0``) is
+        at ``bt_ptr``: the K-major operand an 8-bit MMA reads; tokens outside ``inb`` read as 0."""
+        dims = COL0 + tl.arange(0, W)
+        bt = tl.load(bt_ptr + (row0 + dims[:, None]) * n + toks[None, :], mask=inb[None, :], other=0)  # (W, T)
+        return acc + _acc_f32(tl.dot(a8, tl.trans(bt), out_dtype=tl.int32), ACC_XU) * scale
+
+    @triton.jit
+    def _dv_add(dv, dv2, p8t, dos8t_ptr, sdos_ptr, bh, qi, nqb, qs, SQ, inq, D: tl.constexpr, DW: tl.constexpr,
+                ACC_XU: tl.constexpr):
+        """dV column blocks (dv; dv2 when DW < D) + P^^T dO'^ of one query block, scaled by its dO' scale / 127."""
+        dv_scale = tl.load(sdos_ptr + bh * nqb + qi) * (1.0 / 127.0)
+        dv = _dot_t_acc(dv, p8t, dos8t_ptr, bh * D, qs, SQ, inq, 0, DW, dv_scale, ACC_XU)
+        if DW < D:
+            dv2 = _dot_t_acc(dv2, p8t, dos8t_ptr, bh * D, qs, SQ, inq, DW, DW, dv_scale, ACC_XU)
+        return dv, dv2
+
+    @triton.jit
+    def _dq_add(dq_ptr, ds8, sds, k8t, sk_ptr, kb0, nkb, sm_scale, bh, qs, inq, SQ, COL0: tl.constexpr,
+                W: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, ACC_XU: tl.constexpr):
+        """The fused backward's dQ: dQ[qs, COL0:COL0 + W] += the sum over the key blocks g = kb0, ... of
+        this tile of float(dS_g @ K^_g[:, COL0:COL0 + W]) * (s_g * sk_g) * sm_scale, by FP32 atomic adds.
+
+        ds8 (BLOCK_N, SUB): the dS^T codes; sds: their scale, a scalar when BLOCK_N = SUB, else per
+        row; k8t (W, BLOCK_N): K^'s K-major columns. With two key blocks (BLOCK_N = 2 SUB) each is
+        one MMA over all BLOCK_N keys with the other block's codes zeroed (its own scale; the tensor
+        core has room), and one atomic add serves both: half the atomic traffic of 64-key programs."""
+        dims = COL0 + tl.arange(0, W)
+        if BLOCK_N == SUB:
+            sk = tl.load(sk_ptr + kb0)
+            part = _acc_f32(tl.dot(tl.trans(ds8), tl.trans(k8t), out_dtype=tl.int32), ACC_XU) * ((sds * sk) * sm_scale)
+        else:
+            grp = tl.arange(0, BLOCK_N) // SUB
+            part = tl.zeros((SUB, W), tl.float32)
+            for g in tl.static_range(BLOCK_N // SUB):
+                s_g = tl.max(tl.where(grp == g, sds, 0.0), axis=0)  # scales are >= 0: the block's own
+                sk_g = tl.load(sk_ptr + kb0 + g, mask=kb0 + g < nkb, other=0.0)
+                ds_g = tl.trans(tl.where((grp == g)[:, None], ds8, 0).to(tl.int8))  # (SUB, BLOCK_N)
+                part += _acc_f32(tl.dot(ds_g, tl.trans(k8t), out_dtype=tl.int32), ACC_XU) * ((s_g * sk_g) * sm_scale)
+        tl.atomic_add(dq_ptr + (bh * SQ + qs[:, None]) * D + dims[None, :], part, mask=inq[:, None], sem="relaxed")
+
+    @triton.jit
     def _dkdv_loop(
-        dk, dv, lo, hi, bh, b, keys, k8, sk_row, v8, sv_row, vc,
+        dk, dv, dk2, dv2, lo, hi, bh, b, keys, k8, sk_row, v8, sv_row, vc, k8t_a, k8t_b, sk_ptr, kb0, nkb,
         q8_ptr, sq_ptr, q8t_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr, sdos_ptr,
-        mask_ptr, qk_scale, sm_scale, SQ, SKV,
-        D: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, HAS_MASK: tl.constexpr,
+        mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV,
+        D: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, DW: tl.constexpr, HAS_MASK: tl.constexpr,
         IS_CAUSAL: tl.constexpr, EDGE: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
-        ACC_XU: tl.constexpr,
+        ACC_XU: tl.constexpr, FUSE_DQ: tl.constexpr, DV_LAST: tl.constexpr,
     ):
         """dK, dV (BLOCK_N, D) of one key tile over the query blocks [lo, hi) of head bh, in the
         transposed orientation: S^T = K^ Q^T (BLOCK_N, SUB), so P~^T and dS^T feed the next MMAs
-        as they come out. Rows past SQ load as 0 with +inf row max: P~ = dS = 0 there."""
+        as they come out. Rows past SQ load as 0 with +inf row max: P~ = dS = 0 there.
+
+        The dK/dV accumulators come as column blocks of width DW (dk, dv the first; dk2, dv2 the
+        second when DW = D / 2, else unused): each int32 product then holds DW columns, not D.
+        DV_LAST: the dV product after dK's, else right after P~^T (see :class:`BwdKernels`).
+        FUSE_DQ: this tile's dQ = dS.K^ is added to dq_ptr atomically (:func:`_dq_add`; k8t_a, k8t_b:
+        the K-major K^ column blocks; the key blocks' scales at sk_ptr from block kb0 on, of nkb)."""
         dims = tl.arange(0, D)
         nqb = tl.cdiv(SQ, SUB)
         for start_m in range(lo, hi, SUB):
@@ -463,17 +564,15 @@ if triton is not None:
             inq = qs < SQ
             qi = start_m // SUB
             q_off = (bh * SQ + qs[:, None]) * D + dims[None, :]  # (SUB, D)
-            qt_off = (bh * D + dims[:, None]) * SQ + qs[None, :]  # (D, SUB) of a transposed copy
             q8 = tl.load(q8_ptr + q_off, mask=inq[:, None], other=0)
             sq = tl.load(sq_ptr + bh * nqb + qi)
             st = _i2f(tl.dot(k8, tl.trans(q8), out_dtype=tl.int32)) * (sq * qk_scale) * sk_row[:, None]
             mb = tl.load(mb_ptr + bh * SQ + qs, mask=inq, other=float("inf"))
             pt = tl.exp2(st - mb[None, :])  # P~^T in [0, 1]
             pt = _keep_where(pt, 0.0, qs[None, :], keys[:, None], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL, EDGE)
-            # dV first: its int32 product is dead before dP^T and dS^T need registers
-            dos8t = tl.load(dos8t_ptr + qt_off, mask=inq[None, :], other=0)
-            sdos = tl.load(sdos_ptr + bh * nqb + qi)
-            dv += _acc_f32(tl.dot(_f2i8(pt * 127.0), tl.trans(dos8t), out_dtype=tl.int32), ACC_XU) * (sdos * (1.0 / 127.0))
+            p8t = _f2i8(pt * 127.0)
+            if not DV_LAST:
+                dv, dv2 = _dv_add(dv, dv2, p8t, dos8t_ptr, sdos_ptr, bh, qi, nqb, qs, SQ, inq, D, DW, ACC_XU)
             p = pt * tl.load(invl_ptr + bh * SQ + qs, mask=inq, other=0.0)[None, :]  # P * DS_PRESCALE
             if DOV_INT8:
                 do8 = tl.load(do8_ptr + q_off, mask=inq[:, None], other=0)
@@ -483,24 +582,41 @@ if triton is not None:
                 do = tl.load(do_ptr + q_off, mask=inq[:, None], other=0.0)
                 dpt = _dot16(vc, tl.trans(do), DOT16_AS_F32)
             delta = tl.load(delta_ptr + bh * SQ + qs, mask=inq, other=0.0)
-            ds8, sds = _quant_ds_rows(p * (dpt - delta[None, :]), BLOCK_N, SUB)  # dS^T * DS_PRESCALE
-            q8t = tl.load(q8t_ptr + qt_off, mask=inq[None, :], other=0)
-            dk += _acc_f32(tl.dot(ds8, tl.trans(q8t), out_dtype=tl.int32), ACC_XU) * ((sds * sq) * sm_scale)[:, None]
-        return dk, dv
+            if FUSE_DQ and BLOCK_N == SUB:  # one quantization tile: a scalar scale
+                ds8, sds = _quant_ds_tile(p * (dpt - delta[None, :]))  # dS^T * DS_PRESCALE
+                dk_scale = (sds * sq) * sm_scale
+            else:
+                ds8, sds = _quant_ds_rows(p * (dpt - delta[None, :]), BLOCK_N, SUB)
+                dk_scale = ((sds * sq) * sm_scale)[:, None]
+            if FUSE_DQ:  # before dK: fewer registers live (ptxas for sm_90a: half the spills at D = 128)
+                _dq_add(dq_ptr, ds8, sds, k8t_a, sk_ptr, kb0, nkb, sm_scale, bh, qs, inq, SQ, 0, DW, D,
+                        BLOCK_N, SUB, ACC_XU)
+                if DW < D:
+                    _dq_add(dq_ptr, ds8, sds, k8t_b, sk_ptr, kb0, nkb, sm_scale, bh, qs, inq, SQ, DW, DW, D,
+                            BLOCK_N, SUB, ACC_XU)
+            dk = _dot_t_acc(dk, ds8, q8t_ptr, bh * D, qs, SQ, inq, 0, DW, dk_scale, ACC_XU)
+            if DW < D:
+                dk2 = _dot_t_acc(dk2, ds8, q8t_ptr, bh * D, qs, SQ, inq, DW, DW, dk_scale, ACC_XU)
+            if DV_LAST:  # while its int32 product is live, of this step's tiles only the P~^T codes are
+                dv, dv2 = _dv_add(dv, dv2, p8t, dos8t_ptr, sdos_ptr, bh, qi, nqb, qs, SQ, inq, D, DW, ACC_XU)
+        return dk, dv, dk2, dv2
 
-    @_autotuned(_DKDV_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "ACC_XU"], max_rows_at_d128=64)
     @triton.jit
-    def _bwd_dkdv_kernel(
-        q8_ptr, sq_ptr, q8t_ptr, k8_ptr, sk_ptr, v8_ptr, sv_ptr, vc_ptr,
+    def _bwd_dkdv_jit(
+        q8_ptr, sq_ptr, q8t_ptr, k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr,
         mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr, sdos_ptr, mask_ptr,
         dk_ptr, dv_ptr,  # float32 (B, Hkv, Skv, D)
+        dq_ptr,  # float32 (B, Hq, Sq, D), zeros, when FUSE_DQ
         qk_scale, sm_scale, HKV, GROUP, SQ, SKV,
-        D: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr,
+        D: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, DW: tl.constexpr,
         HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
-        ACC_XU: tl.constexpr,
+        ACC_XU: tl.constexpr, FUSE_DQ: tl.constexpr, DV_LAST: tl.constexpr,
     ):
         """dK and dV: one program per BLOCK_N keys (BLOCK_N / SUB quantization blocks), all query
-        heads of its group; the query blocks that need no bounds or causal test run in their own loop."""
+        heads of its group; the query blocks that need no bounds or causal test run in their own loop.
+        DW: D or D / 2, the column width of each int32 dK / dV product; DV_LAST: the dV product
+        last in each step (:class:`BwdKernels`); FUSE_DQ: also dQ, by atomic adds."""
+        tl.static_assert(DW == D or DW * 2 == D)
         pid_n = tl.program_id(0)
         bkv = tl.program_id(1)
         b = bkv // HKV
@@ -513,16 +629,26 @@ if triton is not None:
         kv_off = (bkv * SKV + keys[:, None]) * D + dims[None, :]
         k8 = tl.load(k8_ptr + kv_off, mask=ink[:, None], other=0)
         sk_row = tl.load(sk_ptr + bkv * nkb + keys // SUB, mask=ink, other=0.0)  # (BLOCK_N,)
-        v8 = k8  # placeholders for the operands the chosen dP precision does not read
+        v8 = k8  # placeholders for the operands the chosen dP precision (or FUSE_DQ) does not read
         sv_row = sk_row
         vc = tl.zeros((BLOCK_N, D), vc_ptr.dtype.element_ty)
+        k8t_a = k8
+        k8t_b = k8
         if DOV_INT8:
             v8 = tl.load(v8_ptr + kv_off, mask=ink[:, None], other=0)
             sv_row = tl.load(sv_ptr + bkv * nkb + keys // SUB, mask=ink, other=0.0)
         else:
             vc = tl.load(vc_ptr + kv_off, mask=ink[:, None], other=0.0)
-        dk = tl.zeros((BLOCK_N, D), tl.float32)
-        dv = tl.zeros((BLOCK_N, D), tl.float32)
+        dimw = tl.arange(0, DW)
+        if FUSE_DQ:
+            kt_off = (bkv * D + dimw[:, None]) * SKV + keys[None, :]  # (DW, BLOCK_N) of K^'s transposed copy
+            k8t_a = tl.load(k8t_ptr + kt_off, mask=ink[None, :], other=0)
+            if DW < D:
+                k8t_b = tl.load(k8t_ptr + kt_off + DW * SKV, mask=ink[None, :], other=0)
+        dk = tl.zeros((BLOCK_N, DW), tl.float32)
+        dv = tl.zeros((BLOCK_N, DW), tl.float32)
+        dk2 = tl.zeros((BLOCK_N, DW), tl.float32)  # the second column block when DW < D
+        dv2 = tl.zeros((BLOCK_N, DW), tl.float32)
         lo = 0  # query blocks [lo, edge_hi) get the bounds / causal tests, [edge_hi, SQ) none
         edge_hi = 0
         if IS_CAUSAL:
@@ -532,18 +658,29 @@ if triton is not None:
         edge_hi = tl.maximum(tl.where(start_n + BLOCK_N > SKV, SQ, edge_hi), lo)
         for g in range(0, GROUP):
             bh = (b * HKV + hkv) * GROUP + g
-            dk, dv = _dkdv_loop(
-                dk, dv, lo, edge_hi, bh, b, keys, k8, sk_row, v8, sv_row, vc,
+            dk, dv, dk2, dv2 = _dkdv_loop(
+                dk, dv, dk2, dv2, lo, edge_hi, bh, b, keys, k8, sk_row, v8, sv_row, vc, k8t_a, k8t_b,
+                sk_ptr + bkv * nkb, start_n // SUB, nkb,
                 q8_ptr, sq_ptr, q8t_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr,
-                sdos_ptr, mask_ptr, qk_scale, sm_scale, SQ, SKV,
-                D, BLOCK_N, SUB, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU)
-            dk, dv = _dkdv_loop(
-                dk, dv, edge_hi, SQ, bh, b, keys, k8, sk_row, v8, sv_row, vc,
+                sdos_ptr, mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV,
+                D, BLOCK_N, SUB, DW, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU, FUSE_DQ, DV_LAST)
+            dk, dv, dk2, dv2 = _dkdv_loop(
+                dk, dv, dk2, dv2, edge_hi, SQ, bh, b, keys, k8, sk_row, v8, sv_row, vc, k8t_a, k8t_b,
+                sk_ptr + bkv * nkb, start_n // SUB, nkb,
                 q8_ptr, sq_ptr, q8t_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr,
-                sdos_ptr, mask_ptr, qk_scale, sm_scale, SQ, SKV,
-                D, BLOCK_N, SUB, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU)
-        tl.store(dk_ptr + kv_off, dk, mask=ink[:, None])
-        tl.store(dv_ptr + kv_off, dv, mask=ink[:, None])
+                sdos_ptr, mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV,
+                D, BLOCK_N, SUB, DW, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU, FUSE_DQ, DV_LAST)
+        w_off = (bkv * SKV + keys[:, None]) * D + dimw[None, :]
+        tl.store(dk_ptr + w_off, dk, mask=ink[:, None])
+        tl.store(dv_ptr + w_off, dv, mask=ink[:, None])
+        if DW < D:
+            tl.store(dk_ptr + w_off + DW, dk2, mask=ink[:, None])
+            tl.store(dv_ptr + w_off + DW, dv2, mask=ink[:, None])
+
+    _BWD_KEY = ["D", "DW", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "ACC_XU", "FUSE_DQ", "DV_LAST"]
+    _bwd_dkdv_kernel = _autotuned(_DKDV_CONFIGS, key=_BWD_KEY, max_rows_at_d128=64)(_bwd_dkdv_jit)
+    # the fused backward: its own list (64 keys per program, or 128 on two warpgroups)
+    _bwd_fused_kernel = _autotuned(_FUSED_CONFIGS, key=_BWD_KEY, max_rows_at_d128=64)(_bwd_dkdv_jit)
 
     @triton.jit
     def _dq_loop(
@@ -721,7 +858,8 @@ def backward_rows(do: torch.Tensor, state: SageBwdState, dov_int8: bool) -> Back
 
 
 def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Optional[float], dov: DoVPrecision):
-    """Pre-pass kernel, dK/dV kernel, dQ kernel; returns float32 dq, dk, dv."""
+    """Pre-pass kernel, then the dK/dV and dQ kernels, or the fused one (:func:`bwd_kernels`);
+    returns float32 dq, dk, dv."""
     b, hq, sq_len, d = state.q8.shape
     hkv, skv = state.k8.shape[1], state.k8.shape[2]
     dev = do.device
@@ -730,7 +868,10 @@ def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Op
         z = dict(dtype=torch.float32, device=dev)
         return (torch.zeros((b, hq, sq_len, d), **z), torch.zeros((b, hkv, skv, d), **z),
                 torch.zeros((b, hkv, skv, d), **z))
-    dq = torch.empty((b, hq, sq_len, d), dtype=torch.float32, device=dev)  # every element is stored
+    kernels = bwd_kernels()
+    fused = kernels is BwdKernels.FUSED
+    # every element is stored, or (fused) accumulated by atomic adds
+    dq = (torch.zeros if fused else torch.empty)((b, hq, sq_len, d), dtype=torch.float32, device=dev)
     dk = torch.empty((b, hkv, skv, d), dtype=torch.float32, device=dev)
     dv = torch.empty_like(dk)
     dov_int8 = dov is DoVPrecision.INT8
@@ -742,18 +883,22 @@ def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Op
     qk_scale = sm_scale * LOG2E
     q8t = _transposed(state.q8)  # (B, Hq, D, Sq)
     k8t = _transposed(state.k8)  # (B, Hkv, D, Skv)
+    lean = kernels is not BwdKernels.SPLIT
+    dw = min(d, LEAN_COLUMNS) if lean else d
     wide_n = dict(BLOCK_N=INTERPRET_WIDE) if INTERPRET else {}
     wide_m = dict(BLOCK_M=INTERPRET_WIDE) if INTERPRET else {}
-    _bwd_dkdv_kernel[lambda meta: (triton.cdiv(skv, meta["BLOCK_N"]), b * hkv)](
-        state.q8, state.sq, q8t, state.k8, state.sk, state.v8, state.sv, state.vc,
-        r.mb, r.inv_l, r.delta, do16, r.do8, r.sdo, r.dos8t, r.sdos, mask, dk, dv,
-        qk_scale, sm_scale, hkv, hq // hkv, sq_len, skv, **common, **wide_n,
+    kernel = _bwd_fused_kernel if fused else _bwd_dkdv_kernel
+    kernel[lambda meta: (triton.cdiv(skv, meta["BLOCK_N"]), b * hkv)](
+        state.q8, state.sq, q8t, state.k8, state.sk, k8t, state.v8, state.sv, state.vc,
+        r.mb, r.inv_l, r.delta, do16, r.do8, r.sdo, r.dos8t, r.sdos, mask, dk, dv, dq,
+        qk_scale, sm_scale, hkv, hq // hkv, sq_len, skv, DW=dw, FUSE_DQ=fused, DV_LAST=lean, **common, **wide_n,
     )
-    _bwd_dq_kernel[lambda meta: (triton.cdiv(sq_len, meta["BLOCK_M"]), b * hq)](
-        state.q8, state.sq, state.k8, state.sk, k8t, state.v8, state.sv, state.vc,
-        r.mb, r.inv_l, r.delta, do16, r.do8, r.sdo, mask, dq,
-        qk_scale, sm_scale, hq, hq // hkv, sq_len, skv, **common, **wide_m,
-    )
+    if not fused:
+        _bwd_dq_kernel[lambda meta: (triton.cdiv(sq_len, meta["BLOCK_M"]), b * hq)](
+            state.q8, state.sq, state.k8, state.sk, k8t, state.v8, state.sv, state.vc,
+            r.mb, r.inv_l, r.delta, do16, r.do8, r.sdo, mask, dq,
+            qk_scale, sm_scale, hq, hq // hkv, sq_len, skv, **common, **wide_m,
+        )
     return dq, dk, dv
 
 
