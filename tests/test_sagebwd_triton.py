@@ -290,3 +290,19 @@ def test_ds_quantizer_is_the_ieee_division_at_rounding_ties(device):
         _quant_ds_probe[(1,)](x, codes, scale, R=128, SUB=64)
         assert torch.equal(codes.cpu(), want_codes[128 * i:128 * (i + 1)]), i
         assert torch.equal(scale.cpu(), want_scale[128 * i:128 * (i + 1)]), i
+
+
+def test_backward_kernel_default_per_head_dim(monkeypatch):
+    """Without SAGE_DIFFUSERS_SAGEBWD_BWD: LEAN at D = 128, FUSED at D = 64 unless torch's
+    deterministic algorithms are on (FUSED's dQ atomics are not); the variable overrides both."""
+    choose, kinds = sagebwd_triton.bwd_kernels, sagebwd_triton.BwdKernels
+    monkeypatch.delenv("SAGE_DIFFUSERS_SAGEBWD_BWD", raising=False)
+    assert choose(128) is kinds.LEAN and choose(64) is kinds.FUSED
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert choose(64) is kinds.LEAN
+    finally:
+        torch.use_deterministic_algorithms(was)
+    monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_BWD", "split")
+    assert choose(64) is kinds.SPLIT and choose(128) is kinds.SPLIT

@@ -128,8 +128,17 @@ class BwdKernels(str, enum.Enum):
 LEAN_COLUMNS = 64
 
 
-def bwd_kernels() -> BwdKernels:
-    return BwdKernels(os.environ.get("SAGE_DIFFUSERS_SAGEBWD_BWD", BwdKernels.SPLIT.value))
+def bwd_kernels(head_dim: int) -> BwdKernels:
+    """The backward's kernels for this head dim: ``SAGE_DIFFUSERS_SAGEBWD_BWD`` when set, else the
+    fastest on the H200 (eval/results/sagebwd_bwdfast_h200.md, forward + backward, 16K tokens):
+    LEAN at D = 128 (42.9 ms against SPLIT's 57.3, FUSED 46.2), FUSED at D <= 64 (46.8 against
+    LEAN's 51.7) unless torch's deterministic algorithms are on, which FUSED's atomics are not."""
+    env = os.environ.get("SAGE_DIFFUSERS_SAGEBWD_BWD")
+    if env:
+        return BwdKernels(env)
+    if head_dim <= 64 and not torch.are_deterministic_algorithms_enabled():
+        return BwdKernels.FUSED
+    return BwdKernels.LEAN
 
 
 def _autotuned(configs, key: list, max_rows_at_d128: int):
@@ -868,7 +877,7 @@ def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Op
         z = dict(dtype=torch.float32, device=dev)
         return (torch.zeros((b, hq, sq_len, d), **z), torch.zeros((b, hkv, skv, d), **z),
                 torch.zeros((b, hkv, skv, d), **z))
-    kernels = bwd_kernels()
+    kernels = bwd_kernels(d)
     fused = kernels is BwdKernels.FUSED
     # every element is stored, or (fused) accumulated by atomic adds
     dq = (torch.zeros if fused else torch.empty)((b, hq, sq_len, d), dtype=torch.float32, device=dev)
