@@ -32,12 +32,54 @@ __device__ __forceinline__ uint32_t pack_e4m3x2(float lo, float hi) {
   return r;
 }
 
+// INT8 code of a quotient x / s: round half to even, clamp to +-127 (NaN -> 0).
+__device__ __forceinline__ int int8_code(float quotient) {
+  const int q = __float2int_rn(quotient);
+  return max(-127, min(127, q));
+}
+
 // INT8 code of x / s: fp32 true division (IEEE, no fast-math), round half to even, clamp to
 // +-127; scale 0 (all-zero row/block) gives 0.
 __device__ __forceinline__ int quant_int8(float x, float s) {
   if (s == 0.f) return 0;
-  const int q = __float2int_rn(x / s);
-  return max(-127, min(127, q));
+  return int8_code(x / s);
+}
+
+// x / s for many x and one scale s >= 0, bit for bit the IEEE quotient of `x / s` (pre-pass mode
+// kPrepassFastDiv). nvcc's div.rn.f32 is, per element, a reciprocal approximation (MUFU.RCP), one
+// Newton step of it, then q0 = x r, e = fma(-s, q0, x), q = fma(r, e, q0), with FCHK choosing a
+// slow path for operands near the exponent range's ends. The reciprocal and its Newton step depend
+// on s alone, so they are computed once here; per element the same three roundings run, and every
+// operand outside a range far inside the fast path's (|x| and s in [2^-60, 2^60], where no step
+// can overflow or go subnormal) takes the real division: zeros, subnormals, Inf, NaN, s == 0.
+struct ScaleDivider {
+  float s;
+  float r;    // the Newton-refined reciprocal of s, as div.rn.f32 computes it
+  bool fast;  // s inside the safe range
+
+  ScaleDivider() = default;  // (arrays: every element is assigned a divider before use)
+  __device__ __forceinline__ explicit ScaleDivider(float scale) : s(scale) {
+    float r0;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(scale));
+    r = __fmaf_rn(r0, __fmaf_rn(-scale, r0, 1.f), r0);
+    fast = in_range(scale);
+  }
+  // |v| in [2^-60, 2^60): finite, nonzero, normal (NaN fails both compares).
+  static __device__ __forceinline__ bool in_range(float v) {
+    const float a = fabsf(v);
+    return a >= 0x1p-60f && a < 0x1p60f;
+  }
+  __device__ __forceinline__ float operator()(float x) const {
+    if (!(fast && in_range(x))) return x / s;  // rare: the division itself
+    const float q0 = __fmul_rn(x, r);
+    return __fmaf_rn(r, __fmaf_rn(-s, q0, x), q0);
+  }
+};
+
+// quant_int8(x, d.s) with the scale's reciprocal computed once (same codes).
+__device__ __forceinline__ int quant_int8(float x, const ScaleDivider& d) {
+  if (d.s == 0.f) return 0;
+  return int8_code(d(x));
 }
 
 // Per-token INT8 quantization of one Q row (sage8: scale = max finite |x| / 127), shared by the
@@ -73,6 +115,12 @@ struct QRowQuant {
 __device__ __forceinline__ uint32_t quant_e4m3x2(float x0, float x1, float s0, float s1) {
   const float a = s0 == 0.f ? 0.f : x0 / s0;
   const float b = s1 == 0.f ? 0.f : x1 / s1;
+  return pack_e4m3x2(a, b);
+}
+// quant_e4m3x2(x0, x1, d0.s, d1.s) with the scales' reciprocals computed once (same codes).
+__device__ __forceinline__ uint32_t quant_e4m3x2(float x0, float x1, const ScaleDivider& d0, const ScaleDivider& d1) {
+  const float a = d0.s == 0.f ? 0.f : d0(x0);
+  const float b = d1.s == 0.f ? 0.f : d1(x1);
   return pack_e4m3x2(a, b);
 }
 
