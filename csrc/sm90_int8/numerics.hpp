@@ -49,38 +49,34 @@ __device__ __forceinline__ int quant_int8(float x, float s) {
 // kPrepassFastDiv). nvcc's div.rn.f32 is, per element, a reciprocal approximation (MUFU.RCP), one
 // Newton step of it, then q0 = x r, e = fma(-s, q0, x), q = fma(r, e, q0), with FCHK choosing a
 // slow path for operands near the exponent range's ends. The reciprocal and its Newton step depend
-// on s alone, so they are computed once here; per element the same three roundings run, and every
-// operand outside a range far inside the fast path's (|x| and s in [2^-60, 2^60], where no step
-// can overflow or go subnormal) takes the real division: zeros, subnormals, Inf, NaN, s == 0.
+// on s alone, so they are computed once here; approx() runs the same three roundings per element.
+// exact_for(x) says approx(x) is the IEEE quotient: s and |x| in [2^-60, 2^60), far inside the
+// fast path's range (no step overflows or goes subnormal), or x = +-0 (quotient +-0: the sign is
+// x's). Elsewhere (subnormals, Inf, NaN) the caller divides. s == 0 counts as exact: every caller
+// replaces the quotients of a zero scale by code 0 (quant_int8, quant_e4m3x2).
 struct ScaleDivider {
   float s;
   float r;    // the Newton-refined reciprocal of s, as div.rn.f32 computes it
-  bool fast;  // s inside the safe range
+  bool fast;  // s inside the safe range, or 0
 
   ScaleDivider() = default;  // (arrays: every element is assigned a divider before use)
   __device__ __forceinline__ explicit ScaleDivider(float scale) : s(scale) {
     float r0;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(scale));
     r = __fmaf_rn(r0, __fmaf_rn(-scale, r0, 1.f), r0);
-    fast = in_range(scale);
+    fast = in_range(scale) || scale == 0.f;
   }
   // |v| in [2^-60, 2^60): finite, nonzero, normal (NaN fails both compares).
   static __device__ __forceinline__ bool in_range(float v) {
     const float a = fabsf(v);
     return a >= 0x1p-60f && a < 0x1p60f;
   }
-  __device__ __forceinline__ float operator()(float x) const {
-    if (!(fast && in_range(x))) return x / s;  // rare: the division itself
+  __device__ __forceinline__ bool exact_for(float x) const { return fast && (in_range(x) || x == 0.f); }
+  __device__ __forceinline__ float approx(float x) const {
     const float q0 = __fmul_rn(x, r);
-    return __fmaf_rn(r, __fmaf_rn(-s, q0, x), q0);
+    return copysignf(__fmaf_rn(r, __fmaf_rn(-s, q0, x), q0), x);  // copysign: -0 / s = -0
   }
 };
-
-// quant_int8(x, d.s) with the scale's reciprocal computed once (same codes).
-__device__ __forceinline__ int quant_int8(float x, const ScaleDivider& d) {
-  if (d.s == 0.f) return 0;
-  return int8_code(d(x));
-}
 
 // Per-token INT8 quantization of one Q row (sage8: scale = max finite |x| / 127), shared by the
 // pre-pass (prepass.cuh quant_q_block) and the forward kernel's in-kernel Q (FwdOptions::q_in_kernel,
@@ -115,12 +111,6 @@ struct QRowQuant {
 __device__ __forceinline__ uint32_t quant_e4m3x2(float x0, float x1, float s0, float s1) {
   const float a = s0 == 0.f ? 0.f : x0 / s0;
   const float b = s1 == 0.f ? 0.f : x1 / s1;
-  return pack_e4m3x2(a, b);
-}
-// quant_e4m3x2(x0, x1, d0.s, d1.s) with the scales' reciprocals computed once (same codes).
-__device__ __forceinline__ uint32_t quant_e4m3x2(float x0, float x1, const ScaleDivider& d0, const ScaleDivider& d1) {
-  const float a = d0.s == 0.f ? 0.f : d0(x0);
-  const float b = d1.s == 0.f ? 0.f : d1(x1);
   return pack_e4m3x2(a, b);
 }
 

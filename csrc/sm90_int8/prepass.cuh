@@ -77,6 +77,51 @@ __device__ __forceinline__ auto scale_divisor(float s) {
   }
 }
 
+// Codes of eight elements x[i] / s (s: one float, or its ScaleDivider with kPrepassFastDiv).
+// Per element as quant_int8 / quant_e4m3x2; with a ScaleDivider the same quotients from the
+// reciprocal, and the real division only when one of the eight operands is outside its exact
+// range (one rarely taken branch per eight elements instead of a division each).
+// INT8 codes of x[i] / s, 0 where !keep (quant_int8).
+__device__ __forceinline__ void int8_codes8(const float (&x)[8], float s, bool keep, int (&qi)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) qi[i] = keep ? quant_int8(x[i], s) : 0;
+}
+__device__ __forceinline__ void int8_codes8(const float (&x)[8], const ScaleDivider& d, bool keep, int (&qi)[8]) {
+  float q[8];
+  bool exact = true;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    q[i] = d.approx(x[i]);
+    exact &= d.exact_for(x[i]);
+  }
+  if (!exact) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = x[i] / d.s;
+  }
+  keep = keep && d.s != 0.f;  // scale 0: code 0 (quant_int8)
+#pragma unroll
+  for (int i = 0; i < 8; ++i) qi[i] = keep ? int8_code(q[i]) : 0;
+}
+// E4M3 codes of x[i] / d[i].s (per-channel scales), two per word, element 2j in the low byte of
+// word j (quant_e4m3x2 of the quotients).
+__device__ __forceinline__ void e4m3_codes8(const float (&x)[8], const ScaleDivider (&d)[8], uint32_t (&two)[4]) {
+  float q[8];
+  bool exact = true;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    q[i] = d[i].approx(x[i]);
+    exact &= d[i].exact_for(x[i]);
+  }
+  if (!exact) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = x[i] / d[i].s;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    two[j] = pack_e4m3x2(d[2 * j].s == 0.f ? 0.f : q[2 * j], d[2 * j + 1].s == 0.f ? 0.f : q[2 * j + 1]);
+  }
+}
+
 template <int D, DType kIn, int kM>
 __device__ void quant_q_block(const PrepassParams& p, int blk);
 
@@ -208,8 +253,7 @@ __device__ void quant_q_block(const PrepassParams& p, int blk) {
     rq.reduce<RT::kLanes>();
     const auto sq = scale_divisor<kM>(rq.scale());
     int qi[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) qi[i] = quant_int8(x[i], sq);  // NaN -> 0, +-Inf -> +-127
+    int8_codes8(x, sq, true, qi);  // NaN -> 0, +-Inf -> +-127
     *reinterpret_cast<uint2*>(img + sw_byte_offset<D>(r, c0)) = pack_int8x8(qi);
     const int64_t srow = static_cast<int64_t>(bh) * p.n_q_tiles * kRowsPerWG + i_tok;
     // A non-finite row stores scale NaN: the epilogue's "this row is NaN" (its scores stay finite).
@@ -281,8 +325,14 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
       float x[8];
       raw_to_float8<kIn>(raw[pass], x);
       int qi[8];
+      if constexpr (PrepassOpts::of(kM).fast_div) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) qi[i] = valid ? quant_int8(x[i] - km[i], dk) : 0;
+        for (int i = 0; i < 8; ++i) x[i] -= km[i];
+        int8_codes8(x, dk, valid, qi);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) qi[i] = valid ? quant_int8(x[i] - km[i], dk) : 0;
+      }
       *reinterpret_cast<uint2*>(img + sw_byte_offset<D>(r, c0)) = pack_int8x8(qi);
     }
     if (tid == 0) p.sk[static_cast<int64_t>(bh) * p.n_kv_tiles + tile] = sk;
@@ -312,8 +362,7 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
   for (int pass = 0; pass < kPasses; ++pass) {
     const int r = pass * RT::kRowsPerPass + tid / RT::kLanes;
     int qi[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) qi[i] = quant_int8(x[pass][i], dk);
+    int8_codes8(x[pass], dk, true, qi);
     *reinterpret_cast<uint2*>(img + sw_byte_offset<D>(r, c0)) = pack_int8x8(qi);
   }
   if (tid == 0) p.sk[static_cast<int64_t>(bh) * p.n_kv_tiles + tile] = sk;
@@ -368,11 +417,21 @@ __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
       }
       atomicMin(p.v_summary + bh, key);  // the epilogue's shortcut (FwdOptions::epilogue_summary)
     }
+    if constexpr (PrepassOpts::of(kM).fast_div) {
+      uint32_t two[4];
+      e4m3_codes8(x, sv, two);
 #pragma unroll
-    for (int i = 0; i < 8; i += 2) {
-      const uint32_t two = quant_e4m3x2(x[i], x[i + 1], sv[i], sv[i + 1]);
-      stage[(c0 + i) * kVtStride + r] = static_cast<uint8_t>(two & 0xff);
-      stage[(c0 + i + 1) * kVtStride + r] = static_cast<uint8_t>(two >> 8);
+      for (int j = 0; j < 4; ++j) {
+        stage[(c0 + 2 * j) * kVtStride + r] = static_cast<uint8_t>(two[j] & 0xff);
+        stage[(c0 + 2 * j + 1) * kVtStride + r] = static_cast<uint8_t>(two[j] >> 8);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; i += 2) {
+        const uint32_t two = quant_e4m3x2(x[i], x[i + 1], sv[i], sv[i + 1]);
+        stage[(c0 + i) * kVtStride + r] = static_cast<uint8_t>(two & 0xff);
+        stage[(c0 + i + 1) * kVtStride + r] = static_cast<uint8_t>(two >> 8);
+      }
     }
   }
   __syncthreads();
@@ -393,12 +452,16 @@ __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
 }
 
 // kBatch also brings hd128 from 92 to ~70 registers: 3 blocks per SM instead of 2 (a cap of 64
-// for 4 blocks spills).
+// for 4 blocks spills). kPrepassFastDiv's eight quotients in flight take hd64 from 58 to ~72
+// registers: a floor of 4 blocks per SM (<= 64 registers) keeps its occupancy.
+template <int D, int kM>
+constexpr int kQuantMinBlocks = (D == 64 && PrepassOpts::of(kM).fast_div) ? 4 : 0;  // 0: no floor
 // kPrepassL2Reuse: the K / V blocks run in the reverse of the stats launch's (b, kv head) order and
 // each K tile next to its V tile, so the first of them read what the stats launch read last (the
 // likeliest still in L2); Q blocks keep their place.
 template <int D, DType kIn, int kM>
-__global__ void __launch_bounds__(kPrepassThreads) quant_kernel(const __grid_constant__ PrepassParams p) {
+__global__ void __launch_bounds__(kPrepassThreads, kQuantMinBlocks<D, kM>)
+    quant_kernel(const __grid_constant__ PrepassParams p) {
   __shared__ __align__(16) uint8_t stage[D * kVtStride];
   __shared__ float scratch[kPrepassThreads / 32];
   const int n_qb = p.q_in_stats ? 0 : q_block_count(p);
