@@ -78,6 +78,52 @@ struct ScaleDivider {
   }
 };
 
+// Codes of eight elements x[i] / s (s: one float, or its ScaleDivider: pre-pass mode
+// kPrepassFastDiv, the forward kernel's in-kernel Q). Per element as quant_int8 / quant_e4m3x2;
+// with a ScaleDivider the same quotients from the reciprocal, and the real division only when one
+// of the eight operands is outside its exact range (one rarely taken branch per eight elements
+// instead of a division each).
+// INT8 codes of x[i] / s, 0 where !keep (quant_int8).
+__device__ __forceinline__ void int8_codes8(const float (&x)[8], float s, bool keep, int (&qi)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) qi[i] = keep ? quant_int8(x[i], s) : 0;
+}
+__device__ __forceinline__ void int8_codes8(const float (&x)[8], const ScaleDivider& d, bool keep, int (&qi)[8]) {
+  float q[8];
+  bool exact = true;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    q[i] = d.approx(x[i]);
+    exact &= d.exact_for(x[i]);
+  }
+  if (!exact) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = x[i] / d.s;
+  }
+  keep = keep && d.s != 0.f;  // scale 0: code 0 (quant_int8)
+#pragma unroll
+  for (int i = 0; i < 8; ++i) qi[i] = keep ? int8_code(q[i]) : 0;
+}
+// E4M3 codes of x[i] / d[i].s (per-channel scales), two per word, element 2j in the low byte of
+// word j (quant_e4m3x2 of the quotients).
+__device__ __forceinline__ void e4m3_codes8(const float (&x)[8], const ScaleDivider (&d)[8], uint32_t (&two)[4]) {
+  float q[8];
+  bool exact = true;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    q[i] = d[i].approx(x[i]);
+    exact &= d[i].exact_for(x[i]);
+  }
+  if (!exact) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = x[i] / d[i].s;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    two[j] = pack_e4m3x2(d[2 * j].s == 0.f ? 0.f : q[2 * j], d[2 * j + 1].s == 0.f ? 0.f : q[2 * j + 1]);
+  }
+}
+
 // Per-token INT8 quantization of one Q row (sage8: scale = max finite |x| / 127), shared by the
 // pre-pass (prepass.cuh quant_q_block) and the forward kernel's in-kernel Q (FwdOptions::q_in_kernel,
 // mainloop.hpp quant_q_frag) so both give the same codes and scales bit for bit. Each lane adds its
