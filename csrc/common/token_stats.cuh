@@ -17,6 +17,7 @@
 
 #include <cstdint>
 
+#include "l2_hint.cuh"
 #include "nonfinite.cuh"
 #include "numeric_conversion.cuh"
 #include "token_stats.h"
@@ -53,12 +54,14 @@ struct StatsTiling {
 // block of each (b, kv head) calls store(bh, d, mean, amax) for its D channels d (bh = b * Hkv + kv head). T: the
 // element type of k and v (__half or __nv_bfloat16). kBatch: each thread issues the loads of 4
 // rows before adding any (more bytes in flight; the sums keep the same order, so the same bits).
+// kHint: the L2 policy of the K and V loads (l2_hint.cuh; evict_last when a later launch reads
+// them again; values unchanged).
 // P: a parameter struct with
 //   k, v (const void*) and their element strides k_sb, k_sh, k_ss, v_sb, v_sh, v_ss (rows 16-byte
 //   aligned, last dim contiguous); key_mask, Skv (key_attended); Hkv; n_split, split_len
 //   (stats_split); the workspace partial (float, B * Hkv * n_split * 2 * D), split_count (int,
 //   B * Hkv * n_split) and counter (int, B * Hkv, zero before the launch).
-template <int D, typename T, bool kBatch, class P, class Store>
+template <int D, typename T, bool kBatch, L2Hint kHint = L2Hint::kNormal, class P, class Store>
 __device__ __forceinline__ void token_stats_block(const P& p, Store store) {
   using RT = StatsTiling<D>;
   const int bh = blockIdx.x / p.n_split, split = blockIdx.x % p.n_split;
@@ -73,10 +76,11 @@ __device__ __forceinline__ void token_stats_block(const P& p, Store store) {
   float sum[8], amax[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) sum[i] = amax[i] = 0.f;
+  auto load = [&](const char* ptr, float (&x)[8]) { unpack8_float<T>(ldg16<kHint>(ptr), x); };
   auto accumulate = [&](int s) {
     float kx[8], vx[8];
-    load8_float<T>(kb + 2 * static_cast<int64_t>(s) * p.k_ss, kx);
-    load8_float<T>(vb + 2 * static_cast<int64_t>(s) * p.v_ss, vx);
+    load(kb + 2 * static_cast<int64_t>(s) * p.k_ss, kx);
+    load(vb + 2 * static_cast<int64_t>(s) * p.v_ss, vx);
     add_stats_row(sum, amax, kx, vx, key_attended(p, b, s));
   };
   int s = s_begin + r0;
@@ -86,8 +90,8 @@ __device__ __forceinline__ void token_stats_block(const P& p, Store store) {
       float kx[4][8], vx[4][8];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        load8_float<T>(kb + 2 * static_cast<int64_t>(s + u * RT::kRowsPerPass) * p.k_ss, kx[u]);
-        load8_float<T>(vb + 2 * static_cast<int64_t>(s + u * RT::kRowsPerPass) * p.v_ss, vx[u]);
+        load(kb + 2 * static_cast<int64_t>(s + u * RT::kRowsPerPass) * p.k_ss, kx[u]);
+        load(vb + 2 * static_cast<int64_t>(s + u * RT::kRowsPerPass) * p.v_ss, vx[u]);
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) add_stats_row(sum, amax, kx[u], vx[u], key_attended(p, b, s + u * RT::kRowsPerPass));

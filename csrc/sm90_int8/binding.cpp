@@ -174,7 +174,8 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   p.split_len = split_len;
   p.scale = static_cast<float>(scale);
   p.q_in_stats = (sage_sm90::prepass_mode() & sage_sm90::kPrepassQInStats) != 0 && !want_qkm;
-  p.batch_loads = (sage_sm90::prepass_mode() & sage_sm90::kPrepassBatchLoads) != 0;
+  p.kernel_mode = sage_sm90::prepass_mode() &
+                  (sage_sm90::kPrepassBatchLoads | sage_sm90::kPrepassL2Reuse | sage_sm90::kPrepassFastDiv);
   p.skip_q = skip_q ? 1 : 0;
   if (!one_alloc) {
     p.q_img = skip_q ? nullptr : r.q_img.data_ptr<int8_t>();
@@ -361,7 +362,8 @@ at::Tensor fwd_phase_clock(const at::Tensor& q, const at::Tensor& k, const at::T
 void set_prepass_mode(int64_t mode) {
   TORCH_CHECK(mode >= 0 && mode <= sage_sm90::kPrepassModeMax,
               "pre-pass mode is a bit set: 1 = Q in the stats launch, 2 = batched loads, "
-              "4 = one workspace allocation, 8 = programmatic dependent launches");
+              "4 = one workspace allocation, 8 = programmatic dependent launches, 16 = L2 reuse "
+              "of K and V, 32 = one reciprocal per scale");
   sage_sm90::set_prepass_mode(static_cast<int>(mode));
 }
 
@@ -394,7 +396,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_prepass_mode", &set_prepass_mode,
         "benchmarks: pre-pass bit set (launch.h kPrepass*): 0 = original, 1 = Q in the stats "
         "launch (no LSE), 2 = batched loads, 4 = one workspace allocation (no LSE), 8 = programmatic "
-        "dependent launches",
+        "dependent launches, 16 = L2 reuse of K and V between the launches, 32 = one reciprocal per "
+        "scale instead of a division per element",
         py::arg("mode"));
   m.def("prepass_mode", &get_prepass_mode, "the current pre-pass mode bit set");
   m.def("set_fwd_flags", &sage_sm90::set_fwd_flags,

@@ -75,10 +75,12 @@ namespace sage_sm90 {
 //                        stores instead of 4-byte ones (epilogue.hpp StagedOut). Same results.
 //   q_in_kernel        : (needs q_in_registers) each consumer thread loads its Q fragment's
 //                        elements from the 16-bit input and quantizes them itself
-//                        (mainloop.hpp quant_q_frag: the pre-pass's rule, same codes and scales
-//                        bit for bit), so the pre-pass skips Q (PrepassParams::skip_q) and the
-//                        producer copies no Q. No LSE (its q . k_mean correction stays in the
-//                        pre-pass): dispatch never picks such a variant for an LSE call.
+//                        (mainloop.hpp load_q_raw + quant_q_raw: the pre-pass's rule, same codes
+//                        and scales bit for bit, from each row's reciprocal), so the pre-pass
+//                        skips Q (PrepassParams::skip_q) and the producer copies no Q. The loads
+//                        go out at kernel entry, before pdl_wait (Q is no pre-pass output). No
+//                        LSE (its q . k_mean correction stays in the pre-pass): dispatch never
+//                        picks such a variant for an LSE call.
 //   three_consumers    : (hd64) three consumer warpgroups, 192 query rows per CTA, so each SM
 //                        scheduler holds three consumer warps whose softmax chains and barrier
 //                        waits hide each other (the hd64 loop is latency-bound: ~1970 cycles per
@@ -239,6 +241,28 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   static_assert(static_cast<int>(ConsumerPhase::kEntry) == static_cast<int>(ProducerPhase::kEntry) &&
                 static_cast<int>(ConsumerPhase::kReady) == static_cast<int>(ProducerPhase::kReady));
   constexpr bool kQInKernel = kOpt.q_in_kernel;
+  // Consumer warpgroup wg's first row in the work tile at m_block, and the two rows there of the
+  // thread tid (in the warpgroup) and lane: those of its Q, S and O fragments.
+  auto wg_first_row = [](int m_block, int wg) { return m_block * kBlockM + wg * kRowsPerWG; };
+  auto fragment_rows = [](int wg_row0, int tid, int lane, int (&row)[2]) {
+    row[0] = wg_row0 + 16 * (tid / 32) + (lane >> 2);
+    row[1] = row[0] + 8;
+  };
+  // q_in_kernel with one work tile per CTA: each consumer thread's 16-bit Q loads go out first. Q
+  // is the caller's input, no pre-pass output, so they need no pdl_wait: under PDL they overlap the
+  // pre-pass's tail, in any launch the barrier setup and the first K/V copies (the quantization,
+  // quant_q_raw, follows on the consumer path).
+  constexpr bool kEarlyQ = kQInKernel && !kPersistent;
+  uint2 q_raw[kEarlyQ ? D / 8 : 1];
+  if constexpr (kEarlyQ) {
+    if (threadIdx.x < kConsumerThreads) {
+      const int m_block = kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // make_work's tile
+      int rows[2];
+      fragment_rows(wg_first_row(m_block, threadIdx.x / 128), threadIdx.x % 128, threadIdx.x & 31, rows);
+      const char* q_bh = static_cast<const char*>(p.q) + 2 * (blockIdx.z * p.q_sb + blockIdx.y * p.q_sh);
+      WarpgroupOperands<D>::load_q_raw(q_bh, p.q_ss, rows, p.Sq, q_raw);
+    }
+  }
   // With PDL the pre-pass may still be draining: every read of its outputs (kv_len, sq, sk, the
   // mask bits, the Q / K / V^T images) comes after this (a no-op in a plain launch).
   sage_common::sm90::pdl_wait();
@@ -292,7 +316,6 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   // ---- consumers ----
   if constexpr (kOpt.producer_warpgroup()) FwdRegisterSplit<kOpt>::consumer();
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
-  const int g = lane >> 2;
   for_each_work([&](const FwdWork& wk, int work, int tile0) {
     const int m_block = wk.m_block, h = wk.h, b = wk.b, hk = wk.hk, kv_len = wk.kv_len, n_tiles = wk.n_tiles;
     // Stage and phase parity of key tile t of this work tile in the K/V ring.
@@ -306,8 +329,9 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       ring_slot<D, kPersistent>(tile0 + t, s, n);
       return n & 1;
     };
-    const int wg_row0 = m_block * kBlockM + wg * kRowsPerWG;
-    const int row[2] = {wg_row0 + 16 * (tid / 32) + g, wg_row0 + 16 * (tid / 32) + g + 8};
+    const int wg_row0 = wg_first_row(m_block, wg);
+    int row[2];
+    fragment_rows(wg_row0, tid, lane, row);
 
     OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce, kOpt.seed_reductions> sm;
     if constexpr (!kQInKernel) {  // q_in_kernel: the row scales come with its Q fragments below
@@ -407,8 +431,12 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     if constexpr (kQInKernel) {
       // Q's fragments and row scales straight from the 16-bit input (no pre-pass image, no copy).
       float sq[2];
-      const char* q_bh = static_cast<const char*>(p.q) + 2 * (b * p.q_sb + h * p.q_sh);
-      WarpgroupOperands<D>::template quant_q_frag<kOut>(q_bh, p.q_ss, row, p.Sq, q_frag, sq);
+      if constexpr (kEarlyQ) {
+        WarpgroupOperands<D>::template quant_q_raw<kOut>(q_raw, q_frag, sq);  // loaded at entry
+      } else {
+        const char* q_bh = static_cast<const char*>(p.q) + 2 * (b * p.q_sb + h * p.q_sh);
+        WarpgroupOperands<D>::template quant_q_frag<kOut>(q_bh, p.q_ss, row, p.Sq, q_frag, sq);
+      }
       sm.init(sq[0] * p.scale_log2, sq[1] * p.scale_log2);
     } else {
       Barrier::wait(sp.q_full, work & 1);

@@ -160,7 +160,8 @@ struct PrepassParams {
   int split_len;   // tokens per chunk
   float scale;     // softmax scale, for the LSE correction scale * q . k_mean
   int q_in_stats;   // 1: Q blocks run in the stats launch (needs qkm == nullptr; PrepassMode)
-  int batch_loads;  // 1: each thread issues all loads of a block first (PrepassMode)
+  int kernel_mode;  // the pre-pass mode's kernel-side bits (kPrepassBatchLoads | kPrepassL2Reuse |
+                    // kPrepassFastDiv), a template argument of the kernels (prepass.cuh)
   int skip_q;       // 1: no Q blocks, q_img / sq / qkm unused (the forward variant quantizes Q itself,
                     // FwdOptions::q_in_kernel; fwd_quantizes_q)
   // outputs
@@ -220,11 +221,18 @@ struct FwdParams {
 //   bit kPrepassPdl: the quant launch and the forward kernel start with programmatic dependent
 //   launch (common/sm90/pdl.cuh): each may begin while the launch before it drains, and waits
 //   (pdl_wait) before it reads that launch's outputs.
+//   bit kPrepassL2Reuse: L2 eviction hints (the stats launch's K / V reads evict_last, the quant
+//   launch's K / V / Q reads evict_first) and the quant launch's K / V blocks in the reverse order,
+//   K next to V, so their second read hits L2 as far as it holds them (prepass.cuh).
+//   bit kPrepassFastDiv: each block's / row's / channel's reciprocal once instead of a division per
+//   element, bit for bit the same quotients (numerics.hpp ScaleDivider).
 constexpr int kPrepassQInStats = 1;
 constexpr int kPrepassBatchLoads = 2;
 constexpr int kPrepassOneAlloc = 4;
 constexpr int kPrepassPdl = 8;
-constexpr int kPrepassModeMax = 15;
+constexpr int kPrepassL2Reuse = 16;
+constexpr int kPrepassFastDiv = 32;
+constexpr int kPrepassModeMax = 63;
 // The mode every process starts with (prepass.cu); chosen from variants_bench.py's table.
 constexpr int kPrepassDefaultMode = 7;  // all three: the fastest in variants_bench.py's pre-pass table
 

@@ -209,23 +209,32 @@ struct WarpgroupOperands {
   // pre-pass's image. Register `reg` holds 4 consecutive columns of row rows[reg & 1] (its index in
   // the (b, h) sequence), one 8-byte load each: D/4 elements per row and thread, the rest with the
   // quad's other lanes t, so the row's absmax and non-finite flag reduce over the quad. QRowQuant +
-  // quant_int8 are the pre-pass's (quant_q_block) rule, so codes and scales are bit-identical to
-  // its image and sq; rows >= Sq are zeros there (codes 0, scale 0) and here. q_bh: Q of this
-  // (b, h); q_ss: its row stride (elements). sq: the rows' stored scales (NaN for a row with a
-  // non-finite element), as the pre-pass's p.sq.
-  template <DType kIn>
-  __device__ __forceinline__ static void quant_q_frag(const void* q_bh, int64_t q_ss, const int (&rows)[2], int Sq,
-                                                      uint32_t (&qf)[D / 8], float (&sq)[2]) {
+  // the codes of x / scale are the pre-pass's (quant_q_block) rule, so codes and scales are
+  // bit-identical to its image and sq; rows >= Sq are zeros there (codes 0, scale 0) and here.
+  // q_bh: Q of this (b, h); q_ss: its row stride (elements). sq: the rows' stored scales (NaN for a
+  // row with a non-finite element), as the pre-pass's p.sq.
+  // Two steps, so the loads can go out first (Q is the caller's input, no pre-pass output: before
+  // pdl_wait and the barrier setup) and the quantization run later. load_q_raw: the raw elements.
+  __device__ __forceinline__ static void load_q_raw(const void* q_bh, int64_t q_ss, const int (&rows)[2], int Sq,
+                                                    uint2 (&raw)[D / 8]) {
     const int t = threadIdx.x & 3;
     const char* row_ptr[2] = {static_cast<const char*>(q_bh) + 2 * static_cast<int64_t>(rows[0]) * q_ss,
                               static_cast<const char*>(q_bh) + 2 * static_cast<int64_t>(rows[1]) * q_ss};
-    uint2 raw[D / 8];
 #pragma unroll
     for (int reg = 0; reg < D / 8; ++reg) {
       const int x = q_frag_row_half(reg);
       raw[reg] = rows[x] < Sq ? __ldg(reinterpret_cast<const uint2*>(row_ptr[x] + 2 * q_frag_col(reg, t)))
                               : make_uint2(0u, 0u);
     }
+  }
+  // quant_q_raw: the fragments and row scales of load_q_raw's elements. The codes come eight at a
+  // time (two registers of one row) from the row's reciprocal (numerics.hpp int8_codes8 with a
+  // ScaleDivider: the quotients of x / scale bit for bit, no division per element).
+  template <DType kIn>
+  __device__ __forceinline__ static void quant_q_raw(const uint2 (&raw)[D / 8], uint32_t (&qf)[D / 8], float (&sq)[2]) {
+    static_assert(q_frag_row_half(0) == 0 && q_frag_row_half(1) == 1 && q_frag_row_half(2) == 0 &&
+                      q_frag_row_half(3) == 1 && D % 32 == 0,
+                  "registers 4k + x and 4k + x + 2 hold row x");
     QRowQuant rq[2];
 #pragma unroll
     for (int reg = 0; reg < D / 8; ++reg) {
@@ -236,21 +245,37 @@ struct WarpgroupOperands {
       r.add(b.x);
       r.add(b.y);
     }
-    float s[2];
+    ScaleDivider div[2];
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
       rq[x].reduce<4>();  // the quad t = 0..3 holds the whole row
-      s[x] = rq[x].scale();
+      div[x] = ScaleDivider(rq[x].scale());
       sq[x] = rq[x].stored_scale();
     }
 #pragma unroll
-    for (int reg = 0; reg < D / 8; ++reg) {
-      const float2 a = IO<kIn>::unpack2(raw[reg].x), b = IO<kIn>::unpack2(raw[reg].y);
-      const float sr = s[q_frag_row_half(reg)];
-      // byte i = column q_frag_col + i, as the image's 4 bytes there (pack_int8x8's order)
-      qf[reg] = (quant_int8(a.x, sr) & 0xff) | ((quant_int8(a.y, sr) & 0xff) << 8) |
-                ((quant_int8(b.x, sr) & 0xff) << 16) | (static_cast<uint32_t>(quant_int8(b.y, sr)) << 24);
+    for (int k = 0; k < D / 32; ++k) {
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const int r0 = 4 * k + x, r1 = r0 + 2;  // two registers of row x
+        float v[8];
+        const float2 a0 = IO<kIn>::unpack2(raw[r0].x), b0 = IO<kIn>::unpack2(raw[r0].y);
+        const float2 a1 = IO<kIn>::unpack2(raw[r1].x), b1 = IO<kIn>::unpack2(raw[r1].y);
+        v[0] = a0.x; v[1] = a0.y; v[2] = b0.x; v[3] = b0.y;
+        v[4] = a1.x; v[5] = a1.y; v[6] = b1.x; v[7] = b1.y;
+        int c[8];
+        int8_codes8(v, div[x], true, c);
+        // byte i = column q_frag_col + i, as the image's 4 bytes there (pack_int8x8's order)
+        qf[r0] = (c[0] & 0xff) | ((c[1] & 0xff) << 8) | ((c[2] & 0xff) << 16) | (static_cast<uint32_t>(c[3]) << 24);
+        qf[r1] = (c[4] & 0xff) | ((c[5] & 0xff) << 8) | ((c[6] & 0xff) << 16) | (static_cast<uint32_t>(c[7]) << 24);
+      }
     }
+  }
+  template <DType kIn>
+  __device__ __forceinline__ static void quant_q_frag(const void* q_bh, int64_t q_ss, const int (&rows)[2], int Sq,
+                                                      uint32_t (&qf)[D / 8], float (&sq)[2]) {
+    uint2 raw[D / 8];
+    load_q_raw(q_bh, q_ss, rows, Sq, raw);
+    quant_q_raw<kIn>(raw, qf, sq);
   }
 
   // S = Q K_s^T with Q from registers (q_in_registers): saves the 8 KB smem read of Q per tile and

@@ -32,12 +32,96 @@ __device__ __forceinline__ uint32_t pack_e4m3x2(float lo, float hi) {
   return r;
 }
 
+// INT8 code of a quotient x / s: round half to even, clamp to +-127 (NaN -> 0).
+__device__ __forceinline__ int int8_code(float quotient) {
+  const int q = __float2int_rn(quotient);
+  return max(-127, min(127, q));
+}
+
 // INT8 code of x / s: fp32 true division (IEEE, no fast-math), round half to even, clamp to
 // +-127; scale 0 (all-zero row/block) gives 0.
 __device__ __forceinline__ int quant_int8(float x, float s) {
   if (s == 0.f) return 0;
-  const int q = __float2int_rn(x / s);
-  return max(-127, min(127, q));
+  return int8_code(x / s);
+}
+
+// x / s for many x and one scale s >= 0, bit for bit the IEEE quotient of `x / s` (pre-pass mode
+// kPrepassFastDiv). nvcc's div.rn.f32 is, per element, a reciprocal approximation (MUFU.RCP), one
+// Newton step of it, then q0 = x r, e = fma(-s, q0, x), q = fma(r, e, q0), with FCHK choosing a
+// slow path for operands near the exponent range's ends. The reciprocal and its Newton step depend
+// on s alone, so they are computed once here; approx() runs the same three roundings per element.
+// exact_for(x) says approx(x) is the IEEE quotient: s and |x| in [2^-60, 2^60), far inside the
+// fast path's range (no step overflows or goes subnormal), or x = +-0 (quotient +-0: the sign is
+// x's). Elsewhere (subnormals, Inf, NaN) the caller divides. s == 0 counts as exact: every caller
+// replaces the quotients of a zero scale by code 0 (quant_int8, quant_e4m3x2).
+struct ScaleDivider {
+  float s;
+  float r;    // the Newton-refined reciprocal of s, as div.rn.f32 computes it
+  bool fast;  // s inside the safe range, or 0
+
+  ScaleDivider() = default;  // (arrays: every element is assigned a divider before use)
+  __device__ __forceinline__ explicit ScaleDivider(float scale) : s(scale) {
+    float r0;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(scale));
+    r = __fmaf_rn(r0, __fmaf_rn(-scale, r0, 1.f), r0);
+    fast = in_range(scale) || scale == 0.f;
+  }
+  // |v| in [2^-60, 2^60): finite, nonzero, normal (NaN fails both compares).
+  static __device__ __forceinline__ bool in_range(float v) {
+    const float a = fabsf(v);
+    return a >= 0x1p-60f && a < 0x1p60f;
+  }
+  __device__ __forceinline__ bool exact_for(float x) const { return fast && (in_range(x) || x == 0.f); }
+  __device__ __forceinline__ float approx(float x) const {
+    const float q0 = __fmul_rn(x, r);
+    return copysignf(__fmaf_rn(r, __fmaf_rn(-s, q0, x), q0), x);  // copysign: -0 / s = -0
+  }
+};
+
+// Codes of eight elements x[i] / s (s: one float, or its ScaleDivider: pre-pass mode
+// kPrepassFastDiv, the forward kernel's in-kernel Q). Per element as quant_int8 / quant_e4m3x2;
+// with a ScaleDivider the same quotients from the reciprocal, and the real division only when one
+// of the eight operands is outside its exact range (one rarely taken branch per eight elements
+// instead of a division each).
+// INT8 codes of x[i] / s, 0 where !keep (quant_int8).
+__device__ __forceinline__ void int8_codes8(const float (&x)[8], float s, bool keep, int (&qi)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) qi[i] = keep ? quant_int8(x[i], s) : 0;
+}
+__device__ __forceinline__ void int8_codes8(const float (&x)[8], const ScaleDivider& d, bool keep, int (&qi)[8]) {
+  float q[8];
+  bool exact = true;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    q[i] = d.approx(x[i]);
+    exact &= d.exact_for(x[i]);
+  }
+  if (!exact) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = x[i] / d.s;
+  }
+  keep = keep && d.s != 0.f;  // scale 0: code 0 (quant_int8)
+#pragma unroll
+  for (int i = 0; i < 8; ++i) qi[i] = keep ? int8_code(q[i]) : 0;
+}
+// E4M3 codes of x[i] / d[i].s (per-channel scales), two per word, element 2j in the low byte of
+// word j (quant_e4m3x2 of the quotients).
+__device__ __forceinline__ void e4m3_codes8(const float (&x)[8], const ScaleDivider (&d)[8], uint32_t (&two)[4]) {
+  float q[8];
+  bool exact = true;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    q[i] = d[i].approx(x[i]);
+    exact &= d[i].exact_for(x[i]);
+  }
+  if (!exact) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = x[i] / d[i].s;
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    two[j] = pack_e4m3x2(d[2 * j].s == 0.f ? 0.f : q[2 * j], d[2 * j + 1].s == 0.f ? 0.f : q[2 * j + 1]);
+  }
 }
 
 // Per-token INT8 quantization of one Q row (sage8: scale = max finite |x| / 127), shared by the

@@ -23,7 +23,9 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
+#include "../common/l2_hint.cuh"
 #include "../common/launch.cuh"
 #include "../common/sm90/pdl.cuh"
 #include "../common/token_stats.cuh"
@@ -41,7 +43,41 @@ struct RowTiling {
   static constexpr int kRowsPerPass = kPrepassThreads / kLanes;
 };
 
-template <int D, DType kIn, bool kBatch>
+// Compile-time pre-pass options (the kernel-side bits of launch.h's pre-pass mode). A template
+// axis of every pre-pass kernel as its int bits (nvcc's host stubs cannot spell a class-type
+// template argument).
+struct PrepassOpts {
+  bool batch;     // kPrepassBatchLoads
+  bool l2;        // kPrepassL2Reuse
+  bool fast_div;  // kPrepassFastDiv
+  static constexpr PrepassOpts of(int mode) {
+    return {(mode & kPrepassBatchLoads) != 0, (mode & kPrepassL2Reuse) != 0, (mode & kPrepassFastDiv) != 0};
+  }
+};
+constexpr int kPrepassKernelBits = kPrepassBatchLoads | kPrepassL2Reuse | kPrepassFastDiv;
+
+// kPrepassL2Reuse: the stats launch reads K and V marked evict_last (the quant launch reads them
+// again), the quant launch reads K, V and Q marked evict_first (their last use): K and V's second
+// read hits L2 as far as it holds them, and Q's single-use traffic does not evict them.
+template <int kM>
+constexpr sage_common::L2Hint kFirstReadHint =
+    PrepassOpts::of(kM).l2 ? sage_common::L2Hint::kEvictLast : sage_common::L2Hint::kNormal;
+template <int kM>
+constexpr sage_common::L2Hint kLastReadHint =
+    PrepassOpts::of(kM).l2 ? sage_common::L2Hint::kEvictFirst : sage_common::L2Hint::kNormal;
+
+// The divisor of a block's / row's / channel's codes: the scale itself (x / s per element) or,
+// with kPrepassFastDiv, its reciprocal computed once (numerics.hpp ScaleDivider: same quotients).
+template <int kM>
+__device__ __forceinline__ auto scale_divisor(float s) {
+  if constexpr (PrepassOpts::of(kM).fast_div) {
+    return ScaleDivider(s);
+  } else {
+    return s;
+  }
+}
+
+template <int D, DType kIn, int kM>
 __device__ void quant_q_block(const PrepassParams& p, int blk);
 
 // Q image tiles the pre-pass quantizes (one block each): none with p.skip_q (the forward variant
@@ -55,8 +91,9 @@ using sage_common::key_attended;
 
 // Eight 16-bit inputs kept as raw bits between load and use: half the registers of 8 floats, so
 // the batched-load paths keep the quant kernel's occupancy. Zero bits are +0 in fp16 and bf16.
+template <sage_common::L2Hint kHint>
 __device__ __forceinline__ uint4 load_raw8(const void* ptr) {
-  return __ldg(reinterpret_cast<const uint4*>(ptr));
+  return sage_common::ldg16<kHint>(ptr);
 }
 
 // ---- stats ---------------------------------------------------------------------------------------
@@ -86,9 +123,10 @@ __device__ void mask_bits_block(const PrepassParams& p, int mb) {
 template <int D, bool kBatch>
 constexpr int kStatsMinBlocks = (D == 128 && kBatch) ? 3 : 0;  // 0: no floor
 
-template <int D, DType kIn, bool kBatch>
-__global__ void __launch_bounds__(kPrepassThreads, kStatsMinBlocks<D, kBatch>)
+template <int D, DType kIn, int kM>
+__global__ void __launch_bounds__(kPrepassThreads, kStatsMinBlocks<D, PrepassOpts::of(kM).batch>)
     stats_kernel(const __grid_constant__ PrepassParams p) {
+  constexpr bool kBatch = PrepassOpts::of(kM).batch;
   static_assert(kPrepassThreads == sage_common::kStatsThreads, "stats blocks of common/token_stats.cuh");
   // PDL (kPrepassPdl): the quant launch may start once every stats block runs; its K and V
   // blocks wait for this launch's results (pdl_wait), its Q blocks need none of them.
@@ -99,12 +137,12 @@ __global__ void __launch_bounds__(kPrepassThreads, kStatsMinBlocks<D, kBatch>)
     if (static_cast<int>(blockIdx.x) < n_stat + n_mask) {
       mask_bits_block<D>(p, blockIdx.x - n_stat);
     } else {
-      quant_q_block<D, kIn, kBatch>(p, blockIdx.x - n_stat - n_mask);  // PrepassMode::kQInStats only
+      quant_q_block<D, kIn, kM>(p, blockIdx.x - n_stat - n_mask);  // PrepassMode::kQInStats only
     }
     return;
   }
   // The k mean and v absmax (common/token_stats.cuh: the FP4 pre-pass runs the same reduction).
-  sage_common::token_stats_block<D, typename IO<kIn>::T, kBatch>(p, [&](int bh, int d, float mean, float amax) {
+  sage_common::token_stats_block<D, typename IO<kIn>::T, kBatch, kFirstReadHint<kM>>(p, [&](int bh, int d, float mean, float amax) {
     p.kmean[bh * D + d] = mean;
     p.sv[bh * D + d] = amax / kFp8Max;
   });
@@ -132,8 +170,9 @@ __device__ __forceinline__ float group_sum(float x) {
 }
 
 // One 64-row Q image tile of one (b, h).
-template <int D, DType kIn, bool kBatch>
+template <int D, DType kIn, int kM>
 __device__ void quant_q_block(const PrepassParams& p, int blk) {
+  constexpr bool kBatch = PrepassOpts::of(kM).batch;
   using RT = RowTiling<D>;
   constexpr int kPasses = kRowsPerWG / RT::kRowsPerPass;
   const int tile = blk % p.n_q_tiles, bh = blk / p.n_q_tiles;
@@ -149,7 +188,8 @@ __device__ void quant_q_block(const PrepassParams& p, int blk) {
   uint4 xs[kPasses];
   auto load_pass = [&](int pass) {
     const int i_tok = tile * kRowsPerWG + pass * RT::kRowsPerPass + tid / RT::kLanes;
-    xs[pass] = i_tok < p.Sq ? load_raw8(qb + 2 * static_cast<int64_t>(i_tok) * p.q_ss) : make_uint4(0, 0, 0, 0);
+    xs[pass] = i_tok < p.Sq ? load_raw8<kLastReadHint<kM>>(qb + 2 * static_cast<int64_t>(i_tok) * p.q_ss)
+                            : make_uint4(0, 0, 0, 0);
   };
   if constexpr (kBatch) {
 #pragma unroll
@@ -166,10 +206,9 @@ __device__ void quant_q_block(const PrepassParams& p, int blk) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) rq.add(x[i]);
     rq.reduce<RT::kLanes>();
-    const float sq = rq.scale();
+    const auto sq = scale_divisor<kM>(rq.scale());
     int qi[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) qi[i] = quant_int8(x[i], sq);  // NaN -> 0, +-Inf -> +-127
+    int8_codes8(x, sq, true, qi);  // NaN -> 0, +-Inf -> +-127
     *reinterpret_cast<uint2*>(img + sw_byte_offset<D>(r, c0)) = pack_int8x8(qi);
     const int64_t srow = static_cast<int64_t>(bh) * p.n_q_tiles * kRowsPerWG + i_tok;
     // A non-finite row stores scale NaN: the epilogue's "this row is NaN" (its scores stay finite).
@@ -198,8 +237,9 @@ __device__ __forceinline__ float block_max(float a, float* scratch) {
 // One 128-key K block of one (b, kv head): smooth, block absmax, INT8.
 // kBatch: the block's inputs stay raw 16-bit between the absmax and the quantization (converted
 // twice; same values) instead of 64 fp32 registers at hd128, the quant kernel's register peak.
-template <int D, DType kIn, bool kBatch>
+template <int D, DType kIn, int kM>
 __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
+  constexpr bool kBatch = PrepassOpts::of(kM).batch;
   using RT = RowTiling<D>;
   constexpr int kPasses = kBlockKV / RT::kRowsPerPass;
   const int tile = blk % p.n_kv_tiles, bh = blk / p.n_kv_tiles;
@@ -214,7 +254,8 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
-      raw[pass] = key < p.Skv ? load_raw8(kb + 2 * static_cast<int64_t>(key) * p.k_ss) : make_uint4(0, 0, 0, 0);
+      raw[pass] = key < p.Skv ? load_raw8<kLastReadHint<kM>>(kb + 2 * static_cast<int64_t>(key) * p.k_ss)
+                              : make_uint4(0, 0, 0, 0);
     }
     float a = 0.f;
     uint32_t on = 0;  // bit pass: this thread's row of that pass is attended
@@ -230,6 +271,7 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
       }
     }
     const float sk = block_max<D>(a, scratch) / kInt8Max;
+    const auto dk = scale_divisor<kM>(sk);
     int8_t* img = p.k_img + (static_cast<int64_t>(bh) * p.n_kv_tiles + tile) * (kBlockKV * D);
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
@@ -238,8 +280,14 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
       float x[8];
       raw_to_float8<kIn>(raw[pass], x);
       int qi[8];
+      if constexpr (PrepassOpts::of(kM).fast_div) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) qi[i] = valid ? quant_int8(x[i] - km[i], sk) : 0;
+        for (int i = 0; i < 8; ++i) x[i] -= km[i];
+        int8_codes8(x, dk, valid, qi);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) qi[i] = valid ? quant_int8(x[i] - km[i], dk) : 0;
+      }
       *reinterpret_cast<uint2*>(img + sw_byte_offset<D>(r, c0)) = pack_int8x8(qi);
     }
     if (tid == 0) p.sk[static_cast<int64_t>(bh) * p.n_kv_tiles + tile] = sk;
@@ -251,7 +299,7 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
   for (int pass = 0; pass < kPasses; ++pass) {
     const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
     if (key_attended(p, b, key)) {
-      load8<kIn>(kb + 2 * static_cast<int64_t>(key) * p.k_ss, x[pass]);
+      raw_to_float8<kIn>(load_raw8<kLastReadHint<kM>>(kb + 2 * static_cast<int64_t>(key) * p.k_ss), x[pass]);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         x[pass][i] -= km[i];
@@ -263,13 +311,13 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
     }
   }
   const float sk = block_max<D>(a, scratch) / kInt8Max;
+  const auto dk = scale_divisor<kM>(sk);
   int8_t* img = p.k_img + (static_cast<int64_t>(bh) * p.n_kv_tiles + tile) * (kBlockKV * D);
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
     const int r = pass * RT::kRowsPerPass + tid / RT::kLanes;
     int qi[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) qi[i] = quant_int8(x[pass][i], sk);
+    int8_codes8(x[pass], dk, true, qi);
     *reinterpret_cast<uint2*>(img + sw_byte_offset<D>(r, c0)) = pack_int8x8(qi);
   }
   if (tid == 0) p.sk[static_cast<int64_t>(bh) * p.n_kv_tiles + tile] = sk;
@@ -280,22 +328,24 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
 // lanes of a token row, 8 channels apart, fall into 4 banks instead of 2 (136 bytes = 34 words).
 constexpr int kVtStride = kBlockKV + 4;
 
-template <int D, DType kIn, bool kBatch>
+template <int D, DType kIn, int kM>
 __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
+  constexpr bool kBatch = PrepassOpts::of(kM).batch;
   using RT = RowTiling<D>;
   constexpr int kPasses = kBlockKV / RT::kRowsPerPass;
   const int tile = blk % p.n_kv_tiles, bh = blk / p.n_kv_tiles;
   const int b = bh / p.Hkv, hk = bh % p.Hkv;
   const int tid = threadIdx.x, c0 = (tid % RT::kLanes) * 8;
   const char* vb = static_cast<const char*>(p.v) + 2 * (b * p.v_sb + hk * p.v_sh + c0);
-  float sv[8];
+  decltype(scale_divisor<kM>(0.f)) sv[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) sv[i] = p.sv[bh * D + c0 + i];
+  for (int i = 0; i < 8; ++i) sv[i] = scale_divisor<kM>(p.sv[bh * D + c0 + i]);
   uint4 xs[kPasses];
   auto load_pass = [&](int pass) {
     const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
     // padding and masked keys: +0 bits, i.e. a zero row of codes
-    xs[pass] = key_attended(p, b, key) ? load_raw8(vb + 2 * static_cast<int64_t>(key) * p.v_ss) : make_uint4(0, 0, 0, 0);
+    xs[pass] = key_attended(p, b, key) ? load_raw8<kLastReadHint<kM>>(vb + 2 * static_cast<int64_t>(key) * p.v_ss)
+                                       : make_uint4(0, 0, 0, 0);
   };
   if constexpr (kBatch) {
 #pragma unroll
@@ -322,11 +372,21 @@ __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
       }
       atomicMin(p.v_summary + bh, key);  // the epilogue's shortcut (FwdOptions::epilogue_summary)
     }
+    if constexpr (PrepassOpts::of(kM).fast_div) {
+      uint32_t two[4];
+      e4m3_codes8(x, sv, two);
 #pragma unroll
-    for (int i = 0; i < 8; i += 2) {
-      const uint32_t two = quant_e4m3x2(x[i], x[i + 1], sv[i], sv[i + 1]);
-      stage[(c0 + i) * kVtStride + r] = static_cast<uint8_t>(two & 0xff);
-      stage[(c0 + i + 1) * kVtStride + r] = static_cast<uint8_t>(two >> 8);
+      for (int j = 0; j < 4; ++j) {
+        stage[(c0 + 2 * j) * kVtStride + r] = static_cast<uint8_t>(two[j] & 0xff);
+        stage[(c0 + 2 * j + 1) * kVtStride + r] = static_cast<uint8_t>(two[j] >> 8);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; i += 2) {
+        const uint32_t two = quant_e4m3x2(x[i], x[i + 1], sv[i], sv[i + 1]);
+        stage[(c0 + i) * kVtStride + r] = static_cast<uint8_t>(two & 0xff);
+        stage[(c0 + i + 1) * kVtStride + r] = static_cast<uint8_t>(two >> 8);
+      }
     }
   }
   __syncthreads();
@@ -347,9 +407,16 @@ __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
 }
 
 // kBatch also brings hd128 from 92 to ~70 registers: 3 blocks per SM instead of 2 (a cap of 64
-// for 4 blocks spills).
-template <int D, DType kIn, bool kBatch>
-__global__ void __launch_bounds__(kPrepassThreads) quant_kernel(const __grid_constant__ PrepassParams p) {
+// for 4 blocks spills). kPrepassFastDiv's eight quotients in flight take hd64 from 58 to ~72
+// registers: a floor of 4 blocks per SM (<= 64 registers) keeps its occupancy.
+template <int D, int kM>
+constexpr int kQuantMinBlocks = (D == 64 && PrepassOpts::of(kM).fast_div) ? 4 : 0;  // 0: no floor
+// kPrepassL2Reuse: the K / V blocks run in the reverse of the stats launch's (b, kv head) order and
+// each K tile next to its V tile, so the first of them read what the stats launch read last (the
+// likeliest still in L2); Q blocks keep their place.
+template <int D, DType kIn, int kM>
+__global__ void __launch_bounds__(kPrepassThreads, kQuantMinBlocks<D, kM>)
+    quant_kernel(const __grid_constant__ PrepassParams p) {
   __shared__ __align__(16) uint8_t stage[D * kVtStride];
   __shared__ float scratch[kPrepassThreads / 32];
   const int n_qb = p.q_in_stats ? 0 : q_block_count(p);
@@ -362,13 +429,22 @@ __global__ void __launch_bounds__(kPrepassThreads) quant_kernel(const __grid_con
     // Q needs nothing from the stats launch but the k mean for the LSE correction, so under PDL
     // these blocks run while the stats launch drains.
     if (p.qkm != nullptr) sage_common::sm90::pdl_wait();
-    quant_q_block<D, kIn, kBatch>(p, blk);
+    quant_q_block<D, kIn, kM>(p, blk);
+  } else if constexpr (PrepassOpts::of(kM).l2) {
+    const int j = blk - n_qb;                   // 2 * (K/V tile pair) + (0: K, 1: V)
+    const int kv_blk = n_kb - 1 - j / 2;        // (b, kv head, tile) in reverse
+    sage_common::sm90::pdl_wait();              // the k mean / the V channel scales
+    if (j % 2 == 0) {
+      quant_k_block<D, kIn, kM>(p, kv_blk, scratch);
+    } else {
+      quant_v_block<D, kIn, kM>(p, kv_blk, stage);
+    }
   } else if (blk < n_qb + n_kb) {
     sage_common::sm90::pdl_wait();  // the k mean
-    quant_k_block<D, kIn, kBatch>(p, blk - n_qb, scratch);
+    quant_k_block<D, kIn, kM>(p, blk - n_qb, scratch);
   } else {
     sage_common::sm90::pdl_wait();  // the V channel scales
-    quant_v_block<D, kIn, kBatch>(p, blk - n_qb - n_kb, stage);
+    quant_v_block<D, kIn, kM>(p, blk - n_qb - n_kb, stage);
   }
 }
 
@@ -377,23 +453,32 @@ __global__ void __launch_bounds__(kPrepassThreads) quant_kernel(const __grid_con
 // about the same bytes (stats: read K, V + Q in/out; quant: K, V in/out), the stats launch,
 // under one wave of long serial reductions otherwise, gets independent work to hide its latency,
 // and the quant launch has a third fewer blocks (fewer waves and a shorter tail).
-template <int D, DType kIn, bool kBatch>
+template <int D, DType kIn, int kM>
 cudaError_t launch_prepass_impl(const PrepassParams& p, cudaStream_t stream) {
   const int n_stat = p.B * p.Hkv * p.n_split;
   const int n_mask = p.key_mask ? p.B * ((4 * p.n_kv_tiles + 7) / 8) : 0;
   const int n_q = p.q_in_stats ? q_block_count(p) : 0;
-  stats_kernel<D, kIn, kBatch><<<n_stat + n_mask + n_q, kPrepassThreads, 0, stream>>>(p);
+  stats_kernel<D, kIn, kM><<<n_stat + n_mask + n_q, kPrepassThreads, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int n_quant = (p.q_in_stats ? 0 : q_block_count(p)) + 2 * p.B * p.Hkv * p.n_kv_tiles;
-  return sage_common::launch_with_smem(quant_kernel<D, kIn, kBatch>, dim3(n_quant), kPrepassThreads, 0, p, stream,
+  return sage_common::launch_with_smem(quant_kernel<D, kIn, kM>, dim3(n_quant), kPrepassThreads, 0, p, stream,
                                        pdl_launches() ? sage_common::LaunchKind::kPdl : sage_common::LaunchKind::kPlain);
 }
 
+// p.kernel_mode: the pre-pass mode's kernel-side bits (kPrepassKernelBits), one instantiation each.
+template <int D, DType kIn, int... kModes>
+cudaError_t launch_prepass_of(const PrepassParams& p, cudaStream_t stream, std::integer_sequence<int, kModes...>) {
+  cudaError_t err = cudaErrorInvalidValue;  // a mode outside the list
+  ((p.kernel_mode == kModes ? (err = launch_prepass_impl<D, kIn, kModes>(p, stream), 0) : 0), ...);
+  return err;
+}
 template <int D, DType kIn>
 cudaError_t launch_prepass(const PrepassParams& p, cudaStream_t stream) {
-  return p.batch_loads ? launch_prepass_impl<D, kIn, true>(p, stream)
-                       : launch_prepass_impl<D, kIn, false>(p, stream);
+  constexpr int kB = kPrepassBatchLoads, kL = kPrepassL2Reuse, kF = kPrepassFastDiv;
+  static_assert(kPrepassKernelBits == (kB | kL | kF), "every subset of the kernel-side bits below");
+  return launch_prepass_of<D, kIn>(
+      p, stream, std::integer_sequence<int, 0, kB, kL, kB | kL, kF, kB | kF, kL | kF, kB | kL | kF>{});
 }
 
 }  // namespace sage_sm90

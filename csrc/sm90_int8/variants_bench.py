@@ -9,10 +9,10 @@ compared bit for bit with the flags without them, V with and without +-Inf / NaN
   full  : median of the whole call (pre-pass + kernel + host work), synchronised per repetition
           (the convention of eval/bench_kernels.py, host latency included like cuDNN's);
   main  : the attention kernel alone, back-to-back launches (ext.bench_parts);
-and per shape, with the default variant: the pre-pass alone (GPU time) in modes 0-3 and 11 (launch.h
+and per shape, with the default variant: the pre-pass alone (GPU time) in modes PRE_MODES (launch.h
 kPrepass* bits: 1 = Q quantized inside the stats launch, 2 = batched loads, 8 = programmatic
-dependent launches; bit 4 = one workspace allocation is host-only), the full call in modes 0, 3, 4,
-7, 14 and 15, and the full call pipelined (20 calls between two events, no sync) in modes 0, 7 and
+dependent launches, 16 = L2 reuse of K and V, 32 = one reciprocal per scale; bit 4 = one workspace
+allocation is host-only), the full call in modes FULL_MODES, and the full call pipelined (20 calls between two events, no sync) in modes 0, 7 and
 15: full - pipelined ~ host latency per call. The correctness check runs every variant in mode 0
 and in mode 15; a q_in_kernel variant ("_qk": Q quantized inside the kernel, the pre-pass without
 Q) must also give bit for bit the output of its base variant, Q rows with NaN / Inf included.
@@ -57,8 +57,11 @@ ACC_SHAPES = [(1, 4, 16384, 128), (1, 8, 17776, 64), (1, 2, 65536, 128), (1, 4, 
 ACC_QUICK_SHAPES = [(1, 4, 16384, 128), (1, 8, 17776, 64), (1, 1, 65536, 128)]
 QK_BIT = 1 << 16  # FwdOptions::q_in_kernel (generate_instantiations._HIGH_BITS)
 PDL_MODE = 15  # mode 7 + bit 8 (launch.h kPrepassPdl): the quant launch and the forward kernel start with PDL
-CHECK_MODES = (1, 2, 3, 4, 7, 8, PDL_MODE)  # pre-pass mode bit sets checked against the reference
-FULL_MODES = (0, 3, 4, 7, 14, PDL_MODE)     # full-call timings (per-repetition sync)
+# bits 16 / 32 (launch.h kPrepassL2Reuse / kPrepassFastDiv): L2 eviction hints + reversed K/V order,
+# one reciprocal per scale; 55 = 7 + both, 63 = every bit
+CHECK_MODES = (1, 2, 3, 4, 7, 8, PDL_MODE, 16, 32, 55, 63)  # pre-pass mode bit sets checked against the reference
+FULL_MODES = (0, 3, 4, 7, 14, PDL_MODE, 23, 39, 55, 63)     # full-call timings (per-repetition sync)
+PRE_MODES = (0, 1, 2, 3, 11, 19, 35, 51, 59)                # pre-pass alone (bench_parts)
 
 
 
@@ -274,7 +277,7 @@ def main():
             row["full"][mode] = time_ms(lambda: run(q, k, v, poly, flags), args.reps)
             if mode in (0, 7, 15):
                 row["pipe"][mode] = time_pipelined_ms(lambda: run(q, k, v, poly, flags))
-        for mode in ((0, 1, 2, 3, 11) if has_modes else (0,)):
+        for mode in (PRE_MODES if has_modes else (0,)):
             if has_modes:
                 ext.set_prepass_mode(mode)
             row["pre"][mode], main_ms = ext.bench_parts(q, k, v, False, poly, args.reps)
@@ -292,13 +295,13 @@ def main():
     nan = float("nan")
     print(f"\n== summary (ms; x = cuDNN / ours; m = pre-pass mode bits, launch.h; total "
           f"{time.time() - t0:.0f} s, correctness failures {bad})")
-    print("| shape | cuDNN | full m0 | x | full m7 | x | full m15 | x | best m | main | pre m0 | pre m1 | pre m2 "
-          "| pre m3 | pre m11 | pipe m0 | pipe m7 | pipe m15 | best main (variant) |")
-    print("|---" * 19 + "|")
+    print("| shape | cuDNN | full m0 | x | full m7 | x | full m15 | x | full m55 | x | best m | main | " +
+          " | ".join(f"pre m{m}" for m in PRE_MODES) + " | pipe m0 | pipe m7 | pipe m15 | best main (variant) |")
+    print("|---" * (16 + len(PRE_MODES)) + "|")
     for r in summary:
-        full = [r["full"].get(m, nan) for m in (0, 7, 15)]
+        full = [r["full"].get(m, nan) for m in (0, 7, 15, 55)]
         bm = min(r["full"], key=r["full"].get)
-        pre = [r["pre"].get(m, nan) for m in (0, 1, 2, 3, 11)]
+        pre = [r["pre"].get(m, nan) for m in PRE_MODES]
         pipe = [r["pipe"].get(m, nan) for m in (0, 7, 15)]
         print(f"| {r['shape']} | {r['cudnn']:.3f} | " + " | ".join(f"{f:.3f} | {r['cudnn'] / f:.2f}" for f in full) +
               f" | {bm} | {r['main']:.3f} | " + " | ".join(f"{x:.3f}" for x in (*pre, *pipe)) +
