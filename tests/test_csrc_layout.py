@@ -146,8 +146,10 @@ def test_int8_persistent_flag_and_name_round_trip():
 
 def test_int8_phase_clock_and_epilogue_summary_flags():
     """`phase_clock` is flag bit 1 << 14 and `epilogue_summary` 1 << 15 on both sides, named
-    "clock" / "esum"; the defaults have the summary (bit-identical, measured faster) and not the
-    clock, and the benchmark build has the defaults with the clock and without the summary."""
+    "clock" / "esum"; the defaults have the summary (bit-identical, measured faster) and never the
+    clock; the benchmark build has the clock where the defaults allow it (two consumer warpgroups)
+    and the defaults without the summary's and the staged epilogue's bits (the partner of the
+    bit-identity check)."""
     from dataclasses import replace
 
     from sage_diffusers.kernels import _sm90_int8_variants as py
@@ -158,8 +160,10 @@ def test_int8_phase_clock_and_epilogue_summary_flags():
     assert "FwdOptions{.phase_clock = true}.flags() == 1 << 14" in launch
     assert "FwdOptions{.epilogue_summary = true}.flags() == 1 << 15" in launch
     for d in (64, 128):
-        esum = gen.DEFAULTS[d]
-        assert esum.epilogue_summary and not esum.phase_clock  # decided from a GPU run
+        defaults = gen.DEFAULTS[d]
+        assert defaults.epilogue_summary and not defaults.phase_clock  # decided from a GPU run
+        # flag and name arithmetic on a two-warpgroup option set (the clock needs two)
+        esum = replace(defaults, three_consumers=False, epilogue_staged=False)
         base = replace(esum, epilogue_summary=False)
         clock = replace(base, phase_clock=True)
         both = replace(base, phase_clock=True, epilogue_summary=True)
@@ -169,12 +173,14 @@ def test_int8_phase_clock_and_epilogue_summary_flags():
         assert both.name == base.name + "_esum_clock"
         assert clock.cpp().endswith(", .phase_clock = true}")
         assert esum.cpp().endswith(", .epilogue_summary = true}")
-        for o in (base, esum, both):
+        partner = replace(defaults, epilogue_summary=False, epilogue_staged=False)
+        bench = [partner] + ([replace(defaults, phase_clock=True)] if not defaults.three_consumers else [])
+        for o in bench:
             assert (d, o) in gen.BENCH_VARIANTS
             assert (d, o.exp2_poly_every, o.flags, o.name) in py.BENCH_VARIANTS
             assert py.FLAG_NAMES[o.flags] == o.name
-        # the regular build: the summary everywhere, never the clock
-        assert all(not o.phase_clock and o.epilogue_summary for *_, o in gen.variants())
+    # the regular build: the summary everywhere, never the clock
+    assert all(not o.phase_clock and o.epilogue_summary for *_, o in gen.variants())
 
 
 def test_int8_phase_record_layout_and_split():
@@ -255,7 +261,8 @@ def test_int8_q_in_kernel_flag_name_and_lse_rule():
         assert not base.q_in_kernel
         qk = replace(base, q_in_kernel=True)
         assert qk.flags == base.flags | 1 << 16
-        assert qk.name == base.name + "_qk" and qk.cpp().endswith(", .q_in_kernel = true}")
+        assert sorted(qk.name.split("_")) == sorted([*base.name.split("_"), "qk"])
+        assert ", .q_in_kernel = true" in qk.cpp() and ".q_in_kernel" not in base.cpp()
         assert (d, qk) in gen.BENCH_VARIANTS
         assert (d, qk.exp2_poly_every, qk.flags, qk.name) in py.BENCH_VARIANTS
         assert py.FLAG_NAMES[qk.flags] == qk.name
@@ -278,9 +285,10 @@ def test_int8_q_in_kernel_flag_name_and_lse_rule():
 
 def test_int8_three_consumers_flag_name_validity_and_q_tiles():
     """`three_consumers` is flag bit 1 << 18 (FwdOptions::kFlagsHighShift + 6) on both sides, named
-    "wg3", hd64 only, never with ping-pong or the phase clock, not a default; the benchmark build has
-    it (without the overlap, which spills at 160 registers) with a partner the bit-identity check
-    pairs it with; the binding sizes the Q images by the dispatched variant's rows per CTA."""
+    "wg3", hd64 only, never with ping-pong or the phase clock; the hd64 default (measured faster on
+    the H200) without the overlap, which spills at 160 registers; the benchmark build has the partner
+    the bit-identity check pairs it with and the previous two-warpgroup defaults; the binding sizes
+    the Q images by the dispatched variant's rows per CTA."""
     import ast
     from dataclasses import replace
 
@@ -308,15 +316,15 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
         pass
     else:
         raise AssertionError("three_consumers at head dim 128 was accepted")
-    assert all(not o.three_consumers for o in gen.DEFAULTS.values())  # decided from a GPU run
-    assert all(not o.three_consumers for *_, o in gen.variants())
+    wg3 = gen.DEFAULTS[64]
+    assert wg3.three_consumers and not wg3.overlap_softmax_pv and not gen.DEFAULTS[128].three_consumers
+    assert all(o.three_consumers == (d == 64) for d, _, _, _, o in gen.variants())
     assert all(d == 64 for d, o in gen.BENCH_VARIANTS if o.three_consumers)
-    base = gen.DEFAULTS[64]
-    wg3 = replace(base, three_consumers=True, overlap_softmax_pv=False)
-    partner = replace(base, overlap_softmax_pv=False, epilogue_summary=False)
-    assert wg3.name == partner.name + "_esum_wg3" and wg3.cpp().endswith(", .three_consumers = true}")
-    assert wg3.flags == partner.flags | 1 << 15 | 1 << 18
-    for o in (wg3, partner):
+    partner = replace(wg3, three_consumers=False, epilogue_summary=False, epilogue_staged=False)
+    two_wg = replace(wg3, three_consumers=False, epilogue_staged=False, overlap_softmax_pv=True)
+    assert wg3.name == partner.name + "_esum_stage_wg3" and wg3.cpp().endswith(", .three_consumers = true}")
+    assert wg3.flags == partner.flags | 1 << 15 | 1 << 17 | 1 << 18
+    for o in (partner, two_wg):
         assert (64, o) in gen.BENCH_VARIANTS
         assert (64, o.exp2_poly_every, o.flags, o.name) in py.BENCH_VARIANTS
         assert py.FLAG_NAMES[o.flags] == o.name
@@ -334,8 +342,9 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
 
 def test_int8_epilogue_staged_flag_name_and_bench_twins():
     """`epilogue_staged` is flag bit 1 << 17 (FwdOptions::kFlagsHighShift + 5) on both sides, named
-    "stage"; the benchmark build has the defaults with it, alone and with phase_clock, and
-    variants_bench.py compares it bit for bit (SAME_BITS_FLAGS)."""
+    "stage", a default at both head dims (measured faster); the benchmark build has the defaults
+    without it (the previous defaults) and the clock variant with it, and variants_bench.py
+    compares every variant bit for bit with its partner (SAME_BITS_FLAGS), which is compiled."""
     from dataclasses import replace
 
     from sage_diffusers.kernels import _sm90_int8_variants as py
@@ -347,23 +356,25 @@ def test_int8_epilogue_staged_flag_name_and_bench_twins():
     assert "o.epilogue_staged = ((flags >> (kFlagsHighShift + 5)) & 1) != 0;" in launch
     assert "FwdOptions{.epilogue_staged = true}.flags() == 1 << 17" in launch
     for d in (64, 128):
-        base = replace(gen.DEFAULTS[d], epilogue_staged=False)
-        staged = replace(base, epilogue_staged=True)
-        clock = replace(staged, phase_clock=True)
-        assert staged.flags == base.flags | 1 << 17 and clock.flags == base.flags | 1 << 17 | 1 << 14
-        assert staged.name == base.name + "_stage" and clock.name == base.name + "_clock_stage"
-        assert staged.cpp().endswith(", .epilogue_staged = true}")
-        for o in (staged, clock):
+        staged = gen.DEFAULTS[d]
+        assert staged.epilogue_staged
+        base = replace(staged, epilogue_staged=False)
+        assert staged.flags == base.flags | 1 << 17
+        assert sorted(staged.name.split("_")) == sorted([*base.name.split("_"), "stage"])
+        assert ", .epilogue_staged = true" in staged.cpp() and ".epilogue_staged" not in base.cpp()
+        twins = [base] + ([replace(staged, phase_clock=True)] if not staged.three_consumers else [])
+        for o in twins:
             assert (d, o) in gen.BENCH_VARIANTS
             assert (d, o.exp2_poly_every, o.flags, o.name) in py.BENCH_VARIANTS
             assert py.FLAG_NAMES[o.flags] == o.name
+    assert all(o.epilogue_staged for *_, o in gen.variants())
     bench = (CSRC / "sm90_int8" / "variants_bench.py").read_text()
     bits = [int(b) for b in re.findall(r"1 << (\d+)", re.search(r"^SAME_BITS_FLAGS = (.+)$", bench, re.M).group(1))]
     assert set(bits) == {14, 15, 17, 18}  # phase_clock, epilogue_summary, epilogue_staged, three_consumers
     same_bits = sum(1 << b for b in bits)
-    # the staged variants' unstaged, summary-free base is compiled too: the bit identity check runs
-    flags = {o.flags for _, o in gen.BENCH_VARIANTS}
-    assert all(o.flags & ~same_bits in flags for _, o in gen.BENCH_VARIANTS if o.epilogue_staged)
+    # the defaults' partner without those bits is compiled too: the bit identity check runs on them
+    flags = {(d, o.flags) for d, o in gen.BENCH_VARIANTS}
+    assert all((d, gen.DEFAULTS[d].flags & ~same_bits) in flags for d in (64, 128))
 
 
 def test_fp4_options_come_from_one_source(tmp_path):

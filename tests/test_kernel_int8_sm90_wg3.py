@@ -1,10 +1,10 @@
-"""GPU test of the sm_90a 8-bit kernel's benchmark option ``three_consumers`` (csrc/sm90_int8,
+"""GPU test of the sm_90a 8-bit kernel's hd64 default option ``three_consumers`` (csrc/sm90_int8,
 FwdOptions::three_consumers: three consumer warpgroups, 192 query rows per CTA, hd64 only).
 
-The option exists only in the benchmark build (env SAGE_DIFFUSERS_SM90_BENCH=1, read when
-``int8_sm90`` is imported), so the check runs in a subprocess with that build: the variant must give
-bit for bit the output (and LSE) of its two-warpgroup partner (the same options without it and
-without epilogue_summary, both bit-neutral: variants_bench.SAME_BITS_FLAGS) at awkward lengths that
+Its two-warpgroup partner exists only in the benchmark build (env SAGE_DIFFUSERS_SM90_BENCH=1, read
+when ``int8_sm90`` is imported), so the check runs in a subprocess with that build: the hd64 defaults
+must give bit for bit the output (and LSE) of the partner (the same options without it and without
+the two epilogue options, all bit-neutral: variants_bench.SAME_BITS_FLAGS) at awkward lengths that
 leave partial 192-row blocks, with and without a key mask and GQA, and stay close to
 ``sage8_reference``. Skipped without CUDA or on a device the kernel does not support.
 """
@@ -40,9 +40,9 @@ sys.modules["gen"] = gen
 spec.loader.exec_module(gen)
 
 ext = int8_sm90.build()
-base = gen.DEFAULTS[64]
-wg3 = replace(base, three_consumers=True, overlap_softmax_pv=False)
-partner = replace(base, overlap_softmax_pv=False, epilogue_summary=False)
+wg3 = gen.DEFAULTS[64]  # three consumer warpgroups, no overlap, both epilogue options
+partner = replace(wg3, three_consumers=False, epilogue_summary=False, epilogue_staged=False)
+assert wg3.three_consumers
 assert (64, wg3) in gen.BENCH_VARIANTS and (64, partner) in gen.BENCH_VARIANTS
 bad = 0
 # (B, Hq, Hkv, S): S = 1, 191, 193 and 1023 leave partial 192-row blocks; 4429 is SD3.5's length

@@ -112,14 +112,22 @@ CAUSAL = (False, True)
 _HD128 = FwdOptions(lean_softmax=True, overlap_softmax_pv=True, pingpong=True, q_in_registers=True,
                     split_reductions=True)
 _HD64 = FwdOptions(lean_softmax=True, overlap_softmax_pv=True, q_in_registers=True, exp2_poly_every=8)
-# Both with epilogue_summary: bit-identical output, and the epilogue skips V's per-channel
-# non-finite lookup (the pre-pass saw none): attention kernel alone on the H200 (variants_bench),
-# 1x24x4608x128 0.424 -> 0.379 ms, 1x24x16384x128 4.186 -> 4.023, 1x38x4429x64 0.495 -> 0.466,
-# 1x48x17776x64 7.786 -> 7.491; fixed cost per CTA 14.7 -> 8.6 us (hd128), 7.2 -> 5.0 (hd64)
-# (eval/results/int8_fixed_cost_h200.md, int8_phases_h200.md).
+# Decided on the H200 (variants_bench.py, attention kernel alone; eval/results/int8_variants_h200.md),
+# each bit-identical to the option set before it:
+# * epilogue_summary, both head dims: the epilogue skips V's per-channel non-finite lookup where the
+#   pre-pass saw none: 1x24x4608x128 0.424 -> 0.379 ms, 1x24x16384x128 4.186 -> 4.023,
+#   1x38x4429x64 0.495 -> 0.466, 1x48x17776x64 7.786 -> 7.491 (fixed cost per CTA 14.7 -> 8.6 us
+#   at hd128, 7.2 -> 5.0 at hd64: int8_fixed_cost_h200.md).
+# * epilogue_staged, both head dims: O packed into shared memory, rows written with 16-byte stores,
+#   V's scales loaded before any store: the epilogue 5.2 -> 1.0 us per CTA (int8_phases_h200.md);
+#   1x24x4608x128 0.383 -> 0.357 ms, 1x24x16384x128 4.061 -> 3.957.
+# * hd64: three consumer warpgroups (192 query rows per CTA) without the softmax / PV overlap,
+#   which does not fit their 160 registers; with the staged epilogue 1x38x4429x64 0.469 -> 0.422 ms,
+#   1x48x17776x64 7.631 -> 7.482.
 DEFAULTS = {
-    128: replace(_HD128, smem_o_every=4, epilogue_summary=True),
-    64: replace(_HD64, fp32_pv_tiles=True, exp2_poly_every=0, epilogue_summary=True),
+    128: replace(_HD128, smem_o_every=4, epilogue_summary=True, epilogue_staged=True),
+    64: replace(_HD64, overlap_softmax_pv=False, fp32_pv_tiles=True, exp2_poly_every=0, epilogue_summary=True,
+                epilogue_staged=True, three_consumers=True),
 }
 # Exp2 polynomial shares compiled besides the default (env SAGE_DIFFUSERS_EXP_POLY picks one).
 EXTRA_EXP_POLY = {64: (8,), 128: ()}
@@ -137,27 +145,22 @@ EXTRA_EXP_POLY = {64: (8,), 128: ()}
 # eval/results/int8_sass_cost_sm90.md) were no faster on the H200, attention kernel alone:
 # 1x24x16384x128 4.258 against 4.223 ms, 1x24x4608x128 0.428 against 0.424, hd64 0.493 against 0.491.
 # Per head dim also: the defaults with phase_clock (timestamps at the phase points of each CTA:
-# eval/int8_phases.py splits the fixed cost) and without epilogue_summary (the previous defaults:
-# every output value looks V's non-finite record up), both compared bit for bit with the defaults.
-# And the defaults with epilogue_staged (O packed into shared memory, then whole rows written with
-# 16-byte stores), alone and with phase_clock (eval/int8_phases.py: its epilogue time), compared
-# bit for bit too.
-# hd64 also: the defaults with three consumer warpgroups (192 query rows per CTA: a third more
-# softmax chains in flight per SM; 160 registers per consumer thread) without the softmax / PV
-# overlap, which does not fit 160 registers (sm_90a ptxas: the defaults with three_consumers spill
-# 432 bytes, even without fp32_pv_tiles 24, and serialize the wgmmas; without the overlap the loop
-# takes 135), and the defaults without the overlap and without epilogue_summary on two warpgroups:
-# the plain loop three_consumers is timed against, and its bit-identity partner
-# (variants_bench.SAME_BITS_FLAGS strips three_consumers and epilogue_summary); and three_consumers
-# with epilogue_staged (both measured faster alone).
-# Option changes the benchmark build makes to the defaults of each head dim, in this order.
-_BENCH_COMMON = ({"persistent": True}, {"phase_clock": True}, {"epilogue_summary": False}, {"q_in_kernel": True},
-                 {"epilogue_staged": True}, {"epilogue_staged": True, "phase_clock": True})
+# eval/int8_phases.py splits the fixed cost; two consumer warpgroups only, so hd128 only now); the
+# defaults without the staged epilogue (the previous defaults); and without both epilogue options,
+# the partner variants_bench.py compares the defaults with bit for bit (SAME_BITS_FLAGS strips
+# epilogue_summary, epilogue_staged, three_consumers and phase_clock).
+# hd64 also: the previous defaults (two consumer warpgroups with the softmax / PV overlap, which
+# does not fit three warpgroups' 160 registers: 432 bytes of spills) and the defaults' loop on two
+# warpgroups without either epilogue option (three_consumers' bit-identity partner).
+# Option changes the benchmark build makes to the defaults of each head dim, in this order; a
+# change the defaults refuse (phase_clock with three_consumers) is left out (_bench_changed).
+_BENCH_COMMON = ({"persistent": True}, {"phase_clock": True}, {"epilogue_staged": False},
+                 {"epilogue_summary": False, "epilogue_staged": False}, {"q_in_kernel": True})
 _BENCH_CHANGES = {
     128: _BENCH_COMMON,
-    64: (*_BENCH_COMMON, {"overlap_softmax_pv": False, "epilogue_summary": False},
-         {"overlap_softmax_pv": False, "three_consumers": True},
-         {"overlap_softmax_pv": False, "three_consumers": True, "epilogue_staged": True}),
+    64: (*_BENCH_COMMON,
+         {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True},
+         {"three_consumers": False, "epilogue_summary": False, "epilogue_staged": False}),
 }
 _UNCORRECTED = {128: _HD128, 64: _HD64}
 # Options that exist at one head dim only (the kernel static_asserts the same).
