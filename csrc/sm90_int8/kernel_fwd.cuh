@@ -91,9 +91,9 @@ namespace sage_sm90 {
 //                        Each row's math is unchanged: same results bit for bit (causal: a
 //                        warpgroup may visit a key tile wholly above its rows, an exact no-op).
 //                        hd128 (a benchmark variant): S (64) and O (64) alone leave 32 of the 160
-//                        registers, so only the plain loop (one P array) and with smem_o_every = 1
-//                        (O's registers dead through the softmax, the plain loop below) fits; the
-//                        K/V ring has 3 stages there (tile_config.hpp kStages: 227 KB).
+//                        registers, so only the plain loop (one P array) with smem_o_every = 1
+//                        fits (O's registers are dead through the softmax: the plain loop below);
+//                        the K/V ring has 3 stages there (tile_config.hpp kStages: 227 KB).
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 168 registers, ptxas's cap for 384). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
