@@ -285,10 +285,12 @@ def test_int8_q_in_kernel_flag_name_and_lse_rule():
 
 def test_int8_three_consumers_flag_name_validity_and_q_tiles():
     """`three_consumers` is flag bit 1 << 18 (FwdOptions::kFlagsHighShift + 6) on both sides, named
-    "wg3", hd64 only, never with ping-pong or the phase clock; the hd64 default (measured faster on
-    the H200) without the overlap, which spills at 160 registers; the benchmark build has the partner
-    the bit-identity check pairs it with and the previous two-warpgroup defaults; the binding sizes
-    the Q images by the dispatched variant's rows per CTA."""
+    "wg3", never with ping-pong or the phase clock, at hd128 never with the overlap; the hd64 default
+    (measured faster on the H200) without the overlap, which spills at 160 registers; at hd128 a
+    benchmark variant only (plain loop, O's smem sum flushed every tile, a K/V ring of 3 stages that
+    fits 227 KB); the benchmark build has the partners the bit-identity check pairs them with and the
+    previous two-warpgroup defaults; the binding sizes the Q images by the dispatched variant's rows
+    per CTA."""
     import ast
     from dataclasses import replace
 
@@ -303,7 +305,7 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
     assert "FwdOptions{.three_consumers = true}.flags() == 1 << 18" in launch
     assert "(!three_consumers || (!pingpong && !phase_clock))" in launch
     assert "three_consumers ? 3 : 2" in launch
-    assert "static_assert(!kOpt.three_consumers || D == 64," in (k / "kernel_fwd.cuh").read_text()
+    assert "static_assert(!kOpt.three_consumers || D == 64 || !kOpt.overlap_softmax_pv," in (k / "kernel_fwd.cuh").read_text()
     for bad in ({"pingpong": True}, {"phase_clock": True}):
         try:
             gen.FwdOptions(lean_softmax=True, three_consumers=True, **bad)
@@ -311,15 +313,38 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
             continue
         raise AssertionError(f"three_consumers with {bad} was accepted")
     try:
-        gen._checked(128, gen.FwdOptions(three_consumers=True))
+        gen._checked(128, gen.FwdOptions(three_consumers=True, overlap_softmax_pv=True))
     except ValueError:
         pass
     else:
-        raise AssertionError("three_consumers at head dim 128 was accepted")
+        raise AssertionError("three_consumers with the overlap at head dim 128 was accepted")
+    for d in (64, 128):  # the plain loop at both head dims, the overlap at hd64 (valid, not built)
+        gen._checked(d, gen.FwdOptions(three_consumers=True))
+    gen._checked(64, gen.FwdOptions(three_consumers=True, overlap_softmax_pv=True))
     wg3 = gen.DEFAULTS[64]
     assert wg3.three_consumers and not wg3.overlap_softmax_pv and not gen.DEFAULTS[128].three_consumers
     assert all(o.three_consumers == (d == 64) for d, _, _, _, o in gen.variants())
-    assert all(d == 64 for d, o in gen.BENCH_VARIANTS if o.three_consumers)
+    # hd128: one benchmark variant with its partner (flags & ~SAME_BITS_FLAGS, checked below)
+    wg3_128 = [o for d, o in gen.BENCH_VARIANTS if d == 128 and o.three_consumers]
+    assert wg3_128 == [replace(gen.DEFAULTS[128], overlap_softmax_pv=False, pingpong=False, smem_o_every=1,
+                               three_consumers=True)]
+    wg3_128, = wg3_128
+    # O never accumulates in the FP8 tensor core past one key tile (the smem sum takes it every tile)
+    assert wg3_128.smem_o_every == 1 and not wg3_128.fp32_pv_tiles
+    partner_128 = replace(wg3_128, three_consumers=False, epilogue_summary=False, epilogue_staged=False)
+    assert (128, partner_128) in gen.BENCH_VARIANTS and py.FLAG_NAMES[partner_128.flags] == partner_128.name
+    assert py.FLAG_NAMES[wg3_128.flags] == "lean_qregs_split_smemo1_esum_stage_wg3"
+    # the K/V ring depth fits the 227 KB budget: Q 3 x 8 KB, 3 stages x (K 16 KB + V^T 16 KB),
+    # barriers, the 1024-byte base slack, O's fp32 sum (192 x 128 x 4 B + 16); 4 stages do not fit
+    def smem(stages, wgs, d):
+        return wgs * 64 * d + stages * 2 * 128 * d + 8 * (2 * stages + 1) + 1024 + 64 * wgs * d * 4 + 16
+    assert smem(3, 3, 128) <= 227 * 1024 < smem(4, 3, 128)
+    assert all(smem(4, w, d) <= 227 * 1024 for w, d in ((2, 128), (2, 64), (3, 64)))
+    tile = (k / "tile_config.hpp").read_text()
+    assert 'static_assert(kStages == (D == 128 && kWGs == 3 ? 3 : 4), "the ring depths the budget above works out");' in tile
+    # every helper that indexes the ring takes the CTA's warpgroup count (its depth depends on it)
+    mainloop = (k / "mainloop.hpp").read_text()
+    assert "TileConfig<D>::" not in mainloop and "const WarpgroupOperands<D, kWGs> ops(" in (k / "kernel_fwd.cuh").read_text()
     partner = replace(wg3, three_consumers=False, epilogue_summary=False, epilogue_staged=False)
     two_wg = replace(wg3, three_consumers=False, epilogue_staged=False, overlap_softmax_pv=True)
     assert wg3.name == partner.name + "_esum_stage_wg3" and wg3.cpp().endswith(", .three_consumers = true}")
@@ -333,6 +358,11 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
     same = next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "SAME_BITS_FLAGS")
     same_bits = eval(compile(ast.Expression(same), "SAME_BITS_FLAGS", "eval"))
     assert same_bits & 1 << 18 and wg3.flags & ~same_bits == partner.flags
+    assert wg3_128.flags & ~same_bits == partner_128.flags
+    # regression: the plain loop (the hd128 wg3 variant and its partner are its first smem-sum users)
+    # flushed its last tile too, and the epilogue's scaled_sum then added that tile a second time
+    fwd = (k / "kernel_fwd.cuh").read_text()
+    assert "if (t + 1 < n_tiles) maybe_flush(t);" in fwd and "\n        maybe_flush(t);\n" not in fwd
     # the Q images cover whole CTAs of the variant run_fwd picks: no fixed 128-row block in the binding
     binding = (k / "binding.cpp").read_text()
     assert "kBlockM" not in binding and "sage_sm90::fwd_q_tiles(Sq, rows_per_cta)" in binding

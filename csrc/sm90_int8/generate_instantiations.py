@@ -51,7 +51,7 @@ class FwdOptions:
     epilogue_summary: bool = False    # bit 1 << 15 (kFlagsHighShift + 3)
     q_in_kernel: bool = False         # bit 1 << 16 (kFlagsHighShift + 4), needs q_in_registers; no LSE
     epilogue_staged: bool = False     # bit 1 << 17 (kFlagsHighShift + 5), O staged in smem, 16-byte stores
-    three_consumers: bool = False     # bit 1 << 18 (kFlagsHighShift + 6), head dim 64 only; no pingpong / phase_clock
+    three_consumers: bool = False     # bit 1 << 18 (kFlagsHighShift + 6), no pingpong / phase_clock; hd128: no overlap
 
     def __post_init__(self):
         if (self.fp16_exp2 or self.split_reductions or self.seed_reductions) and not self.lean_softmax:
@@ -152,26 +152,35 @@ EXTRA_EXP_POLY = {64: (8,), 128: ()}
 # hd64 also: the previous defaults (two consumer warpgroups with the softmax / PV overlap, which
 # does not fit three warpgroups' 160 registers: 432 bytes of spills) and the defaults' loop on two
 # warpgroups without either epilogue option (three_consumers' bit-identity partner).
+# hd128 also: three consumer warpgroups (192 query rows per CTA) on the plain loop (no overlap, no
+# ping-pong: both hold two P arrays, more than 160 registers) with O's smem sum flushed every tile
+# (smem_o_every = 1: O's 64 registers are then dead through the softmax; with 2 or 4 the loop
+# spills 192 B at 160 registers; eval/results/int8_three_consumers_sass.md "hd128"), and the same
+# loop on two warpgroups without either epilogue option, its bit-identity partner.
 # Option changes the benchmark build makes to the defaults of each head dim, in this order; a
 # change the defaults refuse (phase_clock with three_consumers) is left out (_bench_changed).
 _BENCH_COMMON = ({"persistent": True}, {"phase_clock": True}, {"epilogue_staged": False},
                  {"epilogue_summary": False, "epilogue_staged": False}, {"q_in_kernel": True})
+_HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every": 1}
 _BENCH_CHANGES = {
-    128: _BENCH_COMMON,
+    128: (*_BENCH_COMMON,
+          {**_HD128_WG3_LOOP, "three_consumers": True},
+          {**_HD128_WG3_LOOP, "epilogue_summary": False, "epilogue_staged": False}),
     64: (*_BENCH_COMMON,
          {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True},
          {"three_consumers": False, "epilogue_summary": False, "epilogue_staged": False}),
 }
 _UNCORRECTED = {128: _HD128, 64: _HD64}
-# Options that exist at one head dim only (the kernel static_asserts the same).
-_HEAD_DIM_ONLY = {"three_consumers": 64}
+# Options refused together at one head dim (fwd_kernel static_asserts the same): at hd128 the
+# overlapped loop's two P arrays do not fit three consumer warpgroups' 160 registers.
+_HEAD_DIM_EXCLUSIVE = {128: (("three_consumers", "overlap_softmax_pv"),)}
 
 
 def _checked(d: int, opt: FwdOptions) -> FwdOptions:
-    """opt, after checking that every option it sets exists at head dim d."""
-    for name, only in _HEAD_DIM_ONLY.items():
-        if getattr(opt, name) and d != only:
-            raise ValueError(f"{opt}: {name} is implemented at head dim {only} only, not {d}")
+    """opt, after checking that the kernel implements its options together at head dim d."""
+    for a, b in _HEAD_DIM_EXCLUSIVE.get(d, ()):
+        if getattr(opt, a) and getattr(opt, b):
+            raise ValueError(f"{opt}: {a} with {b} is not implemented at head dim {d}")
     return opt
 
 

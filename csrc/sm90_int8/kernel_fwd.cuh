@@ -81,7 +81,7 @@ namespace sage_sm90 {
 //                        go out at kernel entry, before pdl_wait (Q is no pre-pass output). No
 //                        LSE (its q . k_mean correction stays in the pre-pass): dispatch never
 //                        picks such a variant for an LSE call.
-//   three_consumers    : (hd64) three consumer warpgroups, 192 query rows per CTA, so each SM
+//   three_consumers    : three consumer warpgroups, 192 query rows per CTA, so each SM
 //                        scheduler holds three consumer warps whose softmax chains and barrier
 //                        waits hide each other (the hd64 loop is latency-bound: ~1970 cycles per
 //                        128x128 tile against ~1024 of MUFU work). 512 threads; setmaxnreg gives
@@ -90,8 +90,12 @@ namespace sage_sm90 {
 //                        and the pre-pass writes 3 Q tiles per block (launch.h fwd_rows_per_cta).
 //                        Each row's math is unchanged: same results bit for bit (causal: a
 //                        warpgroup may visit a key tile wholly above its rows, an exact no-op).
+//                        hd128 (a benchmark variant): S (64) and O (64) alone leave 32 of the 160
+//                        registers, so only the plain loop (one P array) with smem_o_every = 1
+//                        fits (O's registers are dead through the softmax: the plain loop below);
+//                        the K/V ring has 3 stages there (tile_config.hpp kStages: 227 KB).
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
-// share anyway (288 threads compile to <= 224 registers). With the overlap the producer becomes a
+// share anyway (288 threads compile to <= 168 registers, ptxas's cap for 384). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
 // The pipelined loops (overlap or ping-pong) hold two P arrays: they take the producer warpgroup.
 template <FwdOptions kOpt>
@@ -214,8 +218,9 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     fwd_kernel(const __grid_constant__ FwdParams p) {
   constexpr FwdOptions kOpt = FwdOptions::from_flags(kFlags, kPoly);
   static_assert(kOpt.valid(), "FwdOptions combination the kernel does not implement (FwdOptions::valid)");
-  static_assert(!kOpt.three_consumers || D == 64,
-                "three_consumers: head dim 64 only (hd128's loop needs more than 160 registers per thread)");
+  // hd128's overlapped loop holds two P arrays: S 64 + O 64 + 2 x P 16 (+ Q 16) registers > 160.
+  static_assert(!kOpt.three_consumers || D == 64 || !kOpt.overlap_softmax_pv,
+                "three_consumers at head dim 128: without overlap_softmax_pv (160 registers per consumer thread)");
   // The CTA shape (tile_config.hpp CtaShape): two or three consumer warpgroups.
   constexpr int kWGs = kOpt.consumer_warpgroups();
   using Cta = CtaShape<kWGs>;
@@ -321,12 +326,12 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     // Stage and phase parity of key tile t of this work tile in the K/V ring.
     auto stage_of = [&](int t) {
       int s, n;
-      ring_slot<D, kPersistent>(tile0 + t, s, n);
+      ring_slot<D, kPersistent, kWGs>(tile0 + t, s, n);
       return s;
     };
     auto parity_of = [&](int t) {
       int s, n;
-      ring_slot<D, kPersistent>(tile0 + t, s, n);
+      ring_slot<D, kPersistent, kWGs>(tile0 + t, s, n);
       return n & 1;
     };
     const int wg_row0 = wg_first_row(m_block, wg);
@@ -338,7 +343,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
       sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
     }
-    const WarpgroupOperands<D> ops(sp, wg, tid);
+    const WarpgroupOperands<D, kWGs> ops(sp, wg, tid);
     const float* sk = p.sk + (static_cast<int64_t>(b) * p.Hkv + hk) * p.n_kv_tiles;
     const uint32_t* bits =
         p.mask_bits != nullptr ? p.mask_bits + static_cast<int64_t>(b) * 4 * p.n_kv_tiles : nullptr;
@@ -440,7 +445,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       sm.init(sq[0] * p.scale_log2, sq[1] * p.scale_log2);
     } else {
       Barrier::wait(sp.q_full, work & 1);
-      if constexpr (kQRegs) WarpgroupOperands<D>::load_q_frag(sp, wg, tid, q_frag);
+      if constexpr (kQRegs) WarpgroupOperands<D, kWGs>::load_q_frag(sp, wg, tid, q_frag);
       if constexpr (kPersistent) {  // Q is in registers: the producer may load the next work tile's
         __syncwarp();
         if (lane == 0) Barrier::arrive(sp.q_empty);
@@ -467,11 +472,22 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
         float alpha[2];
         sm.step(s_acc, sk_t, mk, p_frag, alpha);
         if (t == 0 && work == 0) clock.mark(ConsumerPhase::kFirstSoftmax);
-        rescale(alpha);
+        if (pv_zero(t)) {
+          // smem_o_every: this PV starts from zero and overwrites O's registers (flushed after the
+          // tile before), so only the smem sum's scale takes alpha; at smem_o_every = 1 O's
+          // registers are thus dead through every softmax (the three-warpgroup hd128 loop fits
+          // 160 registers only so).
+          o_scale[0] *= alpha[0];
+          o_scale[1] *= alpha[1];
+        } else {
+          rescale(alpha);
+        }
         ops.pv(s, p_frag, pv_acc, kTilePV || pv_zero(t));
         add_tile();
-        maybe_flush(t);
         release(s);
+        // Not after the last tile: the epilogue adds O's registers to the sum (scaled_sum), as
+        // after the pipelined loop, whose last PV is never flushed either.
+        if (t + 1 < n_tiles) maybe_flush(t);
       }
     } else if (n_tiles > 0) {
       // Pipelined order: S_t and O += P_{t-1} V_{t-1} are issued back to back; with the overlap

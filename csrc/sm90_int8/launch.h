@@ -33,7 +33,8 @@ struct FwdOptions {
                                     // q_in_registers; no LSE: run_fwd never picks it for lse)
   bool epilogue_staged = false;     // the epilogue stages O in smem and writes rows with 16-byte stores
   bool three_consumers = false;     // three consumer warpgroups (192 query rows per CTA) instead of two;
-                                    // head dim 64 only (fwd_kernel static_asserts it), no ping-pong or phase_clock
+                                    // no ping-pong or phase_clock; at head dim 128 no overlap_softmax_pv
+                                    // (fwd_kernel, which knows D, static_asserts it)
 
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
@@ -79,7 +80,7 @@ struct FwdOptions {
            // q_in_kernel: each consumer thread quantizes exactly its RS A fragments of Q
            (!q_in_kernel || q_in_registers) &&
            // three_consumers: the ping-pong schedule and the phase record are written for two
-           // consumer warpgroups (head dim 64 only: fwd_kernel, which knows D, asserts that)
+           // consumer warpgroups (at head dim 128 also no overlap: fwd_kernel, which knows D, asserts that)
            (!three_consumers || (!pingpong && !phase_clock));
   }
   // The loops that hold two P arrays (overlap or ping-pong) take a whole producer warpgroup; so

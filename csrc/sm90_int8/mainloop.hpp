@@ -68,6 +68,9 @@ struct SmemPlan {
 constexpr int kSmemOSumAlign = 16;
 template <int D, int kWGs>
 constexpr int kSmemOSumBytes = CtaShape<kWGs>::kBlockM * D * 4 + kSmemOSumAlign;
+static_assert(kSmemOSumBytes<128, 3> == TileConfig<128, 3>::kSmemAfterBarriers &&
+                  kSmemOSumBytes<64, 2> == TileConfig<64, 2>::kSmemAfterBarriers,
+              "TileConfig sizes its K/V ring to leave the O sum's room");
 template <int D, int kWGs>
 __device__ __forceinline__ float4* smem_o_sum(const SmemPlan<D, kWGs>& sp) {
   using C = TileConfig<D, kWGs>;
@@ -83,7 +86,7 @@ __device__ __forceinline__ void init_barriers(const SmemPlan<D, kWGs>& sp) {
   constexpr int kConsumerWarps = CtaShape<kWGs>::kConsumerThreads / 32;  // every one arrives
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int s = 0; s < TileConfig<D>::kStages; ++s) {
+    for (int s = 0; s < TileConfig<D, kWGs>::kStages; ++s) {
       Barrier::init(&sp.full[s], 1);
       Barrier::init(&sp.empty[s], kConsumerWarps);
     }
@@ -95,10 +98,11 @@ __device__ __forceinline__ void init_barriers(const SmemPlan<D, kWGs>& sp) {
 }
 
 // Stage and use count (n) of item `tile` of the K/V ring. kRunning: a running counter over a
-// persistent CTA's work tiles (unsigned: no sign fix-up in the division).
-template <int D, bool kRunning>
+// persistent CTA's work tiles (unsigned: no sign fix-up in the division). kWGs: the CTA's consumer
+// warpgroups (the ring depth depends on them: TileConfig::kStages).
+template <int D, bool kRunning, int kWGs>
 __device__ __forceinline__ void ring_slot(int tile, int& stage, int& n) {
-  constexpr int kStages = TileConfig<D>::kStages;
+  constexpr int kStages = TileConfig<D, kWGs>::kStages;
   if constexpr (kRunning) {
     stage = static_cast<int>(static_cast<unsigned>(tile) % kStages);
     n = static_cast<int>(static_cast<unsigned>(tile) / kStages);
@@ -128,7 +132,7 @@ __device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs>& sp, const
   }
   for (int t = 0; t < n_tiles; ++t) {
     int s, n;
-    ring_slot<D, kPersistent>(tile0 + t, s, n);
+    ring_slot<D, kPersistent, kWGs>(tile0 + t, s, n);
     if (n > 0) Barrier::wait(&sp.empty[s], (n - 1) & 1);
     Barrier::arrive_and_expect_tx(&sp.full[s], C::kKTileBytes + C::kVTileBytes);
     bulk_copy_g2s(k_src + static_cast<int64_t>(t) * C::kKTileBytes, &sp.full[s],
@@ -138,10 +142,11 @@ __device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs>& sp, const
   }
 }
 
-// Descriptor tensors of one consumer warpgroup (CuTe builds the GMMA descriptors).
-template <int D>
+// Descriptor tensors of one consumer warpgroup (CuTe builds the GMMA descriptors). kWGs: the CTA's
+// consumer warpgroups, which set the ring depth of the K / V^T layouts (TileConfig::kStages).
+template <int D, int kWGs = 2>
 struct WarpgroupOperands {
-  using C = TileConfig<D>;
+  using C = TileConfig<D, kWGs>;
   using TQ = sage_common::sm90::GmmaDescA<typename C::TiledMmaQK, typename C::SmemLayoutQ, int8_t>;
   using TK = sage_common::sm90::GmmaDescB<typename C::TiledMmaQK, typename C::SmemLayoutK, int8_t>;
   using TV = sage_common::sm90::GmmaDescB<typename C::TiledMmaPV, typename C::SmemLayoutVt, cute::float_e4m3_t>;
@@ -149,7 +154,6 @@ struct WarpgroupOperands {
   TK k;  // (1, 1, D/32, kStages)
   TV v;  // (1, 1, 128/32, kStages)
 
-  template <int kWGs>
   __device__ __forceinline__ WarpgroupOperands(const SmemPlan<D, kWGs>& sp, int wg, int tid_in_wg)
       : q(sage_common::sm90::gmma_desc_a<typename C::TiledMmaQK, typename C::SmemLayoutQ>(
             reinterpret_cast<int8_t*>(sp.q + wg * C::kQTileBytes), tid_in_wg)),
@@ -192,7 +196,6 @@ struct WarpgroupOperands {
   }
   __host__ __device__ static constexpr int q_frag_row_half(int reg) { return reg & 1; }
 
-  template <int kWGs>
   __device__ __forceinline__ static void load_q_frag(const SmemPlan<D, kWGs>& sp, int wg, int tid_in_wg,
                                                      uint32_t (&qf)[D / 8]) {
     const int lane = tid_in_wg & 31, g = lane >> 2, t = lane & 3;

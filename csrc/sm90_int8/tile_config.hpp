@@ -26,8 +26,9 @@ constexpr float kFp8Max = 448.f;       // E4M3 max; P~ is scaled by this before 
 constexpr int kRowsPerWG = 64;         // wgmma M: one consumer warpgroup owns 64 query rows
 
 // What the number of consumer warpgroups sizes: two by default; three with
-// FwdOptions::three_consumers (hd64: 192 query rows per CTA, a third more softmax work in flight
-// per SM, FA3's hd64 shape). kWGs comes from the options (FwdOptions::consumer_warpgroups()).
+// FwdOptions::three_consumers (192 query rows per CTA, a third more softmax work in flight per SM,
+// FA3's hd64 shape; the hd64 default, a benchmark variant at hd128). kWGs comes from the options
+// (FwdOptions::consumer_warpgroups()).
 template <int kWGs>
 struct CtaShape {
   static_assert(kWGs == 2 || kWGs == 3, "two or three consumer warpgroups");
@@ -35,7 +36,7 @@ struct CtaShape {
   static constexpr int kBlockM = kRowsPerWG * kWGs;          // 128 or 192 query rows per CTA
   static constexpr int kConsumerThreads = 128 * kWGs;        // 256 or 384
   static constexpr int kProducerWarp = kConsumerThreads / 32;  // the warp after the consumers issues the bulk copies
-  static constexpr int kThreads = kConsumerThreads + 32;      // with a producer warp only: 288 -> 224 regs/thread
+  static constexpr int kThreads = kConsumerThreads + 32;      // with a producer warp only: 288 -> 168 regs/thread (ptxas caps as for 384)
   static constexpr int kQTilesPerCTA = kWGs;                  // Q image tiles are 64 rows (one per WG)
 };
 
@@ -45,22 +46,38 @@ struct TileConfig {
   static constexpr int kHeadDim = D;
   using Cta = CtaShape<kWGs>;
 
-  // Stages of the K/V ring. One CTA per SM (224 regs x 288 threads fill the register file), so
-  // shared memory is not shared with a second CTA: use it for depth.
-  //   hd128: Q 2*8 KB + 4 * (K 16 KB + V^T 16 KB) = 144 KB  (< 227 KB)
-  //   hd64 : Q 2*4 KB + 4 * (K  8 KB + V^T  8 KB) =  72 KB  (three consumers: Q 3*4 KB, 76 KB)
-  static constexpr int kStages = 4;
-
   static constexpr int kQTileBytes = kRowsPerWG * D;   // int8, 64 rows x D
   static constexpr int kKTileBytes = kBlockKV * D;     // int8, 128 keys x D
   static constexpr int kVTileBytes = D * kBlockKV;     // fp8, D channels x 128 keys (V^T)
   static constexpr int kSmemQ = kQTileBytes * kWGs;
+
+  // Stages of the K/V ring: the deepest ring, up to kMaxStages, that leaves room for the region
+  // after the barriers, smem_o_every's fp32 O sum (kBlockM x D floats, the largest user; the staged
+  // epilogue's tile is smaller) and the 1024-byte base slack. One CTA per SM (the register file is
+  // full), so shared memory is not shared with a second CTA: use it for depth.
+  //   hd128, 2 WGs: Q 16 KB + 4 * (K 16 KB + V^T 16 KB) + O sum  64 KB = 208 KB: 4 stages
+  //   hd128, 3 WGs: Q 24 KB + 3 * 32 KB                 + O sum  96 KB = 216 KB: 3 stages
+  //                 (4 stages would be 248 KB > 227 KB)
+  //   hd64,  2 WGs: Q  8 KB + 4 * (K  8 KB + V^T  8 KB) + O sum  32 KB = 104 KB: 4 stages
+  //   hd64,  3 WGs: Q 12 KB + 4 * 16 KB                 + O sum  48 KB = 124 KB: 4 stages
+  // The ring depth changes no math (same results bit for bit at any depth).
+  static constexpr int kMaxStages = 4;
+  static constexpr int kSmemBudget = 227 * 1024;
+  static constexpr int kSmemAfterBarriers = Cta::kBlockM * D * 4 + 16;  // mainloop.hpp kSmemOSumBytes
+  static constexpr int stages_that_fit() {
+    int n = kMaxStages;
+    while (n > 2 && kSmemQ + n * (kKTileBytes + kVTileBytes) + 8 * (2 * n + 1) + 1024 + kSmemAfterBarriers > kSmemBudget) --n;
+    return n;
+  }
+  static constexpr int kStages = stages_that_fit();
+  static_assert(kStages == (D == 128 && kWGs == 3 ? 3 : 4), "the ring depths the budget above works out");
+
   static constexpr int kSmemK = kKTileBytes * kStages;
   static constexpr int kSmemV = kVTileBytes * kStages;
   static constexpr int kSmemBarriers = 8 * (2 * kStages + 1);
   // +1024: the dynamic smem base is rounded up to the 1024-byte swizzle period in the kernel.
   static constexpr int kSmemBytes = kSmemQ + kSmemK + kSmemV + kSmemBarriers + 1024;
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
+  static_assert(kSmemBytes + kSmemAfterBarriers <= kSmemBudget, "shared memory budget of one sm_90 CTA");
   static_assert(kQTileBytes % 1024 == 0 && kKTileBytes % 1024 == 0 && kVTileBytes % 1024 == 0,
                 "every tile must start on a 1024-byte swizzle period");
 
