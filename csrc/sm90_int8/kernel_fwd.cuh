@@ -366,7 +366,9 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       for (int j = 0; j < C::kORegs / 4; ++j) o_sum[j * kConsumerThreads] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
     // Whether the PV wgmma of key tile u starts its accumulator from zero.
-    auto pv_zero = [&](int u) { return kSmemO && u % kSmemOEvery == 0; };
+    // (the divisor is never 0 when evaluated: without kSmemO the && stops first; spelled so nvcc
+    // does not warn of a zero divisor in the variants without the smem sum)
+    auto pv_zero = [&](int u) { return kSmemO && u % (kSmemO ? kSmemOEvery : 1) == 0; };
     // o_scale * (float4 j of the smem sum) + O's registers 4j..4j+3 (register i holds row (i >> 1) & 1).
     auto scaled_sum = [&](int j) {
       float4 x = o_sum[j * kConsumerThreads];
