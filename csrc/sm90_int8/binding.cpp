@@ -220,6 +220,27 @@ void set_fwd_q(sage_sm90::FwdParams& p, const at::Tensor& q, const Prepared& r) 
   p.sq = r.p.sq;
 }
 
+// The forward kernel's parameters for r's pre-pass outputs and `out`, without a key mask or LSE
+// (fwd adds those; the benchmarks run without).
+sage_sm90::FwdParams fwd_params(const Prepared& r, const at::Tensor& q, const at::Tensor& k,
+                                const at::Tensor& out, double scale) {
+  sage_sm90::FwdParams p{};
+  set_fwd_q(p, q, r);
+  p.k_img = r.p.k_img;
+  p.sk = r.p.sk;
+  p.vt_img = r.p.vt_img;
+  p.sv = r.p.sv;
+  p.v_first = r.p.v_first;
+  p.v_summary = r.p.v_summary;
+  p.out = out.data_ptr();
+  p.o_sb = out.stride(0); p.o_sh = out.stride(1); p.o_ss = out.stride(2);
+  p.B = q.size(0); p.Hq = q.size(1); p.Hkv = k.size(1); p.Sq = q.size(2); p.Skv = k.size(2);
+  p.n_q_tiles = r.p.n_q_tiles;
+  p.n_kv_tiles = r.p.n_kv_tiles;
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  return p;
+}
+
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& key_mask, bool is_causal, double scale,
                             bool return_lse, int64_t exp_poly_every) {
@@ -238,24 +259,11 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
                               : at::empty({0}, q.options().dtype(at::kFloat));
   TORCH_CHECK(out.stride(3) == 1, "internal: output last dim must be contiguous");
 
-  sage_sm90::FwdParams p{};
-  set_fwd_q(p, q, r);
+  sage_sm90::FwdParams p = fwd_params(r, q, k, out, scale);
   p.qkm = return_lse ? r.p.qkm : nullptr;
-  p.k_img = r.p.k_img;
-  p.sk = r.p.sk;
-  p.vt_img = r.p.vt_img;
-  p.sv = r.p.sv;
-  p.v_first = r.p.v_first;
-  p.v_summary = r.p.v_summary;
   p.kv_len = key_mask.has_value() ? r.p.kv_len : nullptr;
   p.mask_bits = r.p.mask_bits;
-  p.out = out.data_ptr();
-  p.o_sb = out.stride(0); p.o_sh = out.stride(1); p.o_ss = out.stride(2);
   p.lse = return_lse ? lse.data_ptr<float>() : nullptr;
-  p.B = B; p.Hq = Hq; p.Hkv = k.size(1); p.Sq = Sq; p.Skv = k.size(2);
-  p.n_q_tiles = r.p.n_q_tiles;
-  p.n_kv_tiles = r.p.n_kv_tiles;
-  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   const cudaError_t err = sage_sm90::run_fwd(p, static_cast<int>(D), dtype_of(q), is_causal,
                                              static_cast<int>(exp_poly_every),
                                              c10::cuda::getCurrentCUDAStream());
@@ -263,25 +271,6 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   return {out, lse};
 }
 
-// Benchmarks: the forward kernel's parameters for r's pre-pass outputs (no key mask, no LSE).
-sage_sm90::FwdParams bench_fwd_params(const Prepared& r, const at::Tensor& q, const at::Tensor& k,
-                                      const at::Tensor& out, double scale) {
-  sage_sm90::FwdParams p{};
-  set_fwd_q(p, q, r);
-  p.k_img = r.p.k_img;
-  p.sk = r.p.sk;
-  p.vt_img = r.p.vt_img;
-  p.sv = r.p.sv;
-  p.v_first = r.p.v_first;
-  p.v_summary = r.p.v_summary;
-  p.out = out.data_ptr();
-  p.o_sb = out.stride(0); p.o_sh = out.stride(1); p.o_ss = out.stride(2);
-  p.B = q.size(0); p.Hq = q.size(1); p.Hkv = k.size(1); p.Sq = q.size(2); p.Skv = k.size(2);
-  p.n_q_tiles = r.p.n_q_tiles;
-  p.n_kv_tiles = r.p.n_kv_tiles;
-  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-  return p;
-}
 
 // Benchmarks: GPU time of the two parts of fwd alone, without host overheads (allocations,
 // argument checks, the Python call): prepare once, then `reps` back-to-back launches of the
@@ -302,7 +291,7 @@ std::vector<double> bench_parts(const at::Tensor& q, const at::Tensor& k, const 
       sage_sm90::fwd_rows_per_cta(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), false);
   Prepared r = prepare(q, k, v, c10::nullopt, scale, /*want_qkm=*/false, q_in_kernel, rows_per_cta);
   at::Tensor out = at::empty_like(q);
-  const sage_sm90::FwdParams p = bench_fwd_params(r, q, k, out, scale);
+  const sage_sm90::FwdParams p = fwd_params(r, q, k, out, scale);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const DType dt = dtype_of(q);
   cudaEvent_t ev[3];
@@ -348,7 +337,7 @@ at::Tensor fwd_phase_clock(const at::Tensor& q, const at::Tensor& k, const at::T
       sage_sm90::fwd_rows_per_cta(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), false);
   Prepared r = prepare(q, k, v, c10::nullopt, scale, /*want_qkm=*/false, /*skip_q=*/false, rows_per_cta);
   at::Tensor out = at::empty_like(q);
-  sage_sm90::FwdParams p = bench_fwd_params(r, q, k, out, scale);
+  sage_sm90::FwdParams p = fwd_params(r, q, k, out, scale);
   const int64_t ctas = r.p.n_q_tiles / (rows_per_cta / kQTileRows) * q.size(1) * q.size(0);  // grid.x * Hq * B
   at::Tensor rec = at::zeros({ctas, sage_sm90::kPhaseSlots, sage_sm90::kPhaseWords}, q.options().dtype(at::kLong));
   p.phase_clock = reinterpret_cast<unsigned long long*>(rec.data_ptr<int64_t>());
