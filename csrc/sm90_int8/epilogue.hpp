@@ -115,6 +115,12 @@ __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax
     }
   };
   auto lookup = [&](int c, float x, int k) { return apply_nonfinite(v_first, D, c, k, x); };
+  // kSummary: whether no row of this warp reaches V's first non-finite element (p.v_summary), so no
+  // lookup can find one; warp-uniform (last_key differs per row only when causal)
+  auto warp_clean = [&] {
+    const int first_bad = p.v_summary[b * p.Hkv + hk];
+    return __all_sync(0xffffffffu, first_bad > max(last_key[0], last_key[1]));
+  };
   if constexpr (kStaged) {
     // Every sv value this thread needs first (nothing stored yet, so nothing for them to wait on).
     float2 s[D / 8];
@@ -136,10 +142,7 @@ __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax
       }
     };
     bool lookup_needed = true;
-    if constexpr (kSummary) {
-      const int first_bad = p.v_summary[b * p.Hkv + hk];
-      lookup_needed = !__all_sync(0xffffffffu, first_bad > max(last_key[0], last_key[1]));
-    }
+    if constexpr (kSummary) lookup_needed = !warp_clean();
     if (lookup_needed) {
       pack_all(lookup);
     } else {
@@ -190,9 +193,8 @@ __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax
     // the fp32 sum's zeroing, the next epilogue's stmatrix) may overtake them
     __syncwarp();
   } else if constexpr (kSummary) {
-    // warp-uniform, so each warp runs one of the two loops (last_key differs per row only when causal)
-    const int first_bad = p.v_summary[b * p.Hkv + hk];
-    if (__all_sync(0xffffffffu, first_bad > max(last_key[0], last_key[1]))) {
+    // warp-uniform, so each warp runs one of the two loops
+    if (warp_clean()) {
       // no lookup, and each row's address computed once: the stores take immediate offsets
       // (store()'s per-store 64-bit address arithmetic and branch go; same values and bytes)
       uint32_t* orow[2];
