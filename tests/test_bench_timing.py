@@ -24,17 +24,36 @@ def fake_methods(*names):
     return {n: (lambda *a, n=n: (n, a)) for n in names}
 
 
-def test_compare_ms_warms_probes_then_rotates_methods_over_rounds():
+def test_compare_ms_warms_probes_then_times_each_method_once_per_round():
     # per method: untimed call, probe (3 calls), then one value per round
     clock = FakeClock({"a": [99.0, 0.5, 1.0, 1.1, 1.2], "b": [99.0, 4.0, 2.0, 2.1, 2.2]})
     times = bench_utils.compare_ms(fake_methods("a", "b"), lambda: ("q", "k", "v", False), 3,
                                    target_ms=20.0, sample=clock)
     assert times == {"a": [1.0, 1.1, 1.2], "b": [2.0, 2.1, 2.2]}
-    calls_a, calls_b = 40, 5  # 20 ms / 0.5 ms; 20 ms / 4 ms
-    assert clock.log == [("a", 1), ("a", bench_utils.PROBE_CALLS), ("b", 1), ("b", bench_utils.PROBE_CALLS),
-                         ("a", calls_a), ("b", calls_b),   # round 0: a first
-                         ("b", calls_b), ("a", calls_a),   # round 1: rotated
-                         ("a", calls_a), ("b", calls_b)]
+    calls = {"a": 40, "b": 5}  # 20 ms / 0.5 ms; 20 ms / 4 ms
+    assert clock.log[:4] == [("a", 1), ("a", bench_utils.PROBE_CALLS), ("b", 1), ("b", bench_utils.PROBE_CALLS)]
+    expected = [(n, calls[n]) for r in range(3) for n in bench_utils.round_order(["a", "b"], r)]
+    assert clock.log[4:] == expected
+    assert clock.log[4:6] == [("a", 40), ("b", 5)]  # round 0 in the given order
+
+
+def test_round_order_is_a_permutation_that_changes_each_method_s_predecessor():
+    names = ["ours", "sdpa", "sdpa_cudnn", "cudnn_fp8", "flash_attn_4", "auto", "fp4"]
+    orders = [bench_utils.round_order(names, r) for r in range(5)]
+    assert orders[0] == names
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert orders == [bench_utils.round_order(names, r) for r in range(5)]  # the same on every run
+    # A rotation keeps every predecessor: here "auto" would always follow "flash_attn_4".
+    before = {n: {o[o.index(n) - 1] for o in orders if o.index(n) > 0} for n in names}
+    assert all(len(p) >= 2 for n, p in before.items()), before
+
+
+def test_compare_ms_reports_every_timed_sample():
+    seen = []
+    clock = FakeClock({"a": [9.0, 1.0, 1.5, 1.6], "b": [9.0, 2.0, 2.5, 2.6]})
+    bench_utils.compare_ms(fake_methods("a", "b"), tuple, 2, sample=clock,
+                           on_sample=lambda n, ms: seen.append((n, ms)))
+    assert sorted(seen) == [("a", 1.5), ("a", 1.6), ("b", 2.5), ("b", 2.6)]
 
 
 def test_compare_ms_calls_every_method_with_the_same_arguments():

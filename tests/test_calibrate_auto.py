@@ -253,6 +253,20 @@ def test_bench_kernels_auto_column_flags_over_the_goal():
     assert accept[1]["auto_over_best"] == pytest.approx(2.92 / 2.58)
     auto_b = next(r for r in table if r["method"] == "auto" and r["causal"])
     assert auto_b["meets_goal"] is False and auto_b["auto_over_best"] == pytest.approx(2.92 / 2.58)
+    assert [x["timing"] for x in accept] == ["table", "table"]
+
+
+def test_bench_kernels_auto_acceptance_takes_the_trio_times_where_timed():
+    shape = dict(B=1, H=24, S=32768, D=128, causal=False)
+    table = [dict(method="ours", ms=15.9, trio_ms=15.8, **shape), dict(method="sdpa", ms=19.4, trio_ms=19.0, **shape),
+             dict(method="auto", ms=17.0, trio_ms=15.9, **shape)]
+    (a,) = bench_kernels.auto_acceptance(table)
+    assert a["timing"] == "trio" and a["meets_goal"]
+    assert a["auto_over_best"] == pytest.approx(15.9 / 15.8)
+    assert a["table_auto_over_best"] == pytest.approx(17.0 / 15.9)
+    del table[1]["trio_ms"]  # one of the three missing: all from the table
+    (a,) = bench_kernels.auto_acceptance(table)
+    assert a["timing"] == "table" and not a["meets_goal"]
 
 
 # ---- on an H100/H200: the real calls through the real timer -----------------------------------------

@@ -6,7 +6,8 @@ make_inputs(b, h, s, d, seed) -> [q, k, v]
     The benchmark's inputs: bf16, BHSD, on CUDA.
 compare_ms(methods, args_of, rounds) -> {name: [ms per round]}
     THE side-by-side timer (calibration of "auto" and the kernel table): methods interleaved over
-    rounds in rotating order; each round's sample of a method is :func:`flushed_median_ms`.
+    rounds, each round in its own order (:func:`round_order`); each round's sample of a method is
+    :func:`flushed_median_ms`.
 flushed_call_ms(fn, calls) -> [ms per call]
     Each call between its own two CUDA events, the L2 cache flushed before it.
 flushed_median_ms(fn, calls) -> float
@@ -33,6 +34,7 @@ choice that must hold to 3 %.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from typing import Callable, Mapping, Optional
 
@@ -130,16 +132,28 @@ def calls_for(probe_ms: float, target_ms: float = TARGET_MS, min_calls: int = MI
     return min(max_calls, max(min_calls, math.ceil(target_ms / max(probe_ms, 1e-6))))
 
 
+def round_order(names: list, r: int) -> list:
+    """The order of round ``r``: round 0 as given, every later round a permutation drawn from a
+    generator seeded by ``r`` (the same on every run). A fixed rotation would keep each method's
+    predecessor the same in every round, so whatever one method leaves behind (power and clock
+    state after a heavy kernel, allocator state) would always land on the same neighbour."""
+    if r == 0:
+        return list(names)
+    return random.Random(r).sample(list(names), len(names))
+
+
 def compare_ms(methods: Mapping[str, Callable], args_of: Callable[[], tuple], rounds: int, *,
                target_ms: float = TARGET_MS, min_calls: int = MIN_CALLS, max_calls: int = MAX_CALLS,
-               sample: Optional[Sample] = None) -> dict[str, list[float]]:
+               sample: Optional[Sample] = None,
+               on_sample: Optional[Callable[[str, float], None]] = None) -> dict[str, list[float]]:
     """Time several methods side by side: ``{name: [ms per round]}``.
 
     Every method is called once untimed (JIT builds, cuDNN plans, autotuning, self-checks), then
     probed with PROBE_CALLS calls to size its sample (:func:`calls_for`: about ``target_ms`` each,
     per method, so a fast and a slow method get equally long samples). Then ``rounds`` rounds
-    time every method once each, in an order rotated every round so slow drifts (clocks, heat) hit
-    all alike; a round's value is ``sample(fn, calls)``, by default :func:`flushed_median_ms`.
+    time every method once each, in an order drawn anew every round (:func:`round_order`) so slow
+    drifts (clocks, heat) and one method's after-effects hit all alike; a round's value is
+    ``sample(fn, calls)``, by default :func:`flushed_median_ms`.
     Every method is called with ``args_of()`` (the same tensors for all: identical inputs).
 
     Parameters
@@ -148,6 +162,7 @@ def compare_ms(methods: Mapping[str, Callable], args_of: Callable[[], tuple], ro
     args_of : () -> tuple of positional arguments (e.g. (q, k, v, causal), each (B, H, S, D))
     rounds : number of rounds (>= 1)
     sample : (fn() -> anything, calls) -> ms; the timer of one sample (a fake one in CPU tests)
+    on_sample : (name, ms) -> None, called after every timed sample (e.g. to read the GPU clock)
 
     Returns
     -------
@@ -164,8 +179,10 @@ def compare_ms(methods: Mapping[str, Callable], args_of: Callable[[], tuple], ro
         calls[n] = calls_for(sample(bound[n], PROBE_CALLS), target_ms, min_calls, max_calls)
     times = {n: [] for n in names}
     for r in range(rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
+        for n in round_order(names, r):
             times[n].append(sample(bound[n], calls[n]))
+            if on_sample is not None:
+                on_sample(n, times[n][-1])
     return times
 
 
