@@ -159,8 +159,11 @@ EXTRA_EXP_POLY = {64: (8,), 128: ()}
 # loop on two warpgroups without either epilogue option, its bit-identity partner.
 # Option changes the benchmark build makes to the defaults of each head dim, in this order; a
 # change the defaults refuse (phase_clock with three_consumers) is left out (_bench_changed).
+# fp16_exp2 (two exp2 per MUFU op; other numerics, so no bit-identity partner): MUFU is the
+# largest per-tile demand at both head dims (eval/results/int8_sass_cost_sm90.md).
 _BENCH_COMMON = ({"persistent": True}, {"phase_clock": True}, {"epilogue_staged": False},
-                 {"epilogue_summary": False, "epilogue_staged": False}, {"q_in_kernel": True})
+                 {"epilogue_summary": False, "epilogue_staged": False}, {"q_in_kernel": True},
+                 {"fp16_exp2": True})
 _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every": 1}
 _BENCH_CHANGES = {
     128: (*_BENCH_COMMON,
