@@ -7,6 +7,8 @@ import re
 import shutil
 from pathlib import Path
 
+import pytest
+
 from sage_diffusers.kernels import _jit, bench_utils
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -400,11 +402,44 @@ def test_int8_epilogue_staged_flag_name_and_bench_twins():
     assert all(o.epilogue_staged for *_, o in gen.variants())
     bench = (CSRC / "sm90_int8" / "variants_bench.py").read_text()
     bits = [int(b) for b in re.findall(r"1 << (\d+)", re.search(r"^SAME_BITS_FLAGS = (.+)$", bench, re.M).group(1))]
-    assert set(bits) == {14, 15, 17, 18}  # phase_clock, epilogue_summary, epilogue_staged, three_consumers
+    # phase_clock, epilogue_summary, epilogue_staged, three_consumers, late_pv_wait
+    assert set(bits) == {14, 15, 17, 18, 19}
     same_bits = sum(1 << b for b in bits)
     # the defaults' partner without those bits is compiled too: the bit identity check runs on them
     flags = {(d, o.flags) for d, o in gen.BENCH_VARIANTS}
     assert all((d, gen.DEFAULTS[d].flags & ~same_bits) in flags for d in (64, 128))
+
+
+def test_int8_late_pv_wait_flag_validity_and_bench_twins():
+    """`late_pv_wait` is flag bit 1 << 19 (kFlagsHighShift + 7) on both sides, named "latewait",
+    refused without the overlap and the lean softmax (Python raises, C++ valid() says so), and
+    the benchmark build holds hd128's defaults with it (and with fp16_exp2 too) beside their
+    partners without it, so variants_bench.py's bit-identity check compares them."""
+    from dataclasses import replace
+
+    from sage_diffusers.kernels import _sm90_int8_variants as py
+
+    gen = _generator()
+    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
+    kernel = (CSRC / "sm90_int8" / "kernel_fwd.cuh").read_text()
+    assert gen._HIGH_BITS["late_pv_wait"] == 7 and gen._HIGH_SHORT["late_pv_wait"] == "latewait"
+    assert "(late_pv_wait ? 1 << (kFlagsHighShift + 7) : 0)" in launch
+    assert "o.late_pv_wait = ((flags >> (kFlagsHighShift + 7)) & 1) != 0;" in launch
+    assert "(!late_pv_wait || (overlap_softmax_pv && lean_softmax))" in launch
+    assert "constexpr bool kLatePvWait = kOpt.late_pv_wait;" in kernel
+    assert "wgmma_wait_all</*kTag=*/0>" in kernel and "wgmma_wait_all</*kTag=*/1>" in kernel
+    for bad in (dict(late_pv_wait=True), dict(late_pv_wait=True, lean_softmax=True),
+                dict(late_pv_wait=True, overlap_softmax_pv=True)):
+        with pytest.raises(ValueError, match="late_pv_wait"):
+            gen.FwdOptions(**bad)
+    base = gen.DEFAULTS[128]
+    assert not base.late_pv_wait
+    for partner in (base, replace(base, fp16_exp2=True)):
+        late = replace(partner, late_pv_wait=True)
+        assert late.flags == partner.flags | 1 << 19 and late.name == partner.name + "_latewait"
+        for o in (partner, late):
+            assert (128, o) in gen.BENCH_VARIANTS
+            assert py.FLAG_NAMES[o.flags] == o.name
 
 
 def test_fp4_options_come_from_one_source(tmp_path):

@@ -29,7 +29,7 @@ PY_OUT = HERE.parents[1] / "sage_diffusers" / "kernels" / "_sm90_int8_variants.p
 _HIGH_SHIFT = 12
 # name -> bit above _HIGH_SHIFT (FwdOptions::flags() in launch.h spells the same positions)
 _HIGH_BITS = {"seed_reductions": 0, "persistent": 1, "phase_clock": 2, "epilogue_summary": 3, "q_in_kernel": 4,
-              "epilogue_staged": 5, "three_consumers": 6}
+              "epilogue_staged": 5, "three_consumers": 6, "late_pv_wait": 7}
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class FwdOptions:
     q_in_kernel: bool = False         # bit 1 << 16 (kFlagsHighShift + 4), needs q_in_registers; no LSE
     epilogue_staged: bool = False     # bit 1 << 17 (kFlagsHighShift + 5), O staged in smem, 16-byte stores
     three_consumers: bool = False     # bit 1 << 18 (kFlagsHighShift + 6), no pingpong / phase_clock; hd128: no overlap
+    late_pv_wait: bool = False        # bit 1 << 19 (kFlagsHighShift + 7), needs overlap_softmax_pv and lean_softmax
 
     def __post_init__(self):
         if (self.fp16_exp2 or self.split_reductions or self.seed_reductions) and not self.lean_softmax:
@@ -63,6 +64,9 @@ class FwdOptions:
             raise ValueError(f"{self}: persistent loads the next work tile's Q while Q is held in registers (q_in_registers)")
         if self.q_in_kernel and not self.q_in_registers:
             raise ValueError(f"{self}: q_in_kernel quantizes each thread's Q register fragments (q_in_registers)")
+        if self.late_pv_wait and not (self.overlap_softmax_pv and self.lean_softmax):
+            raise ValueError(f"{self}: late_pv_wait places the PV wait of the softmax / PV overlap in the lean "
+                             "softmax's O-rescale branches (overlap_softmax_pv, lean_softmax)")
         if self.three_consumers and (self.pingpong or self.phase_clock):
             raise ValueError(f"{self}: three_consumers has no ping-pong schedule or phase record (two warpgroups)")
 
@@ -95,7 +99,7 @@ class FwdOptions:
 
 # name parts of the high bools, in this order after smemo<N>
 _HIGH_SHORT = {"seed_reductions": "seed", "persistent": "persist", "epilogue_summary": "esum", "phase_clock": "clock",
-               "q_in_kernel": "qk", "epilogue_staged": "stage", "three_consumers": "wg3"}
+               "q_in_kernel": "qk", "epilogue_staged": "stage", "three_consumers": "wg3", "late_pv_wait": "latewait"}
 
 HEAD_DIMS = (64, 128)
 DTYPES = {"fp16": "DType::kF16", "bf16": "DType::kBF16"}
@@ -165,13 +169,17 @@ _BENCH_COMMON = ({"persistent": True}, {"phase_clock": True}, {"epilogue_staged"
                  {"epilogue_summary": False, "epilogue_staged": False}, {"q_in_kernel": True},
                  {"fp16_exp2": True})
 _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every": 1}
+# late_pv_wait (the PV wait after the softmax's exp2; same bits as without): hd128's defaults with
+# it, also with fp16_exp2; hd64's two-warpgroup overlap loop with it.
 _BENCH_CHANGES = {
     128: (*_BENCH_COMMON,
           {**_HD128_WG3_LOOP, "three_consumers": True},
-          {**_HD128_WG3_LOOP, "epilogue_summary": False, "epilogue_staged": False}),
+          {**_HD128_WG3_LOOP, "epilogue_summary": False, "epilogue_staged": False},
+          {"late_pv_wait": True}, {"late_pv_wait": True, "fp16_exp2": True}),
     64: (*_BENCH_COMMON,
          {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True},
-         {"three_consumers": False, "epilogue_summary": False, "epilogue_staged": False}),
+         {"three_consumers": False, "epilogue_summary": False, "epilogue_staged": False},
+         {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True, "late_pv_wait": True}),
 }
 _UNCORRECTED = {128: _HD128, 64: _HD64}
 # Options refused together at one head dim (fwd_kernel static_asserts the same): at hd128 the

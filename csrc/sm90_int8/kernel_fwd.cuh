@@ -33,7 +33,7 @@ namespace sage_sm90 {
 //                        the tensor cores (FA3's inter-warpgroup schedule);
 //   q_in_registers     : Q K^T as an RS wgmma with the loop-invariant Q tile held in registers
 //                        (D/8 of them), read once from smem: a third less smem operand traffic;
-//   fp16_exp2          : (lean only) two exp2 per MUFU op in fp16 (softmax.hpp step_lean_half);
+//   fp16_exp2          : (lean only) two exp2 per MUFU op in fp16 (softmax.hpp scores_lean_half);
 //   split_reductions   : (lean only) row max and row sum of a tile as four interleaved chains of
 //                        8 instead of one chain of 32 per row: the chain latency was exposed,
 //                        since each scheduler holds only one warp of each consumer warpgroup;
@@ -94,6 +94,13 @@ namespace sage_sm90 {
 //                        registers, so only the plain loop (one P array) with smem_o_every = 1
 //                        fits (O's registers are dead through the softmax: the plain loop below);
 //                        the K/V ring has 3 stages there (tile_config.hpp kStages: 227 KB).
+//   late_pv_wait       : (overlap_softmax_pv + lean_softmax) the PV wait after the softmax's
+//                        exp2 and row sums instead of after its P pack in the same basic block:
+//                        ptxas hoists a wgmma wait to the top of its block and gives the next P
+//                        array the registers of the one in flight, so without this the wait
+//                        lands before the row max (the overlap then covers only the int -> float
+//                        conversion and the mask). The wait opens both O-rescale branches and P
+//                        is packed after it (FA3's order). Same operations: same results bit for bit.
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 168 registers, ptxas's cap for 384). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
@@ -230,6 +237,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   using C = TileConfig<D, kWGs>;
   constexpr bool kLean = kOpt.lean_softmax;
   constexpr bool kOverlapSoftmaxWithPV = kOpt.overlap_softmax_pv;
+  constexpr bool kLatePvWait = kOpt.late_pv_wait;
   constexpr bool kPingPong = kOpt.pingpong;
   constexpr bool kQRegs = kOpt.q_in_registers;
   constexpr bool kHalfExp = kOpt.fp16_exp2;
@@ -338,7 +346,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     int row[2];
     fragment_rows(wg_row0, tid, lane, row);
 
-    OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce, kOpt.seed_reductions> sm;
+    using Softmax = OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce, kOpt.seed_reductions>;
+    Softmax sm;
     if constexpr (!kQInKernel) {  // q_in_kernel: the row scales come with its Q fragments below
       const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
       sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
@@ -422,16 +431,19 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     };
 
     // O *= alpha; with kLean skipped when no row of the warp changed its max (warp-uniform).
-    auto rescale = [&](const float (&alpha)[2]) {
-      if constexpr (kLean) {
-        if (__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
-      }
+    auto scale_o = [&](const float (&alpha)[2]) {
 #pragma unroll
       for (int i = 0; i < C::kORegs; ++i) o[i] *= alpha[(i >> 1) & 1];
       if constexpr (kSmemO) {
         o_scale[0] *= alpha[0];
         o_scale[1] *= alpha[1];
       }
+    };
+    auto rescale = [&](const float (&alpha)[2]) {
+      if constexpr (kLean) {
+        if (__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
+      }
+      scale_o(alpha);
     };
 
     uint32_t q_frag[D / 8];
@@ -542,12 +554,31 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
         }
         fence_regs(s_acc);
         float alpha[2];
-        sm.step(s_acc, sk_t, mk, p_next, alpha);
-        if constexpr (kOverlapSoftmaxWithPV) {
-          cute::warpgroup_wait<0>();
-          retire_pv();
+        if constexpr (kLatePvWait) {
+          // ptxas schedules a wgmma wait as early as its basic block allows, and p_next gets the
+          // physical registers of p_prev (an issued wgmma's operands count as dead): with the wait
+          // after step() in one block, it lands before the row max and nothing but the score
+          // conversion overlaps the PV. Here the wait opens each of the two O-rescale branches,
+          // which start only after the exp2 and row sums, and P is packed behind it.
+          typename Softmax::Scores sc;
+          sm.scores(s_acc, sk_t, mk, sc, alpha);
+          if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
+            sage_common::sm90::wgmma_wait_all</*kTag=*/0>();
+            retire_pv();
+            scale_o(alpha);
+          } else {
+            sage_common::sm90::wgmma_wait_all</*kTag=*/1>();  // another asm text: not merged above the branch
+            retire_pv();
+          }
+          Softmax::pack(sc, p_next);
+        } else {
+          sm.step(s_acc, sk_t, mk, p_next, alpha);
+          if constexpr (kOverlapSoftmaxWithPV) {
+            cute::warpgroup_wait<0>();
+            retire_pv();
+          }
+          rescale(alpha);
         }
-        rescale(alpha);
         maybe_flush(t - 1);
       };
       for (int t = 1; t < n_tiles; ++t) {

@@ -35,6 +35,7 @@ struct FwdOptions {
   bool three_consumers = false;     // three consumer warpgroups (192 query rows per CTA) instead of two;
                                     // no ping-pong or phase_clock; at head dim 128 no overlap_softmax_pv
                                     // (fwd_kernel, which knows D, static_asserts it)
+  bool late_pv_wait = false;        // (overlap + lean) the PV wait after the softmax's exp2, P packed after it
 
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
@@ -43,7 +44,7 @@ struct FwdOptions {
            (seed_reductions ? 1 << kFlagsHighShift : 0) | (persistent ? 1 << (kFlagsHighShift + 1) : 0) |
            (phase_clock ? 1 << (kFlagsHighShift + 2) : 0) | (epilogue_summary ? 1 << (kFlagsHighShift + 3) : 0) |
            (q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0) | (epilogue_staged ? 1 << (kFlagsHighShift + 5) : 0) |
-           (three_consumers ? 1 << (kFlagsHighShift + 6) : 0);
+           (three_consumers ? 1 << (kFlagsHighShift + 6) : 0) | (late_pv_wait ? 1 << (kFlagsHighShift + 7) : 0);
   }
   static constexpr int kFlagsIntShift = 7;  // smem_o_every (<= 16: 5 bits) sits above the first bools
   static constexpr int kFlagsHighShift = 12;  // bools added later sit above it (flags stay stable)
@@ -66,6 +67,7 @@ struct FwdOptions {
     o.q_in_kernel = ((flags >> (kFlagsHighShift + 4)) & 1) != 0;
     o.epilogue_staged = ((flags >> (kFlagsHighShift + 5)) & 1) != 0;
     o.three_consumers = ((flags >> (kFlagsHighShift + 6)) & 1) != 0;
+    o.late_pv_wait = ((flags >> (kFlagsHighShift + 7)) & 1) != 0;
     o.exp2_poly_every = exp2_poly_every;
     return o;
   }
@@ -81,7 +83,9 @@ struct FwdOptions {
            (!q_in_kernel || q_in_registers) &&
            // three_consumers: the ping-pong schedule and the phase record are written for two
            // consumer warpgroups (at head dim 128 also no overlap: fwd_kernel, which knows D, asserts that)
-           (!three_consumers || (!pingpong && !phase_clock));
+           (!three_consumers || (!pingpong && !phase_clock)) &&
+           // late_pv_wait: the wait sits in the lean softmax's two O-rescale branches, under the overlap
+           (!late_pv_wait || (overlap_softmax_pv && lean_softmax));
   }
   // The loops that hold two P arrays (overlap or ping-pong) take a whole producer warpgroup; so
   // do three consumer warpgroups, whose 160 registers each exist only with setmaxnreg (512 threads
@@ -143,6 +147,9 @@ static_assert(FwdOptions{.three_consumers = true}.flags() == 1 << 18 &&
                   !FwdOptions{.pingpong = true, .three_consumers = true}.valid() &&
                   !FwdOptions{.phase_clock = true, .three_consumers = true}.valid(),
               "FwdOptions::three_consumers flag bit (generate_instantiations._HIGH_BITS) and validity");
+static_assert(FwdOptions{.late_pv_wait = true}.flags() == 1 << 19 &&
+                  FwdOptions::from_flags(1 << 19, 0).late_pv_wait && !FwdOptions::from_flags(1 << 18, 0).late_pv_wait,
+              "FwdOptions::late_pv_wait flag bit (generate_instantiations._HIGH_BITS)");
 
 // Everything the quantization pre-pass reads and writes. Strides are in elements; the last
 // (head) dimension of q, k, v is contiguous and rows are 16-byte aligned (checked by the binding).

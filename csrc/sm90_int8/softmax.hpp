@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "numerics.hpp"
 #include "tile_config.hpp"
@@ -58,12 +59,12 @@ struct TileMask {
 // over 8 values then in fp32. Halves the MUFU work that bounds hd64. x = s c - m <= 0 goes to
 // fp16 before the exp (the 448 factor is a separate HMUL2, so the large-p elements have |x| < 1
 // and an fp16 error < 2^-12): p carries ~2^-10 relative error against the 2^-4 E4M3 step.
-// kSplit_ (option split_reductions, with the lean softmax): the row max (and, in step_lean,
+// kSplit_ (option split_reductions, with the lean softmax): the row max (and, in scores_lean,
 // the row sum) of a tile as four independent chains of 8 values each (columns 8j.. grouped by
 // j mod 4), combined at the end, instead of one dependent chain of 32: same max, sums rounded in
 // another order.
 // kSeed_ (option seed_reductions, with the lean softmax): each chain of the row max and of
-// step_lean's row sum starts from its first value instead of fmaxf(-inf, s) / 0 + p, which ptxas
+// scores_lean's row sum starts from its first value instead of fmaxf(-inf, s) / 0 + p, which ptxas
 // must keep (fmaxf(-inf, NaN) is -inf, 0 + -0 is +0): one FMNMX and one FADD fewer per chain and
 // tile. The same values: scores are never NaN (biased integers or -inf) and p is never -0.
 template <int kPolyEvery, bool kLean_ = false, bool kHalfExp_ = false, bool kSplit_ = false, bool kSeed_ = false>
@@ -131,24 +132,43 @@ struct OnlineSoftmax {
     }
   }
 
+  // A tile's P~ between the softmax and its FP8 pack: fp32 values (P~ * 448), or with fp16_exp2
+  // fp16 pairs (value 2j in the low half of pair j).
+  using Scores = std::conditional_t<kHalfExp, uint32_t[kN / 2], float[kN]>;
+
   // s_int: the int32 accumulator of q8 . k8^T. Writes the FP8 A fragment (4 registers per
   // 32-key k-block, see tile_config.hpp for why no shuffle is needed) and the per-half rescale
   // factors alpha for the output accumulator.
   __device__ __forceinline__ void step(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
                                        uint32_t (&p_frag)[16], float (&alpha)[2]) {
+    Scores sc;
+    scores(s_int, sk_tile, mk, sc, alpha);
+    pack(sc, p_frag);
+  }
+
+  // step in two halves, so a caller can put a wait between them (kernel_fwd.cuh late_pv_wait):
+  // scores = max, exp2 and row sums (m, l and alpha updated), pack = the FP8 A fragment.
+  __device__ __forceinline__ void scores(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
+                                         Scores& sc, float (&alpha)[2]) {
     if constexpr (kHalfExp) {
-      step_lean_half(s_int, sk_tile, mk, p_frag, alpha);
+      scores_lean_half(s_int, sk_tile, mk, sc, alpha);
     } else if constexpr (kLean) {
-      step_lean(s_int, sk_tile, mk, p_frag, alpha);
+      scores_lean(s_int, sk_tile, mk, sc, alpha);
     } else {
-      step_plain(s_int, sk_tile, mk, p_frag, alpha);
+      scores_plain(s_int, sk_tile, mk, sc, alpha);
     }
   }
 
-  __device__ __forceinline__ void step_plain(const uint32_t (&s_int)[kN], float sk_tile,
-                                             const TileMask& mk, uint32_t (&p_frag)[16],
-                                             float (&alpha)[2]) {
-    float s[kN];
+  __device__ __forceinline__ static void pack(const Scores& sc, uint32_t (&p_frag)[16]) {
+    if constexpr (kHalfExp) {
+      pack_half(sc, p_frag);
+    } else {
+      pack_p_frag(sc, p_frag);
+    }
+  }
+
+  __device__ __forceinline__ void scores_plain(const uint32_t (&s_int)[kN], float sk_tile,
+                                               const TileMask& mk, float (&s)[kN], float (&alpha)[2]) {
 #pragma unroll
     for (int v = 0; v < kN; ++v) {
       // Exact int32 -> fp32 without the conversion unit: |s| <= 127*127*128 < 2^22, so adding
@@ -184,7 +204,6 @@ struct OnlineSoftmax {
     }
     l[0] = l[0] * alpha[0] + sum[0];
     l[1] = l[1] * alpha[1] + sum[1];
-    pack_p_frag(s, p_frag);
   }
 
   // Shared start of the lean steps: s = bias + int score (exact, |int| < 2^22), masks, row scale
@@ -210,11 +229,10 @@ struct OnlineSoftmax {
     }
   }
 
-  __device__ __forceinline__ void step_lean(const uint32_t (&s_int)[kN], float sk_tile,
-                                            const TileMask& mk, uint32_t (&p_frag)[16],
-                                            float (&alpha)[2]) {
+  __device__ __forceinline__ void scores_lean(const uint32_t (&s_int)[kN], float sk_tile,
+                                              const TileMask& mk, float (&s)[kN], float (&alpha)[2]) {
     constexpr float kLog2Fp8Max = 8.8073549221f;  // log2(448): x = s c - m + log2 448
-    float s[kN], c[2], off[2];
+    float c[2], off[2];
     lean_scores(s_int, sk_tile, mk, kLog2Fp8Max, s, c, off, alpha);
     float part_sum[2][kChains];
 #pragma unroll
@@ -241,17 +259,15 @@ struct OnlineSoftmax {
     for (int h = 0; h < 2; ++h) sum[h] = chains_sum(part_sum[h]);
     l[0] = l[0] * alpha[0] + sum[0];
     l[1] = l[1] * alpha[1] + sum[1];
-    pack_p_frag(s, p_frag);
   }
 
-  __device__ __forceinline__ void step_lean_half(const uint32_t (&s_int)[kN], float sk_tile,
-                                                 const TileMask& mk, uint32_t (&p_frag)[16],
-                                                 float (&alpha)[2]) {
+  __device__ __forceinline__ void scores_lean_half(const uint32_t (&s_int)[kN], float sk_tile,
+                                                   const TileMask& mk, uint32_t (&ph)[kN / 2],
+                                                   float (&alpha)[2]) {
     constexpr uint32_t k448x2 = 0x5F005F00u;  // 448 in both fp16 halves
     float s[kN], c[2], off[2];
     lean_scores(s_int, sk_tile, mk, 0.f, s, c, off, alpha);  // x = s c - m <= 0
     // Pair j holds values 2j, 2j+1 (same row half (j & 1)), value 2j in the low half.
-    uint32_t ph[kN / 2];
 #pragma unroll
     for (int j = 0; j < kN / 2; ++j) {
       const int h = j & 1;
@@ -281,8 +297,11 @@ struct OnlineSoftmax {
     }
     l[0] = l[0] * alpha[0] + sum[0];
     l[1] = l[1] * alpha[1] + sum[1];
-    // Same A-fragment assembly as step_lean: register 4kb + r takes values v0, v0+1 (pair v0/2)
-    // and v0+4, v0+5 (pair v0/2 + 2).
+  }
+
+  // Same A-fragment assembly as pack_p_frag: register 4kb + r takes values v0, v0+1 (pair v0/2)
+  // and v0+4, v0+5 (pair v0/2 + 2).
+  __device__ __forceinline__ static void pack_half(const uint32_t (&ph)[kN / 2], uint32_t (&p_frag)[16]) {
 #pragma unroll
     for (int kb = 0; kb < 4; ++kb) {
 #pragma unroll

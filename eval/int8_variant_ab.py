@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Side-by-side timing of chosen 8-bit kernel variants (benchmark build) against cuDNN BF16 SDPA.
+
+For each shape and each named option set of the benchmark build (generate_instantiations
+BENCH_VARIANTS, names as in ``_sm90_int8_variants.FLAG_NAMES``; ``default`` = the shipped
+defaults of that head dim): the full call (pre-pass + kernel + host work, L2 flushed, the timer of
+eval/bench_kernels.py, ``bench_utils.compare_ms``) and the attention kernel alone
+(``ext.bench_parts``), both over ``--rounds`` rounds with the methods in a new order every round;
+median [min-max] over the rounds. Before timing, every variant's output is compared with the
+default's (bit for bit, and cosine) and with ``sage8_reference`` at the same shape.
+
+    SAGE_DIFFUSERS_SM90_BENCH=1 python eval/int8_variant_ab.py \\
+        --variants lean_overlap_pingpong_qregs_split_smemo4_esum_stage_latewait --out eval/results/x.md
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("SAGE_DIFFUSERS_SM90_BENCH", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from sage_diffusers.kernels import _sm90_int8_variants as variants  # noqa: E402
+from sage_diffusers.kernels.bench_utils import compare_ms, make_inputs, round_order  # noqa: E402
+from sage_diffusers.reference import cosine, relative_l1, sage8_reference  # noqa: E402
+
+SHAPES = [(1, 24, 4608, 128), (1, 24, 16384, 128), (1, 38, 4429, 64), (1, 48, 17776, 64)]
+
+
+def _flags_by_name() -> dict[tuple[int, str], int]:
+    """(head dim, option-set name) -> run-time flags of the benchmark build."""
+    return {(d, variants.FLAG_NAMES[flags]): flags for d, _poly, flags, _ in variants.BENCH_VARIANTS}
+
+
+def _fmt(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", nargs="+", required=True, help="option-set names (either head dim)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=20, help="launches per bench_parts sample")
+    ap.add_argument("--shapes", default="all", choices=("all", "quick"))
+    ap.add_argument("--out", type=Path, default=None, help="markdown file to write")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (sm_90)")
+    from sage_diffusers.kernels import int8_sm90
+
+    t0 = time.time()
+    ext = int8_sm90.build()
+    known = _flags_by_name()
+    lines = [f"# 8-bit kernel variants side by side ({torch.cuda.get_device_name()})", "",
+             f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}. Full call: median of per-call "
+             f"times with L2 flushed (compare_ms), {args.rounds} rounds, order redrawn every round; kernel: "
+             f"ext.bench_parts ({args.reps} back-to-back launches) in the same round scheme. "
+             "Bits / cos: against the default's output; cos ref: against sage8_reference.", "",
+             "| shape | variant | full ms | kernel ms | vs cuDNN (full) | kernel / default kernel | bits = default | cos | cos ref |",
+             "|---|---|---:|---:|---:|---:|---|---:|---:|"]
+    shapes = SHAPES if args.shapes == "all" else SHAPES[:1] + SHAPES[2:3]
+    for (b, h, s, d) in shapes:
+        poly = int8_sm90.default_exp_poly_every(d)
+        chosen = {"default": variants.DEFAULT_FLAGS[d]}
+        for name in args.variants:
+            if (d, name) in known:
+                chosen[name] = known[(d, name)]
+        if len(chosen) == 1:
+            continue
+        q, k, v = make_inputs(b, h, s, d)
+
+        def call(flags):
+            ext.set_fwd_flags(flags)
+            return ext.fwd(q, k, v, None, False, d ** -0.5, False, poly)[0]
+
+        base = call(chosen["default"])
+        ref = sage8_reference(q[:, :2].float(), k[:, :2].float(), v[:, :2].float()).float()
+        checks = {}
+        for name, flags in chosen.items():
+            out = call(flags)
+            checks[name] = (torch.equal(out.view(torch.int16), base.view(torch.int16)),
+                            cosine(out.float(), base.float()), cosine(out[:, :2].float(), ref),
+                            relative_l1(out[:, :2].float(), ref))
+        methods = {name: (lambda f=flags: call(f)) for name, flags in chosen.items()}
+
+        def cudnn():
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v)
+
+        methods["cudnn"] = cudnn
+        full = compare_ms(methods, lambda: (), args.rounds)
+        kern = {name: [] for name in chosen}
+        for r in range(args.rounds):
+            for name in round_order(list(chosen), r):
+                ext.set_fwd_flags(chosen[name])
+                kern[name].append(ext.bench_parts(q, k, v, False, poly, args.reps)[1])
+        ext.set_fwd_flags(-1)
+        tag = f"{b}x{h}x{s}x{d}"
+        t_cudnn = statistics.median(full["cudnn"])
+        k_def = statistics.median(kern["default"])
+        lines.append(f"| {tag} | cuDNN bf16 | {_fmt(full['cudnn'])} | - | 1.00 | - | - | - | - |")
+        for name in chosen:
+            same, c, cref, l1 = checks[name]
+            lines.append(f"| {tag} | {name} | {_fmt(full[name])} | {_fmt(kern[name])} | "
+                         f"{t_cudnn / statistics.median(full[name]):.3f} | "
+                         f"{statistics.median(kern[name]) / k_def:.3f} | {'yes' if same else 'no'} | "
+                         f"{c:.6f} | {cref:.6f} (rel-L1 {l1:.4f}) |")
+        print("\n".join(lines[-len(chosen) - 1:]), flush=True)
+        q = k = v = base = ref = None
+        torch.cuda.empty_cache()
+    lines += ["", f"Total {time.time() - t0:.0f} s (build included)."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
