@@ -170,7 +170,10 @@ _BENCH_COMMON = ({"persistent": True}, {"phase_clock": True}, {"epilogue_staged"
                  {"fp16_exp2": True})
 _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every": 1}
 # late_pv_wait (the PV wait after the softmax's exp2; same bits as without): hd128's defaults with
-# it, also with fp16_exp2; hd64's two-warpgroup overlap loop with it.
+# it, also with fp16_exp2; hd64's two-warpgroup overlap loop with it. Measured slower on the H200,
+# attention kernel alone (eval/results/int8_latewait_h200.md): hd128 1.03x the defaults, hd64's
+# overlap loop 1.15x without it; fp16_exp2 1.06x / 1.08x (sm_90a has no two-exp2 MUFU op: ptxas
+# emits one MUFU.EX2.F16 per half).
 _BENCH_CHANGES = {
     128: (*_BENCH_COMMON,
           {**_HD128_WG3_LOOP, "three_consumers": True},

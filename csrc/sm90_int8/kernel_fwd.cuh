@@ -101,6 +101,8 @@ namespace sage_sm90 {
 //                        lands before the row max (the overlap then covers only the int -> float
 //                        conversion and the mask). The wait opens both O-rescale branches and P
 //                        is packed after it (FA3's order). Same operations: same results bit for bit.
+//                        Measured slower (hd128 1.03x, hd64's overlap loop 1.15x the kernel time:
+//                        eval/results/int8_latewait_h200.md): a benchmark variant only.
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 168 registers, ptxas's cap for 384). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
