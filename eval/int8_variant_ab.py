@@ -2,7 +2,7 @@
 """Side-by-side timing of chosen 8-bit kernel variants (benchmark build) against cuDNN BF16 SDPA.
 
 For each shape and each named option set of the benchmark build (generate_instantiations
-BENCH_VARIANTS, names as in ``_sm90_int8_variants.FLAG_NAMES``; ``default`` = the shipped
+BENCH_VARIANTS, named as there: the option set, then ``exp2poly<N>`` where N > 0; ``default`` = the shipped
 defaults of that head dim): the full call (pre-pass + kernel + host work, L2 flushed, the timer of
 eval/bench_kernels.py, ``bench_utils.compare_ms``) and the attention kernel alone
 (``ext.bench_parts``), both over ``--rounds`` rounds with the methods in a new order every round;
@@ -35,9 +35,9 @@ from sage_diffusers.reference import cosine, relative_l1, sage8_reference  # noq
 SHAPES = [(1, 24, 4608, 128), (1, 24, 16384, 128), (1, 38, 4429, 64), (1, 48, 17776, 64)]
 
 
-def _flags_by_name() -> dict[tuple[int, str], int]:
-    """(head dim, option-set name) -> run-time flags of the benchmark build."""
-    return {(d, variants.FLAG_NAMES[flags]): flags for d, _poly, flags, _ in variants.BENCH_VARIANTS}
+def _flags_by_name() -> dict[tuple[int, str], tuple[int, int]]:
+    """(head dim, variant name) -> (run-time flags, exp2 polynomial share) of the benchmark build."""
+    return {(d, name): (flags, poly) for d, poly, flags, name in variants.BENCH_VARIANTS}
 
 
 def _fmt(xs: list[float]) -> str:
@@ -68,8 +68,7 @@ def main() -> None:
              "|---|---|---:|---:|---:|---:|---|---:|---:|"]
     shapes = SHAPES if args.shapes == "all" else SHAPES[:1] + SHAPES[2:3]
     for (b, h, s, d) in shapes:
-        poly = int8_sm90.default_exp_poly_every(d)
-        chosen = {"default": variants.DEFAULT_FLAGS[d]}
+        chosen = {"default": (variants.DEFAULT_FLAGS[d], int8_sm90.default_exp_poly_every(d))}
         for name in args.variants:
             if (d, name) in known:
                 chosen[name] = known[(d, name)]
@@ -77,19 +76,20 @@ def main() -> None:
             continue
         q, k, v = make_inputs(b, h, s, d)
 
-        def call(flags):
+        def call(variant):
+            flags, poly = variant
             ext.set_fwd_flags(flags)
             return ext.fwd(q, k, v, None, False, d ** -0.5, False, poly)[0]
 
         base = call(chosen["default"])
         ref = sage8_reference(q[:, :2].float(), k[:, :2].float(), v[:, :2].float()).float()
         checks = {}
-        for name, flags in chosen.items():
-            out = call(flags)
+        for name, variant in chosen.items():
+            out = call(variant)
             checks[name] = (torch.equal(out.view(torch.int16), base.view(torch.int16)),
                             cosine(out.float(), base.float()), cosine(out[:, :2].float(), ref),
                             relative_l1(out[:, :2].float(), ref))
-        methods = {name: (lambda f=flags: call(f)) for name, flags in chosen.items()}
+        methods = {name: (lambda c=variant: call(c)) for name, variant in chosen.items()}
 
         def cudnn():
             from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -101,7 +101,8 @@ def main() -> None:
         kern = {name: [] for name in chosen}
         for r in range(args.rounds):
             for name in round_order(list(chosen), r):
-                ext.set_fwd_flags(chosen[name])
+                flags, poly = chosen[name]
+                ext.set_fwd_flags(flags)
                 kern[name].append(ext.bench_parts(q, k, v, False, poly, args.reps)[1])
         ext.set_fwd_flags(-1)
         tag = f"{b}x{h}x{s}x{d}"

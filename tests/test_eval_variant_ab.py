@@ -1,0 +1,42 @@
+"""eval/int8_variant_ab.py without a GPU: its name lookup covers every benchmark variant and
+resolves to the flags the benchmark build dispatches on; without CUDA it exits with a reason."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("int8_variant_ab", ROOT / "eval" / "int8_variant_ab.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_names_resolve_to_the_bench_builds_flags():
+    from sage_diffusers.kernels import _sm90_int8_variants as v
+
+    table = _load()._flags_by_name()
+    assert len(table) == len(v.BENCH_VARIANTS)
+    for d, poly, flags, name in v.BENCH_VARIANTS:
+        assert table[(d, name)] == (flags, poly)
+        assert name == v.FLAG_NAMES[flags] + (f"_exp2poly{poly}" if poly else "")
+    # each head dim's defaults are among them: the script times every variant against them
+    for d, flags in v.DEFAULT_FLAGS.items():
+        assert (flags, 0) in table.values()
+    late = [name for (d, name) in table if name.endswith("_latewait")]
+    assert late and all((d, name[: -len("_latewait")]) in table for (d, name) in table if name in late)
+
+
+def test_without_cuda_it_says_so():
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "int8_variant_ab.py"), "--variants", "x"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "needs a CUDA GPU" in res.stderr
