@@ -5,6 +5,9 @@
 #   bash csrc/sm90_int8/device_check.sh bench        # build + eval/bench_kernels.py (full table)
 #   bash csrc/sm90_int8/device_check.sh bench-quick  # build + smoke + bench --quick
 #   bash csrc/sm90_int8/device_check.sh variants     # build the flag variants, time them vs cuDNN
+#   bash csrc/sm90_int8/device_check.sh ab NAME...   # those benchmark variants side by side (eval/int8_variant_ab.py)
+# Wheels carried in .whl/ (peers, diffusers, nvidia-cutlass) are installed one by one into
+# /tmp/site first (one that does not fit this Python is skipped) and put on PYTHONPATH.
 # CUTLASS/CuTe headers: $CUTLASS_INCLUDE, the nvidia-cutlass package, or a carried copy at
 # .cutlass/include (see the report for the carry command). Logs go to $OUT when it is set.
 set -uo pipefail
@@ -14,6 +17,12 @@ LOG="${OUT:-/tmp}"
 export PYTHONUNBUFFERED=1
 export SAGE_DIFFUSERS_CACHE="${SAGE_DIFFUSERS_CACHE:-/tmp/sage_jit}"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  for w in .whl/*.whl; do
+    "$PY" -m pip install -q --no-deps --target /tmp/site "$w" >/dev/null 2>&1 || echo "skipped wheel $w (not for this Python)"
+  done
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 if [ -z "${CUTLASS_INCLUDE:-}" ] && ! "$PY" -c "import cutlass_library" 2>/dev/null; then
   for c in .cutlass/include .cutlass shared/cutlass/include; do
     if [ -d "$c/cute" ]; then export CUTLASS_INCLUDE="$PWD/$c"; break; fi
@@ -21,6 +30,10 @@ if [ -z "${CUTLASS_INCLUDE:-}" ] && ! "$PY" -c "import cutlass_library" 2>/dev/n
 fi
 MODE="${1:-tests}"
 if [ "$MODE" = variants ]; then exec timeout 240 "$PY" csrc/sm90_int8/variants_bench.py; fi
+if [ "$MODE" = ab ]; then
+  shift
+  exec timeout 300 "$PY" eval/int8_variant_ab.py --variants "$@" --out "$LOG/int8_variant_ab.md"
+fi
 echo "== device"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cap', torch.cuda.get_device_capability())"
