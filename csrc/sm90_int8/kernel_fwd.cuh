@@ -432,7 +432,11 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       if (lane == 0) Barrier::arrive(&sp.empty[stage]);
     };
 
-    // O *= alpha; with kLean skipped when no row of the warp changed its max (warp-uniform).
+    // No row of the warp changed its max (warp-uniform): the lean softmax then skips O *= alpha.
+    auto max_kept = [&](const float (&alpha)[2]) {
+      return __all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f);
+    };
+    // O *= alpha; with kLean skipped when max_kept.
     auto scale_o = [&](const float (&alpha)[2]) {
 #pragma unroll
       for (int i = 0; i < C::kORegs; ++i) o[i] *= alpha[(i >> 1) & 1];
@@ -443,7 +447,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     };
     auto rescale = [&](const float (&alpha)[2]) {
       if constexpr (kLean) {
-        if (__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
+        if (max_kept(alpha)) return;
       }
       scale_o(alpha);
     };
@@ -564,7 +568,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
           // which start only after the exp2 and row sums, and P is packed behind it.
           typename Softmax::Scores sc;
           sm.scores(s_acc, sk_t, mk, sc, alpha);
-          if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
+          if (!max_kept(alpha)) {
             sage_common::sm90::wgmma_wait_all</*kTag=*/0>();
             retire_pv();
             scale_o(alpha);
