@@ -135,3 +135,28 @@ def test_two_tile_bodies_selected_by_a_branch_count_once():
 def test_no_loop_is_an_error():
     with pytest.raises(ValueError, match="IGMMA and QGMMA"):
         sass_cost.analyse(_listing("0000 MUFU.EX2 R1, R1\n0010 EXIT"))
+
+
+def test_loop_invariant_q_registers_overwritten_in_the_loop_are_reported():
+    # Q in registers (the IGMMA's A operand, R180..R183 here) is loaded once before the loop: the
+    # listing above never writes it, so nothing is reported; a write inside the loop (as ptxas made
+    # in the hd128 plain loop with smem_o_every = 1) is reported, as is the exit status of main.
+    assert sass_cost.analyse(SASS)["a_operand_writes"] == []
+    bad = _listing(_BODY.replace("0080 VIADD R24, R24, 0x4b400000", "0080 VIADD R182, R24, 0x4b400000"))
+    assert sass_cost.analyse(bad)["a_operand_writes"] == [(0x80, "VIADD R182, R24, 0x4b400000")]
+    assert sass_cost.format_report(sass_cost.analyse(bad)).splitlines()[1].startswith("MISCOMPILE: 1 instruction")
+    # a write to the same register outside the loop (before its head) is not the loop's
+    before = _listing(_BODY.replace("0010 S2R R0, SR_TID.X", "0010 S2R R181, SR_TID.X"))
+    assert sass_cost.analyse(before)["a_operand_writes"] == []
+    # S = Q K^T from shared memory (SS: a descriptor, no A registers): nothing to check
+    ss = _listing(_BODY.replace("IGMMA.64x128x32.S8.S8 R24, R180, gdesc[UR12]", "IGMMA.64x128x32.S8.S8 R24, gdesc[UR8], gdesc[UR12]")
+                  .replace("0080 VIADD R24, R24, 0x4b400000", "0080 VIADD R182, R24, 0x4b400000"))
+    assert sass_cost.analyse(ss)["a_operand_writes"] == []
+
+
+def test_main_exits_1_when_a_unit_overwrites_q(tmp_path):
+    good, bad = tmp_path / "good.sass", tmp_path / "bad.sass"
+    good.write_text(SASS)
+    bad.write_text(_listing(_BODY.replace("0080 VIADD R24, R24, 0x4b400000", "0080 VIADD R183, R24, 0x4b400000")))
+    assert sass_cost.main([str(good)]) == 0
+    assert sass_cost.main([str(good), str(bad)]) == 1

@@ -160,7 +160,10 @@ EXTRA_EXP_POLY = {64: (8,), 128: ()}
 # ping-pong: both hold two P arrays, more than 160 registers) with O's smem sum flushed every tile
 # (smem_o_every = 1: O's 64 registers are then dead through the softmax; with 2 or 4 the loop
 # spills 192 B at 160 registers; eval/results/int8_three_consumers_sass.md "hd128"), and the same
-# loop on two warpgroups without either epilogue option, its bit-identity partner.
+# loop on two warpgroups without either epilogue option, its bit-identity partner. Q comes from
+# shared memory there: with Q in registers ptxas (CUDA 13.0) gave Q's registers to the softmax and P
+# inside this loop, so every tile after the first used garbage as Q (H200: cos 0.1 against the
+# reference; sass_cost.py reports such a loop as MISCOMPILE; eval/results/int8_hd128_wg3_h200.md).
 # Option changes the benchmark build makes to the defaults of each head dim, in this order; a
 # change the defaults refuse (phase_clock with three_consumers) is left out (_bench_changed).
 # fp16_exp2 (two exp2 per MUFU op; other numerics, so no bit-identity partner): MUFU is the
@@ -168,7 +171,7 @@ EXTRA_EXP_POLY = {64: (8,), 128: ()}
 _BENCH_COMMON = ({"persistent": True}, {"phase_clock": True}, {"epilogue_staged": False},
                  {"epilogue_summary": False, "epilogue_staged": False}, {"q_in_kernel": True},
                  {"fp16_exp2": True})
-_HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every": 1}
+_HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every": 1, "q_in_registers": False}
 # late_pv_wait (the PV wait after the softmax's exp2; same bits as without): hd128's defaults with
 # it, also with fp16_exp2; hd64's two-warpgroup overlap loop with it. Measured slower on the H200,
 # attention kernel alone (eval/results/int8_latewait_h200.md): hd128 1.03x the defaults, hd64's

@@ -4,6 +4,8 @@
     python csrc/sm90_int8/sass_cost.py fwd_hd128_bf16_full      # compile that instantiation, report
     python csrc/sm90_int8/sass_cost.py path/to/unit.sass        # cuobjdump -sass text
     python csrc/sm90_int8/sass_cost.py path/to/unit.cubin       # or a cubin / .o (cuobjdump runs)
+    python csrc/sm90_int8/sass_cost.py DUMP/i8_*.sass           # several (sass_diff.py dump); exit 1 if
+                                                                # any loop overwrites Q's registers
 
 The main loop is the smallest range (target .. branch) of a conditional backward branch that holds
 both wgmma kinds (IGMMA for S = Q K^T, QGMMA for O += P V) and no EXIT; with two such loops (an
@@ -21,6 +23,9 @@ issue = instructions x warps / 4 schedulers; each pipe = thread-instructions / i
 (PIPE_RATE); tensor = wgmma MACs / the dense 8-bit rate (4096 MAC per clock per SM: the H200's
 1979 TOPS at 1.83 GHz over 132 SMs). These ignore latency: the kernel runs ~2.4x the largest one
 (eval/results/int8_ncu_h200.md), so they rank costs, they do not predict time.
+
+With Q in registers (q_in_registers) the report starts with MISCOMPILE when an instruction inside
+the loop writes one of the registers S = Q K^T reads as its A operand (loop_invariant_a_writes).
 """
 from __future__ import annotations
 
@@ -147,6 +152,39 @@ def find_main_loop(code: list[Instr]) -> tuple[int, int]:
     return best
 
 
+# Instructions whose first operand is not a register they write (stores, wgmma, branches, barriers).
+_NO_DEST = ("ST", "RED", "ATOM", "IGMMA", "QGMMA", "HGMMA", "BRA", "BRX", "JMP", "CALL", "RET", "EXIT",
+            "BSSY", "BSYNC", "BREAK", "BAR", "SYNCS", "WARPGROUP", "WARPSYNC", "DEPBAR", "MEMBAR",
+            "NANOSLEEP", "NOP", "ISETP", "FSETP", "PLOP3")
+_A_REGS = re.compile(r"^R\d+,\s*R(\d+),")  # "IGMMA... D, A (registers), gdesc[...], ..."
+_DEST = re.compile(r"^R(\d+)\b")
+
+
+def loop_invariant_a_writes(code: list[Instr], head: int, back: int) -> list[Instr]:
+    """Instructions inside the main loop that write a register the loop's S = Q K^T wgmma reads as
+    its A operand (q_in_registers: Q's fragments, loaded once before the loop, read every tile).
+    Any such write is a miscompile: the next tile's S is computed from whatever it wrote. ptxas
+    (CUDA 13.0) did this to the hd128 plain loop with smem_o_every = 1 (the softmax's temporaries
+    and P in Q's registers; eval/results/int8_hd128_wg3_h200.md); an SS wgmma (A from smem)
+    has no A registers, so nothing is reported for it. A 64-bit write (e.g. IMAD.WIDE) counts for
+    its first register only."""
+    a_regs: set[int] = set()
+    for ins in code[head:back + 1]:
+        if ins.base == "IGMMA" and (m := _A_REGS.match(ins.operands)):
+            r = int(m.group(1))
+            a_regs |= {r, r + 1, r + 2, r + 3}  # one k-step's fragment: 4 registers
+    if not a_regs:
+        return []
+    out = []
+    for ins in code[head:back + 1]:
+        if ins.base.startswith(_NO_DEST):
+            continue
+        m = _DEST.match(ins.operands)
+        if m and int(m.group(1)) in a_regs:
+            out.append(ins)
+    return out
+
+
 @dataclass
 class LoopCost:
     path: list[Instr]                      # the steady-state path, head to back edge
@@ -266,6 +304,7 @@ def analyse(sass: str, kernel: str = "fwd_kernel", threads: int = 256) -> dict:
         raise ValueError(f"no function matching {kernel!r}")
     name, code = next(iter(funcs.items()))
     head, back = find_main_loop(code)
+    clobbers = loop_invariant_a_writes(code, head, back)
     paths = steady_paths(code, head, back)
     loop = min(paths, key=lambda c: len(c.path) / c.tiles)  # the cheapest body (e.g. unmasked)
     per_tile = {k: v / loop.tiles for k, v in loop.counts().items()}
@@ -273,11 +312,15 @@ def analyse(sass: str, kernel: str = "fwd_kernel", threads: int = 256) -> dict:
     return {"kernel": name, "loop": (code[head].addr, code[back].addr), "tiles": loop.tiles,
             "per_tile": per_tile, "total": sum(per_tile.values()), "skipped": skipped,
             "path_totals": sorted(len(c.path) / c.tiles for c in paths),
-            "bounds": bounds(loop.path, loop.tiles, threads)}
+            "bounds": bounds(loop.path, loop.tiles, threads),
+            "a_operand_writes": [(i.addr, f"{i.pred} {i.opcode} {i.operands}".strip()) for i in clobbers]}
 
 
 def format_report(r: dict) -> str:
-    lines = [f"kernel {r['kernel']}", f"main loop {r['loop'][0]:#x}..{r['loop'][1]:#x}, "
+    lines = [f"kernel {r['kernel']}",
+             *([f"MISCOMPILE: {len(r['a_operand_writes'])} instruction(s) in the loop overwrite Q's registers "
+                f"(the A operand of S = Q K^T), first at {r['a_operand_writes'][0][0]:#x}: "
+                f"{r['a_operand_writes'][0][1]}"] if r.get("a_operand_writes") else []), f"main loop {r['loop'][0]:#x}..{r['loop'][1]:#x}, "
              f"{r['tiles']:g} tile(s) on the steady path (the cheapest of {len(r['path_totals'])} "
              f"paths: {', '.join(f'{t:g}' for t in r['path_totals'])} instructions per tile)", "",
              "| class | per tile and thread |", "|---|---:|"]
@@ -331,16 +374,28 @@ def load_sass(arg: str) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("unit", help=".sass text, .cubin/.o, or an instantiations/ stem")
+    ap.add_argument("units", nargs="+", help=".sass text, .cubin/.o, or an instantiations/ stem")
     ap.add_argument("--kernel", default="fwd_kernel", help="substring of the function name")
     ap.add_argument("--threads", type=int, default=256, help="consumer threads per SM (2 warpgroups)")
     a = ap.parse_args(argv)
-    sass, log = load_sass(a.unit)
-    print(format_report(analyse(sass, a.kernel, a.threads)))
-    if m := re.findall(r"(\d+) bytes spill stores", log):
-        regs = re.findall(r"Used (\d+) registers", log)
-        print(f"\nptxas: {', '.join(regs)} registers, {sum(map(int, m))} bytes spill stores")
-    return 0
+    status = 0
+    for unit in a.units:
+        if len(a.units) > 1:
+            print(f"\n## {unit}\n")
+        sass, log = load_sass(unit)
+        try:
+            r = analyse(sass, a.kernel, a.threads)
+        except ValueError as e:  # e.g. a pre-pass unit among several: no attention loop
+            if len(a.units) == 1:
+                raise
+            print(f"skipped: {e}")
+            continue
+        print(format_report(r))
+        status |= bool(r["a_operand_writes"])  # exit 1: a unit whose loop overwrites Q's registers
+        if m := re.findall(r"(\d+) bytes spill stores", log):
+            regs = re.findall(r"Used (\d+) registers", log)
+            print(f"\nptxas: {', '.join(regs)} registers, {sum(map(int, m))} bytes spill stores")
+    return status
 
 
 if __name__ == "__main__":
