@@ -3,7 +3,8 @@
 # standard (C++20, which both JIT builds name explicitly: torch before 2.12 defaults to C++17):
 #   sm90_int8: every .cu to an object for sm_90a, ptxas register/spill report per file (a spill or
 #     a wgmma serialized by ptxas fails), the host-side layout proof (host_layout_check.cu, built
-#     and run on the CPU), the benchmark-build variants, the binding's syntax against torch.
+#     and run on the CPU), the benchmark-build variants, no forward loop writing Q's registers
+#     (sass_cost.py --check on the objects' SASS), the binding's syntax against torch.
 #   fp4: every .cu for the archs it targets (sm_120a native, sm_90a emulated + wgmma), a build must
 #     hold the MXFP4 instantiations too, the wgmma layout proof (wgmma_layout_check.cu, run on the
 #     CPU), the binding's syntax (native and emulated); spills warn (the known MXFP4 D = 128 one).
@@ -100,6 +101,10 @@ check_sm90_int8() {
   if [ "$QUICK" != 1 ]; then
     compile_variant hd64_lean_overlap_fp16exp2 64 'FwdOptions{.lean_softmax = true, .overlap_softmax_pv = true, .fp16_exp2 = true}'
   fi
+  # ptxas once gave Q's registers (the A operand of S = Q K^T, q_in_registers) to the softmax inside a
+  # loop: wrong output from the second key tile on, no warning (eval/results/int8_hd128_wg3_h200.md).
+  echo "== sm90_int8: Q's registers intact through every forward loop (sass_cost.py --check)"
+  "$PYTHON" "$K/sass_cost.py" --check "$OUT"/*.o
 
   if [ -n "$TORCH_INC" ] && "$PYTHON" -c 'import pybind11' 2>/dev/null; then
     echo "== sm90_int8: binding.cpp syntax (host compiler, torch headers)"

@@ -160,3 +160,12 @@ def test_main_exits_1_when_a_unit_overwrites_q(tmp_path):
     bad.write_text(_listing(_BODY.replace("0080 VIADD R24, R24, 0x4b400000", "0080 VIADD R183, R24, 0x4b400000")))
     assert sass_cost.main([str(good)]) == 0
     assert sass_cost.main([str(good), str(bad)]) == 1
+
+
+def test_check_mode_prints_one_line_per_unit_and_skips_other_kernels(tmp_path, capsys):
+    good, other = tmp_path / "good.sass", tmp_path / "prepass.sass"
+    good.write_text(SASS)
+    other.write_text(SASS.replace("fwd_kernel", "quant_kernel"))
+    assert sass_cost.main(["--check", str(good), str(other)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["ok good.sass: Q's registers intact through the loop"]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import shutil
 import subprocess
@@ -305,6 +306,7 @@ def analyse(sass: str, kernel: str = "fwd_kernel", threads: int = 256) -> dict:
     name, code = next(iter(funcs.items()))
     head, back = find_main_loop(code)
     clobbers = loop_invariant_a_writes(code, head, back)
+    q_regs = any(c.base == "IGMMA" and _A_REGS.match(c.operands) for c in code[head:back + 1])
     paths = steady_paths(code, head, back)
     loop = min(paths, key=lambda c: len(c.path) / c.tiles)  # the cheapest body (e.g. unmasked)
     per_tile = {k: v / loop.tiles for k, v in loop.counts().items()}
@@ -313,6 +315,7 @@ def analyse(sass: str, kernel: str = "fwd_kernel", threads: int = 256) -> dict:
             "per_tile": per_tile, "total": sum(per_tile.values()), "skipped": skipped,
             "path_totals": sorted(len(c.path) / c.tiles for c in paths),
             "bounds": bounds(loop.path, loop.tiles, threads),
+            "q_in_registers": q_regs,
             "a_operand_writes": [(i.addr, f"{i.pred} {i.opcode} {i.operands}".strip()) for i in clobbers]}
 
 
@@ -343,12 +346,19 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def _cuobjdump() -> str:
+def _cuobjdump() -> str | None:
+    """cuobjdump from PATH, beside $NVCC, or triton's bundled copy; None if there is none."""
     exe = shutil.which("cuobjdump")
+    if exe is None and os.environ.get("NVCC"):
+        near = Path(shutil.which(os.environ["NVCC"]) or os.environ["NVCC"]).resolve().parent / "cuobjdump"
+        exe = str(near) if near.exists() else None
     if exe is None:
-        import triton
-
-        exe = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+        try:
+            import triton
+        except ImportError:
+            return None
+        near = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        exe = str(near) if near.exists() else None
     return exe
 
 
@@ -360,7 +370,10 @@ def load_sass(arg: str) -> tuple[str, str]:
         log = p.with_suffix(".log")
         return p.read_text(), log.read_text() if log.exists() else ""
     if p.suffix in (".cubin", ".o") and p.exists():
-        return subprocess.run([_cuobjdump(), "-sass", str(p)], check=True, capture_output=True, text=True).stdout, ""
+        exe = _cuobjdump()
+        if exe is None:
+            sys.exit("cuobjdump not found (the CUDA toolkit's, or triton's bundled copy)")
+        return subprocess.run([exe, "-sass", str(p)], check=True, capture_output=True, text=True).stdout, ""
     sys.path.insert(0, str(HERE.parent))
     import sass_diff
 
@@ -377,18 +390,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("units", nargs="+", help=".sass text, .cubin/.o, or an instantiations/ stem")
     ap.add_argument("--kernel", default="fwd_kernel", help="substring of the function name")
     ap.add_argument("--threads", type=int, default=256, help="consumer threads per SM (2 warpgroups)")
+    ap.add_argument("--check", action="store_true",
+                    help="only the Q-register check: one line per unit (units without the kernel are skipped)")
     a = ap.parse_args(argv)
     status = 0
     for unit in a.units:
-        if len(a.units) > 1:
+        if len(a.units) > 1 and not a.check:
             print(f"\n## {unit}\n")
         sass, log = load_sass(unit)
         try:
             r = analyse(sass, a.kernel, a.threads)
         except ValueError as e:  # e.g. a pre-pass unit among several: no attention loop
-            if len(a.units) == 1:
+            if len(a.units) == 1 and not a.check:
                 raise
-            print(f"skipped: {e}")
+            if not a.check:
+                print(f"skipped: {e}")
+            continue
+        if a.check:
+            w = r["a_operand_writes"]
+            print(f"{'MISCOMPILE' if w else 'ok'} {Path(unit).name}: "
+                  + (f"{len(w)} writes to Q's registers in the loop, first {w[0][0]:#x} {w[0][1]}" if w
+                     else "Q's registers intact through the loop" if r["q_in_registers"]
+                     else "Q from shared memory (no A registers)"))
+            status |= bool(w)
             continue
         print(format_report(r))
         status |= bool(r["a_operand_writes"])  # exit 1: a unit whose loop overwrites Q's registers
