@@ -11,6 +11,9 @@ default's (bit for bit, and cosine) and with ``sage8_reference`` at the same sha
 
     SAGE_DIFFUSERS_SM90_BENCH=1 python eval/int8_variant_ab.py \\
         --variants lean_overlap_pingpong_qregs_split_smemo4_esum_stage_latewait --out eval/results/x.md
+
+``--prepass-modes N...`` adds the defaults under other pre-pass modes (launch.h kPrepass* bit sets),
+named ``prepass mN``; the pre-pass alone (``ext.bench_parts``) is timed for every entry.
 """
 from __future__ import annotations
 
@@ -47,7 +50,9 @@ def _fmt(xs: list[float]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", nargs="+", required=True, help="option-set names (either head dim)")
+    ap.add_argument("--variants", nargs="*", default=[], help="option-set names (either head dim)")
+    ap.add_argument("--prepass-modes", nargs="*", type=int, default=[],
+                    help="pre-pass mode bit sets to run the defaults under (launch.h kPrepass*)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=20, help="launches per bench_parts sample")
     ap.add_argument("--shapes", default="all", choices=("all", "quick"))
@@ -60,26 +65,32 @@ def main() -> None:
     t0 = time.time()
     ext = int8_sm90.build()
     known = _flags_by_name()
+    mode0 = ext.prepass_mode()
     lines = [f"# 8-bit kernel variants side by side ({torch.cuda.get_device_name()})", "",
              f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}. Full call: median of per-call "
              f"times with L2 flushed (compare_ms), {args.rounds} rounds, order redrawn every round; kernel: "
-             f"ext.bench_parts ({args.reps} back-to-back launches) in the same round scheme. "
+             f"ext.bench_parts ({args.reps} back-to-back launches) in the same round scheme, and the "
+             f"pre-pass alone the same way (its launches and workspace memsets). Pre-pass mode {mode0} unless "
+             "named (prepass mN). "
              "Bits / cos: against the default's output; cos ref: against sage8_reference.", "",
-             "| shape | variant | full ms | kernel ms | vs cuDNN (full) | kernel / default kernel | bits = default | cos | cos ref |",
-             "|---|---|---:|---:|---:|---:|---|---:|---:|"]
+             "| shape | variant | full ms | kernel ms | pre-pass ms | vs cuDNN (full) | kernel / default kernel | bits = default | cos | cos ref |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     shapes = SHAPES if args.shapes == "all" else SHAPES[:1] + SHAPES[2:3]
     for (b, h, s, d) in shapes:
-        chosen = {"default": (variants.DEFAULT_FLAGS[d], int8_sm90.default_exp_poly_every(d))}
+        chosen = {"default": (variants.DEFAULT_FLAGS[d], int8_sm90.default_exp_poly_every(d), mode0)}
         for name in args.variants:
             if (d, name) in known:
-                chosen[name] = known[(d, name)]
+                chosen[name] = (*known[(d, name)], mode0)
+        for m in args.prepass_modes:
+            chosen[f"prepass m{m}"] = (*chosen["default"][:2], m)
         if len(chosen) == 1:
             continue
         q, k, v = make_inputs(b, h, s, d)
 
         def call(variant):
-            flags, poly = variant
+            flags, poly, mode = variant
             ext.set_fwd_flags(flags)
+            ext.set_prepass_mode(mode)
             return ext.fwd(q, k, v, None, False, d ** -0.5, False, poly)[0]
 
         base = call(chosen["default"])
@@ -99,21 +110,25 @@ def main() -> None:
 
         methods["cudnn"] = cudnn
         full = compare_ms(methods, lambda: (), args.rounds)
-        def kernel_ms(variant):  # the attention kernel alone: its own timer, so calls go unused
-            flags, poly = variant
+        def part_ms(variant, part):  # 0: the pre-pass, 1: the attention kernel; its own timer
+            flags, poly, mode = variant
             ext.set_fwd_flags(flags)
-            return ext.bench_parts(q, k, v, False, poly, args.reps)[1]
+            ext.set_prepass_mode(mode)
+            return ext.bench_parts(q, k, v, False, poly, args.reps)[part]
 
-        kern = compare_ms({name: (lambda c=variant: kernel_ms(c)) for name, variant in chosen.items()},
-                          lambda: (), args.rounds, sample=lambda fn, _calls: fn())
+        kern, pre = ({name: [] for name in chosen} for _ in range(2))
+        for part, into in ((1, kern), (0, pre)):
+            into.update(compare_ms({name: (lambda c=variant, i=part: part_ms(c, i)) for name, variant in chosen.items()},
+                                   lambda: (), args.rounds, sample=lambda fn, _calls: fn()))
         ext.set_fwd_flags(-1)
+        ext.set_prepass_mode(mode0)
         tag = f"{b}x{h}x{s}x{d}"
         t_cudnn = statistics.median(full["cudnn"])
         k_def = statistics.median(kern["default"])
-        lines.append(f"| {tag} | cuDNN bf16 | {_fmt(full['cudnn'])} | - | 1.00 | - | - | - | - |")
+        lines.append(f"| {tag} | cuDNN bf16 | {_fmt(full['cudnn'])} | - | - | 1.00 | - | - | - | - |")
         for name in chosen:
             same, c, cref, l1 = checks[name]
-            lines.append(f"| {tag} | {name} | {_fmt(full[name])} | {_fmt(kern[name])} | "
+            lines.append(f"| {tag} | {name} | {_fmt(full[name])} | {_fmt(kern[name])} | {_fmt(pre[name])} | "
                          f"{t_cudnn / statistics.median(full[name]):.3f} | "
                          f"{statistics.median(kern[name]) / k_def:.3f} | {'yes' if same else 'no'} | "
                          f"{c:.6f} | {cref:.6f} (rel-L1 {l1:.4f}) |")
