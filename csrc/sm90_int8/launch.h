@@ -238,7 +238,8 @@ struct FwdParams {
 //   bit kPrepassPrefetch: each quant block first asks L2 for the K or V tile of the block one
 //   resident wave ahead (PrepassParams::prefetch_ahead; prefetch.global.L2, one 128-byte line per
 //   thread): the launch is latency-bound at ~30 % of DRAM bandwidth (eval/results/int8_prepass_ncu_h200.md),
-//   so the next wave's loads start while this wave computes. Changes no value.
+//   so the next wave's loads start while this wave computes. Changes no value. Measured slower on
+//   the H200 (Flux 0.096 -> 0.100 ms, eval/results/int8_prepass_prefetch_h200.md): not a default.
 constexpr int kPrepassQInStats = 1;
 constexpr int kPrepassBatchLoads = 2;
 constexpr int kPrepassOneAlloc = 4;
