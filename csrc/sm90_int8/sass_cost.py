@@ -320,13 +320,14 @@ def analyse(sass: str, kernel: str = "fwd_kernel", threads: int = 256) -> dict:
 
 
 def format_report(r: dict) -> str:
-    lines = [f"kernel {r['kernel']}",
-             *([f"MISCOMPILE: {len(r['a_operand_writes'])} instruction(s) in the loop overwrite Q's registers "
-                f"(the A operand of S = Q K^T), first at {r['a_operand_writes'][0][0]:#x}: "
-                f"{r['a_operand_writes'][0][1]}"] if r.get("a_operand_writes") else []), f"main loop {r['loop'][0]:#x}..{r['loop'][1]:#x}, "
-             f"{r['tiles']:g} tile(s) on the steady path (the cheapest of {len(r['path_totals'])} "
-             f"paths: {', '.join(f'{t:g}' for t in r['path_totals'])} instructions per tile)", "",
-             "| class | per tile and thread |", "|---|---:|"]
+    lines = [f"kernel {r['kernel']}"]
+    if w := r.get("a_operand_writes"):
+        lines.append(f"MISCOMPILE: {len(w)} instruction(s) in the loop overwrite Q's registers (the A operand "
+                     f"of S = Q K^T), first at {w[0][0]:#x}: {w[0][1]}")
+    lines += [f"main loop {r['loop'][0]:#x}..{r['loop'][1]:#x}, "
+              f"{r['tiles']:g} tile(s) on the steady path (the cheapest of {len(r['path_totals'])} "
+              f"paths: {', '.join(f'{t:g}' for t in r['path_totals'])} instructions per tile)", "",
+              "| class | per tile and thread |", "|---|---:|"]
     order = [n for n, _ in CLASSES] + ["other"]
     for cls in order:
         if cls in r["per_tile"]:
