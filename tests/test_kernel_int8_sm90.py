@@ -263,7 +263,7 @@ def test_prepass_fast_division_edge_values_bit_identical(d):
         for m in (None, mask):
             ext.set_prepass_mode(0)
             want = int8_sm90.prepass(q, k, v, key_mask=m, scale=0.1)
-            for mode in (32, 34, 48, 50, 63, 127):
+            for mode in (32, 34, 48, 50, 63):
                 ext.set_prepass_mode(mode)
                 got = int8_sm90.prepass(q, k, v, key_mask=m, scale=0.1)
                 for name in ("q8", "sq", "k8", "sk", "v8", "sv", "k_mean", "v_first", "v_summary"):
@@ -300,7 +300,7 @@ def test_torch_compile_fullgraph_matches_eager():
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
 
 
-@pytest.mark.parametrize("prepass_mode", [None, 15, 79], ids=["default_mode", "pdl_mode15", "pdl_prefetch_mode79"])
+@pytest.mark.parametrize("prepass_mode", [None, 15], ids=["default_mode", "pdl_mode15"])
 def test_cuda_graph_replay_matches_eager(prepass_mode):
     """Graph capture and replay give the eager bits, also with the launches chained by PDL (mode
     bit 8: the captured graph holds programmatic dependencies between the three kernels)."""

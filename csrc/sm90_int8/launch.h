@@ -192,7 +192,6 @@ struct PrepassParams {
   // added later, last so the offsets of the fields above stay
   int* v_summary;     // (B, Hkv) min of v_first over kinds and channels; follows v_first in
                       // memory so one memset covers both
-  int prefetch_ahead;  // kPrepassPrefetch: quant blocks resident at once (blocks per SM x SMs), 0: off
 };
 
 struct FwdParams {
@@ -235,19 +234,13 @@ struct FwdParams {
 //   K next to V, so their second read hits L2 as far as it holds them (prepass.cuh).
 //   bit kPrepassFastDiv: each block's / row's / channel's reciprocal once instead of a division per
 //   element, bit for bit the same quotients (numerics.hpp ScaleDivider).
-//   bit kPrepassPrefetch: each quant block first asks L2 for the K or V tile of the block one
-//   resident wave ahead (PrepassParams::prefetch_ahead; prefetch.global.L2, one 128-byte line per
-//   thread): the launch is latency-bound at ~30 % of DRAM bandwidth (eval/results/int8_prepass_ncu_h200.md),
-//   so the next wave's loads start while this wave computes. Changes no value. Measured slower on
-//   the H200 (Flux 0.096 -> 0.100 ms, eval/results/int8_prepass_prefetch_h200.md): not a default.
 constexpr int kPrepassQInStats = 1;
 constexpr int kPrepassBatchLoads = 2;
 constexpr int kPrepassOneAlloc = 4;
 constexpr int kPrepassPdl = 8;
 constexpr int kPrepassL2Reuse = 16;
 constexpr int kPrepassFastDiv = 32;
-constexpr int kPrepassPrefetch = 64;
-constexpr int kPrepassModeMax = 127;
+constexpr int kPrepassModeMax = 63;
 // The mode every process starts with (prepass.cu); chosen from variants_bench.py's table.
 constexpr int kPrepassDefaultMode = 7;  // all three: the fastest in variants_bench.py's pre-pass table
 

@@ -414,34 +414,6 @@ constexpr int kQuantMinBlocks = (D == 64 && PrepassOpts::of(kM).fast_div) ? 4 : 
 // kPrepassL2Reuse: the K / V blocks run in the reverse of the stats launch's (b, kv head) order and
 // each K tile next to its V tile, so the first of them read what the stats launch read last (the
 // likeliest still in L2); Q blocks keep their place.
-// kPrepassPrefetch: this thread's 128-byte line of the K or V tile quant block `blk` reads (rows of D
-// 16-bit values: 2 lines per row at hd128, 1 at hd64; threads past the tile's lines, rows past Skv
-// and Q blocks prefetch nothing). The block order is the quant kernel's below.
-template <int D, int kM>
-__device__ __forceinline__ void prefetch_quant_block(const PrepassParams& p, int blk) {
-  constexpr int kLinesPerRow = D * 2 / 128;
-  const int n_qb = p.q_in_stats ? 0 : q_block_count(p);
-  const int n_kb = p.B * p.Hkv * p.n_kv_tiles;
-  if (blk < n_qb || blk >= n_qb + 2 * n_kb || threadIdx.x >= kBlockKV * kLinesPerRow) return;
-  int kv_blk;
-  bool is_v;
-  if constexpr (PrepassOpts::of(kM).l2) {
-    const int j = blk - n_qb;
-    kv_blk = n_kb - 1 - j / 2;
-    is_v = j % 2 != 0;
-  } else {
-    is_v = blk >= n_qb + n_kb;
-    kv_blk = blk - n_qb - (is_v ? n_kb : 0);
-  }
-  const int tile = kv_blk % p.n_kv_tiles, bh = kv_blk / p.n_kv_tiles;
-  const int b = bh / p.Hkv, hk = bh % p.Hkv;
-  const int key = tile * kBlockKV + threadIdx.x / kLinesPerRow;
-  if (key >= p.Skv) return;
-  const int64_t elem = is_v ? b * p.v_sb + hk * p.v_sh + key * p.v_ss : b * p.k_sb + hk * p.k_sh + key * p.k_ss;
-  const char* line = static_cast<const char*>(is_v ? p.v : p.k) + 2 * elem + 128 * (threadIdx.x % kLinesPerRow);
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
-}
-
 template <int D, DType kIn, int kM>
 __global__ void __launch_bounds__(kPrepassThreads, kQuantMinBlocks<D, kM>)
     quant_kernel(const __grid_constant__ PrepassParams p) {
@@ -453,7 +425,6 @@ __global__ void __launch_bounds__(kPrepassThreads, kQuantMinBlocks<D, kM>)
   // PDL (kPrepassPdl): the forward kernel may be scheduled once every block of this launch runs
   // (it waits for this launch's results itself); without the launch attribute both are no-ops.
   sage_common::sm90::pdl_launch_dependents();
-  if (p.prefetch_ahead > 0) prefetch_quant_block<D, kM>(p, blk + p.prefetch_ahead);
   if (blk < n_qb) {
     // Q needs nothing from the stats launch but the k mean for the LSE correction, so under PDL
     // these blocks run while the stats launch drains.
@@ -491,23 +462,7 @@ cudaError_t launch_prepass_impl(const PrepassParams& p, cudaStream_t stream) {
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int n_quant = (p.q_in_stats ? 0 : q_block_count(p)) + 2 * p.B * p.Hkv * p.n_kv_tiles;
-  PrepassParams pq = p;
-  pq.prefetch_ahead = 0;
-  if ((prepass_mode() & kPrepassPrefetch) != 0) {
-    // one resident wave ahead: the blocks that run at once (occupancy x SMs), looked up once
-    static const int ahead = [] {
-      int device = 0, sms = 0, per_sm = 0;
-      if (cudaGetDevice(&device) != cudaSuccess ||
-          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quant_kernel<D, kIn, kM>, kPrepassThreads, 0) !=
-              cudaSuccess) {
-        return 0;
-      }
-      return sms * per_sm;
-    }();
-    pq.prefetch_ahead = ahead;
-  }
-  return sage_common::launch_with_smem(quant_kernel<D, kIn, kM>, dim3(n_quant), kPrepassThreads, 0, pq, stream,
+  return sage_common::launch_with_smem(quant_kernel<D, kIn, kM>, dim3(n_quant), kPrepassThreads, 0, p, stream,
                                        pdl_launches() ? sage_common::LaunchKind::kPdl : sage_common::LaunchKind::kPlain);
 }
 
