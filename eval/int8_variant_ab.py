@@ -116,10 +116,8 @@ def main() -> None:
             ext.set_prepass_mode(mode)
             return ext.bench_parts(q, k, v, False, poly, args.reps)[part]
 
-        kern, pre = ({name: [] for name in chosen} for _ in range(2))
-        for part, into in ((1, kern), (0, pre)):
-            into.update(compare_ms({name: (lambda c=variant, i=part: part_ms(c, i)) for name, variant in chosen.items()},
-                                   lambda: (), args.rounds, sample=lambda fn, _calls: fn()))
+        kern, pre = (compare_ms({name: (lambda c=variant, i=part: part_ms(c, i)) for name, variant in chosen.items()},
+                                lambda: (), args.rounds, sample=lambda fn, _calls: fn()) for part in (1, 0))
         ext.set_fwd_flags(-1)
         ext.set_prepass_mode(mode0)
         tag = f"{b}x{h}x{s}x{d}"

@@ -161,6 +161,16 @@ _A_REGS = re.compile(r"^R\d+,\s*R(\d+),")  # "IGMMA... D, A (registers), gdesc[.
 _DEST = re.compile(r"^R(\d+)\b")
 
 
+def q_registers(code: list[Instr], head: int, back: int) -> set[int]:
+    """Registers the loop's S = Q K^T wgmmas read as their A operand (empty for SS wgmmas: A from smem)."""
+    regs: set[int] = set()
+    for ins in code[head:back + 1]:
+        if ins.base == "IGMMA" and (m := _A_REGS.match(ins.operands)):
+            r = int(m.group(1))
+            regs |= {r, r + 1, r + 2, r + 3}  # one k-step's fragment: 4 registers
+    return regs
+
+
 def loop_invariant_a_writes(code: list[Instr], head: int, back: int) -> list[Instr]:
     """Instructions inside the main loop that write a register the loop's S = Q K^T wgmma reads as
     its A operand (q_in_registers: Q's fragments, loaded once before the loop, read every tile).
@@ -169,11 +179,7 @@ def loop_invariant_a_writes(code: list[Instr], head: int, back: int) -> list[Ins
     and P in Q's registers; eval/results/int8_hd128_wg3_h200.md); an SS wgmma (A from smem)
     has no A registers, so nothing is reported for it. A 64-bit write (e.g. IMAD.WIDE) counts for
     its first register only."""
-    a_regs: set[int] = set()
-    for ins in code[head:back + 1]:
-        if ins.base == "IGMMA" and (m := _A_REGS.match(ins.operands)):
-            r = int(m.group(1))
-            a_regs |= {r, r + 1, r + 2, r + 3}  # one k-step's fragment: 4 registers
+    a_regs = q_registers(code, head, back)
     if not a_regs:
         return []
     out = []
@@ -306,7 +312,7 @@ def analyse(sass: str, kernel: str = "fwd_kernel", threads: int = 256) -> dict:
     name, code = next(iter(funcs.items()))
     head, back = find_main_loop(code)
     clobbers = loop_invariant_a_writes(code, head, back)
-    q_regs = any(c.base == "IGMMA" and _A_REGS.match(c.operands) for c in code[head:back + 1])
+    q_regs = bool(q_registers(code, head, back))
     paths = steady_paths(code, head, back)
     loop = min(paths, key=lambda c: len(c.path) / c.tiles)  # the cheapest body (e.g. unmasked)
     per_tile = {k: v / loop.tiles for k, v in loop.counts().items()}
