@@ -3,12 +3,13 @@
 two such dumps: the proof that a refactor of csrc/ leaves the generated code as it was (no GPU).
 
     python csrc/sass_diff.py dump OUT [--root CSRC] [--only REGEX]   # OUT/<unit>.sass + ptxas logs
-    python csrc/sass_diff.py compare BASE AFTER           # exit 1 on any difference
+    python csrc/sass_diff.py compare BASE AFTER           # exit 1 on any difference to a BASE kernel
 
 Each unit is compiled device-only (nvcc -cubin) with the flags of its JIT build
 (sage_diffusers/kernels/{int8_sm90,fp4}.py, plus torch's half-operator defines), so the SASS is
 what the extension holds. Units are named by kernel, arch and file (FP4 also by SAGE_FP4_OPT);
-``compare`` matches kernels by mangled name and, for units whose names changed (a renamed
+``compare`` matches kernels by mangled name (kernels only in AFTER are listed as added, not a
+difference) and, for units whose names changed (a renamed
 template argument, an anonymous namespace's per-file hash), by identical body and ptxas
 register / spill line. Needs nvcc and cuobjdump (CUDA 12.8+ for sm_120a; triton's bundled
 cuobjdump works).
@@ -141,11 +142,15 @@ def compare(base: Path, after: Path) -> int:
             continue
         kb, ka = kernels(b), kernels(a)
         rb, ra = resources(base / f"{n}.log"), resources(after / f"{n}.log")
-        if set(kb) == set(ka):
+        if set(kb) <= set(ka):  # every base kernel still there (new ones may have been added)
             diff = sorted(k for k in kb if kb[k] != ka[k] or rb.get(k) != ra.get(k))
-            print(f"{'IDENTICAL' if not diff else 'DIFF':10s} {n}: {len(kb)} kernels")
+            added = sorted(set(ka) - set(kb))
+            print(f"{'IDENTICAL' if not diff else 'DIFF':10s} {n}: {len(kb)} kernels"
+                  + (f", {len(added)} added" if added else ""))
             for k in diff:
                 print(f"    differs: {k} regs/spill {rb.get(k)} -> {ra.get(k)}")
+            for k in added:
+                print(f"    added: {k} regs/spill {ra.get(k)}")
         else:  # renamed kernels: the same bodies with the same resources, one to one
             pb = collections.Counter((kb[k], rb.get(k)) for k in kb)
             pa = collections.Counter((ka[k], ra.get(k)) for k in ka)

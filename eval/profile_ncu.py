@@ -35,7 +35,12 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["int8"])
     ap.add_argument("--shapes", nargs="+", default=["1x24x16384x128"])
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--prepass-mode", type=int, default=None,
+                    help="8-bit pre-pass mode (csrc/sm90_int8/launch.h kPrepass* bits); default: the built-in")
     args = ap.parse_args()
+    if args.prepass_mode is not None:
+        from sage_diffusers.kernels import int8_sm90
+        int8_sm90.build().set_prepass_mode(args.prepass_mode)
     cases = [(m, parse_shape(s)) for m in args.modes for s in args.shapes]
     data = {}
     for mode, shape in cases:
