@@ -348,7 +348,7 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
     assert 'static_assert(kStages == (D == 128 && kWGs == 3 ? 3 : 4), "the ring depths the budget above works out");' in tile
     # every helper that indexes the ring takes the CTA's warpgroup count (its depth depends on it)
     mainloop = (k / "mainloop.hpp").read_text()
-    assert "TileConfig<D>::" not in mainloop and "const WarpgroupOperands<D, kWGs> ops(" in (k / "kernel_fwd.cuh").read_text()
+    assert "TileConfig<D>::" not in mainloop and "const WarpgroupOperands<D, kWGs, kSumCols> ops(" in (k / "kernel_fwd.cuh").read_text()
     partner = replace(wg3, three_consumers=False, epilogue_summary=False, epilogue_staged=False)
     two_wg = replace(wg3, three_consumers=False, epilogue_staged=False, overlap_softmax_pv=True)
     assert wg3.name == partner.name + "_esum_stage_wg3" and wg3.cpp().endswith(", .three_consumers = true}")
@@ -442,6 +442,35 @@ def test_int8_late_pv_wait_flag_validity_and_bench_twins():
         for o in (partner, late):
             assert (128, o) in gen.BENCH_VARIANTS
             assert py.FLAG_NAMES[o.flags] == o.name
+
+
+def test_int8_tc_row_sum_flag_validity_and_bench_variants():
+    """`tc_row_sum` is flag bit 1 << 20 (kFlagsHighShift + 8) on both sides, named "tcsum", refused
+    with fp16_exp2 (Python raises, C++ valid() says so); the kernel sizes the PV wgmma and its
+    accumulator from TileConfig's sum columns, the epilogue reads the sums from the accumulator, and
+    the benchmark build holds each head dim's defaults with it."""
+    from dataclasses import replace
+
+    from sage_diffusers.kernels import _sm90_int8_variants as py
+
+    gen = _generator()
+    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
+    kernel = (CSRC / "sm90_int8" / "kernel_fwd.cuh").read_text()
+    epilogue = (CSRC / "sm90_int8" / "epilogue.hpp").read_text()
+    assert gen._HIGH_BITS["tc_row_sum"] == 8 and gen._HIGH_SHORT["tc_row_sum"] == "tcsum"
+    assert "(tc_row_sum ? 1 << (kFlagsHighShift + 8) : 0)" in launch
+    assert "o.tc_row_sum = ((flags >> (kFlagsHighShift + 8)) & 1) != 0;" in launch
+    assert "(!tc_row_sum || !fp16_exp2)" in launch
+    assert "using C = TileConfig<D, kWGs, kSumCols>;" in kernel and "float o[C::kPVRegs];" in kernel
+    assert "Softmax::kTcSum ? o[D / 2 + 2 * x] : quad_sum(sm.l[x])" in epilogue
+    with pytest.raises(ValueError, match="tc_row_sum"):
+        gen.FwdOptions(lean_softmax=True, fp16_exp2=True, tc_row_sum=True)
+    for d in (64, 128):
+        base = gen.DEFAULTS[d]
+        assert not base.tc_row_sum
+        tc = replace(base, tc_row_sum=True)
+        assert tc.flags == base.flags | 1 << 20 and tc.name == base.name + "_tcsum"
+        assert (d, tc) in gen.BENCH_VARIANTS and py.FLAG_NAMES[tc.flags] == tc.name
 
 
 def test_fp4_options_come_from_one_source(tmp_path):

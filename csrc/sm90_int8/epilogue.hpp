@@ -75,11 +75,15 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   return v;
 }
 
-// stage: kStaged's tile region (smem_o_sum's place), unused without kStaged.
+// stage: kStaged's tile region (smem_o_sum's place), unused without kStaged. o: the PV accumulator
+// (TileConfig kPVRegs); with Softmax::kTcSum (tc_row_sum) its values D/2 + 2x hold row half x's
+// whole sum of P~ (the ones columns), else the softmax's partial sums are quad-reduced here.
 template <int D, DType kOut, bool kCausal, bool kSummary, bool kStaged, int kWGs, class Softmax>
 __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax& sm,
-                                               const float (&o)[D / 2], const int (&row)[2], int b,
-                                               int h, int hk, const float4* stage) {
+                                               const float (&o)[D / 2 + (Softmax::kTcSum ? 4 : 0)],
+                                               const int (&row)[2], int b, int h, int hk, const float4* stage) {
+  // l holds 448 * sum(p): the lean softmax sums P~ = 448 p, and so do the ones columns
+  constexpr bool kL448 = Softmax::kLean || Softmax::kTcSum;
   const int t = threadIdx.x & 3;
   const int64_t bh = static_cast<int64_t>(b) * p.Hq + h;
   float l[2], inv[2];
@@ -87,10 +91,9 @@ __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax
   int last_key[2];  // the last key each row may see (v_first holds attended keys only)
 #pragma unroll
   for (int x = 0; x < 2; ++x) {
-    l[x] = quad_sum(sm.l[x]);
+    l[x] = Softmax::kTcSum ? o[D / 2 + 2 * x] : quad_sum(sm.l[x]);
     bad[x] = l[x] > 0.f && isnan(sm.rowf[x]);  // rowf = sq * scale * log2(e): NaN exactly when sq is
-    // the lean softmax sums 448 * p already
-    inv[x] = l[x] > 0.f ? 1.f / (Softmax::kLean ? l[x] : kFp8Max * l[x]) : 0.f;
+    inv[x] = l[x] > 0.f ? 1.f / (kL448 ? l[x] : kFp8Max * l[x]) : 0.f;
     inv[x] = bad[x] ? __int_as_float(0x7fffffff) : inv[x];  // NaN * anything = NaN
     last_key[x] = kCausal ? min(row[x], p.Skv - 1) : p.Skv - 1;
   }
@@ -222,7 +225,7 @@ __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax
       if (row[x] < p.Sq) {
         const float corr = p.qkm[bh * p.n_q_tiles * kRowsPerWG + row[x]];
         const float lse = l[x] > 0.f ? sage_common::lse_from_log2(sm.m[x], l[x]) + corr -
-                                           (Softmax::kLean ? 6.1047932324f : 0.f)  // ln 448
+                                           (kL448 ? 6.1047932324f : 0.f)  // ln 448
                                      : -INFINITY;
         p.lse[bh * p.Sq + row[x]] = bad[x] ? __int_as_float(0x7fffffff) : lse;
       }

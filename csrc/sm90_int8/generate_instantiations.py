@@ -29,7 +29,7 @@ PY_OUT = HERE.parents[1] / "sage_diffusers" / "kernels" / "_sm90_int8_variants.p
 _HIGH_SHIFT = 12
 # name -> bit above _HIGH_SHIFT (FwdOptions::flags() in launch.h spells the same positions)
 _HIGH_BITS = {"seed_reductions": 0, "persistent": 1, "phase_clock": 2, "epilogue_summary": 3, "q_in_kernel": 4,
-              "epilogue_staged": 5, "three_consumers": 6, "late_pv_wait": 7}
+              "epilogue_staged": 5, "three_consumers": 6, "late_pv_wait": 7, "tc_row_sum": 8}
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class FwdOptions:
     epilogue_staged: bool = False     # bit 1 << 17 (kFlagsHighShift + 5), O staged in smem, 16-byte stores
     three_consumers: bool = False     # bit 1 << 18 (kFlagsHighShift + 6), no pingpong / phase_clock; hd128: no overlap
     late_pv_wait: bool = False        # bit 1 << 19 (kFlagsHighShift + 7), needs overlap_softmax_pv and lean_softmax
+    tc_row_sum: bool = False          # bit 1 << 20 (kFlagsHighShift + 8), row sums on the tensor cores; no fp16_exp2
 
     def __post_init__(self):
         if (self.fp16_exp2 or self.split_reductions or self.seed_reductions) and not self.lean_softmax:
@@ -67,6 +68,8 @@ class FwdOptions:
         if self.late_pv_wait and not (self.overlap_softmax_pv and self.lean_softmax):
             raise ValueError(f"{self}: late_pv_wait places the PV wait of the softmax / PV overlap in the lean "
                              "softmax's O-rescale branches (overlap_softmax_pv, lean_softmax)")
+        if self.tc_row_sum and self.fp16_exp2:
+            raise ValueError(f"{self}: tc_row_sum replaces the fp32 row sums; fp16_exp2 sums its fp16 pairs itself")
         if self.three_consumers and (self.pingpong or self.phase_clock):
             raise ValueError(f"{self}: three_consumers has no ping-pong schedule or phase record (two warpgroups)")
 
@@ -99,7 +102,8 @@ class FwdOptions:
 
 # name parts of the high bools, in this order after smemo<N>
 _HIGH_SHORT = {"seed_reductions": "seed", "persistent": "persist", "epilogue_summary": "esum", "phase_clock": "clock",
-               "q_in_kernel": "qk", "epilogue_staged": "stage", "three_consumers": "wg3", "late_pv_wait": "latewait"}
+               "q_in_kernel": "qk", "epilogue_staged": "stage", "three_consumers": "wg3", "late_pv_wait": "latewait",
+               "tc_row_sum": "tcsum"}
 
 HEAD_DIMS = (64, 128)
 DTYPES = {"fp16": "DType::kF16", "bf16": "DType::kBF16"}
@@ -177,15 +181,19 @@ _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every
 # attention kernel alone (eval/results/int8_latewait_h200.md): hd128 1.03x the defaults, hd64's
 # overlap loop 1.15x without it; fp16_exp2 1.06x / 1.08x (sm_90a has no two-exp2 MUFU op: ptxas
 # emits one MUFU.EX2.F16 per half).
+# tc_row_sum (the row sums of P~ from the PV wgmma, N = D + 8 with ones rows after V^T: 64 FADDs per
+# tile and thread fewer, 6 % / 12 % more PV tensor time at hd128 / hd64; other bits, as fp16_exp2):
+# the defaults of each head dim with it.
 _BENCH_CHANGES = {
     128: (*_BENCH_COMMON,
           {**_HD128_WG3_LOOP, "three_consumers": True},
           {**_HD128_WG3_LOOP, "epilogue_summary": False, "epilogue_staged": False},
-          {"late_pv_wait": True}, {"late_pv_wait": True, "fp16_exp2": True}),
+          {"late_pv_wait": True}, {"late_pv_wait": True, "fp16_exp2": True}, {"tc_row_sum": True}),
     64: (*_BENCH_COMMON,
          {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True},
          {"three_consumers": False, "epilogue_summary": False, "epilogue_staged": False},
-         {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True, "late_pv_wait": True}),
+         {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True, "late_pv_wait": True},
+         {"tc_row_sum": True}),
 }
 _UNCORRECTED = {128: _HD128, 64: _HD64}
 # Options refused together at one head dim (fwd_kernel static_asserts the same): at hd128 the

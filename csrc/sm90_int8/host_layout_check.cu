@@ -49,12 +49,16 @@ void check_single(Layout2 layout, int rows, int cols, const char* name) {
     }
 }
 
-template <int D>
+// kSumCols (tc_row_sum): the V^T stage layout has kSumCols more rows, the image's D rows at the
+// image's offsets and the ones rows in the stage's last kSumCols * 128 bytes (fill_sum_rows), and
+// the PV accumulator kPVRegs values of the same rule (columns D.. the row sums).
+template <int D, int kSumCols = 0>
 void check_config() {
-  using C = TileConfig<D>;
+  using C = TileConfig<D, 2, kSumCols>;
   check_single(typename C::SmemLayoutQ{}, kRowsPerWG, D, "Q image");
   check_staged(typename C::SmemLayoutK{}, kBlockKV, D, C::kStages, C::kKTileBytes, "K image");
-  check_staged(typename C::SmemLayoutVt{}, D, kBlockKV, C::kStages, C::kVTileBytes, "Vt image");
+  check_staged(typename C::SmemLayoutVt{}, D + kSumCols, kBlockKV, C::kStages, C::kVStageBytes, "Vt image");
+  CHECK_EQ(C::kVStageBytes - C::kVTileBytes, kSumCols * kBlockKV, "Vt stage: image + ones rows");
 
   // Accumulator of S (64 x 128): value v of thread tid is row 16*warp + g + 8*((v>>1)&1),
   // column 8*(v>>2) + 2*t + (v&1).
@@ -67,10 +71,10 @@ void check_config() {
       CHECK_EQ(m, 16 * w + g + 8 * ((v >> 1) & 1), "S acc row");
       CHECK_EQ(n, 8 * (v >> 2) + 2 * t + (v & 1), "S acc col");
     }
-  // Accumulator of O (64 x D): same rule.
+  // Accumulator of O (64 x D, + kSumCols): same rule.
   auto cO = typename C::TiledMmaPV{}.get_layoutC_TV();
   for (int tid = 0; tid < 128; ++tid)
-    for (int v = 0; v < C::kORegs; ++v) {
+    for (int v = 0; v < C::kPVRegs; ++v) {
       int idx = cO(tid, v);
       int m = idx % 64, n = idx / 64;
       int g = (tid & 31) >> 2, t = tid & 3, w = tid >> 5;
@@ -117,13 +121,15 @@ void check_config() {
   int seen[32] = {0};
   for (int p = 0; p < 32; ++p) seen[vt_position_to_key(p)]++;
   for (int p = 0; p < 32; ++p) CHECK_EQ(seen[p], 1, "perm bijective");
-  std::printf("hd%d: smem Q %d B, K %d B, V %d B, total %d B, stages %d\n", D, C::kSmemQ,
-              C::kSmemK, C::kSmemV, C::kSmemBytes, C::kStages);
+  std::printf("hd%d%s: smem Q %d B, K %d B, V %d B, total %d B, stages %d\n", D, kSumCols ? " (sum rows)" : "",
+              C::kSmemQ, C::kSmemK, C::kSmemV, C::kSmemBytes, C::kStages);
 }
 
 int main() {
   check_config<64>();
   check_config<128>();
+  check_config<64, 8>();
+  check_config<128, 8>();
   if (g_fail) {
     std::printf("host_layout_check: %d mismatches\n", g_fail);
     return 1;

@@ -103,6 +103,14 @@ namespace sage_sm90 {
 //                        is packed after it (FA3's order). Same operations: same results bit for bit.
 //                        Measured slower (hd128 1.03x, hd64's overlap loop 1.15x the kernel time:
 //                        eval/results/int8_latewait_h200.md): a benchmark variant only.
+//   tc_row_sum         : the row sums of P~ on the tensor cores instead of one FADD per score: each
+//                        V^T stage in smem has 8 rows of E4M3 ones after its D channels (written
+//                        once per CTA: mainloop.hpp fill_sum_rows), so the PV wgmma is N = D + 8
+//                        and accumulator columns D.. hold sum_k P~_k, rescaled, flushed and
+//                        summed with O (TileConfig kPVRegs). The sum is that of the E4M3 codes O
+//                        is weighted with, accumulated at the FP8 wgmma's precision like O, so the
+//                        normalisation sees the same rounding as the numerator (not the same bits as
+//                        the fp32 sum of unrounded p). Costs D + 8 / D of the PV tensor time.
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 168 registers, ptxas's cap for 384). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
@@ -122,7 +130,7 @@ template <int D, FwdOptions kOpt>
 constexpr int fwd_smem_bytes() {
   // epilogue_staged: its tile takes the O sum's place (StagedOut, epilogue.hpp), or adds it
   constexpr int kWGs = kOpt.consumer_warpgroups();
-  constexpr int bytes = TileConfig<D, kWGs>::kSmemBytes + (kOpt.smem_o_every > 0 ? kSmemOSumBytes<D, kWGs>
+  constexpr int bytes = TileConfig<D, kWGs, kOpt.sum_cols()>::kSmemBytes + (kOpt.smem_o_every > 0 ? kSmemOSumBytes<D, kWGs, kOpt.sum_cols()>
                                                            : kOpt.epilogue_staged ? StagedOut<D, kWGs>::kBytes
                                                                                   : 0);
   static_assert(bytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
@@ -236,7 +244,9 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   constexpr int kBlockM = Cta::kBlockM, kConsumerThreads = Cta::kConsumerThreads;
   constexpr int kProducerWarp = Cta::kProducerWarp, kQTilesPerCTA = Cta::kQTilesPerCTA;
   static_assert(kRowsPerWG == kQImageRows, "launch.h sizes the Q images in tiles of one warpgroup's rows");
-  using C = TileConfig<D, kWGs>;
+  // tc_row_sum: the V^T stages carry kSumCols rows of ones, the PV accumulator kPVRegs values
+  constexpr int kSumCols = kOpt.sum_cols();
+  using C = TileConfig<D, kWGs, kSumCols>;
   constexpr bool kLean = kOpt.lean_softmax;
   constexpr bool kOverlapSoftmaxWithPV = kOpt.overlap_softmax_pv;
   constexpr bool kLatePvWait = kOpt.late_pv_wait;
@@ -282,7 +292,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   // mask bits, the Q / K / V^T images) comes after this (a no-op in a plain launch).
   sage_common::sm90::pdl_wait();
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  const SmemPlan<D, kWGs> sp(smem_raw);
+  const SmemPlan<D, kWGs, kSumCols> sp(smem_raw);
 
   // Without `persistent` the CTA's one work tile is (blockIdx.x, y, z).
   FwdWork work0{};
@@ -290,6 +300,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     work0 = make_work<kCausal, kBlockM>(p, kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
   }
 
+  fill_sum_rows(sp);  // tc_row_sum only; ordered before any wgmma by init_barriers' __syncthreads
   init_barriers<D, kPersistent>(sp);
   clock.mark(ConsumerPhase::kReady);  // = ProducerPhase::kReady on the producer lane
 
@@ -336,37 +347,39 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     // Stage and phase parity of key tile t of this work tile in the K/V ring.
     auto stage_of = [&](int t) {
       int s, n;
-      ring_slot<D, kPersistent, kWGs>(tile0 + t, s, n);
+      ring_slot<D, kPersistent, kWGs, kSumCols>(tile0 + t, s, n);
       return s;
     };
     auto parity_of = [&](int t) {
       int s, n;
-      ring_slot<D, kPersistent, kWGs>(tile0 + t, s, n);
+      ring_slot<D, kPersistent, kWGs, kSumCols>(tile0 + t, s, n);
       return n & 1;
     };
     const int wg_row0 = wg_first_row(m_block, wg);
     int row[2];
     fragment_rows(wg_row0, tid, lane, row);
 
-    using Softmax = OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce, kOpt.seed_reductions>;
+    using Softmax = OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce, kOpt.seed_reductions, kOpt.tc_row_sum>;
     Softmax sm;
     if constexpr (!kQInKernel) {  // q_in_kernel: the row scales come with its Q fragments below
       const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
       sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
     }
-    const WarpgroupOperands<D, kWGs> ops(sp, wg, tid);
+    const WarpgroupOperands<D, kWGs, kSumCols> ops(sp, wg, tid);
     const float* sk = p.sk + (static_cast<int64_t>(b) * p.Hkv + hk) * p.n_kv_tiles;
     const uint32_t* bits =
         p.mask_bits != nullptr ? p.mask_bits + static_cast<int64_t>(b) * 4 * p.n_kv_tiles : nullptr;
 
     uint32_t s_acc[C::kSRegs];
     uint32_t p_frag[C::kPRegs];
-    float o[C::kORegs];
+    // O's accumulator; tc_row_sum: then the row sums of P~ (TileConfig kPVRegs), which every step
+    // below (rescale, tile sums, the smem sum) treats as O's values.
+    float o[C::kPVRegs];
     // fp32_pv_tiles: the PV wgmma's accumulator, one tile's P V (unused, and compiled away, without).
-    float o_tile[C::kORegs];
+    float o_tile[C::kPVRegs];
 #pragma unroll
-    for (int i = 0; i < C::kORegs; ++i) o[i] = o_tile[i] = 0.f;
-    float (&pv_acc)[C::kORegs] = *(kTilePV ? &o_tile : &o);
+    for (int i = 0; i < C::kPVRegs; ++i) o[i] = o_tile[i] = 0.f;
+    float (&pv_acc)[C::kPVRegs] = *(kTilePV ? &o_tile : &o);
     // smem_o_every: this thread's share of O's smem sum, as float4 j at o_sum[j * kConsumerThreads]
     // (a warp's 32 lanes touch 512 consecutive bytes: no bank conflicts); o_scale: per row, the
     // product of the alphas applied to the register accumulator since the last flush.
@@ -374,7 +387,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     float o_scale[2] = {1.f, 1.f};
     if constexpr (kSmemO) {
 #pragma unroll
-      for (int j = 0; j < C::kORegs / 4; ++j) o_sum[j * kConsumerThreads] = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int j = 0; j < C::kPVRegs / 4; ++j) o_sum[j * kConsumerThreads] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
     // Whether the PV wgmma of key tile u starts its accumulator from zero.
     // (the divisor is never 0 when evaluated: without kSmemO the && stops first; spelled so nvcc
@@ -391,7 +404,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     };
     auto flush_o = [&] {
 #pragma unroll
-      for (int j = 0; j < C::kORegs / 4; ++j) o_sum[j * kConsumerThreads] = scaled_sum(j);
+      for (int j = 0; j < C::kPVRegs / 4; ++j) o_sum[j * kConsumerThreads] = scaled_sum(j);
       o_scale[0] = o_scale[1] = 1.f;
     };
     // After key tile u's PV retired and O was rescaled to the next tile's max.
@@ -404,7 +417,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     auto add_tile = [&] {
       if constexpr (kTilePV) {
 #pragma unroll
-        for (int i = 0; i < C::kORegs; ++i) o[i] += o_tile[i];
+        for (int i = 0; i < C::kPVRegs; ++i) o[i] += o_tile[i];
       }
     };
 
@@ -439,7 +452,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     // O *= alpha; with kLean skipped when max_kept.
     auto scale_o = [&](const float (&alpha)[2]) {
 #pragma unroll
-      for (int i = 0; i < C::kORegs; ++i) o[i] *= alpha[(i >> 1) & 1];
+      for (int i = 0; i < C::kPVRegs; ++i) o[i] *= alpha[(i >> 1) & 1];
       if constexpr (kSmemO) {
         o_scale[0] *= alpha[0];
         o_scale[1] *= alpha[1];
@@ -465,7 +478,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       sm.init(sq[0] * p.scale_log2, sq[1] * p.scale_log2);
     } else {
       Barrier::wait(sp.q_full, work & 1);
-      if constexpr (kQRegs) WarpgroupOperands<D, kWGs>::load_q_frag(sp, wg, tid, q_frag);
+      if constexpr (kQRegs) WarpgroupOperands<D, kWGs, kSumCols>::load_q_frag(sp, wg, tid, q_frag);
       if constexpr (kPersistent) {  // Q is in registers: the producer may load the next work tile's
         __syncwarp();
         if (lane == 0) Barrier::arrive(sp.q_empty);
@@ -612,7 +625,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     if (work == 0) clock.mark(ConsumerPhase::kLastPV);
     if constexpr (kSmemO) {  // O = o_scale * smem sum + the tiles since the last flush
 #pragma unroll
-      for (int j = 0; j < C::kORegs / 4; ++j) {
+      for (int j = 0; j < C::kPVRegs / 4; ++j) {
         const float4 x = scaled_sum(j);
         o[4 * j] = x.x;
         o[4 * j + 1] = x.y;

@@ -36,6 +36,8 @@ struct FwdOptions {
                                     // no ping-pong or phase_clock; at head dim 128 no overlap_softmax_pv
                                     // (fwd_kernel, which knows D, static_asserts it)
   bool late_pv_wait = false;        // (overlap + lean) the PV wait after the softmax's exp2, P packed after it
+  bool tc_row_sum = false;          // the row sums of P~ on the tensor cores: 8 columns of ones after V^T's D
+                                    // rows in smem (PV's N = D + 8); no fp16_exp2
 
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
@@ -44,7 +46,8 @@ struct FwdOptions {
            (seed_reductions ? 1 << kFlagsHighShift : 0) | (persistent ? 1 << (kFlagsHighShift + 1) : 0) |
            (phase_clock ? 1 << (kFlagsHighShift + 2) : 0) | (epilogue_summary ? 1 << (kFlagsHighShift + 3) : 0) |
            (q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0) | (epilogue_staged ? 1 << (kFlagsHighShift + 5) : 0) |
-           (three_consumers ? 1 << (kFlagsHighShift + 6) : 0) | (late_pv_wait ? 1 << (kFlagsHighShift + 7) : 0);
+           (three_consumers ? 1 << (kFlagsHighShift + 6) : 0) | (late_pv_wait ? 1 << (kFlagsHighShift + 7) : 0) |
+           (tc_row_sum ? 1 << (kFlagsHighShift + 8) : 0);
   }
   static constexpr int kFlagsIntShift = 7;  // smem_o_every (<= 16: 5 bits) sits above the first bools
   static constexpr int kFlagsHighShift = 12;  // bools added later sit above it (flags stay stable)
@@ -68,6 +71,7 @@ struct FwdOptions {
     o.epilogue_staged = ((flags >> (kFlagsHighShift + 5)) & 1) != 0;
     o.three_consumers = ((flags >> (kFlagsHighShift + 6)) & 1) != 0;
     o.late_pv_wait = ((flags >> (kFlagsHighShift + 7)) & 1) != 0;
+    o.tc_row_sum = ((flags >> (kFlagsHighShift + 8)) & 1) != 0;
     o.exp2_poly_every = exp2_poly_every;
     return o;
   }
@@ -85,8 +89,12 @@ struct FwdOptions {
            // consumer warpgroups (at head dim 128 also no overlap: fwd_kernel, which knows D, asserts that)
            (!three_consumers || (!pingpong && !phase_clock)) &&
            // late_pv_wait: the wait sits in the lean softmax's two O-rescale branches, under the overlap
-           (!late_pv_wait || (overlap_softmax_pv && lean_softmax));
+           (!late_pv_wait || (overlap_softmax_pv && lean_softmax)) &&
+           // tc_row_sum: fp16_exp2 sums its fp16 pairs itself (softmax.hpp scores_lean_half)
+           (!tc_row_sum || !fp16_exp2);
   }
+  // tc_row_sum: the columns of ones appended to V^T in smem (one 8-row swizzle atom; TileConfig kSumCols).
+  constexpr int sum_cols() const { return tc_row_sum ? 8 : 0; }
   // The loops that hold two P arrays (overlap or ping-pong) take a whole producer warpgroup; so
   // do three consumer warpgroups, whose 160 registers each exist only with setmaxnreg (512 threads
   // launch with 128).

@@ -37,13 +37,14 @@ using sage_common::sm90::fence_regs;
 using sage_common::sm90::wgmma_rs;
 using sage_common::sm90::wgmma_ss;
 
-// kWGs: consumer warpgroups of the CTA (CtaShape), one Q tile each.
-template <int D, int kWGs = 2>
+// kWGs: consumer warpgroups of the CTA (CtaShape), one Q tile each. kSumCols: TileConfig's ones
+// rows after each V^T stage (tc_row_sum).
+template <int D, int kWGs = 2, int kSumCols = 0>
 struct SmemPlan {
-  using C = TileConfig<D, kWGs>;
+  using C = TileConfig<D, kWGs, kSumCols>;
   uint8_t* q;   // kWGs tiles of kQTileBytes
   uint8_t* k;   // kStages tiles of kKTileBytes
-  uint8_t* v;   // kStages tiles of kVTileBytes (V^T)
+  uint8_t* v;   // kStages stages of kVStageBytes (V^T: the kVTileBytes image, then kSumCols rows of ones)
   uint64_t* full;
   uint64_t* empty;
   uint64_t* q_full;
@@ -66,27 +67,45 @@ struct SmemPlan {
 // smem_o_every's fp32 sum of O (kBlockM x D floats), after the barriers, 16-byte aligned; the
 // launch adds kSmemOSumBytes to the CTA's shared memory (kernel_fwd.cuh fwd_smem_bytes).
 constexpr int kSmemOSumAlign = 16;
-template <int D, int kWGs>
-constexpr int kSmemOSumBytes = CtaShape<kWGs>::kBlockM * D * 4 + kSmemOSumAlign;
+// (tc_row_sum: D + kSumCols columns, the row sums too.)
+template <int D, int kWGs, int kSumCols = 0>
+constexpr int kSmemOSumBytes = CtaShape<kWGs>::kBlockM * (D + kSumCols) * 4 + kSmemOSumAlign;
 static_assert(kSmemOSumBytes<128, 3> == TileConfig<128, 3>::kSmemAfterBarriers &&
-                  kSmemOSumBytes<64, 2> == TileConfig<64, 2>::kSmemAfterBarriers,
+                  kSmemOSumBytes<64, 2> == TileConfig<64, 2>::kSmemAfterBarriers &&
+                  kSmemOSumBytes<128, 3, 8> == TileConfig<128, 3, 8>::kSmemAfterBarriers,
               "TileConfig sizes its K/V ring to leave the O sum's room");
-template <int D, int kWGs>
-__device__ __forceinline__ float4* smem_o_sum(const SmemPlan<D, kWGs>& sp) {
-  using C = TileConfig<D, kWGs>;
+template <int D, int kWGs, int kSumCols>
+__device__ __forceinline__ float4* smem_o_sum(const SmemPlan<D, kWGs, kSumCols>& sp) {
+  using C = TileConfig<D, kWGs, kSumCols>;
   static_assert((C::kSmemQ + C::kSmemK + C::kSmemV + 8 * (2 * C::kStages + 1)) % kSmemOSumAlign == 8,
                 "q_empty must fit in the alignment pad between q_full and the O sum (SmemPlan)");
   uint8_t* end = reinterpret_cast<uint8_t*>(sp.q_full + 1);
   return reinterpret_cast<float4*>(end + sage_common::smem_align_pad<kSmemOSumAlign>(sage_common::smem_addr(end)));
 }
 
+// tc_row_sum: every thread writes its share of the ones rows (fp8 1.0 = 0x38) after each V^T stage's
+// image, before init_barriers' __syncthreads; the fence makes these generic-proxy stores visible to
+// the wgmmas (async proxy) that read them. The producer's copies never touch them.
+template <int D, int kWGs, int kSumCols>
+__device__ __forceinline__ void fill_sum_rows(const SmemPlan<D, kWGs, kSumCols>& sp) {
+  if constexpr (kSumCols > 0) {
+    using C = TileConfig<D, kWGs, kSumCols>;
+    constexpr int kChunks = kSumCols * kBlockKV / 16;  // 16-byte chunks per stage
+    for (int i = threadIdx.x; i < C::kStages * kChunks; i += blockDim.x) {
+      uint8_t* stage = sp.v + (i / kChunks) * C::kVStageBytes + C::kVTileBytes;
+      *reinterpret_cast<uint4*>(stage + 16 * (i % kChunks)) = make_uint4(0x38383838u, 0x38383838u, 0x38383838u, 0x38383838u);
+    }
+    sage_common::sm90::fence_view_async_shared();
+  }
+}
+
 // kQEmpty: also q_empty (persistent kernels).
-template <int D, bool kQEmpty = false, int kWGs>
-__device__ __forceinline__ void init_barriers(const SmemPlan<D, kWGs>& sp) {
+template <int D, bool kQEmpty = false, int kWGs, int kSumCols>
+__device__ __forceinline__ void init_barriers(const SmemPlan<D, kWGs, kSumCols>& sp) {
   constexpr int kConsumerWarps = CtaShape<kWGs>::kConsumerThreads / 32;  // every one arrives
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int s = 0; s < TileConfig<D, kWGs>::kStages; ++s) {
+    for (int s = 0; s < TileConfig<D, kWGs, kSumCols>::kStages; ++s) {
       Barrier::init(&sp.full[s], 1);
       Barrier::init(&sp.empty[s], kConsumerWarps);
     }
@@ -99,10 +118,10 @@ __device__ __forceinline__ void init_barriers(const SmemPlan<D, kWGs>& sp) {
 
 // Stage and use count (n) of item `tile` of the K/V ring. kRunning: a running counter over a
 // persistent CTA's work tiles (unsigned: no sign fix-up in the division). kWGs: the CTA's consumer
-// warpgroups (the ring depth depends on them: TileConfig::kStages).
-template <int D, bool kRunning, int kWGs>
+// warpgroups (the ring depth depends on them: TileConfig::kStages); kSumCols: TileConfig's.
+template <int D, bool kRunning, int kWGs, int kSumCols = 0>
 __device__ __forceinline__ void ring_slot(int tile, int& stage, int& n) {
-  constexpr int kStages = TileConfig<D, kWGs>::kStages;
+  constexpr int kStages = TileConfig<D, kWGs, kSumCols>::kStages;
   if constexpr (kRunning) {
     stage = static_cast<int>(static_cast<unsigned>(tile) % kStages);
     n = static_cast<int>(static_cast<unsigned>(tile) / kStages);
@@ -117,11 +136,11 @@ __device__ __forceinline__ void ring_slot(int tile, int& stage, int& n) {
 // kPersistent: Q goes into smem only after the consumers took the previous work tile's Q into
 // registers (q_empty). kCopyQ false (q_in_kernel): the consumers load Q themselves (quant_q_frag):
 // no Q copy, q_full / q_empty unused.
-template <int D, bool kPersistent = false, bool kCopyQ = true, int kWGs>
-__device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs>& sp, const int8_t* q_src,
+template <int D, bool kPersistent = false, bool kCopyQ = true, int kWGs, int kSumCols>
+__device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs, kSumCols>& sp, const int8_t* q_src,
                                               const int8_t* k_src, const uint8_t* v_src,
                                               int n_tiles, int work = 0, int tile0 = 0) {
-  using C = TileConfig<D, kWGs>;  // kSmemQ: the Q tiles of every consumer warpgroup
+  using C = TileConfig<D, kWGs, kSumCols>;  // kSmemQ: the Q tiles of every consumer warpgroup
   using sage_common::sm90::bulk_copy_g2s;
   if constexpr (kCopyQ) {
     if constexpr (kPersistent) {
@@ -132,21 +151,22 @@ __device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs>& sp, const
   }
   for (int t = 0; t < n_tiles; ++t) {
     int s, n;
-    ring_slot<D, kPersistent, kWGs>(tile0 + t, s, n);
+    ring_slot<D, kPersistent, kWGs, kSumCols>(tile0 + t, s, n);
     if (n > 0) Barrier::wait(&sp.empty[s], (n - 1) & 1);
     Barrier::arrive_and_expect_tx(&sp.full[s], C::kKTileBytes + C::kVTileBytes);
     bulk_copy_g2s(k_src + static_cast<int64_t>(t) * C::kKTileBytes, &sp.full[s],
                   sp.k + s * C::kKTileBytes, C::kKTileBytes);
     bulk_copy_g2s(v_src + static_cast<int64_t>(t) * C::kVTileBytes, &sp.full[s],
-                  sp.v + s * C::kVTileBytes, C::kVTileBytes);
+                  sp.v + s * C::kVStageBytes, C::kVTileBytes);
   }
 }
 
 // Descriptor tensors of one consumer warpgroup (CuTe builds the GMMA descriptors). kWGs: the CTA's
-// consumer warpgroups, which set the ring depth of the K / V^T layouts (TileConfig::kStages).
-template <int D, int kWGs = 2>
+// consumer warpgroups, which set the ring depth of the K / V^T layouts (TileConfig::kStages);
+// kSumCols: the V^T stages' ones rows (PV's N = D + kSumCols).
+template <int D, int kWGs = 2, int kSumCols = 0>
 struct WarpgroupOperands {
-  using C = TileConfig<D, kWGs>;
+  using C = TileConfig<D, kWGs, kSumCols>;
   using TQ = sage_common::sm90::GmmaDescA<typename C::TiledMmaQK, typename C::SmemLayoutQ, int8_t>;
   using TK = sage_common::sm90::GmmaDescB<typename C::TiledMmaQK, typename C::SmemLayoutK, int8_t>;
   using TV = sage_common::sm90::GmmaDescB<typename C::TiledMmaPV, typename C::SmemLayoutVt, cute::float_e4m3_t>;
@@ -154,7 +174,7 @@ struct WarpgroupOperands {
   TK k;  // (1, 1, D/32, kStages)
   TV v;  // (1, 1, 128/32, kStages)
 
-  __device__ __forceinline__ WarpgroupOperands(const SmemPlan<D, kWGs>& sp, int wg, int tid_in_wg)
+  __device__ __forceinline__ WarpgroupOperands(const SmemPlan<D, kWGs, kSumCols>& sp, int wg, int tid_in_wg)
       : q(sage_common::sm90::gmma_desc_a<typename C::TiledMmaQK, typename C::SmemLayoutQ>(
             reinterpret_cast<int8_t*>(sp.q + wg * C::kQTileBytes), tid_in_wg)),
         k(sage_common::sm90::gmma_desc_b<typename C::TiledMmaQK, typename C::SmemLayoutK>(
@@ -196,7 +216,7 @@ struct WarpgroupOperands {
   }
   __host__ __device__ static constexpr int q_frag_row_half(int reg) { return reg & 1; }
 
-  __device__ __forceinline__ static void load_q_frag(const SmemPlan<D, kWGs>& sp, int wg, int tid_in_wg,
+  __device__ __forceinline__ static void load_q_frag(const SmemPlan<D, kWGs, kSumCols>& sp, int wg, int tid_in_wg,
                                                      uint32_t (&qf)[D / 8]) {
     const int lane = tid_in_wg & 31, g = lane >> 2, t = lane & 3;
     const uint8_t* tile = sp.q + wg * C::kQTileBytes;
@@ -296,13 +316,14 @@ struct WarpgroupOperands {
     cute::warpgroup_commit_batch();
   }
 
-  // O(64 x D, fp32) += P(64 x 128, e4m3 registers) V_s as one committed group (not waited for).
+  // O(64 x D, fp32) += P(64 x 128, e4m3 registers) V_s as one committed group (not waited for);
+  // with kSumCols also the row sums of P (columns D.., the ones rows: TileConfig kPVRegs).
   // zero_first: O = P V_s instead (the first k-step overwrites the accumulator): a key tile's
   // product from zero (fp32_pv_tiles), or the first tile after a flush to smem (smem_o_every). The FP8 wgmma adds each k-step into its accumulator at reduced
   // precision with truncation, so summing all key tiles inside the tensor core loses a share of
   // O that grows with the key count (eval/pv_accumulation_model.py); one tile from zero keeps
   // that error at one tile's worth, and the tiles are summed in fp32 registers.
-  __device__ __forceinline__ void pv_issue(int stage, uint32_t (&p)[C::kPRegs], float (&o)[C::kORegs],
+  __device__ __forceinline__ void pv_issue(int stage, uint32_t (&p)[C::kPRegs], float (&o)[C::kPVRegs],
                                            bool fence, bool zero_first = false) const {
     fence_regs(p);
     fence_regs(o);
@@ -312,7 +333,7 @@ struct WarpgroupOperands {
       wgmma_rs<typename C::MmaPV>(&p[4 * kb], uint64_t(v(0, 0, kb, stage)), o,
                                   zero_first && kb == 0 ? cute::GMMA::ScaleOut::Zero
                                                         : cute::GMMA::ScaleOut::One,
-                                  std::make_index_sequence<C::kORegs>{});
+                                  std::make_index_sequence<C::kPVRegs>{});
     }
     cute::warpgroup_commit_batch();
   }
@@ -323,7 +344,7 @@ struct WarpgroupOperands {
     cute::warpgroup_wait<0>();
     fence_regs(s);
   }
-  __device__ __forceinline__ void pv(int stage, uint32_t (&p)[C::kPRegs], float (&o)[C::kORegs],
+  __device__ __forceinline__ void pv(int stage, uint32_t (&p)[C::kPRegs], float (&o)[C::kPVRegs],
                                      bool zero_first = false) const {
     pv_issue(stage, p, o, /*fence=*/true, zero_first);
     cute::warpgroup_wait<0>();

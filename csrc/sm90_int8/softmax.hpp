@@ -67,17 +67,23 @@ struct TileMask {
 // scores_lean's row sum starts from its first value instead of fmaxf(-inf, s) / 0 + p, which ptxas
 // must keep (fmaxf(-inf, NaN) is -inf, 0 + -0 is +0): one FMNMX and one FADD fewer per chain and
 // tile. The same values: scores are never NaN (biased integers or -inf) and p is never -0.
-template <int kPolyEvery, bool kLean_ = false, bool kHalfExp_ = false, bool kSplit_ = false, bool kSeed_ = false>
+// kTcSum_ (option tc_row_sum): the row sums come from the PV wgmma (columns of ones after V^T,
+// tile_config.hpp kSumCols), as the sum of the E4M3 codes of P~ that O is weighted with, rescaled
+// with O; the steps here add no p and l stays 0 (the epilogue reads the sums from the accumulator).
+template <int kPolyEvery, bool kLean_ = false, bool kHalfExp_ = false, bool kSplit_ = false, bool kSeed_ = false,
+          bool kTcSum_ = false>
 struct OnlineSoftmax {
   static constexpr bool kLean = kLean_;
   static constexpr bool kHalfExp = kHalfExp_;
   static constexpr bool kSeed = kSeed_;
+  static constexpr bool kTcSum = kTcSum_;
+  static_assert(!kTcSum_ || !kHalfExp_, "the fp16 exp2 path sums its pairs itself");
   static constexpr int kChains = kSplit_ ? 4 : 1;
   static_assert(!kHalfExp_ || kLean_, "the fp16 exp2 path is a variant of the lean softmax");
   static_assert(!kSeed_ || kLean_, "seeded reductions are a variant of the lean softmax");
   static constexpr int kN = 64;  // accumulator values per thread
   float m[2];       // running max of s (log2 domain), -inf before any unmasked key
-  float l[2];       // this thread's partial row sums of unquantized p (quad-reduced at the end)
+  float l[2];       // this thread's partial row sums of unquantized p (quad-reduced at the end; 0 with kTcSum)
   float rowf[2];    // sq_i * scale * log2(e) of each half
 
   __device__ __forceinline__ void init(float rowf0, float rowf1) {
@@ -199,11 +205,13 @@ struct OnlineSoftmax {
       } else {
         p = exp2_mufu(x);
       }
-      sum[h] += p;
+      if constexpr (!kTcSum) sum[h] += p;
       s[v] = p * kFp8Max;  // exact fp32 multiply, in [0, 448]
     }
-    l[0] = l[0] * alpha[0] + sum[0];
-    l[1] = l[1] * alpha[1] + sum[1];
+    if constexpr (!kTcSum) {
+      l[0] = l[0] * alpha[0] + sum[0];
+      l[1] = l[1] * alpha[1] + sum[1];
+    }
   }
 
   // Shared start of the lean steps: s = bias + int score (exact, |int| < 2^22), masks, row scale
@@ -250,15 +258,19 @@ struct OnlineSoftmax {
       } else {
         p = exp2_mufu(x);
       }
-      float& acc = part_sum[h][(v >> 2) % kChains];
-      acc = kSeed && opens_chain(v) ? p : acc + p;
+      if constexpr (!kTcSum) {
+        float& acc = part_sum[h][(v >> 2) % kChains];
+        acc = kSeed && opens_chain(v) ? p : acc + p;
+      }
       s[v] = p;  // already P~ * 448 (cvt saturates the rare 448 * (1 + 1e-7))
     }
-    float sum[2];
+    if constexpr (!kTcSum) {
+      float sum[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) sum[h] = chains_sum(part_sum[h]);
-    l[0] = l[0] * alpha[0] + sum[0];
-    l[1] = l[1] * alpha[1] + sum[1];
+      for (int h = 0; h < 2; ++h) sum[h] = chains_sum(part_sum[h]);
+      l[0] = l[0] * alpha[0] + sum[0];
+      l[1] = l[1] * alpha[1] + sum[1];
+    }
   }
 
   __device__ __forceinline__ void scores_lean_half(const uint32_t (&s_int)[kN], float sk_tile,

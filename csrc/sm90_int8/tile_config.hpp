@@ -12,6 +12,10 @@
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
+// N = 72 and 136 (tc_row_sum's PV atoms) are CUTLASS's extended GMMA shapes, included directly
+// rather than through CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (which would pull them into every unit).
+#include <cute/arch/mma_sm90_gmma_ext.hpp>
+#include <cute/atom/mma_traits_sm90_gmma_ext.hpp>
 
 #include "../common/sm90/gmma_swizzle.cuh"
 
@@ -40,15 +44,24 @@ struct CtaShape {
   static constexpr int kQTilesPerCTA = kWGs;                  // Q image tiles are 64 rows (one per WG)
 };
 
-template <int D, int kWGs = 2>
+// kSumCols (FwdOptions::tc_row_sum: 8, else 0): rows of fp8 ones after the D channel rows of each
+// V^T stage in smem, so the PV wgmma (N = D + kSumCols) also yields each row's sum of P~ in the
+// accumulator columns D.. (the softmax then adds no p). The pre-pass image stays D x 128; the
+// producer copies it into the first kVTileBytes of the stage and the ones stay as the kernel wrote
+// them. kSumCols = 0 is every other variant, its sizes and layouts unchanged.
+template <int D, int kWGs = 2, int kSumCols = 0>
 struct TileConfig {
   static_assert(D == 64 || D == 128, "head dims 64 and 128 only");
+  static_assert(kSumCols == 0 || kSumCols == 8, "no sum columns, or one 8-row swizzle atom of them");
   static constexpr int kHeadDim = D;
   using Cta = CtaShape<kWGs>;
 
   static constexpr int kQTileBytes = kRowsPerWG * D;   // int8, 64 rows x D
   static constexpr int kKTileBytes = kBlockKV * D;     // int8, 128 keys x D
-  static constexpr int kVTileBytes = D * kBlockKV;     // fp8, D channels x 128 keys (V^T)
+  static constexpr int kVTileBytes = D * kBlockKV;     // fp8, D channels x 128 keys (V^T): the image
+  static constexpr int kSumColumns = kSumCols;
+  static constexpr int kPVCols = D + kSumCols;         // N of the PV wgmma
+  static constexpr int kVStageBytes = kPVCols * kBlockKV;  // one V^T stage in smem: image + ones rows
   static constexpr int kSmemQ = kQTileBytes * kWGs;
 
   // Stages of the K/V ring: the deepest ring, up to kMaxStages, that leaves room for the region
@@ -60,25 +73,27 @@ struct TileConfig {
   //                 (4 stages would be 248 KB > 227 KB)
   //   hd64,  2 WGs: Q  8 KB + 4 * (K  8 KB + V^T  8 KB) + O sum  32 KB = 104 KB: 4 stages
   //   hd64,  3 WGs: Q 12 KB + 4 * 16 KB                 + O sum  48 KB = 124 KB: 4 stages
+  //   tc_row_sum (V^T stages of 17 / 9 KB, O sum of D + 8 columns) keeps these depths: hd128 2 WGs
+  //   217 KB, 3 WGs 226 KB.
   // The ring depth changes no math (same results bit for bit at any depth).
   static constexpr int kMaxStages = 4;
   static constexpr int kSmemBudget = 227 * 1024;
-  static constexpr int kSmemAfterBarriers = Cta::kBlockM * D * 4 + 16;  // mainloop.hpp kSmemOSumBytes
+  static constexpr int kSmemAfterBarriers = Cta::kBlockM * kPVCols * 4 + 16;  // mainloop.hpp kSmemOSumBytes
   static constexpr int stages_that_fit() {
     int n = kMaxStages;
-    while (n > 2 && kSmemQ + n * (kKTileBytes + kVTileBytes) + 8 * (2 * n + 1) + 1024 + kSmemAfterBarriers > kSmemBudget) --n;
+    while (n > 2 && kSmemQ + n * (kKTileBytes + kVStageBytes) + 8 * (2 * n + 1) + 1024 + kSmemAfterBarriers > kSmemBudget) --n;
     return n;
   }
   static constexpr int kStages = stages_that_fit();
   static_assert(kStages == (D == 128 && kWGs == 3 ? 3 : 4), "the ring depths the budget above works out");
 
   static constexpr int kSmemK = kKTileBytes * kStages;
-  static constexpr int kSmemV = kVTileBytes * kStages;
+  static constexpr int kSmemV = kVStageBytes * kStages;
   static constexpr int kSmemBarriers = 8 * (2 * kStages + 1);
   // +1024: the dynamic smem base is rounded up to the 1024-byte swizzle period in the kernel.
   static constexpr int kSmemBytes = kSmemQ + kSmemK + kSmemV + kSmemBarriers + 1024;
   static_assert(kSmemBytes + kSmemAfterBarriers <= kSmemBudget, "shared memory budget of one sm_90 CTA");
-  static_assert(kQTileBytes % 1024 == 0 && kKTileBytes % 1024 == 0 && kVTileBytes % 1024 == 0,
+  static_assert(kQTileBytes % 1024 == 0 && kKTileBytes % 1024 == 0 && kVTileBytes % 1024 == 0 && kVStageBytes % 1024 == 0,
                 "every tile must start on a 1024-byte swizzle period");
 
   // Q/K rows are D bytes: one 128-byte swizzle atom per row at hd128, a 64-byte one at hd64.
@@ -92,20 +107,29 @@ struct TileConfig {
   using SmemLayoutK = decltype(cute::tile_to_shape(
       SmemAtomQK{}, cute::Shape<cute::Int<kBlockKV>, cute::Int<D>, cute::Int<kStages>>{}));
   using SmemLayoutVt = decltype(cute::tile_to_shape(
-      SmemAtomV{}, cute::Shape<cute::Int<D>, cute::Int<kBlockKV>, cute::Int<kStages>>{}));
+      SmemAtomV{}, cute::Shape<cute::Int<kPVCols>, cute::Int<kBlockKV>, cute::Int<kStages>>{}));
 
   // S = Q K^T: INT8 x INT8 -> INT32, both operands K-major in smem.
   using MmaQK = cute::SM90::GMMA::MMA_64x128x32_S32S8S8_SS_TN;
   // Same product with Q from registers (q_in_registers): B descriptors are those of the SS atom.
   using MmaQKRS = cute::SM90::GMMA::MMA_64x128x32_S32S8S8_RS_TN;
-  // O += P V: FP8 x FP8 -> FP32, P from registers, V^T K-major (keys contiguous) in smem.
-  using MmaPV = std::conditional_t<D == 128, cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_RS_TN<>,
-                                   cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_RS_TN<>>;
+  // O += P V: FP8 x FP8 -> FP32, P from registers, V^T K-major (keys contiguous) in smem; N = D,
+  // or D + 8 with the ones rows (kSumCols).
+  template <int kN>
+  using MmaPVofN = std::conditional_t<
+      kN == 128, cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_RS_TN<>,
+      std::conditional_t<kN == 64, cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_RS_TN<>,
+                         std::conditional_t<kN == 136, cute::SM90::GMMA::MMA_64x136x32_F32E4M3E4M3_RS_TN<>,
+                                            cute::SM90::GMMA::MMA_64x72x32_F32E4M3E4M3_RS_TN<>>>>;
+  using MmaPV = MmaPVofN<kPVCols>;
   using TiledMmaQK = decltype(cute::make_tiled_mma(MmaQK{}));
   using TiledMmaPV = decltype(cute::make_tiled_mma(MmaPV{}));
 
   static constexpr int kSRegs = kRowsPerWG * kBlockKV / 128;  // 64 int32 per thread
   static constexpr int kORegs = kRowsPerWG * D / 128;         // D/2 fp32 per thread
+  // The PV accumulator: O's values, then (kSumCols) 4 more per thread, each its row's sum of P~
+  // (values kORegs + 2x and + 2x + 1 of row half x: columns D + 2t + {0, 1}, all ones in V^T).
+  static constexpr int kPVRegs = kRowsPerWG * kPVCols / 128;
   static constexpr int kPRegs = kRowsPerWG * kBlockKV / 128 / 4;  // 16 x (4 fp8) per thread
 };
 

@@ -1,0 +1,115 @@
+"""GPU test of the sm_90a 8-bit kernel's option ``tc_row_sum`` (csrc/sm90_int8,
+FwdOptions::tc_row_sum: the row sums of P~ from the PV wgmma, over 8 rows of ones appended to each
+V^T stage in shared memory, instead of one FADD per score).
+
+The variants (each head dim's defaults with the option) exist only in the benchmark build (env
+SAGE_DIFFUSERS_SM90_BENCH=1, read when ``int8_sm90`` is imported), so the check runs in a subprocess
+with that build. Other numerics than the defaults (the sum is that of the E4M3 codes, at the FP8
+wgmma's precision), so no bit identity: against ``sage8_reference`` the output keeps cos >= 0.9999
+and rel-L1 <= 0.01 and the LSE stays within 2e-3, at awkward lengths (1, 113, 1023, 4097, 17776, and
+32768 keys summed through the tensor core's truncating adds), GQA, key masks, fp16 and bf16, inputs
+scaled by 1e-4 and 1e4; masked K / V rows holding NaN or 1e4 change no output bit; a fully masked row
+is 0 with LSE -inf. Skipped without CUDA or on a device the kernel does not support.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sage_diffusers.kernels import int8_sm90
+
+_OK, _WHY = int8_sm90.is_available()
+ROOT = Path(__file__).resolve().parents[1]
+
+_SCRIPT = r"""
+import importlib.util
+import math
+import sys
+from dataclasses import replace
+
+import torch
+
+sys.path.insert(0, sys.argv[1])
+from sage_diffusers.kernels import int8_sm90
+from sage_diffusers.reference import cosine, relative_l1, sage8_reference
+
+spec = importlib.util.spec_from_file_location("gen", sys.argv[1] + "/csrc/sm90_int8/generate_instantiations.py")
+gen = importlib.util.module_from_spec(spec)
+sys.modules["gen"] = gen
+spec.loader.exec_module(gen)
+
+ext = int8_sm90.build()
+bad = 0
+
+
+def run(o, q, k, v, m, lse):
+    ext.set_fwd_flags(o.flags)
+    return ext.fwd(q, k, v, m, False, q.shape[-1] ** -0.5, lse, o.exp2_poly_every)
+
+
+def report(ok, what):
+    global bad
+    bad += not ok
+    print(f"{'ok ' if ok else 'BAD'} {what}", flush=True)
+
+
+for d in (64, 128):
+    tc = replace(gen.DEFAULTS[d], tc_row_sum=True)
+    assert (d, tc) in gen.BENCH_VARIANTS, tc
+    # (B, Hq, Hkv, S, dtype, input scale)
+    cases = [(1, 1, 1, 1, torch.bfloat16, 1.0), (1, 2, 2, 113, torch.float16, 1.0),
+             (2, 4, 2, 1023, torch.bfloat16, 1.0), (1, 2, 1, 4097, torch.float16, 1.0),
+             (1, 2, 2, 17776, torch.bfloat16, 1.0), (1, 1, 1, 32768, torch.bfloat16, 1.0),
+             (2, 4, 2, 1023, torch.bfloat16, 1e-4), (2, 4, 2, 1023, torch.bfloat16, 1e4),
+             (1, 2, 1, 4097, torch.float16, 1e-4)]
+    for b, hq, hkv, s, dt, mag in cases:
+        g = torch.Generator(device="cuda").manual_seed(s + d)
+        q, k, v = (torch.randn(b, h, s, d, generator=g, device="cuda") for h in (hq, hkv, hkv))
+        k = k + 4 * torch.randn(1, hkv, 1, d, generator=g, device="cuda")
+        q, k, v = (x.mul(mag).to(dt) for x in (q, k, v))
+        mask = torch.rand(b, s, generator=g, device="cuda") > 0.2
+        mask[:, 0] = True
+        for m in ((None, mask) if s < 32768 else (None,)):
+            out, lse = run(tc, q, k, v, m, True)
+            kk, vv = (x.float().repeat_interleave(hq // hkv, dim=1) for x in (k, v))
+            ref, ref_lse = sage8_reference(q.float(), kk, vv, key_mask=m, return_lse=True)
+            c, rl1 = cosine(out.float(), ref.float()), relative_l1(out.float(), ref.float())
+            finite = torch.isfinite(ref_lse)
+            lse_err = float((lse[finite] - ref_lse[finite]).abs().max())
+            ok = (bool(torch.isfinite(out).all()) and torch.equal(torch.isfinite(lse), finite)
+                  and c >= 0.9999 and rl1 <= 0.01 and lse_err <= 2e-3)
+            report(ok, f"hd{d} {tc.name} {b}x{hq}/{hkv}x{s} {dt} x{mag:g} mask={m is not None} "
+                       f"cos={c:.6f} rel-L1={rl1:.4f} lse max err={lse_err:.2e}")
+            if m is None:
+                continue
+            for poison in (math.nan, 1e4):
+                kp, vp = (torch.where(m[:, None, :, None], x, torch.full_like(x, poison)) for x in (k, v))
+                out_p, lse_p = run(tc, q, kp, vp, m, True)
+                same = torch.equal(out_p.view(torch.int16), out.view(torch.int16)) and \
+                    torch.equal(lse_p.view(torch.int32), lse.view(torch.int32))
+                report(same, f"hd{d} {tc.name} {b}x{hq}/{hkv}x{s} masked rows = {poison:g}: bit-identical={same}")
+    # a batch whose keys are all masked: output 0, LSE -inf (the sum columns stay 0)
+    q, k, v = (torch.randn(2, 2, 300, d, device="cuda").bfloat16() for _ in range(3))
+    m = torch.ones(2, 300, dtype=torch.bool, device="cuda")
+    m[1] = False
+    out, lse = run(tc, q, k, v, m, True)
+    ok = bool((out[1] == 0).all()) and bool((lse[1] == -math.inf).all()) and bool(torch.isfinite(out[0]).all())
+    report(ok, f"hd{d} {tc.name} fully masked batch: zero output, -inf LSE: {ok}")
+ext.set_fwd_flags(-1)
+sys.exit(1 if bad else 0)
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not _OK, reason=f"int8 sm90 kernel unavailable: {_WHY}")
+def test_tc_row_sum_matches_reference_and_ignores_masked_keys():
+    env = {**os.environ, "SAGE_DIFFUSERS_SM90_BENCH": "1"}
+    r = subprocess.run([sys.executable, "-c", _SCRIPT, str(ROOT)], env=env, capture_output=True, text=True,
+                       timeout=3600)
+    print(r.stdout[-6000:])
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-4000:]
