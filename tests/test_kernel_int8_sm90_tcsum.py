@@ -6,10 +6,15 @@ The variants (each head dim's defaults with the option) exist only in the benchm
 SAGE_DIFFUSERS_SM90_BENCH=1, read when ``int8_sm90`` is imported), so the check runs in a subprocess
 with that build. Other numerics than the defaults (the sum is that of the E4M3 codes, at the FP8
 wgmma's precision), so no bit identity: against ``sage8_reference`` the output keeps cos >= 0.9999
-and rel-L1 <= 0.01 and the LSE stays within 2e-3, at awkward lengths (1, 113, 1023, 4097, 17776, and
+and rel-L1 <= 0.01, at awkward lengths (1, 113, 1023, 4097, 17776, and
 32768 keys summed through the tensor core's truncating adds), GQA, key masks, fp16 and bf16, inputs
 scaled by 1e-4 and 1e4; masked K / V rows holding NaN or 1e4 change no output bit; a fully masked row
-is 0 with LSE -inf. Skipped without CUDA or on a device the kernel does not support.
+is 0 with LSE -inf. The LSE is log of the codes' sum, the sum O is normalised with (so merging
+partial attentions by their LSE stays consistent), not of the unrounded p the reference sums: E4M3
+rounding moves it by up to ~1e-2 on rows of ~100 comparable keys and by -7e-4 on average (P~ below
+2^-10 rounds to 0; a CPU model of N(0, 1) inputs: max 1.1e-2 at 113 keys, 1.6e-3 at 16384), so its
+bounds here are max 2e-2 and mean 3e-3 (the defaults': 2e-3 everywhere).
+Skipped without CUDA or on a device the kernel does not support.
 """
 from __future__ import annotations
 
@@ -80,11 +85,12 @@ for d in (64, 128):
             ref, ref_lse = sage8_reference(q.float(), kk, vv, key_mask=m, return_lse=True)
             c, rl1 = cosine(out.float(), ref.float()), relative_l1(out.float(), ref.float())
             finite = torch.isfinite(ref_lse)
-            lse_err = float((lse[finite] - ref_lse[finite]).abs().max())
+            lse_err = (lse[finite] - ref_lse[finite]).abs()
             ok = (bool(torch.isfinite(out).all()) and torch.equal(torch.isfinite(lse), finite)
-                  and c >= 0.9999 and rl1 <= 0.01 and lse_err <= 2e-3)
+                  and c >= 0.9999 and rl1 <= 0.01 and float(lse_err.max()) <= 2e-2 and float(lse_err.mean()) <= 3e-3)
             report(ok, f"hd{d} {tc.name} {b}x{hq}/{hkv}x{s} {dt} x{mag:g} mask={m is not None} "
-                       f"cos={c:.6f} rel-L1={rl1:.4f} lse max err={lse_err:.2e}")
+                       f"cos={c:.6f} rel-L1={rl1:.4f} lse err max={float(lse_err.max()):.2e} "
+                       f"mean={float(lse_err.mean()):.2e}")
             if m is None:
                 continue
             for poison in (math.nan, 1e4):
