@@ -164,8 +164,9 @@ def test_int8_phase_clock_and_epilogue_summary_flags():
     for d in (64, 128):
         defaults = gen.DEFAULTS[d]
         assert defaults.epilogue_summary and not defaults.phase_clock  # decided from a GPU run
-        # flag and name arithmetic on a two-warpgroup option set (the clock needs two)
-        esum = replace(defaults, three_consumers=False, epilogue_staged=False)
+        # flag and name arithmetic on a two-warpgroup option set (the clock needs two; without
+        # tc_row_sum, whose name part comes after theirs)
+        esum = replace(defaults, three_consumers=False, epilogue_staged=False, tc_row_sum=False)
         base = replace(esum, epilogue_summary=False)
         clock = replace(base, phase_clock=True)
         both = replace(base, phase_clock=True, epilogue_summary=True)
@@ -351,7 +352,9 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
     assert "TileConfig<D>::" not in mainloop and "const WarpgroupOperands<D, kWGs, kSumCols> ops(" in (k / "kernel_fwd.cuh").read_text()
     partner = replace(wg3, three_consumers=False, epilogue_summary=False, epilogue_staged=False)
     two_wg = replace(wg3, three_consumers=False, epilogue_staged=False, overlap_softmax_pv=True)
-    assert wg3.name == partner.name + "_esum_stage_wg3" and wg3.cpp().endswith(", .three_consumers = true}")
+    # (names without tc_row_sum's part, which comes last)
+    assert replace(wg3, tc_row_sum=False).name == replace(partner, tc_row_sum=False).name + "_esum_stage_wg3"
+    assert ".three_consumers = true" in wg3.cpp()
     assert wg3.flags == partner.flags | 1 << 15 | 1 << 17 | 1 << 18
     for o in (partner, two_wg):
         assert (64, o) in gen.BENCH_VARIANTS
@@ -465,12 +468,15 @@ def test_int8_tc_row_sum_flag_validity_and_bench_variants():
     assert "Softmax::kTcSum ? o[D / 2 + 2 * x] : quad_sum(sm.l[x])" in epilogue
     with pytest.raises(ValueError, match="tc_row_sum"):
         gen.FwdOptions(lean_softmax=True, fp16_exp2=True, tc_row_sum=True)
+    # decided on the H200 (int8_tcsum_h200.md): the hd64 default, an hd128 benchmark variant
+    assert gen.DEFAULTS[64].tc_row_sum and not gen.DEFAULTS[128].tc_row_sum
+    assert py.DEFAULT_ROW_SUM == {64: "codes", 128: "p"}
     for d in (64, 128):
-        base = gen.DEFAULTS[d]
-        assert not base.tc_row_sum
+        base = replace(gen.DEFAULTS[d], tc_row_sum=False)
         tc = replace(base, tc_row_sum=True)
         assert tc.flags == base.flags | 1 << 20 and tc.name == base.name + "_tcsum"
-        assert (d, tc) in gen.BENCH_VARIANTS and py.FLAG_NAMES[tc.flags] == tc.name
+        for o in (base, tc):  # each head dim's defaults with and without it, side by side
+            assert (d, o) in gen.BENCH_VARIANTS and py.FLAG_NAMES[o.flags] == o.name
 
 
 def test_fp4_options_come_from_one_source(tmp_path):

@@ -23,6 +23,7 @@ import torch
 from sage_diffusers.kernels import int8_sm90
 from sage_diffusers.kernels._contract import nonfinite_first_keys
 from sage_diffusers.reference import cosine, relative_l1, sage8_quantize, sage8_reference
+from sage_diffusers.kernels._sm90_int8_variants import DEFAULT_ROW_SUM
 
 _OK, _WHY = int8_sm90.is_available()
 pytestmark = [
@@ -31,6 +32,12 @@ pytestmark = [
 ]
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def ref8(q, k, v, **kw):
+    """sage8_reference with the row sums the kernel's default options compute at q's head dim
+    (row_sum "codes" where the defaults take them from the PV wgmma: tc_row_sum)."""
+    return sage8_reference(q, k, v, row_sum=DEFAULT_ROW_SUM[q.shape[-1]], **kw)
 
 
 def make_qkv(b, hq, hkv, sq, skv, d, dtype, layout="bhsd", seed=0):
@@ -157,7 +164,7 @@ def test_forward_vs_reference_and_sdpa(s, d, causal, dtype, layout, masked, gqa)
     out, lse = int8_sm90.attention_int8_sm90(q, k, v, key_mask=mask, is_causal=causal, scale=scale,
                                              return_lse=True)
     assert out.dtype == q.dtype and out.shape == q.shape and out.stride() == torch.empty_like(q).stride()
-    ref, ref_lse = sage8_reference(q, k, v, key_mask=mask, is_causal=causal, scale=scale, return_lse=True)
+    ref, ref_lse = ref8(q, k, v, key_mask=mask, is_causal=causal, scale=scale, return_lse=True)
     assert torch.isfinite(out).all()
     cos, rl1 = cosine(out, ref), relative_l1(out, ref)
     assert cos >= 0.9999 and rl1 <= 0.01, f"vs sage8 reference: cos {cos:.6f}, rel-L1 {rl1:.5f}"
@@ -178,7 +185,7 @@ def test_forward_unequal_lengths(sq, skv, causal):
     q, k, v = make_qkv(2, 4, 2, sq, skv, 128, torch.bfloat16, "bshd")
     out = int8_sm90.attention_int8_sm90(q, k, v, key_mask=None, is_causal=causal, scale=None,
                                         return_lse=False)[0]
-    ref = sage8_reference(q, k, v, is_causal=causal)
+    ref = ref8(q, k, v, is_causal=causal)
     assert cosine(out, ref) >= 0.9999 and relative_l1(out, ref) <= 0.01
 
 
@@ -194,7 +201,7 @@ def test_fully_masked_rows_are_zero(d):
     assert torch.isneginf(lse[1]).all()
     assert torch.equal(out[0, :, :150], torch.zeros_like(out[0, :, :150]))
     assert torch.isneginf(lse[0, :, :150]).all() and torch.isfinite(lse[0, :, 150:]).all()
-    ref = sage8_reference(q, k, v, key_mask=mask, is_causal=True)
+    ref = ref8(q, k, v, key_mask=mask, is_causal=True)
     assert cosine(out, ref) >= 0.9999
 
 
@@ -202,7 +209,7 @@ def test_fully_masked_rows_are_zero(d):
 def test_exp_poly_variants_hd64(poly):
     q, k, v = make_qkv(1, 4, 4, 2000, 2000, 64, torch.bfloat16)
     out, _ = torch.ops.sage_diffusers.int8_attention_sm90(q, k, v, None, False, 0.125, False, poly)
-    ref = sage8_reference(q, k, v, scale=0.125)
+    ref = ref8(q, k, v, scale=0.125)
     assert cosine(out, ref) >= 0.9999 and relative_l1(out, ref) <= 0.01
 
 
@@ -404,7 +411,7 @@ def test_masked_key_poisoning_changes_nothing(poison, causal, d):
     kp, vp = _poison_masked(k, mask, poison), _poison_masked(v, mask, poison)
     out, lse = int8_sm90.attention_int8_sm90(q, kp, vp, key_mask=mask, is_causal=causal, return_lse=True)
     assert torch.equal(out, clean) and torch.equal(lse, clean_lse)
-    ref = sage8_reference(q, kp, vp, key_mask=mask, is_causal=causal)
+    ref = ref8(q, kp, vp, key_mask=mask, is_causal=causal)
     assert torch.isfinite(out).all()
     assert cosine(out, ref) >= 0.9999 and relative_l1(out, ref) <= 0.01
 
@@ -428,7 +435,7 @@ def test_nonfinite_query_rows_stay_in_their_row(d):
     assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
     keep = ~rows
     assert torch.equal(out[keep], base[keep]) and torch.equal(lse[keep], base_lse[keep])
-    ref, ref_lse = sage8_reference(bad, k, v, key_mask=mask, return_lse=True)
+    ref, ref_lse = ref8(bad, k, v, key_mask=mask, return_lse=True)
     assert torch.equal(torch.isnan(ref), torch.isnan(out)) and torch.equal(torch.isnan(ref_lse), torch.isnan(lse))
 
 
@@ -447,7 +454,7 @@ def test_nonfinite_v_reaches_the_rows_that_see_it(causal):
     v[0, 1, 50, 9] = math.nan
     v[0, 1, 595, 11] = math.inf  # masked: vanishes
     out, _ = int8_sm90.attention_int8_sm90(q, k, v, key_mask=mask, is_causal=causal)
-    ref = sage8_reference(q, k, v, key_mask=mask, is_causal=causal)
+    ref = ref8(q, k, v, key_mask=mask, is_causal=causal)
     for test in (torch.isnan, torch.isposinf, torch.isneginf):
         assert torch.equal(test(out), test(ref)), test.__name__
     if causal:  # row i sees keys <= i: finite before key 37, +Inf up to key 300, NaN after

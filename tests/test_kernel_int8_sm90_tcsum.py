@@ -5,15 +5,14 @@ V^T stage in shared memory, instead of one FADD per score).
 The variants (each head dim's defaults with the option) exist only in the benchmark build (env
 SAGE_DIFFUSERS_SM90_BENCH=1, read when ``int8_sm90`` is imported), so the check runs in a subprocess
 with that build. Other numerics than the defaults (the sum is that of the E4M3 codes, at the FP8
-wgmma's precision), so no bit identity: against ``sage8_reference`` the output keeps cos >= 0.9999
-and rel-L1 <= 0.01, at awkward lengths (1, 113, 1023, 4097, 17776, and
-32768 keys summed through the tensor core's truncating adds), GQA, key masks, fp16 and bf16, inputs
+wgmma's precision), so no bit identity: against ``sage8_reference(row_sum="codes")``, the same
+algorithm, the output keeps cos >= 0.9999 and rel-L1 <= 0.01 and the LSE stays within 2e-3 (as the
+defaults against row_sum="p"), at awkward lengths (1, 113, 1023, 4097, 17776, and
+32768 keys summed through the tensor core's truncating adds), GQA, key masks, bf16, inputs
 scaled by 1e-4 and 1e4; masked K / V rows holding NaN or 1e4 change no output bit; a fully masked row
 is 0 with LSE -inf. The LSE is log of the codes' sum, the sum O is normalised with (so merging
-partial attentions by their LSE stays consistent), not of the unrounded p the reference sums: E4M3
-rounding moves it by up to ~1e-2 on rows of ~100 comparable keys and by -7e-4 on average (P~ below
-2^-10 rounds to 0; a CPU model of N(0, 1) inputs: max 1.1e-2 at 113 keys, 1.6e-3 at 16384), so its
-bounds here are max 2e-2 and mean 3e-3 (the defaults': 2e-3 everywhere).
+partial attentions by their LSE stays consistent); against row_sum="p" it moves by up to ~1e-2 on
+rows of ~100 comparable keys (E4M3 rounding; -7e-4 on average: P~ below 2^-10 rounds to 0).
 Skipped without CUDA or on a device the kernel does not support.
 """
 from __future__ import annotations
@@ -64,14 +63,15 @@ def report(ok, what):
 
 
 for d in (64, 128):
-    tc = replace(gen.DEFAULTS[d], tc_row_sum=True)
+    tc = replace(gen.DEFAULTS[d], tc_row_sum=True)  # hd64: the defaults themselves
     assert (d, tc) in gen.BENCH_VARIANTS, tc
     # (B, Hq, Hkv, S, dtype, input scale)
-    cases = [(1, 1, 1, 1, torch.bfloat16, 1.0), (1, 2, 2, 113, torch.float16, 1.0),
-             (2, 4, 2, 1023, torch.bfloat16, 1.0), (1, 2, 1, 4097, torch.float16, 1.0),
+    # bf16 only: the benchmark build's dtype (hd64's fp16 default is test_kernel_int8_sm90.py's)
+    cases = [(1, 1, 1, 1, torch.bfloat16, 1.0), (1, 2, 2, 113, torch.bfloat16, 1.0),
+             (2, 4, 2, 1023, torch.bfloat16, 1.0), (1, 2, 1, 4097, torch.bfloat16, 1.0),
              (1, 2, 2, 17776, torch.bfloat16, 1.0), (1, 1, 1, 32768, torch.bfloat16, 1.0),
              (2, 4, 2, 1023, torch.bfloat16, 1e-4), (2, 4, 2, 1023, torch.bfloat16, 1e4),
-             (1, 2, 1, 4097, torch.float16, 1e-4)]
+             (1, 2, 1, 4097, torch.bfloat16, 1e-4)]
     for b, hq, hkv, s, dt, mag in cases:
         g = torch.Generator(device="cuda").manual_seed(s + d)
         q, k, v = (torch.randn(b, h, s, d, generator=g, device="cuda") for h in (hq, hkv, hkv))
@@ -82,12 +82,12 @@ for d in (64, 128):
         for m in ((None, mask) if s < 32768 else (None,)):
             out, lse = run(tc, q, k, v, m, True)
             kk, vv = (x.float().repeat_interleave(hq // hkv, dim=1) for x in (k, v))
-            ref, ref_lse = sage8_reference(q.float(), kk, vv, key_mask=m, return_lse=True)
+            ref, ref_lse = sage8_reference(q.float(), kk, vv, key_mask=m, return_lse=True, row_sum="codes")
             c, rl1 = cosine(out.float(), ref.float()), relative_l1(out.float(), ref.float())
             finite = torch.isfinite(ref_lse)
             lse_err = (lse[finite] - ref_lse[finite]).abs()
             ok = (bool(torch.isfinite(out).all()) and torch.equal(torch.isfinite(lse), finite)
-                  and c >= 0.9999 and rl1 <= 0.01 and float(lse_err.max()) <= 2e-2 and float(lse_err.mean()) <= 3e-3)
+                  and c >= 0.9999 and rl1 <= 0.01 and float(lse_err.max()) <= 2e-3)
             report(ok, f"hd{d} {tc.name} {b}x{hq}/{hkv}x{s} {dt} x{mag:g} mask={m is not None} "
                        f"cos={c:.6f} rel-L1={rl1:.4f} lse err max={float(lse_err.max()):.2e} "
                        f"mean={float(lse_err.mean()):.2e}")

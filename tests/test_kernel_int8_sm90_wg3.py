@@ -72,7 +72,8 @@ for d, wg3, partner in pairs:
                 if lse:
                     same &= torch.equal(outs[0][1].view(torch.int32), outs[1][1].view(torch.int32))
                 kk, vv = (x.float().repeat_interleave(hq // hkv, dim=1) for x in (k, v))
-                ref = sage8_reference(q.float(), kk, vv, key_mask=m).float()
+                ref = sage8_reference(q.float(), kk, vv, key_mask=m,
+                                      row_sum="codes" if wg3.tc_row_sum else "p").float()
                 c, rl1 = cosine(outs[0][0].float(), ref), relative_l1(outs[0][0].float(), ref)
                 ok = same and c >= 0.9999 and rl1 <= 0.01
                 bad += not ok

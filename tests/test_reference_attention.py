@@ -176,3 +176,37 @@ def test_int8_reference_tracks_sageattention2_accuracy():
     ref = exact_attention(q, k, v)
     out = sage8_reference(q, k, v)
     assert cosine(out, ref) > 0.9990 and relative_l1(out, ref) < 0.045
+
+
+def test_int8_reference_codes_row_sum():
+    """row_sum="codes" (the kernel's tc_row_sum): l is the sum of the E4M3 codes of 448 p that P.V
+    is weighted with. Checked against that sum computed here from the quantized operands in one
+    plain softmax (one key tile: the tile max is the row max), against row_sum="p" (same algorithm
+    otherwise), against float64 SDPA, with masks and GQA; a bad value is a ValueError."""
+    from sage_diffusers.reference import sage8_quantize
+    from sage_diffusers.reference.formats import e4m3_round
+
+    torch.manual_seed(0)
+    q, k, v = make_qkv(2, 4, 2, 113, 100, 64)  # 100 keys: one 128-key tile
+    mask = torch.rand(2, 100) > 0.3
+    mask[:, 0] = True
+    mask[1, 50:] = False
+    out, lse = sage8_reference(q, k, v, key_mask=mask, return_lse=True, row_sum="codes")
+    out_p, lse_p = sage8_reference(q, k, v, key_mask=mask, return_lse=True)
+    t = sage8_quantize(q, k, v, key_mask=mask)
+    kk = t["k8"].float().repeat_interleave(2, 1)
+    vv = t["v8"].float().repeat_interleave(2, 1) * t["sv"].repeat_interleave(2, 1)[:, :, None, :]
+    s = (t["q8"].float() @ kk.transpose(-1, -2)) * t["sq"][..., None] * t["sk"].repeat_interleave(2, 1)[:, :, None, :]
+    s = (s * (64 ** -0.5) * 1.4426950408889634).masked_fill(~mask[:, None, None, :], -math.inf)
+    m = s.amax(-1, keepdim=True)
+    codes = e4m3_round(torch.exp2(s - m) * 448).float()  # (B, H, Sq, Skv)
+    want = codes @ vv / codes.sum(-1, keepdim=True)
+    shift = (64 ** -0.5) * (q @ t["k_mean"].repeat_interleave(2, 1)[..., None]).squeeze(-1)
+    want_lse = (m * math.log(2)).squeeze(-1) + torch.log(codes.sum(-1) / 448) + shift
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-5)
+    # the two sums differ only by the rounding of p: output and LSE stay close
+    assert cosine(out, out_p) > 0.9999 and float((lse - lse_p).abs().max()) < 2e-2
+    assert cosine(out, exact_attention(q, k, v, key_mask=mask)) > 0.998
+    with pytest.raises(ValueError, match="row_sum"):
+        sage8_reference(q, k, v, row_sum="fp8")

@@ -132,10 +132,13 @@ _HD64 = FwdOptions(lean_softmax=True, overlap_softmax_pv=True, q_in_registers=Tr
 # * hd64: three consumer warpgroups (192 query rows per CTA) without the softmax / PV overlap,
 #   which does not fit their 160 registers; with the staged epilogue 1x38x4429x64 0.469 -> 0.422 ms,
 #   1x48x17776x64 7.631 -> 7.482.
+# * hd64: tc_row_sum (the row sums from the PV wgmma, N = 72; other bits: sage8_reference
+#   row_sum="codes"): 1x38x4429x64 0.418 -> 0.408 ms, 1x48x17776x64 7.476 -> 7.013
+#   (eval/results/int8_tcsum_h200.md). At hd128 it was 1.009x slower at both shapes: a benchmark variant.
 DEFAULTS = {
     128: replace(_HD128, smem_o_every=4, epilogue_summary=True, epilogue_staged=True),
     64: replace(_HD64, overlap_softmax_pv=False, fp32_pv_tiles=True, exp2_poly_every=0, epilogue_summary=True,
-                epilogue_staged=True, three_consumers=True),
+                epilogue_staged=True, three_consumers=True, tc_row_sum=True),
 }
 # Exp2 polynomial shares compiled besides the default (env SAGE_DIFFUSERS_EXP_POLY picks one).
 EXTRA_EXP_POLY = {64: (8,), 128: ()}
@@ -183,7 +186,7 @@ _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every
 # emits one MUFU.EX2.F16 per half).
 # tc_row_sum (the row sums of P~ from the PV wgmma, N = D + 8 with ones rows after V^T: 64 FADDs per
 # tile and thread fewer, 6 % / 12 % more PV tensor time at hd128 / hd64; other bits, as fp16_exp2):
-# the defaults of each head dim with it.
+# hd128's defaults with it; hd64's defaults (which have it) without it, the previous defaults.
 _BENCH_CHANGES = {
     128: (*_BENCH_COMMON,
           {**_HD128_WG3_LOOP, "three_consumers": True},
@@ -193,7 +196,7 @@ _BENCH_CHANGES = {
          {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True},
          {"three_consumers": False, "epilogue_summary": False, "epilogue_staged": False},
          {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True, "late_pv_wait": True},
-         {"tc_row_sum": True}),
+         {"tc_row_sum": False}),
 }
 _UNCORRECTED = {128: _HD128, 64: _HD64}
 # Options refused together at one head dim (fwd_kernel static_asserts the same): at hd128 the
@@ -249,6 +252,11 @@ def _poly_suffix(opt: FwdOptions) -> str:
     return f"_exp2poly{opt.exp2_poly_every}" if opt.exp2_poly_every else ""
 
 
+def _row_sum(opt: FwdOptions) -> str:
+    """sage8_reference's ``row_sum`` for the numerics of these options."""
+    return "codes" if opt.tc_row_sum else "p"
+
+
 def main() -> None:
     out = HERE / "instantiations"
     out.mkdir(exist_ok=True)
@@ -275,6 +283,8 @@ def main() -> None:
         f"DEFAULT_EXP_POLY = {{{', '.join(f'{d}: {o.exp2_poly_every}' for d, o in sorted(DEFAULTS.items()))}}}\n"
         f"# run-time flags (FwdOptions::flags()) of the default options per head dim\n"
         f"DEFAULT_FLAGS = {{{', '.join(f'{d}: {o.flags}' for d, o in sorted(DEFAULTS.items()))}}}\n"
+        f"# sage8_reference's row_sum that the default options compute (\"codes\": tc_row_sum)\n"
+        f"DEFAULT_ROW_SUM = {{{', '.join(f'{d}: {chr(39)}{_row_sum(o)}{chr(39)}' for d, o in sorted(DEFAULTS.items()))}}}\n"
         f"# exp2 polynomial shares the regular build compiles per head dim\n"
         f"COMPILED_EXP_POLY = {{{', '.join(f'{d}: {tuple(sorted({*EXTRA_EXP_POLY[d], DEFAULTS[d].exp2_poly_every}))}' for d in HEAD_DIMS)}}}\n"
         f"# benchmark build: (head dim, exp2 polynomial share, flags, name)\n"

@@ -52,6 +52,7 @@ def sage8_reference(
     scale: Optional[float] = None,
     return_lse: bool = False,
     block_kv: int = BLOCK_KV,
+    row_sum: str = "p",
 ):
     """8-bit SageAttention, computed the way the kernel computes it.
 
@@ -61,18 +62,26 @@ def sage8_reference(
     key_mask : bool (B, Skv), True = attend, or None.
     is_causal : top-left aligned (query i sees keys j <= i), as torch SDPA.
     scale : softmax scale, default 1/sqrt(D).
+    row_sum : what the softmax denominator l sums. "p": the unquantized p (the kernel's fp32 row
+        sums); "codes": the E4M3 codes of 448 p that P.V is weighted with, through a column of ones
+        appended to V (the kernel's ``tc_row_sum`` option, a PV wgmma over ones rows after V^T), so
+        out is normalised by the same rounded weights and lse is the log of their sum.
 
     Returns
     -------
     out float32 (B, Hq, Sq, D) [, lse float32 (B, Hq, Sq), natural log of sum_j exp(scale q.k_j)].
     """
     b, hq, _, sq_len, skv, d = check_bhsd(q, k, v)
+    if row_sum not in ("p", "codes"):
+        raise ValueError(f"row_sum: expected 'p' or 'codes', got {row_sum!r}")
     scale = default_scale(scale, d)
     t = sage8_quantize(q, k, v, block_kv, key_mask)
     q8 = t["q8"].float()  # (B, Hq, Sq, D), exact small integers
     k8 = expand_heads(t["k8"], hq).float()  # (B, Hq, Skv, D)
     sk = expand_heads(t["sk"], hq)  # (B, Hq, nblocks)
     v8 = expand_heads(t["v8"], hq).float()  # (B, Hq, Skv, D)
+    if row_sum == "codes":  # channel D: ones, so acc[..., D] = sum of the codes (x 448)
+        v8 = torch.cat((v8, torch.ones_like(v8[..., :1])), dim=-1)  # (B, Hq, Skv, D + 1)
     row_scale = t["sq"][..., None] * (scale * LOG2E)  # (B, Hq, Sq, 1)
 
     def score(j0: int, j1: int) -> torch.Tensor:
@@ -86,9 +95,11 @@ def sage8_reference(
         return p8 @ v8[:, :, j0:j1]  # (B, Hq, Sq, D), still scaled by 448 / sv
 
     acc, l, m = online_softmax_attention(
-        score, pv, shape=(b, hq, sq_len, d), skv=skv, key_mask=key_mask,
+        score, pv, shape=(b, hq, sq_len, v8.shape[-1]), skv=skv, key_mask=key_mask,
         is_causal=is_causal, device=q.device, block_kv=block_kv,
     )
+    if row_sum == "codes":
+        acc, l = acc[..., :d], acc[..., d:] / E4M3_MAX  # l: (B, Hq, Sq, 1), in units of p
     acc = acc * (expand_heads(t["sv"], hq)[:, :, None, :] / E4M3_MAX)
     shift = scale * (q.float() @ expand_heads(t["k_mean"], hq)[..., None]).squeeze(-1)  # (B, Hq, Sq)
     v_nf = nonfinite_v(zero_masked(v.float(), key_mask), key_mask, is_causal, sq_len)
