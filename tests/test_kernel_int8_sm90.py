@@ -34,6 +34,26 @@ pytestmark = [
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def assert_lse_near_reference(lse, ref_lse, d, rtol=0.0):
+    """The kernel's LSE against ref8's: the same rows finite, and within 2e-3 where l sums the
+    unquantized p. Where it sums the E4M3 codes (row_sum "codes"), a code that rounds the other way
+    in the kernel (ex2.approx, the tile's score rounding) than in the reference moves a row's sum by
+    one E4M3 step of that key's weight, up to ~1e-2 on short rows: there most rows stay within
+    2e-3, the mean within 1e-3 and every row within 3e-2. rtol: an allowance relative to |LSE| on
+    top (fp32 LSEs of huge logits carry their own rounding)."""
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    err = ((lse[finite] - ref_lse[finite]).abs() - rtol * ref_lse[finite].abs()).clamp_min(0)
+    if not err.numel():
+        return
+    if DEFAULT_ROW_SUM[d] == "p":
+        assert float(err.max()) <= 2e-3, float(err.max())
+    else:
+        far = float((err > 2e-3).float().mean())
+        assert float(err.max()) <= 3e-2 and far <= 5e-3 and float(err.mean()) <= 1e-3, \
+            (float(err.max()), far, float(err.mean()))
+
+
 def ref8(q, k, v, **kw):
     """sage8_reference with the row sums the kernel's default options compute at q's head dim
     (row_sum "codes" where the defaults take them from the PV wgmma: tc_row_sum)."""
@@ -169,14 +189,31 @@ def test_forward_vs_reference_and_sdpa(s, d, causal, dtype, layout, masked, gqa)
     cos, rl1 = cosine(out, ref), relative_l1(out, ref)
     assert cos >= 0.9999 and rl1 <= 0.01, f"vs sage8 reference: cos {cos:.6f}, rel-L1 {rl1:.5f}"
     finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite)
-    torch.testing.assert_close(lse[finite], ref_lse[finite], rtol=0, atol=2e-3)
+    assert_lse_near_reference(lse, ref_lse, d)
     exact, exact_lse = sdpa_fp32(q, k, v, mask, causal, scale)
     cos_sdpa, cos_ref_sdpa = cosine(out, exact), cosine(ref, exact)
     # The kernel may not be worse than the algorithm itself allows (the reference's own error).
     assert cos_sdpa >= min(0.999, cos_ref_sdpa - 5e-5), \
         f"vs fp32 SDPA: cos {cos_sdpa:.6f} (sage8 reference itself: {cos_ref_sdpa:.6f})"
     torch.testing.assert_close(lse[finite], exact_lse[finite], rtol=0, atol=5e-2)
+
+
+@pytest.mark.parametrize("mag", [1e-4, 30.0, 1e4])
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_at_awkward_magnitudes(d, mag):
+    """Q, K, V scaled by 1e-4, 30 and 1e4 (bf16): the softmax's folded offset is exact enough only
+    for small row scales c (softmax.hpp lean_scores): at x30 c is ~0.1-0.3, at x1e4 ~1e4, where the
+    fold shifted each tile's exponents by thousands (cos ~0.7). Output and LSE vs ref8, a key mask
+    and GQA included."""
+    q, k, v = make_qkv(2, 4, 2, 700, 1500, d, torch.bfloat16, seed=11)
+    q, k, v = (x * mag for x in (q, k, v))
+    mask = make_mask(2, 1500)
+    out, lse = int8_sm90.attention_int8_sm90(q, k, v, key_mask=mask, return_lse=True)
+    ref, ref_lse = ref8(q, k, v, key_mask=mask, return_lse=True)
+    assert torch.isfinite(out).all()
+    cos, rl1 = cosine(out, ref), relative_l1(out, ref)
+    assert cos >= 0.9999 and rl1 <= 0.01, f"x{mag:g}: cos {cos:.6f}, rel-L1 {rl1:.5f}"
+    assert_lse_near_reference(lse, ref_lse, d, rtol=1e-6)
 
 
 @pytest.mark.parametrize("sq,skv", [(113, 1023), (1023, 113), (1, 4097), (300, 1)])

@@ -51,9 +51,10 @@ struct TileMask {
 //    FFMA (the bias times c is folded into the per-row offset): no separate FADD;
 //  * the 448 scale of P~ is folded into the exponent, exp2(x + log2 448) = 448 exp2(x) up to the
 //    ex2.approx error: no FMUL. l then holds 448 * sum(p), which the epilogue divides back.
-// The offset carries one fp32 rounding of (bias * c) per row and tile: a relative error in p of
-// <= 0.75 c (c = sq sk scale log2e, ~1e-4 on typical data), common to the whole row of the tile,
-// far below the 2^-4 step of the E4M3 code P~ is rounded to.
+// The offset carries one fp32 rounding of (bias * c) per row and tile: a shift of the tile's
+// exponents of <= ~c (c = sq sk scale log2e, ~1e-4 on N(0, 1) inputs), common to the whole row of
+// the tile. That holds only while c is small: tiles with a larger c (large |q| |k|) take an exact
+// path with one FADD more per score (lean_scores, kFoldMaxC).
 // kHalfExp_ (option fp16_exp2, needs kLean_): exp2 of two scores per MUFU op
 // (ex2.approx.f16x2), P~ = 448 p formed and rounded to E4M3 from fp16, row sums summed in fp16
 // over 8 values then in fp32. Halves the MUFU work that bounds hd64. x = s c - m <= 0 goes to
@@ -215,33 +216,55 @@ struct OnlineSoftmax {
   }
 
   // Shared start of the lean steps: s = bias + int score (exact, |int| < 2^22), masks, row scale
-  // c and max; updates m and alpha. Returns off with x = s c - off = int c - m + log2_gain.
+  // c and max; updates m and alpha; then s[v] = x = int c - m + log2_gain, the exponent of P~.
+  // Fast path (every c of the warp <= kFoldMaxC): x = s c - off with off = bias c + m - log2_gain
+  // per row, one FFMA per score. off's one fp32 rounding is a shift of x common to the row's tile,
+  // of at most 2^-24 |off| <= ~c (|off| <= (1.5 * 2^23 + 2^22) c + 9): at c <= 2^-9 the tile's
+  // weight moves by <= 0.14 %, below E4M3's averaged noise. c = sq sk scale log2(e) is ~1e-4 on
+  // N(0, 1) inputs and ~1e-3 on DiT activations; it grows with |q| |k| (at hd128 past 2^-9 once
+  // max|q| max|k| > ~62), and there the folded shift grows with it (x 1e4 inputs: shifts of
+  // thousands, garbage). Exact path (a warp-uniform branch): x = (s - s_max) c + (m_tile - m) +
+  // log2_gain, the integer difference exact, so the tile's max key gets exactly log2_gain and the
+  // error is relative to |x| only (one FADD more per score).
+  static constexpr float kFoldMaxC = 0x1p-9f;
   __device__ __forceinline__ void lean_scores(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
-                                              float log2_gain, float (&s)[kN], float (&c)[2], float (&off)[2],
-                                              float (&alpha)[2]) {
+                                              float log2_gain, float (&s)[kN], float (&alpha)[2]) {
     constexpr float kBias = 12582912.f;  // 1.5 * 2^23
 #pragma unroll
     for (int v = 0; v < kN; ++v) s[v] = __int_as_float(static_cast<int>(s_int[v]) + 0x4B400000);
     mk.apply(s);
-    float mx[2];
+    float mx[2], c[2], off[2], base[2], add[2];
     row_scale(sk_tile, c);
     tile_row_max(s, mx);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      const float tmax = quad_max(mx[h]);  // biased, or -inf: no visible key in this row's tile
       // (biased max - bias) is the exact integer max; -inf stays -inf.
-      const float m_new = fmaxf(m[h], (quad_max(mx[h]) - kBias) * c[h]);
+      const float m_tile = (tmax - kBias) * c[h];
+      const float m_new = fmaxf(m[h], m_tile);
       const float muse = m_new == -INFINITY ? 0.f : m_new;
       alpha[h] = exp2_mufu(m[h] - muse);
       m[h] = m_new;
       off[h] = fmaf(kBias, c[h], muse - log2_gain);
+      // exact path: s - base is the exact integer difference (-inf where masked); a row tile
+      // without a visible key has only -inf scores, whatever base and add are
+      const bool seen = tmax != -INFINITY;
+      base[h] = seen ? tmax : kBias;
+      add[h] = seen ? (m_tile - muse) + log2_gain : 0.f;
+    }
+    if (__all_sync(0xffffffffu, c[0] <= kFoldMaxC && c[1] <= kFoldMaxC)) {
+#pragma unroll
+      for (int v = 0; v < kN; ++v) s[v] = fmaf(s[v], c[(v >> 1) & 1], -off[(v >> 1) & 1]);
+    } else {
+#pragma unroll
+      for (int v = 0; v < kN; ++v) s[v] = fmaf(s[v] - base[(v >> 1) & 1], c[(v >> 1) & 1], add[(v >> 1) & 1]);
     }
   }
 
   __device__ __forceinline__ void scores_lean(const uint32_t (&s_int)[kN], float sk_tile,
                                               const TileMask& mk, float (&s)[kN], float (&alpha)[2]) {
     constexpr float kLog2Fp8Max = 8.8073549221f;  // log2(448): x = s c - m + log2 448
-    float c[2], off[2];
-    lean_scores(s_int, sk_tile, mk, kLog2Fp8Max, s, c, off, alpha);
+    lean_scores(s_int, sk_tile, mk, kLog2Fp8Max, s, alpha);  // s = x
     float part_sum[2][kChains];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -251,7 +274,7 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int v = 0; v < kN; ++v) {
       const int h = (v >> 1) & 1;
-      const float x = fmaf(s[v], c[h], -off[h]);
+      const float x = s[v];
       float p;
       if constexpr (kPolyEvery > 0) {
         p = (v % kPolyEvery == kPolyEvery - 1) ? exp2_poly(x) : exp2_mufu(x);
@@ -277,14 +300,12 @@ struct OnlineSoftmax {
                                                    const TileMask& mk, uint32_t (&ph)[kN / 2],
                                                    float (&alpha)[2]) {
     constexpr uint32_t k448x2 = 0x5F005F00u;  // 448 in both fp16 halves
-    float s[kN], c[2], off[2];
-    lean_scores(s_int, sk_tile, mk, 0.f, s, c, off, alpha);  // x = s c - m <= 0
+    float s[kN];
+    lean_scores(s_int, sk_tile, mk, 0.f, s, alpha);  // s = x = s c - m <= 0
     // Pair j holds values 2j, 2j+1 (same row half (j & 1)), value 2j in the low half.
 #pragma unroll
     for (int j = 0; j < kN / 2; ++j) {
-      const int h = j & 1;
-      const float x0 = fmaf(s[2 * j], c[h], -off[h]);
-      const float x1 = fmaf(s[2 * j + 1], c[h], -off[h]);
+      const float x0 = s[2 * j], x1 = s[2 * j + 1];
       uint32_t hx, hp;
       asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(hx) : "f"(x1), "f"(x0));  // first source -> high
       asm("ex2.approx.f16x2 %0, %1;" : "=r"(hp) : "r"(hx));
