@@ -39,11 +39,14 @@ def assert_lse_near_reference(lse, ref_lse, d, rtol=0.0):
     unquantized p. Where it sums the E4M3 codes (row_sum "codes"), a code that rounds the other way
     in the kernel (ex2.approx, the tile's score rounding) than in the reference moves a row's sum by
     one E4M3 step of that key's weight, up to ~1e-2 on short rows: there most rows stay within
-    2e-3, the mean within 1e-3 and every row within 3e-2. rtol: an allowance relative to |LSE| on
-    top (fp32 LSEs of huge logits carry their own rounding)."""
+    2e-3, the mean within 1e-3 and every row within 3e-2. rtol: an allowance relative to the largest
+    |LSE| on top (at huge logits the LSE is a sum of fp32 terms of that size: their rounding)."""
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
-    err = ((lse[finite] - ref_lse[finite]).abs() - rtol * ref_lse[finite].abs()).clamp_min(0)
+    if not bool(finite.any()):
+        return
+    allow = rtol * float(ref_lse[finite].abs().max())
+    err = ((lse[finite] - ref_lse[finite]).abs() - allow).clamp_min(0)
     if not err.numel():
         return
     if DEFAULT_ROW_SUM[d] == "p":
@@ -213,7 +216,7 @@ def test_forward_at_awkward_magnitudes(d, mag):
     assert torch.isfinite(out).all()
     cos, rl1 = cosine(out, ref), relative_l1(out, ref)
     assert cos >= 0.9999 and rl1 <= 0.01, f"x{mag:g}: cos {cos:.6f}, rel-L1 {rl1:.5f}"
-    assert_lse_near_reference(lse, ref_lse, d, rtol=1e-6)
+    assert_lse_near_reference(lse, ref_lse, d, rtol=1e-5 if mag > 100 else 0.0)
 
 
 @pytest.mark.parametrize("sq,skv", [(113, 1023), (1023, 113), (1, 4097), (300, 1)])

@@ -11,7 +11,8 @@ algorithm, the output keeps cos >= 0.9999 and rel-L1 <= 0.01 and the LSE stays c
 short row's sum by a step of that key's weight; at hd128 the sums also run 4 key tiles through the
 FP8 wgmma's truncating adds before the fp32 flush, a mean bias of ~1e-3), at awkward lengths (1, 113, 1023, 4097, 17776, and
 32768 keys summed through the tensor core's truncating adds), GQA, key masks, bf16, inputs
-scaled by 1e-4 and 1e4; masked K / V rows holding NaN or 1e4 change no output bit; a fully masked row
+scaled by 1e-4 and 1e4 (there the LSE, a sum of fp32 terms ~1e9, gets 1e-5 of its size on top);
+masked K / V rows holding NaN or 1e4 change no output bit; a fully masked row
 is 0 with LSE -inf. The LSE is log of the codes' sum, the sum O is normalised with (so merging
 partial attentions by their LSE stays consistent); against row_sum="p" it moves by up to ~1e-2 on
 rows of ~100 comparable keys (E4M3 rounding; -7e-4 on average: P~ below 2^-10 rounds to 0).
@@ -87,7 +88,9 @@ for d in (64, 128):
             ref, ref_lse = sage8_reference(q.float(), kk, vv, key_mask=m, return_lse=True, row_sum="codes")
             c, rl1 = cosine(out.float(), ref.float()), relative_l1(out.float(), ref.float())
             finite = torch.isfinite(ref_lse)
-            lse_err = (lse[finite] - ref_lse[finite]).abs()
+            # at x1e4 the LSE is a sum of fp32 terms ~1e9: their rounding is allowed on top
+            allow = 1e-5 * float(ref_lse[finite].abs().max()) if mag > 100 and bool(finite.any()) else 0.0
+            lse_err = ((lse[finite] - ref_lse[finite]).abs() - allow).clamp_min(0)
             ok = (bool(torch.isfinite(out).all()) and torch.equal(torch.isfinite(lse), finite)
                   and c >= 0.9999 and rl1 <= 0.01 and float(lse_err.max()) <= 3e-2 and float(lse_err.mean()) <= 2e-3)
             report(ok, f"hd{d} {tc.name} {b}x{hq}/{hkv}x{s} {dt} x{mag:g} mask={m is not None} "

@@ -53,8 +53,8 @@ struct TileMask {
 //    ex2.approx error: no FMUL. l then holds 448 * sum(p), which the epilogue divides back.
 // The offset carries one fp32 rounding of (bias * c) per row and tile: a shift of the tile's
 // exponents of <= ~c (c = sq sk scale log2e, ~1e-4 on N(0, 1) inputs), common to the whole row of
-// the tile. That holds only while c is small: tiles with a larger c (large |q| |k|) take an exact
-// path with one FADD more per score (lean_scores, kFoldMaxC).
+// the tile. That holds only while c is small: work tiles whose c can be larger (large |q| |k|)
+// run the exact exponents, one FADD more per score (lean_scores, kFoldMaxC).
 // kHalfExp_ (option fp16_exp2, needs kLean_): exp2 of two scores per MUFU op
 // (ex2.approx.f16x2), P~ = 448 p formed and rounded to E4M3 from fp16, row sums summed in fp16
 // over 8 values then in fp32. Halves the MUFU work that bounds hd64. x = s c - m <= 0 goes to
@@ -145,22 +145,24 @@ struct OnlineSoftmax {
 
   // s_int: the int32 accumulator of q8 . k8^T. Writes the FP8 A fragment (4 registers per
   // 32-key k-block, see tile_config.hpp for why no shuffle is needed) and the per-half rescale
-  // factors alpha for the output accumulator.
+  // factors alpha for the output accumulator. kExact: the lean steps' exact exponents (lean_scores).
+  template <bool kExact = false>
   __device__ __forceinline__ void step(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
                                        uint32_t (&p_frag)[16], float (&alpha)[2]) {
     Scores sc;
-    scores(s_int, sk_tile, mk, sc, alpha);
+    scores<kExact>(s_int, sk_tile, mk, sc, alpha);
     pack(sc, p_frag);
   }
 
   // step in two halves, so a caller can put a wait between them (kernel_fwd.cuh late_pv_wait):
   // scores = max, exp2 and row sums (m, l and alpha updated), pack = the FP8 A fragment.
+  template <bool kExact = false>
   __device__ __forceinline__ void scores(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
                                          Scores& sc, float (&alpha)[2]) {
     if constexpr (kHalfExp) {
-      scores_lean_half(s_int, sk_tile, mk, sc, alpha);
+      scores_lean_half<kExact>(s_int, sk_tile, mk, sc, alpha);
     } else if constexpr (kLean) {
-      scores_lean(s_int, sk_tile, mk, sc, alpha);
+      scores_lean<kExact>(s_int, sk_tile, mk, sc, alpha);
     } else {
       scores_plain(s_int, sk_tile, mk, sc, alpha);
     }
@@ -216,55 +218,64 @@ struct OnlineSoftmax {
   }
 
   // Shared start of the lean steps: s = bias + int score (exact, |int| < 2^22), masks, row scale
-  // c and max; updates m and alpha; then s[v] = x = int c - m + log2_gain, the exponent of P~.
-  // Fast path (every c of the warp <= kFoldMaxC): x = s c - off with off = bias c + m - log2_gain
-  // per row, one FFMA per score. off's one fp32 rounding is a shift of x common to the row's tile,
-  // of at most 2^-24 |off| <= ~c (|off| <= (1.5 * 2^23 + 2^22) c + 9): at c <= 2^-9 the tile's
-  // weight moves by <= 0.14 %, below E4M3's averaged noise. c = sq sk scale log2(e) is ~1e-4 on
-  // N(0, 1) inputs and ~1e-3 on DiT activations; it grows with |q| |k| (at hd128 past 2^-9 once
-  // max|q| max|k| > ~62), and there the folded shift grows with it (x 1e4 inputs: shifts of
-  // thousands, garbage). Exact path (a warp-uniform branch): x = (s - s_max) c + (m_tile - m) +
-  // log2_gain, the integer difference exact, so the tile's max key gets exactly log2_gain and the
-  // error is relative to |x| only (one FADD more per score).
+  // c and max; updates m and alpha. The exponent of P~ is then x = int c - m + log2_gain, computed
+  // by the caller per score as lean_x says:
+  //  * kExact false (folded): x = s c - off, off = bias c + m - log2_gain per row: one FFMA. off's
+  //    one fp32 rounding shifts x by up to 2^-24 |off| <= ~c (|off| <= (1.5 * 2^23 + 2^22) c + 9),
+  //    common to the row's tile: at c <= kFoldMaxC = 2^-9 its weight moves by <= 0.14 %, below
+  //    E4M3's averaged noise. c = sq sk scale log2(e) is ~1e-4 on N(0, 1) inputs, ~1e-3 on DiT
+  //    activations; it grows with max|q| max|k| (at hd128 past 2^-9 once that exceeds ~62), and the
+  //    shift with it (x1e4 inputs: shifts of thousands, garbage).
+  //  * kExact true: x = (s - s_max) c + (m_tile - m) + log2_gain with the integer difference exact,
+  //    so the tile's max key gets exactly log2_gain and the error is relative to |x| only: one FADD
+  //    more per score. The kernel runs a work tile's loop this way when its c can exceed kFoldMaxC
+  //    (kernel_fwd.cuh: a warpgroup vote before the loop, two instantiations of the loop).
   static constexpr float kFoldMaxC = 0x1p-9f;
+  struct LeanRow {
+    float c[2], off[2];   // folded: x = s c - off
+    float base[2], add[2];  // exact: x = (s - base) c + add
+  };
   __device__ __forceinline__ void lean_scores(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
-                                              float log2_gain, float (&s)[kN], float (&alpha)[2]) {
+                                              float log2_gain, float (&s)[kN], LeanRow& r, float (&alpha)[2]) {
     constexpr float kBias = 12582912.f;  // 1.5 * 2^23
 #pragma unroll
     for (int v = 0; v < kN; ++v) s[v] = __int_as_float(static_cast<int>(s_int[v]) + 0x4B400000);
     mk.apply(s);
-    float mx[2], c[2], off[2], base[2], add[2];
-    row_scale(sk_tile, c);
+    float mx[2];
+    row_scale(sk_tile, r.c);
     tile_row_max(s, mx);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float tmax = quad_max(mx[h]);  // biased, or -inf: no visible key in this row's tile
       // (biased max - bias) is the exact integer max; -inf stays -inf.
-      const float m_tile = (tmax - kBias) * c[h];
+      const float m_tile = (tmax - kBias) * r.c[h];
       const float m_new = fmaxf(m[h], m_tile);
       const float muse = m_new == -INFINITY ? 0.f : m_new;
       alpha[h] = exp2_mufu(m[h] - muse);
       m[h] = m_new;
-      off[h] = fmaf(kBias, c[h], muse - log2_gain);
-      // exact path: s - base is the exact integer difference (-inf where masked); a row tile
-      // without a visible key has only -inf scores, whatever base and add are
+      r.off[h] = fmaf(kBias, r.c[h], muse - log2_gain);
+      // exact: s - base is the exact integer difference (-inf where masked); a row tile without a
+      // visible key has only -inf scores, whatever base and add are
       const bool seen = tmax != -INFINITY;
-      base[h] = seen ? tmax : kBias;
-      add[h] = seen ? (m_tile - muse) + log2_gain : 0.f;
+      r.base[h] = seen ? tmax : kBias;
+      r.add[h] = seen ? (m_tile - muse) + log2_gain : 0.f;
     }
-    if (__all_sync(0xffffffffu, c[0] <= kFoldMaxC && c[1] <= kFoldMaxC)) {
-#pragma unroll
-      for (int v = 0; v < kN; ++v) s[v] = fmaf(s[v], c[(v >> 1) & 1], -off[(v >> 1) & 1]);
+  }
+  template <bool kExact>
+  __device__ __forceinline__ static float lean_x(float s, const LeanRow& r, int h) {
+    if constexpr (kExact) {
+      return fmaf(s - r.base[h], r.c[h], r.add[h]);
     } else {
-#pragma unroll
-      for (int v = 0; v < kN; ++v) s[v] = fmaf(s[v] - base[(v >> 1) & 1], c[(v >> 1) & 1], add[(v >> 1) & 1]);
+      return fmaf(s, r.c[h], -r.off[h]);
     }
   }
 
+  template <bool kExact>
   __device__ __forceinline__ void scores_lean(const uint32_t (&s_int)[kN], float sk_tile,
                                               const TileMask& mk, float (&s)[kN], float (&alpha)[2]) {
     constexpr float kLog2Fp8Max = 8.8073549221f;  // log2(448): x = s c - m + log2 448
-    lean_scores(s_int, sk_tile, mk, kLog2Fp8Max, s, alpha);  // s = x
+    LeanRow r;
+    lean_scores(s_int, sk_tile, mk, kLog2Fp8Max, s, r, alpha);
     float part_sum[2][kChains];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -274,7 +285,7 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int v = 0; v < kN; ++v) {
       const int h = (v >> 1) & 1;
-      const float x = s[v];
+      const float x = lean_x<kExact>(s[v], r, h);
       float p;
       if constexpr (kPolyEvery > 0) {
         p = (v % kPolyEvery == kPolyEvery - 1) ? exp2_poly(x) : exp2_mufu(x);
@@ -296,16 +307,20 @@ struct OnlineSoftmax {
     }
   }
 
+  template <bool kExact>
   __device__ __forceinline__ void scores_lean_half(const uint32_t (&s_int)[kN], float sk_tile,
                                                    const TileMask& mk, uint32_t (&ph)[kN / 2],
                                                    float (&alpha)[2]) {
     constexpr uint32_t k448x2 = 0x5F005F00u;  // 448 in both fp16 halves
     float s[kN];
-    lean_scores(s_int, sk_tile, mk, 0.f, s, alpha);  // s = x = s c - m <= 0
+    LeanRow r;
+    lean_scores(s_int, sk_tile, mk, 0.f, s, r, alpha);  // x = s c - m <= 0
     // Pair j holds values 2j, 2j+1 (same row half (j & 1)), value 2j in the low half.
 #pragma unroll
     for (int j = 0; j < kN / 2; ++j) {
-      const float x0 = s[2 * j], x1 = s[2 * j + 1];
+      const int h = j & 1;
+      const float x0 = lean_x<kExact>(s[2 * j], r, h);
+      const float x1 = lean_x<kExact>(s[2 * j + 1], r, h);
       uint32_t hx, hp;
       asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(hx) : "f"(x1), "f"(x0));  // first source -> high
       asm("ex2.approx.f16x2 %0, %1;" : "=r"(hp) : "r"(hx));
