@@ -8,7 +8,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include "../common/launch.cuh"
 #include "../common/sm90/named_barrier.cuh"
@@ -183,8 +182,6 @@ struct PhaseClock {
 
 // Named barriers 1 and 2 (0 is __syncthreads): "warpgroup w may issue its wgmmas" (pingpong).
 constexpr int kBarSchedFirst = 1;
-// Named barriers 3 + w: consumer warpgroup w's vote on the exact softmax exponents (128 threads).
-constexpr int kBarExactVoteFirst = 3;
 
 // A work tile: kBlockM query rows (m_block) of one (b, h), and the key tiles it visits.
 struct FwdWork {
@@ -488,20 +485,13 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       }
     }
     if (work == 0) clock.mark(ConsumerPhase::kQReady);
-    // Whether the row scales c = rowf sk of this work tile can exceed the folded exponent's bound
-    // (softmax.hpp lean_scores): then the whole loop runs the exact exponents, a second
-    // instantiation of it, so the common loop keeps its code. Warpgroup-uniform (its wgmmas are):
-    // each thread bounds its two rows by the largest K block scale of the work tile's keys (warp-
-    // strided loads, a warp max), and a bar.red.or over the warpgroup gives all the same answer.
-    bool exact = false;
-    if constexpr (kLean) {
-      float sk_max = 0.f;
-      for (int t = lane; t < n_tiles; t += 32) sk_max = fmaxf(sk_max, __ldg(sk + t));
-#pragma unroll
-      for (int x = 16; x > 0; x >>= 1) sk_max = fmaxf(sk_max, __shfl_xor_sync(0xffffffffu, sk_max, x));
-      const bool big = fmaxf(sm.rowf[0], sm.rowf[1]) * sk_max > Softmax::kFoldMaxC;
-      exact = sage_common::sm90::named_barrier_or<128>(kBarExactVoteFirst + wg, big);
-    }
+    // Whether a key tile's row scales c = rowf sk can exceed the folded exponent's bound
+    // (softmax.hpp lean_scores): then that tile's softmax step runs the exact exponents (a branch
+    // at the top of the step, so the folded step keeps its code). Warp-uniform (the step's quad
+    // shuffles need it); from the tile's K scale, loaded before its wait, and the rows' scales.
+    auto exact_exponents = [&](float sk_t) {
+      return kLean && __any_sync(0xffffffffu, fmaxf(sm.rowf[0], sm.rowf[1]) * sk_t > Softmax::kFoldMaxC);
+    };
     auto qk_issue = [&](int stage) {
       if constexpr (kQRegs) {
         ops.qk_issue_rs(stage, q_frag, s_acc);
@@ -509,144 +499,135 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
         ops.qk_issue(stage, s_acc);
       }
     };
-    // The key-tile loop; kExact (a std::bool_constant): the softmax's exact exponents.
-    auto key_loop = [&](auto exact_tag) {
-      constexpr bool kExact = decltype(exact_tag)::value;
-      if constexpr (!kPipelined) {
-        // Plain order: S_t, softmax_t, O += P_t V_t, each retired before the next.
-        for (int t = 0; t < n_tiles; ++t) {
-          const int s = stage_of(t);
-          const float sk_t = __ldg(sk + t);
-          const TileMask mk = tile_mask(t);
-          Barrier::wait(&sp.full[s], parity_of(t));
-          qk_issue(s);
-          cute::warpgroup_wait<0>();
-          fence_regs(s_acc);
-          float alpha[2];
-          sm.step<kExact>(s_acc, sk_t, mk, p_frag, alpha);
-          if (t == 0 && work == 0) clock.mark(ConsumerPhase::kFirstSoftmax);
-          if (pv_zero(t)) {
-            // smem_o_every: this PV starts from zero and overwrites O's registers (flushed after the
-            // tile before), so only the smem sum's scale takes alpha; at smem_o_every = 1 O's
-            // registers are thus dead through every softmax (the three-warpgroup hd128 loop fits
-            // 160 registers only so).
-            o_scale[0] *= alpha[0];
-            o_scale[1] *= alpha[1];
-          } else {
-            rescale(alpha);
-          }
-          ops.pv(s, p_frag, pv_acc, kTilePV || pv_zero(t));
-          add_tile();
-          release(s);
-          // Not after the last tile: the epilogue adds O's registers to the sum (scaled_sum), as
-          // after the pipelined loop, whose last PV is never flushed either.
-          if (t + 1 < n_tiles) maybe_flush(t);
-        }
-      } else if (n_tiles > 0) {
-        // Pipelined order: S_t and O += P_{t-1} V_{t-1} are issued back to back; with the overlap
-        // the softmax of tile t starts as soon as S_t retired, while the PV group still runs. O is
-        // rescaled by alpha_t only after that group retired (O_t = alpha_t O_{t-1} + P_t V_t). A
-        // tile's stage is released after its PV retired, i.e. one iteration later. P alternates
-        // between two register arrays so the one an in-flight wgmma reads is never redefined (else
-        // ptxas serializes). Ping-pong: each issue block is one turn (common/sm90/named_barrier.cuh).
-        uint32_t p_alt[C::kPRegs];
-        // two consumer warpgroups only (FwdOptions::valid: no ping-pong with three_consumers)
-        const sage_common::sm90::WarpgroupPingPong<kPingPong, kBarSchedFirst, CtaShape<2>::kConsumerThreads> sched{wg};
-        sched.start();
-        auto turn_begin = [&] { sched.begin(); };
-        auto turn_end = [&](bool last) { sched.end(last); };
-        {
-          const float sk_t = __ldg(sk);
-          const TileMask mk = tile_mask(0);
-          Barrier::wait(&sp.full[stage_of(0)], parity_of(0));
-          turn_begin();
-          qk_issue(stage_of(0));
-          turn_end(false);
-          cute::warpgroup_wait<0>();
-          fence_regs(s_acc);
-          float alpha[2];
-          sm.step<kExact>(s_acc, sk_t, mk, p_frag, alpha);  // O is still 0: alpha unused
-          if (work == 0) clock.mark(ConsumerPhase::kFirstSoftmax);
-        }
-        auto body = [&](int t, uint32_t (&p_prev)[C::kPRegs], uint32_t (&p_next)[C::kPRegs]) {
-          const int s = stage_of(t), s_prev = stage_of(t - 1);
-          const float sk_t = __ldg(sk + t);
-          const TileMask mk = tile_mask(t);
-          Barrier::wait(&sp.full[s], parity_of(t));
-          turn_begin();
-          qk_issue(s);
-          ops.pv_issue(s_prev, p_prev, pv_acc, /*fence=*/false,  // qk_issue's fence covers it
-                       kTilePV || pv_zero(t - 1));
-          turn_end(false);
-          // PV_{t-1} retired: its stage goes back to the producer and O_{t-1} is complete.
-          auto retire_pv = [&] {
-            fence_regs(pv_acc);
-            fence_regs(p_prev);
-            release(s_prev);
-            add_tile();
-          };
-          if constexpr (kOverlapSoftmaxWithPV) {
-            cute::warpgroup_wait<1>();  // S_t retired, PV_{t-1} may still run
-          } else {
-            cute::warpgroup_wait<0>();
-            retire_pv();  // before the softmax: fp32_pv_tiles' tile dies before S_t's softmax needs registers
-          }
-          fence_regs(s_acc);
-          float alpha[2];
-          if constexpr (kLatePvWait) {
-            // ptxas schedules a wgmma wait as early as its basic block allows, and p_next gets the
-            // physical registers of p_prev (an issued wgmma's operands count as dead): with the wait
-            // after step() in one block, it lands before the row max and nothing but the score
-            // conversion overlaps the PV. Here the wait opens each of the two O-rescale branches,
-            // which start only after the exp2 and row sums, and P is packed behind it.
-            typename Softmax::Scores sc;
-            sm.scores<kExact>(s_acc, sk_t, mk, sc, alpha);
-            if (!max_kept(alpha)) {
-              sage_common::sm90::wgmma_wait_all</*kTag=*/0>();
-              retire_pv();
-              scale_o(alpha);
-            } else {
-              sage_common::sm90::wgmma_wait_all</*kTag=*/1>();  // another asm text: not merged above the branch
-              retire_pv();
-            }
-            Softmax::pack(sc, p_next);
-          } else {
-            sm.step<kExact>(s_acc, sk_t, mk, p_next, alpha);
-            if constexpr (kOverlapSoftmaxWithPV) {
-              cute::warpgroup_wait<0>();
-              retire_pv();
-            }
-            rescale(alpha);
-          }
-          maybe_flush(t - 1);
-        };
-        for (int t = 1; t < n_tiles; ++t) {
-          if (t & 1) {
-            body(t, p_frag, p_alt);
-          } else {
-            body(t, p_alt, p_frag);
-          }
-        }
-        const int s_last = stage_of(n_tiles - 1);
-        turn_begin();
-        if ((n_tiles - 1) & 1) {
-          ops.pv_issue(s_last, p_alt, pv_acc, /*fence=*/true, kTilePV || pv_zero(n_tiles - 1));
-        } else {
-          ops.pv_issue(s_last, p_frag, pv_acc, /*fence=*/true, kTilePV || pv_zero(n_tiles - 1));
-        }
-        turn_end(true);
+    if constexpr (!kPipelined) {
+      // Plain order: S_t, softmax_t, O += P_t V_t, each retired before the next.
+      for (int t = 0; t < n_tiles; ++t) {
+        const int s = stage_of(t);
+        const float sk_t = __ldg(sk + t);
+        const TileMask mk = tile_mask(t);
+        Barrier::wait(&sp.full[s], parity_of(t));
+        qk_issue(s);
         cute::warpgroup_wait<0>();
-        fence_regs(pv_acc);
-        fence_regs(p_frag);
-        fence_regs(p_alt);
-        release(s_last);
+        fence_regs(s_acc);
+        float alpha[2];
+        sm.step(s_acc, sk_t, mk, p_frag, alpha, exact_exponents(sk_t));
+        if (t == 0 && work == 0) clock.mark(ConsumerPhase::kFirstSoftmax);
+        if (pv_zero(t)) {
+          // smem_o_every: this PV starts from zero and overwrites O's registers (flushed after the
+          // tile before), so only the smem sum's scale takes alpha; at smem_o_every = 1 O's
+          // registers are thus dead through every softmax (the three-warpgroup hd128 loop fits
+          // 160 registers only so).
+          o_scale[0] *= alpha[0];
+          o_scale[1] *= alpha[1];
+        } else {
+          rescale(alpha);
+        }
+        ops.pv(s, p_frag, pv_acc, kTilePV || pv_zero(t));
         add_tile();
+        release(s);
+        // Not after the last tile: the epilogue adds O's registers to the sum (scaled_sum), as
+        // after the pipelined loop, whose last PV is never flushed either.
+        if (t + 1 < n_tiles) maybe_flush(t);
       }
-    };
-    if (exact) {
-      if constexpr (kLean) key_loop(std::true_type{});  // (exact is false without the lean softmax)
-    } else {
-      key_loop(std::false_type{});
+    } else if (n_tiles > 0) {
+      // Pipelined order: S_t and O += P_{t-1} V_{t-1} are issued back to back; with the overlap
+      // the softmax of tile t starts as soon as S_t retired, while the PV group still runs. O is
+      // rescaled by alpha_t only after that group retired (O_t = alpha_t O_{t-1} + P_t V_t). A
+      // tile's stage is released after its PV retired, i.e. one iteration later. P alternates
+      // between two register arrays so the one an in-flight wgmma reads is never redefined (else
+      // ptxas serializes). Ping-pong: each issue block is one turn (common/sm90/named_barrier.cuh).
+      uint32_t p_alt[C::kPRegs];
+      // two consumer warpgroups only (FwdOptions::valid: no ping-pong with three_consumers)
+      const sage_common::sm90::WarpgroupPingPong<kPingPong, kBarSchedFirst, CtaShape<2>::kConsumerThreads> sched{wg};
+      sched.start();
+      auto turn_begin = [&] { sched.begin(); };
+      auto turn_end = [&](bool last) { sched.end(last); };
+      {
+        const float sk_t = __ldg(sk);
+        const TileMask mk = tile_mask(0);
+        Barrier::wait(&sp.full[stage_of(0)], parity_of(0));
+        turn_begin();
+        qk_issue(stage_of(0));
+        turn_end(false);
+        cute::warpgroup_wait<0>();
+        fence_regs(s_acc);
+        float alpha[2];
+        sm.step(s_acc, sk_t, mk, p_frag, alpha, exact_exponents(sk_t));  // O is still 0: alpha unused
+        if (work == 0) clock.mark(ConsumerPhase::kFirstSoftmax);
+      }
+      auto body = [&](int t, uint32_t (&p_prev)[C::kPRegs], uint32_t (&p_next)[C::kPRegs]) {
+        const int s = stage_of(t), s_prev = stage_of(t - 1);
+        const float sk_t = __ldg(sk + t);
+        const TileMask mk = tile_mask(t);
+        Barrier::wait(&sp.full[s], parity_of(t));
+        turn_begin();
+        qk_issue(s);
+        ops.pv_issue(s_prev, p_prev, pv_acc, /*fence=*/false,  // qk_issue's fence covers it
+                     kTilePV || pv_zero(t - 1));
+        turn_end(false);
+        // PV_{t-1} retired: its stage goes back to the producer and O_{t-1} is complete.
+        auto retire_pv = [&] {
+          fence_regs(pv_acc);
+          fence_regs(p_prev);
+          release(s_prev);
+          add_tile();
+        };
+        if constexpr (kOverlapSoftmaxWithPV) {
+          cute::warpgroup_wait<1>();  // S_t retired, PV_{t-1} may still run
+        } else {
+          cute::warpgroup_wait<0>();
+          retire_pv();  // before the softmax: fp32_pv_tiles' tile dies before S_t's softmax needs registers
+        }
+        fence_regs(s_acc);
+        float alpha[2];
+        if constexpr (kLatePvWait) {
+          // ptxas schedules a wgmma wait as early as its basic block allows, and p_next gets the
+          // physical registers of p_prev (an issued wgmma's operands count as dead): with the wait
+          // after step() in one block, it lands before the row max and nothing but the score
+          // conversion overlaps the PV. Here the wait opens each of the two O-rescale branches,
+          // which start only after the exp2 and row sums, and P is packed behind it.
+          typename Softmax::Scores sc;
+          sm.scores(s_acc, sk_t, mk, sc, alpha, exact_exponents(sk_t));
+          if (!max_kept(alpha)) {
+            sage_common::sm90::wgmma_wait_all</*kTag=*/0>();
+            retire_pv();
+            scale_o(alpha);
+          } else {
+            sage_common::sm90::wgmma_wait_all</*kTag=*/1>();  // another asm text: not merged above the branch
+            retire_pv();
+          }
+          Softmax::pack(sc, p_next);
+        } else {
+          sm.step(s_acc, sk_t, mk, p_next, alpha, exact_exponents(sk_t));
+          if constexpr (kOverlapSoftmaxWithPV) {
+            cute::warpgroup_wait<0>();
+            retire_pv();
+          }
+          rescale(alpha);
+        }
+        maybe_flush(t - 1);
+      };
+      for (int t = 1; t < n_tiles; ++t) {
+        if (t & 1) {
+          body(t, p_frag, p_alt);
+        } else {
+          body(t, p_alt, p_frag);
+        }
+      }
+      const int s_last = stage_of(n_tiles - 1);
+      turn_begin();
+      if ((n_tiles - 1) & 1) {
+        ops.pv_issue(s_last, p_alt, pv_acc, /*fence=*/true, kTilePV || pv_zero(n_tiles - 1));
+      } else {
+        ops.pv_issue(s_last, p_frag, pv_acc, /*fence=*/true, kTilePV || pv_zero(n_tiles - 1));
+      }
+      turn_end(true);
+      cute::warpgroup_wait<0>();
+      fence_regs(pv_acc);
+      fence_regs(p_frag);
+      fence_regs(p_alt);
+      release(s_last);
+      add_tile();
     }
     if (work == 0) clock.mark(ConsumerPhase::kLastPV);
     if constexpr (kSmemO) {  // O = o_scale * smem sum + the tiles since the last flush

@@ -145,20 +145,39 @@ struct OnlineSoftmax {
 
   // s_int: the int32 accumulator of q8 . k8^T. Writes the FP8 A fragment (4 registers per
   // 32-key k-block, see tile_config.hpp for why no shuffle is needed) and the per-half rescale
-  // factors alpha for the output accumulator. kExact: the lean steps' exact exponents (lean_scores).
-  template <bool kExact = false>
+  // factors alpha for the output accumulator. exact (warp-uniform): the lean steps' exact
+  // exponents (lean_scores), a whole second copy of the step behind one branch, so the folded
+  // step's code stays one straight block.
   __device__ __forceinline__ void step(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
-                                       uint32_t (&p_frag)[16], float (&alpha)[2]) {
+                                       uint32_t (&p_frag)[16], float (&alpha)[2], bool exact = false) {
+    if constexpr (kLean) {
+      if (exact) {
+        Scores sc;
+        scores_with<true>(s_int, sk_tile, mk, sc, alpha);
+        pack(sc, p_frag);
+        return;
+      }
+    }
     Scores sc;
-    scores<kExact>(s_int, sk_tile, mk, sc, alpha);
+    scores_with<false>(s_int, sk_tile, mk, sc, alpha);
     pack(sc, p_frag);
   }
 
   // step in two halves, so a caller can put a wait between them (kernel_fwd.cuh late_pv_wait):
   // scores = max, exp2 and row sums (m, l and alpha updated), pack = the FP8 A fragment.
-  template <bool kExact = false>
   __device__ __forceinline__ void scores(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
-                                         Scores& sc, float (&alpha)[2]) {
+                                         Scores& sc, float (&alpha)[2], bool exact = false) {
+    if constexpr (kLean) {
+      if (exact) {
+        scores_with<true>(s_int, sk_tile, mk, sc, alpha);
+        return;
+      }
+    }
+    scores_with<false>(s_int, sk_tile, mk, sc, alpha);
+  }
+  template <bool kExact>
+  __device__ __forceinline__ void scores_with(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
+                                              Scores& sc, float (&alpha)[2]) {
     if constexpr (kHalfExp) {
       scores_lean_half<kExact>(s_int, sk_tile, mk, sc, alpha);
     } else if constexpr (kLean) {
@@ -228,8 +247,8 @@ struct OnlineSoftmax {
   //    shift with it (x1e4 inputs: shifts of thousands, garbage).
   //  * kExact true: x = (s - s_max) c + (m_tile - m) + log2_gain with the integer difference exact,
   //    so the tile's max key gets exactly log2_gain and the error is relative to |x| only: one FADD
-  //    more per score. The kernel runs a work tile's loop this way when its c can exceed kFoldMaxC
-  //    (kernel_fwd.cuh: a warpgroup vote before the loop, two instantiations of the loop).
+  //    more per score. The kernel runs a tile's step this way when a c of the warp can exceed
+  //    kFoldMaxC (kernel_fwd.cuh exact_exponents; step's exact branch).
   static constexpr float kFoldMaxC = 0x1p-9f;
   struct LeanRow {
     float c[2], off[2];   // folded: x = s c - off

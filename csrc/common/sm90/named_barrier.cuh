@@ -4,8 +4,6 @@
 // numbering of the others (its ids are named constants next to its kernel).
 #pragma once
 
-#include <cstdint>
-
 namespace sage_common::sm90 {
 
 // kThreads: threads taking part (a multiple of 32), a compile-time constant in every use.
@@ -18,20 +16,6 @@ template <int kThreads>
 __device__ __forceinline__ void named_barrier_arrive(int id) {
   static_assert(kThreads % 32 == 0, "named barriers count whole warps");
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(kThreads) : "memory");
-}
-
-// bar.sync that also ORs a predicate over the kThreads taking part: every one gets the same answer.
-template <int kThreads>
-__device__ __forceinline__ bool named_barrier_or(int id, bool pred) {
-  static_assert(kThreads % 32 == 0, "named barriers count whole warps");
-  uint32_t any;
-  asm volatile(
-      "{\n\t.reg .pred p, q;\n\tsetp.ne.u32 p, %1, 0;\n\tbar.red.or.pred q, %2, %3, p;\n\t"
-      "selp.u32 %0, 1, 0, q;\n\t}"
-      : "=r"(any)
-      : "r"(static_cast<uint32_t>(pred)), "r"(id), "n"(kThreads)
-      : "memory");
-  return any != 0;
 }
 
 // Two consumer warpgroups take turns issuing their wgmma groups. Barrier kFirstBarrier + w means
