@@ -53,8 +53,8 @@ struct TileMask {
 //    ex2.approx error: no FMUL. l then holds 448 * sum(p), which the epilogue divides back.
 // The offset carries one fp32 rounding of (bias * c) per row and tile: a shift of the tile's
 // exponents of <= ~c (c = sq sk scale log2e, ~1e-4 on N(0, 1) inputs), common to the whole row of
-// the tile. That holds only while c is small: work tiles whose c can be larger (large |q| |k|)
-// run the exact exponents, one FADD more per score (lean_scores, kFoldMaxC).
+// the tile. That holds only while c is small: a warp's key tile whose c can be larger (large
+// |q| |k|) runs the exact exponents, one FADD more per score (lean_scores, kFoldMaxC).
 // kHalfExp_ (option fp16_exp2, needs kLean_): exp2 of two scores per MUFU op
 // (ex2.approx.f16x2), P~ = 448 p formed and rounded to E4M3 from fp16, row sums summed in fp16
 // over 8 values then in fp32. Halves the MUFU work that bounds hd64. x = s c - m <= 0 goes to
@@ -150,16 +150,17 @@ struct OnlineSoftmax {
   // step's code stays one straight block.
   __device__ __forceinline__ void step(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
                                        uint32_t (&p_frag)[16], float (&alpha)[2], bool exact = false) {
-    if constexpr (kLean) {
-      if (exact) {
-        Scores sc;
-        scores_with<true>(s_int, sk_tile, mk, sc, alpha);
-        pack(sc, p_frag);
-        return;
-      }
+    if (kLean && exact) {
+      step_with<true>(s_int, sk_tile, mk, p_frag, alpha);
+    } else {
+      step_with<false>(s_int, sk_tile, mk, p_frag, alpha);
     }
+  }
+  template <bool kExact>
+  __device__ __forceinline__ void step_with(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
+                                            uint32_t (&p_frag)[16], float (&alpha)[2]) {
     Scores sc;
-    scores_with<false>(s_int, sk_tile, mk, sc, alpha);
+    scores_with<kExact>(s_int, sk_tile, mk, sc, alpha);
     pack(sc, p_frag);
   }
 
@@ -167,13 +168,11 @@ struct OnlineSoftmax {
   // scores = max, exp2 and row sums (m, l and alpha updated), pack = the FP8 A fragment.
   __device__ __forceinline__ void scores(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
                                          Scores& sc, float (&alpha)[2], bool exact = false) {
-    if constexpr (kLean) {
-      if (exact) {
-        scores_with<true>(s_int, sk_tile, mk, sc, alpha);
-        return;
-      }
+    if (kLean && exact) {
+      scores_with<true>(s_int, sk_tile, mk, sc, alpha);
+    } else {
+      scores_with<false>(s_int, sk_tile, mk, sc, alpha);
     }
-    scores_with<false>(s_int, sk_tile, mk, sc, alpha);
   }
   template <bool kExact>
   __device__ __forceinline__ void scores_with(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
