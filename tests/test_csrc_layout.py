@@ -338,7 +338,7 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
     assert wg3_128.smem_o_every == 1 and not wg3_128.fp32_pv_tiles
     partner_128 = replace(wg3_128, three_consumers=False, epilogue_summary=False, epilogue_staged=False)
     assert (128, partner_128) in gen.BENCH_VARIANTS and py.FLAG_NAMES[partner_128.flags] == partner_128.name
-    assert py.FLAG_NAMES[wg3_128.flags] == "lean_split_smemo1_esum_stage_wg3"
+    assert py.FLAG_NAMES[wg3_128.flags] == "lean_split_smemo1_esum_stage_wg3_tcsum"
     # the K/V ring depth fits the 227 KB budget: Q 3 x 8 KB, 3 stages x (K 16 KB + V^T 16 KB),
     # barriers, the 1024-byte base slack, O's fp32 sum (192 x 128 x 4 B + 16); 4 stages do not fit
     def smem(stages, wgs, d):
@@ -418,8 +418,8 @@ def test_int8_epilogue_staged_flag_name_and_bench_twins():
 def test_int8_late_pv_wait_flag_validity_and_bench_twins():
     """`late_pv_wait` is flag bit 1 << 19 (kFlagsHighShift + 7) on both sides, named "latewait",
     refused without the overlap and the lean softmax (Python raises, C++ valid() says so), and
-    the benchmark build holds hd128's defaults with it (and with fp16_exp2 too) beside their
-    partners without it, so variants_bench.py's bit-identity check compares them."""
+    the benchmark build holds hd128's defaults with it beside the defaults, so variants_bench.py's
+    bit-identity check compares them."""
     from dataclasses import replace
 
     from sage_diffusers.kernels import _sm90_int8_variants as py
@@ -439,9 +439,11 @@ def test_int8_late_pv_wait_flag_validity_and_bench_twins():
             gen.FwdOptions(**bad)
     base = gen.DEFAULTS[128]
     assert not base.late_pv_wait
-    for partner in (base, replace(base, fp16_exp2=True)):
+    for partner in (base,):
         late = replace(partner, late_pv_wait=True)
-        assert late.flags == partner.flags | 1 << 19 and late.name == partner.name + "_latewait"
+        # (tc_row_sum's name part comes last)
+        assert late.flags == partner.flags | 1 << 19
+        assert late.name == replace(partner, tc_row_sum=False).name + "_latewait_tcsum"
         for o in (partner, late):
             assert (128, o) in gen.BENCH_VARIANTS
             assert py.FLAG_NAMES[o.flags] == o.name
@@ -468,9 +470,9 @@ def test_int8_tc_row_sum_flag_validity_and_bench_variants():
     assert "Softmax::kTcSum ? o[D / 2 + 2 * x] : quad_sum(sm.l[x])" in epilogue
     with pytest.raises(ValueError, match="tc_row_sum"):
         gen.FwdOptions(lean_softmax=True, fp16_exp2=True, tc_row_sum=True)
-    # decided on the H200 (int8_tcsum_h200.md): the hd64 default, an hd128 benchmark variant
-    assert gen.DEFAULTS[64].tc_row_sum and not gen.DEFAULTS[128].tc_row_sum
-    assert py.DEFAULT_ROW_SUM == {64: "codes", 128: "p"}
+    # decided on the H200 (int8_tcsum_h200.md): the default at both head dims
+    assert gen.DEFAULTS[64].tc_row_sum and gen.DEFAULTS[128].tc_row_sum
+    assert py.DEFAULT_ROW_SUM == {64: "codes", 128: "codes"}
     for d in (64, 128):
         base = replace(gen.DEFAULTS[d], tc_row_sum=False)
         tc = replace(base, tc_row_sum=True)

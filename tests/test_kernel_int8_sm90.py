@@ -34,13 +34,19 @@ pytestmark = [
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def assert_lse_near_reference(lse, ref_lse, d, rtol=0.0):
-    """The kernel's LSE against ref8's: the same rows finite, and within 2e-3 where l sums the
-    unquantized p. Where it sums the E4M3 codes (row_sum "codes"), a code that rounds the other way
-    in the kernel (ex2.approx, the tile's score rounding) than in the reference moves a row's sum by
-    one E4M3 step of that key's weight, up to ~1e-2 on short rows: there most rows stay within
-    2e-3, the mean within 1e-3 and every row within 3e-2. rtol: an allowance relative to the largest
-    |LSE| on top (at huge logits the LSE is a sum of fp32 terms of that size: their rounding)."""
+def assert_lse_near_reference(lse, ref_lse, d, rtol=1e-6):
+    """The kernel's LSE against ref8's: the same rows finite, and close.
+
+    Where l sums the unquantized p (row_sum "p"), every row within 2e-3. Where it sums the E4M3
+    codes (row_sum "codes", tc_row_sum), a code that rounds the other way in the kernel (ex2.approx,
+    the tile's score rounding) than in the reference moves a row's sum by one E4M3 step of that
+    key's weight, up to ~1e-2 on short rows: every row within 3e-2, and at hd64 (each tile's P V
+    summed in fp32) most rows within 2e-3 and the mean within 1e-3; at hd128 the sums run 4 key
+    tiles through the FP8 wgmma's truncating adds before the fp32 flush (smem_o_every = 4), a mean
+    bias of ~1e-3 (eval/results/int8_tcsum_h200.md), so the mean within 2e-3.
+    rtol: an allowance relative to the largest |LSE| on top. The LSE is an fp32 number: 1e-6 is
+    about 8 of its ulps (x30 inputs give |LSE| ~2e4, where one ulp is 2e-3); at huge logits (x1e4)
+    it is a sum of fp32 terms ~1e9 and gets 1e-5."""
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     if not bool(finite.any()):
@@ -51,6 +57,8 @@ def assert_lse_near_reference(lse, ref_lse, d, rtol=0.0):
         return
     if DEFAULT_ROW_SUM[d] == "p":
         assert float(err.max()) <= 2e-3, float(err.max())
+    elif d == 128:
+        assert float(err.max()) <= 3e-2 and float(err.mean()) <= 2e-3, (float(err.max()), float(err.mean()))
     else:
         far = float((err > 2e-3).float().mean())
         assert float(err.max()) <= 3e-2 and far <= 5e-3 and float(err.mean()) <= 1e-3, \
@@ -216,7 +224,7 @@ def test_forward_at_awkward_magnitudes(d, mag):
     assert torch.isfinite(out).all()
     cos, rl1 = cosine(out, ref), relative_l1(out, ref)
     assert cos >= 0.9999 and rl1 <= 0.01, f"x{mag:g}: cos {cos:.6f}, rel-L1 {rl1:.5f}"
-    assert_lse_near_reference(lse, ref_lse, d, rtol=1e-5 if mag > 100 else 0.0)
+    assert_lse_near_reference(lse, ref_lse, d, rtol=1e-5 if mag > 100 else 1e-6)
 
 
 @pytest.mark.parametrize("sq,skv", [(113, 1023), (1023, 113), (1, 4097), (300, 1)])

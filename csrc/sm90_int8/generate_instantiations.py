@@ -134,9 +134,12 @@ _HD64 = FwdOptions(lean_softmax=True, overlap_softmax_pv=True, q_in_registers=Tr
 #   1x48x17776x64 7.631 -> 7.482.
 # * hd64: tc_row_sum (the row sums from the PV wgmma, N = 72; other bits: sage8_reference
 #   row_sum="codes"): 1x38x4429x64 0.418 -> 0.408 ms, 1x48x17776x64 7.476 -> 7.013
-#   (eval/results/int8_tcsum_h200.md). At hd128 it was 1.009x slower at both shapes: a benchmark variant.
+#   (eval/results/int8_tcsum_h200.md). At hd128 it was 1.009x slower at both shapes, until the exact
+#   softmax path (b0e984f: each warp votes per key tile on its rows' score scale) cost the fp32-sum
+#   loop more than the tcsum loop: side by side on the H200 (int8_tcsum_h200.md, run of 5369e27)
+#   the hd128 kernel with it 0.370 -> 0.360 ms at 1x24x4608x128, 4.243 -> 4.035 at 1x24x16384x128.
 DEFAULTS = {
-    128: replace(_HD128, smem_o_every=4, epilogue_summary=True, epilogue_staged=True),
+    128: replace(_HD128, smem_o_every=4, epilogue_summary=True, epilogue_staged=True, tc_row_sum=True),
     64: replace(_HD64, overlap_softmax_pv=False, fp32_pv_tiles=True, exp2_poly_every=0, epilogue_summary=True,
                 epilogue_staged=True, three_consumers=True, tc_row_sum=True),
 }
@@ -180,18 +183,18 @@ _BENCH_COMMON = ({"persistent": True}, {"phase_clock": True}, {"epilogue_staged"
                  {"fp16_exp2": True})
 _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every": 1, "q_in_registers": False}
 # late_pv_wait (the PV wait after the softmax's exp2; same bits as without): hd128's defaults with
-# it, also with fp16_exp2; hd64's two-warpgroup overlap loop with it. Measured slower on the H200,
-# attention kernel alone (eval/results/int8_latewait_h200.md): hd128 1.03x the defaults, hd64's
-# overlap loop 1.15x without it; fp16_exp2 1.06x / 1.08x (sm_90a has no two-exp2 MUFU op: ptxas
-# emits one MUFU.EX2.F16 per half).
+# it; hd64's two-warpgroup overlap loop with it. Measured slower on the H200, attention kernel alone
+# (eval/results/int8_latewait_h200.md): hd128 1.03x the defaults, hd64's overlap loop 1.15x without
+# it; with fp16_exp2 1.06x / 1.08x (sm_90a has no two-exp2 MUFU op: ptxas emits one MUFU.EX2.F16 per
+# half). fp16_exp2 sums its own fp16 pairs, so the tc_row_sum defaults refuse it: no longer built.
 # tc_row_sum (the row sums of P~ from the PV wgmma, N = D + 8 with ones rows after V^T: 64 FADDs per
 # tile and thread fewer, 6 % / 12 % more PV tensor time at hd128 / hd64; other bits, as fp16_exp2):
-# hd128's defaults with it; hd64's defaults (which have it) without it, the previous defaults.
+# the defaults of both head dims have it; the benchmark build has them without it (the previous defaults).
 _BENCH_CHANGES = {
     128: (*_BENCH_COMMON,
           {**_HD128_WG3_LOOP, "three_consumers": True},
           {**_HD128_WG3_LOOP, "epilogue_summary": False, "epilogue_staged": False},
-          {"late_pv_wait": True}, {"late_pv_wait": True, "fp16_exp2": True}, {"tc_row_sum": True}),
+          {"late_pv_wait": True}, {"tc_row_sum": False}),
     64: (*_BENCH_COMMON,
          {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True},
          {"three_consumers": False, "epilogue_summary": False, "epilogue_staged": False},
