@@ -81,7 +81,7 @@ def test_api_gate_names_the_class_and_crossover(monkeypatch, tmp_path):
         assert api._auto_prefers_sdpa(dev, 128, 32768, 32768, False) is None  # long: the kernel
         why = api._auto_prefers_sdpa(dev, 128, 4608, 4608, False)  # Flux: SDPA measured faster
         assert "d128_full" in why and str(auto_table.SM90_RULES[(128, False, False)]) in why
-        assert "slower at every length" in api._auto_prefers_sdpa(dev, 64, 16384, 16384, True)
+        assert "slower at every length" in api._auto_prefers_sdpa(dev, 128, 16384, 16384, True)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 0))
         assert api._auto_prefers_sdpa(dev, 128, 4608, 4608, False) is None  # no table: not gated
     finally:

@@ -18,13 +18,22 @@ import torch
 
 import sage_diffusers as sd
 from inputs import dit_qkv, exact_attention, key_padding_mask
+from _util import int8_lse_error
+from sage_diffusers.kernels._sm90_int8_variants import DEFAULT_ROW_SUM
 from sage_diffusers.reference import cosine, relative_l1, sage3_reference, sage8_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 COS_MIN, REL_L1_MAX, LSE_ATOL = 0.9999, 0.01, 2e-3  # the kernel tests' tolerance vs the reference
 SEPARATION = 2.0  # SDPA's rel-L1 to the reference over the kernel's: a fallback would show
-REFERENCE = {"int8": sage8_reference, "fp4": sage3_reference}
+
+
+def _sage8_as_compiled(q, k, v, **kw):
+    """sage8_reference with the row sums the 8-bit kernel's defaults compute at q's head dim."""
+    return sage8_reference(q, k, v, row_sum=DEFAULT_ROW_SUM[q.shape[-1]], **kw)
+
+
+REFERENCE = {"int8": _sage8_as_compiled, "fp4": sage3_reference}
 KERNEL_DTYPE_OF_FLOAT32 = torch.bfloat16  # the API's documented rule for float32 inputs
 
 
@@ -41,11 +50,17 @@ def _fresh_stats():
     sd.reset_fallback_stats()
 
 
-def _close_to_reference(out, lse, ref, ref_lse) -> tuple[bool, str]:
+def _close_to_reference(out, lse, ref, ref_lse, mode: str) -> tuple[bool, str]:
+    """The kernel tests' bounds; the 8-bit LSE by _util.int8_lse_error (its row sums)."""
     cos, rl1 = cosine(out, ref), relative_l1(out, ref)
     ok = cos >= COS_MIN and rl1 <= REL_L1_MAX
     msg = f"cos {cos:.6f}, rel-L1 {rl1:.5f}"
-    if lse is not None:
+    if lse is not None and mode == "int8":
+        d = out.shape[-1]
+        why = int8_lse_error(lse, ref_lse, DEFAULT_ROW_SUM[d], d)
+        ok = ok and why is None
+        msg += f", {why or 'LSE within bounds'}"
+    elif lse is not None:
         finite = torch.isfinite(ref_lse)
         err = float((lse.float()[finite] - ref_lse[finite]).abs().max())
         ok = ok and torch.equal(torch.isfinite(lse), finite) and err <= LSE_ATOL
@@ -85,7 +100,7 @@ def test_kernel_branch_matches_its_reference_and_sdpa_would_not(mode, dtype, is_
     kdt = KERNEL_DTYPE_OF_FLOAT32 if dtype == torch.float32 else dtype
     ref, ref_lse = REFERENCE[mode](*(t.to(kdt) for t in (q, k, v)), key_mask=mask, is_causal=is_causal,
                                    scale=scale, return_lse=True)
-    ok, msg = _close_to_reference(out.float(), lse, ref, ref_lse)
+    ok, msg = _close_to_reference(out.float(), lse, ref, ref_lse, mode)
     assert ok, f"{mode} kernel vs its reference: {msg}"
 
     exact, exact_lse = exact_attention(q, k, v, key_mask=mask, is_causal=is_causal, scale=scale)

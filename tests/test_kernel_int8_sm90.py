@@ -24,6 +24,7 @@ from sage_diffusers.kernels import int8_sm90
 from sage_diffusers.kernels._contract import nonfinite_first_keys
 from sage_diffusers.reference import cosine, relative_l1, sage8_quantize, sage8_reference
 from sage_diffusers.kernels._sm90_int8_variants import DEFAULT_ROW_SUM
+from _util import int8_lse_error
 
 _OK, _WHY = int8_sm90.is_available()
 pytestmark = [
@@ -35,34 +36,9 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def assert_lse_near_reference(lse, ref_lse, d, rtol=1e-6):
-    """The kernel's LSE against ref8's: the same rows finite, and close.
-
-    Where l sums the unquantized p (row_sum "p"), every row within 2e-3. Where it sums the E4M3
-    codes (row_sum "codes", tc_row_sum), a code that rounds the other way in the kernel (ex2.approx,
-    the tile's score rounding) than in the reference moves a row's sum by one E4M3 step of that
-    key's weight, up to ~1e-2 on short rows: every row within 3e-2, and at hd64 (each tile's P V
-    summed in fp32) most rows within 2e-3 and the mean within 1e-3; at hd128 the sums run 4 key
-    tiles through the FP8 wgmma's truncating adds before the fp32 flush (smem_o_every = 4), a mean
-    bias of ~1e-3 (eval/results/int8_tcsum_h200.md), so the mean within 2e-3.
-    rtol: an allowance relative to the largest |LSE| on top. The LSE is an fp32 number: 1e-6 is
-    about 8 of its ulps (x30 inputs give |LSE| ~2e4, where one ulp is 2e-3); at huge logits (x1e4)
-    it is a sum of fp32 terms ~1e9 and gets 1e-5."""
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite)
-    if not bool(finite.any()):
-        return
-    allow = rtol * float(ref_lse[finite].abs().max())
-    err = ((lse[finite] - ref_lse[finite]).abs() - allow).clamp_min(0)
-    if not err.numel():
-        return
-    if DEFAULT_ROW_SUM[d] == "p":
-        assert float(err.max()) <= 2e-3, float(err.max())
-    elif d == 128:
-        assert float(err.max()) <= 3e-2 and float(err.mean()) <= 2e-3, (float(err.max()), float(err.mean()))
-    else:
-        far = float((err > 2e-3).float().mean())
-        assert float(err.max()) <= 3e-2 and far <= 5e-3 and float(err.mean()) <= 1e-3, \
-            (float(err.max()), far, float(err.mean()))
+    """_util.int8_lse_error with the row sum the defaults compute at head dim d."""
+    msg = int8_lse_error(lse, ref_lse, DEFAULT_ROW_SUM[d], d, rtol)
+    assert msg is None, msg
 
 
 def ref8(q, k, v, **kw):

@@ -297,7 +297,7 @@ def test_auto_gate_reads_the_table_of_the_gpu_asked_and_names_its_class(monkeypa
     auto_table.rules_for.cache_clear()
     try:
         assert api._auto_prefers_sdpa(torch.device("cuda", 1), 128, 4608, 4608, False) is None
-        assert "d64_causal on sm_90" in api._auto_prefers_sdpa(torch.device("cuda", 0), 64, 16384, 16384, True)
+        assert "d128_causal on sm_90" in api._auto_prefers_sdpa(torch.device("cuda", 0), 128, 16384, 16384, True)
         assert "d128_full_ragged on sm_90" in api._auto_prefers_sdpa(torch.device("cuda"), 128, 4607, 4607, False)
     finally:
         auto_table.rules_for.cache_clear()
