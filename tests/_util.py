@@ -34,19 +34,18 @@ class ModeRecorder:
         return modes
 
 
-def int8_lse_error(lse, ref_lse, row_sum, d, rtol=1e-6):
+def int8_lse_error(lse, ref_lse, row_sum, d, rtol=1e-6, row_allow=None):
     """None if the 8-bit kernel's LSE is close to sage8_reference's (row_sum as computed), else why.
 
     The same rows must be finite. Where l sums the unquantized p (row_sum "p"): every row within
     2e-3. Where it sums the E4M3 codes (row_sum "codes", tc_row_sum): a code that rounds the other
     way in the kernel (ex2.approx, the tile's score rounding) than in the reference moves a row's sum
     by one E4M3 step of that key's weight, up to ~1e-2 on short rows: every row within 3e-2, and at
-    hd64 (each tile's P V summed in fp32) most rows within 2e-3 and the mean within 1e-3; at hd128
-    the sums run 4 key tiles through the FP8 wgmma's truncating adds before the fp32 flush
-    (smem_o_every = 4), a mean bias of ~1e-3 (eval/results/int8_tcsum_h200.md): the mean within 2e-3.
+    most rows within 2e-3 and the mean within 1e-3 (each tile's sums leave the FP8 accumulator in
+    fp32: kernel_fwd.cuh kSumsToFp32, or fp32_pv_tiles).
     rtol: an allowance relative to the largest |LSE| on top. The LSE is an fp32 number: 1e-6 is
-    about 8 of its ulps (x30 inputs give |LSE| ~2e4, where one ulp is 2e-3); at huge logits (x1e4)
-    it is a sum of fp32 terms ~1e9 and gets 1e-5.
+    about 8 of its ulps (x30 inputs give |LSE| ~2e4, where one ulp is 2e-3).
+    row_allow: an allowance per row on top, shaped like lse (see int8_code_step_allowance).
     """
     finite = torch.isfinite(ref_lse)
     if not torch.equal(torch.isfinite(lse), finite):
@@ -54,13 +53,29 @@ def int8_lse_error(lse, ref_lse, row_sum, d, rtol=1e-6):
     if not bool(finite.any()):
         return None
     allow = rtol * float(ref_lse[finite].abs().max())
-    err = ((lse[finite].float() - ref_lse[finite].float()).abs() - allow).clamp_min(0)
+    extra = 0.0 if row_allow is None else row_allow[finite].float()
+    err = ((lse[finite].float() - ref_lse[finite].float()).abs() - allow - extra).clamp_min(0)
     worst, mean, far = float(err.max()), float(err.mean()), float((err > 2e-3).float().mean())
     what = f"LSE error beyond {allow:.3g}: max {worst:.3g}, mean {mean:.3g}, rows > 2e-3 {far:.3%}"
     if row_sum == "p":
         ok = worst <= 2e-3
-    elif d == 128:
-        ok = worst <= 3e-2 and mean <= 2e-3
     else:
         ok = worst <= 3e-2 and far <= 5e-3 and mean <= 1e-3
     return None if ok else what
+
+
+def int8_code_step_allowance(q, k, v, scale, key_mask=None):
+    """Per query row (B, Hq, Sq): 127 sq_i max(sk) scale, what one INT8 K code moved by one
+    changes that row's largest score by at most.
+
+    The pre-pass's K mean matches the reference's to fp32 rounding, not bit for bit, so a code of
+    k - k_mean on an exact rounding tie may differ by one (test_prepass_matches_reference_quantizers).
+    Where the softmax is one-hot (Q, K scaled by 1e4) the LSE is the largest score and moves with
+    such a code by up to this much (~1e-4 of the largest |LSE|; at x1 the same step is ~1e-2 but
+    spread over many comparable keys, so it is not added there).
+    """
+    from sage_diffusers.reference.sage8 import sage8_quantize
+
+    qz = sage8_quantize(q, k, v, key_mask=key_mask)
+    sk_max = qz["sk"].amax(dim=-1).repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, Hq)
+    return 127.0 * qz["sq"] * sk_max[..., None] * scale

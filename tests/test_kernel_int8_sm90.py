@@ -24,7 +24,7 @@ from sage_diffusers.kernels import int8_sm90
 from sage_diffusers.kernels._contract import nonfinite_first_keys
 from sage_diffusers.reference import cosine, relative_l1, sage8_quantize, sage8_reference
 from sage_diffusers.kernels._sm90_int8_variants import DEFAULT_ROW_SUM
-from _util import int8_lse_error
+from _util import int8_code_step_allowance, int8_lse_error
 
 _OK, _WHY = int8_sm90.is_available()
 pytestmark = [
@@ -35,9 +35,9 @@ pytestmark = [
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def assert_lse_near_reference(lse, ref_lse, d, rtol=1e-6):
+def assert_lse_near_reference(lse, ref_lse, d, rtol=1e-6, row_allow=None):
     """_util.int8_lse_error with the row sum the defaults compute at head dim d."""
-    msg = int8_lse_error(lse, ref_lse, DEFAULT_ROW_SUM[d], d, rtol)
+    msg = int8_lse_error(lse, ref_lse, DEFAULT_ROW_SUM[d], d, rtol, row_allow)
     assert msg is None, msg
 
 
@@ -200,7 +200,9 @@ def test_forward_at_awkward_magnitudes(d, mag):
     assert torch.isfinite(out).all()
     cos, rl1 = cosine(out, ref), relative_l1(out, ref)
     assert cos >= 0.9999 and rl1 <= 0.01, f"x{mag:g}: cos {cos:.6f}, rel-L1 {rl1:.5f}"
-    assert_lse_near_reference(lse, ref_lse, d, rtol=1e-5 if mag > 100 else 1e-6)
+    # one-hot softmax at x1e4: the LSE is the largest score, which a K code on a rounding tie moves
+    allow = int8_code_step_allowance(q, k, v, d ** -0.5, mask) if mag > 100 else None
+    assert_lse_near_reference(lse, ref_lse, d, row_allow=allow)
 
 
 @pytest.mark.parametrize("sq,skv", [(113, 1023), (1023, 113), (1, 4097), (300, 1)])

@@ -8,10 +8,10 @@ with that build. Other numerics than the defaults (the sum is that of the E4M3 c
 wgmma's precision), so no bit identity: against ``sage8_reference(row_sum="codes")``, the same
 algorithm, the output keeps cos >= 0.9999 and rel-L1 <= 0.01 and the LSE stays close (mean error
 <= 2e-3, every row within 3e-2: one E4M3 code rounded the other way than in the reference moves a
-short row's sum by a step of that key's weight; at hd128 the sums also run 4 key tiles through the
-FP8 wgmma's truncating adds before the fp32 flush, a mean bias of ~1e-3), at awkward lengths (1, 113, 1023, 4097, 17776, and
-32768 keys summed through the tensor core's truncating adds), GQA, key masks, bf16, inputs
-scaled by 1e-4 and 1e4 (there the LSE, a sum of fp32 terms ~1e9, gets 1e-5 of its size on top);
+short row's sum by a step of that key's weight; each tile's sums leave the FP8 accumulator in fp32),
+at awkward lengths (1, 113, 1023, 4097, 17776, and 32768 keys), GQA, key masks, bf16, inputs
+scaled by 1e-4 and 1e4 (at x1e4 the softmax is one-hot and the LSE the largest score: one K code
+on a rounding tie may move it, _util.int8_code_step_allowance);
 masked K / V rows holding NaN or 1e4 change no output bit; a fully masked row
 is 0 with LSE -inf. The LSE is log of the codes' sum, the sum O is normalised with (so merging
 partial attentions by their LSE stays consistent); against row_sum="p" it moves by up to ~1e-2 on
@@ -42,6 +42,8 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[1] + "/tests")
+from _util import int8_code_step_allowance
 from sage_diffusers.kernels import int8_sm90
 from sage_diffusers.reference import cosine, relative_l1, sage8_reference
 
@@ -88,8 +90,11 @@ for d in (64, 128):
             ref, ref_lse = sage8_reference(q.float(), kk, vv, key_mask=m, return_lse=True, row_sum="codes")
             c, rl1 = cosine(out.float(), ref.float()), relative_l1(out.float(), ref.float())
             finite = torch.isfinite(ref_lse)
-            # at x1e4 the LSE is a sum of fp32 terms ~1e9: their rounding is allowed on top
-            allow = 1e-5 * float(ref_lse[finite].abs().max()) if mag > 100 and bool(finite.any()) else 0.0
+            # fp32 rounding of the LSE (1e-6 of the largest: ~8 ulps) and, at x1e4 where the softmax
+            # is one-hot, one K code on a rounding tie at a row's largest score
+            allow = 1e-6 * float(ref_lse[finite].abs().max()) if bool(finite.any()) else 0.0
+            if mag > 100:
+                allow = allow + int8_code_step_allowance(q, k, v, d ** -0.5, m)[finite]
             lse_err = ((lse[finite] - ref_lse[finite]).abs() - allow).clamp_min(0)
             ok = (bool(torch.isfinite(out).all()) and torch.equal(torch.isfinite(lse), finite)
                   and c >= 0.9999 and rl1 <= 0.01 and float(lse_err.max()) <= 3e-2 and float(lse_err.mean()) <= 2e-3)
