@@ -41,8 +41,11 @@ def int8_lse_error(lse, ref_lse, row_sum, d, rtol=1e-6, row_allow=None):
     2e-3. Where it sums the E4M3 codes (row_sum "codes", tc_row_sum): a code that rounds the other
     way in the kernel (ex2.approx, the tile's score rounding) than in the reference moves a row's sum
     by one E4M3 step of that key's weight, up to ~1e-2 on short rows: every row within 3e-2, and at
-    most rows within 2e-3 and the mean within 1e-3 (each tile's sums leave the FP8 accumulator in
-    fp32: kernel_fwd.cuh kSumsToFp32, or fp32_pv_tiles).
+    at hd64 (each tile's P V summed in fp32: fp32_pv_tiles) most rows within 2e-3 and the mean
+    within 1e-3; at hd128 the sums run 4 key tiles through the FP8 wgmma's truncating adds before
+    the fp32 flush (smem_o_every = 4), which biases them low: the mean within 4e-3 (H200: 0.7-1.2e-3
+    on N(0, 1) inputs, 2.0-3.1e-3 on the strict API test's DiT-like inputs with key masks;
+    eval/results/gpu_tests_h200.md runs 14-15).
     rtol: an allowance relative to the largest |LSE| on top. The LSE is an fp32 number: 1e-6 is
     about 8 of its ulps (x30 inputs give |LSE| ~2e4, where one ulp is 2e-3).
     row_allow: an allowance per row on top, shaped like lse (see int8_code_step_allowance).
@@ -59,6 +62,8 @@ def int8_lse_error(lse, ref_lse, row_sum, d, rtol=1e-6, row_allow=None):
     what = f"LSE error beyond {allow:.3g}: max {worst:.3g}, mean {mean:.3g}, rows > 2e-3 {far:.3%}"
     if row_sum == "p":
         ok = worst <= 2e-3
+    elif d == 128:
+        ok = worst <= 3e-2 and mean <= 4e-3
     else:
         ok = worst <= 3e-2 and far <= 5e-3 and mean <= 1e-3
     return None if ok else what

@@ -8,7 +8,8 @@ with that build. Other numerics than the defaults (the sum is that of the E4M3 c
 wgmma's precision), so no bit identity: against ``sage8_reference(row_sum="codes")``, the same
 algorithm, the output keeps cos >= 0.9999 and rel-L1 <= 0.01 and the LSE stays close (mean error
 <= 2e-3, every row within 3e-2: one E4M3 code rounded the other way than in the reference moves a
-short row's sum by a step of that key's weight; each tile's sums leave the FP8 accumulator in fp32),
+short row's sum by a step of that key's weight; at hd128 the sums also run 4 key tiles through the
+FP8 wgmma's truncating adds before the fp32 flush, a mean bias of ~1e-3 on these inputs),
 at awkward lengths (1, 113, 1023, 4097, 17776, and 32768 keys), GQA, key masks, bf16, inputs
 scaled by 1e-4 and 1e4 (at x1e4 the softmax is one-hot and the LSE the largest score: one K code
 on a rounding tie may move it, _util.int8_code_step_allowance);

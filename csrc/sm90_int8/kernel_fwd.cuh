@@ -375,29 +375,6 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     // O's accumulator; tc_row_sum: then the row sums of P~ (TileConfig kPVRegs), which every step
     // below (rescale, tile sums, the smem sum) treats as O's values.
     float o[C::kPVRegs];
-    // tc_row_sum where O stays in the FP8 accumulator past one tile (no fp32_pv_tiles): each tile's
-    // row sums leave it as soon as its PV retired, into sm.l in fp32 (rescaled with O), and their
-    // columns restart at 0. Left there, the sums ran smem_o_every tiles through the wgmma's
-    // truncating adds: the LSE was biased by -2e-3 to -3e-3 on DiT-like inputs at hd128
-    // (eval/results/gpu_tests_h200.md run 15). Per thread, columns D/2 + 2x, D/2 + 2x + 1 hold row
-    // half x's whole sum (every ones column the same sum), so sm.l needs no quad reduction.
-    constexpr bool kSumsToFp32 = kOpt.tc_row_sum && !kTilePV;
-    auto take_sums = [&] {
-      if constexpr (kSumsToFp32) {
-#pragma unroll
-        for (int x = 0; x < 2; ++x) {
-          sm.l[x] += o[D / 2 + 2 * x];
-          o[D / 2 + 2 * x] = o[D / 2 + 2 * x + 1] = 0.f;
-        }
-      }
-    };
-    // sm.l *= alpha where sm.l holds the row sums (kSumsToFp32), as O's registers.
-    auto scale_sums = [&](const float (&alpha)[2]) {
-      if constexpr (kSumsToFp32) {
-        sm.l[0] *= alpha[0];
-        sm.l[1] *= alpha[1];
-      }
-    };
     // fp32_pv_tiles: the PV wgmma's accumulator, one tile's P V (unused, and compiled away, without).
     float o_tile[C::kPVRegs];
 #pragma unroll
@@ -476,7 +453,6 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     auto scale_o = [&](const float (&alpha)[2]) {
 #pragma unroll
       for (int i = 0; i < C::kPVRegs; ++i) o[i] *= alpha[(i >> 1) & 1];
-      scale_sums(alpha);
       if constexpr (kSmemO) {
         o_scale[0] *= alpha[0];
         o_scale[1] *= alpha[1];
@@ -543,13 +519,11 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
           // 160 registers only so).
           o_scale[0] *= alpha[0];
           o_scale[1] *= alpha[1];
-          scale_sums(alpha);
         } else {
           rescale(alpha);
         }
         ops.pv(s, p_frag, pv_acc, kTilePV || pv_zero(t));
         add_tile();
-        take_sums();
         release(s);
         // Not after the last tile: the epilogue adds O's registers to the sum (scaled_sum), as
         // after the pipelined loop, whose last PV is never flushed either.
@@ -597,7 +571,6 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
           fence_regs(p_prev);
           release(s_prev);
           add_tile();
-          take_sums();
         };
         if constexpr (kOverlapSoftmaxWithPV) {
           cute::warpgroup_wait<1>();  // S_t retired, PV_{t-1} may still run
@@ -655,7 +628,6 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       fence_regs(p_alt);
       release(s_last);
       add_tile();
-      take_sums();
     }
     if (work == 0) clock.mark(ConsumerPhase::kLastPV);
     if constexpr (kSmemO) {  // O = o_scale * smem sum + the tiles since the last flush
@@ -667,10 +639,6 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
         o[4 * j + 2] = x.z;
         o[4 * j + 3] = x.w;
       }
-    }
-    if constexpr (kSumsToFp32) {  // where the epilogue reads the row sums (their columns hold 0 here)
-      o[D / 2] = sm.l[0];
-      o[D / 2 + 2] = sm.l[1];
     }
     if (work == 0) clock.mark(ConsumerPhase::kEpilogue);
     epilogue_store<D, kOut, kCausal, kOpt.epilogue_summary, kOpt.epilogue_staged, kWGs>(
