@@ -510,3 +510,30 @@ def test_jit_builds_name_cxx20():
 
     assert _jit.CXX_STD == "-std=c++20"
     assert "STD=-std=c++20" in (CSRC / "compile_check.sh").read_text()
+
+
+def test_int8_tile_sums_flag_validity_and_bench_variant():
+    """`tile_sums` is flag bit 1 << 21 (kFlagsHighShift + 9) on both sides, named "tilesum" after
+    "tcsum", refused without tc_row_sum or with fp32_pv_tiles (whose tiles are in fp32 already) in
+    Python and in C++'s valid(), and the benchmark build holds hd128's defaults with it."""
+    from dataclasses import replace
+
+    from sage_diffusers.kernels import _sm90_int8_variants as py
+
+    gen = _generator()
+    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
+    kernel = (CSRC / "sm90_int8" / "kernel_fwd.cuh").read_text()
+    assert gen._HIGH_BITS["tile_sums"] == 9 and gen._HIGH_SHORT["tile_sums"] == "tilesum"
+    assert "(tile_sums ? 1 << (kFlagsHighShift + 9) : 0)" in launch
+    assert "o.tile_sums = ((flags >> (kFlagsHighShift + 9)) & 1) != 0;" in launch
+    assert "(!tile_sums || (tc_row_sum && !fp32_pv_tiles))" in launch
+    assert "constexpr bool kSumsToFp32 = kOpt.tile_sums;" in kernel
+    for bad in (dict(tile_sums=True), dict(tile_sums=True, tc_row_sum=True, fp32_pv_tiles=True)):
+        with pytest.raises(ValueError, match="tile_sums"):
+            gen.FwdOptions(**bad)
+    base = gen.DEFAULTS[128]
+    assert base.tc_row_sum and not base.tile_sums and not base.fp32_pv_tiles
+    tiles = replace(base, tile_sums=True)
+    assert tiles.flags == base.flags | 1 << 21 and tiles.name == base.name + "_tilesum"
+    assert (128, tiles) in gen.BENCH_VARIANTS and py.FLAG_NAMES[tiles.flags] == tiles.name
+    assert not any(o.tile_sums for _, _, _, _, o in gen.variants())  # benchmark-only: no default has it

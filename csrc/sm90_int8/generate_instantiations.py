@@ -29,7 +29,7 @@ PY_OUT = HERE.parents[1] / "sage_diffusers" / "kernels" / "_sm90_int8_variants.p
 _HIGH_SHIFT = 12
 # name -> bit above _HIGH_SHIFT (FwdOptions::flags() in launch.h spells the same positions)
 _HIGH_BITS = {"seed_reductions": 0, "persistent": 1, "phase_clock": 2, "epilogue_summary": 3, "q_in_kernel": 4,
-              "epilogue_staged": 5, "three_consumers": 6, "late_pv_wait": 7, "tc_row_sum": 8}
+              "epilogue_staged": 5, "three_consumers": 6, "late_pv_wait": 7, "tc_row_sum": 8, "tile_sums": 9}
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class FwdOptions:
     three_consumers: bool = False     # bit 1 << 18 (kFlagsHighShift + 6), no pingpong / phase_clock; hd128: no overlap
     late_pv_wait: bool = False        # bit 1 << 19 (kFlagsHighShift + 7), needs overlap_softmax_pv and lean_softmax
     tc_row_sum: bool = False          # bit 1 << 20 (kFlagsHighShift + 8), row sums on the tensor cores; no fp16_exp2
+    tile_sums: bool = False           # bit 1 << 21 (kFlagsHighShift + 9), tc_row_sum's sums into fp32 per tile
 
     def __post_init__(self):
         if (self.fp16_exp2 or self.split_reductions or self.seed_reductions) and not self.lean_softmax:
@@ -70,6 +71,9 @@ class FwdOptions:
                              "softmax's O-rescale branches (overlap_softmax_pv, lean_softmax)")
         if self.tc_row_sum and self.fp16_exp2:
             raise ValueError(f"{self}: tc_row_sum replaces the fp32 row sums; fp16_exp2 sums its fp16 pairs itself")
+        if self.tile_sums and not (self.tc_row_sum and not self.fp32_pv_tiles):
+            raise ValueError(f"{self}: tile_sums takes tc_row_sum's sums out of an accumulator that spans tiles "
+                             "(tc_row_sum, not fp32_pv_tiles)")
         if self.three_consumers and (self.pingpong or self.phase_clock):
             raise ValueError(f"{self}: three_consumers has no ping-pong schedule or phase record (two warpgroups)")
 
@@ -103,7 +107,7 @@ class FwdOptions:
 # name parts of the high bools, in this order after smemo<N>
 _HIGH_SHORT = {"seed_reductions": "seed", "persistent": "persist", "epilogue_summary": "esum", "phase_clock": "clock",
                "q_in_kernel": "qk", "epilogue_staged": "stage", "three_consumers": "wg3", "late_pv_wait": "latewait",
-               "tc_row_sum": "tcsum"}
+               "tc_row_sum": "tcsum", "tile_sums": "tilesum"}
 
 HEAD_DIMS = (64, 128)
 DTYPES = {"fp16": "DType::kF16", "bf16": "DType::kBF16"}
@@ -190,11 +194,17 @@ _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every
 # tc_row_sum (the row sums of P~ from the PV wgmma, N = D + 8 with ones rows after V^T: 64 FADDs per
 # tile and thread fewer, 6 % / 12 % more PV tensor time at hd128 / hd64; other bits, as fp16_exp2):
 # the defaults of both head dims have it; the benchmark build has them without it (the previous defaults).
+# tile_sums (hd128: tc_row_sum's sums, which share O's 4-tile accumulation in the FP8 wgmma and come
+# out 2-3e-3 low in the LSE on DiT-like inputs, taken into fp32 after every tile;
+# eval/results/gpu_tests_h200.md run 15): hd128's defaults with it. Not yet run on a GPU. SASS
+# (sass_cost.py): 458 instructions per tile against the defaults' 430, sync/barrier 20 against 7
+# (ptxas warns C7519 that it injected warpgroup.arrive before a GMMA that uses the zeroed
+# accumulator registers), 0 spills.
 _BENCH_CHANGES = {
     128: (*_BENCH_COMMON,
           {**_HD128_WG3_LOOP, "three_consumers": True},
           {**_HD128_WG3_LOOP, "epilogue_summary": False, "epilogue_staged": False},
-          {"late_pv_wait": True}, {"tc_row_sum": False}),
+          {"late_pv_wait": True}, {"tc_row_sum": False}, {"tile_sums": True}),
     64: (*_BENCH_COMMON,
          {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True},
          {"three_consumers": False, "epilogue_summary": False, "epilogue_staged": False},

@@ -111,6 +111,8 @@ namespace sage_sm90 {
 //                        is weighted with, accumulated at the FP8 wgmma's precision like O, so the
 //                        normalisation sees the same rounding as the numerator (not the same bits as
 //                        the fp32 sum of unrounded p). Costs D + 8 / D of the PV tensor time.
+//   tile_sums          : (tc_row_sum, no fp32_pv_tiles) the sum columns are moved into fp32 after
+//                        each tile's PV and restart at 0, so only O spans tiles in the accumulator.
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 168 registers, ptxas's cap for 384). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
@@ -375,6 +377,29 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     // O's accumulator; tc_row_sum: then the row sums of P~ (TileConfig kPVRegs), which every step
     // below (rescale, tile sums, the smem sum) treats as O's values.
     float o[C::kPVRegs];
+    // tile_sums (tc_row_sum where O stays in the FP8 accumulator past one tile): each tile's row
+    // sums leave it as soon as its PV retired, into sm.l in fp32 (rescaled with O), and their
+    // columns restart at 0. Left there, the sums run smem_o_every tiles through the wgmma's
+    // truncating adds: the LSE came out 2e-3 to 3e-3 low on DiT-like inputs at hd128
+    // (eval/results/gpu_tests_h200.md run 15). Per thread, columns D/2 + 2x, D/2 + 2x + 1 hold row
+    // half x's whole sum (every ones column the same sum), so sm.l needs no quad reduction.
+    constexpr bool kSumsToFp32 = kOpt.tile_sums;  // FwdOptions::valid: with tc_row_sum, without fp32_pv_tiles
+    auto take_sums = [&] {
+      if constexpr (kSumsToFp32) {
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          sm.l[x] += o[D / 2 + 2 * x];
+          o[D / 2 + 2 * x] = o[D / 2 + 2 * x + 1] = 0.f;
+        }
+      }
+    };
+    // sm.l *= alpha where sm.l holds the row sums (kSumsToFp32), as O's registers.
+    auto scale_sums = [&](const float (&alpha)[2]) {
+      if constexpr (kSumsToFp32) {
+        sm.l[0] *= alpha[0];
+        sm.l[1] *= alpha[1];
+      }
+    };
     // fp32_pv_tiles: the PV wgmma's accumulator, one tile's P V (unused, and compiled away, without).
     float o_tile[C::kPVRegs];
 #pragma unroll
@@ -453,6 +478,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     auto scale_o = [&](const float (&alpha)[2]) {
 #pragma unroll
       for (int i = 0; i < C::kPVRegs; ++i) o[i] *= alpha[(i >> 1) & 1];
+      scale_sums(alpha);
       if constexpr (kSmemO) {
         o_scale[0] *= alpha[0];
         o_scale[1] *= alpha[1];
@@ -519,11 +545,13 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
           // 160 registers only so).
           o_scale[0] *= alpha[0];
           o_scale[1] *= alpha[1];
+          scale_sums(alpha);
         } else {
           rescale(alpha);
         }
         ops.pv(s, p_frag, pv_acc, kTilePV || pv_zero(t));
         add_tile();
+        take_sums();
         release(s);
         // Not after the last tile: the epilogue adds O's registers to the sum (scaled_sum), as
         // after the pipelined loop, whose last PV is never flushed either.
@@ -571,6 +599,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
           fence_regs(p_prev);
           release(s_prev);
           add_tile();
+          take_sums();
         };
         if constexpr (kOverlapSoftmaxWithPV) {
           cute::warpgroup_wait<1>();  // S_t retired, PV_{t-1} may still run
@@ -628,6 +657,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       fence_regs(p_alt);
       release(s_last);
       add_tile();
+      take_sums();
     }
     if (work == 0) clock.mark(ConsumerPhase::kLastPV);
     if constexpr (kSmemO) {  // O = o_scale * smem sum + the tiles since the last flush
@@ -639,6 +669,10 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
         o[4 * j + 2] = x.z;
         o[4 * j + 3] = x.w;
       }
+    }
+    if constexpr (kSumsToFp32) {  // where the epilogue reads the row sums (their columns hold 0 here)
+      o[D / 2] = sm.l[0];
+      o[D / 2 + 2] = sm.l[1];
     }
     if (work == 0) clock.mark(ConsumerPhase::kEpilogue);
     epilogue_store<D, kOut, kCausal, kOpt.epilogue_summary, kOpt.epilogue_staged, kWGs>(

@@ -38,6 +38,8 @@ struct FwdOptions {
   bool late_pv_wait = false;        // (overlap + lean) the PV wait after the softmax's exp2, P packed after it
   bool tc_row_sum = false;          // the row sums of P~ on the tensor cores: 8 columns of ones after V^T's D
                                     // rows in smem (PV's N = D + 8); no fp16_exp2
+  bool tile_sums = false;           // (tc_row_sum, no fp32_pv_tiles) each tile's row sums leave the FP8
+                                    // accumulator into fp32 as soon as its PV retired
 
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
@@ -47,7 +49,7 @@ struct FwdOptions {
            (phase_clock ? 1 << (kFlagsHighShift + 2) : 0) | (epilogue_summary ? 1 << (kFlagsHighShift + 3) : 0) |
            (q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0) | (epilogue_staged ? 1 << (kFlagsHighShift + 5) : 0) |
            (three_consumers ? 1 << (kFlagsHighShift + 6) : 0) | (late_pv_wait ? 1 << (kFlagsHighShift + 7) : 0) |
-           (tc_row_sum ? 1 << (kFlagsHighShift + 8) : 0);
+           (tc_row_sum ? 1 << (kFlagsHighShift + 8) : 0) | (tile_sums ? 1 << (kFlagsHighShift + 9) : 0);
   }
   static constexpr int kFlagsIntShift = 7;  // smem_o_every (<= 16: 5 bits) sits above the first bools
   static constexpr int kFlagsHighShift = 12;  // bools added later sit above it (flags stay stable)
@@ -72,6 +74,7 @@ struct FwdOptions {
     o.three_consumers = ((flags >> (kFlagsHighShift + 6)) & 1) != 0;
     o.late_pv_wait = ((flags >> (kFlagsHighShift + 7)) & 1) != 0;
     o.tc_row_sum = ((flags >> (kFlagsHighShift + 8)) & 1) != 0;
+    o.tile_sums = ((flags >> (kFlagsHighShift + 9)) & 1) != 0;
     o.exp2_poly_every = exp2_poly_every;
     return o;
   }
@@ -91,7 +94,9 @@ struct FwdOptions {
            // late_pv_wait: the wait sits in the lean softmax's two O-rescale branches, under the overlap
            (!late_pv_wait || (overlap_softmax_pv && lean_softmax)) &&
            // tc_row_sum: fp16_exp2 sums its fp16 pairs itself (softmax.hpp scores_lean_half)
-           (!tc_row_sum || !fp16_exp2);
+           (!tc_row_sum || !fp16_exp2) &&
+           // tile_sums: the sums are tc_row_sum's; with fp32_pv_tiles every tile is in fp32 already
+           (!tile_sums || (tc_row_sum && !fp32_pv_tiles));
   }
   // tc_row_sum: the columns of ones appended to V^T in smem (one 8-row swizzle atom; TileConfig kSumCols).
   constexpr int sum_cols() const { return tc_row_sum ? 8 : 0; }
@@ -155,6 +160,9 @@ static_assert(FwdOptions{.three_consumers = true}.flags() == 1 << 18 &&
                   !FwdOptions{.pingpong = true, .three_consumers = true}.valid() &&
                   !FwdOptions{.phase_clock = true, .three_consumers = true}.valid(),
               "FwdOptions::three_consumers flag bit (generate_instantiations._HIGH_BITS) and validity");
+static_assert(FwdOptions{.tile_sums = true}.flags() == 1 << 21 &&
+                  FwdOptions::from_flags(1 << 21, 0).tile_sums && !FwdOptions::from_flags(1 << 20, 0).tile_sums,
+              "FwdOptions::tile_sums flag bit (generate_instantiations._HIGH_BITS)");
 static_assert(FwdOptions{.late_pv_wait = true}.flags() == 1 << 19 &&
                   FwdOptions::from_flags(1 << 19, 0).late_pv_wait && !FwdOptions::from_flags(1 << 18, 0).late_pv_wait,
               "FwdOptions::late_pv_wait flag bit (generate_instantiations._HIGH_BITS)");

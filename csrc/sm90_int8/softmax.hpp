@@ -84,7 +84,8 @@ struct OnlineSoftmax {
   static_assert(!kSeed_ || kLean_, "seeded reductions are a variant of the lean softmax");
   static constexpr int kN = 64;  // accumulator values per thread
   float m[2];       // running max of s (log2 domain), -inf before any unmasked key
-  float l[2];       // this thread's partial row sums of unquantized p (quad-reduced at the end; 0 with kTcSum)
+  float l[2];       // this thread's partial row sums of unquantized p (quad-reduced at the end); with kTcSum
+                    // unused, or the whole-row fp32 sums of the ones columns (kernel_fwd.cuh tile_sums)
   float rowf[2];    // sq_i * scale * log2(e) of each half
 
   __device__ __forceinline__ void init(float rowf0, float rowf1) {
