@@ -40,7 +40,7 @@ def int8_lse_error(lse, ref_lse, row_sum, d, rtol=1e-6, row_allow=None):
     The same rows must be finite. Where l sums the unquantized p (row_sum "p"): every row within
     2e-3. Where it sums the E4M3 codes (row_sum "codes", tc_row_sum): a code that rounds the other
     way in the kernel (ex2.approx, the tile's score rounding) than in the reference moves a row's sum
-    by one E4M3 step of that key's weight, up to ~1e-2 on short rows: every row within 3e-2, and at
+    by one E4M3 step of that key's weight, up to ~1e-2 on short rows: every row within 3e-2, and
     at hd64 (each tile's P V summed in fp32: fp32_pv_tiles) most rows within 2e-3 and the mean
     within 1e-3; at hd128 the sums run 4 key tiles through the FP8 wgmma's truncating adds before
     the fp32 flush (smem_o_every = 4), which biases them low: the mean within 4e-3 (H200: 0.7-1.2e-3
