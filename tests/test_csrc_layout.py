@@ -415,6 +415,14 @@ def test_int8_epilogue_staged_flag_name_and_bench_twins():
     assert all((d, gen.DEFAULTS[d].flags & ~same_bits) in flags for d in (64, 128))
 
 
+def _assert_high_flag(gen, launch: str, name: str, bit: int, short: str):
+    """A bool option above FwdOptions::kFlagsHighShift spelled alike on both sides: the generator's
+    bit and name part, launch.h's flags() term and from_flags() line."""
+    assert gen._HIGH_BITS[name] == bit and gen._HIGH_SHORT[name] == short
+    assert f"({name} ? 1 << (kFlagsHighShift + {bit}) : 0)" in launch
+    assert f"o.{name} = ((flags >> (kFlagsHighShift + {bit})) & 1) != 0;" in launch
+
+
 def test_int8_late_pv_wait_flag_validity_and_bench_twins():
     """`late_pv_wait` is flag bit 1 << 19 (kFlagsHighShift + 7) on both sides, named "latewait",
     refused without the overlap and the lean softmax (Python raises, C++ valid() says so), and
@@ -427,9 +435,7 @@ def test_int8_late_pv_wait_flag_validity_and_bench_twins():
     gen = _generator()
     launch = (CSRC / "sm90_int8" / "launch.h").read_text()
     kernel = (CSRC / "sm90_int8" / "kernel_fwd.cuh").read_text()
-    assert gen._HIGH_BITS["late_pv_wait"] == 7 and gen._HIGH_SHORT["late_pv_wait"] == "latewait"
-    assert "(late_pv_wait ? 1 << (kFlagsHighShift + 7) : 0)" in launch
-    assert "o.late_pv_wait = ((flags >> (kFlagsHighShift + 7)) & 1) != 0;" in launch
+    _assert_high_flag(gen, launch, "late_pv_wait", 7, "latewait")
     assert "(!late_pv_wait || (overlap_softmax_pv && lean_softmax))" in launch
     assert "constexpr bool kLatePvWait = kOpt.late_pv_wait;" in kernel
     assert "wgmma_wait_all</*kTag=*/0>" in kernel and "wgmma_wait_all</*kTag=*/1>" in kernel
@@ -462,9 +468,7 @@ def test_int8_tc_row_sum_flag_validity_and_bench_variants():
     launch = (CSRC / "sm90_int8" / "launch.h").read_text()
     kernel = (CSRC / "sm90_int8" / "kernel_fwd.cuh").read_text()
     epilogue = (CSRC / "sm90_int8" / "epilogue.hpp").read_text()
-    assert gen._HIGH_BITS["tc_row_sum"] == 8 and gen._HIGH_SHORT["tc_row_sum"] == "tcsum"
-    assert "(tc_row_sum ? 1 << (kFlagsHighShift + 8) : 0)" in launch
-    assert "o.tc_row_sum = ((flags >> (kFlagsHighShift + 8)) & 1) != 0;" in launch
+    _assert_high_flag(gen, launch, "tc_row_sum", 8, "tcsum")
     assert "(!tc_row_sum || !fp16_exp2)" in launch
     assert "using C = TileConfig<D, kWGs, kSumCols>;" in kernel and "float o[C::kPVRegs];" in kernel
     assert "Softmax::kTcSum ? o[D / 2 + 2 * x] : quad_sum(sm.l[x])" in epilogue
@@ -523,9 +527,7 @@ def test_int8_tile_sums_flag_validity_and_bench_variant():
     gen = _generator()
     launch = (CSRC / "sm90_int8" / "launch.h").read_text()
     kernel = (CSRC / "sm90_int8" / "kernel_fwd.cuh").read_text()
-    assert gen._HIGH_BITS["tile_sums"] == 9 and gen._HIGH_SHORT["tile_sums"] == "tilesum"
-    assert "(tile_sums ? 1 << (kFlagsHighShift + 9) : 0)" in launch
-    assert "o.tile_sums = ((flags >> (kFlagsHighShift + 9)) & 1) != 0;" in launch
+    _assert_high_flag(gen, launch, "tile_sums", 9, "tilesum")
     assert "(!tile_sums || (tc_row_sum && !fp32_pv_tiles))" in launch
     assert "constexpr bool kSumsToFp32 = kOpt.tile_sums;" in kernel
     for bad in (dict(tile_sums=True), dict(tile_sums=True, tc_row_sum=True, fp32_pv_tiles=True)):
