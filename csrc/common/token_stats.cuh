@@ -49,21 +49,22 @@ struct StatsTiling {
   static constexpr int kRowsPerPass = kStatsThreads / kLanes;
 };
 
-// Steps 1 and 2 for chunk `split` of (b, kv head) bh (B * Hkv blocks' worth of keys cut as in
-// stats_split), by the calling block of kStatsThreads threads: thread d < D gets the chunk's k sum
-// and v absmax of channel d in sum / amax; every thread gets the chunk's attended key count. The
-// block may call it again for another chunk after a __syncthreads (red[] is reused). T: the
+// Block blockIdx.x (the stats blocks are the grid's first B * Hkv * p.n_split blocks, of
+// kStatsThreads threads) of the reduction above; the last
+// block of each (b, kv head) calls store(bh, d, mean, amax) for its D channels d (bh = b * Hkv + kv head). T: the
 // element type of k and v (__half or __nv_bfloat16). kBatch: each thread issues the loads of 4
 // rows before adding any (more bytes in flight; the sums keep the same order, so the same bits).
 // kHint: the L2 policy of the K and V loads (l2_hint.cuh; evict_last when a later launch reads
 // them again; values unchanged).
 // P: a parameter struct with
 //   k, v (const void*) and their element strides k_sb, k_sh, k_ss, v_sb, v_sh, v_ss (rows 16-byte
-//   aligned, last dim contiguous); key_mask, Skv (key_attended); Hkv; split_len (stats_split).
-template <int D, typename T, bool kBatch, L2Hint kHint, class P>
-__device__ __forceinline__ int token_stats_chunk(const P& p, int bh, int split, float& sum_d, float& amax_d) {
+//   aligned, last dim contiguous); key_mask, Skv (key_attended); Hkv; n_split, split_len
+//   (stats_split); the workspace partial (float, B * Hkv * n_split * 2 * D), split_count (int,
+//   B * Hkv * n_split) and counter (int, B * Hkv, zero before the launch).
+template <int D, typename T, bool kBatch, L2Hint kHint = L2Hint::kNormal, class P, class Store>
+__device__ __forceinline__ void token_stats_block(const P& p, Store store) {
   using RT = StatsTiling<D>;
-  static_assert(D <= kStatsThreads, "one channel per thread in the chunk's final row sum");
+  const int bh = blockIdx.x / p.n_split, split = blockIdx.x % p.n_split;
   const int b = bh / p.Hkv, hk = bh % p.Hkv;
   const int tid = threadIdx.x;
   const int c0 = (tid % RT::kLanes) * 8, r0 = tid / RT::kLanes;
@@ -85,21 +86,15 @@ __device__ __forceinline__ int token_stats_chunk(const P& p, int bh, int split, 
   int s = s_begin + r0;
   if constexpr (kBatch) {
     // Four rows per trip, loads first; the sums keep the sequential order (same bits as below).
-    // The rows wait as raw 16-bit words (half the registers of floats; converted at their turn).
     for (; s + 3 * RT::kRowsPerPass < s_end; s += 4 * RT::kRowsPerPass) {
-      uint4 kr[4], vr[4];
+      float kx[4][8], vx[4][8];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        kr[u] = ldg16<kHint>(kb + 2 * static_cast<int64_t>(s + u * RT::kRowsPerPass) * p.k_ss);
-        vr[u] = ldg16<kHint>(vb + 2 * static_cast<int64_t>(s + u * RT::kRowsPerPass) * p.v_ss);
+        load(kb + 2 * static_cast<int64_t>(s + u * RT::kRowsPerPass) * p.k_ss, kx[u]);
+        load(vb + 2 * static_cast<int64_t>(s + u * RT::kRowsPerPass) * p.v_ss, vx[u]);
       }
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        float kx[8], vx[8];
-        unpack8_float<T>(kr[u], kx);
-        unpack8_float<T>(vr[u], vx);
-        add_stats_row(sum, amax, kx, vx, key_attended(p, b, s + u * RT::kRowsPerPass));
-      }
+      for (int u = 0; u < 4; ++u) add_stats_row(sum, amax, kx[u], vx[u], key_attended(p, b, s + u * RT::kRowsPerPass));
     }
   }
   for (; s < s_end; s += RT::kRowsPerPass) accumulate(s);
@@ -119,49 +114,15 @@ __device__ __forceinline__ int token_stats_chunk(const P& p, int bh, int split, 
     }
   }
   __syncthreads();
-  if (tid < D) {
+  float* part = p.partial + static_cast<int64_t>(bh) * p.n_split * 2 * D;
+  for (int d = tid; d < D; d += kStatsThreads) {
     float s = 0.f, a = 0.f;
     for (int r = 0; r < RT::kRowsPerPass; ++r) {  // fixed order: deterministic
-      s += red[0][r][tid];
-      a = fmaxf(a, red[1][r][tid]);
+      s += red[0][r][d];
+      a = fmaxf(a, red[1][r][d]);
     }
-    sum_d = s;
-    amax_d = a;
-  }
-  return split_attended;
-}
-
-// Step 3's combination, one channel: the chunks' sums added and their absmaxes taken in chunk
-// order j = 0 .. n_split - 1 (chunk(j) gives chunk j's (sum, absmax)), then the mean over
-// `attended` keys (0 keys give 0; without a mask attended == Skv: the plain token mean's bits).
-// Every caller (the last block here, the fused pre-pass's cluster) gives the same bits.
-template <class Chunk>
-__device__ __forceinline__ float2 token_stats_combine(int n_split, int attended, Chunk chunk) {
-  float s = 0.f, a = 0.f;
-  for (int j = 0; j < n_split; ++j) {  // fixed order over chunks
-    const float2 c = chunk(j);
-    s += c.x;
-    a = fmaxf(a, c.y);
-  }
-  return make_float2(attended > 0 ? s / static_cast<float>(attended) : 0.f, a);
-}
-
-// Block blockIdx.x (the stats blocks are the grid's first B * Hkv * p.n_split blocks, of
-// kStatsThreads threads) of the reduction above; the last block of each (b, kv head) calls
-// store(bh, d, mean, amax) for its D channels d (bh = b * Hkv + kv head). T, kBatch, kHint and P's
-// fields as token_stats_chunk, and also n_split (stats_split) and the workspace partial (float,
-// B * Hkv * n_split * 2 * D), split_count (int, B * Hkv * n_split) and counter (int, B * Hkv, zero
-// before the launch).
-template <int D, typename T, bool kBatch, L2Hint kHint = L2Hint::kNormal, class P, class Store>
-__device__ __forceinline__ void token_stats_block(const P& p, Store store) {
-  const int bh = blockIdx.x / p.n_split, split = blockIdx.x % p.n_split;
-  const int tid = threadIdx.x;
-  float s = 0.f, a = 0.f;
-  const int split_attended = token_stats_chunk<D, T, kBatch, kHint>(p, bh, split, s, a);
-  float* part = p.partial + static_cast<int64_t>(bh) * p.n_split * 2 * D;
-  if (tid < D) {
-    part[(split * 2 + 0) * D + tid] = s;
-    part[(split * 2 + 1) * D + tid] = a;
+    part[(split * 2 + 0) * D + d] = s;
+    part[(split * 2 + 1) * D + d] = a;
   }
   if (tid == 0) p.split_count[static_cast<int64_t>(bh) * p.n_split + split] = split_attended;
   __threadfence();
@@ -173,11 +134,14 @@ __device__ __forceinline__ void token_stats_block(const P& p, Store store) {
   __threadfence();
   int attended = 0;  // integer sum: exact, any order
   for (int j = 0; j < p.n_split; ++j) attended += __ldcg(&p.split_count[static_cast<int64_t>(bh) * p.n_split + j]);
-  if (tid < D) {
-    const float2 r = token_stats_combine(p.n_split, attended, [&](int j) {
-      return make_float2(__ldcg(&part[(j * 2 + 0) * D + tid]), __ldcg(&part[(j * 2 + 1) * D + tid]));
-    });
-    store(bh, tid, r.x, r.y);
+  for (int d = tid; d < D; d += kStatsThreads) {
+    float s = 0.f, a = 0.f;
+    for (int j = 0; j < p.n_split; ++j) {  // fixed order over chunks
+      s += __ldcg(&part[(j * 2 + 0) * D + d]);
+      a = fmaxf(a, __ldcg(&part[(j * 2 + 1) * D + d]));
+    }
+    // Without a mask attended == Skv: the same bits as the plain token mean.
+    store(bh, d, attended > 0 ? s / static_cast<float>(attended) : 0.f, a);
   }
 }
 

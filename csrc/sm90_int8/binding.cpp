@@ -177,11 +177,6 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   p.kernel_mode = sage_sm90::prepass_mode() &
                   (sage_sm90::kPrepassBatchLoads | sage_sm90::kPrepassL2Reuse | sage_sm90::kPrepassFastDiv);
   p.skip_q = skip_q ? 1 : 0;
-  // kPrepassFused: one launch, where its Q blocks need no k mean (no qkm) and the chunks fit
-  p.fused_cluster = (sage_sm90::prepass_mode() & sage_sm90::kPrepassFused) != 0 && !want_qkm &&
-                            sage_sm90::fused_prepass_fits(n_split)
-                        ? sage_sm90::fused_cluster_size(n_split)
-                        : 0;
   if (!one_alloc) {
     p.q_img = skip_q ? nullptr : r.q_img.data_ptr<int8_t>();
     p.sq = skip_q ? nullptr : r.sq.data_ptr<float>();

@@ -208,8 +208,6 @@ struct PrepassParams {
   // added later, last so the offsets of the fields above stay
   int* v_summary;     // (B, Hkv) min of v_first over kinds and channels; follows v_first in
                       // memory so one memset covers both
-  int fused_cluster;  // > 0: one launch, clusters of this many blocks per (b, kv head)
-                      // (kPrepassFused; prepass.cuh fused_kernel); 0: the stats and quant launches
 };
 
 struct FwdParams {
@@ -252,36 +250,15 @@ struct FwdParams {
 //   K next to V, so their second read hits L2 as far as it holds them (prepass.cuh).
 //   bit kPrepassFastDiv: each block's / row's / channel's reciprocal once instead of a division per
 //   element, bit for bit the same quotients (numerics.hpp ScaleDivider).
-//   bit kPrepassFused: one launch instead of two when no qkm is wanted and stats_split's chunks fit
-//   (prepass.cuh fused_kernel): a cluster per (b, kv head) reduces the stats, shares them through
-//   distributed shared memory and quantizes its K and V; the Q and mask blocks ride along.
 constexpr int kPrepassQInStats = 1;
 constexpr int kPrepassBatchLoads = 2;
 constexpr int kPrepassOneAlloc = 4;
 constexpr int kPrepassPdl = 8;
 constexpr int kPrepassL2Reuse = 16;
 constexpr int kPrepassFastDiv = 32;
-constexpr int kPrepassFused = 64;
-constexpr int kPrepassModeMax = 127;
-// kPrepassFused's clusters (prepass.cuh fused_kernel): at most kFusedClusterMax blocks (the portable
-// limit), each keeping up to kFusedChunksPerCta chunk partials (2 * D floats each) in shared memory.
-constexpr int kFusedClusterMax = 8;
-constexpr int kFusedChunksPerCta = 8;
-// Whether stats_split's n_split chunks fit one cluster's shared partials (else two launches).
-constexpr bool fused_prepass_fits(int64_t n_split) { return n_split <= int64_t{kFusedClusterMax} * kFusedChunksPerCta; }
-// Blocks per cluster: the largest power of two <= min(kFusedClusterMax, n_split), so every block
-// has a chunk, and at most kFusedChunksPerCta of them where fused_prepass_fits.
-constexpr int fused_cluster_size(int64_t n_split) {
-  int c = 1;
-  while (2 * c <= kFusedClusterMax && 2 * c <= n_split) c *= 2;
-  return c;
-}
-static_assert(fused_cluster_size(1) == 1 && fused_cluster_size(7) == 4 && fused_cluster_size(18) == 8 &&
-                  fused_cluster_size(64) == 8 && fused_prepass_fits(64) && !fused_prepass_fits(65),
-              "fused pre-pass cluster sizes");
+constexpr int kPrepassModeMax = 63;
 // The mode every process starts with (prepass.cu); chosen from variants_bench.py's table.
-// 7 + kPrepassFused: one launch where it applies, the two launches of mode 7 elsewhere.
-constexpr int kPrepassDefaultMode = 71;
+constexpr int kPrepassDefaultMode = 7;  // all three: the fastest in variants_bench.py's pre-pass table
 
 // Return cudaSuccess or the launch error. head_dim in {64, 128}.
 cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, cudaStream_t stream);

@@ -22,8 +22,6 @@
 // Inputs are read through arbitrary (b, h, s) strides, so BHSD views of BSHD tensors cost nothing.
 #pragma once
 
-#include <cooperative_groups.h>
-
 #include <cstdint>
 #include <utility>
 
@@ -88,11 +86,6 @@ __host__ __device__ __forceinline__ int q_block_count(const PrepassParams& p) {
   return p.skip_q ? 0 : p.B * p.Hq * p.n_q_tiles;
 }
 
-// Blocks that turn the key mask into bit words (mask_bits_block): 8 words of 32 keys each.
-__host__ __device__ __forceinline__ int mask_block_count(const PrepassParams& p) {
-  return p.key_mask != nullptr ? p.B * ((4 * p.n_kv_tiles + 7) / 8) : 0;
-}
-
 // Whether key `key` of batch row b takes part (inside the sequence and attended).
 using sage_common::key_attended;
 
@@ -140,7 +133,7 @@ __global__ void __launch_bounds__(kPrepassThreads, kStatsMinBlocks<D, PrepassOpt
   sage_common::sm90::pdl_launch_dependents();
   const int n_stat = p.B * p.Hkv * p.n_split;
   if (static_cast<int>(blockIdx.x) >= n_stat) {
-    const int n_mask = mask_block_count(p);
+    const int n_mask = p.key_mask != nullptr ? p.B * ((4 * p.n_kv_tiles + 7) / 8) : 0;
     if (static_cast<int>(blockIdx.x) < n_stat + n_mask) {
       mask_bits_block<D>(p, blockIdx.x - n_stat);
     } else {
@@ -241,12 +234,11 @@ __device__ __forceinline__ float block_max(float a, float* scratch) {
   return r;
 }
 
-// One 128-key K block of one (b, kv head): smooth, block absmax, INT8. kmean: that (b, kv head)'s D
-// channel means (p.kmean + bh * D, or the fused pre-pass's shared copy).
+// One 128-key K block of one (b, kv head): smooth, block absmax, INT8.
 // kBatch: the block's inputs stay raw 16-bit between the absmax and the quantization (converted
 // twice; same values) instead of 64 fp32 registers at hd128, the quant kernel's register peak.
 template <int D, DType kIn, int kM>
-__device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch, const float* kmean) {
+__device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
   constexpr bool kBatch = PrepassOpts::of(kM).batch;
   using RT = RowTiling<D>;
   constexpr int kPasses = kBlockKV / RT::kRowsPerPass;
@@ -256,7 +248,7 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch, c
   const char* kb = static_cast<const char*>(p.k) + 2 * (b * p.k_sb + hk * p.k_sh + c0);
   float km[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) km[i] = kmean[c0 + i];
+  for (int i = 0; i < 8; ++i) km[i] = p.kmean[bh * D + c0 + i];
   if constexpr (kBatch) {
     uint4 raw[kPasses];
 #pragma unroll
@@ -332,13 +324,12 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch, c
 }
 
 // One 128-key V block of one (b, kv head): FP8 per channel, transposed to V^T with permuted keys.
-// sv: that (b, kv head)'s D channel scales (p.sv + bh * D, or the fused pre-pass's shared copy).
 // Bytes per staged V^T row: even (16-bit reads) and 33 words, so the byte stores of the 16 (8)
 // lanes of a token row, 8 channels apart, fall into 4 banks instead of 2 (136 bytes = 34 words).
 constexpr int kVtStride = kBlockKV + 4;
 
 template <int D, DType kIn, int kM>
-__device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage, const float* sv_bh) {
+__device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
   constexpr bool kBatch = PrepassOpts::of(kM).batch;
   using RT = RowTiling<D>;
   constexpr int kPasses = kBlockKV / RT::kRowsPerPass;
@@ -348,7 +339,7 @@ __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage, c
   const char* vb = static_cast<const char*>(p.v) + 2 * (b * p.v_sb + hk * p.v_sh + c0);
   decltype(scale_divisor<kM>(0.f)) sv[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) sv[i] = scale_divisor<kM>(sv_bh[c0 + i]);
+  for (int i = 0; i < 8; ++i) sv[i] = scale_divisor<kM>(p.sv[bh * D + c0 + i]);
   uint4 xs[kPasses];
   auto load_pass = [&](int pass) {
     const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
@@ -443,93 +434,17 @@ __global__ void __launch_bounds__(kPrepassThreads, kQuantMinBlocks<D, kM>)
     const int j = blk - n_qb;                   // 2 * (K/V tile pair) + (0: K, 1: V)
     const int kv_blk = n_kb - 1 - j / 2;        // (b, kv head, tile) in reverse
     sage_common::sm90::pdl_wait();              // the k mean / the V channel scales
-    const int64_t bh = kv_blk / p.n_kv_tiles;
     if (j % 2 == 0) {
-      quant_k_block<D, kIn, kM>(p, kv_blk, scratch, p.kmean + bh * D);
+      quant_k_block<D, kIn, kM>(p, kv_blk, scratch);
     } else {
-      quant_v_block<D, kIn, kM>(p, kv_blk, stage, p.sv + bh * D);
+      quant_v_block<D, kIn, kM>(p, kv_blk, stage);
     }
   } else if (blk < n_qb + n_kb) {
     sage_common::sm90::pdl_wait();  // the k mean
-    const int kb = blk - n_qb;
-    quant_k_block<D, kIn, kM>(p, kb, scratch, p.kmean + static_cast<int64_t>(kb / p.n_kv_tiles) * D);
+    quant_k_block<D, kIn, kM>(p, blk - n_qb, scratch);
   } else {
     sage_common::sm90::pdl_wait();  // the V channel scales
-    const int vb = blk - n_qb - n_kb;
-    quant_v_block<D, kIn, kM>(p, vb, stage, p.sv + static_cast<int64_t>(vb / p.n_kv_tiles) * D);
-  }
-}
-
-// ---- one launch (pre-pass mode bit kPrepassFused) ----------------------------------------------
-// The K / V part of both launches in one, one thread-block cluster of p.fused_cluster blocks per
-// (b, kv head): block r of the cluster reduces the stats chunks r, r + C, ... (the same chunks,
-// each to the same partial bits, as the stats launch), the cluster exchanges the partials through
-// distributed shared memory and every block combines all of them in chunk order (the last stats
-// block's additions: same k mean and V scales), then block r quantizes K and V tiles r, r + C, ...
-// with them. Q and mask-bit blocks follow the clusters in the same grid (they need no stats: the
-// host takes this mode only without qkm). No workspace counters, no second launch and its wave
-// tail, and a cluster's K / V are read the second time right after the first.
-// Cluster sizes and the chunk limit: launch.h (kFusedClusterMax, fused_cluster_size).
-template <int D, DType kIn, int kM>
-__global__ void __launch_bounds__(kPrepassThreads) fused_kernel(const __grid_constant__ PrepassParams p) {
-  namespace cg = cooperative_groups;
-  __shared__ __align__(16) uint8_t stage[D * kVtStride];
-  __shared__ float scratch[kPrepassThreads / 32];
-  __shared__ float part[kFusedChunksPerCta][2][D];  // this block's chunks: k sums, v absmaxes
-  __shared__ int part_count[kFusedChunksPerCta];    // their attended keys
-  __shared__ float stats[2][D];                     // the (b, kv head)'s k mean and V scales
-  sage_common::sm90::pdl_launch_dependents();
-  const int C = p.fused_cluster;
-  const int n_kv_blocks = p.B * p.Hkv * C;
-  if (static_cast<int>(blockIdx.x) >= n_kv_blocks) {  // whole clusters: none of them syncs
-    const int idx = blockIdx.x - n_kv_blocks, n_mask = mask_block_count(p);
-    if (idx < n_mask) {
-      mask_bits_block<D>(p, idx);
-    } else if (idx < n_mask + q_block_count(p)) {
-      quant_q_block<D, kIn, kM>(p, idx - n_mask);
-    }
-    return;
-  }
-  cg::cluster_group cluster = cg::this_cluster();
-  const int bh = blockIdx.x / C, rank = static_cast<int>(cluster.block_rank());
-  const int tid = threadIdx.x;
-  int local = 0;
-#pragma unroll 1
-  for (int j = rank; j < p.n_split; j += C, ++local) {
-    float s = 0.f, a = 0.f;
-    const int n = sage_common::token_stats_chunk<D, typename IO<kIn>::T, PrepassOpts::of(kM).batch, kFirstReadHint<kM>>(
-        p, bh, j, s, a);
-    if (tid < D) {
-      part[local][0][tid] = s;
-      part[local][1][tid] = a;
-    }
-    if (tid == 0) part_count[local] = n;
-    __syncthreads();  // the next chunk reuses token_stats_chunk's shared rows
-  }
-  cluster.sync();  // every block's partials written and visible cluster-wide
-  if (tid < D) {
-    int attended = 0;  // integer sum: exact, any order
-    for (int j = 0; j < p.n_split; ++j) attended += *cluster.map_shared_rank(&part_count[j / C], j % C);
-    const float2 r = sage_common::token_stats_combine(p.n_split, attended, [&](int j) {
-      const float* src = cluster.map_shared_rank(&part[j / C][0][0], j % C);
-      return make_float2(src[tid], src[D + tid]);
-    });
-    stats[0][tid] = r.x;
-    stats[1][tid] = r.y / kFp8Max;
-    if (rank == 0) {
-      p.kmean[bh * D + tid] = r.x;
-      p.sv[bh * D + tid] = r.y / kFp8Max;
-    }
-  }
-  // No block leaves (its shared partials gone) before every block has read them; also publishes stats[].
-  cluster.sync();
-#pragma unroll 1
-  for (int t = rank; t < p.n_kv_tiles; t += C) {
-    const int blk = bh * p.n_kv_tiles + t;
-    quant_k_block<D, kIn, kM>(p, blk, scratch, stats[0]);
-    __syncthreads();  // scratch reused
-    quant_v_block<D, kIn, kM>(p, blk, stage, stats[1]);
-    __syncthreads();  // stage reused
+    quant_v_block<D, kIn, kM>(p, blk - n_qb - n_kb, stage);
   }
 }
 
@@ -540,16 +455,8 @@ __global__ void __launch_bounds__(kPrepassThreads) fused_kernel(const __grid_con
 // and the quant launch has a third fewer blocks (fewer waves and a shorter tail).
 template <int D, DType kIn, int kM>
 cudaError_t launch_prepass_impl(const PrepassParams& p, cudaStream_t stream) {
-  if (p.fused_cluster > 0) {  // kPrepassFused: one launch
-    const int n_blocks = p.B * p.Hkv * p.fused_cluster + mask_block_count(p) + q_block_count(p);
-    const int grid = (n_blocks + p.fused_cluster - 1) / p.fused_cluster * p.fused_cluster;  // whole clusters
-    // Always with kPrepassFastDiv (the same quotients): the divisions' slow-path calls spill a few
-    // of the cluster loop's registers around them otherwise.
-    return sage_common::launch_with_smem(fused_kernel<D, kIn, kM | kPrepassFastDiv>, dim3(grid), kPrepassThreads, 0,
-                                         p, stream, sage_common::LaunchKind::kPlain, p.fused_cluster);
-  }
   const int n_stat = p.B * p.Hkv * p.n_split;
-  const int n_mask = mask_block_count(p);
+  const int n_mask = p.key_mask ? p.B * ((4 * p.n_kv_tiles + 7) / 8) : 0;
   const int n_q = p.q_in_stats ? q_block_count(p) : 0;
   stats_kernel<D, kIn, kM><<<n_stat + n_mask + n_q, kPrepassThreads, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
