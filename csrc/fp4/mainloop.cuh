@@ -6,7 +6,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "../common/cp_async.cuh"
 #include "../common/smem.cuh"
 #include "fp4_api.h"
 #include "fp4_format.cuh"
@@ -14,11 +13,21 @@
 
 namespace sage_fp4 {
 
-using sage_common::cp_async16;
-using sage_common::cp_async_commit;
-using sage_common::cp_async_small;
-using sage_common::cp_async_wait;
 using sage_common::smem_addr;
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+template <int kBytes>  // 4 or 8
+__device__ __forceinline__ void cp_async_small(void* dst, const void* src) {
+  static_assert(kBytes == 4 || kBytes == 8, "cp.async.ca sizes");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(kBytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
 
 // Global pointers of one kv head's pre-pass outputs.
 struct KvHead {

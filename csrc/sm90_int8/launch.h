@@ -250,20 +250,15 @@ struct FwdParams {
 //   K next to V, so their second read hits L2 as far as it holds them (prepass.cuh).
 //   bit kPrepassFastDiv: each block's / row's / channel's reciprocal once instead of a division per
 //   element, bit for bit the same quotients (numerics.hpp ScaleDivider).
-//   bit kPrepassPipelined: the quant launch on resident blocks only (occupancy x SMs), each looping
-//   over K / V tiles with the next tile's rows copied into shared memory (cp.async) while it
-//   quantizes the current one (prepass.cuh quant_pipelined_kernel; always with batched rows).
 constexpr int kPrepassQInStats = 1;
 constexpr int kPrepassBatchLoads = 2;
 constexpr int kPrepassOneAlloc = 4;
 constexpr int kPrepassPdl = 8;
 constexpr int kPrepassL2Reuse = 16;
 constexpr int kPrepassFastDiv = 32;
-constexpr int kPrepassPipelined = 64;
-constexpr int kPrepassModeMax = 127;
+constexpr int kPrepassModeMax = 63;
 // The mode every process starts with (prepass.cu); chosen from variants_bench.py's table.
-// 7 + kPrepassPipelined (71); mode 7 (the three bits above) was the fastest of the first 64 modes.
-constexpr int kPrepassDefaultMode = 71;
+constexpr int kPrepassDefaultMode = 7;  // all three: the fastest in variants_bench.py's pre-pass table
 
 // Return cudaSuccess or the launch error. head_dim in {64, 128}.
 cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, cudaStream_t stream);
@@ -298,7 +293,5 @@ int prepass_mode();
 // Whether the current mode launches with PDL (bit kPrepassPdl): the quant launch and run_fwd's
 // kernel take sage_common::LaunchKind::kPdl then.
 bool pdl_launches();
-// Whether the current mode runs the pipelined quant launch (bit kPrepassPipelined).
-bool pipelined_quant();
 
 }  // namespace sage_sm90

@@ -10,7 +10,6 @@ int g_mode = kPrepassDefaultMode;  // bit set of kPrepass*; benchmarks flip it (
 void set_prepass_mode(int mode) { g_mode = mode; }
 int prepass_mode() { return g_mode; }
 bool pdl_launches() { return (g_mode & kPrepassPdl) != 0; }
-bool pipelined_quant() { return (g_mode & kPrepassPipelined) != 0; }
 
 cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, cudaStream_t stream) {
   if (head_dim == 64) {

@@ -22,11 +22,9 @@
 // Inputs are read through arbitrary (b, h, s) strides, so BHSD views of BSHD tensors cost nothing.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 #include <utility>
 
-#include "../common/cp_async.cuh"
 #include "../common/l2_hint.cuh"
 #include "../common/launch.cuh"
 #include "../common/sm90/pdl.cuh"
@@ -237,15 +235,11 @@ __device__ __forceinline__ float block_max(float a, float* scratch) {
 }
 
 // One 128-key K block of one (b, kv head): smooth, block absmax, INT8.
-// kStaged (the pipelined quant launch, kPrepassPipelined; needs kBatch): the block's rows are already in
-// shared memory, `staged[pass * kPrepassThreads + tid]` the 16 bytes this thread would have loaded (zero
-// past Skv), instead of being loaded here.
 // kBatch: the block's inputs stay raw 16-bit between the absmax and the quantization (converted
 // twice; same values) instead of 64 fp32 registers at hd128, the quant kernel's register peak.
-template <int D, DType kIn, int kM, bool kStaged = false>
-__device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch, const uint4* staged = nullptr) {
+template <int D, DType kIn, int kM>
+__device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
   constexpr bool kBatch = PrepassOpts::of(kM).batch;
-  static_assert(kBatch || !kStaged, "staged rows replace the batched loads");
   using RT = RowTiling<D>;
   constexpr int kPasses = kBlockKV / RT::kRowsPerPass;
   const int tile = blk % p.n_kv_tiles, bh = blk / p.n_kv_tiles;
@@ -260,12 +254,8 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch, c
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
-      if constexpr (kStaged) {
-        raw[pass] = staged[pass * kPrepassThreads + tid];
-      } else {
-        raw[pass] = key < p.Skv ? load_raw8<kLastReadHint<kM>>(kb + 2 * static_cast<int64_t>(key) * p.k_ss)
-                                : make_uint4(0, 0, 0, 0);
-      }
+      raw[pass] = key < p.Skv ? load_raw8<kLastReadHint<kM>>(kb + 2 * static_cast<int64_t>(key) * p.k_ss)
+                              : make_uint4(0, 0, 0, 0);
     }
     float a = 0.f;
     uint32_t on = 0;  // bit pass: this thread's row of that pass is attended
@@ -338,11 +328,9 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch, c
 // lanes of a token row, 8 channels apart, fall into 4 banks instead of 2 (136 bytes = 34 words).
 constexpr int kVtStride = kBlockKV + 4;
 
-// kStaged: as quant_k_block's (zero rows for padding and masked keys).
-template <int D, DType kIn, int kM, bool kStaged = false>
-__device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage, const uint4* staged = nullptr) {
+template <int D, DType kIn, int kM>
+__device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
   constexpr bool kBatch = PrepassOpts::of(kM).batch;
-  static_assert(kBatch || !kStaged, "staged rows replace the batched loads");
   using RT = RowTiling<D>;
   constexpr int kPasses = kBlockKV / RT::kRowsPerPass;
   const int tile = blk % p.n_kv_tiles, bh = blk / p.n_kv_tiles;
@@ -356,12 +344,8 @@ __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage, c
   auto load_pass = [&](int pass) {
     const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
     // padding and masked keys: +0 bits, i.e. a zero row of codes
-    if constexpr (kStaged) {
-      xs[pass] = staged[pass * kPrepassThreads + tid];
-    } else {
-      xs[pass] = key_attended(p, b, key) ? load_raw8<kLastReadHint<kM>>(vb + 2 * static_cast<int64_t>(key) * p.v_ss)
-                                         : make_uint4(0, 0, 0, 0);
-    }
+    xs[pass] = key_attended(p, b, key) ? load_raw8<kLastReadHint<kM>>(vb + 2 * static_cast<int64_t>(key) * p.v_ss)
+                                       : make_uint4(0, 0, 0, 0);
   };
   if constexpr (kBatch) {
 #pragma unroll
@@ -464,101 +448,6 @@ __global__ void __launch_bounds__(kPrepassThreads, kQuantMinBlocks<D, kM>)
   }
 }
 
-// ---- pipelined quant launch (pre-pass mode bit kPrepassPipelined) ---------------------------------
-// The quant launch's K and V tiles on a grid of resident blocks (occupancy x SMs), each looping over
-// the tiles blockIdx.x, + gridDim.x, ... with its next tile's rows copied (cp.async) into shared memory
-// while it quantizes the current one: the plain launch's blocks of one wave load together and then
-// compute together, leaving DRAM idle in between (int8_prepass_ncu_h200.md). Each thread copies
-// exactly the 16-byte pieces it later reads (quant_k_block / quant_v_block's row mapping), so its own
-// cp.async wait is the only ordering needed for them. Same arithmetic on the same bits: mode 0's
-// bytes. The L2 bit (kPrepassL2Reuse) does not apply here (no hints on cp.async, tiles in plain order).
-template <int D>
-constexpr int kStagedPasses = kBlockKV / RowTiling<D>::kRowsPerPass;
-// Dynamic shared memory of the pipelined quant launch: two tiles of staged rows.
-template <int D>
-constexpr int kPipelinedSmem = 2 * kStagedPasses<D> * kPrepassThreads * 16;
-
-// Copy the rows of K / V tile `kv` (K tiles first, then V tiles) that this thread reads into `dst`.
-template <int D>
-__device__ __forceinline__ void stage_kv_tile(const PrepassParams& p, int kv, uint4* dst) {
-  using RT = RowTiling<D>;
-  const int n_kb = p.B * p.Hkv * p.n_kv_tiles;
-  const bool is_k = kv < n_kb;
-  const int blk = is_k ? kv : kv - n_kb;
-  const int tile = blk % p.n_kv_tiles, bh = blk / p.n_kv_tiles;
-  const int b = bh / p.Hkv, hk = bh % p.Hkv;
-  const int tid = threadIdx.x, c0 = (tid % RT::kLanes) * 8;
-  const char* base = is_k ? static_cast<const char*>(p.k) + 2 * (b * p.k_sb + hk * p.k_sh + c0)
-                          : static_cast<const char*>(p.v) + 2 * (b * p.v_sb + hk * p.v_sh + c0);
-  const int64_t ss = is_k ? p.k_ss : p.v_ss;
-#pragma unroll
-  for (int pass = 0; pass < kStagedPasses<D>; ++pass) {
-    const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
-    // K: every key inside the sequence (masked ones are excluded later); V: attended keys only.
-    const bool load = is_k ? key < p.Skv : key_attended(p, b, key);
-    sage_common::cp_async16_or_zero(dst + pass * kPrepassThreads + tid, base + 2 * (load ? key : 0) * ss, load);
-  }
-}
-
-template <int D, DType kIn, int kM>
-__global__ void __launch_bounds__(kPrepassThreads) quant_pipelined_kernel(const __grid_constant__ PrepassParams p) {
-  static_assert(PrepassOpts::of(kM).batch, "instantiated with kPrepassBatchLoads (the staged path)");
-  extern __shared__ uint4 staged[];  // [2][kStagedPasses][kPrepassThreads]
-  __shared__ __align__(16) uint8_t stage[D * kVtStride];
-  __shared__ float scratch[kPrepassThreads / 32];
-  sage_common::sm90::pdl_launch_dependents();
-  const int n_qb = p.q_in_stats ? 0 : q_block_count(p);
-  const int n_kb = p.B * p.Hkv * p.n_kv_tiles;
-  const int n_units = n_qb + 2 * n_kb;
-  int u = blockIdx.x;
-  for (; u < n_qb; u += gridDim.x) {  // Q tiles (only without kPrepassQInStats): their own loads
-    if (p.qkm != nullptr) sage_common::sm90::pdl_wait();
-    quant_q_block<D, kIn, kM>(p, u);
-  }
-  if (u >= n_units) return;
-  sage_common::sm90::pdl_wait();  // the k mean / the V channel scales
-  constexpr int kSlot = kStagedPasses<D> * kPrepassThreads;
-  stage_kv_tile<D>(p, u - n_qb, staged);
-  sage_common::cp_async_commit();
-  for (int i = 0; u < n_units; u += gridDim.x, ++i) {
-    const int next = u + static_cast<int>(gridDim.x);
-    if (next < n_units) {
-      stage_kv_tile<D>(p, next - n_qb, staged + ((i + 1) & 1) * kSlot);
-      sage_common::cp_async_commit();
-      sage_common::cp_async_wait<1>();  // this thread's rows of tile u
-    } else {
-      sage_common::cp_async_wait<0>();
-    }
-    const uint4* rows = staged + (i & 1) * kSlot;
-    const int kv = u - n_qb;
-    if (kv < n_kb) {
-      quant_k_block<D, kIn, kM, true>(p, kv, scratch, rows);
-    } else {
-      quant_v_block<D, kIn, kM, true>(p, kv - n_kb, stage, rows);
-    }
-    __syncthreads();  // scratch / stage reused by the next tile
-  }
-}
-
-// Resident blocks of the pipelined quant launch on the current device (occupancy x SMs), once per
-// instantiation and device ordinal.
-template <class Kernel>
-int resident_blocks(Kernel kernel, int smem) {
-  int dev = 0, sms = 0, per_sm = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-  constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices] = {};
-  if (dev < kMaxDevices && cached[dev] > 0) return cached[dev];
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kPrepassThreads, smem) != cudaSuccess) {
-    return 0;
-  }
-  const int n = std::max(1, per_sm) * sms;
-  if (dev < kMaxDevices) cached[dev] = n;
-  return n;
-}
-
 // p.q_in_stats (PrepassMode::kQInStats, only without qkm: qkm needs the k mean): the Q blocks
 // depend on nothing the stats compute, so they ride in the stats launch. Both launches then move
 // about the same bytes (stats: read K, V + Q in/out; quant: K, V in/out), the stats launch,
@@ -573,16 +462,8 @@ cudaError_t launch_prepass_impl(const PrepassParams& p, cudaStream_t stream) {
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int n_quant = (p.q_in_stats ? 0 : q_block_count(p)) + 2 * p.B * p.Hkv * p.n_kv_tiles;
-  const auto kind = pdl_launches() ? sage_common::LaunchKind::kPdl : sage_common::LaunchKind::kPlain;
-  if (pipelined_quant()) {  // kPrepassPipelined: resident blocks looping over the tiles
-    constexpr int kPM = kM | kPrepassBatchLoads;
-    const auto kernel = quant_pipelined_kernel<D, kIn, kPM>;
-    const int resident = resident_blocks(kernel, kPipelinedSmem<D>);
-    if (resident == 0) return cudaErrorInvalidConfiguration;
-    return sage_common::launch_with_smem(kernel, dim3(std::min(n_quant, resident)), kPrepassThreads,
-                                         kPipelinedSmem<D>, p, stream, kind);
-  }
-  return sage_common::launch_with_smem(quant_kernel<D, kIn, kM>, dim3(n_quant), kPrepassThreads, 0, p, stream, kind);
+  return sage_common::launch_with_smem(quant_kernel<D, kIn, kM>, dim3(n_quant), kPrepassThreads, 0, p, stream,
+                                       pdl_launches() ? sage_common::LaunchKind::kPdl : sage_common::LaunchKind::kPlain);
 }
 
 // p.kernel_mode: the pre-pass mode's kernel-side bits (kPrepassKernelBits), one instantiation each.
