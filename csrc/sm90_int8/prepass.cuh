@@ -239,6 +239,7 @@ __device__ __forceinline__ float block_max(float a, float* scratch) {
 // One 128-key K block of one (b, kv head): smooth, block absmax, INT8.
 // kBatch: the block's inputs stay raw 16-bit between the absmax and the quantization (converted
 // twice; same values) instead of 64 fp32 registers at hd128, the quant kernel's register peak.
+// kFewRegs (kPrepassFewRegs): not held at all, read again for the quantization.
 template <int D, DType kIn, int kM>
 __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
   constexpr bool kBatch = PrepassOpts::of(kM).batch;
@@ -251,64 +252,37 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
   float km[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) km[i] = p.kmean[bh * D + c0 + i];
-  if constexpr (PrepassOpts::of(kM).few_regs) {
-    // Two trips over the tile's rows, nothing held between them but the attended bits: the absmax,
-    // then the codes from a second read of the same rows (L1 / L2: this block read them just now).
-    // Unrolled: ptxas hoists as many of the loads as the 64-register budget allows.
-    float a = 0.f;
-    uint32_t on = 0;
+  constexpr bool kFewRegs = PrepassOpts::of(kM).few_regs;
+  if constexpr (kBatch || kFewRegs) {
+    // Two trips over the block's rows, the absmax and then the codes. kBatch: every row loaded first
+    // and held raw between them; kFewRegs: nothing held but the attended bits, each trip reads the
+    // rows (the second from L1 / L2: this block read them just now), unrolled so that ptxas hoists
+    // as many loads as its 64-register budget allows.
+    auto key_of = [&](int pass) { return tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes; };
+    auto load_row = [&](int pass) {
+      return load_raw8<kLastReadHint<kM>>(kb + 2 * static_cast<int64_t>(key_of(pass)) * p.k_ss);
+    };
+    uint4 raw[kBatch ? kPasses : 1];
+    if constexpr (kBatch) {
 #pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
-      if (key_attended(p, b, key)) {  // padding and masked keys: code 0, excluded from max
-        on |= 1u << pass;
-        float x[8];
-        raw_to_float8<kIn>(load_raw8<sage_common::L2Hint::kNormal>(kb + 2 * static_cast<int64_t>(key) * p.k_ss), x);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) a = fmaxf(a, finite_abs(x[i] - km[i]));
-      }
+      for (int pass = 0; pass < kPasses; ++pass) raw[pass] = key_of(pass) < p.Skv ? load_row(pass) : make_uint4(0, 0, 0, 0);
     }
-    const float sk = block_max<D>(a, scratch) / kInt8Max;
-    const auto dk = scale_divisor<kM>(sk);
-    int8_t* img = p.k_img + (static_cast<int64_t>(bh) * p.n_kv_tiles + tile) * (kBlockKV * D);
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int r = pass * RT::kRowsPerPass + tid / RT::kLanes;
-      const bool valid = (on >> pass) & 1u;
-      float x[8];
-      raw_to_float8<kIn>(valid ? load_raw8<sage_common::L2Hint::kNormal>(kb + 2 * static_cast<int64_t>(tile * kBlockKV + r) * p.k_ss)
-                               : make_uint4(0, 0, 0, 0), x);
-      int qi[8];
-      if constexpr (PrepassOpts::of(kM).fast_div) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) x[i] -= km[i];
-        int8_codes8(x, dk, valid, qi);
+    // Row `pass` (zero bits unless `load`): held, or read now.
+    auto row = [&](int pass, bool load) {
+      if constexpr (kBatch) {
+        return raw[pass];
       } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) qi[i] = valid ? quant_int8(x[i] - km[i], dk) : 0;
+        return load ? load_row(pass) : make_uint4(0, 0, 0, 0);
       }
-      *reinterpret_cast<uint2*>(img + sw_byte_offset<D>(r, c0)) = pack_int8x8(qi);
-    }
-    if (tid == 0) p.sk[static_cast<int64_t>(bh) * p.n_kv_tiles + tile] = sk;
-    return;
-  }
-  if constexpr (kBatch) {
-    uint4 raw[kPasses];
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
-      raw[pass] = key < p.Skv ? load_raw8<kLastReadHint<kM>>(kb + 2 * static_cast<int64_t>(key) * p.k_ss)
-                              : make_uint4(0, 0, 0, 0);
-    }
+    };
     float a = 0.f;
     uint32_t on = 0;  // bit pass: this thread's row of that pass is attended
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
-      const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
-      if (key_attended(p, b, key)) {  // padding and masked keys: code 0, excluded from max
+      if (key_attended(p, b, key_of(pass))) {  // padding and masked keys: code 0, excluded from max
         on |= 1u << pass;
         float x[8];
-        raw_to_float8<kIn>(raw[pass], x);
+        raw_to_float8<kIn>(row(pass, true), x);
 #pragma unroll
         for (int i = 0; i < 8; ++i) a = fmaxf(a, finite_abs(x[i] - km[i]));
       }
@@ -321,7 +295,7 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
       const int r = pass * RT::kRowsPerPass + tid / RT::kLanes;
       const bool valid = (on >> pass) & 1u;
       float x[8];
-      raw_to_float8<kIn>(raw[pass], x);
+      raw_to_float8<kIn>(row(pass, valid), x);
       int qi[8];
       if constexpr (PrepassOpts::of(kM).fast_div) {
 #pragma unroll
