@@ -263,7 +263,10 @@ constexpr int kPrepassFastDiv = 32;
 constexpr int kPrepassFewRegs = 64;
 constexpr int kPrepassModeMax = 127;
 // The mode every process starts with (prepass.cu); chosen from variants_bench.py's table.
-constexpr int kPrepassDefaultMode = 7;  // all three: the fastest in variants_bench.py's pre-pass table
+// 71 = kPrepassQInStats | kPrepassBatchLoads | kPrepassOneAlloc | kPrepassFewRegs: the stats launch of
+// mode 7 and the 4-blocks-per-SM quant launch; kept only if int8_variant_ab.py's pre-pass timing
+// shows it faster than 7 (eval/results/int8_prepass_fewregs_h200.md).
+constexpr int kPrepassDefaultMode = 71;
 
 // Return cudaSuccess or the launch error. head_dim in {64, 128}.
 cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, cudaStream_t stream);
