@@ -296,7 +296,7 @@ def test_prepass_fast_division_edge_values_bit_identical(d):
         for m in (None, mask):
             ext.set_prepass_mode(0)
             want = int8_sm90.prepass(q, k, v, key_mask=m, scale=0.1)
-            for mode in (32, 34, 48, 50, 63, 96, 127):  # 96, 127: kPrepassFewRegs' quant launch
+            for mode in (32, 34, 48, 50, 63):
                 ext.set_prepass_mode(mode)
                 got = int8_sm90.prepass(q, k, v, key_mask=m, scale=0.1)
                 for name in ("q8", "sq", "k8", "sk", "v8", "sv", "k_mean", "v_first", "v_summary"):

@@ -174,8 +174,8 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   p.split_len = split_len;
   p.scale = static_cast<float>(scale);
   p.q_in_stats = (sage_sm90::prepass_mode() & sage_sm90::kPrepassQInStats) != 0 && !want_qkm;
-  p.kernel_mode = sage_sm90::prepass_mode() & (sage_sm90::kPrepassBatchLoads | sage_sm90::kPrepassL2Reuse |
-                                               sage_sm90::kPrepassFastDiv | sage_sm90::kPrepassFewRegs);
+  p.kernel_mode = sage_sm90::prepass_mode() &
+                  (sage_sm90::kPrepassBatchLoads | sage_sm90::kPrepassL2Reuse | sage_sm90::kPrepassFastDiv);
   p.skip_q = skip_q ? 1 : 0;
   if (!one_alloc) {
     p.q_img = skip_q ? nullptr : r.q_img.data_ptr<int8_t>();

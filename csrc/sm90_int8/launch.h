@@ -185,7 +185,7 @@ struct PrepassParams {
   float scale;     // softmax scale, for the LSE correction scale * q . k_mean
   int q_in_stats;   // 1: Q blocks run in the stats launch (needs qkm == nullptr; PrepassMode)
   int kernel_mode;  // the pre-pass mode's kernel-side bits (kPrepassBatchLoads | kPrepassL2Reuse |
-                    // kPrepassFastDiv | kPrepassFewRegs), a template argument of the kernels (prepass.cuh)
+                    // kPrepassFastDiv), a template argument of the kernels (prepass.cuh)
   int skip_q;       // 1: no Q blocks, q_img / sq / qkm unused (the forward variant quantizes Q itself,
                     // FwdOptions::q_in_kernel; fwd_quantizes_q)
   // outputs
@@ -250,23 +250,15 @@ struct FwdParams {
 //   K next to V, so their second read hits L2 as far as it holds them (prepass.cuh).
 //   bit kPrepassFastDiv: each block's / row's / channel's reciprocal once instead of a division per
 //   element, bit for bit the same quotients (numerics.hpp ScaleDivider).
-//   bit kPrepassFewRegs: a quant launch of more resident warps (4 blocks per SM): K blocks take two
-//   trips over their rows (the absmax, then the codes from a second read) instead of holding them,
-//   V and Q blocks load row by row; it replaces kPrepassBatchLoads and kPrepassL2Reuse in that
-//   launch (the stats launch keeps them).
 constexpr int kPrepassQInStats = 1;
 constexpr int kPrepassBatchLoads = 2;
 constexpr int kPrepassOneAlloc = 4;
 constexpr int kPrepassPdl = 8;
 constexpr int kPrepassL2Reuse = 16;
 constexpr int kPrepassFastDiv = 32;
-constexpr int kPrepassFewRegs = 64;
-constexpr int kPrepassModeMax = 127;
+constexpr int kPrepassModeMax = 63;
 // The mode every process starts with (prepass.cu); chosen from variants_bench.py's table.
-// 71 = kPrepassQInStats | kPrepassBatchLoads | kPrepassOneAlloc | kPrepassFewRegs: the stats launch of
-// mode 7 and the 4-blocks-per-SM quant launch; kept only if int8_variant_ab.py's pre-pass timing
-// shows it faster than 7 (eval/results/int8_prepass_fewregs_h200.md).
-constexpr int kPrepassDefaultMode = 71;
+constexpr int kPrepassDefaultMode = 7;  // all three: the fastest in variants_bench.py's pre-pass table
 
 // Return cudaSuccess or the launch error. head_dim in {64, 128}.
 cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, cudaStream_t stream);

@@ -50,13 +50,11 @@ struct PrepassOpts {
   bool batch;     // kPrepassBatchLoads
   bool l2;        // kPrepassL2Reuse
   bool fast_div;  // kPrepassFastDiv
-  bool few_regs;  // kPrepassFewRegs (quant launch only: launch_prepass_impl drops batch and l2 there)
   static constexpr PrepassOpts of(int mode) {
-    return {(mode & kPrepassBatchLoads) != 0, (mode & kPrepassL2Reuse) != 0, (mode & kPrepassFastDiv) != 0,
-            (mode & kPrepassFewRegs) != 0};
+    return {(mode & kPrepassBatchLoads) != 0, (mode & kPrepassL2Reuse) != 0, (mode & kPrepassFastDiv) != 0};
   }
 };
-constexpr int kPrepassKernelBits = kPrepassBatchLoads | kPrepassL2Reuse | kPrepassFastDiv | kPrepassFewRegs;
+constexpr int kPrepassKernelBits = kPrepassBatchLoads | kPrepassL2Reuse | kPrepassFastDiv;
 
 // kPrepassL2Reuse: the stats launch reads K and V marked evict_last (the quant launch reads them
 // again), the quant launch reads K, V and Q marked evict_first (their last use): K and V's second
@@ -239,7 +237,6 @@ __device__ __forceinline__ float block_max(float a, float* scratch) {
 // One 128-key K block of one (b, kv head): smooth, block absmax, INT8.
 // kBatch: the block's inputs stay raw 16-bit between the absmax and the quantization (converted
 // twice; same values) instead of 64 fp32 registers at hd128, the quant kernel's register peak.
-// kFewRegs (kPrepassFewRegs): not held at all, read again for the quantization.
 template <int D, DType kIn, int kM>
 __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
   constexpr bool kBatch = PrepassOpts::of(kM).batch;
@@ -252,37 +249,23 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
   float km[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) km[i] = p.kmean[bh * D + c0 + i];
-  constexpr bool kFewRegs = PrepassOpts::of(kM).few_regs;
-  if constexpr (kBatch || kFewRegs) {
-    // Two trips over the block's rows, the absmax and then the codes. kBatch: every row loaded first
-    // and held raw between them; kFewRegs: nothing held but the attended bits, each trip reads the
-    // rows (the second from L1 / L2: this block read them just now), unrolled so that ptxas hoists
-    // as many loads as its 64-register budget allows.
-    auto key_of = [&](int pass) { return tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes; };
-    auto load_row = [&](int pass) {
-      return load_raw8<kLastReadHint<kM>>(kb + 2 * static_cast<int64_t>(key_of(pass)) * p.k_ss);
-    };
-    uint4 raw[kBatch ? kPasses : 1];
-    if constexpr (kBatch) {
+  if constexpr (kBatch) {
+    uint4 raw[kPasses];
 #pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) raw[pass] = key_of(pass) < p.Skv ? load_row(pass) : make_uint4(0, 0, 0, 0);
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
+      raw[pass] = key < p.Skv ? load_raw8<kLastReadHint<kM>>(kb + 2 * static_cast<int64_t>(key) * p.k_ss)
+                              : make_uint4(0, 0, 0, 0);
     }
-    // Row `pass` (zero bits unless `load`): held, or read now.
-    auto row = [&](int pass, bool load) {
-      if constexpr (kBatch) {
-        return raw[pass];
-      } else {
-        return load ? load_row(pass) : make_uint4(0, 0, 0, 0);
-      }
-    };
     float a = 0.f;
     uint32_t on = 0;  // bit pass: this thread's row of that pass is attended
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
-      if (key_attended(p, b, key_of(pass))) {  // padding and masked keys: code 0, excluded from max
+      const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
+      if (key_attended(p, b, key)) {  // padding and masked keys: code 0, excluded from max
         on |= 1u << pass;
         float x[8];
-        raw_to_float8<kIn>(row(pass, true), x);
+        raw_to_float8<kIn>(raw[pass], x);
 #pragma unroll
         for (int i = 0; i < 8; ++i) a = fmaxf(a, finite_abs(x[i] - km[i]));
       }
@@ -295,7 +278,7 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
       const int r = pass * RT::kRowsPerPass + tid / RT::kLanes;
       const bool valid = (on >> pass) & 1u;
       float x[8];
-      raw_to_float8<kIn>(row(pass, valid), x);
+      raw_to_float8<kIn>(raw[pass], x);
       int qi[8];
       if constexpr (PrepassOpts::of(kM).fast_div) {
 #pragma unroll
@@ -426,11 +409,8 @@ __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
 // kBatch also brings hd128 from 92 to ~70 registers: 3 blocks per SM instead of 2 (a cap of 64
 // for 4 blocks spills). kPrepassFastDiv's eight quotients in flight take hd64 from 58 to ~72
 // registers: a floor of 4 blocks per SM (<= 64 registers) keeps its occupancy.
-// kPrepassFewRegs: 4 blocks per SM (<= 64 registers), the point of that mode (5, <= 48, spills).
 template <int D, int kM>
-constexpr int kQuantMinBlocks = PrepassOpts::of(kM).few_regs                      ? 4
-                                : (D == 64 && PrepassOpts::of(kM).fast_div) ? 4
-                                                                                : 0;  // 0: no floor
+constexpr int kQuantMinBlocks = (D == 64 && PrepassOpts::of(kM).fast_div) ? 4 : 0;  // 0: no floor
 // kPrepassL2Reuse: the K / V blocks run in the reverse of the stats launch's (b, kv head) order and
 // each K tile next to its V tile, so the first of them read what the stats launch read last (the
 // likeliest still in L2); Q blocks keep their place.
@@ -478,14 +458,11 @@ cudaError_t launch_prepass_impl(const PrepassParams& p, cudaStream_t stream) {
   const int n_stat = p.B * p.Hkv * p.n_split;
   const int n_mask = p.key_mask ? p.B * ((4 * p.n_kv_tiles + 7) / 8) : 0;
   const int n_q = p.q_in_stats ? q_block_count(p) : 0;
-  // kPrepassFewRegs changes only the quant launch: the stats launch of the same mode without it
-  stats_kernel<D, kIn, kM & ~kPrepassFewRegs><<<n_stat + n_mask + n_q, kPrepassThreads, 0, stream>>>(p);
-  // ... and replaces the batched loads and L2 hints in the quant launch
-  constexpr int kQuantM = PrepassOpts::of(kM).few_regs ? kM & ~(kPrepassBatchLoads | kPrepassL2Reuse) : kM;
+  stats_kernel<D, kIn, kM><<<n_stat + n_mask + n_q, kPrepassThreads, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int n_quant = (p.q_in_stats ? 0 : q_block_count(p)) + 2 * p.B * p.Hkv * p.n_kv_tiles;
-  return sage_common::launch_with_smem(quant_kernel<D, kIn, kQuantM>, dim3(n_quant), kPrepassThreads, 0, p, stream,
+  return sage_common::launch_with_smem(quant_kernel<D, kIn, kM>, dim3(n_quant), kPrepassThreads, 0, p, stream,
                                        pdl_launches() ? sage_common::LaunchKind::kPdl : sage_common::LaunchKind::kPlain);
 }
 
@@ -498,13 +475,10 @@ cudaError_t launch_prepass_of(const PrepassParams& p, cudaStream_t stream, std::
 }
 template <int D, DType kIn>
 cudaError_t launch_prepass(const PrepassParams& p, cudaStream_t stream) {
-  constexpr int kB = kPrepassBatchLoads, kL = kPrepassL2Reuse, kF = kPrepassFastDiv, kR = kPrepassFewRegs;
-  static_assert(kPrepassKernelBits == (kB | kL | kF | kR), "every subset of the kernel-side bits below");
-  // 16 sets; the kernels behind them are 8 stats and 10 quant instantiations (launch_prepass_impl)
+  constexpr int kB = kPrepassBatchLoads, kL = kPrepassL2Reuse, kF = kPrepassFastDiv;
+  static_assert(kPrepassKernelBits == (kB | kL | kF), "every subset of the kernel-side bits below");
   return launch_prepass_of<D, kIn>(
-      p, stream,
-      std::integer_sequence<int, 0, kB, kL, kB | kL, kF, kB | kF, kL | kF, kB | kL | kF, kR, kR | kB, kR | kL,
-                            kR | kB | kL, kR | kF, kR | kB | kF, kR | kL | kF, kR | kB | kL | kF>{});
+      p, stream, std::integer_sequence<int, 0, kB, kL, kB | kL, kF, kB | kF, kL | kF, kB | kL | kF>{});
 }
 
 }  // namespace sage_sm90

@@ -58,11 +58,10 @@ ACC_QUICK_SHAPES = [(1, 4, 16384, 128), (1, 8, 17776, 64), (1, 1, 65536, 128)]
 QK_BIT = 1 << 16  # FwdOptions::q_in_kernel (generate_instantiations._HIGH_BITS)
 PDL_MODE = 15  # mode 7 + bit 8 (launch.h kPrepassPdl): the quant launch and the forward kernel start with PDL
 # bits 16 / 32 (launch.h kPrepassL2Reuse / kPrepassFastDiv): L2 eviction hints + reversed K/V order,
-# one reciprocal per scale; 55 = 7 + both; bit 64 (kPrepassFewRegs): the quant launch at 4 blocks per
-# SM, 71 = 7 + 64, 103 = 7 + 32 + 64; 127 = every bit
-CHECK_MODES = (1, 2, 3, 4, 7, 8, PDL_MODE, 16, 32, 55, 71, 103, 127)  # pre-pass mode bit sets checked against the reference
-FULL_MODES = (0, 3, 4, 7, 14, PDL_MODE, 23, 39, 55, 71, 103)     # full-call timings (per-repetition sync)
-PRE_MODES = (0, 1, 2, 3, 11, 19, 35, 51, 59, 67, 99)             # pre-pass alone (bench_parts)
+# one reciprocal per scale; 55 = 7 + both, 63 = every bit
+CHECK_MODES = (1, 2, 3, 4, 7, 8, PDL_MODE, 16, 32, 55, 63)  # pre-pass mode bit sets checked against the reference
+FULL_MODES = (0, 3, 4, 7, 14, PDL_MODE, 23, 39, 55, 63)     # full-call timings (per-repetition sync)
+PRE_MODES = (0, 1, 2, 3, 11, 19, 35, 51, 59)                # pre-pass alone (bench_parts)
 
 
 
