@@ -165,8 +165,8 @@ def test_int8_phase_clock_and_epilogue_summary_flags():
         defaults = gen.DEFAULTS[d]
         assert defaults.epilogue_summary and not defaults.phase_clock  # decided from a GPU run
         # flag and name arithmetic on a two-warpgroup option set (the clock needs two; without
-        # tc_row_sum, whose name part comes after theirs)
-        esum = replace(defaults, three_consumers=False, epilogue_staged=False, tc_row_sum=False)
+        # tc_row_sum and fused_rescale, whose name parts come after theirs)
+        esum = replace(defaults, three_consumers=False, epilogue_staged=False, tc_row_sum=False, fused_rescale=False)
         base = replace(esum, epilogue_summary=False)
         clock = replace(base, phase_clock=True)
         both = replace(base, phase_clock=True, epilogue_summary=True)
@@ -351,9 +351,11 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
     mainloop = (k / "mainloop.hpp").read_text()
     assert "TileConfig<D>::" not in mainloop and "const WarpgroupOperands<D, kWGs, kSumCols> ops(" in (k / "kernel_fwd.cuh").read_text()
     partner = replace(wg3, three_consumers=False, epilogue_summary=False, epilogue_staged=False)
-    two_wg = replace(wg3, three_consumers=False, epilogue_staged=False, overlap_softmax_pv=True)
-    # (names without tc_row_sum's part, which comes last)
-    assert replace(wg3, tc_row_sum=False).name == replace(partner, tc_row_sum=False).name + "_esum_stage_wg3"
+    # (the overlap loop has no fused_rescale)
+    two_wg = replace(wg3, three_consumers=False, epilogue_staged=False, overlap_softmax_pv=True, fused_rescale=False)
+    # (names without tc_row_sum's and fused_rescale's parts, which come last)
+    last = dict(tc_row_sum=False, fused_rescale=False)
+    assert replace(wg3, **last).name == replace(partner, **last).name + "_esum_stage_wg3"
     assert ".three_consumers = true" in wg3.cpp()
     assert wg3.flags == partner.flags | 1 << 15 | 1 << 17 | 1 << 18
     for o in (partner, two_wg):
@@ -480,7 +482,9 @@ def test_int8_tc_row_sum_flag_validity_and_bench_variants():
     for d in (64, 128):
         base = replace(gen.DEFAULTS[d], tc_row_sum=False)
         tc = replace(base, tc_row_sum=True)
-        assert tc.flags == base.flags | 1 << 20 and tc.name == base.name + "_tcsum"
+        # (fused_rescale's name part, hd64's, comes after tcsum)
+        assert tc.flags == base.flags | 1 << 20
+        assert replace(tc, fused_rescale=False).name == replace(base, fused_rescale=False).name + "_tcsum"
         for o in (base, tc):  # each head dim's defaults with and without it, side by side
             assert (d, o) in gen.BENCH_VARIANTS and py.FLAG_NAMES[o.flags] == o.name
 
@@ -539,3 +543,36 @@ def test_int8_tile_sums_flag_validity_and_bench_variant():
     assert tiles.flags == base.flags | 1 << 21 and tiles.name == base.name + "_tilesum"
     assert (128, tiles) in gen.BENCH_VARIANTS and py.FLAG_NAMES[tiles.flags] == tiles.name
     assert not any(o.tile_sums for _, _, _, _, o in gen.variants())  # benchmark-only: no default has it
+
+
+def test_int8_fused_rescale_flag_validity_and_bench_variant():
+    """`fused_rescale` is flag bit 1 << 22 (kFlagsHighShift + 10) on both sides, named "fusedrescale"
+    after "tcsum", refused without fp32_pv_tiles or in the pipelined loops (overlap, ping-pong) in
+    Python and in C++'s valid(); the plain loop then takes O = alpha O + tile (add_scaled_tile)
+    instead of the rescale before the PV; hd64's defaults have it, and the benchmark build holds them
+    without it (the previous defaults) for the side by side."""
+    from dataclasses import replace
+
+    from sage_diffusers.kernels import _sm90_int8_variants as py
+
+    gen = _generator()
+    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
+    kernel = (CSRC / "sm90_int8" / "kernel_fwd.cuh").read_text()
+    _assert_high_flag(gen, launch, "fused_rescale", 10, "fusedrescale")
+    assert "(!fused_rescale || (fp32_pv_tiles && !overlap_softmax_pv && !pingpong))" in launch
+    assert "constexpr bool kFusedRescale = kOpt.fused_rescale;" in kernel
+    assert "o[i] = fmaf(o[i], alpha[(i >> 1) & 1], o_tile[i]);" in kernel
+    assert "} else if (!kFusedRescale) {\n          rescale(alpha);" in kernel
+    for bad in (dict(fused_rescale=True), dict(fused_rescale=True, fp32_pv_tiles=True, overlap_softmax_pv=True),
+                dict(fused_rescale=True, fp32_pv_tiles=True, pingpong=True)):
+        with pytest.raises(ValueError, match="fused_rescale"):
+            gen.FwdOptions(**bad)
+    fused = gen.DEFAULTS[64]
+    assert fused.fp32_pv_tiles and not fused.overlap_softmax_pv and not fused.pingpong and fused.fused_rescale
+    base = replace(fused, fused_rescale=False)
+    assert fused.flags == base.flags | 1 << 22 and fused.name == base.name + "_fusedrescale"
+    for o in (base, fused):
+        assert (64, o) in gen.BENCH_VARIANTS and py.FLAG_NAMES[o.flags] == o.name
+    # every hd64 unit of the regular build has it, no hd128 one (smem_o_every: O stays in the tensor core)
+    assert {d for d, _, _, _, o in gen.variants() if o.fused_rescale} == {64}
+    assert all(o.fused_rescale for d, _, _, _, o in gen.variants() if d == 64)

@@ -2,8 +2,9 @@
 FwdOptions::tc_row_sum: the row sums of P~ from the PV wgmma, over 8 rows of ones appended to each
 V^T stage in shared memory, instead of one FADD per score).
 
-The option sets (each head dim's defaults, which have it, and hd128's defaults with ``tile_sums``:
-each tile's sums moved into fp32, mean LSE error <= 1e-3 like hd64's) run from the benchmark build (env
+The option sets (each head dim's defaults, which have it, hd128's defaults with ``tile_sums``:
+each tile's sums moved into fp32, mean LSE error <= 1e-3 like hd64's, and hd64's defaults without
+``fused_rescale``, which rescales O and the sums by one FFMA with each tile's add) run from the benchmark build (env
 SAGE_DIFFUSERS_SM90_BENCH=1, read when ``int8_sm90`` is imported), so the check runs in a subprocess
 with that build. Other numerics than the defaults (the sum is that of the E4M3 codes, at the FP8
 wgmma's precision), so no bit identity: against ``sage8_reference(row_sum="codes")``, the same
@@ -69,9 +70,10 @@ def report(ok, what):
     print(f"{'ok ' if ok else 'BAD'} {what}", flush=True)
 
 
-# each head dim's defaults (which have tc_row_sum), and hd128's with tile_sums (its sums in fp32 per tile)
+# each head dim's defaults (which have tc_row_sum), hd128's with tile_sums (its sums in fp32 per tile)
+# and hd64's without fused_rescale (O *= alpha before the PV, O += tile after it: the previous defaults)
 for d, tc in ((64, replace(gen.DEFAULTS[64], tc_row_sum=True)), (128, replace(gen.DEFAULTS[128], tc_row_sum=True)),
-              (128, replace(gen.DEFAULTS[128], tile_sums=True))):
+              (128, replace(gen.DEFAULTS[128], tile_sums=True)), (64, replace(gen.DEFAULTS[64], fused_rescale=False))):
     assert (d, tc) in gen.BENCH_VARIANTS, tc
     # the sums' mean LSE error: 1e-3 where each tile's sums reach fp32 (fp32_pv_tiles, tile_sums),
     # 2e-3 where they share O's 4-tile accumulation in the FP8 wgmma

@@ -29,7 +29,8 @@ PY_OUT = HERE.parents[1] / "sage_diffusers" / "kernels" / "_sm90_int8_variants.p
 _HIGH_SHIFT = 12
 # name -> bit above _HIGH_SHIFT (FwdOptions::flags() in launch.h spells the same positions)
 _HIGH_BITS = {"seed_reductions": 0, "persistent": 1, "phase_clock": 2, "epilogue_summary": 3, "q_in_kernel": 4,
-              "epilogue_staged": 5, "three_consumers": 6, "late_pv_wait": 7, "tc_row_sum": 8, "tile_sums": 9}
+              "epilogue_staged": 5, "three_consumers": 6, "late_pv_wait": 7, "tc_row_sum": 8, "tile_sums": 9,
+              "fused_rescale": 10}
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class FwdOptions:
     late_pv_wait: bool = False        # bit 1 << 19 (kFlagsHighShift + 7), needs overlap_softmax_pv and lean_softmax
     tc_row_sum: bool = False          # bit 1 << 20 (kFlagsHighShift + 8), row sums on the tensor cores; no fp16_exp2
     tile_sums: bool = False           # bit 1 << 21 (kFlagsHighShift + 9), tc_row_sum's sums into fp32 per tile
+    fused_rescale: bool = False       # bit 1 << 22 (kFlagsHighShift + 10), O = alpha O + tile (fp32_pv_tiles, plain loop)
 
     def __post_init__(self):
         if (self.fp16_exp2 or self.split_reductions or self.seed_reductions) and not self.lean_softmax:
@@ -74,6 +76,9 @@ class FwdOptions:
         if self.tile_sums and not (self.tc_row_sum and not self.fp32_pv_tiles):
             raise ValueError(f"{self}: tile_sums takes tc_row_sum's sums out of an accumulator that spans tiles "
                              "(tc_row_sum, not fp32_pv_tiles)")
+        if self.fused_rescale and not (self.fp32_pv_tiles and not self.overlap_softmax_pv and not self.pingpong):
+            raise ValueError(f"{self}: fused_rescale folds O's rescale into fp32_pv_tiles' O += tile, in the plain "
+                             "loop (no overlap_softmax_pv, no pingpong)")
         if self.three_consumers and (self.pingpong or self.phase_clock):
             raise ValueError(f"{self}: three_consumers has no ping-pong schedule or phase record (two warpgroups)")
 
@@ -107,7 +112,8 @@ class FwdOptions:
 # name parts of the high bools, in this order after smemo<N>
 _HIGH_SHORT = {"seed_reductions": "seed", "persistent": "persist", "epilogue_summary": "esum", "phase_clock": "clock",
                "q_in_kernel": "qk", "epilogue_staged": "stage", "three_consumers": "wg3", "late_pv_wait": "latewait",
-               "tc_row_sum": "tcsum", "tile_sums": "tilesum"}
+               "tc_row_sum": "tcsum", "tile_sums": "tilesum",
+               "fused_rescale": "fusedrescale"}
 
 HEAD_DIMS = (64, 128)
 DTYPES = {"fp16": "DType::kF16", "bf16": "DType::kBF16"}
@@ -145,7 +151,7 @@ _HD64 = FwdOptions(lean_softmax=True, overlap_softmax_pv=True, q_in_registers=Tr
 DEFAULTS = {
     128: replace(_HD128, smem_o_every=4, epilogue_summary=True, epilogue_staged=True, tc_row_sum=True),
     64: replace(_HD64, overlap_softmax_pv=False, fp32_pv_tiles=True, exp2_poly_every=0, epilogue_summary=True,
-                epilogue_staged=True, three_consumers=True, tc_row_sum=True),
+                epilogue_staged=True, three_consumers=True, tc_row_sum=True, fused_rescale=True),
 }
 # Exp2 polynomial shares compiled besides the default (env SAGE_DIFFUSERS_EXP_POLY picks one).
 EXTRA_EXP_POLY = {64: (8,), 128: ()}
@@ -200,16 +206,24 @@ _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every
 # (sass_cost.py): 458 instructions per tile against the defaults' 430, sync/barrier 20 against 7
 # (ptxas warns C7519 that it injected warpgroup.arrive before a GMMA that uses the zeroed
 # accumulator registers), 0 spills.
+# fused_rescale (hd64, whose default plain loop sums each tile in fp32: fp32_pv_tiles): O = alpha O +
+# tile as one FFMA per value after the PV, instead of the warp's vote, O *= alpha before the PV
+# (taken on ~60 % of tiles at 4K keys) and O += tile after it: the rescale leaves the path from the
+# softmax to the PV issue. Where a row max moved, O is rounded once instead of twice (not the same
+# bits); elsewhere fma(O, 1, tile) = O + tile exactly. Not yet run on a GPU.
+# hd64's defaults take it pending the H200 side by side with the previous defaults (the benchmark
+# build's {"fused_rescale": False}); the overlap loops it does not apply to are built without it.
 _BENCH_CHANGES = {
     128: (*_BENCH_COMMON,
           {**_HD128_WG3_LOOP, "three_consumers": True},
           {**_HD128_WG3_LOOP, "epilogue_summary": False, "epilogue_staged": False},
           {"late_pv_wait": True}, {"tc_row_sum": False}, {"tile_sums": True}),
     64: (*_BENCH_COMMON,
-         {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True},
+         {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True, "fused_rescale": False},
          {"three_consumers": False, "epilogue_summary": False, "epilogue_staged": False},
-         {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True, "late_pv_wait": True},
-         {"tc_row_sum": False}),
+         {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True, "late_pv_wait": True,
+          "fused_rescale": False},
+         {"tc_row_sum": False}, {"fused_rescale": False}),
 }
 _UNCORRECTED = {128: _HD128, 64: _HD64}
 # Options refused together at one head dim (fwd_kernel static_asserts the same): at hd128 the

@@ -113,6 +113,11 @@ namespace sage_sm90 {
 //                        the fp32 sum of unrounded p). Costs D + 8 / D of the PV tensor time.
 //   tile_sums          : (tc_row_sum, no fp32_pv_tiles) the sum columns are moved into fp32 after
 //                        each tile's PV and restart at 0, so only O spans tiles in the accumulator.
+//   fused_rescale      : (fp32_pv_tiles, plain loop) O_t = alpha_t O_{t-1} + P_t V_t as one FFMA
+//                        per value once the tile's PV retired, instead of the warp vote and O *= alpha
+//                        (lean: where a row max of the warp moved) before the PV issue and O += tile
+//                        after it: no rescale between the softmax and the PV. Rounded once where
+//                        alpha != 1 (not the same bits there); fma(O, 1, tile) = O + tile elsewhere.
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 168 registers, ptxas's cap for 384). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
@@ -445,6 +450,12 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
         for (int i = 0; i < C::kPVRegs; ++i) o[i] += o_tile[i];
       }
     };
+    // fused_rescale: O = alpha O + the tile the last PV wgmma wrote (register i: row (i >> 1) & 1).
+    constexpr bool kFusedRescale = kOpt.fused_rescale;  // FwdOptions::valid: fp32_pv_tiles, the plain loop
+    auto add_scaled_tile = [&](const float (&alpha)[2]) {
+#pragma unroll
+      for (int i = 0; i < C::kPVRegs; ++i) o[i] = fmaf(o[i], alpha[(i >> 1) & 1], o_tile[i]);
+    };
 
     // Per-tile scalars; fetched before waiting on the tile so their latency hides behind the copy.
     auto tile_mask = [&](int t) {
@@ -546,11 +557,15 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
           o_scale[0] *= alpha[0];
           o_scale[1] *= alpha[1];
           scale_sums(alpha);
-        } else {
+        } else if (!kFusedRescale) {
           rescale(alpha);
         }
         ops.pv(s, p_frag, pv_acc, kTilePV || pv_zero(t));
-        add_tile();
+        if constexpr (kFusedRescale) {
+          add_scaled_tile(alpha);
+        } else {
+          add_tile();
+        }
         take_sums();
         release(s);
         // Not after the last tile: the epilogue adds O's registers to the sum (scaled_sum), as

@@ -40,6 +40,8 @@ struct FwdOptions {
                                     // rows in smem (PV's N = D + 8); no fp16_exp2
   bool tile_sums = false;           // (tc_row_sum, no fp32_pv_tiles) each tile's row sums leave the FP8
                                     // accumulator into fp32 as soon as its PV retired
+  bool fused_rescale = false;       // (fp32_pv_tiles, plain loop) O = alpha O + tile in one FFMA per value
+                                    // after the PV instead of O *= alpha before it and O += tile after
 
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
@@ -49,7 +51,8 @@ struct FwdOptions {
            (phase_clock ? 1 << (kFlagsHighShift + 2) : 0) | (epilogue_summary ? 1 << (kFlagsHighShift + 3) : 0) |
            (q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0) | (epilogue_staged ? 1 << (kFlagsHighShift + 5) : 0) |
            (three_consumers ? 1 << (kFlagsHighShift + 6) : 0) | (late_pv_wait ? 1 << (kFlagsHighShift + 7) : 0) |
-           (tc_row_sum ? 1 << (kFlagsHighShift + 8) : 0) | (tile_sums ? 1 << (kFlagsHighShift + 9) : 0);
+           (tc_row_sum ? 1 << (kFlagsHighShift + 8) : 0) | (tile_sums ? 1 << (kFlagsHighShift + 9) : 0) |
+           (fused_rescale ? 1 << (kFlagsHighShift + 10) : 0);
   }
   static constexpr int kFlagsIntShift = 7;  // smem_o_every (<= 16: 5 bits) sits above the first bools
   static constexpr int kFlagsHighShift = 12;  // bools added later sit above it (flags stay stable)
@@ -75,6 +78,7 @@ struct FwdOptions {
     o.late_pv_wait = ((flags >> (kFlagsHighShift + 7)) & 1) != 0;
     o.tc_row_sum = ((flags >> (kFlagsHighShift + 8)) & 1) != 0;
     o.tile_sums = ((flags >> (kFlagsHighShift + 9)) & 1) != 0;
+    o.fused_rescale = ((flags >> (kFlagsHighShift + 10)) & 1) != 0;
     o.exp2_poly_every = exp2_poly_every;
     return o;
   }
@@ -96,7 +100,10 @@ struct FwdOptions {
            // tc_row_sum: fp16_exp2 sums its fp16 pairs itself (softmax.hpp scores_lean_half)
            (!tc_row_sum || !fp16_exp2) &&
            // tile_sums: the sums are tc_row_sum's; with fp32_pv_tiles every tile is in fp32 already
-           (!tile_sums || (tc_row_sum && !fp32_pv_tiles));
+           (!tile_sums || (tc_row_sum && !fp32_pv_tiles)) &&
+           // fused_rescale: O and the tile are separate registers only with fp32_pv_tiles, and the
+           // FFMA needs the alpha of the tile just retired, which only the plain loop has at hand
+           (!fused_rescale || (fp32_pv_tiles && !overlap_softmax_pv && !pingpong));
   }
   // tc_row_sum: the columns of ones appended to V^T in smem (one 8-row swizzle atom; TileConfig kSumCols).
   constexpr int sum_cols() const { return tc_row_sum ? 8 : 0; }
