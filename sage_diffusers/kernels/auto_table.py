@@ -45,32 +45,32 @@ Key = tuple[int, bool, bool]
 Rules = Mapping[Key, Optional[int]]
 
 # BEGIN sm_90 table (written by `python -m eval.calibrate_auto --ship <calibration json>`)
-# Measured on an NVIDIA H200 (2026-12-03 16:08, torch 2.11.0+cu130, commit 09d26f7) against SDPA's
+# Measured on an NVIDIA H200 (2026-12-04 16:29, torch 2.11.0+cu130, commit c20d786) against SDPA's
 # default backend (bf16, cuDNN there), quantization included: auto_calibration_h200.json. Per
 # length, medians of 5 interleaved rounds of per-call times with L2 flushed
 # (bench_utils.compare_ms); a class runs the kernel from the shortest length at which it takes less
 # than 0.99x SDPA's time there and at every longer length measured (see the module docstring for the
 # margin).
-# d128_full: kernel: its time < 0.99x SDPA's from 20480 (0.970x) to 20480 (0.970x); 1.037x at 18432
-# d128_full_ragged: kernel: its time < 0.99x SDPA's from 8120 (0.950x) to 20408 (0.863x); 1.008x at
+# d128_full: kernel: its time < 0.99x SDPA's from 18432 (0.981x) to 20480 (0.984x); 0.995x at 16384
+# d128_full_ragged: kernel: its time < 0.99x SDPA's from 8120 (0.976x) to 20408 (0.862x); 1.023x at
 #     6072
-# d128_causal: SDPA: kernel slower at every length measured (closest 1.063x at 16384)
-# d128_causal_ragged: SDPA: kernel slower at every length measured (closest 1.078x at 20408)
-# d64_full: kernel: its time < 0.99x SDPA's from 8192 (0.967x) to 20480 (0.901x); 1.001x at 6144
-# d64_full_ragged: kernel: its time < 0.99x SDPA's from 4024 (0.975x) to 20408 (0.767x); 1.071x at
+# d128_causal: SDPA: kernel slower at every length measured (closest 1.060x at 18432)
+# d128_causal_ragged: SDPA: kernel slower at every length measured (closest 1.076x at 20408)
+# d64_full: kernel: its time < 0.99x SDPA's from 6144 (0.989x) to 20480 (0.880x); 1.026x at 5120
+# d64_full_ragged: kernel: its time < 0.99x SDPA's from 4024 (0.956x) to 20408 (0.761x); 1.048x at
 #     3000
-# d64_causal: kernel: its time < 0.99x SDPA's from 14336 (0.987x) to 20480 (0.943x); 1.004x at 12288
-# d64_causal_ragged: kernel: its time < 0.99x SDPA's from 18360 (0.976x) to 20408 (0.983x); 0.995x
-#     at 16312
+# d64_causal: kernel: its time < 0.99x SDPA's from 16384 (0.977x) to 20480 (0.980x); 0.998x at 14336
+# d64_causal_ragged: kernel: its time < 0.99x SDPA's from 16312 (0.987x) to 20408 (0.978x); 1.023x
+#     at 14264
 SM90_RULES: dict[Key, Optional[int]] = {
-    (128, False, False): 20480,
+    (128, False, False): 18432,
     (128, False, True): 8120,
     (128, True, False): None,
     (128, True, True): None,
-    (64, False, False): 8192,
+    (64, False, False): 6144,
     (64, False, True): 4024,
-    (64, True, False): 14336,
-    (64, True, True): 18360,
+    (64, True, False): 16384,
+    (64, True, True): 16312,
 }
 # END sm_90 table
 SHIPPED: dict[tuple[int, int], Rules] = {(9, 0): SM90_RULES}
