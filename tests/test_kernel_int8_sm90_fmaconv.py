@@ -83,8 +83,10 @@ for d in (64, 128):
                 ref = sage8_reference(q.float(), kr, vr, key_mask=m, row_sum="codes" if fma.tc_row_sum else "p").float()
                 got = outs[0][0].float()
                 c, rl1 = cosine(got, ref), relative_l1(got, ref)
-                # rows with no attended key are 0 in both; the bounds are those of the other GPU tests
-                ok = same and bool(torch.isfinite(got).all()) and (s == 1 or (c >= 0.999 and rl1 <= 0.03))
+                # rows with no attended key are 0 in both. At x1e4 the softmax is one-hot and a K code on a
+                # rounding tie may pick another key than the reference: bit identity is the check there.
+                near = s == 1 or scale > 1 or (c >= 0.999 and rl1 <= 0.03)
+                ok = same and bool(torch.isfinite(got).all()) and near
                 bad += not ok
                 print(f"{'ok ' if ok else 'BAD'} hd{d} {fma.name} {b}x{hq}/{hkv}x{s} x{scale:g} mask={m is not None} "
                       f"lse={lse} bit-identical={same} cos={c:.6f} rel-L1={rl1:.4f}", flush=True)
