@@ -30,7 +30,7 @@ _HIGH_SHIFT = 12
 # name -> bit above _HIGH_SHIFT (FwdOptions::flags() in launch.h spells the same positions)
 _HIGH_BITS = {"seed_reductions": 0, "persistent": 1, "phase_clock": 2, "epilogue_summary": 3, "q_in_kernel": 4,
               "epilogue_staged": 5, "three_consumers": 6, "late_pv_wait": 7, "tc_row_sum": 8, "tile_sums": 9,
-              "fused_rescale": 10, "fma_convert": 11}
+              "fused_rescale": 10}
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,6 @@ class FwdOptions:
     tc_row_sum: bool = False          # bit 1 << 20 (kFlagsHighShift + 8), row sums on the tensor cores; no fp16_exp2
     tile_sums: bool = False           # bit 1 << 21 (kFlagsHighShift + 9), tc_row_sum's sums into fp32 per tile
     fused_rescale: bool = False       # bit 1 << 22 (kFlagsHighShift + 10), O = alpha O + tile (fp32_pv_tiles, plain loop)
-    fma_convert: bool = False         # bit 1 << 23 (kFlagsHighShift + 11), the scores' convert add as IMAD (lean, no fp16_exp2)
 
     def __post_init__(self):
         if (self.fp16_exp2 or self.split_reductions or self.seed_reductions) and not self.lean_softmax:
@@ -80,9 +79,6 @@ class FwdOptions:
         if self.fused_rescale and not (self.fp32_pv_tiles and not self.overlap_softmax_pv and not self.pingpong):
             raise ValueError(f"{self}: fused_rescale folds O's rescale into fp32_pv_tiles' O += tile, in the plain "
                              "loop (no overlap_softmax_pv, no pingpong)")
-        if self.fma_convert and not (self.lean_softmax and not self.fp16_exp2):
-            raise ValueError(f"{self}: fma_convert moves the lean softmax's int32 -> float add (lean_softmax, "
-                             "not fp16_exp2)")
         if self.three_consumers and (self.pingpong or self.phase_clock):
             raise ValueError(f"{self}: three_consumers has no ping-pong schedule or phase record (two warpgroups)")
 
@@ -117,7 +113,7 @@ class FwdOptions:
 _HIGH_SHORT = {"seed_reductions": "seed", "persistent": "persist", "epilogue_summary": "esum", "phase_clock": "clock",
                "q_in_kernel": "qk", "epilogue_staged": "stage", "three_consumers": "wg3", "late_pv_wait": "latewait",
                "tc_row_sum": "tcsum", "tile_sums": "tilesum",
-               "fused_rescale": "fusedrescale", "fma_convert": "fmaconv"}
+               "fused_rescale": "fusedrescale"}
 
 HEAD_DIMS = (64, 128)
 DTYPES = {"fp16": "DType::kF16", "bf16": "DType::kBF16"}
@@ -219,21 +215,21 @@ _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every
 # build's {"fused_rescale": False}): attention kernel 0.383 -> 0.373 ms at 1x38x4429x64, 6.414 -> 6.274
 # at 1x48x17776x64 (eval/results/int8_fused_rescale_h200.md). The overlap loops it does not apply to
 # are built without it.
-# fma_convert (both head dims' defaults with it; same bits): the 64 int32 -> biased-float adds of a
-# tile as IMADs on the FMA pipe. In the defaults' SASS they are 64 VIADDs at 2 issue cycles each on
-# the ALU pipe, all before the row max's 64 FMNMX (the same pipe, 2 cycles each): about 256 of the
-# ~830 cycles one warp needs for a tile's softmax at hd128 (stall counts of the folded step).
+# Measured and removed (eval/results/int8_fma_convert_h200.md): fma_convert (flag bit 1 << 23), the
+# scores' int32 -> biased-float adds as IMADs with a kernel-parameter 1 on the FMA pipe, interleaved
+# with the row max: bit-identical, 827 -> 764 static stall cycles per warp in hd128's softmax step,
+# yet the attention kernel 1.008x / 1.036x slower at hd128 (4608 / 16384 keys) and 1.034x at 1x48x17776x64.
 _BENCH_CHANGES = {
     128: (*_BENCH_COMMON,
           {**_HD128_WG3_LOOP, "three_consumers": True},
           {**_HD128_WG3_LOOP, "epilogue_summary": False, "epilogue_staged": False},
-          {"late_pv_wait": True}, {"tc_row_sum": False}, {"tile_sums": True}, {"fma_convert": True}),
+          {"late_pv_wait": True}, {"tc_row_sum": False}, {"tile_sums": True}),
     64: (*_BENCH_COMMON,
          {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True, "fused_rescale": False},
          {"three_consumers": False, "epilogue_summary": False, "epilogue_staged": False},
          {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True, "late_pv_wait": True,
           "fused_rescale": False},
-         {"tc_row_sum": False}, {"fused_rescale": False}, {"fma_convert": True}),
+         {"tc_row_sum": False}, {"fused_rescale": False}),
 }
 _UNCORRECTED = {128: _HD128, 64: _HD64}
 # Options refused together at one head dim (fwd_kernel static_asserts the same): at hd128 the

@@ -118,10 +118,6 @@ namespace sage_sm90 {
 //                        (lean: where a row max of the warp moved) before the PV issue and O += tile
 //                        after it: no rescale between the softmax and the PV. Rounded once where
 //                        alpha != 1 (not the same bits there); fma(O, 1, tile) = O + tile elsewhere.
-//   fma_convert        : (lean, no fp16_exp2) each score's int32 -> biased-float add as an IMAD with
-//                        the kernel parameter fma_one (= 1) as its multiplier, so it runs on the FMA
-//                        pipe beside the row max's FMNMX on the ALU pipe (softmax.hpp biased_score).
-//                        Same integers: same results bit for bit.
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 168 registers, ptxas's cap for 384). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
@@ -370,10 +366,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     int row[2];
     fragment_rows(wg_row0, tid, lane, row);
 
-    using Softmax = OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce, kOpt.seed_reductions, kOpt.tc_row_sum,
-                                  kOpt.fma_convert>;
+    using Softmax = OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce, kOpt.seed_reductions, kOpt.tc_row_sum>;
     Softmax sm;
-    if constexpr (Softmax::kFmaConv) sm.set_fma_one(p.fma_one);
     if constexpr (!kQInKernel) {  // q_in_kernel: the row scales come with its Q fragments below
       const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
       sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);

@@ -42,8 +42,6 @@ struct FwdOptions {
                                     // accumulator into fp32 as soon as its PV retired
   bool fused_rescale = false;       // (fp32_pv_tiles, plain loop) O = alpha O + tile in one FFMA per value
                                     // after the PV instead of O *= alpha before it and O += tile after
-  bool fma_convert = false;         // (lean only, no fp16_exp2) the scores' int32 -> biased-float add as an
-                                    // IMAD on the FMA pipe (FwdParams::fma_one) instead of an ALU add
 
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
@@ -54,7 +52,7 @@ struct FwdOptions {
            (q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0) | (epilogue_staged ? 1 << (kFlagsHighShift + 5) : 0) |
            (three_consumers ? 1 << (kFlagsHighShift + 6) : 0) | (late_pv_wait ? 1 << (kFlagsHighShift + 7) : 0) |
            (tc_row_sum ? 1 << (kFlagsHighShift + 8) : 0) | (tile_sums ? 1 << (kFlagsHighShift + 9) : 0) |
-           (fused_rescale ? 1 << (kFlagsHighShift + 10) : 0) | (fma_convert ? 1 << (kFlagsHighShift + 11) : 0);
+           (fused_rescale ? 1 << (kFlagsHighShift + 10) : 0);
   }
   static constexpr int kFlagsIntShift = 7;  // smem_o_every (<= 16: 5 bits) sits above the first bools
   static constexpr int kFlagsHighShift = 12;  // bools added later sit above it (flags stay stable)
@@ -81,7 +79,6 @@ struct FwdOptions {
     o.tc_row_sum = ((flags >> (kFlagsHighShift + 8)) & 1) != 0;
     o.tile_sums = ((flags >> (kFlagsHighShift + 9)) & 1) != 0;
     o.fused_rescale = ((flags >> (kFlagsHighShift + 10)) & 1) != 0;
-    o.fma_convert = ((flags >> (kFlagsHighShift + 11)) & 1) != 0;
     o.exp2_poly_every = exp2_poly_every;
     return o;
   }
@@ -106,9 +103,7 @@ struct FwdOptions {
            (!tile_sums || (tc_row_sum && !fp32_pv_tiles)) &&
            // fused_rescale: O and the tile are separate registers only with fp32_pv_tiles, and the
            // FFMA needs the alpha of the tile just retired, which only the plain loop has at hand
-           (!fused_rescale || (fp32_pv_tiles && !overlap_softmax_pv && !pingpong)) &&
-           // fma_convert: the add it moves is lean_scores' (fp16_exp2 converts in its own step)
-           (!fma_convert || (lean_softmax && !fp16_exp2));
+           (!fused_rescale || (fp32_pv_tiles && !overlap_softmax_pv && !pingpong));
   }
   // tc_row_sum: the columns of ones appended to V^T in smem (one 8-row swizzle atom; TileConfig kSumCols).
   constexpr int sum_cols() const { return tc_row_sum ? 8 : 0; }
@@ -246,10 +241,6 @@ struct FwdParams {
   // phase_clock variants: (CTAs, kPhaseSlots, kPhaseWords) timestamps, CTA = blockIdx.x +
   // gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); nullptr: nothing recorded
   unsigned long long* phase_clock;
-  // fma_convert variants: always 1. The multiplier of the IMAD s * fma_one + 0x4B400000 that turns
-  // each int32 score into its biased float; a kernel parameter, so ptxas cannot fold the multiply
-  // back into an integer add (which runs on the ALU pipe, like the row max's FMNMX).
-  int fma_one = 1;
 };
 
 // Pre-pass variants (benchmarks: set_prepass_mode), a bit set; same output bits in every mode.

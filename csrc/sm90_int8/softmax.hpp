@@ -31,9 +31,8 @@ struct TileMask {
 
   // Scores of hidden keys -> -inf (accumulator value v of this thread is key column
   // 8 (v >> 2) + 2 t + (v & 1) of row half (v >> 1) & 1); nothing to do on unmasked tiles.
-  // T = uint32_t: the int32 accumulator before its conversion, hidden keys set to `hidden` there.
-  template <int kN, typename T = float>
-  __device__ __forceinline__ void apply(T (&s)[kN], T hidden = T(-INFINITY)) const {
+  template <int kN>
+  __device__ __forceinline__ void apply(float (&s)[kN]) const {
     if (!active) return;
     const int t = threadIdx.x & 3;
 #pragma unroll
@@ -42,7 +41,7 @@ struct TileMask {
       const int key = key_base + col;
       bool ok = key < kv_len && ((words[col >> 5] >> (col & 31)) & 1u);
       if (causal) ok = ok && key <= row[(v >> 1) & 1];
-      s[v] = ok ? s[v] : hidden;
+      s[v] = ok ? s[v] : -INFINITY;
     }
   }
 };
@@ -72,46 +71,22 @@ struct TileMask {
 // kTcSum_ (option tc_row_sum): the row sums come from the PV wgmma (columns of ones after V^T,
 // tile_config.hpp kSumCols), as the sum of the E4M3 codes of P~ that O is weighted with, rescaled
 // with O; the steps here add no p and l stays 0 (the epilogue reads the sums from the accumulator).
-// kFmaConv_ (option fma_convert, lean only): the lean steps' int32 -> biased float add, s + bias bits,
-// as the IMAD s * fma_one + bias (fma_one = 1 from the kernel parameters: set_fma_one). The IMAD runs
-// on the FMA pipe, which the softmax barely uses, while the add shares the ALU pipe with the row
-// max's FMNMX: each takes 2 issue cycles per warp there, and the 64 adds of a tile otherwise all
-// precede the max (eval/results/int8_sass_cost_sm90.md). The same integer, the same bits.
 template <int kPolyEvery, bool kLean_ = false, bool kHalfExp_ = false, bool kSplit_ = false, bool kSeed_ = false,
-          bool kTcSum_ = false, bool kFmaConv_ = false>
+          bool kTcSum_ = false>
 struct OnlineSoftmax {
   static constexpr bool kLean = kLean_;
   static constexpr bool kHalfExp = kHalfExp_;
   static constexpr bool kSeed = kSeed_;
   static constexpr bool kTcSum = kTcSum_;
-  static constexpr bool kFmaConv = kFmaConv_;
   static_assert(!kTcSum_ || !kHalfExp_, "the fp16 exp2 path sums its pairs itself");
   static constexpr int kChains = kSplit_ ? 4 : 1;
   static_assert(!kHalfExp_ || kLean_, "the fp16 exp2 path is a variant of the lean softmax");
   static_assert(!kSeed_ || kLean_, "seeded reductions are a variant of the lean softmax");
-  static_assert(!kFmaConv_ || (kLean_ && !kHalfExp_), "the IMAD convert is the lean fp32 steps' (lean_scores)");
   static constexpr int kN = 64;  // accumulator values per thread
   float m[2];       // running max of s (log2 domain), -inf before any unmasked key
   float l[2];       // this thread's partial row sums of unquantized p (quad-reduced at the end); with kTcSum
                     // unused, or the whole-row fp32 sums of the ones columns (kernel_fwd.cuh tile_sums)
   float rowf[2];    // sq_i * scale * log2(e) of each half
-  uint32_t fma_one;  // kFmaConv_: 1, from the kernel parameters (FwdParams::fma_one); unused otherwise
-
-  // The int32 score whose biased_score is -inf (0xFF800000, the bits of -inf, minus the bias bits).
-  static constexpr uint32_t kHiddenInt = 0xFF800000u - 0x4B400000u;
-  // kFmaConv_: the run-time 1 of the convert's IMAD (before the first step).
-  __device__ __forceinline__ void set_fma_one(int one) { fma_one = static_cast<uint32_t>(one); }
-
-  // The bits of the float 1.5 * 2^23 + s for an int32 score s (|s| < 2^22): the integer s + 0x4B400000,
-  // on the ALU pipe, or with kFmaConv_ as s * fma_one + 0x4B400000 on the FMA pipe (uint32: wraps as
-  // the signed sum would not overflow anyway).
-  __device__ __forceinline__ float biased_score(uint32_t s) const {
-    if constexpr (kFmaConv_) {
-      return __uint_as_float(s * fma_one + 0x4B400000u);
-    } else {
-      return __int_as_float(static_cast<int>(s) + 0x4B400000);
-    }
-  }
 
   __device__ __forceinline__ void init(float rowf0, float rowf1) {
     m[0] = m[1] = -INFINITY;
@@ -282,27 +257,12 @@ struct OnlineSoftmax {
   __device__ __forceinline__ void lean_scores(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
                                               float log2_gain, float (&s)[kN], LeanRow& r, float (&alpha)[2]) {
     constexpr float kBias = 12582912.f;  // 1.5 * 2^23
+#pragma unroll
+    for (int v = 0; v < kN; ++v) s[v] = __int_as_float(static_cast<int>(s_int[v]) + 0x4B400000);
+    mk.apply(s);
     float mx[2];
-    if constexpr (kFmaConv_) {
-      // The mask goes onto the int32 scores, before the convert (a hidden key's integer is the one
-      // whose biased float is -inf: 0xFF800000 - bias bits), so the converts (FMA pipe) and the row
-      // max (ALU pipe) share one basic block after the mask's branch and ptxas can interleave them;
-      // with the branch between them, all converts come first. The same floats as below.
-      uint32_t si[kN];
-#pragma unroll
-      for (int v = 0; v < kN; ++v) si[v] = s_int[v];
-      mk.apply(si, kHiddenInt);
-#pragma unroll
-      for (int v = 0; v < kN; ++v) s[v] = biased_score(si[v]);
-      row_scale(sk_tile, r.c);
-      tile_row_max(s, mx);
-    } else {
-#pragma unroll
-      for (int v = 0; v < kN; ++v) s[v] = biased_score(s_int[v]);
-      mk.apply(s);
-      row_scale(sk_tile, r.c);
-      tile_row_max(s, mx);
-    }
+    row_scale(sk_tile, r.c);
+    tile_row_max(s, mx);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float tmax = quad_max(mx[h]);  // biased, or -inf: no visible key in this row's tile
