@@ -30,7 +30,7 @@ _HIGH_SHIFT = 12
 # name -> bit above _HIGH_SHIFT (FwdOptions::flags() in launch.h spells the same positions)
 _HIGH_BITS = {"seed_reductions": 0, "persistent": 1, "phase_clock": 2, "epilogue_summary": 3, "q_in_kernel": 4,
               "epilogue_staged": 5, "three_consumers": 6, "late_pv_wait": 7, "tc_row_sum": 8, "tile_sums": 9,
-              "fused_rescale": 10}
+              "fused_rescale": 10, "seeded_scores": 12}
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class FwdOptions:
     tc_row_sum: bool = False          # bit 1 << 20 (kFlagsHighShift + 8), row sums on the tensor cores; no fp16_exp2
     tile_sums: bool = False           # bit 1 << 21 (kFlagsHighShift + 9), tc_row_sum's sums into fp32 per tile
     fused_rescale: bool = False       # bit 1 << 22 (kFlagsHighShift + 10), O = alpha O + tile (fp32_pv_tiles, plain loop)
+    seeded_scores: bool = False       # bit 1 << 24 (kFlagsHighShift + 12), S accumulated onto the bias bits (no fp16_exp2)
 
     def __post_init__(self):
         if (self.fp16_exp2 or self.split_reductions or self.seed_reductions) and not self.lean_softmax:
@@ -79,6 +80,8 @@ class FwdOptions:
         if self.fused_rescale and not (self.fp32_pv_tiles and not self.overlap_softmax_pv and not self.pingpong):
             raise ValueError(f"{self}: fused_rescale folds O's rescale into fp32_pv_tiles' O += tile, in the plain "
                              "loop (no overlap_softmax_pv, no pingpong)")
+        if self.seeded_scores and self.fp16_exp2:
+            raise ValueError(f"{self}: seeded_scores feeds the fp32 steps; fp16_exp2 converts its scores itself")
         if self.three_consumers and (self.pingpong or self.phase_clock):
             raise ValueError(f"{self}: three_consumers has no ping-pong schedule or phase record (two warpgroups)")
 
@@ -113,7 +116,7 @@ class FwdOptions:
 _HIGH_SHORT = {"seed_reductions": "seed", "persistent": "persist", "epilogue_summary": "esum", "phase_clock": "clock",
                "q_in_kernel": "qk", "epilogue_staged": "stage", "three_consumers": "wg3", "late_pv_wait": "latewait",
                "tc_row_sum": "tcsum", "tile_sums": "tilesum",
-               "fused_rescale": "fusedrescale"}
+               "fused_rescale": "fusedrescale", "seeded_scores": "seeded"}
 
 HEAD_DIMS = (64, 128)
 DTYPES = {"fp16": "DType::kF16", "bf16": "DType::kBF16"}
@@ -219,17 +222,20 @@ _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every
 # scores' int32 -> biased-float adds as IMADs with a kernel-parameter 1 on the FMA pipe, interleaved
 # with the row max: bit-identical, 827 -> 764 static stall cycles per warp in hd128's softmax step,
 # yet the attention kernel 1.008x / 1.036x slower at hd128 (4608 / 16384 keys) and 1.034x at 1x48x17776x64.
+# seeded_scores (both head dims' defaults with it; same bits): S accumulated onto the bits of
+# 1.5 * 2^23, which the kernel writes into S's registers before the waits ahead of each QK issue,
+# instead of 64 VIADDs at the head of every tile's softmax (~13 % of hd128's stall samples).
 _BENCH_CHANGES = {
     128: (*_BENCH_COMMON,
           {**_HD128_WG3_LOOP, "three_consumers": True},
           {**_HD128_WG3_LOOP, "epilogue_summary": False, "epilogue_staged": False},
-          {"late_pv_wait": True}, {"tc_row_sum": False}, {"tile_sums": True}),
+          {"late_pv_wait": True}, {"tc_row_sum": False}, {"tile_sums": True}, {"seeded_scores": True}),
     64: (*_BENCH_COMMON,
          {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True, "fused_rescale": False},
          {"three_consumers": False, "epilogue_summary": False, "epilogue_staged": False},
          {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True, "late_pv_wait": True,
           "fused_rescale": False},
-         {"tc_row_sum": False}, {"fused_rescale": False}),
+         {"tc_row_sum": False}, {"fused_rescale": False}, {"seeded_scores": True}),
 }
 _UNCORRECTED = {128: _HD128, 64: _HD64}
 # Options refused together at one head dim (fwd_kernel static_asserts the same): at hd128 the

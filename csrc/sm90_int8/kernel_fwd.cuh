@@ -118,6 +118,13 @@ namespace sage_sm90 {
 //                        (lean: where a row max of the warp moved) before the PV issue and O += tile
 //                        after it: no rescale between the softmax and the PV. Rounded once where
 //                        alpha != 1 (not the same bits there); fma(O, 1, tile) = O + tile elsewhere.
+//   seeded_scores      : (no fp16_exp2) S's registers are set to the bits of 1.5 * 2^23 before each QK
+//                        wgmma, which then accumulates onto them, so every score comes out as its
+//                        biased float and the softmax adds nothing (softmax.hpp biased_score): 64
+//                        register moves per tile, placed before the waits for the K tile and the
+//                        ping-pong turn, instead of 64 adds at the head of the softmax (eval/results/
+//                        int8_fma_convert_h200.md: the adds take ~13 % of hd128's stall samples). Same
+//                        integers: same results bit for bit.
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 168 registers, ptxas's cap for 384). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
@@ -366,7 +373,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     int row[2];
     fragment_rows(wg_row0, tid, lane, row);
 
-    using Softmax = OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce, kOpt.seed_reductions, kOpt.tc_row_sum>;
+    using Softmax = OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce, kOpt.seed_reductions, kOpt.tc_row_sum,
+                                  kOpt.seeded_scores>;
     Softmax sm;
     if constexpr (!kQInKernel) {  // q_in_kernel: the row scales come with its Q fragments below
       const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
@@ -531,9 +539,17 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     };
     auto qk_issue = [&](int stage) {
       if constexpr (kQRegs) {
-        ops.qk_issue_rs(stage, q_frag, s_acc);
+        ops.qk_issue_rs(stage, q_frag, s_acc, Softmax::kSeeded);
       } else {
-        ops.qk_issue(stage, s_acc);
+        ops.qk_issue(stage, s_acc, Softmax::kSeeded);
+      }
+    };
+    // seeded_scores: S's registers = the bias bits, before the waits that precede the next QK issue
+    // (S is dead from the softmax's pack to that issue).
+    auto seed_scores = [&] {
+      if constexpr (Softmax::kSeeded) {
+#pragma unroll
+        for (int i = 0; i < C::kSRegs; ++i) s_acc[i] = Softmax::kScoreBiasBits;
       }
     };
     if constexpr (!kPipelined) {
@@ -542,6 +558,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
         const int s = stage_of(t);
         const float sk_t = __ldg(sk + t);
         const TileMask mk = tile_mask(t);
+        seed_scores();
         Barrier::wait(&sp.full[s], parity_of(t));
         qk_issue(s);
         cute::warpgroup_wait<0>();
@@ -588,6 +605,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       {
         const float sk_t = __ldg(sk);
         const TileMask mk = tile_mask(0);
+        seed_scores();
         Barrier::wait(&sp.full[stage_of(0)], parity_of(0));
         turn_begin();
         qk_issue(stage_of(0));
@@ -602,6 +620,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
         const int s = stage_of(t), s_prev = stage_of(t - 1);
         const float sk_t = __ldg(sk + t);
         const TileMask mk = tile_mask(t);
+        seed_scores();
         Barrier::wait(&sp.full[s], parity_of(t));
         turn_begin();
         qk_issue(s);

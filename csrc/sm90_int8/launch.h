@@ -42,6 +42,8 @@ struct FwdOptions {
                                     // accumulator into fp32 as soon as its PV retired
   bool fused_rescale = false;       // (fp32_pv_tiles, plain loop) O = alpha O + tile in one FFMA per value
                                     // after the PV instead of O *= alpha before it and O += tile after
+  bool seeded_scores = false;       // (no fp16_exp2) S's int32 accumulator starts from the bits of 1.5 * 2^23,
+                                    // so each score arrives as its biased float: no convert add per score
 
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
@@ -52,7 +54,7 @@ struct FwdOptions {
            (q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0) | (epilogue_staged ? 1 << (kFlagsHighShift + 5) : 0) |
            (three_consumers ? 1 << (kFlagsHighShift + 6) : 0) | (late_pv_wait ? 1 << (kFlagsHighShift + 7) : 0) |
            (tc_row_sum ? 1 << (kFlagsHighShift + 8) : 0) | (tile_sums ? 1 << (kFlagsHighShift + 9) : 0) |
-           (fused_rescale ? 1 << (kFlagsHighShift + 10) : 0);
+           (fused_rescale ? 1 << (kFlagsHighShift + 10) : 0) | (seeded_scores ? 1 << (kFlagsHighShift + 12) : 0);
   }
   static constexpr int kFlagsIntShift = 7;  // smem_o_every (<= 16: 5 bits) sits above the first bools
   static constexpr int kFlagsHighShift = 12;  // bools added later sit above it (flags stay stable)
@@ -79,6 +81,7 @@ struct FwdOptions {
     o.tc_row_sum = ((flags >> (kFlagsHighShift + 8)) & 1) != 0;
     o.tile_sums = ((flags >> (kFlagsHighShift + 9)) & 1) != 0;
     o.fused_rescale = ((flags >> (kFlagsHighShift + 10)) & 1) != 0;
+    o.seeded_scores = ((flags >> (kFlagsHighShift + 12)) & 1) != 0;
     o.exp2_poly_every = exp2_poly_every;
     return o;
   }
@@ -103,7 +106,9 @@ struct FwdOptions {
            (!tile_sums || (tc_row_sum && !fp32_pv_tiles)) &&
            // fused_rescale: O and the tile are separate registers only with fp32_pv_tiles, and the
            // FFMA needs the alpha of the tile just retired, which only the plain loop has at hand
-           (!fused_rescale || (fp32_pv_tiles && !overlap_softmax_pv && !pingpong));
+           (!fused_rescale || (fp32_pv_tiles && !overlap_softmax_pv && !pingpong)) &&
+           // seeded_scores: fp16_exp2's step converts the scores its own way (softmax.hpp scores_lean_half)
+           (!seeded_scores || !fp16_exp2);
   }
   // tc_row_sum: the columns of ones appended to V^T in smem (one 8-row swizzle atom; TileConfig kSumCols).
   constexpr int sum_cols() const { return tc_row_sum ? 8 : 0; }

@@ -193,13 +193,15 @@ struct WarpgroupOperands {
 
   // S(64 x 128, int32) = Q_wg K_s^T as one committed wgmma group (not waited for). `fence`:
   // issue wgmma.fence first (needed whenever registers the group uses were written since).
-  __device__ __forceinline__ void qk_issue(int stage, uint32_t (&s)[C::kSRegs]) const {
+  // accumulate: the first k-block adds to s as it is (seeded_scores: s holds the bias bits) instead of
+  // overwriting it.
+  __device__ __forceinline__ void qk_issue(int stage, uint32_t (&s)[C::kSRegs], bool accumulate = false) const {
     fence_regs(s);
     cute::warpgroup_arrive();
 #pragma unroll
     for (int kb = 0; kb < D / 32; ++kb) {
       wgmma_ss<typename C::MmaQK>(uint64_t(q(0, 0, kb)), uint64_t(k(0, 0, kb, stage)), s,
-                                  kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+                                  kb == 0 && !accumulate ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
                                   std::make_index_sequence<C::kSRegs>{});
     }
     cute::warpgroup_commit_batch();
@@ -304,13 +306,13 @@ struct WarpgroupOperands {
   // S = Q K_s^T with Q from registers (q_in_registers): saves the 8 KB smem read of Q per tile and
   // warpgroup (a third of the QK operand traffic).
   __device__ __forceinline__ void qk_issue_rs(int stage, const uint32_t (&qf)[D / 8],
-                                              uint32_t (&s)[C::kSRegs]) const {
+                                              uint32_t (&s)[C::kSRegs], bool accumulate = false) const {
     fence_regs(s);
     cute::warpgroup_arrive();
 #pragma unroll
     for (int kb = 0; kb < D / 32; ++kb) {
       wgmma_rs<typename C::MmaQKRS>(&qf[4 * kb], uint64_t(k(0, 0, kb, stage)), s,
-                                    kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+                                    kb == 0 && !accumulate ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
                                     std::make_index_sequence<C::kSRegs>{});
     }
     cute::warpgroup_commit_batch();

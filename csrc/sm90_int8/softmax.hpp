@@ -71,8 +71,12 @@ struct TileMask {
 // kTcSum_ (option tc_row_sum): the row sums come from the PV wgmma (columns of ones after V^T,
 // tile_config.hpp kSumCols), as the sum of the E4M3 codes of P~ that O is weighted with, rescaled
 // with O; the steps here add no p and l stays 0 (the epilogue reads the sums from the accumulator).
+// kSeeded_ (option seeded_scores): S = Q K^T accumulated onto kScoreBiasBits (kernel_fwd.cuh seeds the
+// registers before each QK wgmma), so each int32 value already is the bit pattern of the float
+// 1.5 * 2^23 + s (|s| < 2^22: no carry out of the mantissa, no int32 overflow): the same integers as
+// the convert add gives, without that add (biased_score).
 template <int kPolyEvery, bool kLean_ = false, bool kHalfExp_ = false, bool kSplit_ = false, bool kSeed_ = false,
-          bool kTcSum_ = false>
+          bool kTcSum_ = false, bool kSeeded_ = false>
 struct OnlineSoftmax {
   static constexpr bool kLean = kLean_;
   static constexpr bool kHalfExp = kHalfExp_;
@@ -82,11 +86,24 @@ struct OnlineSoftmax {
   static constexpr int kChains = kSplit_ ? 4 : 1;
   static_assert(!kHalfExp_ || kLean_, "the fp16 exp2 path is a variant of the lean softmax");
   static_assert(!kSeed_ || kLean_, "seeded reductions are a variant of the lean softmax");
+  static_assert(!kSeeded_ || !kHalfExp_, "the fp16 exp2 step converts its scores itself");
+  static constexpr bool kSeeded = kSeeded_;
   static constexpr int kN = 64;  // accumulator values per thread
   float m[2];       // running max of s (log2 domain), -inf before any unmasked key
   float l[2];       // this thread's partial row sums of unquantized p (quad-reduced at the end); with kTcSum
                     // unused, or the whole-row fp32 sums of the ones columns (kernel_fwd.cuh tile_sums)
   float rowf[2];    // sq_i * scale * log2(e) of each half
+
+  // The bits of 1.5 * 2^23: an int32 score s plus these is the float 1.5 * 2^23 + s (|s| < 2^22).
+  static constexpr uint32_t kScoreBiasBits = 0x4B400000u;
+  // The float 1.5 * 2^23 + s of an accumulator value: its own bits with kSeeded_, else after the add.
+  __device__ __forceinline__ static float biased_score(uint32_t acc) {
+    if constexpr (kSeeded_) {
+      return __uint_as_float(acc);
+    } else {
+      return __int_as_float(static_cast<int>(acc) + static_cast<int>(kScoreBiasBits));
+    }
+  }
 
   __device__ __forceinline__ void init(float rowf0, float rowf1) {
     m[0] = m[1] = -INFINITY;
@@ -201,7 +218,7 @@ struct OnlineSoftmax {
     for (int v = 0; v < kN; ++v) {
       // Exact int32 -> fp32 without the conversion unit: |s| <= 127*127*128 < 2^22, so adding
       // the bits of 1.5*2^23 gives the float 1.5*2^23 + s, and one exact FADD removes the bias.
-      s[v] = __int_as_float(static_cast<int>(s_int[v]) + 0x4B400000) - 12582912.f;
+      s[v] = biased_score(s_int[v]) - 12582912.f;
     }
     mk.apply(s);
     // s = int * c, c from row_scale
@@ -258,7 +275,7 @@ struct OnlineSoftmax {
                                               float log2_gain, float (&s)[kN], LeanRow& r, float (&alpha)[2]) {
     constexpr float kBias = 12582912.f;  // 1.5 * 2^23
 #pragma unroll
-    for (int v = 0; v < kN; ++v) s[v] = __int_as_float(static_cast<int>(s_int[v]) + 0x4B400000);
+    for (int v = 0; v < kN; ++v) s[v] = biased_score(s_int[v]);
     mk.apply(s);
     float mx[2];
     row_scale(sk_tile, r.c);
