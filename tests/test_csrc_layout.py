@@ -165,8 +165,9 @@ def test_int8_phase_clock_and_epilogue_summary_flags():
         defaults = gen.DEFAULTS[d]
         assert defaults.epilogue_summary and not defaults.phase_clock  # decided from a GPU run
         # flag and name arithmetic on a two-warpgroup option set (the clock needs two; without
-        # tc_row_sum and fused_rescale, whose name parts come after theirs)
-        esum = replace(defaults, three_consumers=False, epilogue_staged=False, tc_row_sum=False, fused_rescale=False)
+        # tc_row_sum, fused_rescale and seeded_scores, whose name parts come after theirs)
+        esum = replace(defaults, three_consumers=False, epilogue_staged=False, tc_row_sum=False, fused_rescale=False,
+                       seeded_scores=False)
         base = replace(esum, epilogue_summary=False)
         clock = replace(base, phase_clock=True)
         both = replace(base, phase_clock=True, epilogue_summary=True)
@@ -338,7 +339,7 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
     assert wg3_128.smem_o_every == 1 and not wg3_128.fp32_pv_tiles
     partner_128 = replace(wg3_128, three_consumers=False, epilogue_summary=False, epilogue_staged=False)
     assert (128, partner_128) in gen.BENCH_VARIANTS and py.FLAG_NAMES[partner_128.flags] == partner_128.name
-    assert py.FLAG_NAMES[wg3_128.flags] == "lean_split_smemo1_esum_stage_wg3_tcsum"
+    assert py.FLAG_NAMES[wg3_128.flags] == "lean_split_smemo1_esum_stage_wg3_tcsum" + ("_seeded" if wg3_128.seeded_scores else "")
     # the K/V ring depth fits the 227 KB budget: Q 3 x 8 KB, 3 stages x (K 16 KB + V^T 16 KB),
     # barriers, the 1024-byte base slack, O's fp32 sum (192 x 128 x 4 B + 16); 4 stages do not fit
     def smem(stages, wgs, d):
@@ -354,7 +355,7 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
     # (the overlap loop has no fused_rescale)
     two_wg = replace(wg3, three_consumers=False, epilogue_staged=False, overlap_softmax_pv=True, fused_rescale=False)
     # (names without tc_row_sum's and fused_rescale's parts, which come last)
-    last = dict(tc_row_sum=False, fused_rescale=False)
+    last = dict(tc_row_sum=False, fused_rescale=False, seeded_scores=False)
     assert replace(wg3, **last).name == replace(partner, **last).name + "_esum_stage_wg3"
     assert ".three_consumers = true" in wg3.cpp()
     assert wg3.flags == partner.flags | 1 << 15 | 1 << 17 | 1 << 18
@@ -449,9 +450,10 @@ def test_int8_late_pv_wait_flag_validity_and_bench_twins():
     assert not base.late_pv_wait
     for partner in (base,):
         late = replace(partner, late_pv_wait=True)
-        # (tc_row_sum's name part comes last)
+        # (tc_row_sum's and seeded_scores' name parts come last)
         assert late.flags == partner.flags | 1 << 19
-        assert late.name == replace(partner, tc_row_sum=False).name + "_latewait_tcsum"
+        last = dict(tc_row_sum=False, seeded_scores=False)
+        assert replace(late, seeded_scores=False).name == replace(partner, **last).name + "_latewait_tcsum"
         for o in (partner, late):
             assert (128, o) in gen.BENCH_VARIANTS
             assert py.FLAG_NAMES[o.flags] == o.name
@@ -482,9 +484,10 @@ def test_int8_tc_row_sum_flag_validity_and_bench_variants():
     for d in (64, 128):
         base = replace(gen.DEFAULTS[d], tc_row_sum=False)
         tc = replace(base, tc_row_sum=True)
-        # (fused_rescale's name part, hd64's, comes after tcsum)
+        # (fused_rescale's name part, hd64's, and seeded_scores', hd128's, come after tcsum)
         assert tc.flags == base.flags | 1 << 20
-        assert replace(tc, fused_rescale=False).name == replace(base, fused_rescale=False).name + "_tcsum"
+        last = dict(fused_rescale=False, seeded_scores=False)
+        assert replace(tc, **last).name == replace(base, **last).name + "_tcsum"
         for o in (base, tc):  # each head dim's defaults with and without it, side by side
             assert (d, o) in gen.BENCH_VARIANTS and py.FLAG_NAMES[o.flags] == o.name
 
@@ -540,7 +543,8 @@ def test_int8_tile_sums_flag_validity_and_bench_variant():
     base = gen.DEFAULTS[128]
     assert base.tc_row_sum and not base.tile_sums and not base.fp32_pv_tiles
     tiles = replace(base, tile_sums=True)
-    assert tiles.flags == base.flags | 1 << 21 and tiles.name == base.name + "_tilesum"
+    assert tiles.flags == base.flags | 1 << 21
+    assert replace(tiles, seeded_scores=False).name == replace(base, seeded_scores=False).name + "_tilesum"
     assert (128, tiles) in gen.BENCH_VARIANTS and py.FLAG_NAMES[tiles.flags] == tiles.name
     assert not any(o.tile_sums for _, _, _, _, o in gen.variants())  # benchmark-only: no default has it
 
@@ -576,3 +580,26 @@ def test_int8_fused_rescale_flag_validity_and_bench_variant():
     # every hd64 unit of the regular build has it, no hd128 one (smem_o_every: O stays in the tensor core)
     assert {d for d, _, _, _, o in gen.variants() if o.fused_rescale} == {64}
     assert all(o.fused_rescale for d, _, _, _, o in gen.variants() if d == 64)
+
+
+def test_int8_seeded_scores_flag_validity_and_default():
+    """`seeded_scores` is flag bit 1 << 24 (kFlagsHighShift + 12) on both sides, named "seeded", refused
+    with fp16_exp2, hd128's default (decided on the H200: int8_seeded_scores_h200.md) with the same
+    options without it in the benchmark build (its bit-identity partner), and not built at hd64."""
+    from dataclasses import replace
+
+    gen = _generator()
+    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
+    kernel = (CSRC / "sm90_int8" / "kernel_fwd.cuh").read_text()
+    _assert_high_flag(gen, launch, "seeded_scores", 12, "seeded")
+    assert "(!seeded_scores || !fp16_exp2)" in launch
+    assert "ops.qk_issue_rs(stage, q_frag, s_acc, Softmax::kSeeded);" in kernel
+    with pytest.raises(ValueError, match="seeded_scores"):
+        gen.FwdOptions(lean_softmax=True, fp16_exp2=True, seeded_scores=True)
+    seeded = gen.DEFAULTS[128]
+    assert seeded.seeded_scores and not gen.DEFAULTS[64].seeded_scores
+    base = replace(seeded, seeded_scores=False)
+    assert seeded.flags == base.flags | 1 << 24 and seeded.name == base.name + "_seeded"
+    assert (128, base) in gen.BENCH_VARIANTS
+    assert not any(o.seeded_scores for d, o in gen.BENCH_VARIANTS if d == 64)
+    assert all(o.seeded_scores for d, _, _, _, o in gen.variants() if d == 128)

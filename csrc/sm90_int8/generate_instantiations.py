@@ -152,7 +152,8 @@ _HD64 = FwdOptions(lean_softmax=True, overlap_softmax_pv=True, q_in_registers=Tr
 #   loop more than the tcsum loop: side by side on the H200 (int8_tcsum_h200.md, run of 5369e27)
 #   the hd128 kernel with it 0.370 -> 0.360 ms at 1x24x4608x128, 4.243 -> 4.035 at 1x24x16384x128.
 DEFAULTS = {
-    128: replace(_HD128, smem_o_every=4, epilogue_summary=True, epilogue_staged=True, tc_row_sum=True),
+    128: replace(_HD128, smem_o_every=4, epilogue_summary=True, epilogue_staged=True, tc_row_sum=True,
+                 seeded_scores=True),
     64: replace(_HD64, overlap_softmax_pv=False, fp32_pv_tiles=True, exp2_poly_every=0, epilogue_summary=True,
                 epilogue_staged=True, three_consumers=True, tc_row_sum=True, fused_rescale=True),
 }
@@ -222,14 +223,20 @@ _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every
 # scores' int32 -> biased-float adds as IMADs with a kernel-parameter 1 on the FMA pipe, interleaved
 # with the row max: bit-identical, 827 -> 764 static stall cycles per warp in hd128's softmax step,
 # yet the attention kernel 1.008x / 1.036x slower at hd128 (4608 / 16384 keys) and 1.034x at 1x48x17776x64.
-# seeded_scores (both head dims' defaults with it; same bits): S accumulated onto the bits of
-# 1.5 * 2^23, which the kernel writes into S's registers before the waits ahead of each QK issue,
-# instead of 64 VIADDs at the head of every tile's softmax (~13 % of hd128's stall samples).
+# seeded_scores (same bits): S accumulated onto the bits of 1.5 * 2^23, written into S's registers
+# before each QK issue, instead of 64 VIADDs at the head of every tile's softmax (~13 % of hd128's
+# stall samples). hd128's defaults have it, decided on the H200 side by side with the previous
+# defaults (the benchmark build's {"seeded_scores": False}): attention kernel 0.359 -> 0.357 ms at
+# 1x24x4608x128, 4.029 -> 3.990 at 1x24x16384x128 (eval/results/int8_seeded_scores_h200.md), though
+# ptxas places the 64 register moves after the ping-pong turn's barrier, just before the wgmma
+# issue. Loading S's registers from a 16-byte smem slot instead (16 volatile ld.shared.v4 before the
+# waits, 391 instructions per tile against 430) was slower: 0.373 / 4.214 ms. At hd64 (the plain
+# loop pays the moves in series) slower too: 1x48x17776x64 6.327 -> 6.501 ms; not built there.
 _BENCH_CHANGES = {
     128: (*_BENCH_COMMON,
           {**_HD128_WG3_LOOP, "three_consumers": True},
           {**_HD128_WG3_LOOP, "epilogue_summary": False, "epilogue_staged": False},
-          {"late_pv_wait": True}, {"tc_row_sum": False}, {"tile_sums": True}, {"seeded_scores": True}),
+          {"late_pv_wait": True}, {"tc_row_sum": False}, {"tile_sums": True}, {"seeded_scores": False}),
     64: (*_BENCH_COMMON,
          {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True, "fused_rescale": False},
          {"three_consumers": False, "epilogue_summary": False, "epilogue_staged": False},

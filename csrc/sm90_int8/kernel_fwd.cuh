@@ -121,10 +121,10 @@ namespace sage_sm90 {
 //   seeded_scores      : (no fp16_exp2) S's registers are set to the bits of 1.5 * 2^23 before each QK
 //                        wgmma, which then accumulates onto them, so every score comes out as its
 //                        biased float and the softmax adds nothing (softmax.hpp biased_score): 64
-//                        register moves per tile, placed before the waits for the K tile and the
-//                        ping-pong turn, instead of 64 adds at the head of the softmax (eval/results/
-//                        int8_fma_convert_h200.md: the adds take ~13 % of hd128's stall samples). Same
-//                        integers: same results bit for bit.
+//                        register moves per tile (ptxas puts them just before the wgmma issue) instead
+//                        of 64 adds at the head of the softmax (eval/results/int8_fma_convert_h200.md:
+//                        the adds take ~13 % of hd128's stall samples). Same integers: same results
+//                        bit for bit. hd128's default (eval/results/int8_seeded_scores_h200.md).
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 168 registers, ptxas's cap for 384). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
@@ -140,31 +140,13 @@ template <FwdOptions kOpt>
 using FwdRegisterSplit = std::conditional_t<kOpt.consumer_warpgroups() == 3, sage_common::sm90::RegisterSplit<32, 160, 3>,
                                             sage_common::sm90::RegisterSplit<40, 232>>;
 
-// The region after the barriers: smem_o_every's fp32 O sum or the staged epilogue's tile (each with
-// its 16-byte alignment pad, kSmemOSumAlign), or nothing.
-template <int D, FwdOptions kOpt>
-constexpr int fwd_after_barriers_bytes() {
-  constexpr int kWGs = kOpt.consumer_warpgroups();
-  return kOpt.smem_o_every > 0 ? kSmemOSumBytes<D, kWGs, kOpt.sum_cols()>
-                               : kOpt.epilogue_staged ? StagedOut<D, kWGs>::kBytes : 0;
-}
-// seeded_scores: 16 bytes (4 x the bias bits) after that region, which S's registers are loaded
-// from before each QK wgmma. They start where the region's content ends (smem_o_sum + its bytes
-// without the pad: 16-byte aligned); 16 more bytes of allocation cover them, as the 1024-byte base
-// slack of TileConfig::kSmemBytes (at most 1008 of it used) covers the rest.
-constexpr int kSeedSlotBytes = 16;
-template <int D, FwdOptions kOpt>
-constexpr int fwd_seed_slot_offset() {  // bytes after smem_o_sum(sp)
-  constexpr int after = fwd_after_barriers_bytes<D, kOpt>();
-  return after > kSmemOSumAlign ? after - kSmemOSumAlign : 0;
-}
-
 template <int D, FwdOptions kOpt>
 constexpr int fwd_smem_bytes() {
   // epilogue_staged: its tile takes the O sum's place (StagedOut, epilogue.hpp), or adds it
   constexpr int kWGs = kOpt.consumer_warpgroups();
-  constexpr int bytes = TileConfig<D, kWGs, kOpt.sum_cols()>::kSmemBytes + fwd_after_barriers_bytes<D, kOpt>() +
-                        (kOpt.seeded_scores ? kSeedSlotBytes : 0);
+  constexpr int bytes = TileConfig<D, kWGs, kOpt.sum_cols()>::kSmemBytes + (kOpt.smem_o_every > 0 ? kSmemOSumBytes<D, kWGs, kOpt.sum_cols()>
+                                                           : kOpt.epilogue_staged ? StagedOut<D, kWGs>::kBytes
+                                                                                  : 0);
   static_assert(bytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
   return bytes;
 }
@@ -333,15 +315,6 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   }
 
   fill_sum_rows(sp);  // tc_row_sum only; ordered before any wgmma by init_barriers' __syncthreads
-  // seeded_scores: the bias bits S's registers are loaded from (ordered by the same __syncthreads)
-  const uint32_t seed_slot =
-      kOpt.seeded_scores ? sage_common::smem_addr(smem_o_sum<D>(sp)) + fwd_seed_slot_offset<D, kOpt>() : 0u;
-  if constexpr (kOpt.seeded_scores) {
-    if (threadIdx.x == 0) {
-      const uint32_t b = 0x4B400000u;  // OnlineSoftmax::kScoreBiasBits
-      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(seed_slot), "r"(b) : "memory");
-    }
-  }
   init_barriers<D, kPersistent>(sp);
   clock.mark(ConsumerPhase::kReady);  // = ProducerPhase::kReady on the producer lane
 
@@ -572,20 +545,11 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       }
     };
     // seeded_scores: S's registers = the bias bits, before the waits that precede the next QK issue
-    // (S is dead from the softmax's pack to that issue). Loaded from the smem slot, 4 registers per
-    // ld.shared (all threads read the same 16 bytes: one broadcast wavefront each): register moves
-    // of a constant are rematerialised by ptxas just before their use, past the ping-pong turn's
-    // barrier, onto the path from the turn to the wgmma issue; shared loads do not cross it
-    // (volatile: ptxas would merge loads of one address into one and copy registers again).
+    // (S is dead from the softmax's pack to that issue).
     auto seed_scores = [&] {
       if constexpr (Softmax::kSeeded) {
-        static_assert(Softmax::kScoreBiasBits == 0x4B400000u && C::kSRegs % 4 == 0, "the slot's words");
 #pragma unroll
-        for (int j = 0; j < C::kSRegs / 4; ++j) {
-          asm volatile("ld.volatile.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                       : "=r"(s_acc[4 * j]), "=r"(s_acc[4 * j + 1]), "=r"(s_acc[4 * j + 2]), "=r"(s_acc[4 * j + 3])
-                       : "r"(seed_slot));
-        }
+        for (int i = 0; i < C::kSRegs; ++i) s_acc[i] = Softmax::kScoreBiasBits;
       }
     };
     if constexpr (!kPipelined) {
