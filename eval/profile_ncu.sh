@@ -3,6 +3,9 @@
 #   bash eval/profile_ncu.sh MODE SHAPE... > log      e.g. int8 1x24x16384x128 1x48x17776x64
 # Prints, per kernel: duration, SM clock, per-pipe utilisation (tensor/gmma, FMA, ALU, XU = MUFU and
 # conversions), issue activity and warp-stall ratios. Clocks are left alone (--clock-control none).
+# SOURCE=DIR (one shape): instead, the attention kernel's per-SASS-instruction warp-stall samples
+# (SourceCounters) into DIR/src_SHAPE.csv, summarised by eval/ncu_source_summary.py (which also runs
+# on the CSV anywhere else, no GPU needed).
 set -uo pipefail
 MODE="$1"; shift
 PY="${PYTHON:-python3}"
@@ -15,6 +18,15 @@ case "$MODE" in
   int8) "$PY" -c "from sage_diffusers.kernels import int8_sm90; int8_sm90.build()" || exit 1 ;;
   fp4) "$PY" -c "from sage_diffusers.kernels import fp4; fp4.build()" || exit 1 ;;
 esac
+if [ -n "${SOURCE:-}" ]; then
+  mkdir -p "$SOURCE"
+  tag=$(echo "$*" | tr ' ' '_')
+  "$NCU" --clock-control none --profile-from-start off --section SourceCounters --section WarpStateStats \
+    -k regex:fwd_kernel -c 1 -f -o "$SOURCE/src_$tag" "${RUN[@]}" 2>&1 | grep -v "^==PROF=="
+  "$NCU" -i "$SOURCE/src_$tag.ncu-rep" --page source --csv --print-source sass > "$SOURCE/src_$tag.csv" || exit 1
+  "$PY" eval/ncu_source_summary.py "$SOURCE/src_$tag.csv"
+  exit $?
+fi
 if [ "${SECTIONS:-1}" = 1 ]; then
 echo "== sections ($MODE $*)"
 "$NCU" "${common[@]}" --section SpeedOfLight --section LaunchStats --section Occupancy \
