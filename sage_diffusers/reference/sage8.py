@@ -27,6 +27,7 @@ def sage8_quantize(
     """The kernel's pre-pass: smooth K, quantize Q, K, V.
 
     q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D), any float dtype; key_mask bool (B, Skv) or None.
+    block_kv: keys per K scale block.
     K is smoothed by its mean over attended keys, ``where(key_mask, k - k_mean, 0)``; V is
     ``where(key_mask, v, 0)`` with non-finite entries quantized as 0. Returns a dict with
     q8 int8 (B, Hq, Sq, D), sq float32 (B, Hq, Sq), k8 int8 (B, Hkv, Skv, D),
@@ -53,6 +54,7 @@ def sage8_reference(
     return_lse: bool = False,
     block_kv: int = BLOCK_KV,
     row_sum: str = "p",
+    k_block: Optional[int] = None,
 ):
     """8-bit SageAttention, computed the way the kernel computes it.
 
@@ -62,6 +64,9 @@ def sage8_reference(
     key_mask : bool (B, Skv), True = attend, or None.
     is_causal : top-left aligned (query i sees keys j <= i), as torch SDPA.
     scale : softmax scale, default 1/sqrt(D).
+    block_kv : keys per online-softmax tile (the kernel's key tile).
+    k_block : keys per K scale block, a divisor of block_kv; default block_kv (one scale per tile, as
+        the shipped kernels). Smaller blocks (e.g. 64 in 192-key tiles) give each tile several K scales.
     row_sum : what the softmax denominator l sums. "p": the unquantized p (the kernel's fp32 row
         sums); "codes": the E4M3 codes of 448 p that P.V is weighted with, through a column of ones
         appended to V (the kernel's ``tc_row_sum`` option, a PV wgmma over ones rows after V^T), so
@@ -75,10 +80,13 @@ def sage8_reference(
     if row_sum not in ("p", "codes"):
         raise ValueError(f"row_sum: expected 'p' or 'codes', got {row_sum!r}")
     scale = default_scale(scale, d)
-    t = sage8_quantize(q, k, v, block_kv, key_mask)
+    k_block = block_kv if k_block is None else k_block
+    if k_block <= 0 or block_kv % k_block:
+        raise ValueError(f"k_block: expected a positive divisor of block_kv={block_kv}, got {k_block}")
+    t = sage8_quantize(q, k, v, k_block, key_mask)
     q8 = t["q8"].float()  # (B, Hq, Sq, D), exact small integers
     k8 = expand_heads(t["k8"], hq).float()  # (B, Hq, Skv, D)
-    sk = expand_heads(t["sk"], hq)  # (B, Hq, nblocks)
+    sk = expand_heads(t["sk"], hq)  # (B, Hq, ceil(Skv / k_block))
     v8 = expand_heads(t["v8"], hq).float()  # (B, Hq, Skv, D)
     if row_sum == "codes":  # channel D: ones, so acc[..., D] = sum of the codes (x 448)
         v8 = torch.cat((v8, torch.ones_like(v8[..., :1])), dim=-1)  # (B, Hq, Skv, D + 1)
@@ -88,7 +96,11 @@ def sage8_reference(
         # |q8 k8| <= 127 * 127 * D < 2**24 for D <= 1040: float32 sums of these integers are exact,
         # like the kernel's int32 accumulator, on every device (MPS has no float64).
         dots = q8 @ k8[:, :, j0:j1].transpose(-1, -2)  # (B, Hq, Sq, n)
-        return dots * row_scale * sk[:, :, j0 // block_kv, None, None]
+        if k_block == block_kv:  # one K scale for the tile (spelled as before: the same roundings)
+            return dots * row_scale * sk[:, :, j0 // block_kv, None, None]
+        # each key's block scale: c = rowf * sk as one product per (row, block), as the kernel forms it
+        sk_keys = sk[:, :, j0 // k_block:(j1 - 1) // k_block + 1].repeat_interleave(k_block, dim=-1)[..., :j1 - j0]
+        return dots * (row_scale * sk_keys[:, :, None, :])
 
     def pv(j0: int, j1: int, p: torch.Tensor) -> torch.Tensor:
         p8 = e4m3_round(p * E4M3_MAX).float()  # (B, Hq, Sq, n), FP8 codes of 448 * p
