@@ -1,5 +1,50 @@
 """Small helpers shared by the tests (imported as a top-level module: tests/ is on sys.path)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The start of a script run by run_in_bench_build: the repository (argv[1]) and tests/ on sys.path, the
+# kernel generator as `gen` (its DEFAULTS and BENCH_VARIANTS), the benchmark build as `ext`, and a
+# failure count `bad` the script exits with.
+BENCH_BUILD_PREAMBLE = r"""
+import importlib.util
+import math
+import sys
+from dataclasses import replace
+
+import torch
+
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[1] + "/tests")
+from sage_diffusers.kernels import int8_sm90
+from sage_diffusers.reference import cosine, relative_l1, sage8_reference
+
+spec = importlib.util.spec_from_file_location("gen", sys.argv[1] + "/csrc/sm90_int8/generate_instantiations.py")
+gen = importlib.util.module_from_spec(spec)
+sys.modules["gen"] = gen
+spec.loader.exec_module(gen)
+
+ext = int8_sm90.build()
+bad = 0
+"""
+
+
+def run_in_bench_build(body: str, tail: int = 4000) -> str:
+    """Run BENCH_BUILD_PREAMBLE + body in a subprocess with the 8-bit kernel's benchmark build
+    (SAGE_DIFFUSERS_SM90_BENCH=1 is read when int8_sm90 is imported, so it cannot be switched in this
+    process); assert it exits 0, showing the last `tail` characters of its output otherwise. Returns
+    its stdout."""
+    env = {**os.environ, "SAGE_DIFFUSERS_SM90_BENCH": "1"}
+    r = subprocess.run([sys.executable, "-c", BENCH_BUILD_PREAMBLE + body, str(ROOT)], env=env,
+                       capture_output=True, text=True, timeout=3600)
+    print(r.stdout[-tail:])
+    assert r.returncode == 0, r.stdout[-tail:] + r.stderr[-4000:]
+    return r.stdout
 
 
 def snapshot(*tensors):

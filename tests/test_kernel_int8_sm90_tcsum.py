@@ -23,40 +23,17 @@ Skipped without CUDA or on a device the kernel does not support.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from _util import run_in_bench_build
 
 from sage_diffusers.kernels import int8_sm90
 
 _OK, _WHY = int8_sm90.is_available()
-ROOT = Path(__file__).resolve().parents[1]
 
 _SCRIPT = r"""
-import importlib.util
-import math
-import sys
-from dataclasses import replace
-
-import torch
-
-sys.path.insert(0, sys.argv[1])
-sys.path.insert(0, sys.argv[1] + "/tests")
 from _util import int8_code_step_allowance
-from sage_diffusers.kernels import int8_sm90
-from sage_diffusers.reference import cosine, relative_l1, sage8_reference
 
-spec = importlib.util.spec_from_file_location("gen", sys.argv[1] + "/csrc/sm90_int8/generate_instantiations.py")
-gen = importlib.util.module_from_spec(spec)
-sys.modules["gen"] = gen
-spec.loader.exec_module(gen)
-
-ext = int8_sm90.build()
-bad = 0
 
 
 def run(o, q, k, v, m, lse):
@@ -132,8 +109,4 @@ sys.exit(1 if bad else 0)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.skipif(not _OK, reason=f"int8 sm90 kernel unavailable: {_WHY}")
 def test_tc_row_sum_matches_reference_and_ignores_masked_keys():
-    env = {**os.environ, "SAGE_DIFFUSERS_SM90_BENCH": "1"}
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, str(ROOT)], env=env, capture_output=True, text=True,
-                       timeout=3600)
-    print(r.stdout[-6000:])
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-4000:]
+    run_in_bench_build(_SCRIPT, tail=6000)
