@@ -232,11 +232,17 @@ _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every
 # issue. Loading S's registers from a 16-byte smem slot instead (16 volatile ld.shared.v4 before the
 # waits, 391 instructions per tile against 430) was slower: 0.373 / 4.214 ms. At hd64 (the plain
 # loop pays the moves in series) slower too: 1x48x17776x64 6.327 -> 6.501 ms; not built there.
+# hd128's defaults without overlap_softmax_pv (ping-pong alone: S_t and PV_{t-1} issued in one turn, both
+# retired before the softmax, so the P array of the PV in flight is dead when the next one is written):
+# not yet run. It prices the intra-warpgroup overlap, which a longer key tile (192 keys with 64-key K
+# scales, eval/results/int8_long_tile_accuracy_cpu.md) could not keep within 232 registers; the plain
+# loop without either was 1.64x the defaults' kernel time at 1x24x4608x128 (int8_hd128_wg3_h200.md).
 _BENCH_CHANGES = {
     128: (*_BENCH_COMMON,
           {**_HD128_WG3_LOOP, "three_consumers": True},
           {**_HD128_WG3_LOOP, "epilogue_summary": False, "epilogue_staged": False},
-          {"late_pv_wait": True}, {"tc_row_sum": False}, {"tile_sums": True}, {"seeded_scores": False}),
+          {"late_pv_wait": True}, {"tc_row_sum": False}, {"tile_sums": True}, {"seeded_scores": False},
+          {"overlap_softmax_pv": False}),
     64: (*_BENCH_COMMON,
          {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True, "fused_rescale": False},
          {"three_consumers": False, "epilogue_summary": False, "epilogue_staged": False},
