@@ -418,12 +418,16 @@ def test_int8_epilogue_staged_flag_name_and_bench_twins():
     assert all((d, gen.DEFAULTS[d].flags & ~same_bits) in flags for d in (64, 128))
 
 
-def _assert_high_flag(gen, launch: str, name: str, bit: int, short: str):
+def _assert_high_flag(gen, name: str, bit: int, short: str) -> tuple[str, str]:
     """A bool option above FwdOptions::kFlagsHighShift spelled alike on both sides: the generator's
-    bit and name part, launch.h's flags() term and from_flags() line."""
+    bit and name part, launch.h's flags() term and from_flags() line. Returns the texts of launch.h
+    and kernel_fwd.cuh, for the option's own checks."""
+    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
+    kernel = (CSRC / "sm90_int8" / "kernel_fwd.cuh").read_text()
     assert gen._HIGH_BITS[name] == bit and gen._HIGH_SHORT[name] == short
     assert f"({name} ? 1 << (kFlagsHighShift + {bit}) : 0)" in launch
     assert f"o.{name} = ((flags >> (kFlagsHighShift + {bit})) & 1) != 0;" in launch
+    return launch, kernel
 
 
 def test_int8_late_pv_wait_flag_validity_and_bench_twins():
@@ -436,9 +440,7 @@ def test_int8_late_pv_wait_flag_validity_and_bench_twins():
     from sage_diffusers.kernels import _sm90_int8_variants as py
 
     gen = _generator()
-    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
-    kernel = (CSRC / "sm90_int8" / "kernel_fwd.cuh").read_text()
-    _assert_high_flag(gen, launch, "late_pv_wait", 7, "latewait")
+    launch, kernel = _assert_high_flag(gen, "late_pv_wait", 7, "latewait")
     assert "(!late_pv_wait || (overlap_softmax_pv && lean_softmax))" in launch
     assert "constexpr bool kLatePvWait = kOpt.late_pv_wait;" in kernel
     assert "wgmma_wait_all</*kTag=*/0>" in kernel and "wgmma_wait_all</*kTag=*/1>" in kernel
@@ -469,10 +471,8 @@ def test_int8_tc_row_sum_flag_validity_and_bench_variants():
     from sage_diffusers.kernels import _sm90_int8_variants as py
 
     gen = _generator()
-    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
-    kernel = (CSRC / "sm90_int8" / "kernel_fwd.cuh").read_text()
     epilogue = (CSRC / "sm90_int8" / "epilogue.hpp").read_text()
-    _assert_high_flag(gen, launch, "tc_row_sum", 8, "tcsum")
+    launch, kernel = _assert_high_flag(gen, "tc_row_sum", 8, "tcsum")
     assert "(!tc_row_sum || !fp16_exp2)" in launch
     assert "using C = TileConfig<D, kWGs, kSumCols>;" in kernel and "float o[C::kPVRegs];" in kernel
     assert "Softmax::kTcSum ? o[D / 2 + 2 * x] : quad_sum(sm.l[x])" in epilogue
@@ -532,9 +532,7 @@ def test_int8_tile_sums_flag_validity_and_bench_variant():
     from sage_diffusers.kernels import _sm90_int8_variants as py
 
     gen = _generator()
-    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
-    kernel = (CSRC / "sm90_int8" / "kernel_fwd.cuh").read_text()
-    _assert_high_flag(gen, launch, "tile_sums", 9, "tilesum")
+    launch, kernel = _assert_high_flag(gen, "tile_sums", 9, "tilesum")
     assert "(!tile_sums || (tc_row_sum && !fp32_pv_tiles))" in launch
     assert "constexpr bool kSumsToFp32 = kOpt.tile_sums;" in kernel
     for bad in (dict(tile_sums=True), dict(tile_sums=True, tc_row_sum=True, fp32_pv_tiles=True)):
@@ -560,9 +558,7 @@ def test_int8_fused_rescale_flag_validity_and_bench_variant():
     from sage_diffusers.kernels import _sm90_int8_variants as py
 
     gen = _generator()
-    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
-    kernel = (CSRC / "sm90_int8" / "kernel_fwd.cuh").read_text()
-    _assert_high_flag(gen, launch, "fused_rescale", 10, "fusedrescale")
+    launch, kernel = _assert_high_flag(gen, "fused_rescale", 10, "fusedrescale")
     assert "(!fused_rescale || (fp32_pv_tiles && !overlap_softmax_pv && !pingpong))" in launch
     assert "constexpr bool kFusedRescale = kOpt.fused_rescale;" in kernel
     assert "o[i] = fmaf(o[i], alpha[(i >> 1) & 1], o_tile[i]);" in kernel
@@ -589,9 +585,7 @@ def test_int8_seeded_scores_flag_validity_and_default():
     from dataclasses import replace
 
     gen = _generator()
-    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
-    kernel = (CSRC / "sm90_int8" / "kernel_fwd.cuh").read_text()
-    _assert_high_flag(gen, launch, "seeded_scores", 12, "seeded")
+    launch, kernel = _assert_high_flag(gen, "seeded_scores", 12, "seeded")
     assert "(!seeded_scores || !fp16_exp2)" in launch
     assert "ops.qk_issue_rs(stage, q_frag, s_acc, Softmax::kSeeded);" in kernel
     with pytest.raises(ValueError, match="seeded_scores"):
