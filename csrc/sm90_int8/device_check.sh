@@ -6,6 +6,9 @@
 #   bash csrc/sm90_int8/device_check.sh bench-quick  # build + smoke + bench --quick
 #   bash csrc/sm90_int8/device_check.sh variants     # build the flag variants, time them vs cuDNN
 #   bash csrc/sm90_int8/device_check.sh ab NAME...   # those benchmark variants side by side (eval/int8_variant_ab.py)
+#   TESTS="tests/a.py tests/b.py" AB="NAME..." bash csrc/sm90_int8/device_check.sh session
+#       # one call for a short lease: the regular and the benchmark build side by side, then pytest on
+#       # TESTS (default: the 8-bit GPU test files), then the A/B of AB (if set); logs in $OUT
 # Wheels carried in .whl/ (peers, diffusers, nvidia-cutlass) are installed one by one into
 # /tmp/site first (one that does not fit this Python is skipped) and put on PYTHONPATH.
 # CUTLASS/CuTe headers: $CUTLASS_INCLUDE, the nvidia-cutlass package, or a carried copy at
@@ -30,6 +33,33 @@ if [ -z "${CUTLASS_INCLUDE:-}" ] && ! "$PY" -c "import cutlass_library" 2>/dev/n
 fi
 MODE="${1:-tests}"
 if [ "$MODE" = variants ]; then exec timeout 240 "$PY" csrc/sm90_int8/variants_bench.py; fi
+if [ "$MODE" = session ]; then
+  START=$(date +%s)
+  timeout 330 "$PY" -c "from sage_diffusers.kernels import int8_sm90; int8_sm90.build(); print('regular built')" \
+    > "$LOG/build.log" 2>&1 &
+  REG=$!
+  SAGE_DIFFUSERS_SM90_BENCH=1 timeout 330 "$PY" -c "from sage_diffusers.kernels import int8_sm90; int8_sm90.build(); print('bench built')" \
+    > "$LOG/build_bench.log" 2>&1
+  BENCH_BUILD_RC=$?
+  wait $REG; REG_RC=$?
+  echo "builds: regular rc=$REG_RC, bench rc=$BENCH_BUILD_RC in $(( $(date +%s) - START )) s"
+  tail -5 "$LOG/build.log" "$LOG/build_bench.log"
+  [ "$REG_RC" = 0 ] && [ "$BENCH_BUILD_RC" = 0 ] || exit 1
+  PLUGIN=""
+  "$PY" -c "import pytest_timeout" 2>/dev/null && PLUGIN="-p pytest_timeout --timeout=400"
+  timeout 420 "$PY" -m pytest -q $PLUGIN ${TESTS:-tests/test_kernel_int8_sm90*.py} 2>&1 | tee "$LOG/pytest.log" | tail -40
+  TEST_RC=${PIPESTATUS[0]}
+  AB_RC=skipped
+  if [ -n "${AB:-}" ]; then
+    SAGE_DIFFUSERS_SM90_BENCH=1 timeout "${AB_S:-300}" "$PY" eval/int8_variant_ab.py --variants $AB \
+      --out "$LOG/int8_variant_ab.md" 2>&1 | tail -30
+    AB_RC=${PIPESTATUS[0]}
+    cat "$LOG/int8_variant_ab.md" 2>/dev/null
+  fi
+  echo "SUMMARY: session pytest rc=$TEST_RC, ab rc=$AB_RC in $(( $(date +%s) - START )) s"
+  [ "$TEST_RC" = 0 ] && { [ "$AB_RC" = skipped ] || [ "$AB_RC" = 0 ]; }
+  exit $?
+fi
 if [ "$MODE" = ab ]; then
   shift
   exec timeout 300 "$PY" eval/int8_variant_ab.py --variants "$@" --out "$LOG/int8_variant_ab.md"
