@@ -80,8 +80,8 @@ check_sm90_int8() {
   export FLAGS_STR="${FLAGS[*]}"
   # bash arrays do not cross `export`: rebuild FLAGS inside each job from FLAGS_STR
   local pattern='\.cu$'
-  # --quick: the pre-pass, the dispatch table and one forward variant per head dim
-  [ "$QUICK" = 1 ] && pattern='(prepass|dispatch|fwd_hd64_bf16_full_exp2poly8|fwd_hd128_fp16_causal)\.cu$'
+  # --quick: the pre-pass (and its 64-key blocks), the dispatch table and one forward variant per head dim
+  [ "$QUICK" = 1 ] && pattern='(prepass|prepass_long|dispatch|fwd_hd64_bf16_full_exp2poly8|fwd_hd128_fp16_causal)\.cu$'
   find "$K" -name '*.cu' ! -name 'host_layout_check.cu' ! -name 'bench_*.cu' | grep -E "$pattern" | sort |
     xargs -P "$JOBS" -I{} bash -c 'FLAGS=($FLAGS_STR); compile_one "$@"' _ {}
 
@@ -94,7 +94,9 @@ check_sm90_int8() {
     compile_one "$src"
   }
   echo "== sm90_int8: benchmark-build variants (generate_instantiations.BENCH_VARIANTS)"
-  find "$K/instantiations" -name 'bench_*.cu' | sort | if [ "$QUICK" = 1 ]; then head -2; else cat; fi |
+  # (--quick: the first two and one long_tile loop, the 192-key tile's code path)
+  find "$K/instantiations" -name 'bench_*.cu' | sort |
+    if [ "$QUICK" = 1 ]; then awk 'NR <= 2 || (/_long\.cu$/ && !l++)'; else cat; fi |
     xargs -P "$JOBS" -I{} bash -c 'FLAGS=($FLAGS_STR); compile_one "$@"' _ {}
   echo "== sm90_int8: other option sets (the original plain loop; fp16 exp2 pairs)"
   compile_variant hd128_plain 128 'FwdOptions{}'

@@ -47,6 +47,28 @@ def run_in_bench_build(body: str, tail: int = 4000) -> str:
     return r.stdout
 
 
+def int8_variant_cases(d: int, device: str = "cuda"):
+    """The inputs the benchmark-build variant tests run an option on: (b, hq, hkv, s, scale, q, k, v,
+    mask, kg, vg) at awkward lengths (1, 113, 1023, 4097), GQA, inputs scaled by 1e-4 and 1e4, K with a
+    per-channel offset (the smoothing's work), bf16. mask: a random key mask (key 0 always on; with
+    b > 1 the last batch row attends no key: output 0, LSE -inf); kg, vg: K and V with NaN and 1e4 on
+    the masked keys, which no output bit may see."""
+    for b, hq, hkv, s, scale in ((1, 1, 1, 1, 1.0), (1, 2, 2, 113, 1.0), (2, 4, 2, 1023, 1.0),
+                                 (1, 2, 1, 4097, 1.0), (2, 2, 2, 1023, 1e-4), (2, 2, 2, 1023, 1e4)):
+        g = torch.Generator(device=device).manual_seed(s + d)
+        q, k, v = (torch.randn(b, h, s, d, generator=g, device=device) for h in (hq, hkv, hkv))
+        k = k + 4 * torch.randn(1, hkv, 1, d, generator=g, device=device)
+        q, k, v = ((x * scale).bfloat16() for x in (q, k, v))
+        mask = torch.rand(b, s, generator=g, device=device) > 0.3
+        mask[:, 0] = True
+        if b > 1:
+            mask[b - 1] = False
+        kg, vg = k.clone(), v.clone()
+        kg[~mask[:, None, :, None].expand_as(kg)] = float("nan")
+        vg[~mask[:, None, :, None].expand_as(vg)] = 1e4
+        yield b, hq, hkv, s, scale, q, k, v, mask, kg, vg
+
+
 def snapshot(*tensors):
     """Copies of tensors, to prove later that a call left its inputs untouched."""
     return [t.clone() for t in tensors]

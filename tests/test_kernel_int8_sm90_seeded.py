@@ -22,28 +22,15 @@ from sage_diffusers.kernels import int8_sm90
 _OK, _WHY = int8_sm90.is_available()
 
 _SCRIPT = r"""
+from _util import int8_variant_cases
+
 # hd128's defaults (which have the option) against the same options without it (the benchmark build's
 # partner; the benchmark build has no hd64 variant: its plain loop pays the register moves serially)
 for d in (128,):
     fma = gen.DEFAULTS[d]
     base = replace(fma, seeded_scores=False)
     assert fma.seeded_scores and (d, base) in gen.BENCH_VARIANTS, base
-    # (B, Hq, Hkv, S, input scale)
-    for b, hq, hkv, s, scale in ((1, 1, 1, 1, 1.0), (1, 2, 2, 113, 1.0), (2, 4, 2, 1023, 1.0),
-                                 (1, 2, 1, 4097, 1.0), (2, 2, 2, 1023, 1e-4), (2, 2, 2, 1023, 1e4)):
-        g = torch.Generator(device="cuda").manual_seed(s + d)
-        q, k, v = (torch.randn(b, h, s, d, generator=g, device="cuda") for h in (hq, hkv, hkv))
-        k = k + 4 * torch.randn(1, hkv, 1, d, generator=g, device="cuda")
-        q, k, v = ((x * scale).bfloat16() for x in (q, k, v))
-        mask = torch.rand(b, s, generator=g, device="cuda") > 0.3
-        mask[:, 0] = True
-        if b > 1:
-            mask[b - 1] = False  # a batch row with no attended key: output 0, LSE -inf
-        # garbage on the masked keys: no output bit may see it
-        kg, vg = k.clone(), v.clone()
-        hidden = ~mask[:, None, :, None].expand_as(kg)
-        kg[hidden] = float("nan")
-        vg[~mask[:, None, :, None].expand_as(vg)] = 1e4
+    for b, hq, hkv, s, scale, q, k, v, mask, kg, vg in int8_variant_cases(d):
         for m in (None, mask):
             for lse in (False, True):
                 outs = []

@@ -17,8 +17,21 @@ namespace {
 
 using sage_sm90::DType;
 
-constexpr int kBlockKV = 128;
 constexpr int kQTileRows = sage_sm90::kQImageRows;
+
+// The shape of the forward variant run_fwd picks (launch.h fwd_rows_per_cta, fwd_tile_keys,
+// fwd_kv_block), which sizes the pre-pass's outputs: Q images of whole CTAs, K / V^T images and
+// scales in K blocks of kv_block keys covering whole tiles of tile_keys keys.
+struct FwdShape {
+  int rows_per_cta = 2 * kQTileRows;
+  int tile_keys = 128;
+  int kv_block = 128;
+};
+FwdShape fwd_shape(int64_t head_dim, bool causal, int64_t exp_poly_every, bool lse) {
+  const int d = static_cast<int>(head_dim), e = static_cast<int>(exp_poly_every);
+  return {sage_sm90::fwd_rows_per_cta(d, causal, e, lse), sage_sm90::fwd_tile_keys(d, causal, e, lse),
+          sage_sm90::fwd_kv_block(d, causal, e, lse)};
+}
 // v_first (launch.h): +Inf, -Inf, NaN per channel, "no key" = every byte 0x7f (common/nonfinite.h).
 constexpr int kNonFiniteKinds = static_cast<int>(sage_common::NonFinite::kCount);
 constexpr int kNoKeyByte = sage_common::kNoKey & 0xff;
@@ -64,11 +77,11 @@ struct Carver {
 };
 
 // skip_q: the forward variant quantizes Q itself (sage_sm90::fwd_quantizes_q): no Q blocks, no
-// q_img / sq (empty tensors, null pointers), so it cannot want qkm. rows_per_cta: query rows per
-// CTA of the forward variant (sage_sm90::fwd_rows_per_cta): the Q images cover whole CTAs.
+// q_img / sq (empty tensors, null pointers), so it cannot want qkm. shape: the forward variant's
+// (fwd_shape): the Q images cover whole CTAs, the K blocks whole key tiles.
 Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const c10::optional<at::Tensor>& key_mask, double scale, bool want_qkm, bool skip_q = false,
-                 int rows_per_cta = 2 * kQTileRows) {
+                 const FwdShape& shape = {}) {
   TORCH_CHECK(!(skip_q && want_qkm), "internal: the LSE correction needs the pre-pass's Q");
   check_qkv(q, "q", q);
   check_qkv(k, "k", q);
@@ -90,8 +103,9 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
 
   Prepared r;
-  const int64_t n_q_tiles = sage_sm90::fwd_q_tiles(Sq, rows_per_cta);
-  const int64_t n_kv_tiles = (Skv + kBlockKV - 1) / kBlockKV;
+  const int64_t n_q_tiles = sage_sm90::fwd_q_tiles(Sq, shape.rows_per_cta);
+  const int64_t kv_block = shape.kv_block;  // keys per K block (launch.h PrepassParams::kv_block)
+  const int64_t n_kv_tiles = sage_sm90::fwd_kv_blocks(Skv, shape.tile_keys, shape.kv_block);
   // token chunks of the k-mean / v-absmax reduction (common/token_stats.h, shared with FP4)
   const auto [n_split, split_len] = sage_common::stats_split(B * Hkv, Skv);
 
@@ -106,16 +120,16 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const int64_t q_elems = skip_q ? 0 : B * Hq * n_q_tiles * kQTileRows;
     const int64_t o_q = c.take(q_elems * D);
     const int64_t o_sq = c.take(4 * q_elems);
-    const int64_t o_k = c.take(B * Hkv * n_kv_tiles * kBlockKV * D);
+    const int64_t o_k = c.take(B * Hkv * n_kv_tiles * kv_block * D);
     const int64_t o_sk = c.take(4 * B * Hkv * n_kv_tiles);
-    const int64_t o_v = c.take(B * Hkv * n_kv_tiles * D * kBlockKV);
+    const int64_t o_v = c.take(B * Hkv * n_kv_tiles * D * kv_block);
     const int64_t o_sv = c.take(4 * B * Hkv * D);
     const int64_t o_km = c.take(4 * B * Hkv * D);
     const int64_t o_vf = c.take(4 * v_record_ints(B, Hkv, D));
     const int64_t o_part = c.take(4 * B * Hkv * n_split * 2 * D);
     const int64_t o_cnt = c.take(4 * B * Hkv * n_split);
     const int64_t o_int = c.take(4 * (B * Hkv + B));
-    const int64_t o_bits = c.take(key_mask.has_value() ? 4 * B * 4 * n_kv_tiles : 0);
+    const int64_t o_bits = c.take(key_mask.has_value() ? 4 * B * (kv_block / 32) * n_kv_tiles : 0);
     r.ws = at::empty({c.bytes}, q.options().dtype(at::kByte));
     uint8_t* base = r.ws.data_ptr<uint8_t>();
     p.q_img = skip_q ? nullptr : reinterpret_cast<int8_t*>(base + o_q);
@@ -147,9 +161,9 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     r.q_img = skip_q ? at::empty({0}, i8) : at::empty({B, Hq, n_q_tiles, kQTileRows * D}, i8);
     r.sq = skip_q ? at::empty({0}, f32) : at::empty({B, Hq, n_q_tiles * kQTileRows}, f32);
     r.qkm = want_qkm ? at::empty({B, Hq, n_q_tiles * kQTileRows}, f32) : at::empty({0}, f32);
-    r.k_img = at::empty({B, Hkv, n_kv_tiles, kBlockKV * D}, i8);
+    r.k_img = at::empty({B, Hkv, n_kv_tiles, kv_block * D}, i8);
     r.sk = at::empty({B, Hkv, n_kv_tiles}, f32);
-    r.vt_img = at::empty({B, Hkv, n_kv_tiles, D * kBlockKV}, u8);
+    r.vt_img = at::empty({B, Hkv, n_kv_tiles, D * kv_block}, u8);
     r.sv = at::empty({B, Hkv, D}, f32);
     r.kmean = at::empty({B, Hkv, D}, f32);
     const at::Tensor v_record = at::full({v_record_ints(B, Hkv, D)}, kNoKey, i32);
@@ -158,7 +172,7 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     r.partial = at::empty({B * Hkv, n_split, 2, D}, f32);
     r.split_count = at::empty({B * Hkv, n_split}, i32);
     r.ws_int = at::zeros({B * Hkv + B}, i32);  // split counters, then kv_len per batch
-    r.mask_bits = key_mask.has_value() ? at::empty({B, 4 * n_kv_tiles}, i32) : at::empty({0}, i32);
+    r.mask_bits = key_mask.has_value() ? at::empty({B, kv_block / 32 * n_kv_tiles}, i32) : at::empty({0}, i32);
   }
   p.q = q.data_ptr();
   p.k = k.data_ptr();
@@ -177,6 +191,7 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   p.kernel_mode = sage_sm90::prepass_mode() &
                   (sage_sm90::kPrepassBatchLoads | sage_sm90::kPrepassL2Reuse | sage_sm90::kPrepassFastDiv);
   p.skip_q = skip_q ? 1 : 0;
+  p.kv_block = shape.kv_block;
   if (!one_alloc) {
     p.q_img = skip_q ? nullptr : r.q_img.data_ptr<int8_t>();
     p.sq = skip_q ? nullptr : r.sq.data_ptr<float>();
@@ -201,11 +216,16 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return r;
 }
 
-// Pre-pass only, for tests: the quantized images and scales (layouts in launch.h).
+// Pre-pass only, for tests: the quantized images and scales (layouts in launch.h). kv_block: keys
+// per K block, 128 or (benchmark builds: the long_tile variants' pre-pass) 64 in whole 192-key tiles.
 std::vector<at::Tensor> prepass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const c10::optional<at::Tensor>& key_mask, double scale) {
+                                const c10::optional<at::Tensor>& key_mask, double scale, int64_t kv_block) {
   const sage_common::LaunchContext launch(q);  // q's device and its current stream (common/launch_context.h)
-  Prepared r = prepare(q, k, v, key_mask, scale, /*want_qkm=*/true);
+  TORCH_CHECK(kv_block == 128 || kv_block == 64, "kv_block must be 128 or 64, got ", kv_block);
+  FwdShape shape;
+  shape.kv_block = static_cast<int>(kv_block);
+  shape.tile_keys = kv_block == 64 ? 192 : 128;
+  Prepared r = prepare(q, k, v, key_mask, scale, /*want_qkm=*/true, /*skip_q=*/false, shape);
   const int64_t B = q.size(0), Hkv = k.size(1);
   at::Tensor kv_len = r.ws_int.slice(0, B * Hkv, B * Hkv + B);
   return {r.q_img, r.sq, r.qkm, r.k_img, r.sk, r.vt_img, r.sv, r.kmean, kv_len, r.mask_bits, r.v_first, r.v_summary};
@@ -251,9 +271,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
               exp_poly_every, ", return_lse ", return_lse);
   const bool q_in_kernel =
       sage_sm90::fwd_quantizes_q(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), return_lse);
-  const int rows_per_cta =
-      sage_sm90::fwd_rows_per_cta(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), return_lse);
-  Prepared r = prepare(q, k, v, key_mask, scale, return_lse, q_in_kernel, rows_per_cta);
+  Prepared r = prepare(q, k, v, key_mask, scale, return_lse, q_in_kernel, fwd_shape(D, is_causal, exp_poly_every, return_lse));
   at::Tensor out = at::empty_like(q);  // keeps q's memory layout: BSHD callers get BSHD back
   at::Tensor lse = return_lse ? at::empty({B, Hq, Sq}, q.options().dtype(at::kFloat))
                               : at::empty({0}, q.options().dtype(at::kFloat));
@@ -287,9 +305,8 @@ std::vector<double> bench_parts(const at::Tensor& q, const at::Tensor& k, const 
   // the pre-pass the dispatched variant needs: without Q when it quantizes Q itself
   const bool q_in_kernel =
       sage_sm90::fwd_quantizes_q(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), false);
-  const int rows_per_cta =
-      sage_sm90::fwd_rows_per_cta(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), false);
-  Prepared r = prepare(q, k, v, c10::nullopt, scale, /*want_qkm=*/false, q_in_kernel, rows_per_cta);
+  Prepared r = prepare(q, k, v, c10::nullopt, scale, /*want_qkm=*/false, q_in_kernel,
+                       fwd_shape(D, is_causal, exp_poly_every, false));
   at::Tensor out = at::empty_like(q);
   const sage_sm90::FwdParams p = fwd_params(r, q, k, out, scale);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -333,9 +350,9 @@ at::Tensor fwd_phase_clock(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(sage_sm90::has_fwd_variant(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every)),
               "no compiled variant for this call");
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  const int rows_per_cta =
-      sage_sm90::fwd_rows_per_cta(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), false);
-  Prepared r = prepare(q, k, v, c10::nullopt, scale, /*want_qkm=*/false, /*skip_q=*/false, rows_per_cta);
+  const FwdShape shape = fwd_shape(D, is_causal, exp_poly_every, false);
+  const int rows_per_cta = shape.rows_per_cta;
+  Prepared r = prepare(q, k, v, c10::nullopt, scale, /*want_qkm=*/false, /*skip_q=*/false, shape);
   at::Tensor out = at::empty_like(q);
   sage_sm90::FwdParams p = fwd_params(r, q, k, out, scale);
   const int64_t ctas = r.p.n_q_tiles / (rows_per_cta / kQTileRows) * q.size(1) * q.size(0);  // grid.x * Hq * B
@@ -371,7 +388,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("return_lse"), py::arg("exp_poly_every"));
   m.def("prepass", &prepass,
         "quantization pre-pass -> [q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, mask_bits, v_first, v_summary]",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("scale"));
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("scale"), py::arg("kv_block") = 128);
   m.def("has_variant", &has_variant, py::arg("head_dim"), py::arg("causal"), py::arg("exp_poly_every"));
   m.def("bench_parts", &bench_parts,
         "benchmarks: [pre-pass ms, attention-kernel ms] per call, back-to-back launches, no host work",

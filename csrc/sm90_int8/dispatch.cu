@@ -56,6 +56,18 @@ int fwd_rows_per_cta(int head_dim, bool causal, int exp_poly_every, bool lse) {
   return kQImageRows * o.consumer_warpgroups();
 }
 
+int fwd_tile_keys(int head_dim, bool causal, int exp_poly_every, bool lse) {
+  FwdOptions o;
+  find_fwd_variant(head_dim, causal, exp_poly_every, lse, o);
+  return o.tile_keys();
+}
+
+int fwd_kv_block(int head_dim, bool causal, int exp_poly_every, bool lse) {
+  FwdOptions o;
+  find_fwd_variant(head_dim, causal, exp_poly_every, lse, o);
+  return o.kv_block();
+}
+
 cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every,
                     cudaStream_t stream) {
 #define SAGE_SM90_VARIANT(D, DT, CAUSAL, OPT)                                                   \

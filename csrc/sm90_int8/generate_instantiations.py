@@ -30,7 +30,7 @@ _HIGH_SHIFT = 12
 # name -> bit above _HIGH_SHIFT (FwdOptions::flags() in launch.h spells the same positions)
 _HIGH_BITS = {"seed_reductions": 0, "persistent": 1, "phase_clock": 2, "epilogue_summary": 3, "q_in_kernel": 4,
               "epilogue_staged": 5, "three_consumers": 6, "late_pv_wait": 7, "tc_row_sum": 8, "tile_sums": 9,
-              "fused_rescale": 10, "seeded_scores": 12}
+              "fused_rescale": 10, "seeded_scores": 12, "long_tile": 13}
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ class FwdOptions:
     tile_sums: bool = False           # bit 1 << 21 (kFlagsHighShift + 9), tc_row_sum's sums into fp32 per tile
     fused_rescale: bool = False       # bit 1 << 22 (kFlagsHighShift + 10), O = alpha O + tile (fp32_pv_tiles, plain loop)
     seeded_scores: bool = False       # bit 1 << 24 (kFlagsHighShift + 12), S accumulated onto the bias bits (no fp16_exp2)
+    long_tile: bool = False           # bit 1 << 25 (kFlagsHighShift + 13), 192-key tiles of three 64-key K blocks
 
     def __post_init__(self):
         if (self.fp16_exp2 or self.split_reductions or self.seed_reductions) and not self.lean_softmax:
@@ -82,6 +83,10 @@ class FwdOptions:
                              "loop (no overlap_softmax_pv, no pingpong)")
         if self.seeded_scores and self.fp16_exp2:
             raise ValueError(f"{self}: seeded_scores feeds the fp32 steps; fp16_exp2 converts its scores itself")
+        if self.long_tile and not (self.lean_softmax and not self.fp16_exp2 and not self.tc_row_sum
+                                   and not self.three_consumers):
+            raise ValueError(f"{self}: long_tile has per-block K scales in the lean fp32 steps, one V^T copy per "
+                             "tile (no tc_row_sum) and two consumer warpgroups")
         if self.three_consumers and (self.pingpong or self.phase_clock):
             raise ValueError(f"{self}: three_consumers has no ping-pong schedule or phase record (two warpgroups)")
 
@@ -116,7 +121,7 @@ class FwdOptions:
 _HIGH_SHORT = {"seed_reductions": "seed", "persistent": "persist", "epilogue_summary": "esum", "phase_clock": "clock",
                "q_in_kernel": "qk", "epilogue_staged": "stage", "three_consumers": "wg3", "late_pv_wait": "latewait",
                "tc_row_sum": "tcsum", "tile_sums": "tilesum",
-               "fused_rescale": "fusedrescale", "seeded_scores": "seeded"}
+               "fused_rescale": "fusedrescale", "seeded_scores": "seeded", "long_tile": "long"}
 
 HEAD_DIMS = (64, 128)
 DTYPES = {"fp16": "DType::kF16", "bf16": "DType::kBF16"}
@@ -238,12 +243,24 @@ _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every
 # scales, eval/results/int8_long_tile_accuracy_cpu.md) could not keep within 232 registers; the plain
 # loop without either was 1.64x the defaults' kernel time at 1x24x4608x128 (int8_hd128_wg3_h200.md).
 # And the defaults without pingpong (the overlap alone), the other half of that split; not yet run.
+# long_tile (192-key tiles of three 64-key K scale blocks; sage8_reference(block_kv=192, k_block=64),
+# at least as accurate as 128 / 128: eval/results/int8_long_tile_accuracy_cpu.md): S takes 96 registers
+# per thread, so hd128's loops fit only with Q read from shared memory and the producer warpgroup at 24
+# registers (consumers 240); with Q in registers every loop spills and ptxas serializes the wgmmas
+# (C7512), as at 232 registers with Q in smem. No tc_row_sum (its partner: the defaults without it).
+# Three loops: the defaults' (overlap + ping-pong), ping-pong alone, and the FA3 order (late_pv_wait:
+# one P array, packed after the PV wait). sass_cost.py: 499-515 instructions per 128 keys against the
+# partner's 497 (the per-key work is the same; fewer waits and barriers per key, 4 against 7). O's FP8
+# accumulator spans smem_o_every = 4 tiles, 768 keys here against 512, before each fp32 flush
+# (variants_bench.py's accumulation check and the GPU test measure what that costs). Not yet run on a GPU.
+_LONG = {"long_tile": True, "tc_row_sum": False, "q_in_registers": False}
 _BENCH_CHANGES = {
     128: (*_BENCH_COMMON,
           {**_HD128_WG3_LOOP, "three_consumers": True},
           {**_HD128_WG3_LOOP, "epilogue_summary": False, "epilogue_staged": False},
           {"late_pv_wait": True}, {"tc_row_sum": False}, {"tile_sums": True}, {"seeded_scores": False},
-          {"overlap_softmax_pv": False}, {"pingpong": False}),
+          {"overlap_softmax_pv": False}, {"pingpong": False},
+          _LONG, {**_LONG, "overlap_softmax_pv": False}, {**_LONG, "late_pv_wait": True}),
     64: (*_BENCH_COMMON,
          {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True, "fused_rescale": False},
          {"three_consumers": False, "epilogue_summary": False, "epilogue_staged": False},
@@ -328,6 +345,7 @@ def main() -> None:
         bench.append(f"SAGE_SM90_VARIANT({d}, DType::kBF16, false, ({opt.cpp()}))")
     (out / "variants_bench.inc").write_text(_HEADER + "\n".join(bench) + "\n")
     names = {o.flags: replace(o, exp2_poly_every=0).name for o in [*DEFAULTS.values(), *(o for _, o in BENCH_VARIANTS)]}
+    tiles = {o.flags: {"block_kv": 192, "k_block": 64} for _, o in BENCH_VARIANTS if o.long_tile}
     PY_OUT.write_text(
         '"""Generated by csrc/sm90_int8/generate_instantiations.py: do not edit.\n\n'
         "The 8-bit kernel's compiled variants and defaults, from the same source as the C++ dispatch\n"
@@ -344,6 +362,8 @@ def main() -> None:
         f"BENCH_VARIANTS = {tuple((d, o.exp2_poly_every, o.flags, o.name) for d, o in BENCH_VARIANTS)!r}\n"
         f"# option-set name per run-time flags\n"
         f"FLAG_NAMES = {dict(sorted(names.items()))!r}\n"
+        f"# sage8_reference's block_kv / k_block for the variants whose key tiles are not 128 / 128 (long_tile)\n"
+        f"TILE_KWARGS = {dict(sorted(tiles.items()))!r}\n"
     )
 
 

@@ -23,16 +23,21 @@ static int g_fail = 0;
     }                                                                                         \
   } while (0)
 
+// block_cols: the columns of one image (the pre-pass writes one per K block): a stage holds
+// cols / block_cols images of rows x block_cols bytes back to back (long_tile's V^T: three D x 64
+// images; every other layout one image per stage).
 template <class Layout3>
-void check_staged(Layout3 layout, int rows, int cols, int stages, int tile_bytes, const char* name) {
+void check_staged(Layout3 layout, int rows, int cols, int stages, int tile_bytes, const char* name, int block_cols = 0) {
   auto sw = get_swizzle_portion(layout);
   auto base = get_nonswizzle_portion(layout);
+  const int bc = block_cols > 0 ? block_cols : cols;
   for (int s = 0; s < stages; ++s)
     for (int r = 0; r < rows; ++r)
       for (int c = 0; c < cols; ++c) {
         long got = sw(base(r, c, s));
-        long want = (long)s * tile_bytes +
-                    (cols == 128 ? sw_byte_offset<128>(r, c) : sw_byte_offset<64>(r, c));
+        const int cb = c % bc;
+        long want = (long)s * tile_bytes + (long)(c / bc) * rows * bc +
+                    (bc == 128 ? sw_byte_offset<128>(r, cb) : sw_byte_offset<64>(r, cb));
         CHECK_EQ(got, want, name);
       }
 }
@@ -52,13 +57,21 @@ void check_single(Layout2 layout, int rows, int cols, const char* name) {
 // kSumCols (tc_row_sum): the V^T stage layout has kSumCols more rows, the image's D rows at the
 // image's offsets and the ones rows in the stage's last kSumCols * 128 bytes (fill_sum_rows), and
 // the PV accumulator kPVRegs values of the same rule (columns D.. the row sums).
-template <int D, int kSumCols = 0>
+// kKeys (long_tile: 192): the K tile is kScaleBlocks 64-row images in a row (the 8-row swizzle
+// period makes that the same offsets as one tall image), the V^T tile kScaleBlocks D x 64 images.
+template <int D, int kSumCols = 0, int kKeys = kBlockKV>
 void check_config() {
-  using C = TileConfig<D, 2, kSumCols>;
+  using C = TileConfig<D, 2, kSumCols, kKeys>;
   check_single(typename C::SmemLayoutQ{}, kRowsPerWG, D, "Q image");
-  check_staged(typename C::SmemLayoutK{}, kBlockKV, D, C::kStages, C::kKTileBytes, "K image");
-  check_staged(typename C::SmemLayoutVt{}, D + kSumCols, kBlockKV, C::kStages, C::kVStageBytes, "Vt image");
-  CHECK_EQ(C::kVStageBytes - C::kVTileBytes, kSumCols * kBlockKV, "Vt stage: image + ones rows");
+  check_staged(typename C::SmemLayoutK{}, kKeys, D, C::kStages, C::kKTileBytes, "K image");
+  for (int b = 0; b < C::kScaleBlocks; ++b)  // each K block's rows: its own image's offsets
+    for (int r = 0; r < C::kKBlock; ++r)
+      for (int c = 0; c < D; ++c)
+        CHECK_EQ(b * C::kKBlockBytes + sw_byte_offset<D>(r, c), sw_byte_offset<D>(b * C::kKBlock + r, c),
+                 "K tile = its blocks' images");
+  check_staged(typename C::SmemLayoutVt{}, D + kSumCols, kKeys, C::kStages, C::kVStageBytes, "Vt image", C::kKBlock);
+  CHECK_EQ(C::kVStageBytes - C::kVTileBytes, kSumCols * kKeys, "Vt stage: image + ones rows");
+  CHECK_EQ(C::kScaleBlocks * C::kVBlockBytes, C::kVTileBytes, "Vt tile = its blocks' images");
 
   // Accumulator of S (64 x 128): value v of thread tid is row 16*warp + g + 8*((v>>1)&1),
   // column 8*(v>>2) + 2*t + (v&1).
@@ -107,7 +120,7 @@ void check_config() {
   // accumulator value v it names; that value's S coordinate (row, key column) must equal the A
   // fragment's (row, k position) once the position is mapped to the key V^T stores there.
   for (int tid = 0; tid < 128; ++tid)
-    for (int kb = 0; kb < kBlockKV / 32; ++kb)
+    for (int kb = 0; kb < kKeys / 32; ++kb)
       for (int r = 0; r < 4; ++r)
         for (int i = 0; i < 4; ++i) {
           const int v = 4 * (4 * kb + 2 * (r >> 1) + (i >> 1)) + 2 * (r & 1) + (i & 1);
@@ -121,8 +134,8 @@ void check_config() {
   int seen[32] = {0};
   for (int p = 0; p < 32; ++p) seen[vt_position_to_key(p)]++;
   for (int p = 0; p < 32; ++p) CHECK_EQ(seen[p], 1, "perm bijective");
-  std::printf("hd%d%s: smem Q %d B, K %d B, V %d B, total %d B, stages %d\n", D, kSumCols ? " (sum rows)" : "",
-              C::kSmemQ, C::kSmemK, C::kSmemV, C::kSmemBytes, C::kStages);
+  std::printf("hd%d%s, %d-key tiles: smem Q %d B, K %d B, V %d B, total %d B, stages %d\n", D,
+              kSumCols ? " (sum rows)" : "", kKeys, C::kSmemQ, C::kSmemK, C::kSmemV, C::kSmemBytes, C::kStages);
 }
 
 int main() {
@@ -130,6 +143,7 @@ int main() {
   check_config<128>();
   check_config<64, 8>();
   check_config<128, 8>();
+  check_config<128, 0, kLongTileKeys>();
   if (g_fail) {
     std::printf("host_layout_check: %d mismatches\n", g_fail);
     return 1;

@@ -125,6 +125,13 @@ namespace sage_sm90 {
 //                        of 64 adds at the head of the softmax (eval/results/int8_fma_convert_h200.md:
 //                        the adds take ~13 % of hd128's stall samples). Same integers: same results
 //                        bit for bit. hd128's default (eval/results/int8_seeded_scores_h200.md).
+//   long_tile          : (hd128 benchmarks) 192-key tiles of three 64-key K quantization blocks
+//                        (tile_config.hpp kLongTileKeys): the per-tile work (waits, barriers, row max
+//                        and rescale, mask and scale loads) spread over 1.5x the keys; S 96 and P 24
+//                        registers per thread, a 3-stage ring. The pre-pass writes 64-key images and
+//                        scales (PrepassParams::kv_block), a tile takes three of each; c and the folded
+//                        offset are per K block (softmax.hpp). Other numerics than 128-key tiles:
+//                        sage8_reference(block_kv=192, k_block=64). No tc_row_sum (one V^T copy per tile).
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 168 registers, ptxas's cap for 384). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
@@ -136,15 +143,18 @@ constexpr int fwd_threads() {
   return kOpt.producer_warpgroup() ? FwdCta<kOpt>::kConsumerThreads + 128 : FwdCta<kOpt>::kThreads;
 }
 // Three consumer warpgroups (512 threads launch with 128 registers): 128 * (32 + 3 * 160) = 65536.
+// long_tile (S 96 registers per thread): the producer warpgroup at setmaxnreg's minimum, 24, gives the
+// consumers 240 (FA3's split): 128 * 24 + 256 * 240 = 64512.
 template <FwdOptions kOpt>
-using FwdRegisterSplit = std::conditional_t<kOpt.consumer_warpgroups() == 3, sage_common::sm90::RegisterSplit<32, 160, 3>,
-                                            sage_common::sm90::RegisterSplit<40, 232>>;
+using FwdRegisterSplit = std::conditional_t<
+    kOpt.consumer_warpgroups() == 3, sage_common::sm90::RegisterSplit<32, 160, 3>,
+    std::conditional_t<kOpt.long_tile, sage_common::sm90::RegisterSplit<24, 240>, sage_common::sm90::RegisterSplit<40, 232>>>;
 
 template <int D, FwdOptions kOpt>
 constexpr int fwd_smem_bytes() {
   // epilogue_staged: its tile takes the O sum's place (StagedOut, epilogue.hpp), or adds it
   constexpr int kWGs = kOpt.consumer_warpgroups();
-  constexpr int bytes = TileConfig<D, kWGs, kOpt.sum_cols()>::kSmemBytes + (kOpt.smem_o_every > 0 ? kSmemOSumBytes<D, kWGs, kOpt.sum_cols()>
+  constexpr int bytes = TileConfig<D, kWGs, kOpt.sum_cols(), kOpt.tile_keys()>::kSmemBytes + (kOpt.smem_o_every > 0 ? kSmemOSumBytes<D, kWGs, kOpt.sum_cols()>
                                                            : kOpt.epilogue_staged ? StagedOut<D, kWGs>::kBytes
                                                                                   : 0);
   static_assert(bytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
@@ -204,7 +214,8 @@ struct FwdWork {
   int n_tiles;  // key tiles of the loop; causal: those holding a key j <= i < (m_block+1)*kBlockM
 };
 
-template <bool kCausal, int kBlockM>
+// kKeys: keys per tile (TileConfig; 192 with long_tile).
+template <bool kCausal, int kBlockM, int kKeys = kBlockKV>
 __device__ __forceinline__ FwdWork make_work(const FwdParams& p, int m_block, int h, int b) {
   FwdWork w;
   w.m_block = m_block;
@@ -212,10 +223,10 @@ __device__ __forceinline__ FwdWork make_work(const FwdParams& p, int m_block, in
   w.b = b;
   w.hk = h / (p.Hq / p.Hkv);
   w.kv_len = p.kv_len != nullptr ? min(p.kv_len[b], p.Skv) : p.Skv;
-  w.n_tiles = (w.kv_len + kBlockKV - 1) / kBlockKV;
+  w.n_tiles = (w.kv_len + kKeys - 1) / kKeys;
   if constexpr (kCausal) {
-    // the tiles up to the block's last row; at kBlockM = kBlockKV spelled as before (same SASS)
-    const int last = kBlockM == kBlockKV ? m_block + 1 : ((m_block + 1) * kBlockM + kBlockKV - 1) / kBlockKV;
+    // the tiles up to the block's last row; at kBlockM = kKeys spelled as before (same SASS)
+    const int last = kBlockM == kKeys ? m_block + 1 : ((m_block + 1) * kBlockM + kKeys - 1) / kKeys;
     w.n_tiles = min(w.n_tiles, last);
   }
   return w;
@@ -230,16 +241,16 @@ __device__ __forceinline__ int fwd_work_count(const FwdParams& p) {
 // Work tile w of a persistent launch (CTA c takes w = c, c + gridDim.x, ...). m_block varies
 // fastest, so the CTAs running at the same time share few (b, h) and their K/V stays in L2;
 // causal: m_block varies slowest and descends, so the longest work tiles go first.
-template <bool kCausal, int kWGs>
+template <bool kCausal, int kWGs, int kKeys = kBlockKV>
 __device__ __forceinline__ FwdWork persistent_work(const FwdParams& p, int w) {
   using Cta = CtaShape<kWGs>;
   const int n_m = p.n_q_tiles / Cta::kQTilesPerCTA;
   if constexpr (kCausal) {
     const int bh = w % (p.Hq * p.B);
-    return make_work<kCausal, Cta::kBlockM>(p, n_m - 1 - w / (p.Hq * p.B), bh % p.Hq, bh / p.Hq);
+    return make_work<kCausal, Cta::kBlockM, kKeys>(p, n_m - 1 - w / (p.Hq * p.B), bh % p.Hq, bh / p.Hq);
   } else {
     const int bh = w / n_m;
-    return make_work<kCausal, Cta::kBlockM>(p, w % n_m, bh % p.Hq, bh / p.Hq);
+    return make_work<kCausal, Cta::kBlockM, kKeys>(p, w % n_m, bh % p.Hq, bh / p.Hq);
   }
 }
 
@@ -260,7 +271,11 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   static_assert(kRowsPerWG == kQImageRows, "launch.h sizes the Q images in tiles of one warpgroup's rows");
   // tc_row_sum: the V^T stages carry kSumCols rows of ones, the PV accumulator kPVRegs values
   constexpr int kSumCols = kOpt.sum_cols();
-  using C = TileConfig<D, kWGs, kSumCols>;
+  // long_tile: 192-key tiles of three 64-key K blocks (tile_config.hpp kLongTileKeys)
+  constexpr int kKeys = kOpt.tile_keys();
+  using C = TileConfig<D, kWGs, kSumCols, kKeys>;
+  static_assert(kKeys == (kOpt.long_tile ? kLongTileKeys : kBlockKV) && C::kKBlock == kOpt.kv_block(),
+                "launch.h FwdOptions::tile_keys / kv_block and tile_config.hpp agree");
   constexpr bool kLean = kOpt.lean_softmax;
   constexpr bool kOverlapSoftmaxWithPV = kOpt.overlap_softmax_pv;
   constexpr bool kLatePvWait = kOpt.late_pv_wait;
@@ -306,12 +321,12 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   // mask bits, the Q / K / V^T images) comes after this (a no-op in a plain launch).
   sage_common::sm90::pdl_wait();
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  const SmemPlan<D, kWGs, kSumCols> sp(smem_raw);
+  const SmemPlan<D, kWGs, kSumCols, kKeys> sp(smem_raw);
 
   // Without `persistent` the CTA's one work tile is (blockIdx.x, y, z).
   FwdWork work0{};
   if constexpr (!kPersistent) {
-    work0 = make_work<kCausal, kBlockM>(p, kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
+    work0 = make_work<kCausal, kBlockM, kKeys>(p, kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
   }
 
   fill_sum_rows(sp);  // tc_row_sum only; ordered before any wgmma by init_barriers' __syncthreads
@@ -325,7 +340,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       const int n_work = fwd_work_count<kQTilesPerCTA>(p);
       int tile0 = 0;
       for (int w = blockIdx.x, i = 0; w < n_work; w += gridDim.x, ++i) {
-        const FwdWork wk = persistent_work<kCausal, kWGs>(p, w);
+        const FwdWork wk = persistent_work<kCausal, kWGs, kKeys>(p, w);
         body(wk, i, tile0);
         tile0 += wk.n_tiles;
       }
@@ -345,8 +360,9 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
         const int8_t* q_src = kQInKernel ? nullptr
                                          : p.q_img + ((static_cast<int64_t>(wk.b) * p.Hq + wk.h) * p.n_q_tiles +
                                                       kQTilesPerCTA * wk.m_block) * C::kQTileBytes;
-        producer_loop<D, kPersistent, !kQInKernel>(sp, q_src, p.k_img + bhk * p.n_kv_tiles * C::kKTileBytes,
-                                      p.vt_img + bhk * p.n_kv_tiles * C::kVTileBytes, wk.n_tiles, work, tile0);
+        // p.n_kv_tiles K blocks (kKBlock keys each) per (b, kv head): kScaleBlocks per tile
+        producer_loop<D, kPersistent, !kQInKernel>(sp, q_src, p.k_img + bhk * p.n_kv_tiles * C::kKBlockBytes,
+                                      p.vt_img + bhk * p.n_kv_tiles * C::kVBlockBytes, wk.n_tiles, work, tile0);
         if (work == 0) clock.mark(ProducerPhase::kLastCopy);
       });
     }
@@ -361,12 +377,12 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     // Stage and phase parity of key tile t of this work tile in the K/V ring.
     auto stage_of = [&](int t) {
       int s, n;
-      ring_slot<D, kPersistent, kWGs, kSumCols>(tile0 + t, s, n);
+      ring_slot<D, kPersistent, kWGs, kSumCols, kKeys>(tile0 + t, s, n);
       return s;
     };
     auto parity_of = [&](int t) {
       int s, n;
-      ring_slot<D, kPersistent, kWGs, kSumCols>(tile0 + t, s, n);
+      ring_slot<D, kPersistent, kWGs, kSumCols, kKeys>(tile0 + t, s, n);
       return n & 1;
     };
     const int wg_row0 = wg_first_row(m_block, wg);
@@ -374,16 +390,17 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     fragment_rows(wg_row0, tid, lane, row);
 
     using Softmax = OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce, kOpt.seed_reductions, kOpt.tc_row_sum,
-                                  kOpt.seeded_scores>;
+                                  kOpt.seeded_scores, kKeys>;
     Softmax sm;
     if constexpr (!kQInKernel) {  // q_in_kernel: the row scales come with its Q fragments below
       const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
       sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
     }
-    const WarpgroupOperands<D, kWGs, kSumCols> ops(sp, wg, tid);
+    const WarpgroupOperands<D, kWGs, kSumCols, kKeys> ops(sp, wg, tid);
+    // per (b, kv head) p.n_kv_tiles K scales, per b the mask words of as many K blocks
     const float* sk = p.sk + (static_cast<int64_t>(b) * p.Hkv + hk) * p.n_kv_tiles;
     const uint32_t* bits =
-        p.mask_bits != nullptr ? p.mask_bits + static_cast<int64_t>(b) * 4 * p.n_kv_tiles : nullptr;
+        p.mask_bits != nullptr ? p.mask_bits + static_cast<int64_t>(b) * (C::kKBlock / 32) * p.n_kv_tiles : nullptr;
 
     uint32_t s_acc[C::kSRegs];
     uint32_t p_frag[C::kPRegs];
@@ -466,23 +483,50 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     };
 
     // Per-tile scalars; fetched before waiting on the tile so their latency hides behind the copy.
+    using Mask = typename Softmax::Mask;
+    constexpr int kWords = kKeys / 32;
     auto tile_mask = [&](int t) {
-      TileMask mk;
-      mk.key_base = t * kBlockKV;
+      Mask mk;
+      mk.key_base = t * kKeys;
       mk.kv_len = kv_len;
       mk.causal = kCausal;
       mk.row[0] = row[0];
       mk.row[1] = row[1];
-      if (bits != nullptr) {
-        const uint4 w = __ldg(reinterpret_cast<const uint4*>(bits + 4 * t));
-        mk.words[0] = w.x; mk.words[1] = w.y; mk.words[2] = w.z; mk.words[3] = w.w;
-      } else {
-        mk.words[0] = mk.words[1] = mk.words[2] = mk.words[3] = 0xffffffffu;
+      if constexpr (kWords == 4) {
+        if (bits != nullptr) {
+          const uint4 w = __ldg(reinterpret_cast<const uint4*>(bits + 4 * t));
+          mk.words[0] = w.x; mk.words[1] = w.y; mk.words[2] = w.z; mk.words[3] = w.w;
+        } else {
+          mk.words[0] = mk.words[1] = mk.words[2] = mk.words[3] = 0xffffffffu;
+        }
+        mk.active = mk.key_base + kKeys > kv_len ||
+                    (mk.words[0] & mk.words[1] & mk.words[2] & mk.words[3]) != 0xffffffffu ||
+                    (kCausal && mk.key_base + kKeys - 1 > wg_row0);
+      } else {  // long_tile: 6 words, 8-byte aligned
+        uint32_t all = 0xffffffffu;
+#pragma unroll
+        for (int i = 0; i < kWords / 2; ++i) {
+          const uint2 w = bits != nullptr ? __ldg(reinterpret_cast<const uint2*>(bits + kWords * t) + i)
+                                          : make_uint2(0xffffffffu, 0xffffffffu);
+          mk.words[2 * i] = w.x;
+          mk.words[2 * i + 1] = w.y;
+          all &= w.x & w.y;
+        }
+        mk.active = mk.key_base + kKeys > kv_len || all != 0xffffffffu ||
+                    (kCausal && mk.key_base + kKeys - 1 > wg_row0);
       }
-      mk.active = mk.key_base + kBlockKV > kv_len ||
-                  (mk.words[0] & mk.words[1] & mk.words[2] & mk.words[3]) != 0xffffffffu ||
-                  (kCausal && mk.key_base + kBlockKV - 1 > wg_row0);
       return mk;
+    };
+    // Tile t's K scales (C::kScaleBlocks of them).
+    auto tile_scales = [&](int t) {
+      typename Softmax::KScales ks;
+      if constexpr (C::kScaleBlocks == 1) {
+        ks.v[0] = __ldg(sk + t);  // (the loop below, unrolled, gave ptxas another uniform-register plan)
+      } else {
+#pragma unroll
+        for (int i = 0; i < C::kScaleBlocks; ++i) ks.v[i] = __ldg(sk + C::kScaleBlocks * t + i);
+      }
+      return ks;
     };
     auto release = [&](int stage) {
       __syncwarp();
@@ -523,7 +567,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       sm.init(sq[0] * p.scale_log2, sq[1] * p.scale_log2);
     } else {
       Barrier::wait(sp.q_full, work & 1);
-      if constexpr (kQRegs) WarpgroupOperands<D, kWGs, kSumCols>::load_q_frag(sp, wg, tid, q_frag);
+      if constexpr (kQRegs) WarpgroupOperands<D, kWGs, kSumCols, kKeys>::load_q_frag(sp, wg, tid, q_frag);
       if constexpr (kPersistent) {  // Q is in registers: the producer may load the next work tile's
         __syncwarp();
         if (lane == 0) Barrier::arrive(sp.q_empty);
@@ -534,8 +578,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     // (softmax.hpp lean_scores): then that tile's softmax step runs the exact exponents (a branch
     // at the top of the step, so the folded step keeps its code). Warp-uniform (the step's quad
     // shuffles need it); from the tile's K scale, loaded before its wait, and the rows' scales.
-    auto exact_exponents = [&](float sk_t) {
-      return kLean && __any_sync(0xffffffffu, fmaxf(sm.rowf[0], sm.rowf[1]) * sk_t > Softmax::kFoldMaxC);
+    auto exact_exponents = [&](const typename Softmax::KScales& sk_t) {
+      return kLean && __any_sync(0xffffffffu, fmaxf(sm.rowf[0], sm.rowf[1]) * sk_t.max() > Softmax::kFoldMaxC);
     };
     auto qk_issue = [&](int stage) {
       if constexpr (kQRegs) {
@@ -556,8 +600,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       // Plain order: S_t, softmax_t, O += P_t V_t, each retired before the next.
       for (int t = 0; t < n_tiles; ++t) {
         const int s = stage_of(t);
-        const float sk_t = __ldg(sk + t);
-        const TileMask mk = tile_mask(t);
+        const auto sk_t = tile_scales(t);
+        const Mask mk = tile_mask(t);
         seed_scores();
         Barrier::wait(&sp.full[s], parity_of(t));
         qk_issue(s);
@@ -603,8 +647,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       auto turn_begin = [&] { sched.begin(); };
       auto turn_end = [&](bool last) { sched.end(last); };
       {
-        const float sk_t = __ldg(sk);
-        const TileMask mk = tile_mask(0);
+        const auto sk_t = tile_scales(0);
+        const Mask mk = tile_mask(0);
         seed_scores();
         Barrier::wait(&sp.full[stage_of(0)], parity_of(0));
         turn_begin();
@@ -618,8 +662,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       }
       auto body = [&](int t, uint32_t (&p_prev)[C::kPRegs], uint32_t (&p_next)[C::kPRegs]) {
         const int s = stage_of(t), s_prev = stage_of(t - 1);
-        const float sk_t = __ldg(sk + t);
-        const TileMask mk = tile_mask(t);
+        const auto sk_t = tile_scales(t);
+        const Mask mk = tile_mask(t);
         seed_scores();
         Barrier::wait(&sp.full[s], parity_of(t));
         turn_begin();

@@ -44,6 +44,8 @@ struct FwdOptions {
                                     // after the PV instead of O *= alpha before it and O += tile after
   bool seeded_scores = false;       // (no fp16_exp2) S's int32 accumulator starts from the bits of 1.5 * 2^23,
                                     // so each score arrives as its biased float: no convert add per score
+  bool long_tile = false;           // (lean, no tc_row_sum / three_consumers / fp16_exp2) 192-key tiles of
+                                    // three 64-key K scale blocks (the pre-pass's kv_block = 64)
 
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
@@ -54,7 +56,8 @@ struct FwdOptions {
            (q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0) | (epilogue_staged ? 1 << (kFlagsHighShift + 5) : 0) |
            (three_consumers ? 1 << (kFlagsHighShift + 6) : 0) | (late_pv_wait ? 1 << (kFlagsHighShift + 7) : 0) |
            (tc_row_sum ? 1 << (kFlagsHighShift + 8) : 0) | (tile_sums ? 1 << (kFlagsHighShift + 9) : 0) |
-           (fused_rescale ? 1 << (kFlagsHighShift + 10) : 0) | (seeded_scores ? 1 << (kFlagsHighShift + 12) : 0);
+           (fused_rescale ? 1 << (kFlagsHighShift + 10) : 0) | (seeded_scores ? 1 << (kFlagsHighShift + 12) : 0) |
+           (long_tile ? 1 << (kFlagsHighShift + 13) : 0);
   }
   static constexpr int kFlagsIntShift = 7;  // smem_o_every (<= 16: 5 bits) sits above the first bools
   static constexpr int kFlagsHighShift = 12;  // bools added later sit above it (flags stay stable)
@@ -82,6 +85,7 @@ struct FwdOptions {
     o.tile_sums = ((flags >> (kFlagsHighShift + 9)) & 1) != 0;
     o.fused_rescale = ((flags >> (kFlagsHighShift + 10)) & 1) != 0;
     o.seeded_scores = ((flags >> (kFlagsHighShift + 12)) & 1) != 0;
+    o.long_tile = ((flags >> (kFlagsHighShift + 13)) & 1) != 0;
     o.exp2_poly_every = exp2_poly_every;
     return o;
   }
@@ -108,8 +112,14 @@ struct FwdOptions {
            // FFMA needs the alpha of the tile just retired, which only the plain loop has at hand
            (!fused_rescale || (fp32_pv_tiles && !overlap_softmax_pv && !pingpong)) &&
            // seeded_scores: fp16_exp2's step converts the scores its own way (softmax.hpp scores_lean_half)
-           (!seeded_scores || !fp16_exp2);
+           (!seeded_scores || !fp16_exp2) &&
+           // long_tile: per-block K scales in the lean fp32 steps (softmax.hpp); one V^T copy per tile
+           // (no ones rows); two consumer warpgroups (S's 96 registers)
+           (!long_tile || (lean_softmax && !fp16_exp2 && !tc_row_sum && !three_consumers));
   }
+  // Keys per tile and per K scale block (tile_config.hpp kLongTileKeys, kKBlockKeys).
+  constexpr int tile_keys() const { return long_tile ? 192 : 128; }
+  constexpr int kv_block() const { return long_tile ? 64 : 128; }
   // tc_row_sum: the columns of ones appended to V^T in smem (one 8-row swizzle atom; TileConfig kSumCols).
   constexpr int sum_cols() const { return tc_row_sum ? 8 : 0; }
   // The loops that hold two P arrays (overlap or ping-pong) take a whole producer warpgroup; so
@@ -175,6 +185,10 @@ static_assert(FwdOptions{.three_consumers = true}.flags() == 1 << 18 &&
 static_assert(FwdOptions{.tile_sums = true}.flags() == 1 << 21 &&
                   FwdOptions::from_flags(1 << 21, 0).tile_sums && !FwdOptions::from_flags(1 << 20, 0).tile_sums,
               "FwdOptions::tile_sums flag bit (generate_instantiations._HIGH_BITS)");
+static_assert(FwdOptions{.long_tile = true}.flags() == 1 << 25 && FwdOptions::from_flags(1 << 25, 0).long_tile &&
+                  !FwdOptions::from_flags(1 << 24, 0).long_tile && !FwdOptions{.long_tile = true}.valid() &&
+                  FwdOptions{.lean_softmax = true, .long_tile = true}.valid(),
+              "FwdOptions::long_tile flag bit (generate_instantiations._HIGH_BITS) and validity");
 static_assert(FwdOptions{.late_pv_wait = true}.flags() == 1 << 19 &&
                   FwdOptions::from_flags(1 << 19, 0).late_pv_wait && !FwdOptions::from_flags(1 << 18, 0).late_pv_wait,
               "FwdOptions::late_pv_wait flag bit (generate_instantiations._HIGH_BITS)");
@@ -191,7 +205,7 @@ struct PrepassParams {
   const uint8_t* key_mask;  // (B, Skv) bool, or nullptr
   int B, Hq, Hkv, Sq, Skv;
   int n_q_tiles;   // 64-row Q image tiles per (b, h): (R / 64) * ceil(Sq / R), R = fwd_rows_per_cta
-  int n_kv_tiles;  // ceil(Skv / 128)
+  int n_kv_tiles;  // K blocks of kv_block keys per (b, kv head): ceil(Skv / 128), or (long_tile) 3 ceil(Skv / 192)
   int n_split;     // token chunks of the k-mean / v-absmax reduction
   int split_len;   // tokens per chunk
   float scale;     // softmax scale, for the LSE correction scale * q . k_mean
@@ -220,6 +234,8 @@ struct PrepassParams {
   // added later, last so the offsets of the fields above stay
   int* v_summary;     // (B, Hkv) min of v_first over kinds and channels; follows v_first in
                       // memory so one memset covers both
+  int kv_block;       // keys per K block (one K scale, one K / V^T image): 128, or 64 for a long_tile
+                      // forward (whose 192-key tiles are three blocks: n_kv_tiles a multiple of 3)
 };
 
 struct FwdParams {
@@ -238,7 +254,7 @@ struct FwdParams {
   void* out;              // (B, Hq, Sq, D) with strides below, last dim contiguous
   int64_t o_sb, o_sh, o_ss;
   float* lse;             // (B, Hq, Sq) contiguous, or nullptr
-  int B, Hq, Hkv, Sq, Skv, n_q_tiles, n_kv_tiles;
+  int B, Hq, Hkv, Sq, Skv, n_q_tiles, n_kv_tiles;  // n_kv_tiles: K blocks (PrepassParams's)
   float scale_log2;       // scale * log2(e)
   // Fields added later sit last, so the offsets of the others (and the SASS of the variants that
   // do not read them) stay as they were.
@@ -289,6 +305,17 @@ bool fwd_quantizes_q(int head_dim, bool causal, int exp_poly_every, bool lse);
 // it: n_q_tiles = (rows / 64) * ceil(Sq / rows) tiles of 64 rows (rows >= Sq zero), so that every
 // CTA's Q tiles exist (fwd_q_tiles).
 int fwd_rows_per_cta(int head_dim, bool causal, int exp_poly_every, bool lse);
+// Keys per tile (128, or 192 with FwdOptions::long_tile) and per K scale block (128, or 64) of the
+// variant run_fwd picks (128 / 128 where none matches): the pre-pass quantizes K in blocks of the
+// latter and covers whole tiles (fwd_kv_blocks).
+int fwd_tile_keys(int head_dim, bool causal, int exp_poly_every, bool lse);
+int fwd_kv_block(int head_dim, bool causal, int exp_poly_every, bool lse);
+constexpr int64_t fwd_kv_blocks(int64_t Skv, int tile_keys, int kv_block) {
+  return tile_keys / kv_block * ((Skv + tile_keys - 1) / tile_keys);
+}
+static_assert(fwd_kv_blocks(128, 128, 128) == 1 && fwd_kv_blocks(129, 128, 128) == 2 && fwd_kv_blocks(193, 192, 64) == 6 &&
+                  fwd_kv_blocks(4608, 192, 64) == 72,
+              "fwd_kv_blocks: whole tiles of K blocks");
 constexpr int kQImageRows = 64;  // rows of one Q image tile = one consumer warpgroup's (tile_config.hpp kRowsPerWG)
 constexpr int64_t fwd_q_tiles(int64_t Sq, int rows_per_cta) {
   return rows_per_cta / kQImageRows * ((Sq + rows_per_cta - 1) / rows_per_cta);

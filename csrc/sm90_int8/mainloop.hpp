@@ -38,10 +38,10 @@ using sage_common::sm90::wgmma_rs;
 using sage_common::sm90::wgmma_ss;
 
 // kWGs: consumer warpgroups of the CTA (CtaShape), one Q tile each. kSumCols: TileConfig's ones
-// rows after each V^T stage (tc_row_sum).
-template <int D, int kWGs = 2, int kSumCols = 0>
+// rows after each V^T stage (tc_row_sum). kKeys: keys per tile (long_tile: 192).
+template <int D, int kWGs = 2, int kSumCols = 0, int kKeys = kBlockKV>
 struct SmemPlan {
-  using C = TileConfig<D, kWGs, kSumCols>;
+  using C = TileConfig<D, kWGs, kSumCols, kKeys>;
   uint8_t* q;   // kWGs tiles of kQTileBytes
   uint8_t* k;   // kStages tiles of kKTileBytes
   uint8_t* v;   // kStages stages of kVStageBytes (V^T: the kVTileBytes image, then kSumCols rows of ones)
@@ -74,9 +74,9 @@ static_assert(kSmemOSumBytes<128, 3> == TileConfig<128, 3>::kSmemAfterBarriers &
                   kSmemOSumBytes<64, 2> == TileConfig<64, 2>::kSmemAfterBarriers &&
                   kSmemOSumBytes<128, 3, 8> == TileConfig<128, 3, 8>::kSmemAfterBarriers,
               "TileConfig sizes its K/V ring to leave the O sum's room");
-template <int D, int kWGs, int kSumCols>
-__device__ __forceinline__ float4* smem_o_sum(const SmemPlan<D, kWGs, kSumCols>& sp) {
-  using C = TileConfig<D, kWGs, kSumCols>;
+template <int D, int kWGs, int kSumCols, int kKeys>
+__device__ __forceinline__ float4* smem_o_sum(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp) {
+  using C = TileConfig<D, kWGs, kSumCols, kKeys>;
   static_assert((C::kSmemQ + C::kSmemK + C::kSmemV + 8 * (2 * C::kStages + 1)) % kSmemOSumAlign == 8,
                 "q_empty must fit in the alignment pad between q_full and the O sum (SmemPlan)");
   uint8_t* end = reinterpret_cast<uint8_t*>(sp.q_full + 1);
@@ -86,11 +86,11 @@ __device__ __forceinline__ float4* smem_o_sum(const SmemPlan<D, kWGs, kSumCols>&
 // tc_row_sum: every thread writes its share of the ones rows (fp8 1.0 = 0x38) after each V^T stage's
 // image, before init_barriers' __syncthreads; the fence makes these generic-proxy stores visible to
 // the wgmmas (async proxy) that read them. The producer's copies never touch them.
-template <int D, int kWGs, int kSumCols>
-__device__ __forceinline__ void fill_sum_rows(const SmemPlan<D, kWGs, kSumCols>& sp) {
+template <int D, int kWGs, int kSumCols, int kKeys>
+__device__ __forceinline__ void fill_sum_rows(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp) {
   if constexpr (kSumCols > 0) {
-    using C = TileConfig<D, kWGs, kSumCols>;
-    constexpr int kChunks = kSumCols * kBlockKV / 16;  // 16-byte chunks per stage
+    using C = TileConfig<D, kWGs, kSumCols, kKeys>;  // 128-key tiles only (TileConfig)
+    constexpr int kChunks = kSumCols * kKeys / 16;  // 16-byte chunks per stage
     for (int i = threadIdx.x; i < C::kStages * kChunks; i += blockDim.x) {
       uint8_t* stage = sp.v + (i / kChunks) * C::kVStageBytes + C::kVTileBytes;
       *reinterpret_cast<uint4*>(stage + 16 * (i % kChunks)) = make_uint4(0x38383838u, 0x38383838u, 0x38383838u, 0x38383838u);
@@ -100,12 +100,12 @@ __device__ __forceinline__ void fill_sum_rows(const SmemPlan<D, kWGs, kSumCols>&
 }
 
 // kQEmpty: also q_empty (persistent kernels).
-template <int D, bool kQEmpty = false, int kWGs, int kSumCols>
-__device__ __forceinline__ void init_barriers(const SmemPlan<D, kWGs, kSumCols>& sp) {
+template <int D, bool kQEmpty = false, int kWGs, int kSumCols, int kKeys>
+__device__ __forceinline__ void init_barriers(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp) {
   constexpr int kConsumerWarps = CtaShape<kWGs>::kConsumerThreads / 32;  // every one arrives
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int s = 0; s < TileConfig<D, kWGs, kSumCols>::kStages; ++s) {
+    for (int s = 0; s < TileConfig<D, kWGs, kSumCols, kKeys>::kStages; ++s) {
       Barrier::init(&sp.full[s], 1);
       Barrier::init(&sp.empty[s], kConsumerWarps);
     }
@@ -118,10 +118,10 @@ __device__ __forceinline__ void init_barriers(const SmemPlan<D, kWGs, kSumCols>&
 
 // Stage and use count (n) of item `tile` of the K/V ring. kRunning: a running counter over a
 // persistent CTA's work tiles (unsigned: no sign fix-up in the division). kWGs: the CTA's consumer
-// warpgroups (the ring depth depends on them: TileConfig::kStages); kSumCols: TileConfig's.
-template <int D, bool kRunning, int kWGs, int kSumCols = 0>
+// warpgroups (the ring depth depends on them: TileConfig::kStages); kSumCols, kKeys: TileConfig's.
+template <int D, bool kRunning, int kWGs, int kSumCols = 0, int kKeys = kBlockKV>
 __device__ __forceinline__ void ring_slot(int tile, int& stage, int& n) {
-  constexpr int kStages = TileConfig<D, kWGs, kSumCols>::kStages;
+  constexpr int kStages = TileConfig<D, kWGs, kSumCols, kKeys>::kStages;
   if constexpr (kRunning) {
     stage = static_cast<int>(static_cast<unsigned>(tile) % kStages);
     n = static_cast<int>(static_cast<unsigned>(tile) / kStages);
@@ -136,11 +136,13 @@ __device__ __forceinline__ void ring_slot(int tile, int& stage, int& n) {
 // kPersistent: Q goes into smem only after the consumers took the previous work tile's Q into
 // registers (q_empty). kCopyQ false (q_in_kernel): the consumers load Q themselves (quant_q_frag):
 // no Q copy, q_full / q_empty unused.
-template <int D, bool kPersistent = false, bool kCopyQ = true, int kWGs, int kSumCols>
-__device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs, kSumCols>& sp, const int8_t* q_src,
+// long_tile: a tile's images are its three 64-key blocks' images, back to back in memory: one copy
+// each for K and V^T all the same (k_src / v_src advance by whole tiles).
+template <int D, bool kPersistent = false, bool kCopyQ = true, int kWGs, int kSumCols, int kKeys>
+__device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp, const int8_t* q_src,
                                               const int8_t* k_src, const uint8_t* v_src,
                                               int n_tiles, int work = 0, int tile0 = 0) {
-  using C = TileConfig<D, kWGs, kSumCols>;  // kSmemQ: the Q tiles of every consumer warpgroup
+  using C = TileConfig<D, kWGs, kSumCols, kKeys>;  // kSmemQ: the Q tiles of every consumer warpgroup
   using sage_common::sm90::bulk_copy_g2s;
   if constexpr (kCopyQ) {
     if constexpr (kPersistent) {
@@ -151,7 +153,7 @@ __device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs, kSumCols>&
   }
   for (int t = 0; t < n_tiles; ++t) {
     int s, n;
-    ring_slot<D, kPersistent, kWGs, kSumCols>(tile0 + t, s, n);
+    ring_slot<D, kPersistent, kWGs, kSumCols, kKeys>(tile0 + t, s, n);
     if (n > 0) Barrier::wait(&sp.empty[s], (n - 1) & 1);
     Barrier::arrive_and_expect_tx(&sp.full[s], C::kKTileBytes + C::kVTileBytes);
     bulk_copy_g2s(k_src + static_cast<int64_t>(t) * C::kKTileBytes, &sp.full[s],
@@ -163,18 +165,18 @@ __device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs, kSumCols>&
 
 // Descriptor tensors of one consumer warpgroup (CuTe builds the GMMA descriptors). kWGs: the CTA's
 // consumer warpgroups, which set the ring depth of the K / V^T layouts (TileConfig::kStages);
-// kSumCols: the V^T stages' ones rows (PV's N = D + kSumCols).
-template <int D, int kWGs = 2, int kSumCols = 0>
+// kSumCols: the V^T stages' ones rows (PV's N = D + kSumCols); kKeys: keys per tile.
+template <int D, int kWGs = 2, int kSumCols = 0, int kKeys = kBlockKV>
 struct WarpgroupOperands {
-  using C = TileConfig<D, kWGs, kSumCols>;
+  using C = TileConfig<D, kWGs, kSumCols, kKeys>;
   using TQ = sage_common::sm90::GmmaDescA<typename C::TiledMmaQK, typename C::SmemLayoutQ, int8_t>;
   using TK = sage_common::sm90::GmmaDescB<typename C::TiledMmaQK, typename C::SmemLayoutK, int8_t>;
   using TV = sage_common::sm90::GmmaDescB<typename C::TiledMmaPV, typename C::SmemLayoutVt, cute::float_e4m3_t>;
   TQ q;  // (1, 1, D/32)
   TK k;  // (1, 1, D/32, kStages)
-  TV v;  // (1, 1, 128/32, kStages)
+  TV v;  // (1, 1, kKeys/32, kStages)
 
-  __device__ __forceinline__ WarpgroupOperands(const SmemPlan<D, kWGs, kSumCols>& sp, int wg, int tid_in_wg)
+  __device__ __forceinline__ WarpgroupOperands(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp, int wg, int tid_in_wg)
       : q(sage_common::sm90::gmma_desc_a<typename C::TiledMmaQK, typename C::SmemLayoutQ>(
             reinterpret_cast<int8_t*>(sp.q + wg * C::kQTileBytes), tid_in_wg)),
         k(sage_common::sm90::gmma_desc_b<typename C::TiledMmaQK, typename C::SmemLayoutK>(
@@ -186,7 +188,7 @@ struct WarpgroupOperands {
     static_assert(cute::size<1>(TK{}) == 1 && cute::size<2>(TK{}) == D / 32 &&
                       cute::size<3>(TK{}) == C::kStages,
                   "K descriptors: (k-block, stage)");
-    static_assert(cute::size<1>(TV{}) == 1 && cute::size<2>(TV{}) == kBlockKV / 32 &&
+    static_assert(cute::size<1>(TV{}) == 1 && cute::size<2>(TV{}) == kKeys / 32 &&
                       cute::size<3>(TV{}) == C::kStages,
                   "V^T descriptors: (k-block, stage)");
   }
@@ -218,7 +220,7 @@ struct WarpgroupOperands {
   }
   __host__ __device__ static constexpr int q_frag_row_half(int reg) { return reg & 1; }
 
-  __device__ __forceinline__ static void load_q_frag(const SmemPlan<D, kWGs, kSumCols>& sp, int wg, int tid_in_wg,
+  __device__ __forceinline__ static void load_q_frag(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp, int wg, int tid_in_wg,
                                                      uint32_t (&qf)[D / 8]) {
     const int lane = tid_in_wg & 31, g = lane >> 2, t = lane & 3;
     const uint8_t* tile = sp.q + wg * C::kQTileBytes;
@@ -331,7 +333,7 @@ struct WarpgroupOperands {
     fence_regs(o);
     if (fence) cute::warpgroup_arrive();
 #pragma unroll
-    for (int kb = 0; kb < kBlockKV / 32; ++kb) {
+    for (int kb = 0; kb < kKeys / 32; ++kb) {
       wgmma_rs<typename C::MmaPV>(&p[4 * kb], uint64_t(v(0, 0, kb, stage)), o,
                                   zero_first && kb == 0 ? cute::GMMA::ScaleOut::Zero
                                                         : cute::GMMA::ScaleOut::One,

@@ -4,7 +4,8 @@
 //                 CUDA-graph replay is bit-identical; common/token_stats.cuh, which the FP4
 //                 pre-pass runs too); extra blocks turn the bool key mask into
 //                 bit words and the per-batch kv_len = last attended key + 1 (no host sync).
-//   quant_kernel: INT8 Q per token, INT8 smoothed K per 128-key block, FP8 V per channel,
+//   quant_kernel: INT8 Q per token, INT8 smoothed K per 128-key block (kKB: 64 for long_tile
+//                 forward variants), FP8 V per channel,
 //                 each written as the swizzled shared-memory image the attention kernel copies
 //                 with one bulk copy per tile (tile_config.hpp). V is transposed on the way, with
 //                 the key permutation that lets P stay in registers. Padding rows/keys are 0.
@@ -97,9 +98,11 @@ __device__ __forceinline__ uint4 load_raw8(const void* ptr) {
 }
 
 // ---- stats ---------------------------------------------------------------------------------------
-template <int D>
+// Mask words per batch row: those of p.n_kv_tiles K blocks of kKB keys (spelled out at each use: a
+// helper function gave ptxas another register plan for the stats kernels).
+template <int D, int kKB>
 __device__ void mask_bits_block(const PrepassParams& p, int mb) {
-  const int words_per_b = 4 * p.n_kv_tiles;
+  const int words_per_b = kKB / 32 * p.n_kv_tiles;
   const int blocks_per_b = (words_per_b + 7) / 8;
   const int b = mb / blocks_per_b;
   const int w = (mb % blocks_per_b) * 8 + threadIdx.x / 32;
@@ -123,7 +126,8 @@ __device__ void mask_bits_block(const PrepassParams& p, int mb) {
 template <int D, bool kBatch>
 constexpr int kStatsMinBlocks = (D == 128 && kBatch) ? 3 : 0;  // 0: no floor
 
-template <int D, DType kIn, int kM>
+// kKB: keys per K block (128; 64 for long_tile forward variants), which sizes the mask words.
+template <int D, DType kIn, int kM, int kKB = kBlockKV>
 __global__ void __launch_bounds__(kPrepassThreads, kStatsMinBlocks<D, PrepassOpts::of(kM).batch>)
     stats_kernel(const __grid_constant__ PrepassParams p) {
   constexpr bool kBatch = PrepassOpts::of(kM).batch;
@@ -133,9 +137,9 @@ __global__ void __launch_bounds__(kPrepassThreads, kStatsMinBlocks<D, PrepassOpt
   sage_common::sm90::pdl_launch_dependents();
   const int n_stat = p.B * p.Hkv * p.n_split;
   if (static_cast<int>(blockIdx.x) >= n_stat) {
-    const int n_mask = p.key_mask != nullptr ? p.B * ((4 * p.n_kv_tiles + 7) / 8) : 0;
+    const int n_mask = p.key_mask != nullptr ? p.B * ((kKB / 32 * p.n_kv_tiles + 7) / 8) : 0;
     if (static_cast<int>(blockIdx.x) < n_stat + n_mask) {
-      mask_bits_block<D>(p, blockIdx.x - n_stat);
+      mask_bits_block<D, kKB>(p, blockIdx.x - n_stat);
     } else {
       quant_q_block<D, kIn, kM>(p, blockIdx.x - n_stat - n_mask);  // PrepassMode::kQInStats only
     }
@@ -234,14 +238,14 @@ __device__ __forceinline__ float block_max(float a, float* scratch) {
   return r;
 }
 
-// One 128-key K block of one (b, kv head): smooth, block absmax, INT8.
+// One kKB-key K block of one (b, kv head): smooth, block absmax, INT8.
 // kBatch: the block's inputs stay raw 16-bit between the absmax and the quantization (converted
 // twice; same values) instead of 64 fp32 registers at hd128, the quant kernel's register peak.
-template <int D, DType kIn, int kM>
+template <int D, DType kIn, int kM, int kKB>
 __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
   constexpr bool kBatch = PrepassOpts::of(kM).batch;
   using RT = RowTiling<D>;
-  constexpr int kPasses = kBlockKV / RT::kRowsPerPass;
+  constexpr int kPasses = kKB / RT::kRowsPerPass;
   const int tile = blk % p.n_kv_tiles, bh = blk / p.n_kv_tiles;
   const int b = bh / p.Hkv, hk = bh % p.Hkv;
   const int tid = threadIdx.x, c0 = (tid % RT::kLanes) * 8;
@@ -253,7 +257,7 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
     uint4 raw[kPasses];
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
-      const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
+      const int key = tile * kKB + pass * RT::kRowsPerPass + tid / RT::kLanes;
       raw[pass] = key < p.Skv ? load_raw8<kLastReadHint<kM>>(kb + 2 * static_cast<int64_t>(key) * p.k_ss)
                               : make_uint4(0, 0, 0, 0);
     }
@@ -261,7 +265,7 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
     uint32_t on = 0;  // bit pass: this thread's row of that pass is attended
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
-      const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
+      const int key = tile * kKB + pass * RT::kRowsPerPass + tid / RT::kLanes;
       if (key_attended(p, b, key)) {  // padding and masked keys: code 0, excluded from max
         on |= 1u << pass;
         float x[8];
@@ -272,7 +276,7 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
     }
     const float sk = block_max<D>(a, scratch) / kInt8Max;
     const auto dk = scale_divisor<kM>(sk);
-    int8_t* img = p.k_img + (static_cast<int64_t>(bh) * p.n_kv_tiles + tile) * (kBlockKV * D);
+    int8_t* img = p.k_img + (static_cast<int64_t>(bh) * p.n_kv_tiles + tile) * (kKB * D);
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       const int r = pass * RT::kRowsPerPass + tid / RT::kLanes;
@@ -297,7 +301,7 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
   float a = 0.f;
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
-    const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
+    const int key = tile * kKB + pass * RT::kRowsPerPass + tid / RT::kLanes;
     if (key_attended(p, b, key)) {
       raw_to_float8<kIn>(load_raw8<kLastReadHint<kM>>(kb + 2 * static_cast<int64_t>(key) * p.k_ss), x[pass]);
 #pragma unroll
@@ -312,7 +316,7 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
   }
   const float sk = block_max<D>(a, scratch) / kInt8Max;
   const auto dk = scale_divisor<kM>(sk);
-  int8_t* img = p.k_img + (static_cast<int64_t>(bh) * p.n_kv_tiles + tile) * (kBlockKV * D);
+  int8_t* img = p.k_img + (static_cast<int64_t>(bh) * p.n_kv_tiles + tile) * (kKB * D);
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
     const int r = pass * RT::kRowsPerPass + tid / RT::kLanes;
@@ -323,16 +327,20 @@ __device__ void quant_k_block(const PrepassParams& p, int blk, float* scratch) {
   if (tid == 0) p.sk[static_cast<int64_t>(bh) * p.n_kv_tiles + tile] = sk;
 }
 
-// One 128-key V block of one (b, kv head): FP8 per channel, transposed to V^T with permuted keys.
+// One kKB-key V block of one (b, kv head): FP8 per channel, transposed to V^T with permuted keys.
 // Bytes per staged V^T row: even (16-bit reads) and 33 words, so the byte stores of the 16 (8)
-// lanes of a token row, 8 channels apart, fall into 4 banks instead of 2 (136 bytes = 34 words).
-constexpr int kVtStride = kBlockKV + 4;
+// lanes of a token row, 8 channels apart, fall into 4 banks instead of 2 (136 bytes = 34 words;
+// 64-key blocks: 68 bytes = 17 words).
+template <int kKB>
+constexpr int kVtStride = kKB + 4;
 
-template <int D, DType kIn, int kM>
+// The V^T image of a kKB-key block: D rows of kKB bytes, swizzled as rows of that many bytes
+// (128: SW128; 64: SW64, the atoms of a long tile's V^T layout, tile_config.hpp SmemAtomV).
+template <int D, DType kIn, int kM, int kKB>
 __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
   constexpr bool kBatch = PrepassOpts::of(kM).batch;
   using RT = RowTiling<D>;
-  constexpr int kPasses = kBlockKV / RT::kRowsPerPass;
+  constexpr int kPasses = kKB / RT::kRowsPerPass;
   const int tile = blk % p.n_kv_tiles, bh = blk / p.n_kv_tiles;
   const int b = bh / p.Hkv, hk = bh % p.Hkv;
   const int tid = threadIdx.x, c0 = (tid % RT::kLanes) * 8;
@@ -342,7 +350,7 @@ __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
   for (int i = 0; i < 8; ++i) sv[i] = scale_divisor<kM>(p.sv[bh * D + c0 + i]);
   uint4 xs[kPasses];
   auto load_pass = [&](int pass) {
-    const int key = tile * kBlockKV + pass * RT::kRowsPerPass + tid / RT::kLanes;
+    const int key = tile * kKB + pass * RT::kRowsPerPass + tid / RT::kLanes;
     // padding and masked keys: +0 bits, i.e. a zero row of codes
     xs[pass] = key_attended(p, b, key) ? load_raw8<kLastReadHint<kM>>(vb + 2 * static_cast<int64_t>(key) * p.v_ss)
                                        : make_uint4(0, 0, 0, 0);
@@ -361,7 +369,7 @@ __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) odd |= !(fabsf(x[i]) < INFINITY);
     if (odd) {  // masked / padding rows were loaded as zeros: only attended keys get here
-      const int key = tile * kBlockKV + r;
+      const int key = tile * kKB + r;
       int* v_first = p.v_first + static_cast<int64_t>(bh) * static_cast<int>(NonFinite::kCount) * D;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -377,24 +385,24 @@ __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
       e4m3_codes8(x, sv, two);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        stage[(c0 + 2 * j) * kVtStride + r] = static_cast<uint8_t>(two[j] & 0xff);
-        stage[(c0 + 2 * j + 1) * kVtStride + r] = static_cast<uint8_t>(two[j] >> 8);
+        stage[(c0 + 2 * j) * kVtStride<kKB> + r] = static_cast<uint8_t>(two[j] & 0xff);
+        stage[(c0 + 2 * j + 1) * kVtStride<kKB> + r] = static_cast<uint8_t>(two[j] >> 8);
       }
     } else {
 #pragma unroll
       for (int i = 0; i < 8; i += 2) {
         const uint32_t two = quant_e4m3x2(x[i], x[i + 1], sv[i], sv[i + 1]);
-        stage[(c0 + i) * kVtStride + r] = static_cast<uint8_t>(two & 0xff);
-        stage[(c0 + i + 1) * kVtStride + r] = static_cast<uint8_t>(two >> 8);
+        stage[(c0 + i) * kVtStride<kKB> + r] = static_cast<uint8_t>(two & 0xff);
+        stage[(c0 + i + 1) * kVtStride<kKB> + r] = static_cast<uint8_t>(two >> 8);
       }
     }
   }
   __syncthreads();
-  uint8_t* img = p.vt_img + (static_cast<int64_t>(bh) * p.n_kv_tiles + tile) * (D * kBlockKV);
+  uint8_t* img = p.vt_img + (static_cast<int64_t>(bh) * p.n_kv_tiles + tile) * (D * kKB);
   // 16-byte chunk c of channel d holds k positions 16c + 4t + i = keys 16c + 2t + (i&1) + 8(i>>1).
-  for (int ch = tid; ch < D * (kBlockKV / 16); ch += kPrepassThreads) {
-    const int d = ch / (kBlockKV / 16), c = ch % (kBlockKV / 16);
-    const uint8_t* row = stage + d * kVtStride + 16 * c;
+  for (int ch = tid; ch < D * (kKB / 16); ch += kPrepassThreads) {
+    const int d = ch / (kKB / 16), c = ch % (kKB / 16);
+    const uint8_t* row = stage + d * kVtStride<kKB> + 16 * c;
     uint32_t w[4];
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
@@ -402,7 +410,7 @@ __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
       const uint32_t hi = *reinterpret_cast<const uint16_t*>(row + 8 + 2 * t);
       w[t] = lo | (hi << 16);
     }
-    *reinterpret_cast<uint4*>(img + sw_byte_offset<128>(d, 16 * c)) = make_uint4(w[0], w[1], w[2], w[3]);
+    *reinterpret_cast<uint4*>(img + sw_byte_offset<kKB>(d, 16 * c)) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 
@@ -414,10 +422,10 @@ constexpr int kQuantMinBlocks = (D == 64 && PrepassOpts::of(kM).fast_div) ? 4 : 
 // kPrepassL2Reuse: the K / V blocks run in the reverse of the stats launch's (b, kv head) order and
 // each K tile next to its V tile, so the first of them read what the stats launch read last (the
 // likeliest still in L2); Q blocks keep their place.
-template <int D, DType kIn, int kM>
+template <int D, DType kIn, int kM, int kKB = kBlockKV>
 __global__ void __launch_bounds__(kPrepassThreads, kQuantMinBlocks<D, kM>)
     quant_kernel(const __grid_constant__ PrepassParams p) {
-  __shared__ __align__(16) uint8_t stage[D * kVtStride];
+  __shared__ __align__(16) uint8_t stage[D * kVtStride<kKB>];
   __shared__ float scratch[kPrepassThreads / 32];
   const int n_qb = p.q_in_stats ? 0 : q_block_count(p);
   const int n_kb = p.B * p.Hkv * p.n_kv_tiles;
@@ -435,16 +443,16 @@ __global__ void __launch_bounds__(kPrepassThreads, kQuantMinBlocks<D, kM>)
     const int kv_blk = n_kb - 1 - j / 2;        // (b, kv head, tile) in reverse
     sage_common::sm90::pdl_wait();              // the k mean / the V channel scales
     if (j % 2 == 0) {
-      quant_k_block<D, kIn, kM>(p, kv_blk, scratch);
+      quant_k_block<D, kIn, kM, kKB>(p, kv_blk, scratch);
     } else {
-      quant_v_block<D, kIn, kM>(p, kv_blk, stage);
+      quant_v_block<D, kIn, kM, kKB>(p, kv_blk, stage);
     }
   } else if (blk < n_qb + n_kb) {
     sage_common::sm90::pdl_wait();  // the k mean
-    quant_k_block<D, kIn, kM>(p, blk - n_qb, scratch);
+    quant_k_block<D, kIn, kM, kKB>(p, blk - n_qb, scratch);
   } else {
     sage_common::sm90::pdl_wait();  // the V channel scales
-    quant_v_block<D, kIn, kM>(p, blk - n_qb - n_kb, stage);
+    quant_v_block<D, kIn, kM, kKB>(p, blk - n_qb - n_kb, stage);
   }
 }
 
@@ -453,32 +461,39 @@ __global__ void __launch_bounds__(kPrepassThreads, kQuantMinBlocks<D, kM>)
 // about the same bytes (stats: read K, V + Q in/out; quant: K, V in/out), the stats launch,
 // under one wave of long serial reductions otherwise, gets independent work to hide its latency,
 // and the quant launch has a third fewer blocks (fewer waves and a shorter tail).
-template <int D, DType kIn, int kM>
+template <int D, DType kIn, int kM, int kKB = kBlockKV>
 cudaError_t launch_prepass_impl(const PrepassParams& p, cudaStream_t stream) {
   const int n_stat = p.B * p.Hkv * p.n_split;
-  const int n_mask = p.key_mask ? p.B * ((4 * p.n_kv_tiles + 7) / 8) : 0;
+  const int n_mask = p.key_mask ? p.B * ((kKB / 32 * p.n_kv_tiles + 7) / 8) : 0;
   const int n_q = p.q_in_stats ? q_block_count(p) : 0;
-  stats_kernel<D, kIn, kM><<<n_stat + n_mask + n_q, kPrepassThreads, 0, stream>>>(p);
+  stats_kernel<D, kIn, kM, kKB><<<n_stat + n_mask + n_q, kPrepassThreads, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int n_quant = (p.q_in_stats ? 0 : q_block_count(p)) + 2 * p.B * p.Hkv * p.n_kv_tiles;
-  return sage_common::launch_with_smem(quant_kernel<D, kIn, kM>, dim3(n_quant), kPrepassThreads, 0, p, stream,
+  return sage_common::launch_with_smem(quant_kernel<D, kIn, kM, kKB>, dim3(n_quant), kPrepassThreads, 0, p, stream,
                                        pdl_launches() ? sage_common::LaunchKind::kPdl : sage_common::LaunchKind::kPlain);
 }
 
 // p.kernel_mode: the pre-pass mode's kernel-side bits (kPrepassKernelBits), one instantiation each.
-template <int D, DType kIn, int... kModes>
+// kKB: keys per K block (128; 64 in prepass_long.cu).
+template <int D, DType kIn, int kKB, int... kModes>
 cudaError_t launch_prepass_of(const PrepassParams& p, cudaStream_t stream, std::integer_sequence<int, kModes...>) {
   cudaError_t err = cudaErrorInvalidValue;  // a mode outside the list
-  ((p.kernel_mode == kModes ? (err = launch_prepass_impl<D, kIn, kModes>(p, stream), 0) : 0), ...);
+  ((p.kernel_mode == kModes ? (err = launch_prepass_impl<D, kIn, kModes, kKB>(p, stream), 0) : 0), ...);
   return err;
 }
-template <int D, DType kIn>
+template <int D, DType kIn, int kKB = kBlockKV>
 cudaError_t launch_prepass(const PrepassParams& p, cudaStream_t stream) {
   constexpr int kB = kPrepassBatchLoads, kL = kPrepassL2Reuse, kF = kPrepassFastDiv;
   static_assert(kPrepassKernelBits == (kB | kL | kF), "every subset of the kernel-side bits below");
-  return launch_prepass_of<D, kIn>(
+  return launch_prepass_of<D, kIn, kKB>(
       p, stream, std::integer_sequence<int, 0, kB, kL, kB | kL, kF, kB | kF, kL | kF, kB | kL | kF>{});
 }
 
+}  // namespace sage_sm90
+
+namespace sage_sm90 {
+// long_tile forward variants' pre-pass (64-key K blocks: prepass_long.cu, benchmark builds only):
+// head dim 128 (the variants'), every mode; cudaErrorInvalidValue otherwise.
+cudaError_t run_prepass_long(const PrepassParams& p, int head_dim, DType dtype, cudaStream_t stream);
 }  // namespace sage_sm90

@@ -20,12 +20,13 @@ using sage_common::quad_max;
 using sage_common::quad_sum;
 
 // Which keys of the current tile a thread may see. Built once per tile; `active` is uniform per
-// warpgroup so the common unmasked tile pays only one branch.
-struct TileMask {
+// warpgroup so the common unmasked tile pays only one branch. kWords: the tile's keys / 32.
+template <int kWords>
+struct TileMaskOf {
   bool active;
   int key_base;       // first key of the tile
   int kv_len;         // keys >= kv_len are masked (sequence end or last attended key + 1)
-  uint32_t words[4];  // key-mask bits of the tile's 128 keys (all ones without a mask)
+  uint32_t words[kWords];  // key-mask bits of the tile's keys (all ones without a mask)
   bool causal;
   int row[2];         // query index of each half (for causal)
 
@@ -43,6 +44,19 @@ struct TileMask {
       if (causal) ok = ok && key <= row[(v >> 1) & 1];
       s[v] = ok ? s[v] : -INFINITY;
     }
+  }
+};
+using TileMask = TileMaskOf<kBlockKV / 32>;
+
+// A tile's K scales: one per K quantization block (TileConfig kScaleBlocks: 1, or 3 with long_tile).
+template <int kBlocks>
+struct TileKScales {
+  float v[kBlocks];
+  __device__ __forceinline__ float max() const {
+    float m = v[0];
+#pragma unroll
+    for (int b = 1; b < kBlocks; ++b) m = fmaxf(m, v[b]);
+    return m;
   }
 };
 
@@ -75,8 +89,11 @@ struct TileMask {
 // registers before each QK wgmma), so each int32 value already is the bit pattern of the float
 // 1.5 * 2^23 + s (|s| < 2^22: no carry out of the mantissa, no int32 overflow): the same integers as
 // the convert add gives, without that add (biased_score).
+// kKeys_ (option long_tile: 192): keys per tile; a 192-key tile holds three 64-key K blocks, each
+// with its own scale, so c (and the folded offset) is per (K block, row half): value v belongs to K
+// block (v >> 2) / kGroupsPerBlock. Lean steps only (no fp16 exp2).
 template <int kPolyEvery, bool kLean_ = false, bool kHalfExp_ = false, bool kSplit_ = false, bool kSeed_ = false,
-          bool kTcSum_ = false, bool kSeeded_ = false>
+          bool kTcSum_ = false, bool kSeeded_ = false, int kKeys_ = kBlockKV>
 struct OnlineSoftmax {
   static constexpr bool kLean = kLean_;
   static constexpr bool kHalfExp = kHalfExp_;
@@ -88,7 +105,16 @@ struct OnlineSoftmax {
   static_assert(!kSeed_ || kLean_, "seeded reductions are a variant of the lean softmax");
   static_assert(!kSeeded_ || !kHalfExp_, "the fp16 exp2 step converts its scores itself");
   static constexpr bool kSeeded = kSeeded_;
-  static constexpr int kN = 64;  // accumulator values per thread
+  static constexpr int kN = kKeys_ / 2;  // accumulator values per thread (64 rows x kKeys / 128 threads)
+  static constexpr int kPRegs = kKeys_ / 8;  // FP8 A-operand registers of P~ (TileConfig kPRegs)
+  static constexpr int kSB = kKeys_ / kKBlockKeys<kKeys_>;  // K scales per tile (TileConfig kScaleBlocks)
+  static constexpr int kGroupsPerBlock = kN / 4 / kSB;  // 8-column groups (v >> 2) per K block
+  static_assert(kSB == 1 || (kLean_ && !kHalfExp_), "per-block K scales: the lean fp32 steps only");
+  static_assert(kGroupsPerBlock % kChains == 0, "a K block holds whole chains");
+  using KScales = TileKScales<kSB>;
+  using Mask = TileMaskOf<kKeys_ / 32>;
+  // K block of accumulator value v (its column 8 (v >> 2) + ... over kKBlockKeys).
+  __host__ __device__ static constexpr int block_of(int v) { return (v >> 2) / kGroupsPerBlock; }
   float m[2];       // running max of s (log2 domain), -inf before any unmasked key
   float l[2];       // this thread's partial row sums of unquantized p (quad-reduced at the end); with kTcSum
                     // unused, or the whole-row fp32 sums of the ones columns (kernel_fwd.cuh tile_sums)
@@ -112,41 +138,57 @@ struct OnlineSoftmax {
     rowf[1] = rowf1;
   }
 
-  // Per-row score scale c = sq_i * scale * log2(e) * sk of the tile. c > 0 keeps c * (-inf) = -inf;
-  // c only underflows to 0 when q or the K block is all zero, and then every int product is 0.
-  __device__ __forceinline__ void row_scale(float sk_tile, float (&c)[2]) const {
+  // Per-row score scale c = sq_i * scale * log2(e) * sk of each K block of the tile. c > 0 keeps
+  // c * (-inf) = -inf; c only underflows to 0 when q or the K block is all zero, and then every int
+  // product is 0.
+  __device__ __forceinline__ void row_scale(const KScales& sk, float (&c)[kSB][2]) const {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) c[h] = fmaxf(rowf[h] * sk_tile, 1.17549435e-38f);
+    for (int b = 0; b < kSB; ++b) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) c[b][h] = fmaxf(rowf[h] * sk.v[b], 1.17549435e-38f);
+    }
   }
 
-  // Value v belongs to row half (v >> 1) & 1 and chain (v >> 2) % kChains; the first value of
-  // (half h, chain j) is v = 4j + 2h.
-  __device__ __forceinline__ static constexpr bool opens_chain(int v) { return v < 4 * kChains && (v & 1) == 0; }
+  // Value v belongs to row half (v >> 1) & 1, K block block_of(v) and chain (v >> 2) % kChains; the
+  // first value of (block b, half h, chain j) is v = 4 (b kGroupsPerBlock + j) + 2h.
+  __device__ __forceinline__ static constexpr bool opens_chain(int v) {
+    return (v >> 2) % kGroupsPerBlock < kChains && (v & 1) == 0;
+  }
 
-  // This thread's max of each row half over the tile, in kChains independent chains.
-  __device__ __forceinline__ static void tile_row_max(const float (&s)[kN], float (&mx)[2]) {
-    float part[2][kChains];
+  // The row sums' chains span the whole tile: the first value of (half h, chain j) is v = 4j + 2h
+  // (the same values as opens_chain with one K block per tile).
+  __device__ __forceinline__ static constexpr bool opens_sum_chain(int v) { return v < 4 * kChains && (v & 1) == 0; }
+
+  // This thread's max of each row half over each K block of the tile, in kChains independent chains.
+  __device__ __forceinline__ static void tile_row_max(const float (&s)[kN], float (&mx)[kSB][2]) {
+    float part[kSB][2][kChains];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int b = 0; b < kSB; ++b) {
 #pragma unroll
-      for (int j = 0; j < kChains; ++j) part[h][j] = kSeed ? s[4 * j + 2 * h] : -INFINITY;
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < kChains; ++j) part[b][h][j] = kSeed ? s[4 * (b * kGroupsPerBlock + j) + 2 * h] : -INFINITY;
+      }
     }
 #pragma unroll
     for (int v = 0; v < kN; ++v) {
-      float& acc = part[(v >> 1) & 1][(v >> 2) % kChains];
+      float& acc = part[block_of(v)][(v >> 1) & 1][(v >> 2) % kChains];
       if (!(kSeed && opens_chain(v))) acc = fmaxf(acc, s[v]);
     }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) mx[h] = chains_max(part[h]);
+    for (int b = 0; b < kSB; ++b) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) mx[b][h] = chains_max(part[b][h]);
+    }
   }
 
   // P~ (fp32, in [0, 448]) -> the FP8 A fragment of the PV wgmma. Register 4kb + r of k-block kb,
   // r = (k+16 half) * 2 + (row half); byte i of the register is k position 4t + i, i.e.
   // accumulator columns 2t + (i & 1) + 8 * (i >> 1) of 8-column group 4kb + 2*(r >> 1): values
   // v = 4 * (4kb + 2*(r>>1) + (i>>1)) + 2*(r&1) + (i&1). No shuffles (tile_config.hpp).
-  __device__ __forceinline__ static void pack_p_frag(const float (&s)[kN], uint32_t (&p_frag)[16]) {
+  __device__ __forceinline__ static void pack_p_frag(const float (&s)[kN], uint32_t (&p_frag)[kPRegs]) {
 #pragma unroll
-    for (int kb = 0; kb < 4; ++kb) {
+    for (int kb = 0; kb < kKeys_ / 32; ++kb) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int v0 = 4 * (4 * kb + 2 * (r >> 1)) + 2 * (r & 1);  // i = 0
@@ -166,8 +208,8 @@ struct OnlineSoftmax {
   // factors alpha for the output accumulator. exact (warp-uniform): the lean steps' exact
   // exponents (lean_scores), a whole second copy of the step behind one branch, so the folded
   // step's code stays one straight block.
-  __device__ __forceinline__ void step(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
-                                       uint32_t (&p_frag)[16], float (&alpha)[2], bool exact = false) {
+  __device__ __forceinline__ void step(const uint32_t (&s_int)[kN], const KScales& sk_tile, const Mask& mk,
+                                       uint32_t (&p_frag)[kPRegs], float (&alpha)[2], bool exact = false) {
     if (kLean && exact) {
       step_with<true>(s_int, sk_tile, mk, p_frag, alpha);
     } else {
@@ -175,8 +217,8 @@ struct OnlineSoftmax {
     }
   }
   template <bool kExact>
-  __device__ __forceinline__ void step_with(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
-                                            uint32_t (&p_frag)[16], float (&alpha)[2]) {
+  __device__ __forceinline__ void step_with(const uint32_t (&s_int)[kN], const KScales& sk_tile, const Mask& mk,
+                                            uint32_t (&p_frag)[kPRegs], float (&alpha)[2]) {
     Scores sc;
     scores_with<kExact>(s_int, sk_tile, mk, sc, alpha);
     pack(sc, p_frag);
@@ -184,7 +226,7 @@ struct OnlineSoftmax {
 
   // step in two halves, so a caller can put a wait between them (kernel_fwd.cuh late_pv_wait):
   // scores = max, exp2 and row sums (m, l and alpha updated), pack = the FP8 A fragment.
-  __device__ __forceinline__ void scores(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
+  __device__ __forceinline__ void scores(const uint32_t (&s_int)[kN], const KScales& sk_tile, const Mask& mk,
                                          Scores& sc, float (&alpha)[2], bool exact = false) {
     if (kLean && exact) {
       scores_with<true>(s_int, sk_tile, mk, sc, alpha);
@@ -193,7 +235,7 @@ struct OnlineSoftmax {
     }
   }
   template <bool kExact>
-  __device__ __forceinline__ void scores_with(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
+  __device__ __forceinline__ void scores_with(const uint32_t (&s_int)[kN], const KScales& sk_tile, const Mask& mk,
                                               Scores& sc, float (&alpha)[2]) {
     if constexpr (kHalfExp) {
       scores_lean_half<kExact>(s_int, sk_tile, mk, sc, alpha);
@@ -204,7 +246,7 @@ struct OnlineSoftmax {
     }
   }
 
-  __device__ __forceinline__ static void pack(const Scores& sc, uint32_t (&p_frag)[16]) {
+  __device__ __forceinline__ static void pack(const Scores& sc, uint32_t (&p_frag)[kPRegs]) {
     if constexpr (kHalfExp) {
       pack_half(sc, p_frag);
     } else {
@@ -212,8 +254,8 @@ struct OnlineSoftmax {
     }
   }
 
-  __device__ __forceinline__ void scores_plain(const uint32_t (&s_int)[kN], float sk_tile,
-                                               const TileMask& mk, float (&s)[kN], float (&alpha)[2]) {
+  __device__ __forceinline__ void scores_plain(const uint32_t (&s_int)[kN], const KScales& sk_tile,
+                                               const Mask& mk, float (&s)[kN], float (&alpha)[2]) {
 #pragma unroll
     for (int v = 0; v < kN; ++v) {
       // Exact int32 -> fp32 without the conversion unit: |s| <= 127*127*128 < 2^22, so adding
@@ -221,14 +263,15 @@ struct OnlineSoftmax {
       s[v] = biased_score(s_int[v]) - 12582912.f;
     }
     mk.apply(s);
+    static_assert(kSB == 1, "one K scale per tile");
     // s = int * c, c from row_scale
-    float c[2], mx[2], muse[2];
+    float c[1][2], mx[1][2], muse[2];
     row_scale(sk_tile, c);
     tile_row_max(s, mx);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // max commutes with the positive scale c (rounding is monotonic), so scale once.
-      const float m_new = fmaxf(m[h], quad_max(mx[h]) * c[h]);
+      const float m_new = fmaxf(m[h], quad_max(mx[0][h]) * c[0][h]);
       muse[h] = m_new == -INFINITY ? 0.f : m_new;  // all masked so far: p = 0, alpha = 0
       alpha[h] = exp2_mufu(m[h] - muse[h]);
       m[h] = m_new;
@@ -237,7 +280,7 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int v = 0; v < kN; ++v) {
       const int h = (v >> 1) & 1;
-      const float x = fmaf(s[v], c[h], -muse[h]);
+      const float x = fmaf(s[v], c[0][h], -muse[h]);
       float p;
       if constexpr (kPolyEvery > 0) {
         p = (v % kPolyEvery == kPolyEvery - 1) ? exp2_poly(x) : exp2_mufu(x);
@@ -267,48 +310,70 @@ struct OnlineSoftmax {
   //    more per score. The kernel runs a tile's step this way when a c of the warp can exceed
   //    kFoldMaxC (kernel_fwd.cuh exact_exponents; step's exact branch).
   static constexpr float kFoldMaxC = 0x1p-9f;
+  // Per K block b (kSB of them) and row half h.
   struct LeanRow {
-    float c[2], off[2];   // folded: x = s c - off
-    float base[2], add[2];  // exact: x = (s - base) c + add
+    float c[kSB][2], off[kSB][2];   // folded: x = s c - off
+    float base[kSB][2], add[kSB][2];  // exact: x = (s - base) c + add
   };
-  __device__ __forceinline__ void lean_scores(const uint32_t (&s_int)[kN], float sk_tile, const TileMask& mk,
+  __device__ __forceinline__ void lean_scores(const uint32_t (&s_int)[kN], const KScales& sk_tile, const Mask& mk,
                                               float log2_gain, float (&s)[kN], LeanRow& r, float (&alpha)[2]) {
     constexpr float kBias = 12582912.f;  // 1.5 * 2^23
 #pragma unroll
     for (int v = 0; v < kN; ++v) s[v] = biased_score(s_int[v]);
     mk.apply(s);
-    float mx[2];
+    float mx[kSB][2];
     row_scale(sk_tile, r.c);
     tile_row_max(s, mx);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float tmax = quad_max(mx[h]);  // biased, or -inf: no visible key in this row's tile
-      // (biased max - bias) is the exact integer max; -inf stays -inf.
-      const float m_tile = (tmax - kBias) * r.c[h];
+      float m_tile;
+      float sb[kSB];  // kSB > 1: each K block's (thread-local) max, scaled
+      if constexpr (kSB == 1) {
+        const float tmax = quad_max(mx[0][h]);  // biased, or -inf: no visible key in this row's tile
+        // (biased max - bias) is the exact integer max; -inf stays -inf.
+        m_tile = (tmax - kBias) * r.c[0][h];
+        mx[0][h] = tmax;
+        sb[0] = m_tile;
+      } else {
+        // The K blocks have their own c: the row's tile max is the max over blocks (and the quad) of
+        // each block's exact integer max times its c (max commutes with a positive scale's rounding).
+        float mt = -INFINITY;
+#pragma unroll
+        for (int b = 0; b < kSB; ++b) {
+          sb[b] = (mx[b][h] - kBias) * r.c[b][h];
+          mt = fmaxf(mt, sb[b]);
+        }
+        m_tile = quad_max(mt);
+      }
       const float m_new = fmaxf(m[h], m_tile);
       const float muse = m_new == -INFINITY ? 0.f : m_new;
       alpha[h] = exp2_mufu(m[h] - muse);
       m[h] = m_new;
-      r.off[h] = fmaf(kBias, r.c[h], muse - log2_gain);
-      // exact: s - base is the exact integer difference (-inf where masked); a row tile without a
-      // visible key has only -inf scores, whatever base and add are
-      const bool seen = tmax != -INFINITY;
-      r.base[h] = seen ? tmax : kBias;
-      r.add[h] = seen ? (m_tile - muse) + log2_gain : 0.f;
+#pragma unroll
+      for (int b = 0; b < kSB; ++b) {
+        r.off[b][h] = fmaf(kBias, r.c[b][h], muse - log2_gain);
+        // exact: s - base is the exact integer difference (-inf where masked); a row tile without a
+        // visible key has only -inf scores, whatever base and add are. With kSB > 1 base is the
+        // thread's own block max (its key gets exactly sb - muse + log2_gain: the row's max key
+        // exactly log2_gain, as with kSB = 1).
+        const bool seen = mx[b][h] != -INFINITY;
+        r.base[b][h] = seen ? mx[b][h] : kBias;
+        r.add[b][h] = seen ? (sb[b] - muse) + log2_gain : 0.f;
+      }
     }
   }
   template <bool kExact>
-  __device__ __forceinline__ static float lean_x(float s, const LeanRow& r, int h) {
+  __device__ __forceinline__ static float lean_x(float s, const LeanRow& r, int b, int h) {
     if constexpr (kExact) {
-      return fmaf(s - r.base[h], r.c[h], r.add[h]);
+      return fmaf(s - r.base[b][h], r.c[b][h], r.add[b][h]);
     } else {
-      return fmaf(s, r.c[h], -r.off[h]);
+      return fmaf(s, r.c[b][h], -r.off[b][h]);
     }
   }
 
   template <bool kExact>
-  __device__ __forceinline__ void scores_lean(const uint32_t (&s_int)[kN], float sk_tile,
-                                              const TileMask& mk, float (&s)[kN], float (&alpha)[2]) {
+  __device__ __forceinline__ void scores_lean(const uint32_t (&s_int)[kN], const KScales& sk_tile,
+                                              const Mask& mk, float (&s)[kN], float (&alpha)[2]) {
     constexpr float kLog2Fp8Max = 8.8073549221f;  // log2(448): x = s c - m + log2 448
     LeanRow r;
     lean_scores(s_int, sk_tile, mk, kLog2Fp8Max, s, r, alpha);
@@ -321,7 +386,7 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int v = 0; v < kN; ++v) {
       const int h = (v >> 1) & 1;
-      const float x = lean_x<kExact>(s[v], r, h);
+      const float x = lean_x<kExact>(s[v], r, block_of(v), h);
       float p;
       if constexpr (kPolyEvery > 0) {
         p = (v % kPolyEvery == kPolyEvery - 1) ? exp2_poly(x) : exp2_mufu(x);
@@ -330,7 +395,7 @@ struct OnlineSoftmax {
       }
       if constexpr (!kTcSum) {
         float& acc = part_sum[h][(v >> 2) % kChains];
-        acc = kSeed && opens_chain(v) ? p : acc + p;
+        acc = kSeed && opens_sum_chain(v) ? p : acc + p;
       }
       s[v] = p;  // already P~ * 448 (cvt saturates the rare 448 * (1 + 1e-7))
     }
@@ -344,8 +409,8 @@ struct OnlineSoftmax {
   }
 
   template <bool kExact>
-  __device__ __forceinline__ void scores_lean_half(const uint32_t (&s_int)[kN], float sk_tile,
-                                                   const TileMask& mk, uint32_t (&ph)[kN / 2],
+  __device__ __forceinline__ void scores_lean_half(const uint32_t (&s_int)[kN], const KScales& sk_tile,
+                                                   const Mask& mk, uint32_t (&ph)[kN / 2],
                                                    float (&alpha)[2]) {
     constexpr uint32_t k448x2 = 0x5F005F00u;  // 448 in both fp16 halves
     float s[kN];
@@ -355,8 +420,8 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int j = 0; j < kN / 2; ++j) {
       const int h = j & 1;
-      const float x0 = lean_x<kExact>(s[2 * j], r, h);
-      const float x1 = lean_x<kExact>(s[2 * j + 1], r, h);
+      const float x0 = lean_x<kExact>(s[2 * j], r, 0, h);
+      const float x1 = lean_x<kExact>(s[2 * j + 1], r, 0, h);
       uint32_t hx, hp;
       asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(hx) : "f"(x1), "f"(x0));  // first source -> high
       asm("ex2.approx.f16x2 %0, %1;" : "=r"(hp) : "r"(hx));
@@ -385,7 +450,7 @@ struct OnlineSoftmax {
 
   // Same A-fragment assembly as pack_p_frag: register 4kb + r takes values v0, v0+1 (pair v0/2)
   // and v0+4, v0+5 (pair v0/2 + 2).
-  __device__ __forceinline__ static void pack_half(const uint32_t (&ph)[kN / 2], uint32_t (&p_frag)[16]) {
+  __device__ __forceinline__ static void pack_half(const uint32_t (&ph)[kN / 2], uint32_t (&p_frag)[kPRegs]) {
 #pragma unroll
     for (int kb = 0; kb < 4; ++kb) {
 #pragma unroll

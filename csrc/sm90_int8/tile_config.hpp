@@ -22,7 +22,15 @@
 namespace sage_sm90 {
 
 // ---- constants fixed by the numerics spec (sage8) -------------------------------------------
-constexpr int kBlockKV = 128;          // keys per online-softmax tile == K quantization block
+constexpr int kBlockKV = 128;          // keys per online-softmax tile == K quantization block (the default)
+// FwdOptions::long_tile (hd128 benchmarks): 192-key tiles made of three 64-key K quantization
+// blocks. The pre-pass then writes 64-key images (K: 64 rows; V^T: D x 64 in the 64-byte swizzle),
+// which lie back to back in memory, so one tile's three images are one contiguous copy that lands
+// as the tile's smem layout (host_layout_check.cu proves it).
+constexpr int kLongTileKeys = 192;
+// Keys per K quantization block (one K scale) of a kKeys-key tile.
+template <int kKeys>
+constexpr int kKBlockKeys = kKeys == kBlockKV ? kBlockKV : 64;
 constexpr float kInt8Max = 127.f;
 constexpr float kFp8Max = 448.f;       // E4M3 max; P~ is scaled by this before quantization
 
@@ -49,19 +57,28 @@ struct CtaShape {
 // accumulator columns D.. (the softmax then adds no p). The pre-pass image stays D x 128; the
 // producer copies it into the first kVTileBytes of the stage and the ones stay as the kernel wrote
 // them. kSumCols = 0 is every other variant, its sizes and layouts unchanged.
-template <int D, int kWGs = 2, int kSumCols = 0>
+// kKeys: keys per tile, kBlockKV or (long_tile) kLongTileKeys.
+template <int D, int kWGs = 2, int kSumCols = 0, int kKeys = kBlockKV>
 struct TileConfig {
   static_assert(D == 64 || D == 128, "head dims 64 and 128 only");
   static_assert(kSumCols == 0 || kSumCols == 8, "no sum columns, or one 8-row swizzle atom of them");
+  static_assert(kKeys == kBlockKV || (kKeys == kLongTileKeys && kSumCols == 0),
+                "128-key tiles, or 192-key ones without the ones rows (one V^T copy per tile)");
   static constexpr int kHeadDim = D;
   using Cta = CtaShape<kWGs>;
 
+  static constexpr int kTileKeys = kKeys;
+  static constexpr int kKBlock = kKBlockKeys<kKeys>;   // keys per K scale
+  static constexpr int kScaleBlocks = kKeys / kKBlock;  // K scales per tile: 1, or 3 (long_tile)
   static constexpr int kQTileBytes = kRowsPerWG * D;   // int8, 64 rows x D
-  static constexpr int kKTileBytes = kBlockKV * D;     // int8, 128 keys x D
-  static constexpr int kVTileBytes = D * kBlockKV;     // fp8, D channels x 128 keys (V^T): the image
+  static constexpr int kKTileBytes = kKeys * D;        // int8, kKeys keys x D
+  static constexpr int kVTileBytes = D * kKeys;        // fp8, D channels x kKeys keys (V^T): the image
+  // One K block's images (the pre-pass writes one per K scale; a tile is kScaleBlocks of them in a row).
+  static constexpr int kKBlockBytes = kKBlock * D;
+  static constexpr int kVBlockBytes = D * kKBlock;
   static constexpr int kSumColumns = kSumCols;
   static constexpr int kPVCols = D + kSumCols;         // N of the PV wgmma
-  static constexpr int kVStageBytes = kPVCols * kBlockKV;  // one V^T stage in smem: image + ones rows
+  static constexpr int kVStageBytes = kPVCols * kKeys;  // one V^T stage in smem: image + ones rows
   static constexpr int kSmemQ = kQTileBytes * kWGs;
 
   // Stages of the K/V ring: the deepest ring, up to kMaxStages, that leaves room for the region
@@ -85,7 +102,9 @@ struct TileConfig {
     return n;
   }
   static constexpr int kStages = stages_that_fit();
-  static_assert(kStages == (D == 128 && kWGs == 3 ? 3 : 4), "the ring depths the budget above works out");
+  //   long_tile (hd128, 2 WGs, 192 keys): Q 16 KB + 3 * (K 24 KB + V^T 24 KB) + O sum 64 KB = 224 KB: 3 stages
+  static_assert(kStages == (D == 128 && (kWGs == 3 || kKeys == kLongTileKeys) ? 3 : 4),
+                "the ring depths the budget above works out");
 
   static constexpr int kSmemK = kKTileBytes * kStages;
   static constexpr int kSmemV = kVStageBytes * kStages;
@@ -99,20 +118,24 @@ struct TileConfig {
   // Q/K rows are D bytes: one 128-byte swizzle atom per row at hd128, a 64-byte one at hd64.
   using SmemAtomQK = std::conditional_t<D == 128, cute::GMMA::Layout_K_SW128_Atom<int8_t>,
                                         cute::GMMA::Layout_K_SW64_Atom<int8_t>>;
-  // V^T rows are 128 keys = 128 bytes of fp8 at every head dim.
-  using SmemAtomV = cute::GMMA::Layout_K_SW128_Atom<cute::float_e4m3_t>;
+  // V^T rows are 128 keys = 128 bytes of fp8 at every head dim; long_tile's 192 keys are three
+  // 64-byte swizzle atoms per row (atoms of one 64-key block first: the pre-pass's 64-key images).
+  using SmemAtomV = std::conditional_t<kKeys % 128 == 0, cute::GMMA::Layout_K_SW128_Atom<cute::float_e4m3_t>,
+                                       cute::GMMA::Layout_K_SW64_Atom<cute::float_e4m3_t>>;
 
   using SmemLayoutQ = decltype(cute::tile_to_shape(
       SmemAtomQK{}, cute::Shape<cute::Int<kRowsPerWG>, cute::Int<D>>{}));
   using SmemLayoutK = decltype(cute::tile_to_shape(
-      SmemAtomQK{}, cute::Shape<cute::Int<kBlockKV>, cute::Int<D>, cute::Int<kStages>>{}));
+      SmemAtomQK{}, cute::Shape<cute::Int<kKeys>, cute::Int<D>, cute::Int<kStages>>{}));
   using SmemLayoutVt = decltype(cute::tile_to_shape(
-      SmemAtomV{}, cute::Shape<cute::Int<kPVCols>, cute::Int<kBlockKV>, cute::Int<kStages>>{}));
+      SmemAtomV{}, cute::Shape<cute::Int<kPVCols>, cute::Int<kKeys>, cute::Int<kStages>>{}));
 
-  // S = Q K^T: INT8 x INT8 -> INT32, both operands K-major in smem.
-  using MmaQK = cute::SM90::GMMA::MMA_64x128x32_S32S8S8_SS_TN;
+  // S = Q K^T: INT8 x INT8 -> INT32, both operands K-major in smem (N = the tile's keys).
+  using MmaQK = std::conditional_t<kKeys == kBlockKV, cute::SM90::GMMA::MMA_64x128x32_S32S8S8_SS_TN,
+                                   cute::SM90::GMMA::MMA_64x192x32_S32S8S8_SS_TN>;
   // Same product with Q from registers (q_in_registers): B descriptors are those of the SS atom.
-  using MmaQKRS = cute::SM90::GMMA::MMA_64x128x32_S32S8S8_RS_TN;
+  using MmaQKRS = std::conditional_t<kKeys == kBlockKV, cute::SM90::GMMA::MMA_64x128x32_S32S8S8_RS_TN,
+                                     cute::SM90::GMMA::MMA_64x192x32_S32S8S8_RS_TN>;
   // O += P V: FP8 x FP8 -> FP32, P from registers, V^T K-major (keys contiguous) in smem; N = D,
   // or D + 8 with the ones rows (kSumCols).
   template <int kN>
@@ -125,12 +148,12 @@ struct TileConfig {
   using TiledMmaQK = decltype(cute::make_tiled_mma(MmaQK{}));
   using TiledMmaPV = decltype(cute::make_tiled_mma(MmaPV{}));
 
-  static constexpr int kSRegs = kRowsPerWG * kBlockKV / 128;  // 64 int32 per thread
+  static constexpr int kSRegs = kRowsPerWG * kKeys / 128;  // 64 int32 per thread (96 with long_tile)
   static constexpr int kORegs = kRowsPerWG * D / 128;         // D/2 fp32 per thread
   // The PV accumulator: O's values, then (kSumCols) 4 more per thread, each its row's sum of P~
   // (values kORegs + 2x and + 2x + 1 of row half x: columns D + 2t + {0, 1}, all ones in V^T).
   static constexpr int kPVRegs = kRowsPerWG * kPVCols / 128;
-  static constexpr int kPRegs = kRowsPerWG * kBlockKV / 128 / 4;  // 16 x (4 fp8) per thread
+  static constexpr int kPRegs = kRowsPerWG * kKeys / 128 / 4;  // 16 x (4 fp8) per thread (24 with long_tile)
 };
 
 // ---- byte images of the swizzled tiles (shared by the pre-pass and host_layout_check) ----------

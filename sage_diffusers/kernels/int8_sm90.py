@@ -108,7 +108,8 @@ def _build_sources() -> list[Path]:
     if not _BENCH:
         return _sources()
     d = source_dir()
-    return [d / "binding.cpp", d / "dispatch.cu", d / "prepass.cu",
+    # prepass_long.cu: the 64-key K blocks of the long_tile variants (benchmark builds only)
+    return [d / "binding.cpp", d / "dispatch.cu", d / "prepass.cu", d / "prepass_long.cu",
             *sorted((d / "instantiations").glob("bench_*.cu"))]
 
 
@@ -231,9 +232,9 @@ def _image_offsets(rows: int, row_bytes: int, device) -> torch.Tensor:
     return r * row_bytes + ((chunk << 4) | (c & 15))  # (rows, row_bytes)
 
 
-def _vt_key_to_position(device) -> torch.Tensor:
-    """Inverse of tile_config.hpp:vt_position_to_key over one 128-key tile."""
-    p = torch.arange(BLOCK_KV, device=device)
+def _vt_key_to_position(device, keys: int = BLOCK_KV) -> torch.Tensor:
+    """Inverse of tile_config.hpp:vt_position_to_key over one image of ``keys`` keys (128 or 64)."""
+    p = torch.arange(keys, device=device)
     q = p & 15
     t, i = q >> 2, q & 3
     key = (p & ~15) + 2 * t + (i & 1) + 8 * (i >> 1)
@@ -249,8 +250,13 @@ def _decode_rows(img: torch.Tensor, rows: int, d: int, n_valid: int) -> torch.Te
     return img[..., off].reshape(b, h, n * rows, d)[:, :, :n_valid]
 
 
-def prepass(q, k, v, key_mask=None, scale=None) -> dict:
+def prepass(q, k, v, key_mask=None, scale=None, kv_block: int = BLOCK_KV) -> dict:
     """Run only the quantization pre-pass and decode its outputs.
+
+    kv_block: keys per K scale block, 128 (every shipped variant) or 64 (the ``long_tile`` variants
+    of the benchmark build, whose 192-key tiles hold three such blocks; their pre-pass exists only
+    in that build). sk then has 3 * ceil(Skv / 192) entries per (b, kv head), mask_bits 2 words per
+    block.
 
     Returns
     -------
@@ -271,19 +277,19 @@ def prepass(q, k, v, key_mask=None, scale=None) -> dict:
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     qq, kk, vv = kernel_views(q, k, v)
     q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, bits, v_first, v_summary = _extension().prepass(
-        qq, kk, vv, key_mask, scale)
+        qq, kk, vv, key_mask, scale, kv_block)
     b, hkv = k.shape[0], k.shape[1]
     n_kv = vt_img.shape[2]
-    # V^T tile (d, 128 positions): key j of the tile sits at position inv[j].
-    inv = _vt_key_to_position(q.device)
-    off = _image_offsets(d, BLOCK_KV, q.device)            # (d, 128) by (channel, position)
+    # V^T image (d, kv_block positions): key j of the block sits at position inv[j].
+    inv = _vt_key_to_position(q.device, kv_block)
+    off = _image_offsets(d, kv_block, q.device)            # (d, kv_block) by (channel, position)
     gather = off[:, inv].t().reshape(-1)                    # (key, channel) -> byte offset
-    v8 = vt_img[..., gather].reshape(b, hkv, n_kv * BLOCK_KV, d)[:, :, :skv]
+    v8 = vt_img[..., gather].reshape(b, hkv, n_kv * kv_block, d)[:, :, :skv]
     return {
         "q8": _decode_rows(q_img, Q_TILE_ROWS, d, sq_len),
         "sq": sq[:, :, :sq_len],
         "qkm": qkm[:, :, :sq_len],
-        "k8": _decode_rows(k_img, BLOCK_KV, d, skv),
+        "k8": _decode_rows(k_img, kv_block, d, skv),
         "sk": sk,
         "v8": v8.contiguous().view(torch.float8_e4m3fn),
         "sv": sv,
