@@ -639,3 +639,22 @@ def test_int8_long_tile_flag_validity_and_bench_variants():
     assert "#if SAGE_SM90_BENCH" in pre and "run_prepass_long" in pre
     jit = (ROOT / "sage_diffusers" / "kernels" / "int8_sm90.py").read_text()
     assert jit.count('"prepass_long.cu"') == 1  # the benchmark build's source list only
+
+
+def test_int8_prepass_kv_block_refused_outside_the_benchmark_build():
+    """int8_sm90.prepass(kv_block=...) names what it accepts: 128, or 64 only where the 64-key pre-pass
+    is compiled (the benchmark build, head dim 128); a ValueError before any tensor reaches the
+    extension (these are CPU tensors: nothing is launched)."""
+    import torch
+
+    from sage_diffusers.kernels import int8_sm90
+
+    q = k = v = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="expected 128 or 64, got 32"):
+        int8_sm90.prepass(q, k, v, kv_block=32)
+    if not int8_sm90._BENCH:
+        with pytest.raises(ValueError, match="benchmark build"):
+            int8_sm90.prepass(q, k, v, kv_block=64)
+    q64 = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head dim 128 only; got head dim 64"):
+        int8_sm90.prepass(q64, q64, q64, kv_block=64)

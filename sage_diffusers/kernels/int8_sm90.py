@@ -271,6 +271,12 @@ def prepass(q, k, v, key_mask=None, scale=None, kv_block: int = BLOCK_KV) -> dic
     and V rows 0, finite absmaxes; one difference: sq of a query row holding a NaN / Inf is NaN
     here (the kernel's flag that the row's output is NaN), a finite scale there.
     """
+    if kv_block not in (BLOCK_KV, 64):
+        raise ValueError(f"kv_block: expected {BLOCK_KV} or 64, got {kv_block}")
+    if kv_block == 64 and (not _BENCH or q.shape[-1] != 128):
+        raise ValueError("kv_block=64 (the long_tile variants' pre-pass) exists in the benchmark build "
+                         f"(SAGE_DIFFUSERS_SM90_BENCH=1) at head dim 128 only; got head dim {q.shape[-1]}, "
+                         f"benchmark build {_BENCH}")
     check_qkv(q, k, v, HEAD_DIMS)
     key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2])
     d, sq_len, skv = q.shape[-1], q.shape[2], k.shape[2]
