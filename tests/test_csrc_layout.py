@@ -347,7 +347,7 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
     assert smem(3, 3, 128) <= 227 * 1024 < smem(4, 3, 128)
     assert all(smem(4, w, d) <= 227 * 1024 for w, d in ((2, 128), (2, 64), (3, 64)))
     tile = (k / "tile_config.hpp").read_text()
-    assert "static_assert(kStages == (D == 128 && (kWGs == 3 || kKeys == kLongTileKeys) ? 3 : 4)," in tile
+    assert "static_assert(kStages == (D == 128 && (kWGs == 3 || kKeys == kLongTileKeys) ? (kKeys == kLongTileKeys && kSumCols ? 2 : 3) : 4)," in tile
     # every helper that indexes the ring takes the CTA's warpgroup count (its depth depends on it)
     mainloop = (k / "mainloop.hpp").read_text()
     assert "TileConfig<D>::" not in mainloop and "const WarpgroupOperands<D, kWGs, kSumCols, kKeys> ops(" in (k / "kernel_fwd.cuh").read_text()
@@ -602,36 +602,39 @@ def test_int8_seeded_scores_flag_validity_and_default():
 
 def test_int8_long_tile_flag_validity_and_bench_variants():
     """`long_tile` is flag bit 1 << 25 (kFlagsHighShift + 13) on both sides, named "long", refused
-    without the lean softmax and with fp16_exp2, tc_row_sum or three_consumers (Python raises, C++
-    valid() says so), no shipped variant has it, and the benchmark build holds hd128 long-tile loops
-    whose 128-key partner (the same options without long_tile and with Q in registers) is built too.
+    without the lean softmax and with fp16_exp2 or three_consumers (Python raises, C++ valid() says
+    so), no shipped variant has it, and the benchmark build holds hd128 long-tile loops with and
+    without tc_row_sum whose 128-key partners (the defaults, and the defaults without tc_row_sum) are
+    built too.
     The binding sizes the pre-pass by the dispatched variant's tile and K block (fwd_shape), the
     pre-pass's 64-key kernels are in the benchmark build only."""
     from dataclasses import replace
 
     gen = _generator()
     launch, kernel = _assert_high_flag(gen, "long_tile", 13, "long")
-    assert "(!long_tile || (lean_softmax && !fp16_exp2 && !tc_row_sum && !three_consumers))" in launch
+    assert "(!long_tile || (lean_softmax && !fp16_exp2 && !three_consumers))" in launch
     assert "constexpr int kKeys = kOpt.tile_keys();" in kernel
-    for bad in (dict(), dict(lean_softmax=True, tc_row_sum=True), dict(lean_softmax=True, fp16_exp2=True),
-                dict(lean_softmax=True, three_consumers=True)):
+    for bad in (dict(), dict(lean_softmax=True, fp16_exp2=True), dict(lean_softmax=True, three_consumers=True)):
         with pytest.raises(ValueError, match="long_tile"):
             gen.FwdOptions(long_tile=True, **bad)
     lean = gen.FwdOptions(lean_softmax=True, long_tile=True)
     assert lean.flags == 1 | 1 << 25 and lean.name == "lean_long"
     assert not any(o.long_tile for *_, o in gen.variants())
     longs = [o for d, o in gen.BENCH_VARIANTS if o.long_tile]
-    assert len(longs) == 3 and all(d == 128 for d, o in gen.BENCH_VARIANTS if o.long_tile)
+    assert len(longs) == 5 and all(d == 128 for d, o in gen.BENCH_VARIANTS if o.long_tile)
+    assert sum(o.tc_row_sum for o in longs) == 2 and not any(o.q_in_registers for o in longs)
     flags = {o.flags for d, o in gen.BENCH_VARIANTS if d == 128}
-    assert replace(gen.DEFAULTS[128], tc_row_sum=False).flags in flags  # the partner
+    assert replace(gen.DEFAULTS[128], tc_row_sum=False).flags in flags  # the partner without tc_row_sum
     # the benchmarks' references follow each variant's tiles (generated for Python)
     from sage_diffusers.kernels import _sm90_int8_variants as py
     assert py.TILE_KWARGS == {o.flags: {"block_kv": 192, "k_block": 64} for o in longs}
     # its ring: Q 16 KB + 3 stages x (K 24 KB + V^T 24 KB), barriers, the base slack and O's fp32 sum
     # fit the 227 KB budget (tile_config.hpp kStages), 4 stages do not
-    def smem(stages):
-        return 128 * 128 + stages * 2 * 192 * 128 + 8 * (2 * stages + 1) + 1024 + 128 * 128 * 4 + 16
-    assert smem(3) <= 227 * 1024 < smem(4)
+    # (tc_row_sum: V^T stages of 136 x 192 bytes, an O sum of 136 columns: 2 stages)
+    def smem(stages, sums=0):
+        return (128 * 128 + stages * (192 * 128 + 192 * (128 + sums)) + 8 * (2 * stages + 1) + 1024
+                + 128 * (128 + sums) * 4 + 16)
+    assert smem(3) <= 227 * 1024 < smem(4) and smem(2, 8) <= 227 * 1024 < smem(3, 8)
     binding = (CSRC / "sm90_int8" / "binding.cpp").read_text()
     assert "sage_sm90::fwd_kv_blocks(Skv, shape.tile_keys, shape.kv_block)" in binding
     assert binding.count("fwd_shape(D, is_causal, exp_poly_every") == 3  # fwd, bench_parts, fwd_phase_clock

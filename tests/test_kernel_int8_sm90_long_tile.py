@@ -8,7 +8,8 @@ The variants exist only in the benchmark build (env SAGE_DIFFUSERS_SM90_BENCH=1,
 * the 64-key pre-pass against ``sage8_quantize(block_kv=64)``: Q / V codes and scales bit for bit, K
   codes within one step where the k mean's last bit differs (as the 128-key pre-pass test), the K
   scales of the padding blocks that complete the last 192-key tile 0, the mask words of every block;
-* every long_tile variant against ``sage8_reference(block_kv=192, k_block=64)`` (the same numerics)
+* every long_tile variant against ``sage8_reference(block_kv=192, k_block=64)`` (the same numerics;
+  row_sum "codes" where the variant has tc_row_sum)
   at awkward lengths (1, 113, 1023, 4097), GQA, key masks with NaN / 1e4 garbage on the masked K / V
   rows (bit for bit the output of clean K / V), a fully masked batch row, inputs scaled by 1e-4 and
   1e4 (the exact-exponent copy of the softmax step), with and without the LSE.
@@ -72,13 +73,14 @@ for o in longs:
                 if m is not None:  # the garbage changed nothing: the same call on clean K / V
                     clean = ext.fwd(q, k, v, m, False, d ** -0.5, lse, o.exp2_poly_every)
                     same = torch.equal(clean[0].view(torch.int16), out.view(torch.int16))
+                row_sum = "codes" if o.tc_row_sum else "p"
                 ref, ref_lse = sage8_reference(q.float(), kr, vr, key_mask=m, return_lse=True,
-                                               block_kv=192, k_block=64)
+                                               block_kv=192, k_block=64, row_sum=row_sum)
                 got = out.float()
                 c, rl1 = cosine(got, ref), relative_l1(got, ref)
                 # x1e4: the softmax is one-hot, and a K code on a rounding tie may pick another key
                 near = s == 1 or scale > 1 or (c >= 0.999 and rl1 <= 0.03)
-                why = int8_lse_error(got_lse, ref_lse, "p", d) if lse and scale <= 1 else None
+                why = int8_lse_error(got_lse, ref_lse, row_sum, d) if lse and scale <= 1 else None
                 ok = same and bool(torch.isfinite(got).all()) and near and why is None
                 bad += not ok
                 print(f"{'ok ' if ok else 'BAD'} hd{d} {o.name} {b}x{hq}/{hkv}x{s} x{scale:g} mask={m is not None} "

@@ -83,10 +83,9 @@ class FwdOptions:
                              "loop (no overlap_softmax_pv, no pingpong)")
         if self.seeded_scores and self.fp16_exp2:
             raise ValueError(f"{self}: seeded_scores feeds the fp32 steps; fp16_exp2 converts its scores itself")
-        if self.long_tile and not (self.lean_softmax and not self.fp16_exp2 and not self.tc_row_sum
-                                   and not self.three_consumers):
-            raise ValueError(f"{self}: long_tile has per-block K scales in the lean fp32 steps, one V^T copy per "
-                             "tile (no tc_row_sum) and two consumer warpgroups")
+        if self.long_tile and not (self.lean_softmax and not self.fp16_exp2 and not self.three_consumers):
+            raise ValueError(f"{self}: long_tile has per-block K scales in the lean fp32 steps and two consumer "
+                             "warpgroups")
         if self.three_consumers and (self.pingpong or self.phase_clock):
             raise ValueError(f"{self}: three_consumers has no ping-pong schedule or phase record (two warpgroups)")
 
@@ -247,20 +246,24 @@ _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every
 # at least as accurate as 128 / 128: eval/results/int8_long_tile_accuracy_cpu.md): S takes 96 registers
 # per thread, so hd128's loops fit only with Q read from shared memory and the producer warpgroup at 24
 # registers (consumers 240); with Q in registers every loop spills and ptxas serializes the wgmmas
-# (C7512), as at 232 registers with Q in smem. No tc_row_sum (its partner: the defaults without it).
-# Three loops: the defaults' (overlap + ping-pong), ping-pong alone, and the FA3 order (late_pv_wait:
-# one P array, packed after the PV wait). sass_cost.py: 499-515 instructions per 128 keys against the
-# partner's 497 (the per-key work is the same; fewer waits and barriers per key, 4 against 7). O's FP8
-# accumulator spans smem_o_every = 4 tiles, 768 keys here against 512, before each fp32 flush
-# (variants_bench.py's accumulation check and the GPU test measure what that costs). Not yet run on a GPU.
-_LONG = {"long_tile": True, "tc_row_sum": False, "q_in_registers": False}
+# (C7512), as at 232 registers with Q in smem (eval/results/int8_long_tile_sass.md). With tc_row_sum
+# (the defaults') the V^T stage holds three chunks of image rows and ones rows (three copies per tile)
+# and the ring 2 stages (234 KB for 3); without it 3 stages. Loops: the defaults' (overlap + ping-pong)
+# and ping-pong alone, each with and without tc_row_sum, and the FA3 order (late_pv_wait: one P array,
+# packed after the PV wait) without. sass_cost.py per 128 keys: 439 with tc_row_sum against the
+# defaults' 430; 499-515 without against the same options on 128-key tiles' 497 (the per-key work is
+# the same; fewer waits and barriers per key, 4 against 7). O's FP8 accumulator spans smem_o_every = 4
+# tiles, 768 keys here against 512, before each fp32 flush (variants_bench.py's accumulation check and
+# the GPU test measure what that costs). Not yet run on a GPU.
+_LONG = {"long_tile": True, "q_in_registers": False}
 _BENCH_CHANGES = {
     128: (*_BENCH_COMMON,
           {**_HD128_WG3_LOOP, "three_consumers": True},
           {**_HD128_WG3_LOOP, "epilogue_summary": False, "epilogue_staged": False},
           {"late_pv_wait": True}, {"tc_row_sum": False}, {"tile_sums": True}, {"seeded_scores": False},
           {"overlap_softmax_pv": False}, {"pingpong": False},
-          _LONG, {**_LONG, "overlap_softmax_pv": False}, {**_LONG, "late_pv_wait": True}),
+          _LONG, {**_LONG, "overlap_softmax_pv": False}, {**_LONG, "tc_row_sum": False},
+          {**_LONG, "tc_row_sum": False, "overlap_softmax_pv": False}, {**_LONG, "tc_row_sum": False, "late_pv_wait": True}),
     64: (*_BENCH_COMMON,
          {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True, "fused_rescale": False},
          {"three_consumers": False, "epilogue_summary": False, "epilogue_staged": False},

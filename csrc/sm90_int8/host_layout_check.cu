@@ -144,6 +144,7 @@ int main() {
   check_config<64, 8>();
   check_config<128, 8>();
   check_config<128, 0, kLongTileKeys>();
+  check_config<128, 8, kLongTileKeys>();
   if (g_fail) {
     std::printf("host_layout_check: %d mismatches\n", g_fail);
     return 1;

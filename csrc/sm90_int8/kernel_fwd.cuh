@@ -131,7 +131,8 @@ namespace sage_sm90 {
 //                        registers per thread, a 3-stage ring. The pre-pass writes 64-key images and
 //                        scales (PrepassParams::kv_block), a tile takes three of each; c and the folded
 //                        offset are per K block (softmax.hpp). Other numerics than 128-key tiles:
-//                        sage8_reference(block_kv=192, k_block=64). No tc_row_sum (one V^T copy per tile).
+//                        sage8_reference(block_kv=192, k_block=64). With tc_row_sum the V^T stage is
+//                        three chunks of image and ones rows (three copies per tile) and the ring 2 stages.
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 168 registers, ptxas's cap for 384). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.

@@ -44,7 +44,7 @@ struct FwdOptions {
                                     // after the PV instead of O *= alpha before it and O += tile after
   bool seeded_scores = false;       // (no fp16_exp2) S's int32 accumulator starts from the bits of 1.5 * 2^23,
                                     // so each score arrives as its biased float: no convert add per score
-  bool long_tile = false;           // (lean, no tc_row_sum / three_consumers / fp16_exp2) 192-key tiles of
+  bool long_tile = false;           // (lean, no three_consumers / fp16_exp2) 192-key tiles of
                                     // three 64-key K scale blocks (the pre-pass's kv_block = 64)
 
   constexpr int flags() const {
@@ -113,9 +113,9 @@ struct FwdOptions {
            (!fused_rescale || (fp32_pv_tiles && !overlap_softmax_pv && !pingpong)) &&
            // seeded_scores: fp16_exp2's step converts the scores its own way (softmax.hpp scores_lean_half)
            (!seeded_scores || !fp16_exp2) &&
-           // long_tile: per-block K scales in the lean fp32 steps (softmax.hpp); one V^T copy per tile
-           // (no ones rows); two consumer warpgroups (S's 96 registers)
-           (!long_tile || (lean_softmax && !fp16_exp2 && !tc_row_sum && !three_consumers));
+           // long_tile: per-block K scales in the lean fp32 steps (softmax.hpp); two consumer
+           // warpgroups (S's 96 registers)
+           (!long_tile || (lean_softmax && !fp16_exp2 && !three_consumers));
   }
   // Keys per tile and per K scale block (tile_config.hpp kLongTileKeys, kKBlockKeys).
   constexpr int tile_keys() const { return long_tile ? 192 : 128; }

@@ -62,8 +62,7 @@ template <int D, int kWGs = 2, int kSumCols = 0, int kKeys = kBlockKV>
 struct TileConfig {
   static_assert(D == 64 || D == 128, "head dims 64 and 128 only");
   static_assert(kSumCols == 0 || kSumCols == 8, "no sum columns, or one 8-row swizzle atom of them");
-  static_assert(kKeys == kBlockKV || (kKeys == kLongTileKeys && kSumCols == 0),
-                "128-key tiles, or 192-key ones without the ones rows (one V^T copy per tile)");
+  static_assert(kKeys == kBlockKV || kKeys == kLongTileKeys, "128-key tiles, or long_tile's 192");
   static constexpr int kHeadDim = D;
   using Cta = CtaShape<kWGs>;
 
@@ -79,6 +78,13 @@ struct TileConfig {
   static constexpr int kSumColumns = kSumCols;
   static constexpr int kPVCols = D + kSumCols;         // N of the PV wgmma
   static constexpr int kVStageBytes = kPVCols * kKeys;  // one V^T stage in smem: image + ones rows
+  // A V^T stage is kVChunks columns of swizzle atoms (one at 128 keys: SW128 spans them; long_tile:
+  // three SW64 columns of 64 keys, one per K block), each D image rows then kSumCols ones rows. So
+  // with ones rows a long tile's image lands as three copies, one per chunk (mainloop.hpp).
+  static constexpr int kVChunks = kKeys % 128 == 0 ? 1 : kKeys / 64;
+  static constexpr int kVChunkKeys = kKeys / kVChunks;
+  static constexpr int kVChunkImageBytes = D * kVChunkKeys;   // the pre-pass image part of a chunk
+  static constexpr int kVChunkBytes = kPVCols * kVChunkKeys;  // the chunk in smem, ones rows included
   static constexpr int kSmemQ = kQTileBytes * kWGs;
 
   // Stages of the K/V ring: the deepest ring, up to kMaxStages, that leaves room for the region
@@ -102,8 +108,9 @@ struct TileConfig {
     return n;
   }
   static constexpr int kStages = stages_that_fit();
-  //   long_tile (hd128, 2 WGs, 192 keys): Q 16 KB + 3 * (K 24 KB + V^T 24 KB) + O sum 64 KB = 224 KB: 3 stages
-  static_assert(kStages == (D == 128 && (kWGs == 3 || kKeys == kLongTileKeys) ? 3 : 4),
+  //   long_tile (hd128, 2 WGs, 192 keys): Q 16 KB + 3 * (K 24 KB + V^T 24 KB) + O sum 64 KB = 224 KB: 3 stages;
+  //   with tc_row_sum (V^T stages of 25.5 KB, O sum of 136 columns) 3 stages need 234 KB: 2 stages
+  static_assert(kStages == (D == 128 && (kWGs == 3 || kKeys == kLongTileKeys) ? (kKeys == kLongTileKeys && kSumCols ? 2 : 3) : 4),
                 "the ring depths the budget above works out");
 
   static constexpr int kSmemK = kKTileBytes * kStages;
@@ -112,8 +119,9 @@ struct TileConfig {
   // +1024: the dynamic smem base is rounded up to the 1024-byte swizzle period in the kernel.
   static constexpr int kSmemBytes = kSmemQ + kSmemK + kSmemV + kSmemBarriers + 1024;
   static_assert(kSmemBytes + kSmemAfterBarriers <= kSmemBudget, "shared memory budget of one sm_90 CTA");
-  static_assert(kQTileBytes % 1024 == 0 && kKTileBytes % 1024 == 0 && kVTileBytes % 1024 == 0 && kVStageBytes % 1024 == 0,
-                "every tile must start on a 1024-byte swizzle period");
+  static_assert(kQTileBytes % 1024 == 0 && kKTileBytes % 1024 == 0 && kVTileBytes % 1024 == 0 &&
+                    kVStageBytes % (kVChunks == 1 ? 1024 : 512) == 0 && kVChunkBytes % (kVChunks == 1 ? 1024 : 512) == 0,
+                "every tile (and V^T chunk) must start on its swizzle period: 1024 bytes for SW128, 512 for SW64");
 
   // Q/K rows are D bytes: one 128-byte swizzle atom per row at hd128, a 64-byte one at hd64.
   using SmemAtomQK = std::conditional_t<D == 128, cute::GMMA::Layout_K_SW128_Atom<int8_t>,
