@@ -621,8 +621,8 @@ def test_int8_long_tile_flag_validity_and_bench_variants():
     assert lean.flags == 1 | 1 << 25 and lean.name == "lean_long"
     assert not any(o.long_tile for *_, o in gen.variants())
     longs = [o for d, o in gen.BENCH_VARIANTS if o.long_tile]
-    assert len(longs) == 5 and all(d == 128 for d, o in gen.BENCH_VARIANTS if o.long_tile)
-    assert sum(o.tc_row_sum for o in longs) == 2 and not any(o.q_in_registers for o in longs)
+    assert len(longs) == 6 and all(d == 128 for d, o in gen.BENCH_VARIANTS if o.long_tile)
+    assert sum(o.tc_row_sum for o in longs) == 3 and not any(o.q_in_registers for o in longs)
     flags = {o.flags for d, o in gen.BENCH_VARIANTS if d == 128}
     assert replace(gen.DEFAULTS[128], tc_row_sum=False).flags in flags  # the partner without tc_row_sum
     # the benchmarks' references follow each variant's tiles (generated for Python)
