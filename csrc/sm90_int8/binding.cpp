@@ -222,9 +222,10 @@ std::vector<at::Tensor> prepass(const at::Tensor& q, const at::Tensor& k, const 
                                 const c10::optional<at::Tensor>& key_mask, double scale, int64_t kv_block) {
   const sage_common::LaunchContext launch(q);  // q's device and its current stream (common/launch_context.h)
   TORCH_CHECK(kv_block == 128 || kv_block == 64, "kv_block must be 128 or 64, got ", kv_block);
+  const sage_sm90::FwdOptions tiles{.long_tile = kv_block == 64};  // the tile / K block of such variants
   FwdShape shape;
-  shape.kv_block = static_cast<int>(kv_block);
-  shape.tile_keys = kv_block == 64 ? 192 : 128;
+  shape.kv_block = tiles.kv_block();
+  shape.tile_keys = tiles.tile_keys();
   Prepared r = prepare(q, k, v, key_mask, scale, /*want_qkm=*/true, /*skip_q=*/false, shape);
   const int64_t B = q.size(0), Hkv = k.size(1);
   at::Tensor kv_len = r.ws_int.slice(0, B * Hkv, B * Hkv + B);

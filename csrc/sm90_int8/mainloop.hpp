@@ -90,20 +90,13 @@ template <int D, int kWGs, int kSumCols, int kKeys>
 __device__ __forceinline__ void fill_sum_rows(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp) {
   if constexpr (kSumCols > 0) {
     using C = TileConfig<D, kWGs, kSumCols, kKeys>;
-    if constexpr (C::kVChunks == 1) {
-      constexpr int kChunks = kSumCols * kKeys / 16;  // 16-byte chunks per stage
-      for (int i = threadIdx.x; i < C::kStages * kChunks; i += blockDim.x) {
-        uint8_t* stage = sp.v + (i / kChunks) * C::kVStageBytes + C::kVTileBytes;
-        *reinterpret_cast<uint4*>(stage + 16 * (i % kChunks)) = make_uint4(0x38383838u, 0x38383838u, 0x38383838u, 0x38383838u);
-      }
-    } else {  // long_tile: the ones rows after each chunk's image rows (TileConfig kVChunkBytes)
-      constexpr int kChunks = kSumCols * C::kVChunkKeys / 16;  // 16-byte pieces per chunk
-      for (int i = threadIdx.x; i < C::kStages * C::kVChunks * kChunks; i += blockDim.x) {
-        const int chunk = i / kChunks;  // stage chunk / kVChunks, chunk % kVChunks
-        uint8_t* ones = sp.v + (chunk / C::kVChunks) * C::kVStageBytes + (chunk % C::kVChunks) * C::kVChunkBytes +
-                        C::kVChunkImageBytes;
-        *reinterpret_cast<uint4*>(ones + 16 * (i % kChunks)) = make_uint4(0x38383838u, 0x38383838u, 0x38383838u, 0x38383838u);
-      }
+    // the ones rows after each chunk's image rows (one chunk per stage but with long_tile's three)
+    constexpr int kChunks = kSumCols * C::kVChunkKeys / 16;  // 16-byte pieces per chunk
+    for (int i = threadIdx.x; i < C::kStages * C::kVChunks * kChunks; i += blockDim.x) {
+      const int chunk = i / kChunks;  // stage chunk / kVChunks, chunk % kVChunks
+      uint8_t* ones = sp.v + (chunk / C::kVChunks) * C::kVStageBytes + (chunk % C::kVChunks) * C::kVChunkBytes +
+                      C::kVChunkImageBytes;
+      *reinterpret_cast<uint4*>(ones + 16 * (i % kChunks)) = make_uint4(0x38383838u, 0x38383838u, 0x38383838u, 0x38383838u);
     }
     sage_common::sm90::fence_view_async_shared();
   }
@@ -168,15 +161,10 @@ __device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs, kSumCols, 
     Barrier::arrive_and_expect_tx(&sp.full[s], C::kKTileBytes + C::kVTileBytes);
     bulk_copy_g2s(k_src + static_cast<int64_t>(t) * C::kKTileBytes, &sp.full[s],
                   sp.k + s * C::kKTileBytes, C::kKTileBytes);
-    if constexpr (C::kVChunks == 1 || kSumCols == 0) {  // the stage's image rows are one run of bytes
-      bulk_copy_g2s(v_src + static_cast<int64_t>(t) * C::kVTileBytes, &sp.full[s],
-                    sp.v + s * C::kVStageBytes, C::kVTileBytes);
-    } else {  // long_tile with ones rows: one copy per chunk, before its ones rows
 #pragma unroll
-      for (int j = 0; j < C::kVChunks; ++j) {
-        bulk_copy_g2s(v_src + static_cast<int64_t>(t) * C::kVTileBytes + j * C::kVChunkImageBytes, &sp.full[s],
-                      sp.v + s * C::kVStageBytes + j * C::kVChunkBytes, C::kVChunkImageBytes);
-      }
+    for (int j = 0; j < C::kVCopies; ++j) {  // long_tile with ones rows: one copy per chunk, before its ones rows
+      bulk_copy_g2s(v_src + static_cast<int64_t>(t) * C::kVTileBytes + j * C::kVCopyBytes, &sp.full[s],
+                    sp.v + s * C::kVStageBytes + j * C::kVChunkBytes, C::kVCopyBytes);
     }
   }
 }

@@ -85,6 +85,10 @@ struct TileConfig {
   static constexpr int kVChunkKeys = kKeys / kVChunks;
   static constexpr int kVChunkImageBytes = D * kVChunkKeys;   // the pre-pass image part of a chunk
   static constexpr int kVChunkBytes = kPVCols * kVChunkKeys;  // the chunk in smem, ones rows included
+  // The producer's V^T copies per tile: one where the stage's image rows are one run of bytes (one
+  // chunk, or no ones rows between the chunks), else one per chunk, kVChunkBytes apart in smem.
+  static constexpr int kVCopies = kSumCols == 0 ? 1 : kVChunks;
+  static constexpr int kVCopyBytes = kVTileBytes / kVCopies;
   static constexpr int kSmemQ = kQTileBytes * kWGs;
 
   // Stages of the K/V ring: the deepest ring, up to kMaxStages, that leaves room for the region
