@@ -18,6 +18,12 @@ namespace sage_fp4 {
 constexpr float kE2M1Max = 6.0f;
 constexpr float kE4M3Max = 448.0f;
 constexpr float kTwoLevelRange = kE4M3Max * kE2M1Max;  // P~ / s1 spans [0, 2688]
+// Smallest two-level factor s1 a tile keeps (reference: sage3.TWO_LEVEL_MIN_S1). Below it the
+// tile's largest P~ is under 2688 * 2^-64 = 2^-52.6 of the row's running max: it cannot change the
+// fp32 row sum (>= 1) and moves O by < 2^-45 of V's range, so it contributes 0. Above it 1 / s1 and
+// the sm_90 wgmma path's O' = O / s1 stay far inside fp32 (an s1 near FLT_MIN made O' overflow
+// there: NaN rows on sharp heads).
+constexpr float kMinTwoLevelS1 = 0x1p-64f;
 
 // E2M1 code of x: round to nearest, ties to the even code, saturate at +-6, sign from signbit
 // (so -0.1 encodes as 0x8). Each comparison crosses one boundary between neighbouring codes:

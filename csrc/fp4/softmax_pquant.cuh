@@ -149,7 +149,8 @@ __device__ __forceinline__ void softmax_rows(float (&s)[kBlockN / 8][4], RowStat
     if (mode == PQuantMode::kTwoLevel) {
       pmax = quad_max(pmax);
       s1[r] = pmax * (1.0f / kTwoLevelRange);
-      inv_s1[r] = s1[r] > 0.0f ? __frcp_rn(s1[r]) : 0.0f;  // s1 == 0: the whole row is 0
+      if (!(s1[r] >= kMinTwoLevelS1)) s1[r] = 0.0f;  // negligible tile (fp4_format.cuh)
+      inv_s1[r] = s1[r] > 0.0f ? __frcp_rn(s1[r]) : 0.0f;  // s1 == 0: the row's P~ of this tile is 0
     } else {
       s1[r] = 1.0f;
       inv_s1[r] = 1.0f;
@@ -200,7 +201,7 @@ __device__ __forceinline__ float fast_log2(float x) {
 // of a division, the fp16 step before the E2M1 rounding): a value within ~2^-11 of an E2M1 tie
 // can take the neighbouring code. A block whose scale rounds to 0 gets P~ = 0 (x 0); its values
 // still enter the row sum (through sb_eff = max(sb, 2^-9), the smallest nonzero E4M3). A row
-// whose s1 is below FLT_MIN (all of its P~ in this tile < 3e-35) contributes 0 and reports s1 = 0.
+// whose s1 is below kMinTwoLevelS1 (its P~ in this tile < 2^-52.6) contributes 0 and reports s1 = 0.
 // pf[ks] is the A fragment of k16 step ks: registers (row g, n-tile 2ks), (g + 8, 2ks),
 // (g, 2ks + 1), (g + 8, 2ks + 1), columns 2t, 2t + 1 of each.
 __device__ __forceinline__ void softmax_p_nvfp4_half(float (&s)[kBlockN / 8][4], RowState& st, PQuantMode mode,
@@ -233,7 +234,7 @@ __device__ __forceinline__ void softmax_p_nvfp4_half(float (&s)[kBlockN / 8][4],
     float ls1, inv_s1;
     if (mode == PQuantMode::kTwoLevel) {
       s1[r] = exp2_mufu(tmax - m_use) * (1.0f / kTwoLevelRange);
-      if (s1[r] < 1.17549435e-38f) s1[r] = 0.0f;
+      if (!(s1[r] >= kMinTwoLevelS1)) s1[r] = 0.0f;  // negligible tile (fp4_format.cuh)
       ls1 = s1[r] > 0.0f ? fast_log2(s1[r]) : CUDART_INF_F;  // +inf: every P~' of the row is 0
       inv_s1 = s1[r] > 0.0f ? fast_rcp(s1[r]) : 0.0f;
     } else {

@@ -38,6 +38,10 @@ from .quant import (
 
 Q_SMOOTH_BLOCK = 128
 TWO_LEVEL_RANGE = E4M3_MAX * E2M1_MAX  # 2688: P~ / s1 fills the whole NVFP4 range
+# A tile whose s1 is below this contributes nothing (its largest P~ < 2^-52.6 of the running max:
+# no change to the fp32 row sum, < 2^-45 of V's range in O). The kernels need it: 1 / s1 of a
+# subnormal s1 is inf, and the sm_90 path keeps O / s1, which overflowed for s1 near FLT_MIN.
+TWO_LEVEL_MIN_S1 = 2.0**-64
 
 
 def fp4_roundtrip(x: torch.Tensor, dim: int, fmt: FP4Format) -> torch.Tensor:
@@ -135,6 +139,7 @@ def sage3_reference(
     def pv(j0: int, j1: int, p: torch.Tensor) -> torch.Tensor:
         if p_quant is PQuant.TWO_LEVEL:
             s1 = p.amax(-1, keepdim=True) * (1.0 / TWO_LEVEL_RANGE)  # (B, Hq, Sq, 1), as the kernel
+            s1 = torch.where(s1 >= TWO_LEVEL_MIN_S1, s1, torch.zeros_like(s1))  # negligible tile: 0
             p2 = torch.where(s1 > 0, p / torch.where(s1 > 0, s1, torch.ones_like(s1)), torch.zeros_like(p))
             pq = s1 * fp4_roundtrip(p2, -1, fmt)  # (B, Hq, Sq, n)
         else:
