@@ -9,7 +9,8 @@ every accuracy check of a kernel against its reference also runs on these. What 
 - per-channel offsets in Q, K and V (the common component SageAttention's smoothing removes);
 - heavy tails: Student-t entries (3 degrees of freedom), a few tokens far outside the bulk;
 - text padding: latent tokens then text tokens, the text's tail masked per sample (key mask);
-- magnitudes x1e-4 ... x1e4 of the operands at unchanged scores (what per-tensor scales absorb);
+- magnitudes x1e-4 ... x1e4 of the operands (V by the factor, Q and K by its square root each, so
+  the scores scale by it: flat at x1e-4, extremely sharp at x1e4): what per-tensor scales absorb;
 - NaN written at masked key positions (must never reach the output);
 - tensors and masks created under ``torch.inference_mode()`` (ComfyUI runs every graph in it).
 """
@@ -95,7 +96,7 @@ def realistic_qkv(b: int, hq: int, hkv: int, sq: int, skv: int, d: int, *, seed:
         (q and k each carry its square root).
     heavy_tail : Student-t entries instead of normal ones.
     text_pad : fraction of keys that are text tokens, masked per sample (:func:`text_padding_mask`).
-    magnitude : q and v are multiplied by it and k divided by it, so the scores stay the same.
+    magnitude : v is multiplied by it, q and k by its square root (so the scores are too).
     nan_masked : NaN at every masked key position of k and v.
     inference : create every tensor (the mask too) under ``torch.inference_mode()``.
 
@@ -108,8 +109,10 @@ def realistic_qkv(b: int, hq: int, hkv: int, sq: int, skv: int, d: int, *, seed:
     k = _draw((b, hkv, skv, d), g, heavy_tail) + 4.0 * torch.randn(1, hkv, 1, d, generator=g)
     v = _draw((b, hkv, skv, d), g, heavy_tail) + 0.5 * torch.randn(1, hkv, 1, d, generator=g)
     # The offsets of q multiply k's zero-mean part: keep the scores' spread at logit_scale by
-    # normalising q by its per-channel spread (about sqrt(2)).
-    q, k, v = q * (gain * magnitude / math.sqrt(2.0)), k * (gain / magnitude), v * magnitude
+    # normalising q by its per-channel spread (about sqrt(2)). q and k carry sqrt(magnitude) each
+    # (k / magnitude would overflow fp16 at x1e-4), so the scores scale by it too.
+    root = math.sqrt(magnitude)
+    q, k, v = q * (gain * root / math.sqrt(2.0)), k * (gain * root), v * magnitude
     mask = text_padding_mask(b, skv, text_pad, seed=seed)
     if nan_masked and mask is not None:
         hidden = ~mask[:, None, :, None]
