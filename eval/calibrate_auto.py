@@ -1,336 +1,244 @@
 #!/usr/bin/env python3
-"""Measure where the 8-bit kernel beats SDPA, and check that ``mode="auto"`` never loses.
+"""Measure ``mode="auto"``'s table on this GPU model, and check auto against the best path.
 
-Two passes on one GPU, one process, the same inputs for every method, all timed by
-``sage_diffusers.kernels.bench_utils.compare_ms`` (the timer of eval/bench_kernels.py too): methods
-interleaved over ``--rounds`` rounds in rotating order, each round's sample the median of per-call
-CUDA-event times with L2 flushed before every call; min / median / max over rounds reported,
-decisions taken on the medians.
+1. calibrate: for every call class (head dim, causal, key mask, grouped-query heads, ragged
+   length: ``sage_diffusers.kernels.auto_table``) time the 8-bit kernel and the SDPA call auto
+   would run instead, through ``sd.attention`` itself, over lengths 1K-32K
+   (``auto_calibrate.FULL``); each class's threshold on B*H*Sq*Skv is interpolated where the kernel
+   starts to win by more than 1 %.
+2. check: over a grid of calls that covers head dims 64 and 128, 1K-64K tokens, batch 1-2, key
+   masks keeping 50-95 %, grouped-query heads, causal, cross-attention with Sq != Skv and lengths
+   that are not multiples of 128, both layouts, time auto, the kernel and SDPA side by side
+   (methods interleaved over rounds, L2 flushed per call) and report auto / min(kernel, SDPA)
+   (goal: <= ``auto_table.AUTO_TOLERANCE``). Also the host time auto adds per call (µs).
 
-1. sweep: for each (head dim, causal, ragged) class and square lengths S, time the kernel
-   (quantization included) and SDPA (torch's default backend: cuDNN on H100/H200); the class's
-   crossover (``auto_table.crossover``) is the shortest measured S from which the kernel is more
-   than ``--margin`` faster at S and at every longer S measured. Within the margin SDPA runs.
-2. check: at the benchmark shapes of eval/bench_kernels.py, time ``sd.attention(mode="auto")``
-   beside both and report auto / min(kernel, SDPA) (goal: <= auto_table.AUTO_TOLERANCE = 1.03).
-   "auto" runs with the rules in effect at that point: the new ones with ``--install``.
+    python -m eval.calibrate_auto --install          # calibrate, install for this GPU, check;
+                                                     # writes eval/results/auto_<gpu>.{md,json}
+    python -m eval.calibrate_auto --check-only       # check the table in effect
+    python -m eval.calibrate_auto --ship eval/results/auto_h100.json eval/results/auto_h200.json
+                                                     # no GPU: write the shipped tables module
 
-    python -m eval.calibrate_auto --install          # H200: about a minute; writes
-                                                     # eval/results/auto_calibration_<gpu>.{md,json}
-                                                     # and the table into the JIT cache ("auto" uses it)
-    python -m eval.calibrate_auto --quick            # fewer lengths and rounds
-    python -m eval.calibrate_auto --compare-timers   # kernel and SDPA under the old back-to-back
-                                                     # timer and the current one, with and without
-                                                     # the L2 flush (-> timer_comparison_<gpu>.md)
-    python -m eval.calibrate_auto --ship eval/results/auto_calibration_h200.json
-                                                     # no GPU: rewrite the shipped sm_90 table
-                                                     # (auto_table.SM90_RULES) from a run's JSON
-
-Inputs as eval/bench_kernels.make_inputs (Q, V ~ N(0,1), K with a per-channel bias), bf16, BHSD.
+Inputs: q ~ N(0, 1), K with a per-channel bias (what K smoothing removes), V ~ N(0, 1), bf16.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import re
+import statistics
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import sage_diffusers as sd  # noqa: E402
-from eval.bench_kernels import SHAPES, make_inputs  # noqa: E402
-from sage_diffusers.kernels import _jit, auto_table  # noqa: E402
-from sage_diffusers.kernels.bench_utils import (  # noqa: E402
-    MAX_CALLS, MIN_CALLS, TARGET_MS, compare_ms, flushed_median_ms, interleaved, spread)
+from sage_diffusers import api  # noqa: E402
+from sage_diffusers.kernels import _jit, auto_calibrate, auto_table  # noqa: E402
 
-# head dim -> heads used in the sweep (real models: Flux/HunyuanVideo 24x128, CogVideoX-5B 48x64)
-SWEEP_HEADS = {128: 24, 64: 48}
-# denser between 12288 and 20480, where the measured crossovers lie
-SWEEP_LENGTHS = [1024, 2048, 3072, 4096, 5120, 6144, 8192, 10240, 12288, 14336, 16384, 18432, 20480]
-QUICK_LENGTHS = [2048, 4096, 8192, 12288, 16384]
-RAGGED_OFFSET = 72  # L - 72 is a multiple of neither 128 nor 64, like 17776 or 4429
-TIMER = (f"bench_utils.compare_ms: a method's value per round is the median of per-call CUDA-event "
-         f"times, L2 flushed before each call, about {TARGET_MS:g} ms of calls ({MIN_CALLS}-{MAX_CALLS}); "
-         "methods in an order rotated every round")
-# --compare-timers: the shapes where the two timers disagreed most (eval/results of commit 6f90e44)
-TIMER_SHAPES = [(1, 24, 16384, 128, True), (1, 24, 16384, 128, False), (2, 24, 4096, 128, False)]
-TIMERS = {
-    # the calibration's timer before compare_ms: rounds of back-to-back means, ~40 ms, same tensors
-    "back_to_back_mean": interleaved,
-    # compare_ms's per-call medians without the L2 flush (calls still one pair of events each)
-    "per_call_no_flush": functools.partial(compare_ms, sample=functools.partial(flushed_median_ms, flush=False)),
-    "per_call_flushed": compare_ms,  # the timer of the calibration and of bench_kernels
-}
-SHIP_BEGIN = "# BEGIN sm_90 table"
-SHIP_END = "# END sm_90 table"
-Timer = Callable[..., dict]
+SHIPPED_MODULE = ROOT / "sage_diffusers" / "kernels" / "_auto_shipped.py"
 
 
-def _sdpa(q, k, v, causal):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+class Point(NamedTuple):
+    """One call of the acceptance grid; keep = share of keys attended (None: no mask)."""
+
+    b: int
+    hq: int
+    hkv: int
+    sq: int
+    skv: int
+    d: int
+    causal: bool = False
+    keep: Optional[float] = None
+    layout: str = "bhsd"
+    note: str = ""
 
 
-def _kernel():
-    from sage_diffusers.kernels import int8_sm90
+GRID = [
+    Point(1, 24, 24, 1024, 1024, 128),
+    Point(2, 24, 24, 4096, 4096, 128),
+    Point(1, 24, 24, 4608, 4608, 128, note="Flux 1024^2"),
+    Point(1, 24, 24, 4608, 4608, 128, layout="bshd", note="Flux, BSHD"),
+    Point(1, 24, 24, 8192, 8192, 128),
+    Point(1, 24, 24, 12288, 12288, 128),
+    Point(1, 24, 24, 16384, 16384, 128),
+    Point(1, 24, 24, 16384, 16384, 128, causal=True),
+    Point(1, 40, 40, 32760, 32760, 128, note="Wan 14B 480p"),
+    Point(1, 8, 8, 65536, 65536, 128, note="64K"),
+    Point(2, 8, 8, 4097, 4097, 128, keep=0.73, note="key padding"),
+    Point(2, 24, 24, 4352, 4352, 128, keep=0.95, note="image + padded text"),
+    Point(2, 24, 24, 2048, 2048, 128, keep=0.5),
+    Point(1, 24, 24, 33024, 33024, 128, keep=0.9, layout="bshd", note="HunyuanVideo-like"),
+    Point(1, 32, 8, 4096, 4096, 128, note="GQA 32/8"),
+    Point(1, 32, 8, 16384, 16384, 128, causal=True, note="GQA causal"),
+    Point(1, 24, 24, 4608, 333, 128, note="cross-attention to text"),
+    Point(2, 24, 24, 1023, 4608, 128, keep=0.8, note="cross-attention, masked"),
+    Point(1, 38, 38, 4429, 4429, 64, note="SD3.5"),
+    Point(1, 48, 48, 17776, 17776, 64, note="CogVideoX-5B"),
+    Point(1, 16, 16, 1023, 4608, 64, note="cross-attention"),
+    Point(2, 48, 48, 8192, 8192, 64, causal=True),
+    Point(1, 48, 12, 6144, 6144, 64, note="GQA 48/12"),
+    Point(2, 30, 30, 2048, 2048, 64, keep=0.6),
+    Point(1, 24, 24, 1000, 1000, 64),
+    Point(2, 48, 48, 17776, 17776, 64, keep=0.99, causal=True, layout="bshd"),
+]
 
-    ok, why = int8_sm90.is_available()
-    if not ok:
-        raise SystemExit(f"int8 kernel unavailable: {why}")
-    int8_sm90.build()
 
-    def run(q, k, v, causal):
-        return int8_sm90.attention_int8_sm90(q, k, v, key_mask=None, is_causal=causal, scale=None,
-                                             return_lse=False)[0]
+def point_inputs(p: Point, seed: int = 0):
+    """(q, k, v, key_mask) for a grid point, in the point's layout."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(p.b, p.hq, p.sq, p.d, generator=g, device="cuda")
+    k = torch.randn(p.b, p.hkv, p.skv, p.d, generator=g, device="cuda") + 4 * torch.randn(
+        1, p.hkv, 1, p.d, generator=g, device="cuda")
+    v = torch.randn(p.b, p.hkv, p.skv, p.d, generator=g, device="cuda")
+    mask = None
+    if p.keep is not None:  # a padded tail per sample plus holes, `keep` of the keys on average
+        mask = torch.rand(p.b, p.skv, generator=g, device="cuda") > (1 - p.keep) / 2
+        for i in range(p.b):
+            mask[i, int(p.skv * (1 + p.keep) / 2) + i * 7:] = False
+        mask[:, 0] = True
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    if p.layout == "bshd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    return q, k, v, mask
 
-    return run
+
+def _method(p: Point, mode: str):
+    return lambda q, k, v, m: sd.attention(q, k, v, key_mask=m, is_causal=p.causal, layout=p.layout, mode=mode)
 
 
-def _auto(q, k, v, causal):
-    return sd.attention(q, k, v, is_causal=causal, mode="auto")
+def check(points, rounds: int) -> list[dict]:
+    from sage_diffusers.kernels.bench_utils import compare_ms, spread
 
-
-def _free() -> None:
-    if torch.cuda.is_available():
+    rows = []
+    for p in points:
+        args = point_inputs(p)
+        t = compare_ms({m: _method(p, m) for m in ("int8", "sdpa", "auto")}, lambda: args, rounds)
+        st = {n: dict(spread(ts), rounds=ts) for n, ts in t.items()}
+        ratio = auto_table.auto_over_best(st["auto"]["median"], st["int8"]["median"], st["sdpa"]["median"])
+        plan, _ = api._plan(api.Mode.AUTO, *(x if p.layout == "bhsd" else x.transpose(1, 2) for x in args[:3]),
+                            None, args[3], 0.0, p.causal)
+        rows.append(dict(point=p._asdict(), kernel=st["int8"], sdpa=st["sdpa"], auto=st["auto"],
+                         auto_ran=plan.path, auto_over_best=ratio, meets_goal=ratio <= auto_table.AUTO_TOLERANCE))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("kernel", "sdpa", "auto")}), flush=True)
+        del args
         torch.cuda.empty_cache()
-
-
-def _stats(times: list) -> dict:
-    return dict(spread(times), rounds=list(times))
-
-
-def explain(ratios: dict, min_len: Optional[int], margin: float) -> str:
-    """Why a class's rule is what it is, in words, from its {length: kernel / SDPA} medians."""
-    need = f"< {1 - margin:.2f}x"
-    if min_len is None:
-        longest = max(ratios)
-        if all(r >= 1.0 for r in ratios.values()):
-            best = min(ratios, key=ratios.get)
-            return f"SDPA: kernel slower at every length measured (closest {ratios[best]:.3f}x at {best})"
-        return (f"SDPA: at the longest length measured, {longest}, the kernel takes {ratios[longest]:.3f}x "
-                f"SDPA's time (it needs {need})")
-    shorter = [s for s in ratios if s < min_len]
-    text = (f"kernel: its time {need} SDPA's from {min_len} ({ratios[min_len]:.3f}x) to {max(ratios)} "
-            f"({ratios[max(ratios)]:.3f}x)")
-    if shorter:
-        prev = max(shorter)
-        text += f"; {ratios[prev]:.3f}x at {prev}"
-    return text
-
-
-def sweep(kernel, lengths, rounds: int, margin: float, *, sdpa=_sdpa, inputs=make_inputs,
-          timer: Timer = compare_ms) -> tuple[list[dict], dict, dict]:
-    """Time kernel and SDPA per class and length; returns (rows, rules, why per class)."""
-    rows, rules, why = [], {}, {}
-    for d, h in SWEEP_HEADS.items():
-        for causal, ragged in ((c, r) for c in (False, True) for r in (False, True)):
-            ratios = {}
-            for s in (L - RAGGED_OFFSET if ragged else L for L in lengths):
-                args = (*inputs(1, h, s, d), causal)
-                t = timer({"kernel": kernel, "sdpa": sdpa}, lambda: args, rounds)
-                ks, ss = _stats(t["kernel"]), _stats(t["sdpa"])
-                ratios[s] = ks["median"] / ss["median"]
-                rows.append(dict(D=d, H=h, S=s, causal=causal, ragged=ragged, kernel=ks, sdpa=ss,
-                                 kernel_over_sdpa=ratios[s]))
-                print(json.dumps(rows[-1]), flush=True)
-                args = None  # free this length's inputs before the next
-                _free()
-            key = (d, causal, ragged)
-            rules[key] = auto_table.crossover(ratios, margin)
-            why[key] = explain(ratios, rules[key], margin)
-    return rows, rules, why
-
-
-def check(kernel, rounds: int, *, shapes=SHAPES, sdpa=_sdpa, auto=_auto, inputs=make_inputs,
-          timer: Timer = compare_ms) -> list[dict]:
-    """auto / min(kernel, SDPA) at each benchmark shape (medians over rounds)."""
-    rows = []
-    for (b, h, s, d, causal) in shapes:
-        args = (*inputs(b, h, s, d), causal)
-        t = timer({"kernel": kernel, "sdpa": sdpa, "auto": auto}, lambda: args, rounds)
-        st = {n: _stats(ts) for n, ts in t.items()}
-        ratio = auto_table.auto_over_best(st["auto"]["median"], st["kernel"]["median"], st["sdpa"]["median"])
-        rows.append(dict(B=b, H=h, S=s, D=d, causal=causal, **st, auto_over_best=ratio,
-                         meets_goal=ratio <= auto_table.AUTO_TOLERANCE))
-        print(json.dumps(rows[-1]), flush=True)
-        args = None  # free this shape's inputs before the next
-        _free()
     return rows
 
 
-def compare_timers(kernel, rounds: int, *, shapes=TIMER_SHAPES, timers=TIMERS, sdpa=_sdpa,
-                   inputs=make_inputs) -> list[dict]:
-    """Kernel and SDPA at ``shapes`` under each timer (one after another per shape, the order
-    rotated per shape): what each timer makes of the same two calls."""
-    rows = []
-    names = list(timers)
-    for i, (b, h, s, d, causal) in enumerate(shapes):
-        args = (*inputs(b, h, s, d), causal)
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            t = timers[name]({"kernel": kernel, "sdpa": sdpa}, lambda: args, rounds)
-            ks, ss = _stats(t["kernel"]), _stats(t["sdpa"])
-            rows.append(dict(B=b, H=h, S=s, D=d, causal=causal, timer=name, kernel=ks, sdpa=ss,
-                             ratio_median=ks["median"] / ss["median"], ratio_min=ks["min"] / ss["min"]))
-            print(json.dumps(rows[-1]), flush=True)
-        args = None
-        _free()
-    return rows
-
-
-def write_timer_comparison(out_dir: Path, meta: dict, rows: list[dict]) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"timer_comparison_{gpu_slug(meta['gpu'])}"
-    (out_dir / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    lines = [f"# One shape, three timers: kernel (sage8, quantization included) and SDPA on {meta['gpu']}", "",
-             f"torch {meta['torch']}, {meta['date']}, commit {meta.get('commit') or 'unknown'}; "
-             f"{meta['rounds']} interleaved rounds per timer, median [min-max]. Timers: "
-             "`back_to_back_mean` (bench_utils.interleaved: a round is the mean of ~40 ms of back-to-back "
-             "calls on the same tensors; the calibration's timer before compare_ms, which decided on "
-             "min rounds), `per_call_no_flush` (compare_ms's per-call medians without the L2 flush), "
-             "`per_call_flushed` (compare_ms: the calibration's and bench_kernels' timer now).", "",
-             "| shape (BxHxSxD) | causal | timer | kernel ms | SDPA ms | kernel / SDPA (medians) | (mins) |",
-             "|---|---|---|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['B']}x{r['H']}x{r['S']}x{r['D']} | {r['causal']} | {r['timer']} | {_fmt(r['kernel'])} | "
-                     f"{_fmt(r['sdpa'])} | {r['ratio_median']:.3f} | {r['ratio_min']:.3f} |")
-    path = out_dir / f"{stem}.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+def host_overhead_us(calls: int = 300) -> dict:
+    """Host microseconds per call of sd.attention with mode "int8" and "auto" on a call where auto
+    runs the kernel (the difference is what auto's decision costs), median of 5 batches."""
+    p = Point(1, 2, 2, 1024, 1024, 128)
+    q, k, v, _ = point_inputs(p)
+    out = {}
+    for mode in ("int8", "auto", "int8", "auto"):
+        for _ in range(20):
+            sd.attention(q, k, v, mode=mode)
+        batches = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                sd.attention(q, k, v, mode=mode)
+            batches.append((time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+        out[mode] = statistics.median(batches)
+    out["auto_minus_int8"] = out["auto"] - out["int8"]
+    return out
 
 
 def gpu_slug(name: str) -> str:
-    """File-name form of a GPU name: "NVIDIA H200" -> "h200", "NVIDIA H100 80GB HBM3" -> "h100_80gb_hbm3"."""
-    words = [w for w in re.split(r"[^0-9a-z]+", name.lower()) if w and w != "nvidia"]
-    return "_".join(words) or "gpu"
-
-
-def _noise(rows: list) -> str:
-    """The rounds' spread over all timed methods and shapes, in words (the margin assumes ~1 %)."""
-    spreads = sorted((t["max"] - t["min"]) / t["median"] for r in rows for t in r.values()
-                     if isinstance(t, dict) and "median" in t)
-    if not spreads:
-        return ""
-    return (f"Spread of a method's rounds, (max - min) / median: {100 * spreads[len(spreads) // 2]:.1f} % "
-            f"in the median, {100 * spreads[-1]:.1f} % at most.")
+    """"NVIDIA H200" -> "h200", "NVIDIA H100 80GB HBM3" -> "h100"."""
+    m = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", name)
+    return m.group(1).lower() if m else re.sub(r"[^0-9a-z]+", "_", name.lower()).strip("_")
 
 
 def _fmt(s: dict) -> str:
     return f"{s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}]"
 
 
-def write(out_dir: Path, meta: dict, sweep_rows, rules, why, check_rows) -> Path:
-    """Write auto_calibration_<gpu>.{json,md} into ``out_dir``; returns the JSON's path."""
+def write(out_dir: Path, meta: dict, results, table, rows, overhead) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"auto_calibration_{gpu_slug(meta['gpu'])}"  # one file per GPU model: never another GPU's results
-    why_json = {auto_table.class_key(*key): text for key, text in sorted(why.items())}
-    json_path = out_dir / f"{stem}.json"
-    json_path.write_text(json.dumps(dict(meta=meta, rules=auto_table.rules_to_json(rules), why=why_json,
-                                         sweep=sweep_rows, check=check_rows), indent=1))
-    margin = meta["margin"]
-    lines = [f"# When `mode=\"auto\"` takes the 8-bit kernel ({meta['gpu']})", "",
-             f"torch {meta['torch']}, {meta['date']}, commit {meta.get('commit') or 'unknown'}. Kernel = "
-             "sage8 on sm_90a, quantization included; SDPA = torch's default backend for bf16 (cuDNN on "
-             f"this GPU). Times: median of {meta['rounds']} interleaved rounds [min-max]; timer "
-             f"{meta['timer']}. {_noise(sweep_rows + list(check_rows))}", "",
-             f"Rule: the kernel runs from the shortest length at which it takes less than {1 - margin:.2f}x "
-             "SDPA's time there and at every longer length measured (medians). Where the two are within "
-             f"{margin:.0%}, SDPA runs: it is exact, and keeping it costs at most {1 / (1 - margin):.3f}x, "
-             f"inside the goal (auto <= {meta['tolerance']}x the faster) with room for the rounds' noise.",
-             "", "## Crossovers (kernel runs when Sq and Skv are at least this long)", "",
-             "| head dim | causal | ragged (not a multiple of 128) | min length | why |", "|---:|---|---|---:|---|"]
-    for (d, c, rg), v in sorted(rules.items()):
-        lines.append(f"| {d} | {c} | {rg} | {v if v is not None else 'never (SDPA)'} | {why.get((d, c, rg), '')} |")
-    lines += ["", "## Sweep", "", "| D | H | S | causal | kernel ms | SDPA ms | kernel / SDPA |",
-              "|---:|---:|---:|---|---:|---:|---:|"]
-    for r in sweep_rows:
-        lines.append(f"| {r['D']} | {r['H']} | {r['S']} | {r['causal']} | {_fmt(r['kernel'])} | "
-                     f"{_fmt(r['sdpa'])} | {r['kernel_over_sdpa']:.3f} |")
-    if check_rows:
-        rules_note = ("the rules above (installed)" if meta.get("auto_rules_are_this_sweep")
-                      else f"other rules than this sweep's: {json.dumps(meta.get('auto_rules'))}")
-        failed = [r for r in check_rows if not r["meets_goal"]]
-        lines += ["", f"## auto at the benchmark shapes (goal: auto / faster of the two <= {meta['tolerance']})", "",
-                  f"auto ran with {rules_note}. "
-                  + (f"**{len(failed)} shape(s) over the goal.**" if failed else "Every shape meets the goal."), "",
-                  "| shape (BxHxSxD) | causal | kernel ms | SDPA ms | auto ms | auto / best | goal |",
-                  "|---|---|---:|---:|---:|---:|---|"]
-        for r in check_rows:
-            lines.append(f"| {r['B']}x{r['H']}x{r['S']}x{r['D']} | {r['causal']} | {_fmt(r['kernel'])} | "
-                         f"{_fmt(r['sdpa'])} | {_fmt(r['auto'])} | {r['auto_over_best']:.3f} | "
-                         f"{'ok' if r['meets_goal'] else '**over**'} |")
-    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    return json_path
+    stem = f"auto_{gpu_slug(meta['gpu'])}"
+    data = dict(meta=meta, classes=auto_table.table_to_json(table) if table else None,
+                sweep=[r for res in results for r in res.rows], check=rows, host_overhead_us=overhead)
+    (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=1, default=str))
+    lines = [f"# `mode=\"auto\"` on the {meta['gpu']}", "",
+             f"torch {meta['torch']}, {meta['date']}, commit {meta['commit'] or 'unknown'}, GPU model key "
+             f"`{meta['model']}`. Kernel = the 8-bit attention through `sd.attention(mode=\"int8\")` "
+             "(quantization and host work included); SDPA = `sd.attention(mode=\"sdpa\")`, the call auto "
+             "makes instead (torch's SDPA with the call's mask, GQA and causal flags). Times in ms: median "
+             f"[min-max] of {meta['rounds']} rounds, methods interleaved in a new order each round, each "
+             "round the median of per-call CUDA-event times with L2 flushed.", ""]
+    if table:
+        lines += ["## Table (kernel runs when B*Hq*Sq*Skv >= threshold)", "",
+                  "| class | threshold | measured kernel / SDPA (length: ratio) |", "|---|---:|---|"]
+        for res in results:
+            pts = ", ".join(f"{r['S']}: {r['kernel_over_sdpa']:.3f}" for r in sorted(res.rows, key=lambda r: r["S"]))
+            thr = table.get(res.cls)
+            lines.append(f"| {res.cls.key()} | {'SDPA always' if thr is None else f'{thr:.4g}'} | {pts} |")
+        lines.append("")
+    if rows:
+        over = [r for r in rows if not r["meets_goal"]]
+        worst = max(r["auto_over_best"] for r in rows)
+        lines += [f"## auto against the faster path (goal: auto / min(kernel, SDPA) <= {auto_table.AUTO_TOLERANCE})",
+                  "", (f"**{len(over)} of {len(rows)} calls over the goal.**" if over
+                       else f"All {len(rows)} calls meet the goal (worst {worst:.3f})."), "",
+                  "| B | Hq/Hkv | Sq x Skv | D | causal | keys kept | layout | note | kernel ms | SDPA ms | auto ms "
+                  "| auto ran | auto / best |", "|---:|---|---|---:|---|---:|---|---|---:|---:|---:|---|---:|"]
+        for r in rows:
+            p = r["point"]
+            lines.append(f"| {p['b']} | {p['hq']}/{p['hkv']} | {p['sq']} x {p['skv']} | {p['d']} | {p['causal']} | "
+                         f"{'-' if p['keep'] is None else p['keep']} | {p['layout']} | {p['note']} | "
+                         f"{_fmt(r['kernel'])} | {_fmt(r['sdpa'])} | {_fmt(r['auto'])} | {r['auto_ran']} | "
+                         f"{r['auto_over_best']:.3f}{'' if r['meets_goal'] else ' **over**'} |")
+        lines.append("")
+    if overhead:
+        lines += ["## Host time per call (µs, no sync; 1x2x1024x1024x128, auto runs the kernel)", "",
+                  f"mode=\"int8\" {overhead['int8']:.1f}, mode=\"auto\" {overhead['auto']:.1f}: auto's decision "
+                  f"adds {overhead['auto_minus_int8']:.1f} µs.", ""]
+    (out_dir / f"{stem}.md").write_text("\n".join(lines))
+    return out_dir / f"{stem}.json"
 
 
-def install(rules, capability, root: Optional[Path] = None) -> Path:
-    """Write ``rules`` for ``capability`` into the JIT cache's table file (what "auto" reads)."""
-    path = (root or _jit.cache_root()) / auto_table.TABLE_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-    data[f"sm_{capability[0]}{capability[1]}"] = dict(rules=auto_table.rules_to_json(rules), gpu=gpu,
-                                                     date=datetime.date.today().isoformat())
-    path.write_text(json.dumps(data, indent=1))
-    auto_table.rules_for.cache_clear()
-    return path
-
-
-def shipped_block(data: dict, source_name: str) -> str:
-    """The SM90_RULES block of auto_table.py (markers included) for a calibration run's JSON."""
-    meta = data["meta"]
-    if list(meta.get("capability", [])) != [9, 0]:
-        raise ValueError(f"the shipped table is for sm_90; this run is sm_{meta.get('capability')}")
-    if not str(meta.get("timer", "")).startswith("bench_utils.compare_ms"):
-        raise ValueError("this run predates the shared timer (bench_utils.compare_ms): re-run the calibration")
-    rules = auto_table.rules_from_json(data["rules"])
-    expected = {(d, c, r) for d in SWEEP_HEADS for c in (False, True) for r in (False, True)}
-    if set(rules) != expected:
-        raise ValueError(f"the run measured classes {sorted(rules)}, expected {sorted(expected)}")
-    margin = meta["margin"]
-    head = (f"Measured on an {meta['gpu']} ({meta['date']}, torch {meta['torch']}, commit "
-            f"{meta.get('commit') or 'unknown'}) against SDPA's default backend (bf16, cuDNN there), "
-            f"quantization included: {source_name}. Per length, medians of {meta['rounds']} interleaved "
-            "rounds of per-call times with L2 flushed (bench_utils.compare_ms); a class runs the kernel "
-            f"from the shortest length at which it takes less than {1 - margin:.2f}x SDPA's time there "
-            "and at every longer length measured (see the module docstring for the margin).")
-    lines = [f"{SHIP_BEGIN} (written by `python -m eval.calibrate_auto --ship <calibration json>`)"]
-    lines += ["# " + line for line in textwrap.wrap(head, 98)]
-    for key in sorted(rules, key=lambda k: (-k[0], k[1], k[2])):
-        text = data.get("why", {}).get(auto_table.class_key(*key), "")
-        lines += ["# " + line for line in textwrap.wrap(f"{auto_table.class_key(*key)}: {text}", 98,
-                                                           subsequent_indent="    ")]
-    lines.append("SM90_RULES: dict[Key, Optional[int]] = {")
-    lines += [f"    {key!r}: {rules[key]!r}," for key in sorted(rules, key=lambda k: (-k[0], k[1], k[2]))]
-    lines += ["}", SHIP_END]
-    return "\n".join(lines) + "\n"
-
-
-def ship(json_path: Path, table_path: Optional[Path] = None) -> Path:
-    """Replace the SM90_RULES block of auto_table.py with the rules of a calibration run's JSON."""
-    table_path = table_path or Path(auto_table.__file__)
-    data = json.loads(Path(json_path).read_text())
-    try:
-        source_name = str(Path(json_path).resolve().relative_to(ROOT))
-    except ValueError:
-        source_name = Path(json_path).name
-    block = shipped_block(data, source_name)  # validates the run before anything is read or written
-    text = table_path.read_text()
-    begin, end = text.find(SHIP_BEGIN), text.find(SHIP_END)
-    if begin < 0 or end < begin:
-        raise ValueError(f"{table_path}: no '{SHIP_BEGIN}' ... '{SHIP_END}' block")
-    end = text.index("\n", end) + 1
-    table_path.write_text(text[:begin] + block + text[end:])
-    return table_path
+def shipped_module(sources: list[Path]) -> str:
+    """The text of kernels/_auto_shipped.py for calibration JSONs (one per GPU model)."""
+    tables, names = {}, {}
+    for path in sources:
+        try:
+            data = json.loads(Path(path).read_text())
+            meta, classes = data["meta"], data["classes"]
+            table = auto_table.table_from_json(classes)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"{path}: not a calibration result of this script ({exc})") from None
+        missing = [c.key() for c in auto_table.ALL_CLASSES if c not in table]
+        if missing:
+            raise SystemExit(f"{path}: classes missing: {', '.join(missing)}")
+        tables[meta["model"]] = auto_table.table_to_json(table)
+        try:
+            rel = Path(path).resolve().relative_to(ROOT)
+        except ValueError:
+            rel = Path(path).name
+        names[meta["model"]] = f"{rel} ({meta['date']}, commit {meta['commit'] or 'unknown'})"
+    lines = ['"""Measured "auto" tables shipped per GPU model (written by ``python -m eval.calibrate_auto --ship``).',
+             "", "{GPU model (``auto_table.gpu_model``): {call class: minimum B*Hq*Sq*Skv for the kernel, or None}};",
+             "the source of each is named in SOURCES. See ``auto_table`` for what the numbers mean.", '"""',
+             "TABLES: dict[str, dict[str, object]] = {"]
+    for model in sorted(tables):
+        lines.append(f"    {model!r}: {{")
+        lines += [f"        {k!r}: {v!r}," for k, v in tables[model].items()]
+        lines.append("    },")
+    lines += ["}", "SOURCES: dict[str, str] = {"]
+    lines += [f"    {m!r}: {names[m]!r}," for m in sorted(names)]
+    lines += ["}", ""]
+    return "\n".join(lines)
 
 
 def _commit() -> Optional[str]:
@@ -342,60 +250,58 @@ def _commit() -> Optional[str]:
     return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer lengths and rounds")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5, quick 3)")
-    p.add_argument("--margin", type=float, default=auto_table.PREFER_SDPA_WITHIN,
-                   help="the kernel must be faster than SDPA by more than this fraction "
-                        f"(default {auto_table.PREFER_SDPA_WITHIN})")
-    p.add_argument("--no-check", action="store_true", help="skip timing mode='auto' at the benchmark shapes")
-    p.add_argument("--install", action="store_true", help="write the measured table into the JIT cache")
+    p.add_argument("--install", action="store_true", help="install the measured table for this GPU model")
+    p.add_argument("--check-only", action="store_true", help="no calibration: check the table in effect")
+    p.add_argument("--no-check", action="store_true", help="calibrate only")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (>= 1)")
     p.add_argument("--out-dir", type=Path, default=ROOT / "eval" / "results")
-    p.add_argument("--commit", default=None, help="commit named in the results (default: git rev-parse)")
-    p.add_argument("--compare-timers", action="store_true",
-                   help="only time kernel and SDPA at a few shapes under each timer (about 15 s), then exit")
-    p.add_argument("--ship", type=Path, default=None, metavar="JSON",
-                   help="no GPU: rewrite auto_table.SM90_RULES from this calibration JSON, then exit")
-    args = p.parse_args()
-    if args.ship is not None:
-        print("rewrote", ship(args.ship))
-        return
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA GPU")
-    if args.rounds is not None and args.rounds < 1:
+    p.add_argument("--ship", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="no GPU: write sage_diffusers/kernels/_auto_shipped.py from these results, then exit")
+    args = p.parse_args(argv)
+    if args.rounds < 1:
         p.error("--rounds must be >= 1")
-    if not 0.0 <= args.margin < 0.5:
-        p.error("--margin is a fraction in [0, 0.5), e.g. 0.01")
-    t0 = time.time()
-    rounds = args.rounds or (3 if args.quick else 5)
-    kernel = _kernel()
-    cap = torch.cuda.get_device_capability()
-    meta = dict(gpu=torch.cuda.get_device_name(), capability=list(cap), torch=torch.__version__,
-                date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), commit=args.commit or _commit(),
-                rounds=rounds, margin=args.margin, tolerance=auto_table.AUTO_TOLERANCE, timer=TIMER)
-    if args.compare_timers:
-        print("wrote", write_timer_comparison(args.out_dir, meta, compare_timers(kernel, rounds)))
+    if args.ship:
+        SHIPPED_MODULE.write_text(shipped_module(args.ship))
+        print("wrote", SHIPPED_MODULE)
         return
-    sweep_rows, rules, why = sweep(kernel, QUICK_LENGTHS if args.quick else SWEEP_LENGTHS, rounds, args.margin)
-    if args.install:
-        print("installed", install(rules, cap))
-    check_rows = []
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        p.error("needs an sm_90 GPU (H100, H200)")
+    t0 = time.time()
+    props = torch.cuda.get_device_properties(0)
+    model = auto_table.gpu_model(props.name, props.multi_processor_count)
+    meta = dict(gpu=props.name, model=model, torch=torch.__version__, commit=_commit(), rounds=args.rounds,
+                date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"))
+    table, results = None, []
+    if not args.check_only:
+        def show(res):
+            print(f"{res.cls.key()}: {res.threshold} {[(r['S'], round(r['kernel_over_sdpa'], 3)) for r in res.rows]}",
+                  flush=True)
+
+        table, results = auto_calibrate.calibrate(torch.device("cuda"), auto_calibrate.FULL._replace(rounds=args.rounds),
+                                                  on_class=show)
+        meta["calibration_s"] = round(time.time() - t0, 1)
+        if args.install:
+            from sage_diffusers import selftest
+            from sage_diffusers.kernels import int8_sm90
+
+            kernel = selftest.kernel_hash(int8_sm90.attention_int8_sm90)
+            path = auto_table.cache_path(_jit.cache_root(), model, kernel)
+            print("installed", auto_table.write_cached(path, model, kernel, table, profile="full",
+                                                       torch=torch.__version__))
+            api._AUTO_TABLES.clear()
+    rows, overhead = [], None
     if not args.no_check:
-        in_effect = auto_table.rules_for(tuple(cap), str(_jit.cache_root()))
-        meta["auto_rules"] = auto_table.rules_to_json(in_effect) if in_effect is not None else None
-        meta["auto_rules_are_this_sweep"] = in_effect == rules
-        if not meta["auto_rules_are_this_sweep"]:
-            print("note: 'auto' runs other rules than this sweep's (use --install to check the new ones)")
-        check_rows = check(kernel, rounds)
+        sd.attention(*point_inputs(GRID[0])[:3], mode="auto")  # resolve auto's table before timing
+        found = api._AUTO_TABLES.get(torch.cuda.current_device())
+        meta["auto_table_source"] = found[1] if found else None
+        rows = check(GRID, args.rounds)
+        overhead = host_overhead_us()
     meta["elapsed_s"] = round(time.time() - t0, 1)
-    path = write(args.out_dir, meta, sweep_rows, rules, why, check_rows)
-    print("rules:", auto_table.rules_to_json(rules))
-    over = [f"{r['B']}x{r['H']}x{r['S']}x{r['D']}{' causal' if r['causal'] else ''}: {r['auto_over_best']:.3f}"
-            for r in check_rows if not r["meets_goal"]]
-    print(f"auto over {auto_table.AUTO_TOLERANCE}x the faster at: {', '.join(over)}" if over
-          else "auto meets the goal at every checked shape" if check_rows else "no check")
-    print(f"wrote {path} and its .md in {meta['elapsed_s']} s")
+    path = write(args.out_dir, meta, results, table, rows, overhead)
+    over = [r for r in rows if not r["meets_goal"]]
+    print(f"{len(over)} of {len(rows)} calls over {auto_table.AUTO_TOLERANCE}; wrote {path} in {meta['elapsed_s']} s")
 
 
 if __name__ == "__main__":

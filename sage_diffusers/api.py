@@ -6,23 +6,27 @@ kernels behind it all follow one backend contract, see ``sage_diffusers/kernels`
 Masks
 -----
 ``attn_mask`` means exactly what it means to torch SDPA. The low-bit paths take one kind of mask,
-a bool key-padding mask (B, Skv); :func:`attention` derives it from the arguments where it can:
+a bool key-padding mask (B, Skv); :func:`attention` derives it from the arguments where it can
+without reading mask values (no host sync):
 
 - ``key_mask`` (B, Skv) is that mask already;
-- an ``attn_mask`` whose only non-trivial dims are batch and keys ((B, 1, 1, Skv), (Skv,), ...)
-  is one when it is bool; a float one is when it holds only 0 and -inf;
-- any other ``attn_mask`` ((B, 1, Sq, Skv) from Chroma, say) may still be key padding in disguise:
-  every query row equal. Checking that needs its values on the host, so the answer is kept in a
-  small cache (:class:`_MaskClassCache`) keyed on the tensor's identity and version counter: a
-  model that passes the same mask tensor to every block pays one check per forward, not one per
-  call. The float-valued (B, 1, 1, Skv) case uses the same cache.
+- a bool ``attn_mask`` whose only non-trivial dims are batch and keys ((B, 1, 1, Skv), (Skv,), ...)
+  is one, viewed as (B, Skv);
+- any other ``attn_mask`` (a float one, or (B, 1, Sq, Skv) from Chroma, say) may still be key
+  padding in disguise, but telling needs its values on the host. That check runs only inside a
+  :func:`mask_scope` (the integrations open one per model forward, when the model builds its
+  masks), once per mask tensor per scope: no cache outlives the scope, so no answer can go stale
+  (masks edited in place between forwards, through ``.data`` or NumPy, inference tensors). Outside
+  a scope such masks run through SDPA, counted.
 """
 from __future__ import annotations
 
-import collections
+import contextlib
+import contextvars
 import functools
 import math
-import weakref
+import sys
+import threading
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -124,6 +128,9 @@ def attention(
     skv, dv = kh.shape[2], vh.shape[3]
     scale_f = _check_scale(scale, d)
     dropout = _check_dropout(dropout_p)
+    is_causal = _check_flag("is_causal", is_causal)
+    _check_flag("return_lse", return_lse)
+    _check_flag("enable_gqa", enable_gqa)
     key_mask = _check_key_mask(key_mask, b, skv, q.device)
     attn_mask = _check_attn_mask(attn_mask, (b, hq, sq, skv), q.device)
 
@@ -188,6 +195,16 @@ def _check_scale(scale, d: int) -> float:
     if not math.isfinite(value):
         raise ValueError(f"scale: expected a finite float, got {value}")
     return value
+
+
+def _check_flag(name: str, value) -> bool:
+    """A bool argument, checked as SDPA checks ``is_causal``: a str such as "False" would be truthy."""
+    if isinstance(value, bool):
+        return value
+    numpy = sys.modules.get("numpy")  # numpy.bool_ is a bool too (numpy is not a dependency)
+    if numpy is not None and isinstance(value, numpy.bool_):
+        return bool(value)
+    raise ValueError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
 
 
 def _check_dropout(dropout_p) -> float:
@@ -287,7 +304,7 @@ def _plan(mode: Mode, q, k, v, attn_mask, key_mask, dropout: float,
     if mode is Mode.AUTO:
         why = _auto_status(_device_index(device))
         if not why:
-            slower = _auto_prefers_sdpa(device, d, q.shape[2], k.shape[2], bool(is_causal))
+            slower = _auto_prefers_sdpa(device, q.shape, k.shape[1], k.shape[2], native is not None, bool(is_causal))
             why = f"auto: SDPA is faster here ({slower})" if slower is not None else ""
         if why:
             _fallback.record(why)
@@ -334,7 +351,7 @@ class _Resolved:
         setattr(self, self._name(kind, *key), value)
 
 
-# backend: (mode, capability code, gated for auto) -> fn; auto_rules: (capability code,) -> table or None
+# backend: (mode, capability code, gated for auto) -> fn; auto_table / auto_source: (device index,)
 _RESOLVED = _Resolved()
 
 
@@ -379,37 +396,89 @@ def _auto_status(index: int) -> str:
     return ""
 
 
+# device index -> (table, where it came from); filled once per device and process.
+_AUTO_TABLES: dict[int, tuple] = {}
+_AUTO_TABLES_LOCK = threading.Lock()  # one first-use calibration per process, not one per thread
+
+
 @torch.compiler.assume_constant_result
-def _load_auto_rules(cap: int) -> bool:
-    """Put the measured auto table of this arch in _RESOLVED (shipped or calibrated, see
-    ``kernels/auto_table.py``); True when there is one."""
-    from .kernels import _jit, auto_table
+def _load_auto_table(index: int) -> bool:
+    """Put the measured auto table of GPU ``index`` in _RESOLVED (``kernels/auto_table.py`` says
+    where it comes from); True when the GPU has one (sm_90: the 8-bit kernel's tables)."""
+    if _capability(index) // 10 != 9:
+        return False
+    found = _AUTO_TABLES.get(index)
+    if found is None:
+        with _AUTO_TABLES_LOCK:
+            found = _AUTO_TABLES.get(index) or _resolve_auto_table(index)
+            if found[2]:  # a final answer (not the stand-in used while calibration cannot run)
+                _AUTO_TABLES[index] = found
+    _RESOLVED.put(found[0], "auto_table", index)
+    _RESOLVED.put(found[1], "auto_source", index)
+    return True
 
-    rules = auto_table.rules_for(divmod(cap, 10), str(_jit.cache_root()))
-    _RESOLVED.put(rules, "auto_rules", cap)
-    return rules is not None
+
+def _resolve_auto_table(index: int, calibrate: bool = True) -> tuple:
+    """(table, source, final) for GPU ``index``: its calibration file, else the table shipped for its
+    model, else a first-use calibration, else the conservative table (``final`` False when that is
+    only because a calibration cannot run now: inside torch.compile tracing or graph capture).
+    ``calibrate=False`` (the doctor) never measures: (None, what the first auto call would do, False)."""
+    from . import selftest
+    from .kernels import _jit, auto_calibrate, auto_table, int8_sm90
+
+    props = torch.cuda.get_device_properties(index)
+    model = auto_table.gpu_model(props.name, props.multi_processor_count)
+    kernel = selftest.kernel_hash(int8_sm90.attention_int8_sm90)
+    path = auto_table.cache_path(_jit.cache_root(), model, kernel)
+    table = auto_table.read_cached(path, model, kernel)
+    if table is not None:
+        return table, f"calibrated on this {model}", True
+    table = auto_table.shipped_table(model)
+    if table is not None:
+        return table, f"measured on an {model}", True
+    conservative = auto_table.conservative_table()
+    if not calibrate:
+        return None, (f"no table for {model}: the first auto call measures one (about "
+                      f"{auto_calibrate.FIRST_USE.budget_s:.0f} s)" if auto_table.calibration_allowed() else
+                      f"no table for {model}: conservative rule ({auto_table.ENV_CALIBRATE}=0)"), False
+    if not auto_table.calibration_allowed():
+        return conservative, f"no table for {model}: conservative rule ({auto_table.ENV_CALIBRATE}=0)", True
+    if selftest._cannot_run_now():
+        return conservative, f"no table for {model} yet: conservative rule until a call outside torch.compile", False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _jit.build_lock(path.parent, f"auto calibration of {model}"):
+        table = auto_table.read_cached(path, model, kernel)  # another process may have just written it
+        if table is None:
+            try:
+                with torch.cuda.device(index):
+                    table = auto_calibrate.first_use(torch.device("cuda", index), model, kernel, path)
+            except Exception as exc:  # out of memory, a failing kernel: keep auto safe, say why
+                return conservative, f"calibration on {model} failed ({type(exc).__name__}: {exc}); conservative rule", True
+    return table, f"calibrated on this {model}", True
 
 
-def _auto_prefers_sdpa(device: torch.device, d: int, sq: int, skv: int, is_causal: bool) -> Optional[str]:
-    """Why "auto" keeps SDPA for this shape on this GPU (a measured crossover), or None.
+def _auto_prefers_sdpa(device: torch.device, q_shape, hkv: int, skv: int, masked: bool,
+                       is_causal: bool) -> Optional[str]:
+    """Why "auto" keeps SDPA for this call on this GPU (its class's measured crossover), or None.
 
-    Only GPUs with a measured table are gated; elsewhere the self-checked kernel runs. Shapes and
-    the table are host values: no sync.
+    Only GPUs with auto tables (sm_90) are gated; elsewhere the self-checked kernel runs. Shapes,
+    flags and the table are host values: no sync.
     """
     from .kernels import auto_table
 
-    cap = _capability(_device_index(device))
-    if not _load_auto_rules(cap):
+    index = _device_index(device)
+    if not _load_auto_table(index):
         return None
-    rules = _RESOLVED.get("auto_rules", cap)
-    if auto_table.kernel_is_faster(rules, d, is_causal, sq, skv):
+    table = _RESOLVED.get("auto_table", index)
+    b, hq, sq, d = q_shape
+    cls = auto_table.call_class(d, is_causal, masked, hq, hkv, sq, skv)
+    if auto_table.kernel_is_faster(table, cls, auto_table.call_work(b, hq, sq, skv)):
         return None
-    ragged = auto_table.is_ragged(sq, skv)
-    min_len = rules.get((d, is_causal, ragged))
-    cls = auto_table.class_key(d, is_causal, ragged)
-    if min_len is None:
-        return f"{cls} on sm_{cap}: kernel measured slower at every length"
-    return f"{cls} on sm_{cap}: kernel measured faster from {min_len} tokens"
+    threshold = table.get(cls)
+    source = _RESOLVED.get("auto_source", index)
+    if threshold is None:
+        return f"{cls.key()}: kernel not faster at any size measured, {source}"
+    return f"{cls.key()}: kernel faster from {threshold:.3g} score elements (B*H*Sq*Skv), {source}"
 
 
 def _native_key_mask(attn_mask, key_mask, b: int, skv: int) -> tuple[Optional[torch.Tensor], bool]:
@@ -423,7 +492,7 @@ def _native_key_mask(attn_mask, key_mask, b: int, skv: int) -> tuple[Optional[to
             # (B|1, Skv|1): a mask broadcast over the keys too is valid SDPA; expand does the rest
             derived = attn_mask.reshape(attn_mask.shape[0], attn_mask.shape[3])  # a view, no value read
         else:
-            derived = _MASK_CLASSES.key_mask_of(attn_mask)
+            derived = classify_in_scope(attn_mask, _classify_key_padding)
             if derived is None:
                 return None, False
         derived = derived.expand(b, skv)
@@ -434,49 +503,62 @@ def _native_key_mask(attn_mask, key_mask, b: int, skv: int) -> tuple[Optional[to
     return key_mask & derived, True
 
 
-class _MaskClassCache:
-    """Whether a mask tensor is key padding in disguise, decided once per tensor and version.
+# The classifications of the innermost open mask_scope of this thread / task: {key: (owner, result)}.
+_SCOPE: "contextvars.ContextVar[Optional[dict]]" = contextvars.ContextVar("sage_diffusers_mask_scope", default=None)
 
-    The check reads the mask's values (one host sync), so it runs once per distinct tensor; the
-    answer is kept under a key of the tensor's data pointer, version counter (bumped by every
-    in-place write, shared by views), shape, strides and dtype, together with a weak reference to
-    the tensor that owns the memory: while that owner lives, the memory cannot hold another
-    tensor, and once it dies the entry no longer matches. Under torch.compile or CUDA-graph
-    capture nothing is read and the mask counts as general (SDPA).
+
+@contextlib.contextmanager
+def mask_scope():
+    """Let :func:`attention` read mask values to classify them, once per mask tensor, in this block.
+
+    Inside the block a float or (B, 1, Sq, Skv) ``attn_mask`` that is key padding in disguise runs
+    natively: the first call that sees a mask tensor reads it (one host sync), later calls with the
+    same tensor reuse the answer. The block's promise: masks passed in it are not changed in place
+    while it lasts (a model's forward, which builds its masks and hands them to every block, keeps
+    it). The answers are dropped when the block ends. Nested scopes share the outermost one; each
+    thread (and asyncio task) has its own.
     """
+    if _SCOPE.get() is not None:
+        yield
+        return
+    token = _SCOPE.set({})
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
 
-    def __init__(self, size: int = 16):
-        self._size = size
-        self._entries: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 
-    @staticmethod
-    def _key(mask: torch.Tensor) -> tuple:
-        return (mask.data_ptr(), mask._version, tuple(mask.shape), tuple(mask.stride()), mask.dtype, mask.device)
+def _cannot_read(t: torch.Tensor) -> bool:
+    """True where reading a tensor's values is impossible or forbidden: torch.compile tracing, CUDA
+    graph capture, meta and fake tensors."""
+    if torch.compiler.is_compiling() or t.device.type == "meta":
+        return True
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return True
+    from torch._subclasses.fake_tensor import is_fake
 
-    def key_mask_of(self, mask: torch.Tensor) -> Optional[torch.Tensor]:
-        """bool (B or 1, Skv) if every query row and head of ``mask`` (4-D) is the same key mask."""
-        return self.cached(mask, _classify_key_padding)
+    return is_fake(t)
 
-    def cached(self, mask: torch.Tensor, compute: Callable[[torch.Tensor], object]):
-        """``compute(mask)``, run once per tensor and version (one cache per ``compute``: the key
-        does not name it); None under torch.compile or CUDA-graph capture, where nothing is read.
-        ``compute`` must not return a view of ``mask`` (that would keep it alive here)."""
-        if torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
-            return None
-        owner = mask._base if mask._base is not None else mask
-        key = self._key(mask)
-        hit = self._entries.get(key)
-        if hit is not None and hit[0]() is owner:
-            self._entries.move_to_end(key)
-            return hit[1]
-        result = compute(mask)
-        self._entries[key] = (weakref.ref(owner), result)
-        while len(self._entries) > self._size:
-            self._entries.popitem(last=False)
-        return result
 
-    def clear(self) -> None:
-        self._entries.clear()
+def classify_in_scope(mask: torch.Tensor, compute: Callable[[torch.Tensor], object]):
+    """``compute(mask)``, run at most once per mask tensor and ``compute`` in the open
+    :func:`mask_scope`; None outside a scope and wherever values cannot be read (:func:`_cannot_read`).
+
+    The answer is keyed on the tensor that owns the memory (``mask._base`` for a view), held
+    strongly until the scope ends (so its ``id`` cannot be reused meanwhile), and on the view's
+    geometry. ``compute`` must not return a view of ``mask``.
+    """
+    memo = _SCOPE.get()
+    if memo is None or _cannot_read(mask):
+        return None
+    owner = mask._base if mask._base is not None else mask
+    key = (id(owner), compute, mask.storage_offset(), tuple(mask.shape), tuple(mask.stride()), mask.dtype)
+    hit = memo.get(key)
+    if hit is not None and hit[0] is owner:
+        return hit[1]
+    result = compute(mask)
+    memo[key] = (owner, result)
+    return result
 
 
 def _classify_key_padding(mask: torch.Tensor) -> Optional[torch.Tensor]:
@@ -487,7 +569,7 @@ def _classify_key_padding(mask: torch.Tensor) -> Optional[torch.Tensor]:
     first = mask[:, :1, :1, :]  # (B|1, 1, 1, Skv)
     same = (mask == first).all()
     if mask.dtype == torch.bool:
-        keep = first.clone()  # a view would keep the whole mask alive in _MASK_CLASSES (and its weakref with it)
+        keep = first.clone()  # a view would keep the whole mask alive in the scope's memo
     else:
         same = same & ((first == 0) | (first == -math.inf)).all()
         keep = first == 0
@@ -495,8 +577,6 @@ def _classify_key_padding(mask: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     return keep.reshape(mask.shape[0], mask.shape[3])
 
-
-_MASK_CLASSES = _MaskClassCache()
 
 
 def _auto_algorithm(device: torch.device) -> Optional[Mode]:
@@ -638,8 +718,6 @@ def _sdpa(q, k, v, key_mask, attn_mask, dropout: float, is_causal: bool, scale: 
     b, hq, sq, _ = q.shape
     skv = k.shape[2]
     gqa = hq != k.shape[1]
-    if attn_mask is not None and attn_mask.dtype != torch.bool:
-        attn_mask = attn_mask.to(q.dtype)  # SDPA wants a float mask in the query dtype
     if key_mask is not None or attn_mask is not None:
         seen = key_mask if key_mask is not None else torch.ones((), dtype=torch.bool, device=q.device)
         if attn_mask is not None:

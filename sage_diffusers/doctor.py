@@ -110,15 +110,24 @@ def _auto_lines(device: Optional[torch.device]) -> list[str]:
 
 
 def _measured_crossovers(device: torch.device, head_dim: int) -> str:
-    """Where the kernel was measured faster than SDPA on this GPU (kernels.auto_table), if known."""
+    """Which auto table this GPU uses (kernels.auto_table) and, for plain calls of this head dim,
+    from which size the kernel runs. Never starts a calibration."""
     from .kernels import auto_table
 
-    rules = auto_table.rules_for(torch.cuda.get_device_capability(device), str(_jit.cache_root()))
-    if not rules:
-        return ""
-    parts = [f"{auto_table.class_key(*key)}: " + ("SDPA faster" if n is None else f"kernel faster from {n} tokens")
-             for key, n in sorted(rules.items(), key=str) if key[0] == head_dim]
-    return f" where measured faster than SDPA ({', '.join(parts)})" if parts else ""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        table, source, _ = api._resolve_auto_table(index, calibrate=False)
+    except Exception as exc:  # the doctor reports, it does not fail
+        return f" (auto table unknown: {type(exc).__name__}: {exc})"
+    if table is None:
+        return f" ({source})"
+    parts = []
+    for causal in (False, True):
+        for masked in (False, True):
+            thr = table.get(auto_table.CallClass(head_dim, causal, masked, False, False))
+            parts.append(f"{'causal' if causal else 'full'}{' masked' if masked else ''}: "
+                         + ("SDPA" if thr is None else f"kernel from B*H*Sq*Skv >= {thr:.3g}"))
+    return f" where faster than SDPA ({source}; {', '.join(parts)})"
 
 
 def report(stream: Optional[TextIO] = None) -> int:

@@ -1,110 +1,237 @@
-"""The measured "auto" dispatch table: parsing, calibration override, the shape rule."""
-import json
+"""auto's decision tables (sage_diffusers/kernels/auto_table.py) and the dispatcher's gate (CPU)."""
+from __future__ import annotations
+
+import contextlib
+import logging
 
 import pytest
+import torch
 
-from sage_diffusers.kernels import auto_table
-
-
-def test_shipped_sm90_rules_cover_both_head_dims_and_masks():
-    rules = auto_table.rules_for((9, 0), None)
-    assert set(rules) == {(d, c, r) for d in (64, 128) for c in (False, True) for r in (False, True)}
+from sage_diffusers import api
+from sage_diffusers.kernels import _jit, auto_calibrate, auto_table
+from sage_diffusers.kernels.auto_table import CallClass
 
 
-def test_unknown_gpu_has_no_rules_so_auto_keeps_sdpa():
-    assert auto_table.rules_for((8, 0), None) is None
-    assert not auto_table.kernel_is_faster(None, 128, False, 100_000, 100_000)
+def test_call_class_keys_round_trip_and_cover_every_flag():
+    keys = {c.key() for c in auto_table.ALL_CLASSES}
+    assert len(keys) == len(auto_table.ALL_CLASSES) == 32
+    assert "d128_causal_mask_gqa_ragged" in keys and "d64_full" in keys
+    for c in auto_table.ALL_CLASSES:
+        assert CallClass.parse(c.key()) == c
+    for bad in ("d128", "d128_full_ragged_mask", "x64_full", "d64_half", ""):
+        with pytest.raises(ValueError):
+            CallClass.parse(bad)
 
 
-def test_rule_needs_both_lengths_and_honours_never():
-    rules = {(128, False, False): 8192, (128, False, True): 4000, (64, True, False): None}
-    assert auto_table.kernel_is_faster(rules, 128, False, 8192, 8192)
-    assert not auto_table.kernel_is_faster(rules, 128, False, 8064, 8064)  # aligned, too short
-    assert auto_table.kernel_is_faster(rules, 128, False, 8191, 100_000)  # ragged class
-    assert not auto_table.kernel_is_faster(rules, 128, False, 100_000, 3968)  # short cross-attention
-    assert not auto_table.kernel_is_faster(rules, 64, True, 16384, 16384)
-    assert not auto_table.kernel_is_faster(rules, 64, True, 100_001, 100_001)  # class not measured
-    assert not auto_table.kernel_is_faster(rules, 96, False, 100_000, 100_000)
+def test_call_class_reads_mask_gqa_causal_and_raggedness():
+    assert auto_table.call_class(128, False, False, 24, 24, 4096, 4096) == CallClass(128, False, False, False, False)
+    assert auto_table.call_class(64, True, True, 32, 8, 4096, 4097) == CallClass(64, True, True, True, True)
+    assert auto_table.call_class(128, False, False, 24, 24, 4608, 333).ragged  # cross-attention to text
+    assert auto_table.call_work(2, 24, 1023, 4608) == 2 * 24 * 1023 * 4608
 
 
-def test_json_round_trip_and_bad_entries():
-    rules = {(128, False, False): 6144, (128, True, True): None, (64, False, True): 12288}
-    assert auto_table.rules_from_json(auto_table.rules_to_json(rules)) == rules
-    with pytest.raises(ValueError, match="bad class key"):
-        auto_table.rules_from_json({"128": 4096})
-    with pytest.raises(ValueError, match="bad entry"):
-        auto_table.rules_from_json({"d128_full": -1})
-    with pytest.raises(ValueError, match="bad entry"):
-        auto_table.rules_from_json({"d128_sideways": 4096})
-    with pytest.raises(ValueError, match="bad entry"):
-        auto_table.rules_from_json({"d128_full_wobbly": 4096})
-    with pytest.raises(ValueError, match="bad entry"):
-        auto_table.rules_from_json({"d128_full": True})
+def test_crossover_interpolates_in_log_work_between_the_last_loss_and_the_next_win():
+    # ratio 1.09 at 1e6, 0.89 at 4e6: 0.99 is crossed half-way in log(work), at 2e6
+    assert auto_table.crossover({10**6: 1.09, 4 * 10**6: 0.89, 16 * 10**6: 0.8}) == 2 * 10**6
+    # a win below a loss does not count: only from the last loss up
+    assert auto_table.crossover({10**6: 0.5, 4 * 10**6: 1.2, 16 * 10**6: 0.8}) == pytest.approx(
+        round(2 ** (2 + 2 * (1.2 - 0.99) / 0.4) * 10**6), rel=1e-6)
+    assert auto_table.crossover({10**6: 0.8, 4 * 10**6: 0.7}) == 10**6  # wins everywhere: from the smallest
+    assert auto_table.crossover({10**6: 0.8, 4 * 10**6: 1.0}) is None  # loses at the largest
+    assert auto_table.crossover({10**6: 0.8, 4 * 10**6: 0.995}) is None  # within the 1 % margin: SDPA
+    assert auto_table.crossover({10**6: float("nan"), 4 * 10**6: 0.5}) == 4 * 10**6  # NaN never a win
+    assert auto_table.crossover({}) is None
+    with pytest.raises(ValueError):
+        auto_table.crossover({1: 0.5}, margin=1.0)
 
 
-def test_calibration_file_overrides_shipped_table(tmp_path):
-    measured = {(128, False, False): 4096, (128, True, True): 4096, (64, False, False): None}
-    (tmp_path / auto_table.TABLE_FILE).write_text(json.dumps(
-        {"sm_90": {"rules": auto_table.rules_to_json(measured), "gpu": "test"}}))
-    auto_table.rules_for.cache_clear()
-    try:
-        assert auto_table.rules_for((9, 0), str(tmp_path)) == measured
-        # another arch in the same folder falls back to what ships for it
-        assert auto_table.rules_for((12, 0), str(tmp_path)) is None
-    finally:
-        auto_table.rules_for.cache_clear()
+def test_kernel_is_faster_from_the_threshold_and_never_for_none():
+    cls = CallClass(128, False, False, False, False)
+    assert auto_table.kernel_is_faster({cls: 100}, cls, 100)
+    assert not auto_table.kernel_is_faster({cls: 100}, cls, 99)
+    assert not auto_table.kernel_is_faster({cls: None}, cls, 10**12)
+    assert not auto_table.kernel_is_faster({}, cls, 10**12)  # an unknown class: SDPA
+    assert not auto_table.kernel_is_faster(None, cls, 10**12)
 
 
-def test_corrupt_calibration_file_is_ignored_with_a_warning(tmp_path, caplog):
-    (tmp_path / auto_table.TABLE_FILE).write_text("{not json")
-    auto_table.rules_for.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger="sage_diffusers"):
-            assert auto_table.rules_for((9, 0), str(tmp_path)) == dict(auto_table.SM90_RULES)
-        assert "ignoring calibration file" in caplog.text
-    finally:
-        auto_table.rules_for.cache_clear()
+def test_table_json_round_trip_and_bad_entries():
+    table = {c: (None if c.causal else 1000 + i) for i, c in enumerate(auto_table.ALL_CLASSES)}
+    assert auto_table.table_from_json(auto_table.table_to_json(table)) == table
+    for bad in ([], None, "x", {"d128_full": -1}, {"d128_full": 1.5}, {"d128_full": True}, {"nope": 1}):
+        with pytest.raises(ValueError):
+            auto_table.table_from_json(bad)
 
 
-def test_api_gate_names_the_class_and_crossover(monkeypatch, tmp_path):
-    """The dispatcher's "auto" gate (api._auto_prefers_sdpa) reads the table for the GPU at hand."""
-    import torch
+def test_gpu_models_are_told_apart_by_name_and_sm_count():
+    """An H100 PCIe (114 SMs), H800, H20 or GH200 must never take an H100 SXM's or H200's table."""
+    assert auto_table.gpu_model("NVIDIA H100 80GB HBM3", 132) != auto_table.gpu_model("NVIDIA H100 PCIe", 114)
+    assert auto_table.gpu_model("NVIDIA H200", 132) != auto_table.gpu_model("NVIDIA GH200 480GB", 132)
+    for model in auto_table.SHIPPED:
+        assert "H800" not in model and "H20 " not in model
 
-    from sage_diffusers import api
-    from sage_diffusers.kernels import _jit
+
+def test_shipped_tables_cover_every_class():
+    for model, table in auto_table.SHIPPED.items():
+        assert set(table) == set(auto_table.ALL_CLASSES), model
+
+
+def test_conservative_table_takes_the_largest_threshold_and_sdpa_where_any_gpu_does(monkeypatch):
+    a, b = CallClass(128, False, False, False, False), CallClass(64, True, False, False, False)
+    monkeypatch.setattr(auto_table, "SHIPPED", {"x": {a: 10, b: None}, "y": {a: 30, b: 5}})
+    cons = auto_table.conservative_table()
+    assert cons[a] == 30 and cons[b] is None
+    assert cons[CallClass(64, False, True, False, False)] is None  # measured nowhere: SDPA
+    monkeypatch.setattr(auto_table, "SHIPPED", {})
+    assert set(auto_table.conservative_table().values()) == {None}
+
+
+def test_opt_out_of_the_first_use_calibration(monkeypatch):
+    monkeypatch.delenv(auto_table.ENV_CALIBRATE, raising=False)
+    assert auto_table.calibration_allowed()
+    for off in ("0", "false", "OFF", " no "):
+        monkeypatch.setenv(auto_table.ENV_CALIBRATE, off)
+        assert not auto_table.calibration_allowed()
+
+
+def _full_table(value=123):
+    return {c: value for c in auto_table.ALL_CLASSES}
+
+
+def test_calibration_file_round_trip(tmp_path):
+    path = auto_table.cache_path(tmp_path, "NVIDIA X (7 SMs)", "int8-abc")
+    auto_table.write_cached(path, "NVIDIA X (7 SMs)", "int8-abc", _full_table(), profile="full")
+    assert auto_table.read_cached(path, "NVIDIA X (7 SMs)", "int8-abc") == _full_table()
+    assert auto_table.read_cached(tmp_path / "absent.json", "m", "k") is None  # no file: no warning needed
+
+
+@pytest.mark.parametrize("content", [
+    "[]", "null", "not json", '{"schema": 1}', '{"schema": 2, "gpu": "other", "kernel": "int8-abc", "classes": {}}',
+    '{"schema": 2, "gpu": "NVIDIA X (7 SMs)", "kernel": "int8-old", "classes": {}}',
+    '{"schema": 2, "gpu": "NVIDIA X (7 SMs)", "kernel": "int8-abc", "classes": {"d128_full": 5}}',
+    '{"schema": 2, "gpu": "NVIDIA X (7 SMs)", "kernel": "int8-abc", "classes": []}',
+])
+def test_bad_calibration_files_are_ignored_with_one_warning_naming_them(tmp_path, caplog, content):
+    """Regression: cache files of valid JSON but the wrong shape (a list, null, rules: []) made every
+    auto call on sm_90 raise AttributeError / RecursionError; a table of another kernel build must
+    not be used either (the calibration reruns when the kernel changes)."""
+    path = auto_table.cache_path(tmp_path, "NVIDIA X (7 SMs)", "int8-abc")
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    with caplog.at_level(logging.WARNING, logger="sage_diffusers"):
+        assert auto_table.read_cached(path, "NVIDIA X (7 SMs)", "int8-abc") is None
+    assert len(caplog.records) == 1 and str(path) in caplog.text
+
+
+# ---- the dispatcher's gate -----------------------------------------------------------------------------
+class _Props:
+    name = "NVIDIA Test GPU"
+    multi_processor_count = 99
+
+
+@pytest.fixture
+def fake_sm90(monkeypatch, tmp_path):
+    """A CPU process that believes GPU 0 is an sm_90 'NVIDIA Test GPU' with no shipped table."""
+    from sage_diffusers import selftest
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(_jit, "cache_root", lambda: tmp_path)  # no calibration file there
-    auto_table.rules_for.cache_clear()
-    try:
-        dev = torch.device("cuda", 0)
-        assert api._auto_prefers_sdpa(dev, 128, 32768, 32768, False) is None  # long: the kernel
-        why = api._auto_prefers_sdpa(dev, 128, 4608, 4608, False)  # Flux: SDPA measured faster
-        assert "d128_full" in why and str(auto_table.SM90_RULES[(128, False, False)]) in why
-        assert "slower at every length" in api._auto_prefers_sdpa(dev, 128, 16384, 16384, True)
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 0))
-        assert api._auto_prefers_sdpa(dev, 128, 4608, 4608, False) is None  # no table: not gated
-    finally:
-        auto_table.rules_for.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: _Props())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(_jit, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(selftest, "kernel_hash", lambda backend: "int8-test")
+    monkeypatch.setattr(api, "_AUTO_TABLES", {})
+    yield auto_table.gpu_model(_Props.name, _Props.multi_processor_count)
 
 
-def test_gpu_dispatch_decisions_trace_under_compile(monkeypatch, tmp_path):
+def test_gate_reads_the_gpu_models_table_and_names_class_and_source(fake_sm90, monkeypatch):
+    model = fake_sm90
+    plain, masked = CallClass(128, False, False, False, False), CallClass(128, False, True, False, False)
+    table = _full_table(None)
+    table.update({plain: 24 * 16384 ** 2, masked: 2 * 8 * 1024 ** 2})
+    monkeypatch.setattr(auto_table, "SHIPPED", {model: table})
+    dev = torch.device("cuda", 0)
+    assert api._auto_prefers_sdpa(dev, (1, 24, 16384, 128), 24, 16384, False, False) is None
+    why = api._auto_prefers_sdpa(dev, (1, 24, 4608, 128), 24, 4608, False, False)
+    assert "d128_full:" in why and f"measured on an {model}" in why
+    # the same shape with a key mask is a masked class, decided with masked timings: the kernel
+    assert api._auto_prefers_sdpa(dev, (2, 8, 4096, 128), 8, 4096, True, False) is None
+    assert "not faster at any size" in api._auto_prefers_sdpa(dev, (1, 24, 16384, 128), 24, 16384, False, True)
+    # no per-call work: the table is resolved once per device
+    monkeypatch.setattr(api, "_resolve_auto_table", lambda *a, **k: pytest.fail("resolved twice"))
+    api._auto_prefers_sdpa(dev, (1, 24, 4608, 128), 24, 4608, False, False)
+
+
+def test_gate_prefers_a_calibration_of_this_gpu_over_the_shipped_table(fake_sm90, monkeypatch):
+    model = fake_sm90
+    monkeypatch.setattr(auto_table, "SHIPPED", {model: _full_table(10**15)})
+    path = auto_table.cache_path(_jit.cache_root(), model, "int8-test")
+    auto_table.write_cached(path, model, "int8-test", _full_table(1))
+    assert api._auto_prefers_sdpa(torch.device("cuda", 0), (1, 2, 256, 64), 2, 256, False, False) is None
+
+
+def test_unknown_gpu_calibrates_once_on_first_use_and_caches_it(fake_sm90, monkeypatch, caplog):
+    model = fake_sm90
+    monkeypatch.setattr(auto_table, "SHIPPED", {})
+    calls = []
+
+    def fake_calibrate(device, profile=None, **kw):
+        calls.append(profile)
+        return _full_table(5), []
+
+    monkeypatch.setattr(auto_calibrate, "calibrate", fake_calibrate)
+    with caplog.at_level(logging.WARNING, logger="sage_diffusers"):
+        assert api._auto_prefers_sdpa(torch.device("cuda", 0), (1, 2, 64, 64), 2, 64, False, False) is None
+    assert calls == [auto_calibrate.FIRST_USE]
+    assert "no measured table" in caplog.text and "SAGE_DIFFUSERS_AUTO_CALIBRATE=0" in caplog.text
+    assert "done in" in caplog.text
+    path = auto_table.cache_path(_jit.cache_root(), model, "int8-test")
+    assert auto_table.read_cached(path, model, "int8-test") == _full_table(5)
+    api._AUTO_TABLES.clear()  # a new process reads the file instead of measuring again
+    monkeypatch.setattr(auto_calibrate, "calibrate", lambda *a, **k: pytest.fail("calibrated twice"))
+    assert api._auto_prefers_sdpa(torch.device("cuda", 0), (1, 2, 64, 64), 2, 64, False, False) is None
+
+
+def test_opted_out_unknown_gpu_uses_the_conservative_rule(fake_sm90, monkeypatch):
+    monkeypatch.setenv(auto_table.ENV_CALIBRATE, "0")
+    monkeypatch.setattr(auto_table, "SHIPPED", {"A (1 SMs)": _full_table(100), "B (2 SMs)": _full_table(300)})
+    monkeypatch.setattr(auto_calibrate, "calibrate", lambda *a, **k: pytest.fail("must not calibrate"))
+    dev = torch.device("cuda", 0)
+    why = api._auto_prefers_sdpa(dev, (1, 1, 10, 64), 1, 20, False, False)  # work 200 < 300
+    assert "conservative rule" in why
+    assert api._auto_prefers_sdpa(dev, (1, 1, 15, 64), 1, 20, False, False) is None  # 300
+
+
+def test_a_failed_calibration_keeps_auto_safe(fake_sm90, monkeypatch):
+    monkeypatch.setattr(auto_table, "SHIPPED", {})
+
+    def boom(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(auto_calibrate, "calibrate", boom)
+    why = api._auto_prefers_sdpa(torch.device("cuda", 0), (1, 24, 4096, 128), 24, 4096, False, False)
+    assert "calibration on" in why and "OutOfMemoryError" in why
+
+
+def test_no_gate_where_there_are_no_tables(fake_sm90, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 0))
+    assert api._auto_prefers_sdpa(torch.device("cuda", 0), (1, 24, 4608, 128), 24, 4608, False, False) is None
+
+
+def test_gpu_dispatch_decisions_trace_under_compile(fake_sm90, monkeypatch):
     """Regression: on a GPU, torch.compile(fullgraph=True) over sd.attention(mode="auto") failed
     because dynamo cannot trace the kernel lookup (file checks, JIT build, self-check) or the
-    auto table's file read. Those run eagerly as constant results now; the length rule traces,
-    with dynamic shapes too."""
-    import torch
-
-    from sage_diffusers import api
-    from sage_diffusers.kernels import _jit
-
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(_jit, "cache_root", lambda: tmp_path)
-    auto_table.rules_for.cache_clear()
+    auto table's lookup. Those run eagerly as constant results; the size rule traces, with
+    dynamic shapes too."""
+    model = fake_sm90
+    cls = CallClass(128, False, False, False, False)
+    table = _full_table(None)
+    table[cls] = 16384 * 16384
+    monkeypatch.setattr(auto_table, "SHIPPED", {model: table})
 
     def decide(x):
         why = api._auto_status(0)  # on this CPU machine: the kernel is unavailable, with a reason
-        slower = api._auto_prefers_sdpa(torch.device("cuda", 0), 128, x.shape[0], x.shape[0], False)
+        n = x.shape[0]
+        slower = api._auto_prefers_sdpa(torch.device("cuda", 0), (1, 1, n, 128), 1, n, False, False)
         return (x * 2 if slower is None else x + 1), why
 
     try:
@@ -119,15 +246,32 @@ def test_gpu_dispatch_decisions_trace_under_compile(monkeypatch, tmp_path):
                 assert torch.equal(out, eager_out)
                 assert torch.equal(out, x * 2 if n % 128 == 0 and n >= 16384 else x + 1)
     finally:
-        auto_table.rules_for.cache_clear()
         torch._dynamo.reset()
 
 
-def test_calibration_results_are_named_by_gpu():
-    """Regression: eval/calibrate_auto.py wrote auto_calibration_h200.* on every GPU, so a run on
-    an H100 overwrote the committed H200 results."""
-    from eval.calibrate_auto import gpu_slug
+def test_first_use_profile_is_bounded():
+    assert auto_calibrate.FIRST_USE.budget_s <= 120
+    assert max(auto_calibrate.FIRST_USE.lengths) <= 16384
 
-    assert gpu_slug("NVIDIA H200") == "h200"
-    assert gpu_slug("NVIDIA H100 80GB HBM3") == "h100_80gb_hbm3"
-    assert gpu_slug("") == "gpu"
+
+def test_calibrate_stops_a_class_after_two_sdpa_wins_and_keeps_the_budget(monkeypatch):
+    """With a fake timer: lengths run longest first; a class stops after SDPA wins twice in a row;
+    classes past the deadline take the conservative rule."""
+    monkeypatch.setattr(auto_calibrate, "inputs", lambda cls, length, device, seed=0: (
+        torch.empty(1, 2, length, cls.head_dim), torch.empty(1, 2, length, cls.head_dim), None, None))
+    seen = []
+
+    def timer(methods, args_of, rounds):
+        s = args_of()[0].shape[2]
+        seen.append(s)
+        return {"kernel": [1.0] * rounds, "sdpa": [2.0 if s >= 4096 else 0.5] * rounds}
+
+    prof = auto_calibrate.Profile((1024, 2048, 4096, 8192), rounds=2, budget_s=60.0)
+    cls = CallClass(128, False, False, False, False)
+    table, results = auto_calibrate.calibrate("cpu", prof, classes=[cls], timer=timer)
+    assert seen == [8192, 4096, 2048, 1024]
+    assert results[0].measured and table[cls] == pytest.approx(2 * 2048 ** 2 * 4 ** ((2.0 - 0.99) / 1.5), rel=1e-6)
+    seen.clear()
+    monkeypatch.setattr(auto_table, "SHIPPED", {})
+    table, results = auto_calibrate.calibrate("cpu", prof._replace(budget_s=-1.0), classes=[cls], timer=timer)
+    assert seen == [] and not results[0].measured and table[cls] is None

@@ -1,149 +1,135 @@
-"""When "auto" takes the 8-bit kernel and when it keeps SDPA: measured crossovers per GPU.
+"""When "auto" takes the 8-bit kernel and when it keeps SDPA: measured per GPU model.
 
-``mode="auto"`` must never be slower than SDPA. Our kernels win on long sequences and lose on
-short ones (the quantization pre-pass and the last, partly filled wave of CTAs cost a fixed
-amount per call), so the choice depends on the shape. The crossover lengths below were measured
-side by side with cuDNN SDPA (``python -m eval.calibrate_auto``, results in
-``eval/results/auto_calibration_h200.md``); a calibration run on the GPU at hand writes
-``auto_table.json`` into the JIT cache, and that file, when present, replaces the shipped table.
+``mode="auto"`` must never be slower than the faster of the kernel and the SDPA call that would
+run instead. Which is faster depends on the call: our kernel has a fixed cost per call (the
+quantization pre-pass, the last partial wave of CTAs, host work) that long sequences amortize,
+and SDPA changes backend with the call's flags: with a key mask it leaves cuDNN / flash for a
+backend 2-3x slower, with grouped-query heads it may leave cuDNN, and cuDNN pads lengths that are
+not multiples of 128. So the decision is taken per call class, with timings of that class:
 
-A rule reads: the kernel runs when both ``Sq`` and ``Skv`` are at least ``min_len`` for that
-(head dim, causal, ragged) class; ``None`` means SDPA at every length measured. "Ragged" means a
-length that is not a multiple of 128: cuDNN's attention is markedly slower there (it pads), while
-our kernels are not, so the crossover differs (e.g. CogVideoX's 17776 tokens at head dim 64).
+- :class:`CallClass` = (head dim, causal, key-masked, grouped-query, ragged);
+- per class, a threshold on the call's work ``B * Hq * Sq * Skv`` (score elements): the kernel
+  runs at or above it, SDPA below; ``None``: SDPA at every size measured.
 
-How a crossover is chosen (``crossover``): per length, the ratio of the two methods' median times
-over interleaved rounds (``bench_utils.compare_ms``, the timer ``eval/bench_kernels.py`` uses too);
-the kernel's class starts at the shortest measured length from which the kernel is more than
-``PREFER_SDPA_WITHIN`` (1 %) faster there and at every longer length measured. Where the two are
-closer than that, SDPA runs: it is exact, and keeping it costs at most 1 / 0.99 = 1.01x.
-Why 1 % and not 3 %: the goal (``AUTO_TOLERANCE``) is auto within 1.03x of the faster of the two
-at every benchmark shape, and a choice is only as good as the measured ratio, which is off by the
-timer's noise and by the benchmark shape differing from the swept one (other heads or batch: other
-waves of CTAs). Keeping SDPA where the kernel is m faster stays within the goal while those errors
-stay under about 3 % - m; picking the kernel where it is m faster, while they stay under 3 % + m.
-m = 3 % would leave nothing on the SDPA side; m = 1 % leaves about 2 % there and 4 % on the
-kernel's side, against per-call medians whose rounds spread under 1 % on the H200. Causal classes
-follow the same rule: where the kernel is measured faster, "auto" runs it.
+A table is measured per GPU *model* (``gpu_model``: name and SM count, so an H100 PCIe, H800, H20
+or GH200 never takes an H100 SXM's or an H200's table), by ``auto_calibrate.calibrate``:
+kernel and SDPA side by side per class over lengths, the crossover interpolated in log(work)
+(:func:`crossover`). Where a table comes from, in order (``api._load_auto_table``):
+
+1. a calibration of this GPU model and kernel build in the JIT cache (``python -m eval.calibrate_auto
+   --install``, or the one-time calibration below);
+2. the table shipped for this GPU model (:data:`SHIPPED`, from ``eval/results/auto_<gpu>.md``);
+3. a one-time calibration on first use (bounded, about a minute; a console line says so), cached
+   beside the JIT build and redone when the kernel build changes;
+4. with ``SAGE_DIFFUSERS_AUTO_CALIBRATE=0``, or where a calibration cannot run now (inside
+   torch.compile tracing or CUDA-graph capture): :func:`conservative_table`, per class the largest
+   threshold among the shipped GPUs (the kernel only where it won on every GPU measured).
+
+The decision reads host ints only (shapes and the table): no host sync per call.
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
+import math
+import os
+import re
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional
+
+from . import _auto_shipped
 
 logger = logging.getLogger("sage_diffusers")
 
-TABLE_FILE = "auto_table.json"
-ALIGN = 128  # lengths that are multiples of this are "aligned" for SDPA
-AUTO_TOLERANCE = 1.03  # the goal: auto's time <= this x min(kernel, SDPA) at every benchmark shape
-PREFER_SDPA_WITHIN = 0.01  # the kernel must be more than this fraction faster (module docstring)
-# (head_dim, causal, ragged) -> min_len; the class key in JSON is "d{head_dim}_{causal|full}[_ragged]".
-Key = tuple[int, bool, bool]
-Rules = Mapping[Key, Optional[int]]
-
-# BEGIN sm_90 table (written by `python -m eval.calibrate_auto --ship <calibration json>`)
-# Measured on an NVIDIA H200 (2026-12-04 16:29, torch 2.11.0+cu130, commit c20d786) against SDPA's
-# default backend (bf16, cuDNN there), quantization included: auto_calibration_h200.json. Per
-# length, medians of 5 interleaved rounds of per-call times with L2 flushed
-# (bench_utils.compare_ms); a class runs the kernel from the shortest length at which it takes less
-# than 0.99x SDPA's time there and at every longer length measured (see the module docstring for the
-# margin).
-# d128_full: kernel: its time < 0.99x SDPA's from 18432 (0.981x) to 20480 (0.984x); 0.995x at 16384
-# d128_full_ragged: kernel: its time < 0.99x SDPA's from 8120 (0.976x) to 20408 (0.862x); 1.023x at
-#     6072
-# d128_causal: SDPA: kernel slower at every length measured (closest 1.060x at 18432)
-# d128_causal_ragged: SDPA: kernel slower at every length measured (closest 1.076x at 20408)
-# d64_full: kernel: its time < 0.99x SDPA's from 6144 (0.989x) to 20480 (0.880x); 1.026x at 5120
-# d64_full_ragged: kernel: its time < 0.99x SDPA's from 4024 (0.956x) to 20408 (0.761x); 1.048x at
-#     3000
-# d64_causal: kernel: its time < 0.99x SDPA's from 16384 (0.977x) to 20480 (0.980x); 0.998x at 14336
-# d64_causal_ragged: kernel: its time < 0.99x SDPA's from 16312 (0.987x) to 20408 (0.978x); 1.023x
-#     at 14264
-SM90_RULES: dict[Key, Optional[int]] = {
-    (128, False, False): 18432,
-    (128, False, True): 8120,
-    (128, True, False): None,
-    (128, True, True): None,
-    (64, False, False): 6144,
-    (64, False, True): 4024,
-    (64, True, False): 16384,
-    (64, True, True): 16312,
-}
-# END sm_90 table
-SHIPPED: dict[tuple[int, int], Rules] = {(9, 0): SM90_RULES}
+SCHEMA = 2  # version of the calibration cache files
+CACHE_FOLDER = "auto"  # under the JIT cache root
+ALIGN = 128  # lengths that are multiples of this are "aligned" for SDPA's cuDNN backend
+AUTO_TOLERANCE = 1.03  # the goal: auto's time <= this x min(kernel, SDPA) at every checked call
+# The kernel must be more than this fraction faster for "auto" to take it: where the two are within
+# 1 %, SDPA (exact) runs, which costs at most 1 / 0.99 = 1.01x, inside the goal with room for timer
+# noise (a method's rounds spread under 1 % on the H100 and H200).
+PREFER_SDPA_WITHIN = 0.01
+ENV_CALIBRATE = "SAGE_DIFFUSERS_AUTO_CALIBRATE"  # "0": no first-use calibration (conservative table)
 
 
-def class_key(head_dim: int, causal: bool, ragged: bool) -> str:
-    return f"d{head_dim}_{'causal' if causal else 'full'}{'_ragged' if ragged else ''}"
+class CallClass(NamedTuple):
+    """The properties of a call that change which of the two is faster."""
+
+    head_dim: int
+    causal: bool
+    masked: bool  # a key-padding mask: SDPA leaves cuDNN / flash for a slower backend
+    gqa: bool  # Hq != Hkv
+    ragged: bool  # Sq or Skv not a multiple of ALIGN: cuDNN pads
+
+    def key(self) -> str:
+        """e.g. "d128_causal_mask_gqa_ragged", "d64_full"."""
+        return (f"d{self.head_dim}_{'causal' if self.causal else 'full'}" + ("_mask" if self.masked else "")
+                + ("_gqa" if self.gqa else "") + ("_ragged" if self.ragged else ""))
+
+    @classmethod
+    def parse(cls, key: str) -> "CallClass":
+        m = re.fullmatch(r"d(\d+)_(full|causal)(_mask)?(_gqa)?(_ragged)?", str(key))
+        if m is None:
+            raise ValueError(f"bad call class {key!r} (expected e.g. 'd128_full' or 'd64_causal_mask_gqa_ragged')")
+        return cls(int(m.group(1)), m.group(2) == "causal", bool(m.group(3)), bool(m.group(4)), bool(m.group(5)))
 
 
-def is_ragged(sq: int, skv: int) -> bool:
-    return sq % ALIGN != 0 or skv % ALIGN != 0
+HEAD_DIMS = (64, 128)
+ALL_CLASSES = tuple(CallClass(d, c, m, g, r) for d in HEAD_DIMS for c in (False, True) for m in (False, True)
+                    for g in (False, True) for r in (False, True))
+# {class: minimum work (B * Hq * Sq * Skv) from which the kernel runs, or None: SDPA at every size}
+Table = Mapping[CallClass, Optional[int]]
 
 
-def rules_to_json(rules: Rules) -> dict:
-    return {class_key(*key): v for key, v in sorted(rules.items())}
+def call_class(head_dim: int, causal: bool, masked: bool, hq: int, hkv: int, sq: int, skv: int) -> CallClass:
+    return CallClass(head_dim, bool(causal), bool(masked), hq != hkv, sq % ALIGN != 0 or skv % ALIGN != 0)
 
 
-def rules_from_json(data: Mapping) -> dict[Key, Optional[int]]:
-    """Parse ``{"d128_full": 16384, "d64_causal_ragged": null, ...}``; ValueError on anything else."""
-    out: dict[Key, Optional[int]] = {}
-    for key, value in data.items():
-        parts = str(key).split("_")
-        try:
-            d = int(parts[0][1:]) if parts[0].startswith("d") else int("x")
-        except ValueError:
-            raise ValueError(f"auto table: bad class key {key!r} (expected e.g. 'd128_full')") from None
-        kind, ragged = parts[1] if len(parts) > 1 else "", parts[2:] == ["ragged"]
-        if (kind not in ("full", "causal") or len(parts) not in (2, 3) or (len(parts) == 3 and not ragged)
-                or not (value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0))):
-            raise ValueError(f"auto table: bad entry {key!r}: {value!r}")
-        out[(d, kind == "causal", ragged)] = value
-    return out
+def call_work(b: int, hq: int, sq: int, skv: int) -> int:
+    """Score elements of a call, the size the thresholds are in."""
+    return b * hq * sq * skv
 
 
-@functools.lru_cache(maxsize=None)
-def rules_for(capability: tuple[int, int], calibration_dir: Optional[str]) -> Optional[dict]:
-    """The rules for a GPU: a calibration file in ``calibration_dir`` wins over the shipped table.
-
-    Returns None when neither exists; "auto" is then not gated by length on that GPU (its
-    self-checked kernel runs at every shape, see ``api._auto_prefers_sdpa``).
-    """
-    if calibration_dir is not None:
-        path = Path(calibration_dir) / TABLE_FILE
-        if path.is_file():
-            try:
-                data = json.loads(path.read_text())
-                entry = data.get(f"sm_{capability[0]}{capability[1]}")
-                if entry is not None:
-                    return rules_from_json(entry["rules"])
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                logger.warning("sage_diffusers: ignoring calibration file %s: %s", path, exc)
-    shipped = SHIPPED.get(capability)
-    return dict(shipped) if shipped is not None else None
+def kernel_is_faster(table: Optional[Table], cls: CallClass, work: int) -> bool:
+    """True when ``table`` says the kernel beats SDPA for a call of this class and work."""
+    if table is None:
+        return False
+    threshold = table.get(cls)
+    return threshold is not None and work >= threshold
 
 
-def crossover(ratios: Mapping[int, float], margin: float = PREFER_SDPA_WITHIN) -> Optional[int]:
-    """One class's rule from its measurement: the shortest measured length from which the kernel's
-    time is below ``1 - margin`` times SDPA's at that length and at every longer one, else None.
+def crossover(points: Mapping[int, float], margin: float = PREFER_SDPA_WITHIN) -> Optional[int]:
+    """One class's threshold from its measurement.
 
     Parameters
     ----------
-    ratios : {length: kernel time / SDPA time}, medians over rounds, square (Sq = Skv = length)
-    margin : where the kernel is faster by less than this, SDPA runs (PREFER_SDPA_WITHIN)
+    points : {work: kernel time / SDPA time} (medians over rounds) at the measured sizes
+    margin : the kernel runs where it is more than this fraction faster
+
+    Returns
+    -------
+    The work from which the kernel is faster at every larger measured size: between the largest
+    size where it is not (ratio >= 1 - margin) and the next, interpolated linearly in log(work);
+    the smallest measured size when it wins everywhere (below the measured range SDPA keeps the
+    call); None when it does not win at the largest size.
     """
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
-    found = None
-    for length in sorted(ratios, reverse=True):  # longest first: stop at the first length it loses
-        if ratios[length] < 1.0 - margin:
-            found = length
-        else:
-            break
-    return found
+    if not points:
+        return None
+    need = 1.0 - margin
+    sizes = sorted(points)
+    losing = [i for i, w in enumerate(sizes) if not points[w] < need]  # NaN counts as losing
+    if not losing:
+        return int(sizes[0])
+    i = losing[-1]
+    if i == len(sizes) - 1:
+        return None
+    lo, hi = sizes[i], sizes[i + 1]
+    r_lo, r_hi = points[lo], points[hi]
+    t = (r_lo - need) / (r_lo - r_hi) if math.isfinite(r_lo) and r_lo > r_hi else 1.0
+    t = min(1.0, max(0.0, t))
+    return int(round(math.exp(math.log(lo) + t * (math.log(hi) - math.log(lo)))))
 
 
 def auto_over_best(auto_ms: float, kernel_ms: float, sdpa_ms: float) -> float:
@@ -151,9 +137,100 @@ def auto_over_best(auto_ms: float, kernel_ms: float, sdpa_ms: float) -> float:
     return auto_ms / min(kernel_ms, sdpa_ms)
 
 
-def kernel_is_faster(rules: Optional[Rules], head_dim: int, causal: bool, sq: int, skv: int) -> bool:
-    """True when the measured rules say the kernel beats SDPA for this shape."""
-    if rules is None:
-        return False
-    min_len = rules.get((head_dim, causal, is_ragged(sq, skv)))
-    return min_len is not None and sq >= min_len and skv >= min_len
+# ---- tables: JSON form, shipped, conservative -------------------------------------------------------
+def table_to_json(table: Table) -> dict:
+    return {cls.key(): table[cls] for cls in sorted(table)}
+
+
+def table_from_json(data) -> dict[CallClass, Optional[int]]:
+    """Parse ``{"d128_full": 402653184, "d64_causal_mask": null, ...}``; ValueError on anything else."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"expected an object of call classes, got {type(data).__name__}")
+    out: dict[CallClass, Optional[int]] = {}
+    for key, value in data.items():
+        cls = CallClass.parse(key)
+        if not (value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)):
+            raise ValueError(f"class {key!r}: expected a non-negative int or null, got {value!r}")
+        out[cls] = value
+    return out
+
+
+def gpu_model(name: str, sm_count: int) -> str:
+    """The key of a GPU model: its name and SM count ("NVIDIA H100 80GB HBM3 (132 SMs)")."""
+    return f"{name.strip()} ({int(sm_count)} SMs)"
+
+
+def _shipped() -> dict[str, dict[CallClass, Optional[int]]]:
+    return {gpu: table_from_json(t) for gpu, t in _auto_shipped.TABLES.items()}
+
+
+SHIPPED: dict[str, dict[CallClass, Optional[int]]] = _shipped()
+
+
+def shipped_table(model: str) -> Optional[dict[CallClass, Optional[int]]]:
+    table = SHIPPED.get(model)
+    return dict(table) if table is not None else None
+
+
+def conservative_table() -> dict[CallClass, Optional[int]]:
+    """Per class, the largest threshold among the shipped GPUs (None if any keeps SDPA or has no
+    entry): the kernel only where it won on every GPU model measured."""
+    out: dict[CallClass, Optional[int]] = {}
+    for cls in ALL_CLASSES:
+        values = [t.get(cls) for t in SHIPPED.values()]
+        out[cls] = None if not values or any(v is None for v in values) else max(values)
+    return out
+
+
+def calibration_allowed() -> bool:
+    """False when the user opted out of the first-use calibration (``SAGE_DIFFUSERS_AUTO_CALIBRATE=0``)."""
+    return os.environ.get(ENV_CALIBRATE, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+# ---- calibration cache files --------------------------------------------------------------------------
+def _slug(text: str) -> str:
+    return re.sub(r"[^0-9a-z]+", "_", text.lower()).strip("_") or "gpu"
+
+
+def cache_path(cache_root: Path, model: str, kernel: str) -> Path:
+    """The calibration file of a GPU model and kernel build."""
+    return Path(cache_root) / CACHE_FOLDER / f"{_slug(model)}-{_slug(kernel)}.json"
+
+
+def read_cached(path: Path, model: str, kernel: str) -> Optional[dict[CallClass, Optional[int]]]:
+    """The table in a calibration file, or None when there is none; a file of the wrong form, or
+    of another GPU model or kernel build, is ignored with one warning naming it (recalibrated)."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        logger.warning("sage_diffusers: ignoring auto calibration file %s: %s", path, exc)
+        return None
+    try:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+        if data.get("schema") != SCHEMA:
+            raise ValueError(f"schema {data.get('schema')!r}, expected {SCHEMA}")
+        if data.get("gpu") != model or data.get("kernel") != kernel:
+            raise ValueError(f"made for {data.get('gpu')!r} / {data.get('kernel')!r}, not {model!r} / {kernel!r}")
+        table = table_from_json(data.get("classes"))
+        missing = [c.key() for c in ALL_CLASSES if c not in table]
+        if missing:
+            raise ValueError(f"classes missing: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+        return table
+    except ValueError as exc:
+        logger.warning("sage_diffusers: ignoring auto calibration file %s: %s", path, exc)
+        return None
+
+
+def write_cached(path: Path, model: str, kernel: str, table: Table, **meta) -> Path:
+    """Write a calibration file atomically (a racing reader sees the old file or the whole new one)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = dict(schema=SCHEMA, gpu=model, kernel=kernel, classes=table_to_json(table), **meta)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+    return path

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from sage_diffusers.api import _MaskClassCache
+from sage_diffusers.api import classify_in_scope
 from sage_diffusers.options import Layout, Mode
 from sage_diffusers.processors._core import Choice, attend
 
@@ -99,7 +99,7 @@ def _factorize_mask(
         torch._assert_async(exact.all(), "sage_diffusers: attn_mask is not a key-padding mask (outer product)")
     else:
         # The check reads the mask on the host (a sync): once per mask tensor, not once per block.
-        factors = _OUTER_PRODUCTS.cached(attn_mask, _outer_product_of)
+        factors = classify_in_scope(attn_mask, _outer_product_of)
         if factors is None:
             return None, None, attn_mask
         keys, rows = factors
@@ -121,8 +121,6 @@ def _outer_product_of(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] |
     return (keys, rows) if bool(exact.all()) else None
 
 
-# Factorizations of the dispatcher masks seen lately (models pass one mask tensor to every block).
-_OUTER_PRODUCTS = _MaskClassCache()
 
 
 def _sage_backend(

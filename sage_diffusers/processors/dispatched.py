@@ -35,7 +35,7 @@ from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-from sage_diffusers.api import _MaskClassCache
+from sage_diffusers.api import classify_in_scope
 from sage_diffusers.processors._core import SageProcessorMixin
 from sage_diffusers.processors.backend import ACTIVE, backend_member
 
@@ -144,7 +144,7 @@ def padding_bias_to_keep(bias: torch.Tensor) -> torch.Tensor:
         keep, padding = _keep_and_padding(bias)
         torch._assert_async(padding.all(), "sage_diffusers: LTX attention bias is not a padding mask")
         return keep | ~keep.any(dim=-1, keepdim=True)
-    keep = _PADDING_BIASES.cached(bias, _padding_keep_of)
+    keep = classify_in_scope(bias, _padding_keep_of)
     return bias if keep is None else keep
 
 
@@ -159,7 +159,6 @@ def _padding_keep_of(bias: torch.Tensor) -> torch.Tensor | None:
     return keep | ~keep.any(dim=-1, keepdim=True) if bool(padding.all()) else None
 
 
-_PADDING_BIASES = _MaskClassCache()  # bias tensor -> its keep-mask (or None: a real bias)
 
 
 class SageLTXVideoAttnProcessor(_DispatchedSageMixin, LTXVideoAttnProcessor):
