@@ -86,7 +86,7 @@ GRID = [
     Point(1, 48, 12, 6144, 6144, 64, note="GQA 48/12"),
     Point(2, 30, 30, 2048, 2048, 64, keep=0.6),
     Point(1, 24, 24, 1000, 1000, 64),
-    Point(2, 48, 48, 17776, 17776, 64, keep=0.99, causal=True, layout="bshd"),
+    Point(2, 24, 24, 4096, 4096, 64, keep=0.99, causal=True, layout="bshd"),
 ]
 
 
@@ -275,9 +275,13 @@ def main(argv=None) -> None:
                 date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"))
     table, results = None, []
     if not args.check_only:
-        def show(res):
+        done = []
+
+        def show(res):  # one line and the partial results per class: a run cut short keeps what it measured
+            done.append(res)
             print(f"{res.cls.key()}: {res.threshold} {[(r['S'], round(r['kernel_over_sdpa'], 3)) for r in res.rows]}",
                   flush=True)
+            write(args.out_dir, meta, done, {r.cls: r.threshold for r in done}, [], None)
 
         table, results = auto_calibrate.calibrate(torch.device("cuda"), auto_calibrate.FULL._replace(rounds=args.rounds),
                                                   on_class=show)

@@ -254,9 +254,9 @@ def test_first_use_profile_is_bounded():
     assert max(auto_calibrate.FIRST_USE.lengths) <= 16384
 
 
-def test_calibrate_stops_a_class_after_two_sdpa_wins_and_keeps_the_budget(monkeypatch):
-    """With a fake timer: lengths run longest first; a class stops after SDPA wins twice in a row;
-    classes past the deadline take the conservative rule."""
+def test_calibrate_stops_a_class_after_two_kernel_wins_and_keeps_the_budget(monkeypatch):
+    """With a fake timer: lengths run shortest first; a class stops after the kernel wins twice in a
+    row; classes past the deadline take the conservative rule."""
     monkeypatch.setattr(auto_calibrate, "inputs", lambda cls, length, device, seed=0: (
         torch.empty(1, 2, length, cls.head_dim), torch.empty(1, 2, length, cls.head_dim), None, None))
     seen = []
@@ -266,10 +266,10 @@ def test_calibrate_stops_a_class_after_two_sdpa_wins_and_keeps_the_budget(monkey
         seen.append(s)
         return {"kernel": [1.0] * rounds, "sdpa": [2.0 if s >= 4096 else 0.5] * rounds}
 
-    prof = auto_calibrate.Profile((1024, 2048, 4096, 8192), rounds=2, budget_s=60.0)
+    prof = auto_calibrate.Profile((1024, 2048, 4096, 8192, 16384), rounds=2, budget_s=60.0)
     cls = CallClass(128, False, False, False, False)
     table, results = auto_calibrate.calibrate("cpu", prof, classes=[cls], timer=timer)
-    assert seen == [8192, 4096, 2048, 1024]
+    assert seen == [1024, 2048, 4096, 8192]
     assert results[0].measured and table[cls] == pytest.approx(2 * 2048 ** 2 * 4 ** ((2.0 - 0.99) / 1.5), rel=1e-6)
     seen.clear()
     monkeypatch.setattr(auto_table, "SHIPPED", {})
