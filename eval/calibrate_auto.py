@@ -180,10 +180,14 @@ def write(out_dir: Path, meta: dict, results, table, rows, overhead) -> Path:
     if table:
         lines += ["## Table (kernel runs when B*Hq*Sq*Skv >= threshold)", "",
                   "| class | threshold | measured kernel / SDPA (length: ratio) |", "|---|---:|---|"]
-        for res in results:
-            pts = ", ".join(f"{r['S']}: {r['kernel_over_sdpa']:.3f}" for r in sorted(res.rows, key=lambda r: r["S"]))
-            thr = table.get(res.cls)
-            lines.append(f"| {res.cls.key()} | {'SDPA always' if thr is None else f'{thr:.4g}'} | {pts} |")
+        measured = {res.cls: res.rows for res in results}
+        base = meta.get("base") or {}
+        for cls in sorted(table):
+            rows_of = measured.get(cls) or [r for r in base.get("sweep", []) if r["cls"] == cls.key()]
+            pts = ", ".join(f"{r['S']}: {r['kernel_over_sdpa']:.3f}" for r in sorted(rows_of, key=lambda r: r["S"]))
+            thr = table[cls]
+            src = "" if cls in measured else f" (from {base.get('file')}, commit {base.get('commit')})"
+            lines.append(f"| {cls.key()} | {'SDPA always' if thr is None else f'{thr:.4g}'} | {pts}{src} |")
         lines.append("")
     if rows:
         over = [r for r in rows if not r["meets_goal"]]
@@ -257,6 +261,9 @@ def main(argv=None) -> None:
     p.add_argument("--no-check", action="store_true", help="calibrate only")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (>= 1)")
     p.add_argument("--out-dir", type=Path, default=ROOT / "eval" / "results")
+    p.add_argument("--base", type=Path, default=None, metavar="JSON",
+                   help="an earlier calibration of this GPU model (a results JSON): its classes are kept, "
+                        "the others measured")
     p.add_argument("--ship", type=Path, nargs="+", default=None, metavar="JSON",
                    help="no GPU: write sage_diffusers/kernels/_auto_shipped.py from these results, then exit")
     args = p.parse_args(argv)
@@ -273,7 +280,18 @@ def main(argv=None) -> None:
     model = auto_table.gpu_model(props.name, props.multi_processor_count)
     meta = dict(gpu=props.name, model=model, torch=torch.__version__, commit=_commit(), rounds=args.rounds,
                 date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"))
-    table, results = None, []
+    table, results, base = None, [], {}
+    if args.base is not None:
+        try:
+            data = json.loads(args.base.read_text())
+            base = auto_table.table_from_json(data["classes"])
+            base_model = data["meta"]["model"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            p.error(f"--base {args.base}: not a calibration result of this script ({exc})")
+        if base_model != model:
+            p.error(f"--base {args.base}: measured on {base_model!r}, this GPU is {model!r}")
+        meta["base"] = dict(file=str(args.base), commit=data["meta"].get("commit"), classes=sorted(c.key() for c in base),
+                            sweep=data.get("sweep", []))
     if not args.check_only:
         done = []
 
@@ -283,8 +301,10 @@ def main(argv=None) -> None:
                   flush=True)
             write(args.out_dir, meta, done, {r.cls: r.threshold for r in done}, [], None)
 
+        todo = [c for c in auto_table.ALL_CLASSES if c not in base]
         table, results = auto_calibrate.calibrate(torch.device("cuda"), auto_calibrate.FULL._replace(rounds=args.rounds),
-                                                  on_class=show)
+                                                  classes=todo, on_class=show)
+        table = {**base, **table}
         meta["calibration_s"] = round(time.time() - t0, 1)
         if args.install:
             from sage_diffusers import selftest
