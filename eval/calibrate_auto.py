@@ -166,7 +166,7 @@ def _fmt(s: dict) -> str:
 
 def write(out_dir: Path, meta: dict, results, table, rows, overhead) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"auto_{gpu_slug(meta['gpu'])}"
+    stem = f"auto_{gpu_slug(meta['gpu'])}" + ("" if table else "_check")  # a check alone keeps the calibration's files
     data = dict(meta=meta, classes=auto_table.table_to_json(table) if table else None,
                 sweep=[r for res in results for r in res.rows], check=rows, host_overhead_us=overhead)
     (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=1, default=str))

@@ -66,7 +66,7 @@ def test_report_flags_calls_over_the_goal(tmp_path):
                  auto_over_best=1.1, meets_goal=False)]
     meta = dict(gpu="NVIDIA H100 80GB HBM3", model="m", torch="t", date="d", commit=None, rounds=1)
     calibrate_auto.write(tmp_path, meta, [], None, rows, dict(int8=50.0, auto=52.0, auto_minus_int8=2.0))
-    md = (tmp_path / "auto_h100.md").read_text()
+    md = (tmp_path / "auto_h100_check.md").read_text()
     assert "**1 of 1 calls over the goal.**" in md and "**over**" in md and "adds 2.0 µs" in md
 
 

@@ -12,7 +12,6 @@ BASE=""
 case "$GPU" in *H100*) BASE="--base eval/results/auto_h100_part1.json" ;; esac
 timeout -k 10 "${CAL_S:-330}" python3 -m eval.calibrate_auto --install --no-check $BASE --out-dir "$OUT" > "$OUT/calibrate.log" 2>&1
 echo "calibrate rc=$? after $(( $(date +%s) - S )) s"; tail -20 "$OUT/calibrate.log"
-for f in "$OUT"/auto_*.json; do cp "$f" "${f%.json}.calibration.json"; done
 LEFT=$(( 575 - ($(date +%s) - S) ))
 SAGE_DIFFUSERS_AUTO_CALIBRATE=0 timeout -k 10 "$LEFT" python3 -m eval.calibrate_auto --check-only --out-dir "$OUT" > "$OUT/check.log" 2>&1
 echo "check rc=$? after $(( $(date +%s) - S )) s"; tail -8 "$OUT/check.log"
