@@ -518,7 +518,7 @@ def mask_scope():
     it). The answers are dropped when the block ends. Nested scopes share the outermost one; each
     thread (and asyncio task) has its own.
     """
-    if _SCOPE.get() is not None:
+    if torch.compiler.is_compiling() or _SCOPE.get() is not None:  # compiled code reads no mask anyway
         yield
         return
     token = _SCOPE.set({})
@@ -548,8 +548,10 @@ def classify_in_scope(mask: torch.Tensor, compute: Callable[[torch.Tensor], obje
     strongly until the scope ends (so its ``id`` cannot be reused meanwhile), and on the view's
     geometry. ``compute`` must not return a view of ``mask``.
     """
+    if _cannot_read(mask):  # first: dynamo cannot trace ContextVar.get
+        return None
     memo = _SCOPE.get()
-    if memo is None or _cannot_read(mask):
+    if memo is None:
         return None
     owner = mask._base if mask._base is not None else mask
     key = (id(owner), compute, mask.storage_offset(), tuple(mask.shape), tuple(mask.stride()), mask.dtype)

@@ -29,7 +29,6 @@ MIN_COS = {"sdpa": 0.99999, "int8": 0.998, "fp4": 0.97}
 @pytest.fixture(autouse=True)
 def _fresh_stats():
     sd.reset_fallback_stats()
-    api._MASK_CLASSES.clear()
 
 
 def _qkv(b=2, hq=2, hkv=2, sq=40, skv=40, d=64, seed=0, **kw):
@@ -66,7 +65,9 @@ def test_every_sdpa_mask_form_matches_sdpa(mode):
 @pytest.mark.parametrize("mode", LOW_BIT)
 def test_key_padding_forms_run_natively(mode):
     """Bug: only (B, Skv) and (B, 1, 1, Skv) bool masks ran natively; a 0/-inf float key mask and a
-    (B, 1, Sq, Skv) bool mask that is key padding in disguise (Chroma) forced SDPA on every call."""
+    (B, 1, Sq, Skv) bool mask that is key padding in disguise (Chroma) forced SDPA on every call.
+    Bool key-shaped masks run natively anywhere; the others inside a mask_scope (their values are
+    read once there)."""
     b, sq, skv = 2, 24, 40
     q, k, v = _qkv(b=b, sq=sq, skv=skv)
     kp = key_padding_mask(b, skv, seed=4)
@@ -80,7 +81,8 @@ def test_key_padding_forms_run_natively(mode):
         "float-BHQK-disguised": additive.expand(b, 2, sq, skv).contiguous(),
     }
     for name, mask in forms.items():
-        out = sd.attention(q, k, v, mask, mode=mode)
+        with api.mask_scope():
+            out = sd.attention(q, k, v, mask, mode=mode)
         expect = native if mask.dim() > 1 else sd.attention(q, k, v, key_mask=kp[:1].expand(b, skv), mode=mode)
         torch.testing.assert_close(out, expect, rtol=0, atol=0, msg=name)
     # key_mask and attn_mask together: a key is visible when both allow it.
@@ -89,10 +91,10 @@ def test_key_padding_forms_run_natively(mode):
     assert sd.fallback_stats() == {}
 
 
-def test_disguised_key_mask_is_checked_once_per_tensor(monkeypatch):
+def test_disguised_key_mask_is_checked_once_per_tensor_inside_a_mask_scope(monkeypatch):
     """Bug: a (B, 1, Sq, Skv) key mask forced SDPA on every call. The check that it is key padding
-    reads the mask (a host sync): it must run once per distinct tensor, and again after an
-    in-place edit (the version counter changes), never be fooled by a new tensor at the same address."""
+    reads the mask (a host sync): inside sd.mask_scope (what the integrations open per forward) it
+    runs once per distinct tensor; outside a scope the mask is never read and runs SDPA, counted."""
     calls = []
     real = api._classify_key_padding
     monkeypatch.setattr(api, "_classify_key_padding", lambda m: calls.append(1) or real(m))
@@ -100,18 +102,72 @@ def test_disguised_key_mask_is_checked_once_per_tensor(monkeypatch):
     q, k, v = _qkv(b=b, sq=sq, skv=skv)
     kp = key_padding_mask(b, skv, seed=5)
     mask = kp[:, None, None, :].expand(b, 1, sq, skv).clone()
-    for _ in range(4):
-        out = sd.attention(q, k, v, mask, mode="int8")
-    assert len(calls) == 1
+    with api.mask_scope():
+        for _ in range(4):
+            out = sd.attention(q, k, v, mask, mode="int8")
+    assert len(calls) == 1 and sd.fallback_stats() == {}
     torch.testing.assert_close(out, sd.attention(q, k, v, key_mask=kp, mode="int8"), rtol=0, atol=0)
-    mask[0, 0, 3, 5] = not bool(mask[0, 0, 3, 5])  # no longer key padding
-    sd.attention(q, k, v, mask, mode="int8")
-    assert len(calls) == 2 and any("not a key-padding mask" in r for r in sd.fallback_stats())
-    del mask
-    other = (~kp)[:, None, None, :].expand(b, 1, sq, skv).clone()  # may reuse the freed memory
-    other[:, :, :, 0] = True
-    out = sd.attention(q, k, v, other, mode="int8")
-    torch.testing.assert_close(out, sd.attention(q, k, v, key_mask=other[:, 0, 0], mode="int8"), rtol=0, atol=0)
+    out = sd.attention(q, k, v, mask, mode="int8")  # no scope: SDPA, the mask never read
+    assert len(calls) == 1 and any("not a key-padding mask" in r for r in sd.fallback_stats())
+
+
+@pytest.mark.parametrize("edit", ["index", "data", "numpy"])
+def test_mask_edited_in_place_between_scopes_is_classified_again(edit):
+    """Bug: the mask cache keyed on the version counter kept a stale answer for a mask edited
+    through .data or a NumPy view (cos 0.81 against SDPA in int8). Answers now live only as long as
+    one mask_scope, so an edit between two forwards is always seen."""
+    b, sq, skv = 2, 16, 32
+    q, k, v = _qkv(b=b, sq=sq, skv=skv)
+    kp = key_padding_mask(b, skv, seed=5)
+    mask = kp[:, None, None, :].expand(b, 1, sq, skv).clone()
+    with api.mask_scope():
+        sd.attention(q, k, v, mask, mode="int8")
+    target = {"index": mask, "data": mask.data, "numpy": torch.from_numpy(mask.numpy())}[edit]
+    if edit == "numpy":
+        mask.numpy()[0, 0, 3, 5] = not bool(mask[0, 0, 3, 5])
+    else:
+        target[0, 0, 3, 5] = not bool(target[0, 0, 3, 5])  # no longer key padding
+    with api.mask_scope():
+        out = sd.attention(q, k, v, mask, mode="int8")
+    torch.testing.assert_close(out, sd.attention(q, k, v, mask, mode="sdpa"), rtol=0, atol=0)
+
+
+def test_masks_made_under_inference_mode_run_natively_in_a_scope():
+    """Bug: a (B, 1, Sq, Skv) mask created inside torch.inference_mode() raised "Inference tensors do
+    not track version counter" in mode int8 (the mask cache read _version)."""
+    b, sq, skv = 2, 16, 32
+    q, k, v = _qkv(b=b, sq=sq, skv=skv)
+    kp = key_padding_mask(b, skv, seed=5)
+    with torch.inference_mode():
+        bool_mask = kp[:, None, None, :].expand(b, 1, sq, skv).clone()
+        float_mask = torch.zeros(b, 1, sq, skv).masked_fill(~bool_mask, float("-inf"))
+        for m in (bool_mask, float_mask):
+            sd.reset_fallback_stats()
+            with api.mask_scope():
+                out = sd.attention(q, k, v, m, mode="int8")
+            assert sd.fallback_stats() == {}
+            torch.testing.assert_close(out, sd.attention(q, k, v, key_mask=kp, mode="int8"), rtol=0, atol=0)
+            sd.attention(q, k, v, m, mode="int8")  # outside a scope: SDPA, no crash
+
+
+def test_mask_scopes_are_per_thread():
+    """Bug: with 12 threads and more than 16 live masks the shared OrderedDict raised KeyError, and
+    every later call with such a mask raised too. Scopes are context-local: threads never share one."""
+    import concurrent.futures
+
+    b, sq, skv = 1, 8, 16
+    q, k, v = _qkv(b=b, sq=sq, skv=skv)
+
+    def work(i):
+        kp = key_padding_mask(b, skv, seed=i)
+        masks = [kp[:, None, None, :].expand(b, 1, sq, skv).clone() for _ in range(20)]
+        with api.mask_scope():
+            outs = [sd.attention(q, k, v, m, mode="int8") for m in masks]
+        ref = sd.attention(q, k, v, key_mask=kp, mode="int8")
+        return all(torch.equal(o, ref) for o in outs)
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        assert all(pool.map(work, range(24)))
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -19,7 +19,6 @@ from inputs import dit_qkv, exact_attention, key_padding_mask
 @pytest.fixture(autouse=True)
 def _fresh_stats():
     sd.reset_fallback_stats()
-    api._MASK_CLASSES.clear()
 
 
 def _row_bias(b: int, sq: int, skv: int, *, seed: int, dead_key: int, dead_row: int) -> torch.Tensor:
@@ -103,37 +102,36 @@ def _mask(b: int, skv: int, seed: int) -> torch.Tensor:
     return key_padding_mask(b, skv, seed=seed)[:, None, None, :].expand(b, 1, 3, skv).contiguous()
 
 
-def test_mask_class_cache_is_a_bounded_lru():
-    """The disguised-key-padding cache keeps ``size`` entries, evicts the least recently used,
-    works on tensors that are not views, and reads nothing under torch.compile.
-
-    Catches: the size or the entry table not kept, ``>=`` in the eviction loop, eviction of the
-    newest entry, and an owner of None (no weak reference) for a tensor that is not a view."""
+def test_mask_scope_classifies_once_per_tensor_and_forgets_at_exit():
+    """Catches: the memo keyed without the owner (a view's geometry alone), kept past the scope, or
+    shared by nested scopes incorrectly."""
     calls = []
 
     def compute(m):
         calls.append(m)
         return m[:, 0, 0, :].clone()
 
-    cache = api._MaskClassCache(size=2)
-    a, b, c = (_mask(2, 20, seed) for seed in (1, 2, 3))
-    assert a._base is None  # not a view: the cache must hold a weak reference to the tensor itself
-    for m in (a, b, a):  # a, b cached; the second a is a hit that makes b the oldest
-        assert torch.equal(cache.cached(m, compute), m[:, 0, 0, :])
-    assert len(calls) == 2
-    cache.cached(c, compute)  # evicts b, the least recently used
-    cache.cached(a, compute)
-    assert len(calls) == 3  # a is still there
-    cache.cached(b, compute)
-    assert len(calls) == 4  # b was evicted
+    a, b = _mask(2, 20, 1), _mask(2, 20, 2)
+    with api.mask_scope():
+        for m in (a, b, a, a[:, :, :, :]):
+            assert torch.equal(api.classify_in_scope(m, compute), m[:, 0, 0, :])
+        with api.mask_scope():  # nested: the outer scope's answers
+            api.classify_in_scope(b, compute)
+        assert len(calls) == 2
+    assert api.classify_in_scope(a, compute) is None  # no scope: nothing read
+    with api.mask_scope():
+        api.classify_in_scope(a, compute)
+    assert len(calls) == 3
 
 
-def test_mask_class_cache_reads_nothing_while_compiling(monkeypatch):
-    """Under torch.compile the cache returns None without reading the mask (so the mask counts as
-    general and runs SDPA). Catches: the compile guard joined to the CUDA-graph guard with ``and``."""
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    cache = api._MaskClassCache()
-    assert cache.cached(_mask(2, 20, 1), lambda m: pytest.fail("the mask was read")) is None
+def test_mask_scope_reads_nothing_while_compiling_or_on_meta(monkeypatch):
+    """Under torch.compile, and for meta / fake tensors, nothing is read (the mask counts as
+    general and runs SDPA). Regression: meta/FakeTensor inputs with a general mask failed in
+    int8 / fp4 (``.item()`` on meta)."""
+    with api.mask_scope():
+        assert api.classify_in_scope(torch.ones(1, 1, 2, 2, device="meta"), lambda m: pytest.fail("read")) is None
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert api.classify_in_scope(_mask(2, 20, 1), lambda m: pytest.fail("the mask was read")) is None
 
 
 @pytest.mark.parametrize("cap, algo", [(90, "int8"), (120, "fp4"), (121, "fp4"), (80, None), (89, None),
@@ -281,26 +279,6 @@ def test_q_block_mean_of_a_single_token_block_is_that_token():
     qs, qbar = smooth_q(q)
     assert torch.equal(qbar[:, :, 128], q[:, :, 128]) and (qs[:, :, 128] == 0).all()
     assert torch.equal(qbar[0, 1, 0], q[0, 1, 0]) and (qs[0, 1, 0] == 0).all()
-
-
-def test_auto_gate_reads_the_table_of_the_gpu_asked_and_names_its_class(monkeypatch, tmp_path):
-    """On a host with an sm_90 GPU 0 (the current one) and an sm_120 GPU 1, the gate for GPU 1 reads
-    sm_120's table (none shipped: not gated), not the current GPU's; its reason names the measured
-    class (head dim, causal, ragged). Catches: the capability of the current GPU instead of the one
-    asked, and the class named without its causal or ragged part."""
-    from sage_diffusers.kernels import _jit, auto_table
-
-    caps = {0: (9, 0), 1: (12, 0)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: caps[0 if device is None else device])
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(_jit, "cache_root", lambda: tmp_path)  # no calibration file there
-    auto_table.rules_for.cache_clear()
-    try:
-        assert api._auto_prefers_sdpa(torch.device("cuda", 1), 128, 4608, 4608, False) is None
-        assert "d128_causal on sm_90" in api._auto_prefers_sdpa(torch.device("cuda", 0), 128, 16384, 16384, True)
-        assert "d128_full_ragged on sm_90" in api._auto_prefers_sdpa(torch.device("cuda"), 128, 4607, 4607, False)
-    finally:
-        auto_table.rules_for.cache_clear()
 
 
 def test_sage3_reference_without_k_smoothing_takes_half_precision_inputs():

@@ -32,22 +32,21 @@ def test_bool_mask_broadcast_over_keys_runs(mode):
     assert out[1].abs().max() == 0  # no visible key: zeros
 
 
-def test_mask_class_cache_does_not_keep_the_callers_mask_alive():
-    """Bug: _classify_key_padding returned a view of a bool mask, so _MASK_CLASSES held every
-    classified (B, 1, Sq, Skv) mask (up to 16 of them) alive after the caller dropped it, and the
-    weak reference meant to expire the entry never died."""
+def test_mask_scope_does_not_keep_the_callers_mask_alive():
+    """Bug: _classify_key_padding returned a view of a bool mask, so the mask memo held every
+    classified (B, 1, Sq, Skv) mask alive after the caller dropped it. A scope holds its masks only
+    until it ends."""
     q, k, v = _qkv(b=1)
     mask = torch.ones(1, 1, 8, 8, dtype=torch.bool)
     mask[..., -2:] = False
     alive = weakref.ref(mask)
-    api._MASK_CLASSES.clear()
     before = sd.fallback_stats()
-    sd.attention(q, k, v, attn_mask=mask, mode="int8")
+    with api.mask_scope():
+        sd.attention(q, k, v, attn_mask=mask, mode="int8")
     assert sd.fallback_stats() == before  # classified as key padding (native path)
     del mask
     gc.collect()
     assert alive() is None
-
 
 def test_two_backend_lookups_resolved_in_one_trace(monkeypatch):
     """Bug: the resolved kernels lived in a module dict (_BACKENDS) that traced code read; dynamo
@@ -105,7 +104,8 @@ class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
 def test_backend_outer_product_mask_checked_once_per_tensor():
     """Bug: the dispatcher backend checked an outer-product key-padding mask ((B, 1, S, S), Chroma and
     HunyuanVideo 1.5) with a host read on every call, i.e. a device sync in every block, although the
-    model hands the same mask tensor to all blocks; the check is cached per tensor and version now."""
+    model hands the same mask tensor to all blocks; the check runs once per tensor per mask_scope
+    (one model forward) now, and again in the next scope (an edit in between is seen)."""
     from sage_diffusers.processors import backend
 
     b, s, h, d = 2, 8, 2, 64
@@ -114,14 +114,15 @@ def test_backend_outer_product_mask_checked_once_per_tensor():
     keep = torch.ones(b, s, dtype=torch.bool)
     keep[1, -3:] = False
     mask = keep[:, None, :, None] & keep[:, None, None, :]  # (B, 1, S, S)
-    want = backend.sage_attention_backend(q, k, v, attn_mask=mask)  # first call: checked here
-    with _HostReads() as reads:
-        for _ in range(3):
-            out = backend.sage_attention_backend(q, k, v, attn_mask=mask)
+    with api.mask_scope():
+        want = backend.sage_attention_backend(q, k, v, attn_mask=mask)  # first call: checked here
+        with _HostReads() as reads:
+            for _ in range(3):
+                out = backend.sage_attention_backend(q, k, v, attn_mask=mask)
     assert reads.count == 0
     torch.testing.assert_close(out, want, rtol=0, atol=0)
-    mask[0, 0, 0, 0] = False  # an in-place edit makes it another mask: checked again, no longer native
-    with _HostReads() as reads:
+    mask.data[0, 0, 0, 0] = False  # an edit between forwards (even through .data): checked again
+    with api.mask_scope(), _HostReads() as reads:
         backend.sage_attention_backend(q, k, v, attn_mask=mask)
     assert reads.count > 0
 
@@ -129,19 +130,20 @@ def test_backend_outer_product_mask_checked_once_per_tensor():
 def test_ltx_padding_bias_checked_once_per_tensor():
     """Bug: padding_bias_to_keep read LTX-Video's cross-attention bias on the host in every block (a
     device sync per call); the transformer passes one bias tensor to all blocks, so the answer is kept
-    per tensor now. A real bias still comes back unchanged."""
+    per tensor within a mask_scope now. A real bias still comes back unchanged."""
     from sage_diffusers.processors.dispatched import padding_bias_to_keep
 
     keep = torch.ones(2, 1, 6, dtype=torch.bool)
     keep[1, :, -2:] = False
     bias = (1 - keep.float()) * -10000.0
-    first = padding_bias_to_keep(bias)
-    assert torch.equal(first, keep)
-    with _HostReads() as reads:
-        again = padding_bias_to_keep(bias)
-    assert reads.count == 0 and torch.equal(again, keep)
-    real = torch.randn(2, 1, 6)
-    assert padding_bias_to_keep(real) is real
+    with api.mask_scope():
+        first = padding_bias_to_keep(bias)
+        assert torch.equal(first, keep)
+        with _HostReads() as reads:
+            again = padding_bias_to_keep(bias)
+        assert reads.count == 0 and torch.equal(again, keep)
+        real = torch.randn(2, 1, 6)
+        assert padding_bias_to_keep(real) is real
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
