@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import sage_diffusers as sd  # noqa: E402
+from eval import _cli  # noqa: E402
 from eval.bench_kernels import SHAPES, make_inputs  # noqa: E402
 from sage_diffusers.kernels import _jit, auto_table  # noqa: E402
 from sage_diffusers.kernels.bench_utils import (  # noqa: E402
@@ -272,11 +273,32 @@ def write(out_dir: Path, meta: dict, sweep_rows, rules, why, check_rows) -> Path
     return json_path
 
 
+def installed_table_path(root: Optional[Path] = None) -> Path:
+    return (root or _jit.cache_root()) / auto_table.TABLE_FILE
+
+
+def read_installed_table(path: Path) -> dict:
+    """The JIT cache's table file (``{"sm_90": {"rules": ...}, ...}``), empty when there is none.
+
+    Raises
+    ------
+    eval._cli.InputError naming the file when it is not such an object (``--install`` would overwrite
+    entries it cannot read).
+    """
+    if not path.exists():
+        return {}
+    data = _cli.read_json(path, "installed auto table")
+    for arch, entry in data.items():
+        if not isinstance(entry, dict) or "rules" not in entry:
+            raise _cli.InputError(f"installed auto table {path}: entry {arch!r} is not an object with 'rules'")
+    return data
+
+
 def install(rules, capability, root: Optional[Path] = None) -> Path:
     """Write ``rules`` for ``capability`` into the JIT cache's table file (what "auto" reads)."""
-    path = (root or _jit.cache_root()) / auto_table.TABLE_FILE
+    path = installed_table_path(root)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.loads(path.read_text()) if path.is_file() else {}
+    data = read_installed_table(path)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
     data[f"sm_{capability[0]}{capability[1]}"] = dict(rules=auto_table.rules_to_json(rules), gpu=gpu,
                                                      date=datetime.date.today().isoformat())
@@ -315,16 +337,45 @@ def shipped_block(data: dict, source_name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# "timer" is left to shipped_block, which explains what its absence means (a run before compare_ms)
+CALIBRATION_META = ("capability", "margin", "gpu", "date", "torch", "rounds")
+
+
+def read_calibration(json_path: Path) -> dict:
+    """A calibration run's JSON (``write``'s output), checked for what ``shipped_block`` reads.
+
+    Raises
+    ------
+    eval._cli.InputError naming the file and the missing or malformed entry.
+    """
+    data = _cli.read_json(json_path, "calibration", keys=("meta", "rules"))
+    if not isinstance(data["meta"], dict) or any(k not in data["meta"] for k in CALIBRATION_META):
+        raise _cli.InputError(f"calibration {json_path}: 'meta' must be an object with "
+                              f"{', '.join(CALIBRATION_META)} (written by `python -m eval.calibrate_auto`)")
+    if not isinstance(data["rules"], dict):
+        raise _cli.InputError(f"calibration {json_path}: 'rules' must be an object (class -> length or null)")
+    if not isinstance(data.get("why", {}), dict):
+        raise _cli.InputError(f"calibration {json_path}: 'why' must be an object (class -> text)")
+    try:
+        auto_table.rules_from_json(data["rules"])
+    except ValueError as e:
+        raise _cli.InputError(f"calibration {json_path}: {e}") from None
+    return data
+
+
 def ship(json_path: Path, table_path: Optional[Path] = None) -> Path:
     """Replace the SM90_RULES block of auto_table.py with the rules of a calibration run's JSON."""
     table_path = table_path or Path(auto_table.__file__)
-    data = json.loads(Path(json_path).read_text())
+    data = read_calibration(json_path)
     try:
         source_name = str(Path(json_path).resolve().relative_to(ROOT))
     except ValueError:
         source_name = Path(json_path).name
-    block = shipped_block(data, source_name)  # validates the run before anything is read or written
-    text = table_path.read_text()
+    try:  # validates the run before anything is read or written
+        block = shipped_block(data, source_name)
+    except ValueError as e:
+        raise _cli.InputError(f"calibration {json_path}: {e}") from None
+    text = _cli.read_text(table_path, "auto table source")
     begin, end = text.find(SHIP_BEGIN), text.find(SHIP_END)
     if begin < 0 or end < begin:
         raise ValueError(f"{table_path}: no '{SHIP_BEGIN}' ... '{SHIP_END}' block")
@@ -342,31 +393,45 @@ def _commit() -> Optional[str]:
     return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
-def main() -> None:
+def _margin(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 0.5:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 0.5), e.g. 0.01, got {text!r}")
+    return value
+
+
+def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer lengths and rounds")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5, quick 3)")
-    p.add_argument("--margin", type=float, default=auto_table.PREFER_SDPA_WITHIN,
+    p.add_argument("--rounds", type=_cli.positive_int, default=None, help="interleaved rounds (default 5, quick 3)")
+    p.add_argument("--margin", type=_margin, default=auto_table.PREFER_SDPA_WITHIN,
                    help="the kernel must be faster than SDPA by more than this fraction "
                         f"(default {auto_table.PREFER_SDPA_WITHIN})")
     p.add_argument("--no-check", action="store_true", help="skip timing mode='auto' at the benchmark shapes")
     p.add_argument("--install", action="store_true", help="write the measured table into the JIT cache")
-    p.add_argument("--out-dir", type=Path, default=ROOT / "eval" / "results")
+    p.add_argument("--out-dir", type=_cli.output_dir, default=ROOT / "eval" / "results")
     p.add_argument("--commit", default=None, help="commit named in the results (default: git rev-parse)")
     p.add_argument("--compare-timers", action="store_true",
                    help="only time kernel and SDPA at a few shapes under each timer (about 15 s), then exit")
-    p.add_argument("--ship", type=Path, default=None, metavar="JSON",
+    p.add_argument("--ship", type=_cli.existing_file, default=None, metavar="JSON",
                    help="no GPU: rewrite auto_table.SM90_RULES from this calibration JSON, then exit")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.ship is not None:
-        print("rewrote", ship(args.ship))
+        try:
+            print("rewrote", ship(args.ship))
+        except _cli.InputError as e:
+            p.error(str(e))
         return
+    if args.install:
+        try:  # --install rewrites this file after the sweep: a damaged one fails now, not then
+            read_installed_table(installed_table_path())
+        except _cli.InputError as e:
+            p.error(str(e))
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
-    if args.rounds is not None and args.rounds < 1:
-        p.error("--rounds must be >= 1")
-    if not 0.0 <= args.margin < 0.5:
-        p.error("--margin is a fraction in [0, 0.5), e.g. 0.01")
     t0 = time.time()
     rounds = args.rounds or (3 if args.quick else 5)
     kernel = _kernel()
