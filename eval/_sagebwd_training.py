@@ -16,8 +16,23 @@ import torch
 from sage_diffusers import sagebwd as sage_sagebwd
 from sage_diffusers.sagebwd import Impl
 
+try:
+    from eval import _cli
+except ImportError:  # run as a script: eval/ is sys.path[0]
+    import _cli
+
 RESULTS = Path(__file__).resolve().parent / "results"
 ATTENTIONS = ("sdpa", "sagebwd")
+LM_JSON, FINETUNE_JSON = "sagebwd_train_lm.json", "sagebwd_finetune_minilm.json"
+# what render_report reads of each results file: top-level keys, config keys, keys of every run
+RESULT_SCHEMAS = {
+    LM_JSON: (("corpus", "params", "config", "runs"),
+              ("seq", "layers", "d_model", "heads", "lr", "batch", "steps", "seed", "val_batches"),
+              ("losses", "final_train_loss", "val_loss", "val_ppl", "sec_per_step")),
+    FINETUNE_JSON: (("task", "config", "runs"),
+                    ("lr", "batch", "steps", "max_len", "seed"),
+                    ("losses", "acc_before", "acc_after", "f1_after", "final_train_loss", "sec_per_step")),
+}
 
 
 SAGEBWD_IMPL = {"reference": Impl.REFERENCE, "triton": Impl.TRITON}
@@ -89,6 +104,42 @@ def plot_curves(path: Path, title: str, series: dict[str, tuple[list, list]], yl
     plt.close(fig)
 
 
+def read_results(path: Path) -> dict:
+    """A results JSON of train_lm.py / finetune_minilm.py, checked against what the report reads.
+
+    Raises
+    ------
+    eval._cli.InputError naming the file and the missing or malformed entry.
+    """
+    top, config, run = RESULT_SCHEMAS[Path(path).name]
+    data = _cli.read_json(path, "training results", keys=top)
+    what = f"training results {path}"
+    if not isinstance(data["config"], dict) or any(k not in data["config"] for k in config):
+        raise _cli.InputError(f"{what}: 'config' must be an object with {', '.join(config)}")
+    if not isinstance(data["runs"], dict) or not data["runs"]:
+        raise _cli.InputError(f"{what}: 'runs' must be a non-empty object (attention name -> run)")
+    for name, r in data["runs"].items():
+        if name not in ATTENTIONS or not isinstance(r, dict) or any(k not in r for k in run):
+            raise _cli.InputError(f"{what}: run {name!r} must be one of {', '.join(ATTENTIONS)} with {', '.join(run)}")
+        numbers = [r[k] for k in run if k != "losses"]
+        if (any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in numbers)
+                or not isinstance(r["losses"], list)
+                or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in r["losses"])):
+            raise _cli.InputError(f"{what}: run {name!r}: {', '.join(run)} must be numbers (losses a list of them)")
+    return data
+
+
+def check_results(exclude: str = "") -> None:
+    """Check every results file that ``render_report`` will read, except ``exclude`` (about to be rewritten).
+
+    Called before a training run starts, so that a damaged file of the other experiment fails the run
+    then, not when the report is rendered after it.
+    """
+    for name in RESULT_SCHEMAS:
+        if name != exclude and (RESULTS / name).exists():
+            read_results(RESULTS / name)
+
+
 def write_json(path: Path, payload: dict) -> None:
     path.write_text(json.dumps(payload, indent=1) + "\n")
 
@@ -106,9 +157,9 @@ def render_report() -> Path:
         "(the same numerics on a CPU or a GPU). s/step includes everything (data, optimizer).",
         "",
     ]
-    lm = RESULTS / "sagebwd_train_lm.json"
+    lm = RESULTS / LM_JSON
     if lm.exists():
-        r = json.loads(lm.read_text())
+        r = read_results(lm)
         c = r["config"]
         lines += [
             "## (a) Pretraining a small causal LM from scratch",
@@ -130,9 +181,9 @@ def render_report() -> Path:
         lines += ["", "![LM loss curves](sagebwd_train_lm.png)", ""]
         if "note" in r:
             lines += [r["note"], ""]
-    ft = RESULTS / "sagebwd_finetune_minilm.json"
+    ft = RESULTS / FINETUNE_JSON
     if ft.exists():
-        r = json.loads(ft.read_text())
+        r = read_results(ft)
         c = r["config"]
         lines += [
             "## (b) Fine-tuning all-MiniLM-L6-v2",
@@ -168,7 +219,7 @@ def replot() -> None:
                                 ("sagebwd_finetune_minilm", "all-MiniLM-L6-v2 fine-tuning: stdlib docstring -> package", 10)):
         path = RESULTS / f"{stem}.json"
         if path.exists():
-            runs = json.loads(path.read_text())["runs"]
+            runs = read_results(path)["runs"]
             plot_curves(RESULTS / f"{stem}.png", title,
                         {n: (list(range(len(r["losses"]))), r["losses"]) for n, r in runs.items()},
                         f"train loss ({window}-step mean)", window)

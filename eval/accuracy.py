@@ -48,6 +48,10 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.nn.functional as F
 
+try:
+    from eval import _cli
+except ImportError:  # run as a script: eval/ is sys.path[0]
+    import _cli
 from sage_diffusers.options import FP4Format, PQuant
 from sage_diffusers.reference import (
     cosine,
@@ -164,27 +168,87 @@ def gaussian_case(shape: tuple[int, int, int, int], device: str, seed: int = 11)
     return Case("gaussian_" + "x".join(map(str, shape)), q, k, v)
 
 
+CAPTURE_SCHEMA = ("expected tensors q (B, H, Sq, D), k and v (B, Hkv, Skv, D) in a floating dtype, H a multiple "
+                  "of Hkv, and optionally key_mask bool (B, Skv) or attn_mask; written by `python -m eval.capture`")
+CAPTURE_TENSORS = ("q", "k", "v", "key_mask", "attn_mask")
+
+
+def capture_files(paths: Iterable[Path]) -> list[Path]:
+    """The capture files of ``paths`` (files, or folders whose ``*.safetensors`` are taken in name order)."""
+    files = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(p.glob("*.safetensors"))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise _cli.InputError(f"capture {p}: no such file or folder")
+    if not files:
+        raise _cli.InputError(f"no .safetensors captures under {[str(p) for p in paths]} "
+                              "(write them with `python -m eval.capture`)")
+    return files
+
+
+def check_capture(path: Path) -> bool:
+    """Check a capture file's header against the capture schema, without reading its tensors.
+
+    Returns
+    -------
+    True when the call is one the kernels take, False when it has a general ``attn_mask`` (skipped).
+
+    Raises
+    ------
+    eval._cli.InputError naming the file and what was expected.
+    """
+    header, meta = _cli.safetensors_header(path, "capture")
+
+    def refuse(problem: str):
+        raise _cli.InputError(f"capture {path}: {problem} ({CAPTURE_SCHEMA})")
+
+    for name in ("q", "k", "v"):
+        if name not in header:
+            refuse(f"missing tensor {name!r}")
+    extra = sorted(set(header) - set(CAPTURE_TENSORS))
+    if extra:
+        refuse(f"unexpected tensor(s) {', '.join(map(repr, extra))}")
+    for name in ("q", "k", "v"):
+        dtype, shape = header[name]
+        if dtype not in _cli.FLOAT_DTYPES:
+            refuse(f"tensor {name!r} is {dtype}, not floating point")
+        if len(shape) != 4 or min(shape) < 1:
+            refuse(f"tensor {name!r} has shape {list(shape)}, not (B, H, S, D) with every size >= 1")
+    (b, hq, _, d), k, v = header["q"][1], header["k"][1], header["v"][1]
+    if k != v or k[0] != b or k[3] != d or hq % k[1]:
+        refuse(f"shapes do not match: q {list(header['q'][1])}, k {list(k)}, v {list(v)}")
+    if "key_mask" in header:
+        dtype, shape = header["key_mask"]
+        if dtype != "BOOL" or tuple(shape) != (b, k[2]):
+            refuse(f"key_mask is {dtype} {list(shape)}, expected BOOL [{b}, {k[2]}]")
+    if meta.get("layout", "BHSD") != "BHSD":
+        refuse(f"layout {meta['layout']!r} in the metadata, expected 'BHSD'")
+    return "attn_mask" not in header
+
+
 def captured_cases(paths: Iterable[Path], device: str, limit: Optional[int] = None) -> list[Case]:
     """Cases from ``eval.capture`` files (one safetensors file per captured attention call).
 
-    Calls captured with a general ``attn_mask`` (varying over queries or heads) are skipped.
-    """
-    from safetensors import safe_open
+    Every file is checked against the capture schema (``check_capture``) before any is loaded. Calls
+    captured with a general ``attn_mask`` (varying over queries or heads) are skipped.
 
-    files = []
-    for p in paths:
-        p = Path(p)
-        files += sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
-    if not files:
-        raise FileNotFoundError(f"no .safetensors captures under {[str(p) for p in paths]} "
-                                "(write them with `python -m eval.capture`)")
+    Raises
+    ------
+    eval._cli.InputError naming a file that is missing, unreadable or not a capture, or when no call
+    is left to measure.
+    """
+    files = capture_files(paths)[:limit]
+    usable = [f for f in files if check_capture(f)]
+    if not usable:
+        raise _cli.InputError(f"captures {[str(f) for f in files]}: every call has a general attn_mask, "
+                              "which the kernels do not take; nothing to measure")
     cases = []
-    for f in files[:limit]:
-        with safe_open(str(f), framework="pt") as sf:
-            meta = sf.metadata() or {}
-            t = {name: sf.get_tensor(name).to(device) for name in sf.keys()}
-        if "attn_mask" in t:
-            continue  # a general (query-dependent) mask: outside what the kernels take
+    for f in usable:
+        t, meta = _cli.read_safetensors(f, "capture")
+        t = {name: x.to(device) for name, x in t.items()}
         name = f"{meta.get('model', '?')}/s{meta.get('step', '?')}/{meta.get('layer', f.stem)}"
         cases.append(Case(name, t["q"], t["k"], t["v"], t.get("key_mask"), meta))
     return cases
@@ -537,14 +601,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--suite", type=Suite, choices=list(Suite), required=True)
     ap.add_argument("--small", action="store_true", help="small shapes (CI, a few seconds)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--inputs", type=Path, nargs="*", default=[], help="captured suite: capture dirs / files")
-    ap.add_argument("--limit", type=int, default=None, help="captured suite: at most this many calls")
+    ap.add_argument("--inputs", type=_cli.existing_path, nargs="*", default=[],
+                    help="captured suite: capture dirs / files (eval.capture's safetensors)")
+    ap.add_argument("--limit", type=_cli.positive_int, default=None, help="captured suite: at most this many calls")
     ap.add_argument("--no-figure", action="store_true")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=_cli.output_dir, required=True)
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: CUDA is not available")
-    rows = run(args.suite, args.out, small=args.small, device=args.device, inputs=args.inputs,
+    if args.suite is Suite.CAPTURED and not args.inputs:
+        ap.error("--suite captured needs --inputs (capture folders or files written by `python -m eval.capture`)")
+    if args.suite is Suite.SYNTHETIC and args.inputs:
+        ap.error("--inputs is for --suite captured; the synthetic suite draws its own inputs")
+    try:  # every capture's schema, before any is loaded or measured
+        files = capture_files(args.inputs)[:args.limit] if args.inputs else []
+        if files and not any([check_capture(f) for f in files]):
+            raise _cli.InputError(f"captures under {[str(p) for p in args.inputs]}: every call has a general "
+                                  "attn_mask, which the kernels do not take; nothing to measure")
+    except _cli.InputError as e:
+        ap.error(str(e))
+    rows = run(args.suite, args.out, small=args.small, device=args.device, inputs=files,
                limit=args.limit, figure=not args.no_figure)
     for r in rows:
         if r.ablation != "per_layer":

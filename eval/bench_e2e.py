@@ -36,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from eval import _cli  # noqa: E402
 from sage_diffusers.options import Mode  # noqa: E402
 
 
@@ -438,6 +439,21 @@ def merge_results(previous: dict[str, Any], new: dict[str, Any]) -> dict[str, An
     return merged
 
 
+def read_previous(json_path: Path) -> dict[str, Any]:
+    """The ``results`` of an earlier report that this run merges into (model -> record with variants).
+
+    Raises
+    ------
+    eval._cli.InputError naming the file when it is not such a report.
+    """
+    results = _cli.read_json(json_path, "earlier report", keys=("results",))["results"]
+    if not isinstance(results, dict) or not all(
+            isinstance(r, dict) and isinstance(r.get("variants", {}), dict) for r in results.values()):
+        raise _cli.InputError(f"earlier report {json_path}: 'results' must map model names to objects with "
+                              "a 'variants' object; pass --fresh to replace it")
+    return results
+
+
 def dry_run(args: argparse.Namespace) -> int:
     """Build every selected model on the meta device and print its shapes (no GPU, no memory)."""
     meta = torch.device("meta")
@@ -459,9 +475,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--variants", nargs="+", type=Variant, choices=list(Variant), default=list(Variant))
     parser.add_argument("--quick", action="store_true", help="fewer video frames, 1 warm-up, 2 timed forwards")
-    parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--iters", type=int, default=None)
-    parser.add_argument("--time-budget", type=float, default=None, help="seconds; later variants are skipped")
+    parser.add_argument("--warmup", type=_cli.nonnegative_int, default=None)
+    parser.add_argument("--iters", type=_cli.positive_int, default=None)
+    parser.add_argument("--time-budget", type=_cli.positive_float, default=None,
+                        help="seconds; later variants are skipped")
     parser.add_argument("--allow-reference", action="store_true", help="also time modes that only have a reference")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "e2e_h200",
@@ -483,6 +500,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("bench_e2e: no CUDA device (use --dry-run to check the configs)", file=sys.stderr)
         return 2
+    json_path = args.out.with_suffix(".json")
+    previous = None
+    if json_path.exists() and not args.fresh:
+        try:  # merged into after the benchmark: a damaged report fails now, not after it
+            previous = read_previous(json_path)
+        except _cli.InputError as e:
+            print(f"bench_e2e: {e}", file=sys.stderr)
+            return 2
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.set_verbosity_error()  # keep the per-model warnings of random-weight construction out
@@ -490,10 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     results = benchmark(args)
     for record in results.values():
         record["attention_tflop"] = round(attention_tflop(record), 1) if "heads" in record else math.nan
-    json_path = args.out.with_suffix(".json")
-    if json_path.exists() and not args.fresh:
+    if previous is not None:
         # Subsets run one after another (each run must fit the time limit) accumulate in one report.
-        results = merge_results(json.loads(json_path.read_text()).get("results", {}), results)
+        results = merge_results(previous, results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(dict(environment=env, results=results), indent=2))
     shown = [v for v in Variant if any(v.value in r.get("variants", {}) for r in results.values())]

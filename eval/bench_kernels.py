@@ -42,6 +42,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from eval import _cli  # noqa: E402
 from sage_diffusers.reference import cosine, relative_l1, rmse  # noqa: E402
 from sage_diffusers.kernels import auto_table  # noqa: E402
 from sage_diffusers.kernels.bench_utils import (  # noqa: E402,F401  (bench_ms, make_inputs: shared with csrc/*/variants_bench.py)
@@ -481,19 +482,15 @@ def write_outputs(rows, out_dir: Path, meta: dict) -> None:
     fig.savefig(out_dir / "kernels_h200.png", dpi=120)
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="three shapes")
-    parser.add_argument("--out-dir", type=Path, default=ROOT / "eval" / "results")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default 5)")
-    parser.add_argument("--target-ms", type=float, default=TARGET_MS,
+    parser.add_argument("--out-dir", type=_cli.output_dir, default=ROOT / "eval" / "results")
+    parser.add_argument("--rounds", type=_cli.positive_int, default=5, help="interleaved timing rounds (default 5)")
+    parser.add_argument("--target-ms", type=_cli.positive_float, default=TARGET_MS,
                         help=f"about this long a sample per method and round (default {TARGET_MS:g})")
     parser.add_argument("--verbose", action="store_true")
-    args = parser.parse_args()
-    if args.rounds < 1:
-        parser.error("--rounds must be >= 1")
-    if args.target_ms <= 0:
-        parser.error("--target-ms must be > 0")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sage_diffusers as sd  # noqa: E402
+from eval import _cli  # noqa: E402
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
 from sage_diffusers.kernels.bench_utils import pipelined_ms, spread  # noqa: E402
 
@@ -48,11 +49,11 @@ def host_us(fn, calls: int = 50) -> float:
     return (t1 - t0) / calls * 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=_cli.positive_int, default=3)
     ap.add_argument("--out", type=Path, default=None, help="path without suffix (.md and .json)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     ok, why = int8_sm90.is_available()
     if not ok:
         raise SystemExit(f"int8 kernel unavailable: {why}")

@@ -55,6 +55,11 @@ import sage_diffusers as sd
 from sage_diffusers.kernels import bench_utils
 from sage_diffusers.reference import cosine, relative_l1
 
+try:
+    from eval import _cli
+except ImportError:  # run as a script: eval/ is sys.path[0]
+    import _cli
+
 RESULTS = Path(__file__).resolve().parent / "results"
 ACC_TOKENS = 4096
 SDPA_BACKENDS = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION}
@@ -284,21 +289,26 @@ def sass_report(out: Path) -> None:
     print("wrote", out)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compare", action="store_true",
                     help=f"kernel variants side by side: {COMPARE_METHODS} at {COMPARE_SHAPES}, passes {PASSES}")
     ap.add_argument("--causal", action="store_true", help="with --compare: also the 16K shapes causal")
-    ap.add_argument("--rounds", type=int, default=None, help="default 7 (5 with --compare, 3 with --quick)")
-    ap.add_argument("--target-ms", type=float, default=40.0, help="back-to-back time per method per round")
-    ap.add_argument("--methods", default=None)
-    ap.add_argument("--passes", default=None, help="default fwd,fwd+bwd (all three with --compare)")
-    ap.add_argument("--shapes", default=None, help="BxHxSxD[,...]: only these shapes (default: the mode's list)")
+    ap.add_argument("--rounds", type=_cli.positive_int, default=None,
+                    help="default 7 (5 with --compare, 3 with --quick)")
+    ap.add_argument("--target-ms", type=_cli.positive_float, default=40.0,
+                    help="back-to-back time per method per round")
+    ap.add_argument("--methods", type=lambda t: ",".join(_cli.choice_list((*METHOD_ENV, *SDPA_BACKENDS))(t)),
+                    default=None)
+    ap.add_argument("--passes", type=lambda t: ",".join(_cli.choice_list(PASSES)(t)), default=None,
+                    help="default fwd,fwd+bwd (all three with --compare)")
+    ap.add_argument("--shapes", type=_cli.shape_list, default=None,
+                    help="BxHxSxD[,...]: only these shapes (default: the mode's list)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--sass", action="store_true",
                     help="no GPU needed: compile the kernels for sm_90a and write per-tile SASS issue estimates")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.sass:
         sass_report(Path(args.out or RESULTS / "sagebwd_sass_sm90.md"))
         return
@@ -321,7 +331,7 @@ def main() -> None:
         acc_variants = {"fp16": "sagebwd", "int8": "sagebwd_dov_int8"}
         out = Path(args.out or RESULTS / "sagebwd_h200")
     if args.shapes:
-        shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
+        shapes = args.shapes
         causal_shapes = [sh for sh in causal_shapes if sh in shapes]
     rows, acc, failures = [], {}, []
     torch.backends.cuda.matmul.allow_tf32 = False

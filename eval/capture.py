@@ -34,6 +34,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+try:
+    from eval import _cli
+except ImportError:  # run as a script: eval/ is sys.path[0]
+    import _cli
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -158,14 +163,15 @@ class Capture(contextlib.AbstractContextManager):
 # ---------------------------------------------------------------------------------------------
 # command line
 
-def _ints(text: Optional[str]) -> Optional[set[int]]:
-    return None if text is None else {int(x) for x in text.split(",") if x.strip()}
-
-
-def _tiny(family: str):
+def _tiny_module():
     sys.path.insert(0, str(ROOT / "workflows" / "diffusers"))
     import _sage_tiny
 
+    return _sage_tiny
+
+
+def _tiny(family: str):
+    _sage_tiny = _tiny_module()
     model = _sage_tiny.tiny_transformer(family)
     return model, [_sage_tiny.tiny_inputs(family, model)]
 
@@ -179,6 +185,42 @@ def _random_real(name: str, quick: bool, device: str):
     return model, [bench_e2e.build_inputs(spec, quick, torch.device(device), dtype)]
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse what would fail once a model is built: unknown sources, a pipeline folder without its index.
+
+    Raises
+    ------
+    eval._cli.InputError naming the option or file and what was expected.
+    """
+    if args.tiny is not None:
+        families = [f.value for f in _tiny_module().Family]
+        if args.tiny not in families:
+            raise _cli.InputError(f"--tiny {args.tiny}: unknown family; known: {', '.join(families)}")
+    if args.random_real is not None:
+        from eval import bench_e2e
+
+        if args.random_real not in bench_e2e.MODELS:
+            raise _cli.InputError(f"--random-real {args.random_real}: unknown model; known: "
+                                  f"{', '.join(bench_e2e.MODELS)}")
+    if args.tiny is None and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise _cli.InputError(f"--device {args.device}: CUDA is not available")
+    if args.pipeline is None:
+        for option, value in (("--pipeline-class", args.pipeline_class != PIPELINE_CLASS),
+                              ("--num-steps", args.num_steps is not None)):
+            if value:
+                raise _cli.InputError(f"{option} is for --pipeline")
+        return
+    _cli.read_json(args.pipeline / "model_index.json", "pipeline index", keys=("_class_name",))
+    import diffusers
+
+    if not isinstance(getattr(diffusers, args.pipeline_class, None), type):
+        raise _cli.InputError(f"--pipeline-class {args.pipeline_class}: not a class of diffusers "
+                              f"{diffusers.__version__} (e.g. DiffusionPipeline, FluxPipeline)")
+
+
+PIPELINE_CLASS = "DiffusionPipeline"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description="Capture Q/K/V of a diffusers model's attention calls")
     src = ap.add_mutually_exclusive_group(required=True)
@@ -186,25 +228,28 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                       "flux, sd35 (one forward, CPU)")
     src.add_argument("--random-real", metavar="MODEL", help="real config with random weights, one forward "
                                                             "(names of eval/bench_e2e.py)")
-    src.add_argument("--pipeline", type=Path, help="local diffusers pipeline folder (from_pretrained)")
-    ap.add_argument("--pipeline-class", default="DiffusionPipeline")
+    src.add_argument("--pipeline", type=_cli.existing_dir, help="local diffusers pipeline folder (from_pretrained)")
+    ap.add_argument("--pipeline-class", default=PIPELINE_CLASS)
     ap.add_argument("--prompt", default="A red panda reading a newspaper in a sunlit cafe, cinematic lighting")
-    ap.add_argument("--num-steps", type=int, default=None, help="--pipeline: denoising steps")
+    ap.add_argument("--num-steps", type=_cli.positive_int, default=None, help="--pipeline: denoising steps")
     ap.add_argument("--quick", action="store_true", help="--random-real: fewer frames (bench_e2e --quick)")
-    ap.add_argument("--steps", default=None, help="steps to keep, comma separated (default all)")
-    ap.add_argument("--layers", default=None, help="attention-module indices to keep, comma separated")
+    ap.add_argument("--steps", type=_cli.int_set, default=None, help="steps to keep, comma separated (default all)")
+    ap.add_argument("--layers", type=_cli.int_set, default=None,
+                    help="attention-module indices to keep, comma separated")
     ap.add_argument("--name", default=None, help="model name in the metadata")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seed", type=_cli.nonnegative_int, default=0)
+    ap.add_argument("--out", type=_cli.output_dir, required=True)
     args = ap.parse_args(argv)
+    try:
+        check_args(args)
+    except _cli.InputError as e:
+        ap.error(str(e))
     torch.manual_seed(args.seed)
-    steps, layers = _ints(args.steps), _ints(args.layers)
+    steps, layers = args.steps, args.layers
     if args.pipeline is not None:
         import diffusers
 
-        if not args.pipeline.is_dir():
-            raise FileNotFoundError(f"pipeline folder {args.pipeline} not found (a from_pretrained folder)")
         pipe = getattr(diffusers, args.pipeline_class).from_pretrained(str(args.pipeline), torch_dtype=torch.bfloat16)
         pipe.to(args.device)
         name = args.name or args.pipeline.name

@@ -42,6 +42,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "eval"), str(ROOT / "workflows" / "diffuse
 
 import bench_e2e  # noqa: E402
 from bench_e2e import ModelSpec  # noqa: E402
+from eval import _cli  # noqa: E402
 
 DEFAULT_OUT = ROOT / "eval" / "results" / "context_parallel_h200x2"
 
@@ -316,8 +317,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--quick", action="store_true", help="fewer frames (HunyuanVideo 3, Wan 5 latent frames)")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--warmup", type=_cli.nonnegative_int, default=1)
+    parser.add_argument("--iters", type=_cli.positive_int, default=3)
     parser.add_argument("--tiny", action="store_true", help="tiny random models on the CPU (gloo): checks the script")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report path without suffix (.md, .json)")
     parser.add_argument("--dry-run", action="store_true", help="print configs and shapes (meta device) and exit")

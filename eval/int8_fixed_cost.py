@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eval import _cli  # noqa: E402
 from sage_diffusers.kernels import _sm90_int8_variants as variants  # noqa: E402
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
 from sage_diffusers.kernels.bench_utils import make_inputs  # noqa: E402
@@ -43,11 +44,12 @@ def fit(points):
     return sol[0].item(), sol[1].item(), resid
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--out", default=None, help="path without suffix for .md and .json")
-    args = ap.parse_args()
+    ap.add_argument("--reps", type=_cli.positive_int, default=20)
+    ap.add_argument("--out", type=lambda t: str(_cli.output_file(t)), default=None,
+                    help="path without suffix for .md and .json (its folder must exist)")
+    args = ap.parse_args(argv)
     ext = int8_sm90.build()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bench = os.environ.get("SAGE_DIFFUSERS_SM90_BENCH") == "1"

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from eval import _cli  # noqa: E402
 from sage_diffusers.kernels import _sm90_int8_variants as variants  # noqa: E402
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
 from sage_diffusers.kernels.bench_utils import make_inputs  # noqa: E402
@@ -125,11 +126,12 @@ def phases(rec: torch.Tensor, n_tiles: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=5, help="records per variant (the first is a warm-up)")
-    ap.add_argument("--out", default=None, help="path without suffix for .md and .json")
-    args = ap.parse_args()
+    ap.add_argument("--reps", type=_cli.positive_int, default=5, help="records per variant (the first is a warm-up)")
+    ap.add_argument("--out", type=lambda t: str(_cli.output_file(t)), default=None,
+                    help="path without suffix for .md and .json (its folder must exist)")
+    args = ap.parse_args(argv)
     ext = int8_sm90.build()
     lines = [f"{torch.cuda.get_device_name(0)}; phase clock per CTA (eval/int8_phases.py), both consumer "
              f"warpgroups pooled, the last of {args.reps} records; us from %globaltimer, kcycles from %clock64.", ""]

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from eval import _cli  # noqa: E402
 from sage_diffusers.kernels import _sm90_int8_variants as variants  # noqa: E402
 from sage_diffusers.kernels.bench_utils import compare_ms, make_inputs, spread  # noqa: E402
 from sage_diffusers.reference import cosine, relative_l1, sage8_reference  # noqa: E402
@@ -48,16 +49,20 @@ def _fmt(xs: list[float]) -> str:
     return f"{t['median']:.3f} [{t['min']:.3f}-{t['max']:.3f}]"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", nargs="*", default=[], help="option-set names (either head dim)")
-    ap.add_argument("--prepass-modes", nargs="*", type=int, default=[],
+    ap.add_argument("--prepass-modes", nargs="*", type=_cli.nonnegative_int, default=[],
                     help="pre-pass mode bit sets to run the defaults under (launch.h kPrepass*)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=20, help="launches per bench_parts sample")
+    ap.add_argument("--rounds", type=_cli.positive_int, default=5)
+    ap.add_argument("--reps", type=_cli.positive_int, default=20, help="launches per bench_parts sample")
     ap.add_argument("--shapes", default="all", choices=("all", "quick"))
     ap.add_argument("--out", type=Path, default=None, help="markdown file to write")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    names = sorted({name for _, name in _flags_by_name()})
+    unknown = [n for n in args.variants if n not in names]
+    if unknown:  # otherwise they are skipped at every shape and the table holds the defaults only
+        ap.error(f"--variants {', '.join(unknown)}: unknown; known: {', '.join(names)}")
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (sm_90)")
     from sage_diffusers.kernels import int8_sm90

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from eval import _cli  # noqa: E402
 from sage_diffusers.reference import cosine, relative_l1, sage8_reference  # noqa: E402
 
 SHAPES = [(1, 6, 4608, 128), (1, 6, 16384, 128), (1, 6, 4429, 64), (1, 6, 17776, 64)]
@@ -45,11 +46,11 @@ def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = 1024) 
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=_cli.output_file, default=None, help="markdown file (its folder must exist)")
     ap.add_argument("--quick", action="store_true", help="the two short shapes only")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     shapes = SHAPES if not args.quick else [s for s in SHAPES if s[2] < 5000]
     t0 = time.time()
     lines = ["| shape | keys per tile | keys per K scale | cos | rel-L1 | meets SA2 (cos >= 0.99925, rel-L1 <= 0.039) |",

@@ -116,7 +116,16 @@ def inception_path() -> Path:
 
 @lru_cache(maxsize=4)
 def _inception(device: str) -> torch.jit.ScriptModule:
-    return torch.jit.load(str(inception_path()), map_location="cpu").eval().to(device)
+    path = inception_path()
+    try:
+        net = torch.jit.load(str(path), map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - a damaged archive raises whatever the TorchScript reader hits
+        raise RuntimeError(f"Inception-v3 weights {path}: not a loadable TorchScript file ({e}); "
+                           f"reinstall {INCEPTION_PACKAGE}") from None
+    if not hasattr(net, "net") or not hasattr(net.net, "layers"):
+        raise RuntimeError(f"Inception-v3 weights {path}: not the {INCEPTION_PACKAGE} network (no net.layers); "
+                           f"reinstall {INCEPTION_PACKAGE}")
+    return net.eval().to(device)
 
 
 @dataclass

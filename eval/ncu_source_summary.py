@@ -31,6 +31,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+try:
+    from eval import _cli
+except ImportError:  # run as a script: eval/ is sys.path[0]
+    import _cli
+
 _SASS_COST = Path(__file__).resolve().parents[1] / "csrc" / "sm90_int8" / "sass_cost.py"
 
 
@@ -142,15 +147,34 @@ def summarize(rows: list[Row], lo: int, hi: int, top: int = 20) -> str:
     return "\n".join(out)
 
 
+def _offset_range(text: str) -> tuple[int, int]:
+    """``LO:HI`` hexadecimal kernel offsets, LO <= HI."""
+    lo, sep, hi = text.partition(":")
+    try:
+        bounds = (int(lo, 16), int(hi, 16)) if sep else None
+    except ValueError:
+        bounds = None
+    if bounds is None or bounds[0] > bounds[1] or bounds[0] < 0:
+        raise argparse.ArgumentTypeError(f"expected LO:HI hexadecimal offsets with LO <= HI "
+                                         f"(e.g. 0x6a80:0x12560), got {text!r}")
+    return bounds
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("csv", type=Path)
-    ap.add_argument("--range", default=None, help="LO:HI offsets of the loop (hex), instead of finding it")
-    ap.add_argument("--top", type=int, default=20, help="instructions listed with the most samples")
+    ap.add_argument("csv", type=_cli.existing_file)
+    ap.add_argument("--range", type=_offset_range, default=None,
+                    help="LO:HI offsets of the loop (hex), instead of finding it")
+    ap.add_argument("--top", type=_cli.positive_int, default=20, help="instructions listed with the most samples")
     args = ap.parse_args(argv)
-    kernel, rows = read_source_csv(args.csv.read_text())
+    try:
+        kernel, rows = read_source_csv(_cli.read_text(args.csv, "ncu source CSV"))
+    except _cli.InputError as e:
+        ap.error(str(e))
+    except ValueError as e:  # the CSV parsed but is not an ncu source-page export
+        ap.error(f"ncu source CSV {args.csv}: {e} (expected `ncu -i REP --page source --csv --print-source sass`)")
     if args.range:
-        lo, hi = (int(x, 16) for x in args.range.split(":"))
+        lo, hi = args.range
     else:
         lo, hi = main_loop_range(rows)
     print(f"kernel {kernel}\n")

@@ -20,28 +20,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import sage_diffusers as sd  # noqa: E402
+from eval import _cli  # noqa: E402
 from eval.bench_kernels import make_inputs  # noqa: E402  (the benchmark's inputs)
 
 
-def parse_shape(text: str) -> tuple[int, int, int, int]:
-    b, h, s, d = (int(x) for x in text.lower().split("x"))
-    return b, h, s, d
+def _mode(text: str) -> str:
+    from sage_diffusers.options import Mode
+
+    try:
+        Mode.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", nargs="+", default=["int8"])
-    ap.add_argument("--shapes", nargs="+", default=["1x24x16384x128"])
+    ap.add_argument("--modes", nargs="+", type=_mode, default=["int8"])
+    ap.add_argument("--shapes", nargs="+", type=_cli.shape, default=[(1, 24, 16384, 128)], help="BxHxSxD ...")
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--prepass-mode", type=int, default=None,
+    ap.add_argument("--prepass-mode", type=_cli.nonnegative_int, default=None,
                     help="8-bit pre-pass mode (csrc/sm90_int8/launch.h kPrepass* bits); default: the built-in")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.prepass_mode is not None:
         from sage_diffusers.kernels import int8_sm90
         int8_sm90.build().set_prepass_mode(args.prepass_mode)
-    cases = [(m, parse_shape(s)) for m in args.modes for s in args.shapes]
+    cases = [(m, s) for m in args.modes for s in args.shapes]
     data = {}
     for mode, shape in cases:
         q, k, v = make_inputs(*shape)

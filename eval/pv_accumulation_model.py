@@ -26,6 +26,11 @@ import argparse
 
 import torch
 
+try:
+    from eval import _cli
+except ImportError:  # run as a script: eval/ is sys.path[0]
+    import _cli
+
 MMA_K = 32  # keys per FP8 wgmma step (k = 32 bytes)
 TILE = 128  # keys per tile
 
@@ -74,14 +79,14 @@ def model(s: int, d: int, v_bias: float, rows: int, seed: int, *, flush_tiles=(1
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
-    ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--mantissa-bits", type=int, default=13)
-    ap.add_argument("--flush-tiles", type=int, nargs="+", default=[1, 4])
-    args = ap.parse_args()
+    ap.add_argument("--lengths", type=_cli.positive_int, nargs="+", default=[1024, 4096, 16384, 65536])
+    ap.add_argument("--rows", type=_cli.positive_int, default=64)
+    ap.add_argument("--d", type=_cli.positive_int, default=128)
+    ap.add_argument("--mantissa-bits", type=_cli.positive_int, default=13)
+    ap.add_argument("--flush-tiles", type=_cli.positive_int, nargs="+", default=[1, 4])
+    args = ap.parse_args(argv)
     print("| keys | V channel-mean std | accumulator | rel-L1 vs FP32 | norm ratio |")
     print("|---:|---:|---|---:|---:|")
     for v_bias in (0.0, 0.5):

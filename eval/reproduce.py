@@ -20,7 +20,10 @@ values beside ours) and ``OUT/plot.png`` are rebuilt from them at the end.
 
 Weights come from local paths (``--weights NAME=PATH``; names: the model name for its pipeline
 folder, ``clip_b32``, ``clip_l14``, ``raft``, ``dover``, ``image_reward``), env ``SAGE_EVAL_<NAME>``,
-or the hub cache; a missing one raises FileNotFoundError naming it. ``--tiny`` runs the whole path
+or the hub cache; a missing one raises FileNotFoundError naming it. Before anything is generated,
+``prepare`` checks the whole run: arguments, prompt files, reference images, the weights a real run
+needs and what an earlier run left in ``OUT`` (every refused input is named in the error, which the
+command line reports as a usage error). ``--tiny`` runs the whole path
 offline on the CPU: tiny random transformers (``workflows/diffusers/_sage_tiny.py``), a tiny random
 VAE decoder, tiny random CLIP / DOVER / ImageReward stand-ins, phase-correlation flow instead of RAFT,
 and the real Inception network.
@@ -39,6 +42,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
+
+try:
+    from eval import _cli
+except ImportError:  # run as a script: eval/ is sys.path[0]
+    import _cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
@@ -89,6 +97,12 @@ FIDELITY = ("psnr_vs_sdpa", "cos_vs_sdpa", "fid_vs_sdpa")
 PAPER_COLUMN = {"sdpa": 0, "int8": 1, "fp4": 2}  # policies are compared with SageAttention3 as well
 # --metrics names (each computes the columns above; "vqa" gives vqa_a and vqa_t)
 METRIC_GROUPS = {Output.VIDEO: ("clipsim", "clip_t", "vqa", "fscore"), Output.IMAGE: ("clip_score", "image_reward")}
+ALL_METRICS = (*METRIC_GROUPS[Output.VIDEO], *METRIC_GROUPS[Output.IMAGE])
+# networks behind the --metrics names, by their --weights / SAGE_EVAL_<NAME> name
+METRIC_WEIGHTS = {"clipsim": "clip_b32", "clip_t": "clip_b32", "vqa": "dover", "fscore": "raft",
+                  "clip_score": "clip_l14", "image_reward": "image_reward"}
+WEIGHT_NAMES = (*MODELS, *dict.fromkeys(METRIC_WEIGHTS.values()))
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 TINY_STEPS = 6  # enough steps for the default policy (2 full-precision steps at each end) to use FP4
 REFERENCE = "sdpa"
 
@@ -137,6 +151,43 @@ def tiny_decoder(latent_channels: int, seed: int = 0):
     return decode
 
 
+def pipeline_source(entry: ModelEntry, path: Optional[str]) -> str:
+    """The from_pretrained folder of ``entry``: ``path`` or the hub cache (never a download).
+
+    Raises
+    ------
+    FileNotFoundError naming the missing ``model_index.json`` and the --weights option that provides it.
+    """
+    source = path
+    if source is None:
+        try:
+            from huggingface_hub import snapshot_download
+
+            source = snapshot_download(entry.hub_id, local_files_only=True)
+        except Exception:  # noqa: BLE001 - not in the hub cache
+            source = None
+    if source is None or not (Path(source) / "model_index.json").is_file():
+        where = f"{source}/model_index.json" if source else f"the hub cache entry of {entry.hub_id}"
+        raise FileNotFoundError(f"{entry.name}: pipeline weights not found ({where}); pass --weights "
+                                f"{entry.name}=PATH to a from_pretrained folder of {entry.hub_id}")
+    _cli.read_json(Path(source) / "model_index.json", f"{entry.name} pipeline index", keys=("_class_name",))
+    return str(source)
+
+
+def check_scorer_weights(output: Output, weights: dict[str, str], metrics: Optional[Sequence[str]]) -> None:
+    """Locate (without loading) the weights of the scorers of ``metrics``; raises FileNotFoundError."""
+    from eval.quality import dover, weights as sources
+
+    by_name = {s.name: s for s in (sources.CLIP_B32, sources.CLIP_L14, sources.RAFT, sources.DOVER,
+                                   sources.IMAGE_REWARD)}
+    for m in metrics or METRIC_GROUPS[output]:
+        name = METRIC_WEIGHTS[m]
+        if name == "dover":
+            dover.checkpoint_path(weights.get(name))
+        else:
+            sources.resolve(by_name[name], weights.get(name))
+
+
 class Generator:
     """Runs one model's pipeline: ``sample(prompt, seed)`` -> image (3, H, W) or video (T, 3, H, W)."""
 
@@ -157,18 +208,7 @@ class Generator:
     def _load_real(self, path: Optional[str]):
         import diffusers
 
-        source = path
-        if source is None:
-            try:
-                from huggingface_hub import snapshot_download
-
-                source = snapshot_download(self.entry.hub_id, local_files_only=True)
-            except Exception:  # noqa: BLE001 - not in the hub cache
-                source = None
-        if source is None or not (Path(source) / "model_index.json").is_file():
-            where = f"{source}/model_index.json" if source else f"the hub cache entry of {self.entry.hub_id}"
-            raise FileNotFoundError(f"{self.entry.name}: pipeline weights not found ({where}); pass --weights "
-                                    f"{self.entry.name}=PATH to a from_pretrained folder of {self.entry.hub_id}")
+        source = pipeline_source(self.entry, path)
         pipe = getattr(diffusers, self.entry.pipeline).from_pretrained(source, torch_dtype=torch.bfloat16,
                                                                        local_files_only=True)
         pipe.to(self.device)
@@ -286,25 +326,90 @@ def save_sample(x: torch.Tensor, path: Path) -> None:
         save_file({"frames": u8.contiguous()}, str(path))
 
 
+def _open_image(path: Path, what: str):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        return Image.open(path)
+    except (UnidentifiedImageError, OSError) as e:
+        raise _cli.InputError(f"{what} {path}: not a readable image ({e})") from None
+
+
+def load_image(path: Path, what: str = "image") -> torch.Tensor:
+    """An image file as (3, H, W) float in [0, 1]; an unreadable file raises InputError naming it."""
+    try:
+        rgb = np.array(_open_image(path, what).convert("RGB"))
+    except OSError as e:  # truncated data surfaces only when the pixels are decoded
+        raise _cli.InputError(f"{what} {path}: not a readable image ({e})") from None
+    return torch.from_numpy(rgb).permute(2, 0, 1).float() / 255
+
+
+def check_sample(path: Path) -> None:
+    """A saved sample's header: PNG image, or safetensors with uint8 ``frames`` (T, 3, H, W)."""
+    if path.suffix == ".png":
+        _open_image(path, "sample").close()
+        return
+    header, _ = _cli.safetensors_header(path, "sample")
+    dtype, shape = header.get("frames", (None, ()))
+    if dtype != "U8" or len(shape) != 4 or shape[1] != 3:
+        raise _cli.InputError(f"sample {path}: expected a uint8 tensor 'frames' of shape (T, 3, H, W), found "
+                              + (f"{dtype} {list(shape)}" if dtype else f"tensors {sorted(header)}")
+                              + "; delete it to generate the sample again")
+
+
 def load_sample(path: Path) -> torch.Tensor:
     if path.suffix == ".png":
-        from PIL import Image
-
-        return torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1).float() / 255
-    from safetensors.torch import load_file
-
-    return load_file(str(path))["frames"].float() / 255
+        return load_image(path, "sample")
+    check_sample(path)
+    return _cli.read_safetensors(path, "sample")[0]["frames"].float() / 255
 
 
 def read_prompts(path: Optional[Path], output: Output) -> list[str]:
-    """Prompts of a file (one a line, '#' comments) or the shipped default set of the output type."""
+    """Prompts of a file (one a line, '#' comments) or the shipped default set of the output type.
+
+    Raises
+    ------
+    eval._cli.InputError naming the file when it is missing, not UTF-8 text or holds no prompt.
+    """
     if path is None:
         path = PROMPTS_DIR / ("video_prompts.txt" if output is Output.VIDEO else "image_prompts.txt")
-    lines = [ln.strip() for ln in Path(path).read_text(encoding="utf-8").splitlines()]
+    lines = [ln.strip() for ln in _cli.read_text(path, "prompts file").splitlines()]
     prompts = [ln for ln in lines if ln and not ln.startswith("#")]
     if not prompts:
-        raise ValueError(f"no prompts in {path}")
+        raise _cli.InputError(f"prompts file {path}: no prompts (expected one prompt a line; '#' starts a comment)")
     return prompts
+
+
+def read_scores(path: Path, output: Output, prompt: str, seed: int) -> dict[str, Any]:
+    """A sample's ``<i>.json`` from an earlier run: its prompt, seed and per-sample metric values.
+
+    Refused (InputError naming the file) when it is not that JSON object, or when it was written for
+    another prompt or seed than this run gives the sample: its scores would be averaged with this
+    run's as if they described the same sample.
+    """
+    data = _cli.read_json(path, "per-sample scores", keys=("prompt", "seed"))
+    allowed = VIDEO_METRICS if output is Output.VIDEO else IMAGE_METRICS
+    for k, v in data.items():
+        if k in ("prompt", "seed"):
+            continue
+        if k not in allowed or isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise _cli.InputError(f"per-sample scores {path}: unexpected entry {k!r}: {v!r} (expected prompt, "
+                                  f"seed and numbers for {', '.join(allowed)}); delete it to score the sample again")
+    if data["prompt"] != prompt or data["seed"] != seed:
+        raise _cli.InputError(f"per-sample scores {path}: written for seed {data['seed']!r} and prompt "
+                              f"{data['prompt']!r}, but this run gives that sample seed {seed} and prompt "
+                              f"{prompt!r}; pass the earlier --seed / --prompts, or another --out")
+    return data
+
+
+def reference_images(folder: Path) -> list[Path]:
+    """The .png / .jpg files of a --ref-images folder (at least two: FID needs a covariance)."""
+    if not Path(folder).is_dir():
+        raise _cli.InputError(f"--ref-images {folder}: no such folder")
+    files = sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if len(files) < 2:
+        raise _cli.InputError(f"--ref-images {folder}: need at least two .png/.jpg images, found {len(files)}")
+    return files
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,13 +429,14 @@ def generate_and_score(entry: ModelEntry, attentions: Sequence[str], prompts: Se
     """Generate the missing samples of every attention and their per-sample scores (resumable)."""
     gen, scorers = None, None
     for spec in attentions:
-        folder = out / "samples" / entry.name / spec.replace(":", "_")
+        folder = _folder(out, entry, spec)
         folder.mkdir(parents=True, exist_ok=True)
         todo = [i for i in range(n) if not (folder / f"{i:05d}.json").is_file()]
         if not todo:
             continue
-        gen = gen or Generator(entry, tiny, device, weights)
+        # The scorers load first: a bad checkpoint of theirs then fails before the (larger) pipeline loads.
         scorers = scorers or Scorers(entry.output, tiny, device, weights, metrics)
+        gen = gen or Generator(entry, tiny, device, weights)
         _, mode, policy = parse_attention(spec)
         gen.enable(mode, policy)
         for i in _progress(todo, f"{entry.name} {spec}"):
@@ -360,7 +466,7 @@ def aggregate(entry: ModelEntry, attentions: Sequence[str], n: int, out: Path,
     from eval import metrics
 
     def folder(spec):
-        return out / "samples" / entry.name / spec.replace(":", "_")
+        return _folder(out, entry, spec)
 
     def load_all(spec):
         return [load_sample(_sample_path(folder(spec), i, entry.output)) for i in range(n)]
@@ -371,15 +477,14 @@ def aggregate(entry: ModelEntry, attentions: Sequence[str], n: int, out: Path,
     ref = loaded.get(REFERENCE)
     ref_feats = None
     if ref_images is not None:
-        files = sorted(p for p in Path(ref_images).iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
-        if len(files) < 2:
-            raise FileNotFoundError(f"--ref-images {ref_images}: need at least two .png/.jpg images")
-        ref_feats = metrics.inception_all(torch.stack([_resize_like(load_sample_any(p)) for p in files]))
+        files = reference_images(ref_images)
+        ref_feats = metrics.inception_all(torch.stack([_resize_like(load_image(p, "reference image"))
+                                                       for p in files]))
     sdpa_feats = feats_of.get(REFERENCE)
     rows = []
     for spec in attentions:
         samples = loaded[spec]
-        per = [json.loads((folder(spec) / f"{i:05d}.json").read_text()) for i in range(n)]
+        per = [_cli.read_json(folder(spec) / f"{i:05d}.json", "per-sample scores") for i in range(n)]
         keys = VIDEO_METRICS if entry.output is Output.VIDEO else IMAGE_METRICS
         row: dict[str, Any] = dict(model=entry.name, attention=spec, samples=n)
         row.update({k: float(np.mean([p[k] for p in per])) for k in keys if all(k in p for p in per)})
@@ -400,12 +505,6 @@ def aggregate(entry: ModelEntry, attentions: Sequence[str], n: int, out: Path,
             row["fid_vs_sdpa"] = metrics.fid_from_features(feats.pool, sdpa_feats.pool)
         rows.append(row)
     return rows
-
-
-def load_sample_any(path: Path) -> torch.Tensor:
-    from PIL import Image
-
-    return torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1).float() / 255
 
 
 def _resize_like(x: torch.Tensor, size: int = 299) -> torch.Tensor:
@@ -525,59 +624,177 @@ def plot(rows: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
-def run(models: Sequence[str], attentions: Sequence[str], out: Path, *, prompts_file: Optional[Path] = None,
-        num_samples: int = 4, seed: int = 0, tiny: bool = False, device: str = "cpu",
-        weights: Optional[dict[str, str]] = None, ref_images: Optional[Path] = None,
-        fidelity_md: Optional[Path] = None, metrics: Optional[Sequence[str]] = None) -> list[dict]:
-    """Generate, score and report; returns the rows of results.csv."""
-    weights = weights or {}
+@dataclass
+class Plan:
+    """A checked run: what ``execute`` generates, scores and reports."""
+
+    entries: list[ModelEntry]
+    attentions: list[str]
+    prompts: dict[str, list[str]]  # model name -> prompts
+    metrics: dict[str, Optional[list[str]]]  # model name -> --metrics names for its output (None: all)
+    num_samples: int
+    seed: int
+    out: Path
+    tiny: bool
+    device: str
+    weights: dict[str, str]
+    ref_images: Optional[Path]
+    fidelity_md: Optional[Path]
+    prompts_label: str
+
+
+def _folder(out: Path, entry: ModelEntry, spec: str) -> Path:
+    return out / "samples" / entry.name / spec.replace(":", "_")
+
+
+def prepare(models: Sequence[str], attentions: Sequence[str], out: Path, *, prompts_file: Optional[Path] = None,
+            num_samples: int = 4, seed: int = 0, tiny: bool = False, device: str = "cpu",
+            weights: Optional[dict[str, str]] = None, ref_images: Optional[Path] = None,
+            fidelity_md: Optional[Path] = None, metrics: Optional[Sequence[str]] = None) -> Plan:
+    """Check a run before anything is generated; returns what ``execute`` needs.
+
+    Everything a run reads or needs is checked here, so that a bad input fails in seconds rather
+    than after hours of generation: the arguments, the prompt files, the reference images, the
+    weights a real run will load (located, not loaded) and what an earlier run left in ``out``
+    (per-sample scores written for other prompts or seeds, unreadable samples).
+
+    Raises
+    ------
+    eval._cli.InputError (a ValueError) naming the argument or file and what was expected;
+    FileNotFoundError for missing weights (named, with the --weights option that provides them).
+    """
+    weights = dict(weights or {})
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise _cli.InputError(f"--num-samples {num_samples!r}: expected a positive integer")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise _cli.InputError(f"--seed {seed!r}: expected an integer >= 0")
+    for option, names in (("--model", models), ("--attention", attentions)):
+        if not names:
+            raise _cli.InputError(f"{option}: nothing given")
+        twice = sorted({n for n in names if list(names).count(n) > 1})
+        if twice:
+            raise _cli.InputError(f"{option}: {', '.join(twice)} given twice")
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise _cli.InputError(f"--model {', '.join(unknown)}: unknown; known: {', '.join(MODELS)}")
     for a in attentions:
-        parse_attention(a)  # fail on a typo before any generation
-    out.mkdir(parents=True, exist_ok=True)
+        try:
+            parse_attention(a)
+        except ValueError as e:
+            raise _cli.InputError(f"--attention {a}: {e}") from None
+    unknown = [m for m in metrics or () if m not in ALL_METRICS]
+    if unknown:
+        raise _cli.InputError(f"--metrics {', '.join(unknown)}: unknown; choose from {', '.join(ALL_METRICS)}")
+    unknown = [n for n in weights if n not in WEIGHT_NAMES]
+    if unknown:
+        raise _cli.InputError(f"--weights {', '.join(unknown)}: unknown NAME; known: {', '.join(WEIGHT_NAMES)}")
+    missing = [f"{n}={p}" for n, p in weights.items() if not Path(p).exists()]
+    if missing:
+        raise _cli.InputError(f"--weights {', '.join(missing)}: no such file or folder")
+    if tiny:
+        device = "cpu"
+    elif device.startswith("cuda") and not torch.cuda.is_available():
+        raise _cli.InputError(f"--device {device}: CUDA is not available")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise _cli.InputError(f"--out {out}: exists and is not a folder")
+    if fidelity_md is not None and (Path(fidelity_md).is_dir() or not Path(fidelity_md).parent.is_dir()):
+        raise _cli.InputError(f"--fidelity-md {fidelity_md}: expected a file path in an existing folder")
+    entries = [MODELS[m] for m in models]
+    prompts = {e.name: read_prompts(prompts_file, e.output) for e in entries}
+    if ref_images is not None:
+        for p in reference_images(ref_images):  # headers only: a broken file fails now, not after generation
+            _open_image(p, "reference image").close()
+    fid_set = ref_images is not None or REFERENCE in attentions
+    if num_samples < 2 and fid_set:
+        images = [e.name for e in entries if e.output is Output.IMAGE]
+        if images:
+            against = "--ref-images" if ref_images is not None else f"the {REFERENCE} samples"
+            raise _cli.InputError(
+                f"--num-samples {num_samples}: FID and sFID of {', '.join(images)} (against {against}) need at "
+                "least 2 samples per attention (a covariance); pass --num-samples 2 or more")
+    wanted = {e.name: ([m for m in metrics if m in METRIC_GROUPS[e.output]] if metrics else None) for e in entries}
+    for e in entries:
+        pending = False
+        for spec in attentions:
+            folder = _folder(out, e, spec)
+            for i in range(num_samples):
+                scores, sample = folder / f"{i:05d}.json", _sample_path(folder, i, e.output)
+                if scores.is_file():
+                    read_scores(scores, e.output, prompts[e.name][i % len(prompts[e.name])], seed + i)
+                else:
+                    pending = True
+                if sample.is_file():
+                    check_sample(sample)
+                elif scores.is_file():
+                    raise _cli.InputError(f"sample {sample}: missing beside its scores {scores.name}; delete "
+                                          f"{scores} to generate the sample again")
+        if pending and not tiny:  # where weights will be loaded, they must be there
+            pipeline_source(e, weights.get(e.name))
+            check_scorer_weights(e.output, weights, wanted[e.name])
+    return Plan(entries, list(attentions), prompts, wanted, num_samples, seed, out, tiny, device, weights,
+                None if ref_images is None else Path(ref_images), None if fidelity_md is None else Path(fidelity_md),
+                str(prompts_file or "eval/prompts (default set)"))
+
+
+def execute(plan: Plan) -> list[dict]:
+    """Generate, score and report a checked run; returns the rows of results.csv."""
+    plan.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for name in models:
-        entry = MODELS[name]
-        prompts = read_prompts(prompts_file, entry.output)
-        wanted = [m for m in metrics if m in METRIC_GROUPS[entry.output]] if metrics else None
-        generate_and_score(entry, attentions, prompts, num_samples, seed, out, tiny, device, weights, wanted)
-        rows += aggregate(entry, attentions, num_samples, out, ref_images)
-    write_results(rows, out)
-    write_table(rows, out, tiny, str(prompts_file or "eval/prompts (default set)"))
-    plot(rows, out)
-    if fidelity_md is not None:
-        write_fidelity(rows, fidelity_md, tiny)
+    for entry in plan.entries:
+        generate_and_score(entry, plan.attentions, plan.prompts[entry.name], plan.num_samples, plan.seed, plan.out,
+                           plan.tiny, plan.device, plan.weights, plan.metrics[entry.name])
+        rows += aggregate(entry, plan.attentions, plan.num_samples, plan.out, plan.ref_images)
+    write_results(rows, plan.out)
+    write_table(rows, plan.out, plan.tiny, plan.prompts_label)
+    plot(rows, plan.out)
+    if plan.fidelity_md is not None:
+        write_fidelity(rows, plan.fidelity_md, plan.tiny)
     return rows
+
+
+def run(models: Sequence[str], attentions: Sequence[str], out: Path, **options) -> list[dict]:
+    """Check, generate, score and report (``prepare`` then ``execute``; options: those of ``prepare``)."""
+    return execute(prepare(models, attentions, out, **options))
+
+
+def _names(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description="Generate with fixed seeds and score (SageAttention3 Tables 2-3)")
-    ap.add_argument("--model", required=True, help="comma separated: " + ", ".join(MODELS))
-    ap.add_argument("--attention", default="sdpa,int8,fp4", help="comma separated: sdpa, int8, fp4, auto, "
-                                                                 "policy:sage3, policy:sage3-int8-early")
-    ap.add_argument("--prompts", type=Path, default=None, help="one prompt a line (default: eval/prompts/)")
-    ap.add_argument("--num-samples", type=int, default=4)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", required=True, type=_cli.choice_list(MODELS),
+                    help="comma separated: " + ", ".join(MODELS))
+    ap.add_argument("--attention", default="sdpa,int8,fp4", type=_names,
+                    help="comma separated: sdpa, int8, fp4, auto, policy:sage3, policy:sage3-int8-early")
+    ap.add_argument("--prompts", type=_cli.existing_file, default=None,
+                    help="UTF-8 text file, one prompt a line, '#' comments (default: eval/prompts/)")
+    ap.add_argument("--num-samples", type=_cli.positive_int, default=4,
+                    help="samples per model and attention (image models with FID: at least 2)")
+    ap.add_argument("--seed", type=_cli.nonnegative_int, default=0)
     ap.add_argument("--tiny", action="store_true", help="tiny random pipelines and scorers, offline, CPU")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--weights", action="append", default=[], metavar="NAME=PATH")
-    ap.add_argument("--ref-images", type=Path, default=None, help="reference images for FID / sFID")
-    ap.add_argument("--metrics", default=None, help="comma separated subset: clipsim, clip_t, vqa, fscore "
-                                                     "(videos), clip_score, image_reward (images); default all")
-    ap.add_argument("--fidelity-md", type=Path, default=None, help="also write the fidelity-vs-sdpa table here")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--weights", action="append", default=[], metavar="NAME=PATH",
+                    type=_cli.name_equals_path(WEIGHT_NAMES),
+                    help="local weights, repeatable; NAME: " + ", ".join(WEIGHT_NAMES))
+    ap.add_argument("--ref-images", type=_cli.existing_dir, default=None,
+                    help="folder of reference .png/.jpg images (at least two) for FID / sFID")
+    ap.add_argument("--metrics", type=_cli.choice_list(ALL_METRICS), default=None,
+                    help="comma separated subset: clipsim, clip_t, vqa, fscore (videos), clip_score, image_reward "
+                         "(images); default all")
+    ap.add_argument("--fidelity-md", type=_cli.output_file, default=None,
+                    help="also write the fidelity-vs-sdpa table here")
+    ap.add_argument("--out", type=_cli.output_dir, required=True)
     args = ap.parse_args(argv)
-    models = [m.strip() for m in args.model.split(",") if m.strip()]
-    for m in models:
-        if m not in MODELS:
-            ap.error(f"unknown model {m!r}; known: {', '.join(MODELS)}")
-    weights = dict(w.split("=", 1) for w in args.weights)
-    attentions = [a.strip() for a in args.attention.split(",") if a.strip()]
-    if args.tiny:
-        args.device = "cpu"
-    rows = run(models, attentions, args.out, prompts_file=args.prompts, num_samples=args.num_samples,
-               seed=args.seed, tiny=args.tiny, device=args.device, weights=weights, ref_images=args.ref_images,
-               fidelity_md=args.fidelity_md,
-               metrics=[m.strip() for m in args.metrics.split(",")] if args.metrics else None)
+    try:
+        plan = prepare(args.model, args.attention, args.out, prompts_file=args.prompts,
+                       num_samples=args.num_samples, seed=args.seed, tiny=args.tiny, device=args.device,
+                       weights=_cli.unique_pairs(args.weights, "--weights"), ref_images=args.ref_images,
+                       fidelity_md=args.fidelity_md, metrics=args.metrics)
+    except (_cli.InputError, FileNotFoundError) as e:
+        ap.error(str(e))
+    rows = execute(plan)
     print(f"wrote {args.out / 'results.csv'} ({len(rows)} rows), table.md, plot.png")
     return 0
 

@@ -10,6 +10,7 @@ or with token outliers ("dO outliers": 5 % of the rows x 20, the regime where IN
 """
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -46,7 +47,10 @@ def grads(fn, q, k, v, do, dtype):
     return [out.detach(), *(t.grad for t in x)]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    # No options: parsing still answers --help and refuses stray arguments instead of running (and
+    # rewriting the results) regardless.
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     torch.set_num_threads(2)
     rows = []
     t0 = time.perf_counter()

@@ -21,8 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 try:
-    from . import _sagebwd_training as common
+    from . import _cli, _sagebwd_training as common
 except ImportError:  # run as a script
+    import _cli
     import _sagebwd_training as common
 
 
@@ -117,23 +118,46 @@ def run(attn: str, data_train, data_val, cfg) -> dict:
                 params=sum(p.numel() for p in model.parameters()))
 
 
-def main() -> None:
+def check_config(cfg) -> None:
+    """Refuse settings the model or the data split cannot take, before the corpus is read.
+
+    Raises
+    ------
+    eval._cli.InputError naming the option(s).
+    """
+    if cfg.d_model % cfg.heads:
+        raise _cli.InputError(f"--d-model {cfg.d_model} is not a multiple of --heads {cfg.heads}")
+    held_out = cfg.max_bytes - int(cfg.max_bytes * 0.95)
+    if held_out <= cfg.seq + 1:  # batches() draws windows of seq + 1 bytes from the held-out 5 %
+        raise _cli.InputError(f"--max-bytes {cfg.max_bytes}: its held-out 5 % ({held_out} bytes) must exceed "
+                              f"--seq + 1 = {cfg.seq + 1}")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise _cli.InputError(f"--device {cfg.device}: CUDA is not available")
+    if not cfg.no_write:
+        common.check_results(exclude=common.LM_JSON)
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--attn", choices=("both",) + common.ATTENTIONS, default="both")
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--val-batches", type=int, default=20)
-    ap.add_argument("--max-bytes", type=int, default=8_000_000)
+    ap.add_argument("--steps", type=_cli.positive_int, default=600)
+    ap.add_argument("--batch", type=_cli.positive_int, default=16)
+    ap.add_argument("--seq", type=_cli.positive_int, default=128)
+    ap.add_argument("--d-model", type=_cli.positive_int, default=128)
+    ap.add_argument("--heads", type=_cli.positive_int, default=4)
+    ap.add_argument("--layers", type=_cli.positive_int, default=4)
+    ap.add_argument("--lr", type=_cli.positive_float, default=2e-3)
+    ap.add_argument("--seed", type=_cli.nonnegative_int, default=0)
+    ap.add_argument("--val-batches", type=_cli.positive_int, default=20)
+    ap.add_argument("--max-bytes", type=_cli.positive_int, default=8_000_000)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (SageBwd's torch reference runs there too)")
     ap.add_argument("--impl", choices=tuple(common.SAGEBWD_IMPL), default="reference")
     ap.add_argument("--no-write", action="store_true", help="print only")
-    cfg = ap.parse_args()
+    cfg = ap.parse_args(argv)
+    try:
+        check_config(cfg)
+    except _cli.InputError as e:
+        ap.error(str(e))
     common.set_threads()
     common.set_impl(cfg.impl)
     data, desc = load_corpus(cfg.max_bytes)

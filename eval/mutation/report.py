@@ -35,10 +35,26 @@ def changed_lines(name: str) -> list[str]:
     return [d for d in diff.splitlines() if re.match(r"^[-+][^-+]", d)]
 
 
+def read_codes(meta: str) -> dict:
+    """``exit_code_by_key`` of one mutmut meta file; SystemExit naming the file when it has none."""
+    try:
+        with open(meta, encoding="utf-8") as f:
+            codes = json.load(f)["exit_code_by_key"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise SystemExit(f"{meta}: not a mutmut 3 meta file (expected JSON with 'exit_code_by_key'): "
+                         f"{type(e).__name__}: {e}") from None
+    if not isinstance(codes, dict):
+        raise SystemExit(f"{meta}: 'exit_code_by_key' is not an object (mutant name -> exit code)")
+    return codes
+
+
 def main(patterns: list[str]) -> None:
     rows, detail = [], []
-    for meta in sorted(glob.glob("mutants/**/*.py.meta", recursive=True)):
-        codes = json.load(open(meta))["exit_code_by_key"]
+    metas = sorted(glob.glob("mutants/**/*.py.meta", recursive=True))
+    if not metas:  # an empty table would read as "nothing mutated"
+        raise SystemExit(f"no mutants/**/*.py.meta under {os.getcwd()}: run this where `mutmut run` ran")
+    for meta in metas:
+        codes = read_codes(meta)
         if patterns:
             codes = {k: v for k, v in codes.items() if any(k == p or fnmatch.fnmatch(k, p) for p in patterns)}
         if not codes:

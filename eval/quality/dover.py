@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import _cli
 from .weights import DOVER, resolve
 
 PIXEL_MEAN = (123.675, 116.28, 103.53)
@@ -394,20 +396,24 @@ class Dover(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path: Optional[str] = None) -> "Dover":
-        """DOVER with the released weights (``DOVER.pth``: a state dict with technical_/aesthetic_ keys)."""
-        file = resolve(DOVER, path)
-        if file.is_dir():
-            file = file / "DOVER.pth"
-        if not file.is_file():
-            raise FileNotFoundError(f"weights 'dover': {file} is missing (from {DOVER.origin})")
+        """DOVER with the released weights (``DOVER.pth``: a state dict with technical_/aesthetic_ keys).
+
+        Raises
+        ------
+        FileNotFoundError when the file is not there; eval._cli.InputError naming the file when it is
+        not a state dict that loads with ``weights_only=True`` or leaves weights of the model unset.
+        """
+        file = checkpoint_path(path)
+        state = _cli.load_state_dict(file, "weights 'dover'")
         model = cls(SwinTransformer3D(), ConvNeXt3D()).eval()
-        state = torch.load(str(file), map_location="cpu", weights_only=True)
-        state = state.get("state_dict", state)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith("relative_position_index")]
-        if missing:
-            raise ValueError(f"{file}: {len(missing)} weights missing, e.g. {missing[:3]}; "
-                             f"unexpected {list(unexpected)[:3]}")
+        try:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except RuntimeError as e:  # a key of the right name with the wrong shape
+            raise _cli.InputError(f"weights 'dover' {file}: does not fit DOVER's modules "
+                                  f"({str(e).splitlines()[-1].strip()})") from None
+        # relative_position_index is a buffer rebuilt by the model, not a trained weight
+        _cli.check_state_dict_keys(file, "weights 'dover'", missing, unexpected,
+                                   ignore=lambda k: k.endswith("relative_position_index"))
         return model
 
     @torch.no_grad()
@@ -422,6 +428,21 @@ class Dover(nn.Module):
         dev = next(self.parameters()).device
         t, a = self({k: x.to(dev) for k, x in views(video, self.cfg).items()})
         return DoverScores(float(t.mean()), float(a.mean()))
+
+
+def checkpoint_path(path: Optional[str] = None) -> Path:
+    """The DOVER.pth file of ``path`` (the file, or a folder holding it), env or hub cache.
+
+    Raises
+    ------
+    FileNotFoundError naming the missing file and where it comes from.
+    """
+    file = resolve(DOVER, path)
+    if file.is_dir():
+        file = file / "DOVER.pth"
+    if not file.is_file():
+        raise FileNotFoundError(f"weights 'dover': {file} is missing (from {DOVER.origin})")
+    return file
 
 
 TINY_VIEWS = ViewConfig(fragments=4, fragment_size=16, aesthetic_size=64, clip_len=8, aligned=8, technical_clips=2)

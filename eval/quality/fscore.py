@@ -16,6 +16,7 @@ from typing import Optional, Protocol
 
 import torch
 
+from .. import _cli
 from .weights import RAFT, resolve
 
 
@@ -59,13 +60,18 @@ class RaftFlow:
     """torchvision RAFT-large with weights from a local ``.pth`` (Raft_Large_Weights.C_T_SKHT_V2)."""
 
     def __init__(self, weights: Optional[str] = None, device: str = "cpu", iters: int = 20):
+        path = resolve(RAFT, weights)
+        state = _cli.load_state_dict(path, "weights 'raft'")
         try:
             from torchvision.models.optical_flow import raft_large
         except Exception as e:  # noqa: BLE001 - torchvision fails in several ways against a mismatched torch
             raise ImportError(f"FScore needs torchvision's RAFT (pip install torchvision matching your torch): {e}") from e
-        path = resolve(RAFT, weights)
         self.model = raft_large(weights=None, progress=False)
-        self.model.load_state_dict(torch.load(str(path), map_location="cpu", weights_only=True))
+        try:
+            self.model.load_state_dict(state)
+        except RuntimeError as e:  # missing, unexpected or misshapen keys: not RAFT-large's weights
+            raise _cli.InputError(f"weights 'raft' {path}: not the state dict of torchvision's raft_large "
+                                  f"({str(e).splitlines()[0]})") from None
         self.model.eval().to(device)
         self.device, self.iters = device, iters
 

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .. import _cli
 from .clip import ClipEncoder, tiny_clip_encoder
 from .weights import IMAGE_REWARD, resolve
 
@@ -28,16 +29,36 @@ def _to_pil(images: torch.Tensor):
 
 
 class ImageRewardScorer:
-    """Mean ImageReward of images (N, 3, H, W) in [0, 1] against their prompts (the real model)."""
+    """Mean ImageReward of images (N, 3, H, W) in [0, 1] against their prompts (the real model).
+
+    The package's own ``ImageReward.load`` fetches ``med_config.json`` from the hub and unpickles the
+    checkpoint without ``weights_only``; here the model is built from the package's class with the
+    local ``med_config.json`` and the state dict loads with ``weights_only=True``, both files checked
+    (and named in the error) before the package is imported.
+    """
 
     def __init__(self, path: Optional[str] = None, device: str = "cpu"):
         folder = resolve(IMAGE_REWARD, path)
+        checkpoint, med_config = folder / "ImageReward.pt", folder / "med_config.json"
+        _cli.read_json(med_config, "weights 'image_reward' config")
+        state = _cli.load_state_dict(checkpoint, "weights 'image_reward'")
+        if not any(k.startswith("mlp.") for k in state) or not any(k.startswith("blip.") for k in state):
+            raise _cli.InputError(f"weights 'image_reward' {checkpoint}: expected ImageReward's state dict "
+                                  "(blip.* and mlp.* parameters)")
         try:
-            import ImageReward as RM
+            import importlib
+
+            model_class = importlib.import_module("ImageReward.ImageReward").ImageReward
         except Exception as e:  # noqa: BLE001 - its timm pin fails to import without torchvision
             raise ImportError(f"ImageReward needs the image-reward package (pip install image-reward): {e}") from e
-        self.model = RM.load(str(folder / "ImageReward.pt"), device=device,
-                             med_config=str(folder / "med_config.json"))
+        model = model_class(med_config=str(med_config), device=device)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        # The package loads non-strictly (BLIP parts that scoring never runs may be absent); what scoring
+        # runs must be loaded. position_ids are buffers some transformers versions add.
+        used = ("mlp.", "blip.visual_encoder.", "blip.text_encoder.")
+        _cli.check_state_dict_keys(checkpoint, "weights 'image_reward'", missing, unexpected,
+                                   ignore=lambda k: not k.startswith(used) or k.endswith("position_ids"))
+        self.model = model.to(device).eval()
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> float:
         scores = [self.model.score(p, [im]) for p, im in zip(prompts, _to_pil(images))]
