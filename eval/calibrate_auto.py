@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import sage_diffusers as sd  # noqa: E402
+from eval import _cli  # noqa: E402
 from sage_diffusers import api  # noqa: E402
 from sage_diffusers.kernels import _jit, auto_calibrate, auto_table  # noqa: E402
 
@@ -212,19 +213,27 @@ def write(out_dir: Path, meta: dict, results, table, rows, overhead) -> Path:
     return out_dir / f"{stem}.json"
 
 
+def read_result(path: Path) -> dict:
+    """A results JSON of this script (meta with the GPU model, classes); InputError naming the file."""
+    data = _cli.read_json(path, "calibration", keys=("meta", "classes"))
+    if not isinstance(data["meta"], dict) or not isinstance(data["meta"].get("model"), str):
+        raise _cli.InputError(f"calibration {path}: 'meta' must be an object with the GPU 'model'")
+    try:
+        auto_table.table_from_json(data["classes"])
+    except ValueError as exc:
+        raise _cli.InputError(f"calibration {path}: 'classes': {exc}") from None
+    return data
+
+
 def shipped_module(sources: list[Path]) -> str:
     """The text of kernels/_auto_shipped.py for calibration JSONs (one per GPU model)."""
     tables, names = {}, {}
     for path in sources:
-        try:
-            data = json.loads(Path(path).read_text())
-            meta, classes = data["meta"], data["classes"]
-            table = auto_table.table_from_json(classes)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise SystemExit(f"{path}: not a calibration result of this script ({exc})") from None
+        data = read_result(path)
+        meta, table = data["meta"], auto_table.table_from_json(data["classes"])
         missing = [c.key() for c in auto_table.ALL_CLASSES if c not in table]
         if missing:
-            raise SystemExit(f"{path}: classes missing: {', '.join(missing)}")
+            raise _cli.InputError(f"calibration {path}: classes missing: {', '.join(missing)}")
         tables[meta["model"]] = auto_table.table_to_json(table)
         try:
             rel = Path(path).resolve().relative_to(ROOT)
@@ -259,7 +268,7 @@ def main(argv=None) -> None:
     p.add_argument("--install", action="store_true", help="install the measured table for this GPU model")
     p.add_argument("--check-only", action="store_true", help="no calibration: check the table in effect")
     p.add_argument("--no-check", action="store_true", help="calibrate only")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (>= 1)")
+    p.add_argument("--rounds", type=_cli.positive_int, default=3, help="interleaved rounds (>= 1)")
     p.add_argument("--out-dir", type=Path, default=ROOT / "eval" / "results")
     p.add_argument("--base", type=Path, default=None, metavar="JSON",
                    help="an earlier calibration of this GPU model (a results JSON): its classes are kept, "
@@ -267,12 +276,20 @@ def main(argv=None) -> None:
     p.add_argument("--ship", type=Path, nargs="+", default=None, metavar="JSON",
                    help="no GPU: write sage_diffusers/kernels/_auto_shipped.py from these results, then exit")
     args = p.parse_args(argv)
-    if args.rounds < 1:
-        p.error("--rounds must be >= 1")
     if args.ship:
-        SHIPPED_MODULE.write_text(shipped_module(args.ship))
+        try:
+            text = shipped_module(args.ship)
+        except _cli.InputError as exc:
+            p.error(str(exc))
+        SHIPPED_MODULE.write_text(text)
         print("wrote", SHIPPED_MODULE)
         return
+    base_data = None
+    if args.base is not None:
+        try:
+            base_data = read_result(args.base)
+        except _cli.InputError as exc:
+            p.error(str(exc))
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         p.error("needs an sm_90 GPU (H100, H200)")
     t0 = time.time()
@@ -281,13 +298,9 @@ def main(argv=None) -> None:
     meta = dict(gpu=props.name, model=model, torch=torch.__version__, commit=_commit(), rounds=args.rounds,
                 date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"))
     table, results, base = None, [], {}
-    if args.base is not None:
-        try:
-            data = json.loads(args.base.read_text())
-            base = auto_table.table_from_json(data["classes"])
-            base_model = data["meta"]["model"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            p.error(f"--base {args.base}: not a calibration result of this script ({exc})")
+    if base_data is not None:
+        data = base_data
+        base, base_model = auto_table.table_from_json(data["classes"]), data["meta"]["model"]
         if base_model != model:
             p.error(f"--base {args.base}: measured on {base_model!r}, this GPU is {model!r}")
         meta["base"] = dict(file=str(args.base), commit=data["meta"].get("commit"), classes=sorted(c.key() for c in base),

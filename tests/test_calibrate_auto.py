@@ -31,11 +31,13 @@ def test_ship_writes_a_module_that_loads_back_per_gpu_model(tmp_path):
 
 
 def test_ship_refuses_partial_or_foreign_files(tmp_path):
-    with pytest.raises(SystemExit, match="classes missing"):
+    from eval import _cli
+
+    with pytest.raises(_cli.InputError, match="classes missing"):
         calibrate_auto.shipped_module([_result(tmp_path, drop="d64_causal_mask")])
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
-    with pytest.raises(SystemExit, match="bad.json"):
+    with pytest.raises(_cli.InputError, match="bad.json"):
         calibrate_auto.shipped_module([bad])
 
 

@@ -368,14 +368,12 @@ def test_calibration_json_is_checked(tmp_path, capsys):
     bad = tmp_path / "run.json"
     bad.write_text("{")
     assert f"calibration {bad}: not valid JSON" in refused(calibrate_auto.main, ["--ship", str(bad)], capsys)
-    bad.write_text(json.dumps({"meta": {}, "rules": {}}))
-    assert "'meta' must be an object with capability" in refused(calibrate_auto.main, ["--ship", str(bad)], capsys)
+    bad.write_text(json.dumps({"meta": {}, "classes": {}}))
+    assert "'meta' must be an object with the GPU 'model'" in refused(calibrate_auto.main, ["--ship", str(bad)], capsys)
+    bad.write_text(json.dumps({"meta": {"model": "m"}, "classes": {"d9_x": 1}}))
+    assert f"calibration {bad}: 'classes'" in refused(calibrate_auto.main, ["--ship", str(bad)], capsys)
     assert "expected a positive integer" in refused(calibrate_auto.main, ["--rounds", "0"], capsys)
-    assert "expected a fraction in [0, 0.5)" in refused(calibrate_auto.main, ["--margin", "0.7"], capsys)
-    table = tmp_path / "auto_table.json"
-    table.write_text('{"sm_90": 3}')
-    with pytest.raises(_cli.InputError, match=f"installed auto table {table}: entry 'sm_90'"):
-        calibrate_auto.read_installed_table(table)
+    assert f"calibration {bad}" in refused(calibrate_auto.main, ["--base", str(bad)], capsys)
 
 
 def test_earlier_e2e_report_is_checked(tmp_path):
