@@ -267,6 +267,11 @@ def shipped_module(sources: list[Path]) -> str:
 
 
 def _commit() -> Optional[str]:
+    """The commit that runs: $SAGE_DIFFUSERS_COMMIT when set (a copied tree's .git can be stale), else git."""
+    import os
+
+    if os.environ.get("SAGE_DIFFUSERS_COMMIT"):
+        return os.environ["SAGE_DIFFUSERS_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10)

@@ -40,5 +40,5 @@ TABLES: dict[str, dict[str, object]] = {
     },
 }
 SOURCES: dict[str, str] = {
-    'NVIDIA H100 80GB HBM3 (132 SMs)': 'eval/results/auto_h100.json (2026-12-06 03:36, commit 8af33fe)',
+    'NVIDIA H100 80GB HBM3 (132 SMs)': 'eval/results/auto_h100.json (2026-12-06 03:36, commit 0556977)',
 }
