@@ -342,10 +342,13 @@ class _Resolved:
 
     @staticmethod
     def _name(kind: str, *key) -> str:
-        return "_".join((kind, *(str(part) for part in key)))
+        return "_".join((kind, *map(str, key)))
 
     def get(self, kind: str, *key):
         return getattr(self, self._name(kind, *key))
+
+    def has(self, kind: str, *key) -> bool:
+        return hasattr(self, self._name(kind, *key))
 
     def put(self, value, kind: str, *key) -> None:
         setattr(self, self._name(kind, *key), value)
@@ -380,8 +383,10 @@ def _auto_status(index: int) -> str:
     """"" when "auto" may run its kernel on GPU ``index`` (then in _RESOLVED), else the counted
     reason it keeps SDPA: no kernel for the arch, kernel unavailable, or a failed self-check."""
     cap = _capability(index)
-    arch = f"sm_{cap}"
     algo = _auto_algorithm_of(cap)
+    if algo is not None and (index, cap) in _AUTO_READY and _RESOLVED.has("backend", algo.value, cap, True):
+        return ""  # checked before in this process: no kernel lookup or self-check per call
+    arch = f"sm_{cap}"
     if algo is None:
         return f"auto: no low-bit kernel for {arch}"
     why = _kernel_status(algo.value, cap)
@@ -393,9 +398,14 @@ def _auto_status(index: int) -> str:
     if backend is None:
         return f"auto: {algo.value} kernel unavailable on {arch}: {why}"
     _RESOLVED.put(backend, "backend", algo.value, cap, True)
+    _AUTO_READY.add((index, cap))
     return ""
 
 
+# (device index, capability) where "auto" found its kernel ready (built, self-check passed): the
+# per-call host cost of auto stays a set lookup (it was ~30 µs of lookups and self-check memo reads,
+# more than SDPA's whole call on short sequences). A set add is atomic under the GIL.
+_AUTO_READY: set[tuple[int, int]] = set()
 # device index -> (table, where it came from); filled once per device and process.
 _AUTO_TABLES: dict[int, tuple] = {}
 _AUTO_TABLES_LOCK = threading.Lock()  # one first-use calibration per process, not one per thread
@@ -408,6 +418,8 @@ def _load_auto_table(index: int) -> bool:
     if _capability(index) // 10 != 9:
         return False
     found = _AUTO_TABLES.get(index)
+    if found is not None and _RESOLVED.has("auto_table", index):
+        return True  # already in _RESOLVED
     if found is None:
         with _AUTO_TABLES_LOCK:
             found = _AUTO_TABLES.get(index) or _resolve_auto_table(index)

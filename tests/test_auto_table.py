@@ -275,3 +275,20 @@ def test_calibrate_stops_a_class_after_two_kernel_wins_and_keeps_the_budget(monk
     monkeypatch.setattr(auto_table, "SHIPPED", {})
     table, results = auto_calibrate.calibrate("cpu", prof._replace(budget_s=-1.0), classes=[cls], timer=timer)
     assert seen == [] and not results[0].measured and table[cls] is None
+
+
+def test_auto_status_checks_the_kernel_once_per_process(fake_sm90, monkeypatch):
+    """Regression: every auto call re-ran the kernel lookup and the self-check memo reads (~30 µs of
+    host time on an H100), which made auto slower than SDPA's whole call on short sequences
+    (1x24x1000x64: 0.039 ms against 0.029, eval/results/auto_h100_check.md)."""
+    from sage_diffusers import selftest
+    from sage_diffusers.options import Mode
+
+    gates = []
+    monkeypatch.setattr(api, "_kernel_cached", lambda mode, cap: (lambda *a: None, "") if mode is Mode.INT8 else (None, "no"))
+    monkeypatch.setattr(selftest, "gate", lambda mode, device, backend: gates.append(1) or (backend, ""))
+    monkeypatch.setattr(api, "_AUTO_READY", set())
+    assert api._auto_status(0) == "" and api._auto_status(0) == ""
+    assert gates == [1]
+    delattr(api._RESOLVED, "backend_int8_90_True")  # what it resolved is gone: checked again
+    assert api._auto_status(0) == "" and gates == [1, 1]
