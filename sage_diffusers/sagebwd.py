@@ -4,6 +4,9 @@
 here whenever autograd will need gradients. On CUDA the Triton kernels of
 ``sage_diffusers.kernels.sagebwd_triton`` run; elsewhere the torch reference
 (``sage_diffusers.reference.sagebwd``), which computes the same quantized operands bit for bit.
+
+Gradients: of q, k, v. Not of a mask: a float ``attn_mask`` that requires grad runs SDPA,
+which differentiates it.
 """
 from __future__ import annotations
 
@@ -110,8 +113,10 @@ def sagebwd(
     q : (B, Hq, Sq, D) for layout "BHSD", (B, Sq, Hq, D) for "BSHD"; float16, bfloat16 or float32
         (float32 is quantized directly; its 16-bit products run in bfloat16).
     k, v : (B, Hkv, Skv, D) or (B, Skv, Hkv, D); Hq a multiple of Hkv (grouped-query attention).
-    attn_mask : as torch SDPA; a bool key-padding mask ((B, Skv) or (B, 1, 1, Skv), True = attend)
-        runs natively, any other mask runs SDPA (forward and backward) with a counted reason.
+    attn_mask : as torch SDPA; a key-padding mask ((B, Skv) or (B, 1, 1, Skv): bool, True = attend,
+        or float holding only 0 / -inf) runs natively, any other mask runs SDPA (forward and
+        backward) with a counted reason, and so does a float mask that requires grad (while grad
+        mode is on): SDPA differentiates it, SageBwd has no mask gradient.
     is_causal : query i sees keys j <= i (top-left aligned, as torch SDPA).
     scale : softmax scale, default 1/sqrt(D).
     key_mask : bool (B, Skv), True = attended; combined with a key-padding ``attn_mask`` by AND.
@@ -137,8 +142,11 @@ def sagebwd(
     scale_f = api._check_scale(scale, d)
     key_mask = api._check_key_mask(key_mask, b, skv, q.device)
     attn_mask = api._check_attn_mask(attn_mask, (b, hq, sq, skv), q.device)
-    mask_keys, native = api._native_key_mask(attn_mask, key_mask, b, skv)
-    reason = _fallback_reason(q, d, dv, not native)
+    if api._needs_grad(attn_mask):  # before the key-padding check, which reads the mask on the host
+        mask_keys, reason = None, "attn_mask requires grad (SageBwd computes no mask gradient)"
+    else:
+        mask_keys, native = api._native_key_mask(attn_mask, key_mask, b, skv)
+        reason = _fallback_reason(q, d, dv, not native)
     if reason is not None:
         _fallback.record(f"sagebwd: {reason}")
         out, _ = api._sdpa(qh, kh, vh, key_mask, attn_mask, 0.0, bool(is_causal), scale_f, False)
