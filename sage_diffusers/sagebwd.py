@@ -6,7 +6,8 @@ here whenever autograd will need gradients. On CUDA the Triton kernels of
 (``sage_diffusers.reference.sagebwd``), which computes the same quantized operands bit for bit.
 
 Gradients: of q, k, v. Not of a mask: a float ``attn_mask`` that requires grad runs SDPA,
-which differentiates it.
+which differentiates it. No double backward: the backward is quantized and not itself
+differentiable, so ``create_graph=True`` raises (:data:`DOUBLE_BACKWARD_ERROR`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,14 @@ from .reference.sagebwd import DoVPrecision, PVPrecision, SageBwdState
 
 SUPPORTED_HEAD_DIMS = ref.SUPPORTED_HEAD_DIMS
 _NATIVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+DOUBLE_BACKWARD_ERROR = (
+    "sage_diffusers SageBwd (sd.sagebwd, or sd.attention(mode=\"int8\") with gradients) has no double "
+    "backward: its backward is quantized and not itself differentiable, so create_graph=True (gradient "
+    "penalties, higher-order gradients) would give wrong gradients. Use mode=\"sdpa\" for attention that "
+    "needs double backward (inside torch.nn.attention.sdpa_kernel(SDPBackend.MATH): torch's fused SDPA "
+    "kernels have no double backward either)."
+)
 
 
 class Impl(enum.Enum):
@@ -67,6 +76,11 @@ class SageBwdFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        # Grad mode is on in a backward exactly when the caller asked for create_graph=True. The
+        # quantized backward is no differentiable function of q, k, v (its saved state is integer
+        # codes), so a graph built here would silently miss most of the second derivative.
+        if torch.is_grad_enabled():
+            raise RuntimeError(DOUBLE_BACKWARD_ERROR)
         saved = ctx.saved_tensors
         n = len(SageBwdState._fields)
         state = SageBwdState(*saved[:n])
@@ -131,6 +145,9 @@ def sagebwd(
 
     Head dims other than 32/64/128 (and float64, or value head dims that differ) run SDPA's
     forward and backward, counted in :func:`sage_diffusers.fallback_stats` with the reason.
+
+    No double backward: differentiating SageBwd's gradients (``create_graph=True``) raises
+    RuntimeError; use ``sage_diffusers.attention(..., mode="sdpa")`` there.
     """
     from . import api  # the shared argument checks; imported here because api routes to this module
 
