@@ -5,9 +5,10 @@ here whenever autograd will need gradients. On CUDA the Triton kernels of
 ``sage_diffusers.kernels.sagebwd_triton`` run; elsewhere the torch reference
 (``sage_diffusers.reference.sagebwd``), which computes the same quantized operands bit for bit.
 
-Gradients: of q, k, v. Not of a mask: a float ``attn_mask`` that requires grad runs SDPA,
-which differentiates it. No double backward: the backward is quantized and not itself
-differentiable, so ``create_graph=True`` raises (:data:`DOUBLE_BACKWARD_ERROR`).
+Gradients: of q, k, v, and of the LSE where ``sd.attention(..., return_lse=True)`` returns one
+(its gradient enters the quantized backward's dS). Not of a mask: a float ``attn_mask`` that
+requires grad runs SDPA, which differentiates it. No double backward: the backward is quantized
+and not itself differentiable, so ``create_graph=True`` raises (:data:`DOUBLE_BACKWARD_ERROR`).
 """
 from __future__ import annotations
 
@@ -61,21 +62,35 @@ def default_impl(device: torch.device) -> Impl:
 
 
 class SageBwdFunction(torch.autograd.Function):
-    """Autograd function over BHSD tensors; see :func:`sagebwd` for the arguments."""
+    """Autograd function over BHSD tensors; see :func:`sagebwd` for the arguments.
+
+    With ``return_lse`` the outputs are (out, lse): lse float32 (B, Hq, Sq), the exact natural-log
+    LSE of the scaled scores (float32 scores, as the SDPA path computes it), whose gradient the
+    quantized backward takes with the output's (``dlse`` of the backends' ``sagebwd_backward``).
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, key_mask, is_causal: bool, scale: float, dov: DoVPrecision, impl: Impl):
+    def forward(ctx, q, k, v, key_mask, is_causal: bool, scale: float, dov: DoVPrecision, impl: Impl,
+                return_lse: bool = False):
         module = _impl_module(impl)
         state = module.sagebwd_forward(q, k, v, key_mask, is_causal, scale, PVPrecision.INT8)
         ctx.is_causal, ctx.scale, ctx.dov, ctx.impl = is_causal, scale, dov, impl
-        ctx.has_mask = key_mask is not None
+        ctx.has_mask, ctx.return_lse = key_mask is not None, return_lse
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         extra = (key_mask,) if key_mask is not None else ()
-        ctx.save_for_backward(*state, *extra)
-        return state.out
+        if not return_lse:
+            ctx.save_for_backward(*state, *extra)
+            return state.out
+        from . import api
+
+        lse = api._lse(q, k, key_mask, None, is_causal, scale)  # (B, Hq, Sq)
+        # the LSE's dQ needs the K mean the forward smoothed with (float32 (B, Hkv, D), small)
+        k_mean = ref.key_mean(k, key_mask)
+        ctx.save_for_backward(*state, k_mean, *extra)
+        return state.out, lse
 
     @staticmethod
-    def backward(ctx, do):
+    def backward(ctx, do, dlse=None):
         # Grad mode is on in a backward exactly when the caller asked for create_graph=True. The
         # quantized backward is no differentiable function of q, k, v (its saved state is integer
         # codes), so a graph built here would silently miss most of the second derivative.
@@ -84,15 +99,18 @@ class SageBwdFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         n = len(SageBwdState._fields)
         state = SageBwdState(*saved[:n])
-        key_mask = saved[n] if ctx.has_mask else None
+        rest = list(saved[n:])
+        k_mean = rest.pop(0) if ctx.return_lse else None
+        key_mask = rest.pop(0) if ctx.has_mask else None
         module = _impl_module(ctx.impl)
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         dq, dk, dv = module.sagebwd_backward(
             do.contiguous(), state, key_mask, ctx.is_causal, ctx.scale, ctx.dov,
+            dlse=dlse.float().contiguous() if ctx.return_lse else None, k_mean=k_mean,
         )
         tq, tk, tv = ctx.dtypes
         return (dq.to(tq) if need_q else None, dk.to(tk) if need_k else None,
-                dv.to(tv) if need_v else None, None, None, None, None, None)
+                dv.to(tv) if need_v else None, None, None, None, None, None, None)
 
 
 def _fallback_reason(q: torch.Tensor, d: int, dv: int, general_mask: bool) -> Optional[str]:
@@ -178,16 +196,15 @@ def attention_sagebwd(q, k, v, *, key_mask=None, is_causal=False, scale=None, re
     """The API's gradient path for ``mode="int8"`` (the kernels' backend contract, BHSD views).
 
     Returns (out like q, lse float32 (B, Hq, Sq) or None); the lse is exact (float32 scores,
-    computed as the SDPA path computes it) and carries no gradient.
+    computed as the SDPA path computes it) and differentiable: its gradient flows to q and k
+    through SageBwd's quantized backward, with the output's.
     """
     from . import api
 
     impl = default_impl(q.device)
     d = q.shape[-1]
     sm_scale = api._check_scale(scale, d)
-    out = SageBwdFunction.apply(q, k, v, key_mask, bool(is_causal), sm_scale, DoVPrecision.FP16, impl)
-    lse = None
+    args = (q, k, v, key_mask, bool(is_causal), sm_scale, DoVPrecision.FP16, impl)
     if return_lse:
-        with torch.no_grad():
-            lse = api._lse(q, k, key_mask, None, bool(is_causal), sm_scale)
-    return out, lse
+        return SageBwdFunction.apply(*args, True)
+    return SageBwdFunction.apply(*args), None
