@@ -866,9 +866,13 @@ def backward_rows(do: torch.Tensor, state: SageBwdState, dov_int8: bool) -> Back
     return BackwardRows(delta, mb, inv_l, dos8t, sdos, do8, sdo)
 
 
-def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Optional[float], dov: DoVPrecision):
+def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Optional[float], dov: DoVPrecision,
+                   dlse: Optional[torch.Tensor] = None, k_mean: Optional[torch.Tensor] = None):
     """Pre-pass kernel, then the dK/dV and dQ kernels, or the fused one (:func:`bwd_kernels`);
-    returns float32 dq, dk, dv."""
+    returns float32 dq, dk, dv. An LSE gradient ``dlse`` enters as the reference's does: subtracted
+    from the pre-pass's delta (dS = P o (dP - (delta - dlse))), which every dS tile reads, and the
+    smoothing shift's dQ term added to the kernels' dQ."""
+    ref.check_lse_grad(dlse, k_mean, state)
     b, hq, sq_len, d = state.q8.shape
     hkv, skv = state.k8.shape[1], state.k8.shape[2]
     dev = do.device
@@ -885,6 +889,9 @@ def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Op
     dv = torch.empty_like(dk)
     dov_int8 = dov is DoVPrecision.INT8
     r = backward_rows(do, state, dov_int8)
+    if dlse is not None:
+        dl = ref.lse_grad_rows(dlse, state.lse2)  # (B, Hq, Sq)
+        r = r._replace(delta=(r.delta - dl).contiguous())
     do16 = do.to(state.vc.dtype).contiguous()
     mask, has_mask = _mask_arg(key_mask, dev)
     common = dict(D=d, SUB=BLOCK_Q, HAS_MASK=has_mask, IS_CAUSAL=bool(is_causal), DOV_INT8=dov_int8,
@@ -908,6 +915,8 @@ def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Op
             r.mb, r.inv_l, r.delta, do16, r.do8, r.sdo, mask, dq,
             qk_scale, sm_scale, hq, hq // hkv, sq_len, skv, **common, **wide_m,
         )
+    if dlse is not None:
+        dq = dq + ref.lse_shift_dq(dl, k_mean, sm_scale)
     return dq, dk, dv
 
 
@@ -940,13 +949,14 @@ def _(q, k, v, key_mask, is_causal, scale, pv):
 def _bwd_op(do: torch.Tensor, q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk: torch.Tensor,
             v8: torch.Tensor, sv: torch.Tensor, vc: torch.Tensor, out: torch.Tensor, m2: torch.Tensor,
             lse2: torch.Tensor, key_mask: Optional[torch.Tensor], is_causal: bool, scale: float,
-            dov: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            dov: str, dlse: Optional[torch.Tensor] = None,
+            k_mean: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     state = SageBwdState(q8, sq, k8, sk, v8, sv, vc, out, m2, lse2)
-    return _backward_impl(do, state, key_mask, is_causal, scale, DoVPrecision(dov))
+    return _backward_impl(do, state, key_mask, is_causal, scale, DoVPrecision(dov), dlse, k_mean)
 
 
 @_bwd_op.register_fake
-def _(do, q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, key_mask, is_causal, scale, dov):
+def _(do, q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, key_mask, is_causal, scale, dov, dlse=None, k_mean=None):
     return (do.new_empty(q8.shape, dtype=torch.float32), do.new_empty(k8.shape, dtype=torch.float32),
             do.new_empty(k8.shape, dtype=torch.float32))
 
@@ -959,10 +969,10 @@ def sagebwd_forward(q, k, v, key_mask=None, is_causal=False, scale=None,
 
 
 def sagebwd_backward(do, state: SageBwdState, key_mask=None, is_causal=False, scale=None,
-                     dov: "str | DoVPrecision" = DoVPrecision.FP16):
+                     dov: "str | DoVPrecision" = DoVPrecision.FP16, dlse=None, k_mean=None):
     """Same contract as :func:`sage_diffusers.reference.sagebwd.sagebwd_backward` (the torch op)."""
     sm_scale = 1.0 / math.sqrt(state.q8.shape[-1]) if scale is None else float(scale)
-    return _bwd_op(do, *state, key_mask, bool(is_causal), sm_scale, DoVPrecision.parse(dov).value)
+    return _bwd_op(do, *state, key_mask, bool(is_causal), sm_scale, DoVPrecision.parse(dov).value, dlse, k_mean)
 
 
 def attention_int8_triton(q, k, v, *, key_mask=None, is_causal=False, scale=None, return_lse=False,

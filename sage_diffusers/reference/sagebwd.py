@@ -19,11 +19,16 @@ Backward (five matmuls per ``BLOCK_Q`` x ``BLOCK_KV`` tile)
     dP = dO.V^T in 16 bits (``DoVPrecision.FP16``, the
     accuracy-critical product) or INT8 (the paper's ablation); dS = P o (dP - delta) with
     delta = rowsum(dO o O); dQ = dS.K and dK = dS^T.Q in INT8 with dS quantized per tile.
+    A gradient dlse of the LSE as well (d lse_i / d S_ij = P_ij) adds P o dlse to dS: delta - dlse
+    takes delta's place (:func:`lse_grad_rows`).
 
 Why dK needs no term for the K mean: smoothing subtracts q.k_mean from every score of a row, which
 softmax ignores, and the gradient of the mean is (1/N) sum_j dS_ij q_i, zero because every row of
 dS sums to zero. The reference and the kernels therefore return the exact gradient with respect
-to the unsmoothed K (tests/test_sagebwd.py checks it with a large K bias).
+to the unsmoothed K (tests/test_sagebwd.py checks it with a large K bias). With an LSE gradient a
+row of dS sums to dlse_i instead, which changes nothing for dK (the LSE of the unsmoothed scores,
+the one returned, has exactly dK_j = scale sum_i dS_ij q_i) but adds scale dlse_i k_mean to dQ,
+since dQ = dS.K reads the smoothed K (:func:`lse_shift_dq`).
 
 Masked keys (``key_mask`` False) never influence anything: their K and V rows are replaced by 0
 with ``torch.where`` before the mean, the scales and the quantization (so NaN/Inf there vanish),
@@ -271,6 +276,8 @@ def sagebwd_backward(
     is_causal: bool = False,
     scale: Optional[float] = None,
     dov: "str | DoVPrecision" = DoVPrecision.FP16,
+    dlse: Optional[torch.Tensor] = None,
+    k_mean: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SageBwd backward from the forward's saved state.
 
@@ -279,12 +286,17 @@ def sagebwd_backward(
     do : (B, Hq, Sq, D), gradient of the output.
     state : from :func:`sagebwd_forward` with the same key_mask, is_causal, scale.
     dov : precision of dP = dO.V^T.
+    dlse : float32 (B, Hq, Sq) or None, gradient of the natural-log LSE of the (unsmoothed) scaled
+        scores, when the forward's caller returned one; ignored on rows with no visible key.
+    k_mean : float32 (B, Hkv, D), :func:`key_mean` of the forward's K and key_mask; required with
+        ``dlse`` (the LSE's dQ term, :func:`lse_shift_dq`).
 
     Returns
     -------
-    dq float32 (B, Hq, Sq, D), dk, dv float32 (B, Hkv, Skv, D); dk is the gradient with respect
-    to the unsmoothed K; masked keys get 0.
+    dq float32 (B, Hq, Sq, D), dk, dv float32 (B, Hkv, Skv, D): the gradients of the output (and
+    of the LSE with ``dlse``); dk is the gradient with respect to the unsmoothed K; masked keys get 0.
     """
+    check_lse_grad(dlse, k_mean, state)
     dov = DoVPrecision.parse(dov)
     b, hq, sq_len, d = state.q8.shape
     hkv, skv = state.k8.shape[1], state.k8.shape[2]
@@ -324,6 +336,9 @@ def sagebwd_backward(
         dp = (do8.float() @ v8.transpose(-1, -2)) * sdo_tok[..., :, None] * sv_tok[..., None, :]
 
     delta = (do.float() * state.out.float()).sum(-1, keepdim=True)  # (B, Hq, Sq, 1)
+    if dlse is not None:
+        dl = lse_grad_rows(dlse, state.lse2)  # (B, Hq, Sq)
+        delta = delta - dl[..., None]
     ds = p * (dp - delta)  # (B, Hq, Sq, Skv), gradient w.r.t. the natural-log scores
 
     # dQ = dS K and dK = dS^T Q with dS per tile, K^ (smoothed) and Q^ per block.
@@ -338,4 +353,39 @@ def sagebwd_backward(
     dk_scale = sds * state.sq[:, :, :, None] * sm_scale  # (B, Hq, nq, nk)
     dk = (dk_tiles * dk_scale[..., None, None]).sum(2).flatten(2, 3)[:, :, :skv]  # (B, Hq, Skv, D)
     dk = _group_sum(dk, hkv)
+    if dlse is not None:
+        dq = dq + lse_shift_dq(dl, k_mean, sm_scale)
     return dq, dk, dv
+
+
+def check_lse_grad(dlse: Optional[torch.Tensor], k_mean: Optional[torch.Tensor], state: SageBwdState) -> None:
+    """Validate the backward's optional LSE gradient against the state's shapes (ValueError)."""
+    if dlse is None:
+        return
+    b, hq, sq_len, d = state.q8.shape
+    hkv = state.k8.shape[1]
+    if tuple(dlse.shape) != (b, hq, sq_len):
+        raise ValueError(f"dlse: expected shape (B, Hq, Sq) = {(b, hq, sq_len)}, got {tuple(dlse.shape)}")
+    if k_mean is None or tuple(k_mean.shape) != (b, hkv, d):
+        got = None if k_mean is None else tuple(k_mean.shape)
+        raise ValueError(f"k_mean: expected shape (B, Hkv, D) = {(b, hkv, d)} with dlse, got {got}")
+
+
+def lse_grad_rows(dlse: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """float32 (B, Hq, Sq): dlse (B, Hq, Sq) on rows that saw a key, 0 on the others.
+
+    On a row without a visible key the LSE is the constant -inf and P is 0; zeroing dlse there keeps
+    a NaN or Inf dlse out of P o dlse (0 * NaN) and out of :func:`lse_shift_dq`.
+    """
+    live = torch.isfinite(lse2)  # (B, Hq, Sq), the state's log2-domain LSE
+    return torch.where(live, dlse.float(), torch.zeros((), dtype=torch.float32, device=dlse.device))
+
+
+def lse_shift_dq(dl: torch.Tensor, k_mean: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """The LSE gradient's dQ term of the K smoothing: float32 (B, Hq, Sq, D) = scale * dl_i * k_mean.
+
+    dl : float32 (B, Hq, Sq), from :func:`lse_grad_rows`; k_mean : float32 (B, Hkv, D).
+    d lse_i / d q_i = scale sum_j P_ij k_j = scale sum_j P_ij (k_j - k_mean) + scale k_mean (the
+    P_ij of a row sum to 1): dQ = dS.K^ computes the first part from the smoothed K, this the second.
+    """
+    return (sm_scale * dl)[..., None] * expand_heads(k_mean.float(), dl.shape[1])[:, :, None, :]
