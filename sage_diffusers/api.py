@@ -650,9 +650,11 @@ def _empty_result(q, k, v, return_lse: bool):
     """
     b, hq, sq, _ = q.shape
     out = torch.zeros(b, hq, sq, v.shape[3], dtype=q.dtype, device=q.device)
-    if _needs_grad(q, k, v):
-        out = out + sum(t.narrow(0, 0, 0).sum() for t in (q, k, v)).to(q.dtype)
     lse = torch.full((b, hq, sq), -math.inf, dtype=torch.float32, device=q.device) if return_lse else None
+    if _needs_grad(q, k, v):
+        tie = sum(t.narrow(0, 0, 0).sum() for t in (q, k, v))  # 0, but in the graph
+        out = out + tie.to(q.dtype)
+        lse = lse + tie.float() if lse is not None else None  # an LSE-only loss backpropagates too
     return out, lse
 
 
