@@ -47,7 +47,7 @@ registration, so it cannot name these backends. Processors that call SDPA direct
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -98,8 +98,8 @@ def _factorize_mask(
         keys, rows, exact = _outer_factors(attn_mask)
         torch._assert_async(exact.all(), "sage_diffusers: attn_mask is not a key-padding mask (outer product)")
     else:
-        # The check reads the mask on the host (a sync): once per mask tensor, not once per block.
-        factors = _OUTER_PRODUCTS.cached(attn_mask, _outer_product_of)
+        # The check reads the mask on the host (a sync): once per mask tensor where that can be kept.
+        factors = per_mask_tensor(_OUTER_PRODUCTS, attn_mask, _outer_product_of)
         if factors is None:
             return None, None, attn_mask
         keys, rows = factors
@@ -121,8 +121,39 @@ def _outer_product_of(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] |
     return (keys, rows) if bool(exact.all()) else None
 
 
-# Factorizations of the dispatcher masks seen lately (models pass one mask tensor to every block).
+# Factorizations of the dispatcher masks seen lately (a model may pass one mask tensor to every block; Chroma and
+# HunyuanVideo 1.5 build a new one in each block).
 _OUTER_PRODUCTS = _MaskClassCache()
+
+
+def per_mask_tensor(cache: _MaskClassCache, mask: torch.Tensor, compute: Callable[[torch.Tensor], Any]) -> Any:
+    """``compute(mask)``, kept in ``cache`` per tensor and version where the version can be read.
+
+    Parameters
+    ----------
+    cache : _MaskClassCache
+        The API's per-tensor cache of this ``compute``.
+    mask : torch.Tensor
+        A mask or bias from the model.
+    compute : callable
+        Reads ``mask`` on the host (a sync) and returns the answer to keep.
+
+    Returns
+    -------
+    object
+        ``compute(mask)``; None under CUDA-graph capture, where nothing is read (as the cache does).
+
+    Notes
+    -----
+    Tensors made under ``torch.inference_mode()`` (users wrap pipelines in it; ComfyUI runs every graph in it) have
+    no version counter: reading ``_version``, which the cache keys on, raises, and an in-place edit made inside
+    inference mode would go unseen, so no kept answer could be trusted. Their answer is computed on every call.
+    """
+    if not mask.is_inference():
+        return cache.cached(mask, compute)
+    if mask.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    return compute(mask)
 
 
 def _sage_backend(
@@ -318,5 +349,6 @@ def backend_member(mode: Mode | None) -> Any:
 
 
 __all__ = [
-    "ACTIVE", "BACKEND_NAMES", "POLICY_BACKEND_NAME", "backend_member", "register_backend", "sage_attention_backend",
+    "ACTIVE", "BACKEND_NAMES", "POLICY_BACKEND_NAME", "backend_member", "per_mask_tensor", "register_backend",
+    "sage_attention_backend",
 ]

@@ -37,7 +37,7 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from sage_diffusers.api import _MaskClassCache
 from sage_diffusers.processors._core import SageProcessorMixin
-from sage_diffusers.processors.backend import ACTIVE, backend_member
+from sage_diffusers.processors.backend import ACTIVE, backend_member, per_mask_tensor
 
 # An additive bias at or below this drops its key exactly: exp(-10000 + s - max) is 0 in fp32/bf16/fp16.
 _DROPPED_BIAS = -1.0e4
@@ -138,13 +138,14 @@ def padding_bias_to_keep(bias: torch.Tensor) -> torch.Tensor:
     A row whose keys are all dropped keeps them all: with one bias on every key, SDPA attends uniformly, which
     is the unmasked result. A bias with other values (a real bias, not padding) is returned unchanged; under
     ``torch.compile`` that is an asynchronous assert instead. Eagerly the check reads the bias on the host (a
-    sync), so its answer is kept per bias tensor: the transformer hands the same one to every block.
+    sync), so its answer is kept per bias tensor (the transformer hands the same one to every block), except for
+    inference tensors, which cannot tell an in-place edit apart (``backend.per_mask_tensor``).
     """
     if torch.compiler.is_compiling():
         keep, padding = _keep_and_padding(bias)
         torch._assert_async(padding.all(), "sage_diffusers: LTX attention bias is not a padding mask")
         return keep | ~keep.any(dim=-1, keepdim=True)
-    keep = _PADDING_BIASES.cached(bias, _padding_keep_of)
+    keep = per_mask_tensor(_PADDING_BIASES, bias, _padding_keep_of)
     return bias if keep is None else keep
 
 
