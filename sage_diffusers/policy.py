@@ -183,6 +183,17 @@ def user_step(call_index: int, num_calls: int, order: int) -> tuple[int, int]:
     return call_index * steps // num_calls, steps
 
 
+def _state_tensor(value: float, dtype: torch.dtype) -> torch.Tensor:
+    """A 0-d CPU tensor that is never an inference tensor.
+
+    A ``PolicyState`` is often made under ``torch.inference_mode()`` (ComfyUI runs every node in it; users wrap
+    ``enable`` with their pipeline call) and updated in place by later runs that may run outside it, where an
+    inference tensor refuses in-place updates.
+    """
+    with torch.inference_mode(False):
+        return torch.full((), value, dtype=dtype)
+
+
 class PolicyState:
     """A policy plus the current denoising step: what the sage processors of one model read.
 
@@ -199,13 +210,21 @@ class PolicyState:
 
     def __init__(self, policy: Policy, num_steps: int | None = None) -> None:
         self.policy = policy
-        self._step = torch.zeros((), dtype=torch.int64)
-        self._num_steps = torch.full((), UNKNOWN_STEPS if num_steps is None else int(num_steps), dtype=torch.int64)
-        self._last_timestep = torch.full((), math.nan, dtype=torch.float64)
-        self._run_first = torch.full((), math.nan, dtype=torch.float64)  # first timestep of the run (hook path)
+        self._step = _state_tensor(0, torch.int64)
+        self._num_steps = _state_tensor(UNKNOWN_STEPS if num_steps is None else int(num_steps), torch.int64)
+        self._last_timestep = _state_tensor(math.nan, torch.float64)
+        self._run_first = _state_tensor(math.nan, torch.float64)  # first timestep of the run (hook path)
         self._calls = 0  # scheduler calls of the current run (pipeline and callback paths)
         self._schedule: tuple[int, int] | None = None  # (scheduler calls of the run, scheduler order)
         self.driven = False  # a pipeline or the callback reports the steps: the transformer hook stays passive
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickled under torch.inference_mode() the tensors would be inference tensors (see _state_tensor).
+        self.__dict__.update({
+            name: _state_tensor(value.item(), value.dtype)
+            if isinstance(value, torch.Tensor) and value.is_inference() else value
+            for name, value in state.items()
+        })
 
     # ---- reading ------------------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ int8 / fp4 run the torch references of the kernels' algorithms, auto runs SDPA.
 from __future__ import annotations
 
 import functools
+import pickle
 import sys
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from _util import ModeRecorder  # noqa: E402
 import sage_diffusers  # noqa: E402
 from sage_diffusers import integration  # noqa: E402
 from sage_diffusers.options import Mode  # noqa: E402
-from sage_diffusers.policy import StepLayerPolicy  # noqa: E402
+from sage_diffusers.policy import PolicyState, StepLayerPolicy  # noqa: E402
 from sage_diffusers.processors.backend import sage_attention_backend  # noqa: E402
 from sage_diffusers.processors.dispatched import padding_bias_to_keep  # noqa: E402
 
@@ -112,3 +113,25 @@ def test_ltx_pipeline_runs_under_inference_mode(monkeypatch):
     assert calls.take() == modes and set(modes) == {Mode.SDPA, Mode.INT8}
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
+
+def test_policy_state_made_under_inference_mode_works_outside_it(monkeypatch):
+    """Bug: ``enable(pipe, policy=...)`` (or a processor with a policy) called under ``torch.inference_mode()``, as
+    a ComfyUI node or a user's ``with`` block does, made the policy state's step tensors inference tensors; the next
+    run outside inference mode crashed on their in-place update ("Inplace update to inference tensor outside
+    InferenceMode"). The same holds for a state unpickled under inference mode."""
+    family = Family.FLUX
+    pipe = _sage_tiny.tiny_pipeline(family)
+    pipe.set_progress_bar_config(disable=True)
+    policy = StepLayerPolicy(first_steps=1, last_steps=1, default="int8")
+    with torch.inference_mode():
+        state = integration.enable(pipe, policy=policy)
+        pipe(**_sage_tiny.tiny_call_kwargs(family, steps=3))
+    calls = ModeRecorder(monkeypatch)
+    pipe(**_sage_tiny.tiny_call_kwargs(family, steps=3))  # outside inference mode
+    assert calls.take() == [m for m in (Mode.SDPA, Mode.INT8, Mode.SDPA) for _ in range(2)]
+    assert state.step == 0 and state.num_steps == 3
+
+    with torch.inference_mode():
+        loaded = pickle.loads(pickle.dumps(PolicyState(policy, num_steps=4)))
+    loaded.step = 2  # in place, outside inference mode
+    assert loaded.step == 2 and loaded.num_steps == 4
