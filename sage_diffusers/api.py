@@ -540,6 +540,20 @@ def mask_scope():
         _SCOPE.reset(token)
 
 
+def open_mask_scope() -> Optional[contextvars.Token]:
+    """:func:`mask_scope` for a pair of hooks (a model's forward pre-hook and its always-called
+    forward hook): a token for :func:`close_mask_scope`, or None where no new scope opened (one is
+    open already, or torch.compile is tracing)."""
+    if torch.compiler.is_compiling() or _SCOPE.get() is not None:
+        return None
+    return _SCOPE.set({})
+
+
+def close_mask_scope(token: Optional[contextvars.Token]) -> None:
+    if token is not None:
+        _SCOPE.reset(token)
+
+
 def _cannot_read(t: torch.Tensor) -> bool:
     """True where reading a tensor's values is impossible or forbidden: torch.compile tracing, CUDA
     graph capture, meta and fake tensors."""

@@ -9,7 +9,9 @@ says what to do instead.
 What ``enable`` leaves behind is plain picklable objects (processors, the policy state, a run watch on the
 pipeline): ``torch.save(pipe.transformer)`` and pickling the scheduler work, before and after ``disable``.
 ``fuse_qkv_projections()`` after ``enable`` keeps the sage processors (diffusers' fused processors for SD3 and
-CogVideoX would replace them; ours read the unfused projections, which fusing keeps).
+CogVideoX would replace them; ours read the unfused projections, which fusing keeps). What SD3's and CogVideoX's
+``unfuse_qkv_projections()`` restores (their ``original_attn_processors``) follows ``enable`` and ``disable``: the
+sage processors while enabled, diffusers' own after ``disable``, so ``is_enabled`` and the processors agree.
 
 For dispatcher-based models the registered backends also work without ``enable``::
 
@@ -23,11 +25,13 @@ For dispatcher-based models the registered backends also work without ``enable``
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from sage_diffusers import api
 from sage_diffusers.options import Mode
 from sage_diffusers.policy import FixedPolicy, Policy, PolicyState
 from sage_diffusers.processors import PROCESSOR_FOR, SageProcessorMixin
@@ -49,6 +53,29 @@ class _Record:
     hook: torch.utils.hooks.RemovableHandle | None
     state: PolicyState
     pipe: Any = None  # the pipeline whose runs drive the state (first transformer's record only)
+    scope_hooks: list = field(default_factory=list)  # the forward's mask_scope (open, close)
+
+
+# Tokens of the mask scopes the transformers' forwards opened, innermost last, per thread.
+_SCOPES = threading.local()
+
+
+def _open_scope(module: torch.nn.Module, args: Any) -> None:
+    """Forward pre-hook: a mask_scope for the forward, so the masks the model builds once are classified
+    once (not once per block) and the answers die with the forward."""
+    if torch.compiler.is_compiling():  # compiled code reads no mask values
+        return
+    stack = _SCOPES.__dict__.setdefault("tokens", [])
+    stack.append(api.open_mask_scope())
+
+
+def _close_scope(module: torch.nn.Module, args: Any, output: Any) -> None:
+    """Forward hook, called on exceptions too: closes what :func:`_open_scope` opened."""
+    if torch.compiler.is_compiling():
+        return
+    stack = getattr(_SCOPES, "tokens", None)
+    if stack:
+        api.close_mask_scope(stack.pop())
 
 
 class _FuseGuard:
@@ -77,6 +104,30 @@ class _FuseGuard:
                 # What unfuse_qkv_projections restores: the sage processors, not the fused ones.
                 self.model.original_attn_processors = self.model.attn_processors
         return result
+
+
+def _retarget_saved_processors(model: torch.nn.Module, record: _Record, *, to_sage: bool) -> None:
+    """Point the processors ``unfuse_qkv_projections`` restores at the sage ones (enable) or the originals (disable).
+
+    SD3's and CogVideoX's ``fuse_qkv_projections`` keep the processors it replaces in ``original_attn_processors``
+    (keyed ``"<module path>.processor"``) and ``unfuse_qkv_projections`` puts them back. Fused while enabled, they
+    are ours; left so after ``disable``, unfusing would reinstall them on a model ``is_enabled`` calls disabled
+    (and saved before ``enable``, it would drop ours on an enabled one). Only entries that still hold the processor
+    this record swapped out are changed; the dict is replaced, not edited.
+    """
+    saved = getattr(model, "original_attn_processors", None)
+    if not isinstance(saved, dict) or not saved:
+        return
+    keys: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        keys.setdefault(id(module), []).append(f"{name}.processor")
+    retargeted = dict(saved)
+    for module, original, sage in record.replaced:
+        old, new = (original, sage) if to_sage else (sage, original)
+        for key in keys.get(id(module), ()):
+            if retargeted.get(key) is old:
+                retargeted[key] = new
+    model.original_attn_processors = retargeted
 
 
 def _transformers_of(pipe_or_model: Any) -> list[torch.nn.Module]:
@@ -202,7 +253,11 @@ def enable(
         watched = pipe_or_model if policy is not None and is_pipeline and index == 0 else None
         if hasattr(type(model), "fuse_qkv_projections"):
             model.fuse_qkv_projections = _FuseGuard(model)
-        setattr(model, _RECORD, _Record(replaced, hook, state, watched))
+        scope_hooks = [model.register_forward_pre_hook(_open_scope),
+                       model.register_forward_hook(_close_scope, always_call=True)]
+        record = _Record(replaced, hook, state, watched, scope_hooks)
+        _retarget_saved_processors(model, record, to_sage=True)
+        setattr(model, _RECORD, record)
     if policy is not None and is_pipeline:
         state.watch(pipe_or_model)
     return state
@@ -222,8 +277,11 @@ def disable(pipe_or_model: Any) -> None:
             continue
         for module, processor, _ in record.replaced:
             _set_processor(module, processor)
+        _retarget_saved_processors(model, record, to_sage=False)
         if record.hook is not None:
             record.hook.remove()
+        for handle in record.scope_hooks:
+            handle.remove()
         if record.pipe is not None:
             record.state.unwatch(record.pipe)
         if isinstance(vars(model).get("fuse_qkv_projections"), _FuseGuard):
@@ -238,5 +296,15 @@ def disable(pipe_or_model: Any) -> None:
 
 
 def is_enabled(pipe_or_model: Any) -> bool:
-    """Whether ``enable`` is active on (any transformer of) ``pipe_or_model``."""
-    return any(hasattr(model, _RECORD) for model in _transformers_of(pipe_or_model))
+    """Whether ``enable`` is active on (any transformer of) ``pipe_or_model``.
+
+    Active means enabled and not disabled since, with at least one of the processors ``enable`` installed still in
+    place (a model whose processors were all replaced by hand afterwards does not run through sage_diffusers).
+    """
+    for model in _transformers_of(pipe_or_model):
+        record: _Record | None = getattr(model, _RECORD, None)
+        if record is None:
+            continue
+        if any(getattr(module, "processor", None) is sage for module, _, sage in record.replaced):
+            return True
+    return False

@@ -9,9 +9,12 @@ number dynamo specializes on: no recompiles from one step to the next, no graph 
 ``PolicyState`` pairs a policy with the current step; every sage processor of one model reads it. The step is
 driven by one schedule, whichever path reports it:
 
-- a pipeline (``PolicyState.watch(pipe)``, done by ``sage_diffusers.enable(pipe, policy=...)``): each run starts
-  at step 0 (the pipeline's ``progress_bar`` opens the denoising loop) and each ``scheduler.step`` call advances
-  one scheduler call; the scheduler in use at the start of each run is watched, so a swapped scheduler works;
+- a pipeline (``PolicyState.watch(pipe)``, done by ``sage_diffusers.enable(pipe, policy=...)``): its scheduler is
+  watched; each run starts at step 0 with the number of steps of the scheduler's ``set_timesteps`` (the pipeline's
+  ``progress_bar``, which opens the denoising loop, starts it too) and each ``scheduler.step`` call advances one
+  scheduler call. The scheduler in use at the start of each run is watched, so a swapped scheduler works, and
+  so does a pipeline made from the watched one by ``from_pipe`` that shares its scheduler (its runs set their
+  own timesteps); one made with a scheduler of its own needs its own ``enable``;
 - ``callback_on_step_end=state`` in the pipeline call: the same schedule from the pipeline's loop index;
 - a bare transformer (``PolicyState.attach(transformer)``): a forward pre-hook starts a new step whenever the
   ``timestep`` changes (calls that repeat it, as true CFG does, stay in the step) and a new run when the run's
@@ -183,6 +186,17 @@ def user_step(call_index: int, num_calls: int, order: int) -> tuple[int, int]:
     return call_index * steps // num_calls, steps
 
 
+def _state_tensor(value: float, dtype: torch.dtype) -> torch.Tensor:
+    """A 0-d CPU tensor that is never an inference tensor.
+
+    A ``PolicyState`` is often made under ``torch.inference_mode()`` (ComfyUI runs every node in it; users wrap
+    ``enable`` with their pipeline call) and updated in place by later runs that may run outside it, where an
+    inference tensor refuses in-place updates.
+    """
+    with torch.inference_mode(False):
+        return torch.full((), value, dtype=dtype)
+
+
 class PolicyState:
     """A policy plus the current denoising step: what the sage processors of one model read.
 
@@ -199,13 +213,21 @@ class PolicyState:
 
     def __init__(self, policy: Policy, num_steps: int | None = None) -> None:
         self.policy = policy
-        self._step = torch.zeros((), dtype=torch.int64)
-        self._num_steps = torch.full((), UNKNOWN_STEPS if num_steps is None else int(num_steps), dtype=torch.int64)
-        self._last_timestep = torch.full((), math.nan, dtype=torch.float64)
-        self._run_first = torch.full((), math.nan, dtype=torch.float64)  # first timestep of the run (hook path)
+        self._step = _state_tensor(0, torch.int64)
+        self._num_steps = _state_tensor(UNKNOWN_STEPS if num_steps is None else int(num_steps), torch.int64)
+        self._last_timestep = _state_tensor(math.nan, torch.float64)
+        self._run_first = _state_tensor(math.nan, torch.float64)  # first timestep of the run (hook path)
         self._calls = 0  # scheduler calls of the current run (pipeline and callback paths)
         self._schedule: tuple[int, int] | None = None  # (scheduler calls of the run, scheduler order)
         self.driven = False  # a pipeline or the callback reports the steps: the transformer hook stays passive
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickled under torch.inference_mode() the tensors would be inference tensors (see _state_tensor).
+        self.__dict__.update({
+            name: _state_tensor(value.item(), value.dtype)
+            if isinstance(value, torch.Tensor) and value.is_inference() else value
+            for name, value in state.items()
+        })
 
     # ---- reading ------------------------------------------------------------------------------------------
 
@@ -340,7 +362,10 @@ class PolicyState:
     def watch(self, pipe: Any) -> None:
         """Drive the steps from ``pipe``'s runs (see the module docstring); ``unwatch`` undoes it."""
         self.unwatch(pipe)
-        pipe.progress_bar = _RunStart(pipe, self)
+        run_start = _RunStart(pipe, self)
+        # Watched now, not at the pipeline's first run: a pipeline made by from_pipe may run first.
+        run_start.follow(getattr(pipe, "scheduler", None))
+        pipe.progress_bar = run_start
         self.driven = True
 
     def unwatch(self, pipe: Any) -> None:
@@ -368,18 +393,28 @@ class _RunStart:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         scheduler = getattr(self.pipe, "scheduler", None)
-        if scheduler is not self.scheduler:
-            self.release()
-            if scheduler is not None:
-                scheduler.step = _SchedulerStep(scheduler, self.state)
-                self.scheduler = scheduler
+        self.follow(scheduler)
         self.state.begin_run(scheduler)
         return type(self.pipe).progress_bar(self.pipe, *args, **kwargs)
 
+    def follow(self, scheduler: Any) -> None:
+        """Watch ``scheduler`` (its ``set_timesteps`` and ``step``) instead of the one watched so far."""
+        if scheduler is self.scheduler:
+            return
+        self.release()
+        if scheduler is not None:
+            # Every diffusers pipeline sets its timesteps at the start of a run: whichever pipeline runs on this
+            # scheduler (this one, or one made from it by from_pipe) starts a run with its own number of steps.
+            scheduler.set_timesteps = _SchedulerSetTimesteps(scheduler, self.state)
+            scheduler.step = _SchedulerStep(scheduler, self.state)
+            self.scheduler = scheduler
+
     def release(self) -> None:
         """Stop watching the scheduler watched so far."""
-        if self.scheduler is not None and isinstance(vars(self.scheduler).get("step"), _SchedulerStep):
-            del self.scheduler.step
+        if self.scheduler is not None:
+            for name, kind in (("step", _SchedulerStep), ("set_timesteps", _SchedulerSetTimesteps)):
+                if isinstance(vars(self.scheduler).get(name), kind):
+                    delattr(self.scheduler, name)
         self.scheduler = None
 
 
@@ -397,4 +432,21 @@ class _SchedulerStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         result = type(self.scheduler).step(self.scheduler, *args, **kwargs)
         self.state.scheduler_stepped()
+        return result
+
+
+class _SchedulerSetTimesteps:
+    """``scheduler.set_timesteps`` stand-in: runs the scheduler's own, then starts a run of the new schedule."""
+
+    def __init__(self, scheduler: Any, state: PolicyState) -> None:
+        self.scheduler = scheduler
+        self.state = state
+
+    @property
+    def __signature__(self) -> inspect.Signature:  # pipelines inspect it (retrieve_timesteps: timesteps, sigmas)
+        return inspect.signature(type(self.scheduler).set_timesteps.__get__(self.scheduler))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = type(self.scheduler).set_timesteps(self.scheduler, *args, **kwargs)
+        self.state.begin_run(self.scheduler)
         return result

@@ -241,6 +241,37 @@ def test_second_order_scheduler_callback_and_swapped_scheduler_share_one_schedul
     assert "progress_bar" not in vars(pipe) and "step" not in vars(pipe.scheduler)
 
 
+def test_pipeline_made_by_from_pipe_runs_the_policy_over_its_own_steps(monkeypatch):
+    """Bug: on a pipeline made by ``FluxPipeline.from_pipe(enabled_pipe)`` the policy kept the old pipeline's step
+    count: only the enabled pipeline's ``progress_bar`` started runs, so the new one's runs advanced the old run's
+    schedule (4 steps) without restarting it. Runs now start where the steps are set, at the shared scheduler's
+    ``set_timesteps``, with the running pipeline's number of steps, also when the new pipeline runs first."""
+    from diffusers import FluxPipeline
+
+    family = _sage_tiny.Family.FLUX
+    pipe = _sage_tiny.tiny_pipeline(family)
+    pipe.set_progress_bar_config(disable=True)
+    state = integration.enable(pipe, policy=StepLayerPolicy(first_steps=1, last_steps=1, default="int8"))
+    derived = FluxPipeline.from_pipe(pipe)
+    derived.set_progress_bar_config(disable=True)
+    assert derived.transformer is pipe.transformer and derived.scheduler is pipe.scheduler
+    calls = ModeRecorder(monkeypatch)
+    layers = 2
+
+    def expected(steps):
+        return [m for m in [S] + [I8] * (steps - 2) + [S] for _ in range(layers)]
+
+    for runner, steps in ((derived, 6), (pipe, 4), (derived, 5), (derived, 3), (pipe, 4)):
+        runner(**_sage_tiny.tiny_call_kwargs(family, steps=steps))
+        assert calls.take() == expected(steps), (runner is derived, steps)
+        assert state.step == 0 and state.num_steps == steps
+
+    integration.disable(pipe)
+    assert not {"step", "set_timesteps"} & set(vars(pipe.scheduler))
+    derived(**_sage_tiny.tiny_call_kwargs(family, steps=3))
+    assert calls.take() == []
+
+
 def test_enabled_pipeline_and_transformer_stay_picklable():
     from diffusers import FlowMatchEulerDiscreteScheduler
 

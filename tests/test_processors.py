@@ -329,6 +329,62 @@ def test_fuse_qkv_projections_after_enable_keeps_the_sage_processors():
     assert "fuse_qkv_projections" not in vars(model)
 
 
+@pytest.mark.parametrize("family", [Family.SD35, Family.COGVIDEOX], ids=lambda f: f.value)
+def test_unfuse_after_disable_restores_diffusers_processors(family):
+    """Bug: ``enable -> fuse_qkv_projections -> disable -> unfuse_qkv_projections`` reinstalled the sage processors
+    on SD3.5 and CogVideoX while ``is_enabled`` said False: fusing saved ours as what unfusing restores
+    (``original_attn_processors``) and ``disable`` left them there. Now unfusing after ``disable`` restores
+    diffusers' own processor objects, unfusing while enabled keeps ours (also after a disable / enable cycle), and
+    ``is_enabled`` agrees with the processors at every step."""
+    model = _sage_tiny.tiny_transformer(family)  # a private copy: fusing changes the weights' layout
+    inputs = _sage_tiny.tiny_inputs(family, model)
+    ref = _forward(model, inputs)
+    before = dict(model.attn_processors)
+
+    def sage_count() -> int:
+        return sum(isinstance(p, SageProcessorMixin) for p in model.attn_processors.values())
+
+    integration.enable(model, mode="sdpa")
+    layers = sage_count()
+    assert layers == _num_sage_layers(family) and integration.is_enabled(model)
+    model.fuse_qkv_projections()
+    assert sage_count() == layers and integration.is_enabled(model)
+    integration.disable(model)
+    assert sage_count() == 0 and not integration.is_enabled(model)
+    model.unfuse_qkv_projections()
+    assert sage_count() == 0 and not integration.is_enabled(model)
+    assert all(model.attn_processors[name] is processor for name, processor in before.items())
+    with record_attention_calls() as calls:
+        torch.testing.assert_close(_forward(model, inputs), ref, rtol=0, atol=1e-5)
+    assert not calls
+
+    # Fused while enabled, disabled, enabled again: what unfusing restores is the new sage processors.
+    integration.enable(model, mode="sdpa")
+    model.fuse_qkv_projections()
+    integration.disable(model)
+    integration.enable(model, mode="int8")
+    model.unfuse_qkv_projections()
+    assert sage_count() == layers and integration.is_enabled(model)
+    assert {p.mode for p in model.attn_processors.values()} == {Mode.INT8}
+    integration.disable(model)
+    assert all(model.attn_processors[name] is processor for name, processor in before.items())
+    assert not integration.is_enabled(model)
+
+
+def test_is_enabled_is_false_once_every_sage_processor_was_replaced_by_hand():
+    """``is_enabled`` reports whether the model runs through sage_diffusers, not only that ``enable`` left its record
+    (see the fuse / unfuse bug above); ``disable`` still restores the original processors."""
+    model = _model(Family.FLUX)
+    before = dict(model.attn_processors)
+    integration.enable(model, mode="int8")
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    model.set_attn_processor(FluxAttnProcessor())
+    assert not integration.is_enabled(model)
+    integration.disable(model)
+    assert all(model.attn_processors[name] is processor for name, processor in before.items())
+
+
 # ---- diffusers dispatcher backend ---------------------------------------------------------------------------
 
 

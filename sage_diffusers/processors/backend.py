@@ -47,7 +47,7 @@ registration, so it cannot name these backends. Processors that call SDPA direct
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -119,8 +119,6 @@ def _outer_product_of(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] |
     """(keys, rows) of :func:`_outer_factors` when ``mask`` is exactly their outer product, else None."""
     keys, rows, exact = _outer_factors(mask)
     return (keys, rows) if bool(exact.all()) else None
-
-
 
 
 def _sage_backend(
@@ -316,5 +314,6 @@ def backend_member(mode: Mode | None) -> Any:
 
 
 __all__ = [
-    "ACTIVE", "BACKEND_NAMES", "POLICY_BACKEND_NAME", "backend_member", "register_backend", "sage_attention_backend",
+    "ACTIVE", "BACKEND_NAMES", "POLICY_BACKEND_NAME", "backend_member", "register_backend",
+    "sage_attention_backend",
 ]

@@ -138,7 +138,8 @@ def padding_bias_to_keep(bias: torch.Tensor) -> torch.Tensor:
     A row whose keys are all dropped keeps them all: with one bias on every key, SDPA attends uniformly, which
     is the unmasked result. A bias with other values (a real bias, not padding) is returned unchanged; under
     ``torch.compile`` that is an asynchronous assert instead. Eagerly the check reads the bias on the host (a
-    sync), so its answer is kept per bias tensor: the transformer hands the same one to every block.
+    sync), once per bias tensor within a ``sage_diffusers.mask_scope`` (the integration opens one per transformer
+    forward, which hands the same bias to every block); outside a scope nothing is read and the bias stays a bias.
     """
     if torch.compiler.is_compiling():
         keep, padding = _keep_and_padding(bias)
