@@ -70,15 +70,17 @@ def test_enabled_masked_families_run_under_inference_mode(family, mode):
 
 def test_mask_checks_of_inference_tensors_are_never_stale():
     """Bug (same root as above): a per-tensor answer for an inference tensor cannot be trusted, since an in-place
-    edit inside inference mode leaves no version trace. The checks run on every call for such tensors, so an
-    edited mask or bias is seen as what it now is; normal tensors keep their cached answer."""
+    edit inside inference mode leaves no version trace. Answers live only as long as one mask_scope (one model
+    forward), so an edited mask or bias is seen as what it now is in the next scope."""
     keep = torch.ones(2, 1, 6, dtype=torch.bool)
     keep[1, :, -2:] = False
     with torch.inference_mode():
         bias = (1 - keep.float()) * -10000.0
-        assert torch.equal(padding_bias_to_keep(bias), keep)
+        with sage_diffusers.mask_scope():
+            assert torch.equal(padding_bias_to_keep(bias), keep)
         bias[0, 0, 0] = -3.0  # a real bias now: must go on unchanged, not as the padding it was
-        assert padding_bias_to_keep(bias) is bias
+        with sage_diffusers.mask_scope():
+            assert padding_bias_to_keep(bias) is bias
 
         b, s, h, d = 2, 8, 2, 64
         g = torch.Generator().manual_seed(1)
@@ -87,13 +89,15 @@ def test_mask_checks_of_inference_tensors_are_never_stale():
         rows[1, -3:] = False
         mask = rows[:, None, :, None] & rows[:, None, None, :]  # (B, 1, S, S) outer product, as Chroma builds
         sage_diffusers.reset_fallback_stats()
-        native = sage_attention_backend(q, k, v, attn_mask=mask)
+        with sage_diffusers.mask_scope():
+            native = sage_attention_backend(q, k, v, attn_mask=mask)
         assert sage_diffusers.fallback_stats() == {}
         mask[0, 0, 0, 1] = False  # no longer an outer product
         expected = torch.nn.functional.scaled_dot_product_attention(
             *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask
         ).transpose(1, 2)
-        torch.testing.assert_close(sage_attention_backend(q, k, v, attn_mask=mask), expected, rtol=0, atol=1e-6)
+        with sage_diffusers.mask_scope():
+            torch.testing.assert_close(sage_attention_backend(q, k, v, attn_mask=mask), expected, rtol=0, atol=1e-6)
         assert not torch.equal(native, expected)
 
 
@@ -135,3 +139,26 @@ def test_policy_state_made_under_inference_mode_works_outside_it(monkeypatch):
         loaded = pickle.loads(pickle.dumps(PolicyState(policy, num_steps=4)))
     loaded.step = 2  # in place, outside inference mode
     assert loaded.step == 2 and loaded.num_steps == 4
+
+
+def test_enable_opens_one_mask_scope_per_forward_and_removes_it():
+    """sd.enable opens a mask_scope around every transformer forward (its masks are classified once there, not
+    once per block, and the answers die with the forward), closes it when the forward raises, and disable removes
+    the hooks."""
+    from sage_diffusers import api
+
+    model = torch.nn.Linear(2, 2)
+    seen = []
+    model.register_forward_hook(lambda m, a, o: seen.append(api._SCOPE.get() is not None))
+    record_hooks = [model.register_forward_pre_hook(integration._open_scope),
+                    model.register_forward_hook(integration._close_scope, always_call=True)]
+    model(torch.ones(2))
+    assert seen == [True] and api._SCOPE.get() is None
+    model.register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(RuntimeError("boom")))
+    try:
+        model(torch.ones(2))
+    except RuntimeError:
+        pass
+    assert api._SCOPE.get() is None and not getattr(integration._SCOPES, "tokens", [])
+    for h in record_hooks:
+        h.remove()

@@ -547,17 +547,19 @@ def test_backend_runs_outer_product_and_per_head_padding_masks_natively():
     for mask in (outer, per_head):
         ref = sdpa(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask).transpose(1, 2)
         ref = torch.nan_to_num(ref)  # rows with no visible key: 0 in both
-        for mode in ("sdpa", "int8"):
-            got = _sage_backend(q, k, v, mask, 0.0, False, None, False, False, None, mode=Mode.parse(mode))
-            bound = 1e-6 if mode == "sdpa" else 0.05
-            assert (got - ref).abs().max() <= bound * max(1.0, float(ref.abs().max())), (mode, mask.shape)
-        torch.testing.assert_close(fn(q, k, v, attn_mask=mask), ref, rtol=0, atol=1e-6)
+        with sage_diffusers.mask_scope():  # what sd.enable opens per forward: the masks' values may be read
+            for mode in ("sdpa", "int8"):
+                got = _sage_backend(q, k, v, mask, 0.0, False, None, False, False, None, mode=Mode.parse(mode))
+                bound = 1e-6 if mode == "sdpa" else 0.05
+                assert (got - ref).abs().max() <= bound * max(1.0, float(ref.abs().max())), (mode, mask.shape)
+            torch.testing.assert_close(fn(q, k, v, attn_mask=mask), ref, rtol=0, atol=1e-6)
     assert sage_diffusers.fallback_stats() == {}, "a padding mask fell back to SDPA"
 
     # Not key padding (a causal pattern): SDPA inside the API, counted, still exact.
     causal = torch.ones(s, s, dtype=torch.bool).tril()[None, None].expand(b, 1, s, s)
     ref = sdpa(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=causal).transpose(1, 2)
-    got = _sage_backend(q, k, v, causal, 0.0, False, None, False, False, None, mode=Mode.INT8)
+    with sage_diffusers.mask_scope():
+        got = _sage_backend(q, k, v, causal, 0.0, False, None, False, False, None, mode=Mode.INT8)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
     assert sum(sage_diffusers.fallback_stats().values()) == 1
 
