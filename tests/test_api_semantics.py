@@ -564,3 +564,38 @@ def test_gpu_paths_keep_the_contract(mode):
     assert qg.grad is not None and torch.isfinite(qg.grad).all()
     if mode in ("auto", "fp4"):  # "int8" trains through SageBwd instead
         assert any("backward" in r for r in sd.fallback_stats())
+
+
+@pytest.mark.parametrize("mode", ("int8", "fp4"))
+def test_meta_and_fake_inputs_with_a_general_mask_do_not_read_it(mode):
+    """Bug: meta / FakeTensor inputs with a general mask failed in int8 / fp4 (``.item()`` on meta while
+    classifying the mask). Nothing is read there: the mask counts as general (SDPA), shapes come out right."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q = torch.randn(1, 2, 16, 64, device="meta")
+    mask = torch.ones(1, 1, 16, 16, dtype=torch.bool, device="meta")
+    with api.mask_scope():
+        assert sd.attention(q, q, q, mask, mode=mode).shape == (1, 2, 16, 64)
+        with FakeTensorMode() as fake:
+            fq = fake.from_tensor(torch.randn(1, 2, 16, 64))
+            fm = fake.from_tensor(torch.ones(1, 1, 16, 16, dtype=torch.bool))
+            assert sd.attention(fq, fq, fq, fm, mode=mode).shape == (1, 2, 16, 64)
+
+
+@pytest.mark.parametrize("bad", ["False", 0, 1, None, torch.tensor(True)])
+def test_flags_are_checked_as_sdpa_checks_them(bad):
+    """Bug: is_causal="False" was taken as causal (a non-empty str is truthy). Bool flags are bools."""
+    q, k, v = _qkv()
+    for flag in ("is_causal", "return_lse", "enable_gqa"):
+        with pytest.raises(ValueError, match=f"{flag}: expected a bool"):
+            sd.attention(q, k, v, mode="sdpa", **{flag: bad})
+
+
+def test_float32_mask_keeps_its_dtype_in_sdpa_mode():
+    """Bug: a float32 additive mask with bf16 q was cast to bf16 in mode "sdpa" (cos 0.99944 against exact, where
+    torch SDPA keeps 0.999998): the mask now reaches SDPA as given."""
+    q, k, v = (t.bfloat16() for t in _qkv(sq=64, skv=64))
+    bias = 3 * torch.randn(2, 2, 64, 64)
+    out = sd.attention(q, k, v, bias, mode="sdpa")
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias),
+                               rtol=0, atol=0)
