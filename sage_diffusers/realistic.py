@@ -119,8 +119,13 @@ def realistic_qkv(b: int, hq: int, hkv: int, sq: int, skv: int, d: int, *, seed:
         k, v = k.masked_fill(hidden, math.nan), v.masked_fill(hidden, math.nan)
 
     def make():
-        out = [t.to(device=device, dtype=dtype) for t in (q, k, v)]
-        return Inputs(*out, None if mask is None else mask.to(device))
+        # Saturate at the dtype's largest finite value: a heavy-tailed V x1e4 exceeds fp16's 65504,
+        # and the cast would make it +-Inf (real fp16 activations are finite). copy=True: a new
+        # tensor even where .to() would return its input, so under inference_mode every tensor
+        # (the mask too) is an inference tensor.
+        top = torch.finfo(dtype).max
+        out = [t.clamp(-top, top).to(device=device, dtype=dtype, copy=True) for t in (q, k, v)]
+        return Inputs(*out, None if mask is None else mask.to(device, copy=True))
 
     if inference:
         with torch.inference_mode():

@@ -328,3 +328,100 @@ def test_int8_codes_of_nonfinite_values():
     for quant in (quantize_int8_per_token, quantize_int8_per_block):
         q, _ = quant(torch.from_numpy(x))
         assert q.tolist() == [[127, 127, -127, 0, -64, 32]], (quant.__name__, q.tolist())
+
+
+# ---- realistic operands (sage_diffusers.realistic) -------------------------------------------------
+REALISTIC_SHAPE = (2, 4, 2, 200, 300)  # B, Hq, Hkv, Sq, Skv: GQA, a short last key block of 44
+
+
+def _realistic_np(case, dtype, d):
+    """(q, k, v, mask) of ``case`` as torch (dtype) and as float32 numpy (exact from fp16 / bf16)."""
+    from sage_diffusers.realistic import CASES, case_inputs
+
+    q, k, v, mask = case_inputs(case, *REALISTIC_SHAPE, d, seed=CASES.index(case), dtype=dtype)
+    return (q, k, v, mask), tuple(t.float().numpy() for t in (q, k, v)) + (None if mask is None else mask.numpy(),)
+
+
+def _smoothed_k(k: np.ndarray, k_mean: np.ndarray, mask) -> np.ndarray:
+    """where(mask, k - k_mean, 0) in float32 (k (B, H, S, D), k_mean (B, H, D)): the NaN of masked keys vanishes."""
+    with np.errstate(invalid="ignore"):
+        ks = (k - k_mean[:, :, None, :]).astype(F32)
+    return ks if mask is None else np.where(mask[:, None, :, None], ks, F32(0))
+
+
+def _attended(v: np.ndarray, mask) -> np.ndarray:
+    """V with masked rows and non-finite entries 0 (what the V quantizers see)."""
+    keep = np.isfinite(v) if mask is None else np.isfinite(v) & mask[:, None, :, None]
+    return np.where(keep, v, F32(0)).astype(F32)
+
+
+def _realistic_params():
+    from sage_diffusers.realistic import CASES
+
+    return [pytest.param(c, dt, id=f"{c.name}-{name}") for c in CASES
+            for dt, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16"))]
+
+
+@pytest.mark.parametrize("case,dtype", _realistic_params())
+def test_8bit_prepass_bytes_on_realistic_inputs(case, dtype):
+    """sage8_quantize on DiT-like inputs (sharp heads, heavy tails, text padding with NaN in the
+    masked K / V rows, x1e-4 operands in the fp16 subnormals, x1e4 operands at fp16's largest value),
+    head dim 64: every INT8 / FP8 code and float32 scale bit against the independent encoders on the
+    same operands: Q per token, K - k_mean per 128-key block (masked keys code 0), V per channel
+    with masked rows 0. The mean itself is summed in float32 by the reference, in float64 here: it
+    agrees to float32 rounding, not bit for bit, so the independent side smooths with the reference's."""
+    from sage_diffusers.reference import sage8_quantize
+
+    (q, k, v, mask), (qn, kn, vn, mn) = _realistic_np(case, dtype, 64)
+    t = sage8_quantize(q, k, v, key_mask=mask)
+    want_q8, want_sq = ind.int8_per_token(qn)
+    assert np.array_equal(t["q8"].numpy(), want_q8) and np.array_equal(_bits(t["sq"]), _bits(want_sq)), "Q"
+    ks = _smoothed_k(kn, t["k_mean"].numpy(), mn)
+    want_k8, want_sk = ind.int8_per_block(ks, 128)
+    assert np.array_equal(_bits(t["sk"]), _bits(want_sk)), "K block scales"
+    assert np.array_equal(t["k8"].numpy(), want_k8), "K codes"
+    want_v8, want_sv = ind.fp8_per_channel(_attended(vn, mn))
+    assert np.array_equal(_bits(t["sv"]), _bits(want_sv)), "V channel scales"
+    _assert_bytes_equal(_u8(t["v8"]), want_v8, "V codes")
+    k_att = kn if mn is None else np.where(mn[:, None, :, None], kn, 0)
+    n = kn.shape[2] if mn is None else mn.sum(1)[:, None, None]
+    mean64 = k_att.astype(np.float64).sum(2) / n
+    np.testing.assert_allclose(t["k_mean"].numpy(), mean64, rtol=1e-5, atol=1e-6 * np.abs(k_att).max())
+    if mn is not None:
+        assert not t["k8"].numpy()[~np.broadcast_to(mn[:, None, :, None], want_k8.shape)].any()
+
+
+@pytest.mark.parametrize("fmt", list(QUANT_FP4))
+@pytest.mark.parametrize("case,dtype", _realistic_params())
+def test_fp4_operand_bytes_on_realistic_inputs(case, dtype, fmt):
+    """What sage3_reference quantizes on DiT-like inputs, head dim 64: Q minus its 128-row block means,
+    K minus its attended mean with masked rows 0, V with masked rows 0, each divided by its
+    per-(batch, head) tensor scale (IEEE), then block FP4 along D (Q, K) or along the tokens (V,
+    zero-padded to 320): every tensor-scale bit and storage byte against the independent encoders on
+    the same operands. The tensor scale puts each head's largest value at the top of the format at
+    every magnitude (block scale 448 for NVFP4, exponent 127 + 9 for MXFP4)."""
+    from sage_diffusers.reference.quant import fp4_tensor_scale
+    from sage_diffusers.reference.sage3 import smooth_q
+    from sage_diffusers.reference._common import attended_mean
+
+    quant, independent, _, _ = QUANT_FP4[fmt]
+    (q, k, v, mask), (qn, kn, vn, mn) = _realistic_np(case, dtype, 64)
+    qs = smooth_q(q)[0].numpy()
+    ks = _smoothed_k(kn, attended_mean(k, mask)[:, :, 0].numpy(), mn)
+    v0 = _attended(vn, mn)
+    v0 = np.concatenate([v0, np.zeros(v0.shape[:2] + (320 - v0.shape[2], v0.shape[3]), F32)], 2)
+    for name, x, dim in (("Q", qs, -1), ("K", ks, -1), ("V", v0, 2)):
+        s = fp4_tensor_scale(torch.from_numpy(x))
+        want_s = ind.tensor_scale(x, axes=(2, 3))
+        assert np.array_equal(_bits(s.numpy()), _bits(want_s)), f"{name} tensor scales"
+        scaled = torch.from_numpy(x) / s.expand(*x.shape)
+        want_scaled = (x / want_s).astype(F32)
+        assert np.array_equal(_bits(scaled.numpy()), _bits(want_scaled)), f"{name} / s"
+        packed, scales = quant(scaled, dim=dim)
+        if dim == 2:  # blocks along the tokens: compare with the independent encoder along the last axis
+            packed, scales, want_scaled = packed.transpose(2, 3), scales.transpose(2, 3), want_scaled.transpose(0, 1, 3, 2)
+        want_packed, want_scales = independent(np.ascontiguousarray(want_scaled))
+        _assert_bytes_equal(_u8(packed), want_packed, f"{fmt} {name} packed codes")
+        _assert_bytes_equal(_u8(scales), want_scales, f"{fmt} {name} block scales")
+        top = ind.e4m3_value(want_scales).max((2, 3)) if fmt == "nvfp4" else want_scales.max((2, 3))
+        assert (top == (448.0 if fmt == "nvfp4" else 127 + 9)).all(), (name, top)
