@@ -308,7 +308,7 @@ def test_sagebwd_mask_that_requires_grad_runs_natively_without_grad_mode():
     it as key padding (no fallback), exactly as with the equivalent bool key_mask."""
     q, k, v = make_inputs(1, 2, 2, 30, 40, 64, dtype=torch.float32)
     bias, keep = _key_padding_bias(1, 40)
-    with torch.no_grad():
+    with torch.no_grad(), sd.mask_scope():  # a float mask is read (once) only inside a scope
         out = sd.sagebwd(q, k, v, attn_mask=bias, impl=Impl.REFERENCE)
         want = sd.sagebwd(q, k, v, key_mask=keep, impl=Impl.REFERENCE)
     assert sd.fallback_stats() == {}
