@@ -1,9 +1,12 @@
-"""Command line: per-subcommand help, rejections that list the valid values, doctor on the CPU."""
+"""Command line: per-subcommand help, rejections that list the valid values, doctor on the CPU,
+exit statuses, program names, closed output pipes."""
 import argparse
 import enum
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,12 +16,13 @@ from sage_diffusers._cli import enum_argument, positive_int
 from sage_diffusers.options import Mode
 
 SUBCOMMANDS = ("demo", "selftest", "doctor", "build")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(argv, capsys):
     """(exit status, stdout, stderr) of ``python -m sage_diffusers <argv>``, in process."""
     try:
-        status = cli.main(argv)
+        status = cli.main(argv, prog=cli.MODULE_PROG)
     except SystemExit as exc:
         status = exc.code
     out, err = capsys.readouterr()
@@ -101,11 +105,92 @@ def test_doctor_on_cpu(capsys, monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answers")
-def test_selftest_and_build_on_cpu(capsys):
+def test_selftest_and_build_on_cpu_agree(capsys):
+    """Issue 40: without a GPU selftest exited 0 and build 1; nothing to do here is 0 for both."""
     status, out, _ = _run(["selftest"], capsys)
     assert status == 0 and "no CUDA device; nothing to check" in out
     status, out, _ = _run(["build"], capsys)
-    assert status == 1 and "no CUDA device" in out
+    assert status == 0 and "no CUDA device; nothing to build" in out
+
+
+@pytest.mark.parametrize("command", ("selftest", "build"))
+def test_exit_status_rule_in_help(command, capsys):
+    """Issue 40: the exit status rule shared by selftest and build is in their --help and the top one."""
+    _, out, _ = _run([command, "--help"], capsys)
+    assert "Exit status 1 if" in out and "0 without a CUDA device" in " ".join(out.split())
+    _, out, _ = _run(["--help"], capsys)
+    assert "1 a self-check or build failed" in " ".join(out.split())
+
+
+def _subprocess_env(unbuffered):
+    """The environment for a child that imports this checkout, with stdout buffered or not."""
+    paths = [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    env.pop("PYTHONUNBUFFERED", None)
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+# What the console script pip writes for [project.scripts] sage-diffusers does (its __name__ is
+# "__main__", the module's is not).
+_CONSOLE_SCRIPT = ("import sys; sys.argv[0] = 'sage-diffusers'; "
+                   "from sage_diffusers.__main__ import main; sys.exit(main())")
+
+
+@pytest.mark.parametrize("entry, prog", [
+    (["-c", _CONSOLE_SCRIPT], "sage-diffusers"),
+    (["-m", "sage_diffusers"], "python -m sage_diffusers"),
+])
+def test_usage_names_the_program_as_typed(entry, prog):
+    """Issue 40: the console script's usage and errors said ``python -m sage_diffusers``."""
+    env = _subprocess_env(unbuffered=False)
+    res = subprocess.run([sys.executable, *entry, "build", "--help"], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=REPO)
+    assert res.returncode == 0 and res.stdout.startswith(f"usage: {prog} build [-h]")
+    res = subprocess.run([sys.executable, *entry, "bogus"], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=REPO)
+    assert res.returncode == 2 and f"{prog}: error: argument" in res.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="doctor is quick without CUDA")
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "unbuffered"])
+def test_closed_pipe_exits_quietly(unbuffered):
+    """Issue 40: ``sage-diffusers doctor | head`` ended in a BrokenPipeError traceback.
+
+    The reader is gone before the first write; buffered, the error comes at the final flush,
+    unbuffered at the first print. Either way: no traceback, status 141 (as a shell reports a
+    process that SIGPIPE killed).
+    """
+    proc = subprocess.Popen([sys.executable, "-m", "sage_diffusers", "doctor"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=_subprocess_env(unbuffered), cwd=REPO)
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert err.decode() == ""
+    assert proc.returncode == cli.EXIT_BROKEN_PIPE == 141
+
+
+def test_closed_pipe_in_process(monkeypatch, tmp_path):
+    """Issue 40: a BrokenPipeError from the output (here --help's) becomes status 141, and stdout
+    is pointed at devnull so the interpreter's exit flush stays quiet."""
+    class ClosedPipe:
+        def __init__(self, fd):
+            self.fd = fd
+
+        def write(self, text=None):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        flush = write
+
+        def fileno(self):
+            return self.fd
+
+    with open(tmp_path / "stdout", "wb") as target:
+        monkeypatch.setattr(sys, "stdout", ClosedPipe(target.fileno()))
+        assert cli.main(["doctor", "--help"]) == 141
+        # fd now refers to devnull: writes succeed and land nowhere.
+        assert os.write(target.fileno(), b"gone") == 4
+    assert (tmp_path / "stdout").read_bytes() == b""
 
 
 class Flavour(str, enum.Enum):  # a str enum, whose plain repr argparse would print as Flavour.SAGE3
