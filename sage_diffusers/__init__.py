@@ -29,3 +29,8 @@ def __getattr__(name):
 
         return enable_context_parallel
     raise AttributeError(f"module 'sage_diffusers' has no attribute {name!r}")
+
+
+def __dir__():
+    # The lazy names live in __getattr__, which dir() does not see; listing them imports nothing.
+    return sorted(set(globals()) | set(__all__))

@@ -1,5 +1,8 @@
 """The public API: validation errors, counted fallbacks, layouts, dtypes, untouched inputs."""
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,3 +191,16 @@ def test_a_kernel_that_fails_to_build_becomes_a_reason_not_a_crash(monkeypatch):
     monkeypatch.setattr(int8_sm90, "build", broken_build)
     backend, why = api._kernel_cached.__wrapped__(Mode.INT8, (9, 0))
     assert backend is None and why == "build failed: RuntimeError: nvcc not found"
+
+
+def test_dir_lists_the_lazy_names():
+    """Issue 40: ``dir(sage_diffusers)`` left out the lazily imported ``enable``, ``disable`` and
+    ``enable_context_parallel``; listing them must not import diffusers."""
+    code = ("import sys, sage_diffusers as sd; "
+            "missing = [n for n in sd.__all__ if n not in dir(sd)]; "
+            "assert not missing, missing; "
+            "assert dir(sd) == sorted(dir(sd)); "
+            "assert 'diffusers' not in sys.modules, 'dir() imported diffusers'")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr
