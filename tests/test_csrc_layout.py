@@ -188,13 +188,13 @@ def test_int8_phase_clock_and_epilogue_summary_flags():
 
 
 def test_int8_phase_record_layout_and_split():
-    """eval/int8_phases.py reads the record with launch.h's slot layout, and splits a synthetic
+    """bench/int8_phases.py reads the record with launch.h's slot layout, and splits a synthetic
     record into the phases it was built from."""
     import importlib.util
 
     import torch
 
-    spec = importlib.util.spec_from_file_location("int8_phases", ROOT / "eval" / "int8_phases.py")
+    spec = importlib.util.spec_from_file_location("int8_phases", ROOT / "bench" / "int8_phases.py")
     ph = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ph)
     launch = (CSRC / "sm90_int8" / "launch.h").read_text()
@@ -229,11 +229,11 @@ def test_int8_phase_record_layout_and_split():
 
 
 def test_int8_epilogue_sass_finds_both_store_paths():
-    """eval/int8_epilogue_sass.py splits a dump at the epilogue's warp vote into the lookup path
+    """bench/int8_epilogue_sass.py splits a dump at the epilogue's warp vote into the lookup path
     (up to its branch to the join) and the fast path (up to the join)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("int8_epilogue_sass", ROOT / "eval" / "int8_epilogue_sass.py")
+    spec = importlib.util.spec_from_file_location("int8_epilogue_sass", ROOT / "bench" / "int8_epilogue_sass.py")
     es = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(es)
     lines = ["VOTE.ALL P2, P2", "LEA R3, R4, R5", "@P2 BRA 0x60",       # 0x00-0x20

@@ -5,7 +5,7 @@
 #   bash csrc/sm90_int8/device_check.sh bench        # build + eval/bench_kernels.py (full table)
 #   bash csrc/sm90_int8/device_check.sh bench-quick  # build + smoke + bench --quick
 #   bash csrc/sm90_int8/device_check.sh variants     # build the flag variants, time them vs cuDNN
-#   bash csrc/sm90_int8/device_check.sh ab NAME...   # those benchmark variants side by side (eval/int8_variant_ab.py)
+#   bash csrc/sm90_int8/device_check.sh ab NAME...   # those benchmark variants side by side (bench/int8_variant_ab.py)
 #   TESTS="tests/a.py tests/b.py" AB="NAME..." bash csrc/sm90_int8/device_check.sh session
 #       # one call for a short lease: the regular and the benchmark build side by side, then pytest on
 #       # TESTS (default: the 8-bit GPU test files), then the A/B of AB (if set); logs in $OUT
@@ -51,7 +51,7 @@ if [ "$MODE" = session ]; then
   TEST_RC=${PIPESTATUS[0]}
   AB_RC=skipped
   if [ -n "${AB:-}" ]; then
-    SAGE_DIFFUSERS_SM90_BENCH=1 timeout "${AB_S:-300}" "$PY" eval/int8_variant_ab.py --variants $AB \
+    SAGE_DIFFUSERS_SM90_BENCH=1 timeout "${AB_S:-300}" "$PY" bench/int8_variant_ab.py --variants $AB \
       --out "$LOG/int8_variant_ab.md" 2>&1 | tail -30
     AB_RC=${PIPESTATUS[0]}
     cat "$LOG/int8_variant_ab.md" 2>/dev/null
@@ -62,7 +62,7 @@ if [ "$MODE" = session ]; then
 fi
 if [ "$MODE" = ab ]; then
   shift
-  exec timeout 300 "$PY" eval/int8_variant_ab.py --variants "$@" --out "$LOG/int8_variant_ab.md"
+  exec timeout 300 "$PY" bench/int8_variant_ab.py --variants "$@" --out "$LOG/int8_variant_ab.md"
 fi
 echo "== device"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true

@@ -9,7 +9,7 @@ squares, per compiled variant of the benchmark build (``SAGE_DIFFUSERS_SM90_BENC
 default. A large F against n c is what a persistent grid (the next work tile's loads under this
 one's epilogue) can win back at image lengths.
 
-    SAGE_DIFFUSERS_SM90_BENCH=1 python eval/int8_fixed_cost.py [--reps 20] [--out eval/results/int8_fixed_cost_h200]
+    SAGE_DIFFUSERS_SM90_BENCH=1 python bench/int8_fixed_cost.py [--reps 20] [--out eval/results/int8_fixed_cost_h200]
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Warm-up calls (JIT build, caches) run outside the range, so ``ncu --profile-from
 records exactly one call per (mode, shape): the pre-pass launches and the attention kernel.
 
     ncu --clock-control none --profile-from-start off --section ComputeWorkloadAnalysis \\
-        python3 eval/profile_ncu.py --modes int8 --shapes 1x24x16384x128 1x48x17776x64
+        python3 bench/profile_ncu.py --modes int8 --shapes 1x24x16384x128 1x48x17776x64
 
 Inputs follow eval/bench_kernels.py: Q, V ~ N(0, 1), K = N(0, 1) + 4 N(0, 1) per channel.
 """

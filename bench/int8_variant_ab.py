@@ -9,7 +9,7 @@ eval/bench_kernels.py, ``bench_utils.compare_ms``) and the attention kernel alon
 median [min-max] over the rounds. Before timing, every variant's output is compared with the
 default's (bit for bit, and cosine) and with ``sage8_reference`` at the same shape.
 
-    SAGE_DIFFUSERS_SM90_BENCH=1 python eval/int8_variant_ab.py \\
+    SAGE_DIFFUSERS_SM90_BENCH=1 python bench/int8_variant_ab.py \\
         --variants lean_overlap_pingpong_qregs_split_smemo4_esum_stage_latewait --out eval/results/x.md
 
 ``--prepass-modes N...`` adds the defaults under other pre-pass modes (launch.h kPrepass* bit sets),

@@ -23,7 +23,7 @@ may tick coarsely (about 1 us on some GPUs unless a profiler raises its rate): t
 clock64 column (cycles, exact within an SM) stay meaningful where the median is quantised. Each
 variant's output is also checked bit for bit against the variant without the clock.
 
-    SAGE_DIFFUSERS_SM90_BENCH=1 python eval/int8_phases.py [--reps 5] [--out eval/results/int8_phases_h200]
+    SAGE_DIFFUSERS_SM90_BENCH=1 python bench/int8_phases.py [--reps 5] [--out eval/results/int8_phases_h200]
 """
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="path without suffix for .md and .json (its folder must exist)")
     args = ap.parse_args(argv)
     ext = int8_sm90.build()
-    lines = [f"{torch.cuda.get_device_name(0)}; phase clock per CTA (eval/int8_phases.py), both consumer "
+    lines = [f"{torch.cuda.get_device_name(0)}; phase clock per CTA (bench/int8_phases.py), both consumer "
              f"warpgroups pooled, the last of {args.reps} records; us from %globaltimer, kcycles from %clock64.", ""]
     results = []
     bad = 0
