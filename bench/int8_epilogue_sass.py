@@ -6,7 +6,7 @@ path (the per-channel v_first lookup, what every other variant runs) or the fast
 This finds that vote in a ``cuobjdump -sass`` dump and counts, per consumer thread, the
 instructions, global loads and stores of each path from the branch to where they join.
 
-    python csrc/sass_diff.py dump OUT --only 'esum$'       # OUT/i8_bench_*_esum.sass
+    python bench/sass_diff.py dump OUT --only 'esum$'       # OUT/i8_bench_*_esum.sass
     python bench/int8_epilogue_sass.py OUT/i8_bench_hd128_lean_overlap_pingpong_qregs_split_smemo4_esum.sass
 """
 from __future__ import annotations

@@ -364,7 +364,7 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
         assert (64, o.exp2_poly_every, o.flags, o.name) in py.BENCH_VARIANTS
         assert py.FLAG_NAMES[o.flags] == o.name
     # variants_bench.bit_identity_check compares wg3 with flags & ~SAME_BITS_FLAGS: the partner
-    tree = ast.parse((k / "variants_bench.py").read_text())
+    tree = ast.parse((ROOT / "bench" / "sm90_int8" / "variants_bench.py").read_text())
     same = next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "SAME_BITS_FLAGS")
     same_bits = eval(compile(ast.Expression(same), "SAME_BITS_FLAGS", "eval"))
     assert same_bits & 1 << 18 and wg3.flags & ~same_bits == partner.flags
@@ -409,7 +409,7 @@ def test_int8_epilogue_staged_flag_name_and_bench_twins():
             assert (d, o.exp2_poly_every, o.flags, o.name) in py.BENCH_VARIANTS
             assert py.FLAG_NAMES[o.flags] == o.name
     assert all(o.epilogue_staged for *_, o in gen.variants())
-    bench = (CSRC / "sm90_int8" / "variants_bench.py").read_text()
+    bench = (ROOT / "bench" / "sm90_int8" / "variants_bench.py").read_text()
     bits = [int(b) for b in re.findall(r"1 << (\d+)", re.search(r"^SAME_BITS_FLAGS = (.+)$", bench, re.M).group(1))]
     # phase_clock, epilogue_summary, epilogue_staged, three_consumers, late_pv_wait
     assert set(bits) == {14, 15, 17, 18, 19}

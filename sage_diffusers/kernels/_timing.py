@@ -1,5 +1,5 @@
 """GPU timing shared by the kernels' benchmarks (``fp4.benchmark``, ``csrc/*/variants_bench.py``,
-``csrc/sm90_int8/smoke.py``)."""
+``bench/sm90_int8/smoke.py``)."""
 from __future__ import annotations
 
 from typing import Callable

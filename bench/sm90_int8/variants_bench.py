@@ -21,7 +21,7 @@ Before the timing, --accuracy runs every variant on long sequences (16K-131K tok
 sage8_reference and fp32 SDPA (accumulation_check). A compact table comes last (the device log
 keeps only its tail).
 
-    python csrc/sm90_int8/variants_bench.py [--reps 20] [--shapes all|quick] [--accuracy all|quick|none]
+    python bench/sm90_int8/variants_bench.py [--reps 20] [--shapes all|quick] [--accuracy all|quick|none]
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ names, fp4.opt_name), after the builds. Prints one JSON line ("RESULT {...}", "o
 name) and saves the small-case outputs to $FP4_VARIANT_DIR/variant_<name>.pt so that every variant
 is compared with the baseline $FP4_BASELINE (the first of the driver's list, run first).
 
-    python csrc/fp4/variants_bench.py check|time [--iters N]
+    python bench/fp4/variants_bench.py check|time [--iters N]
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine (sm_90 or sm_120/121): build the FP4 extension, run its tests (-x -q), the
 # self test and a short benchmark, then print a summary. Run from the repository root:
-#   bash csrc/fp4/device_check.sh            (PYTHON, FP4_BENCH=0 to skip the benchmark)
+#   bash bench/fp4/device_check.sh           (PYTHON, FP4_BENCH=0 to skip the benchmark)
 # Writes the accuracy records to $OUT/fp4_report.jsonl when $OUT is set.
 set -uo pipefail
 PYTHON="${PYTHON:-python}"
