@@ -49,6 +49,14 @@ def test_editing_a_shared_header_changes_every_kernel_cache_key(tmp_path, monkey
     assert all(before[k] != after[k] for k in before), (before, after)
 
 
+def test_csrc_holds_no_lab_tools():
+    """csrc/ holds the kernels and what generates or compile-checks them; the benchmarks, device
+    checks and SASS dumps are in bench/ (and a wheel ships only the sources, setup.py)."""
+    tools = {p.relative_to(CSRC).as_posix() for p in CSRC.rglob("*") if p.suffix in (".py", ".sh")}
+    assert tools == {"compile_check.sh", "sm90_int8/generate_instantiations.py", "sm90_int8/sass_cost.py",
+                     "fp4/generate_options.py", "fp4/layout_model.py"}
+
+
 def test_no_source_points_to_a_missing_notes_file():
     for p in CSRC.rglob("*"):
         if p.is_file() and p.suffix in _jit.HASHED_SUFFIXES | {".py", ".sh"}:
