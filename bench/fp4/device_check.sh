@@ -21,10 +21,10 @@ echo "== pytest"
 "$PYTHON" -m pytest -x -q tests/test_kernel_fp4.py
 rc=$?
 echo "== selftest"
-"$PYTHON" -m sage_diffusers.kernels.fp4 selftest || rc=1
+"$PYTHON" bench/fp4_lab.py selftest || rc=1
 if [ "${FP4_BENCH:-1}" = "1" ]; then
   echo "== benchmark (pre-pass included, vs cuDNN BF16 SDPA; sm_90: both emulated GEMM variants)"
-  "$PYTHON" -m sage_diffusers.kernels.fp4 bench --emu both || rc=1
+  "$PYTHON" bench/fp4_lab.py bench --emu both || rc=1
 fi
 echo "== accuracy records ($REPORT)"
 "$PYTHON" - "$REPORT" <<'PY'
