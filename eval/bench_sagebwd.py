@@ -53,6 +53,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import sage_diffusers as sd
 from sage_diffusers.kernels import bench_utils
+from sage_diffusers.kernels._timing import spread
 from sage_diffusers.reference import cosine, relative_l1
 
 try:
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
             flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0) * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[pass_]
             base = statistics.median(times["sdpa_cudnn"]) if "sdpa_cudnn" in times else None
             for m in steps:
-                sp = bench_utils.spread(times[m])
+                sp = spread(times[m])
                 rows.append(dict(shape=f"{b}x{h}x{s}x{d}", causal=causal, pass_=pass_, method=m,
                                  ms_min=sp["min"], ms_median=sp["median"], ms_max=sp["max"],
                                  tops=flops / sp["median"] / 1e9,
