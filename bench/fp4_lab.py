@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+from bench.bench_utils import pipelined_ms  # noqa: E402
 from sage_diffusers.kernels import fp4  # noqa: E402
-from sage_diffusers.kernels._timing import pipelined_ms  # noqa: E402
 from sage_diffusers.options import FP4Format, PQuant  # noqa: E402
 from sage_diffusers.reference import cosine, relative_l1, rmse, sage3_reference  # noqa: E402
 

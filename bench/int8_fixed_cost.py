@@ -24,10 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bench_utils import make_inputs  # noqa: E402
 from eval import _cli  # noqa: E402
 from sage_diffusers.kernels import _sm90_int8_variants as variants  # noqa: E402
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
-from sage_diffusers.kernels.bench_utils import make_inputs  # noqa: E402
 
 # (head dim, heads, query length): Flux's and SD3.5's image attention.
 CASES = ((128, 24, 4608), (64, 38, 4429))

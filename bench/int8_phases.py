@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.bench_utils import make_inputs  # noqa: E402
 from eval import _cli  # noqa: E402
 from sage_diffusers.kernels import _sm90_int8_variants as variants  # noqa: E402
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
-from sage_diffusers.kernels.bench_utils import make_inputs  # noqa: E402
 
 SHAPES = ((1, 24, 4608, 128), (1, 38, 4429, 64))  # Flux's and SD3.5's image attention
 BLOCK = 128  # keys per tile (csrc/sm90_int8/tile_config.hpp)

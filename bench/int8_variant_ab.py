@@ -31,10 +31,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.bench_utils import make_inputs  # noqa: E402
 from eval import _cli  # noqa: E402
 from sage_diffusers.kernels import _sm90_int8_variants as variants  # noqa: E402
 from sage_diffusers.kernels._timing import compare_ms, spread  # noqa: E402
-from sage_diffusers.kernels.bench_utils import make_inputs  # noqa: E402
 from sage_diffusers.reference import cosine, relative_l1, sage8_reference  # noqa: E402
 
 SHAPES = [(1, 24, 4608, 128), (1, 24, 16384, 128), (1, 38, 4429, 64), (1, 48, 17776, 64)]

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import sage_diffusers as sd  # noqa: E402
+from bench.bench_utils import make_inputs  # noqa: E402  (eval/bench_kernels.py's inputs)
 from eval import _cli  # noqa: E402
-from eval.bench_kernels import make_inputs  # noqa: E402  (the benchmark's inputs)
 
 
 def _mode(text: str) -> str:

@@ -42,10 +42,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.bench_utils import make_inputs  # noqa: E402  (the inputs of the kernel lab's benchmarks too)
 from eval import _cli  # noqa: E402
 from sage_diffusers.reference import cosine, relative_l1, rmse  # noqa: E402
 from sage_diffusers.kernels import auto_table  # noqa: E402
-from sage_diffusers.kernels.bench_utils import make_inputs  # noqa: E402  (the inputs of the kernel lab's benchmarks too)
 from sage_diffusers.kernels._timing import TARGET_MS, compare_ms  # noqa: E402  (auto's calibration timer)
 
 # (B, H, S, D, causal)

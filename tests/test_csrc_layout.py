@@ -1,6 +1,6 @@
 """The kernel source tree's layout contract (CPU only): the shared layer under csrc/common/ is
-included by both kernels and hashed into their JIT cache keys, and the benchmark helpers live in
-the package (kernel folders import from sage_diffusers, never from eval/)."""
+included by both kernels and hashed into their JIT cache keys, csrc/ holds no lab tool (bench/ does),
+and every benchmark times with the package's one timer (kernels/_timing.py)."""
 from __future__ import annotations
 
 import re
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sage_diffusers.kernels import _jit, _timing, bench_utils
+from sage_diffusers.kernels import _jit
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
@@ -63,14 +63,20 @@ def test_no_source_points_to_a_missing_notes_file():
             assert "NOTES.md" not in p.read_text(), f"{p.relative_to(ROOT)} cites a NOTES.md that does not exist"
 
 
-def test_kernel_benchmarks_import_helpers_from_the_package_not_eval():
-    for p in CSRC.rglob("variants_bench.py"):
-        text = p.read_text()
-        assert "from eval" not in text and "import eval" not in text, p
-    assert callable(bench_utils.make_inputs) and callable(bench_utils.bench_ms)
-    import eval.bench_kernels as bk  # the eval benchmark keeps working through the shared module
+def test_benchmarks_share_the_package_timer_and_one_input_recipe():
+    """auto's calibration timer (kernels/_timing.py) is the one every benchmark times with, defined
+    once; the input recipe and the benchmark-only timers are bench/bench_utils.py, outside the package."""
+    import eval.bench_kernels as bk
+    from bench import bench_utils
+    from sage_diffusers.kernels import _timing
 
-    assert bk.make_inputs is bench_utils.make_inputs and bk.compare_ms is _timing.compare_ms
+    assert bk.compare_ms is _timing.compare_ms and bk.make_inputs is bench_utils.make_inputs
+    assert not (ROOT / "sage_diffusers" / "kernels" / "bench_utils.py").exists()
+    for folder in ("sage_diffusers", "bench", "eval"):
+        for p in (ROOT / folder).rglob("*.py"):
+            text = p.read_text()
+            assert p.name == "_timing.py" or not re.search(r"^def (compare_ms|flushed_call_ms|spread)\(", text, re.M), p
+            assert "kernels.bench_utils" not in text, p
 
 
 def _generator():

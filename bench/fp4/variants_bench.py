@@ -13,13 +13,15 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from sage_diffusers.kernels import fp4
-from sage_diffusers.kernels.bench_utils import pipelined_ms
-from sage_diffusers.reference import cosine, sage3_reference
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from bench.bench_utils import pipelined_ms  # noqa: E402
+from sage_diffusers.kernels import fp4  # noqa: E402
+from sage_diffusers.reference import cosine, sage3_reference  # noqa: E402
 
 OPT = fp4.opt_name(fp4._opt_bits())  # the build's option set (env SAGE_DIFFUSERS_FP4_OPT)
 BASELINE = fp4.opt_name(fp4.parse_opt(os.environ.get("FP4_BASELINE", "none")))

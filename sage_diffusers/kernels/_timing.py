@@ -9,8 +9,6 @@ flushed_call_ms(fn, calls) -> [ms per call]
     Each call between its own two CUDA events, the L2 cache flushed before it.
 flushed_median_ms(fn, calls) -> float
     Median of :func:`flushed_call_ms` (one round's sample in :func:`compare_ms`).
-pipelined_ms(fn, iters, warmup) -> float
-    Mean milliseconds of back-to-back calls (host-overhead studies).
 spread(times) -> {"min", "median", "max"}
 
 Why :func:`compare_ms` times calls one at a time with L2 flushed, not back to back: in a model an
@@ -31,8 +29,7 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-__all__ = ["compare_ms", "flushed_call_ms", "flushed_median_ms", "calls_for", "round_order", "pipelined_ms",
-           "spread"]
+__all__ = ["compare_ms", "flushed_call_ms", "flushed_median_ms", "calls_for", "round_order", "spread"]
 
 # Defaults of compare_ms: each method's sample per round is about TARGET_MS of calls, at least
 # MIN_CALLS (a median needs a few) and at most MAX_CALLS (short calls: the flush, not the call,
@@ -147,21 +144,6 @@ def compare_ms(methods: Mapping[str, Callable], args_of: Callable[[], tuple], ro
             if on_sample is not None:
                 on_sample(n, times[n][-1])
     return times
-
-
-def pipelined_ms(fn: Callable[[], object], iters: int, warmup: int = 1) -> float:
-    """Mean milliseconds of ``iters`` back-to-back calls between two CUDA events on the current
-    stream (host work overlaps the GPU), after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def spread(times: list) -> dict:

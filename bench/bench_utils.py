@@ -11,7 +11,7 @@ bench_ms(fn, reps) -> float
 event_median_ms(fn, reps) -> float
     Median milliseconds of calls each timed alone between two events (host latency included).
 pipelined_ms(fn, iters, warmup) -> float
-    Mean milliseconds of back-to-back calls (re-exported from ``_timing``; host-overhead studies).
+    Mean milliseconds of back-to-back calls (host-overhead studies).
 interleaved(methods, args_of, rounds) -> {name: [ms per round]}
     Rounds of back-to-back means (:func:`pipelined_ms`); kept for ``eval/bench_sagebwd.py``.
 """
@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ._timing import flushed_median_ms, pipelined_ms
+from sage_diffusers.kernels._timing import flushed_median_ms
 
 __all__ = ["make_inputs", "bench_ms", "event_median_ms", "pipelined_ms", "interleaved"]
 
@@ -82,6 +82,21 @@ def event_median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> flo
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def pipelined_ms(fn: Callable[[], object], iters: int, warmup: int = 1) -> float:
+    """Mean milliseconds of ``iters`` back-to-back calls between two CUDA events on the current
+    stream (host work overlaps the GPU), after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def interleaved(methods: dict, args_of: Callable[[], tuple], rounds: int, target_ms: float = 40.0) -> dict:
