@@ -13,8 +13,9 @@ from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 CSRC = ROOT / "csrc"
-# Sources, headers and the helper scripts the kernel folders' own checks run.
-KERNEL_SOURCE_SUFFIXES = (".cu", ".cuh", ".cpp", ".h", ".hpp", ".inc", ".py", ".sh")
+# What the JIT build compiles and hashes (sage_diffusers/kernels/_jit.py HASHED_SUFFIXES): sources and
+# headers. The generators, compile checks and models beside them stay in the checkout (no build runs them).
+KERNEL_SOURCE_SUFFIXES = (".cu", ".cuh", ".cpp", ".h", ".hpp", ".inc")
 
 
 def kernel_sources():

@@ -14,7 +14,7 @@
 #   bash csrc/compile_check.sh sm90_int8        # one kernel (sm90_int8 or fp4)
 #   env: NVCC, PYTHON, CUTLASS_INCLUDE; JOBS (parallel 8-bit compiles, default nproc);
 #        FP4_CHECK_VERBOSE=1 (per-kernel registers), FP4_CHECK_ALL=1 (cross-check builds),
-#        FP4_CHECK_VARIANTS=1 (the FP4 performance variants variants_bench.sh times)
+#        FP4_CHECK_VARIANTS=1 (the FP4 performance variants bench/fp4/variants_bench.sh times)
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python}"
@@ -173,7 +173,7 @@ check_fp4() {
     compile fwd_native_sm120_no_hw_e2m1 attention_fwd_native.cu "${SM120[@]}" -DSAGE_FP4_NATIVE=1 -DSAGE_FP4_NO_HW_E2M1
   fi
   if [ "${FP4_CHECK_VARIANTS:-0}" = "1" ]; then
-    # the performance variants that variants_bench.sh times (BENCH_VARIANTS of the generated
+    # the performance variants that bench/fp4/variants_bench.sh times (BENCH_VARIANTS of the generated
     # _fp4_variants.py, as their SAGE_FP4_OPT bits; the empty set is the regular build's baseline)
     local bits
     bits=$("$PYTHON" -c 'import runpy, sys; v = runpy.run_path(sys.argv[1]); print(" ".join(str(int(o)) for o in v["BENCH_VARIANTS"] if o))' \

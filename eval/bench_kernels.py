@@ -9,7 +9,7 @@ if importable and available on this device). Per row: time, TOPS = 4*B*H*Sq*Skv*
 causal), speed-up vs cuDNN, and accuracy vs fp32 SDPA (cos, rel-L1, RMSE).
 
 Inputs: Q, V ~ N(0, 1); K = N(0, 1) + 4 N(0, 1) per channel (1 x H x 1 x D), bf16, BHSD.
-Timing: ``sage_diffusers.kernels.bench_utils.compare_ms``, the timer eval/calibrate_auto.py decides
+Timing: ``sage_diffusers.kernels._timing.compare_ms``, the timer eval/calibrate_auto.py decides
 "auto" with: ``--rounds`` rounds interleave the methods, each round in its own order (so no method
 always follows the same one); a method's value per round is the median of per-call CUDA-event times
 with L2 flushed before each call; the table gives the median over rounds with min-max, and the SM
@@ -42,11 +42,11 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.bench_utils import make_inputs  # noqa: E402  (the inputs of the kernel lab's benchmarks too)
 from eval import _cli  # noqa: E402
 from sage_diffusers.reference import cosine, relative_l1, rmse  # noqa: E402
 from sage_diffusers.kernels import auto_table  # noqa: E402
-from sage_diffusers.kernels.bench_utils import (  # noqa: E402,F401  (bench_ms, make_inputs: shared with csrc/*/variants_bench.py)
-    TARGET_MS, bench_ms, compare_ms, make_inputs)
+from sage_diffusers.kernels._timing import TARGET_MS, compare_ms  # noqa: E402  (auto's calibration timer)
 
 # (B, H, S, D, causal)
 SHAPES = [
@@ -495,7 +495,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit("needs a CUDA device")
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M"), quick=args.quick, rounds=args.rounds,
-                timer=f"the median of per-call times with L2 flushed (bench_utils.compare_ms, about "
+                timer=f"the median of per-call times with L2 flushed (_timing.compare_ms, about "
                       f"{args.target_ms:g} ms of calls)")
     rows = run(args)
     write_outputs(rows, args.out_dir, meta)

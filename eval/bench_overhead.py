@@ -28,9 +28,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sage_diffusers as sd  # noqa: E402
+from bench.bench_utils import pipelined_ms  # noqa: E402
 from eval import _cli  # noqa: E402
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
-from sage_diffusers.kernels.bench_utils import pipelined_ms, spread  # noqa: E402
+from sage_diffusers.kernels._timing import spread  # noqa: E402
 
 # (B, H, S, D): short image length, Flux, SD3.5, CogVideoX-5B, 16K
 SHAPES = [(1, 24, 2048, 128), (1, 24, 4608, 128), (1, 38, 4429, 64), (1, 48, 17776, 64), (1, 24, 16384, 128)]

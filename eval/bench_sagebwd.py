@@ -11,7 +11,7 @@
 
 Writes eval/results/sagebwd_h200.{json,md} (``--compare``: sagebwd_variants_h200.{json,md}).
 
-- Inputs: bf16 BHSD from ``sage_diffusers.kernels.bench_utils.make_inputs`` (Q, V ~ N(0, 1),
+- Inputs: bf16 BHSD from ``bench/bench_utils.py``'s ``make_inputs`` (Q, V ~ N(0, 1),
   K = N(0, 1) + 4 N(0, 1) per channel), dO ~ N(0, 1).
 - Methods: ``sagebwd`` (``sage_diffusers.sagebwd`` with the default kernels, the whole call:
   quantization pre-passes included); ``sagebwd_acc_alu``: the same with the backward's int32
@@ -28,7 +28,7 @@ Writes eval/results/sagebwd_h200.{json,md} (``--compare``: sagebwd_variants_h200
 - Warm-up compiles and autotunes every kernel variant at the first shape of its head dim (not
   timed; each line printed carries the elapsed time; the autotuner's choices are recorded). ``SAGE_DIFFUSERS_TRITON_AUTOTUNE=N`` tunes over the first N configs of each
   list only (the lists put the likeliest Hopper winners first), which bounds the compile time.
-- Timing: ``sage_diffusers.kernels.bench_utils.interleaved``: rounds in which every method runs
+- Timing: ``bench/bench_utils.py``'s ``interleaved``: rounds in which every method runs
   once, in rotating order, each the mean of back-to-back calls between CUDA events; min / median /
   max over the rounds. Speed-up = median cuDNN time / median time.
 - TOPS: forward 4 B H S^2 D, backward 2.5 times that (five matmuls of which two are the
@@ -44,6 +44,7 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -51,14 +52,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import sage_diffusers as sd
-from sage_diffusers.kernels import bench_utils
-from sage_diffusers.reference import cosine, relative_l1
-
-try:
-    from eval import _cli
-except ImportError:  # run as a script: eval/ is sys.path[0]
-    import _cli
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench/, eval/
+import sage_diffusers as sd  # noqa: E402
+from bench import bench_utils  # noqa: E402
+from eval import _cli  # noqa: E402
+from sage_diffusers.kernels._timing import spread  # noqa: E402
+from sage_diffusers.reference import cosine, relative_l1  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ACC_TOKENS = 4096
@@ -356,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
             flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0) * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[pass_]
             base = statistics.median(times["sdpa_cudnn"]) if "sdpa_cudnn" in times else None
             for m in steps:
-                sp = bench_utils.spread(times[m])
+                sp = spread(times[m])
                 rows.append(dict(shape=f"{b}x{h}x{s}x{d}", causal=causal, pass_=pass_, method=m,
                                  ms_min=sp["min"], ms_median=sp["median"], ms_max=sp["max"],
                                  tops=flops / sp["median"] / 1e9,

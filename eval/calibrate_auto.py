@@ -115,7 +115,7 @@ def _method(p: Point, mode: str):
 
 
 def check(points, rounds: int) -> list[dict]:
-    from sage_diffusers.kernels.bench_utils import compare_ms, spread
+    from sage_diffusers.kernels._timing import compare_ms, spread
 
     rows = []
     for p in points:

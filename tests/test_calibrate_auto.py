@@ -7,7 +7,7 @@ import json
 import pytest
 
 from eval import bench_kernels, calibrate_auto
-from sage_diffusers.kernels import auto_table, bench_utils
+from sage_diffusers.kernels import _timing, auto_table
 
 
 def _result(tmp_path, model="NVIDIA H100 80GB HBM3 (132 SMs)", value=1000, drop=None):
@@ -74,7 +74,7 @@ def test_report_flags_calls_over_the_goal(tmp_path):
 
 # ---- bench_kernels: the same timer, the acceptance column -------------------------------------------
 def test_bench_kernels_times_with_the_shared_timer():
-    assert bench_kernels.time_methods.__defaults__[-1] is bench_utils.compare_ms
+    assert bench_kernels.time_methods.__defaults__[-1] is _timing.compare_ms
 
 
 def test_bench_kernels_drops_a_method_that_fails_while_timed():
@@ -82,7 +82,7 @@ def test_bench_kernels_drops_a_method_that_fails_while_timed():
         raise RuntimeError("no plan")
 
     methods = {"ours": lambda *a: ("ours", 1.0), "broken": broken, "sdpa": lambda *a: ("sdpa", 2.0)}
-    timer = functools.partial(bench_utils.compare_ms, sample=lambda fn, calls: fn()[1])
+    timer = functools.partial(_timing.compare_ms, sample=lambda fn, calls: fn()[1])
     times, errors = bench_kernels.time_methods(methods, ("q", "k", "v", False), 3, 20.0, timer=timer)
     assert times == {"ours": [1.0] * 3, "sdpa": [2.0] * 3}
     assert errors == {"broken": "RuntimeError: no plan"}

@@ -1,6 +1,6 @@
 """The kernel source tree's layout contract (CPU only): the shared layer under csrc/common/ is
-included by both kernels and hashed into their JIT cache keys, and the benchmark helpers live in
-the package (kernel folders import from sage_diffusers, never from eval/)."""
+included by both kernels and hashed into their JIT cache keys, csrc/ holds no lab tool (bench/ does),
+and every benchmark times with the package's one timer (kernels/_timing.py)."""
 from __future__ import annotations
 
 import re
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sage_diffusers.kernels import _jit, bench_utils
+from sage_diffusers.kernels import _jit
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
@@ -49,20 +49,34 @@ def test_editing_a_shared_header_changes_every_kernel_cache_key(tmp_path, monkey
     assert all(before[k] != after[k] for k in before), (before, after)
 
 
+def test_csrc_holds_no_lab_tools():
+    """csrc/ holds the kernels and what generates or compile-checks them; the benchmarks, device
+    checks and SASS dumps are in bench/ (and a wheel ships only the sources, setup.py)."""
+    tools = {p.relative_to(CSRC).as_posix() for p in CSRC.rglob("*") if p.suffix in (".py", ".sh")}
+    assert tools == {"compile_check.sh", "sm90_int8/generate_instantiations.py", "sm90_int8/sass_cost.py",
+                     "fp4/generate_options.py", "fp4/layout_model.py"}
+
+
 def test_no_source_points_to_a_missing_notes_file():
     for p in CSRC.rglob("*"):
         if p.is_file() and p.suffix in _jit.HASHED_SUFFIXES | {".py", ".sh"}:
             assert "NOTES.md" not in p.read_text(), f"{p.relative_to(ROOT)} cites a NOTES.md that does not exist"
 
 
-def test_kernel_benchmarks_import_helpers_from_the_package_not_eval():
-    for p in CSRC.rglob("variants_bench.py"):
-        text = p.read_text()
-        assert "from eval" not in text and "import eval" not in text, p
-    assert callable(bench_utils.make_inputs) and callable(bench_utils.bench_ms)
-    import eval.bench_kernels as bk  # the eval benchmark keeps working through the shared module
+def test_benchmarks_share_the_package_timer_and_one_input_recipe():
+    """auto's calibration timer (kernels/_timing.py) is the one every benchmark times with, defined
+    once; the input recipe and the benchmark-only timers are bench/bench_utils.py, outside the package."""
+    import eval.bench_kernels as bk
+    from bench import bench_utils
+    from sage_diffusers.kernels import _timing
 
-    assert bk.make_inputs is bench_utils.make_inputs and bk.bench_ms is bench_utils.bench_ms
+    assert bk.compare_ms is _timing.compare_ms and bk.make_inputs is bench_utils.make_inputs
+    assert not (ROOT / "sage_diffusers" / "kernels" / "bench_utils.py").exists()
+    for folder in ("sage_diffusers", "bench", "eval"):
+        for p in (ROOT / folder).rglob("*.py"):
+            text = p.read_text()
+            assert p.name == "_timing.py" or not re.search(r"^def (compare_ms|flushed_call_ms|spread)\(", text, re.M), p
+            assert "kernels.bench_utils" not in text, p
 
 
 def _generator():
@@ -188,13 +202,13 @@ def test_int8_phase_clock_and_epilogue_summary_flags():
 
 
 def test_int8_phase_record_layout_and_split():
-    """eval/int8_phases.py reads the record with launch.h's slot layout, and splits a synthetic
+    """bench/int8_phases.py reads the record with launch.h's slot layout, and splits a synthetic
     record into the phases it was built from."""
     import importlib.util
 
     import torch
 
-    spec = importlib.util.spec_from_file_location("int8_phases", ROOT / "eval" / "int8_phases.py")
+    spec = importlib.util.spec_from_file_location("int8_phases", ROOT / "bench" / "int8_phases.py")
     ph = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ph)
     launch = (CSRC / "sm90_int8" / "launch.h").read_text()
@@ -229,11 +243,11 @@ def test_int8_phase_record_layout_and_split():
 
 
 def test_int8_epilogue_sass_finds_both_store_paths():
-    """eval/int8_epilogue_sass.py splits a dump at the epilogue's warp vote into the lookup path
+    """bench/int8_epilogue_sass.py splits a dump at the epilogue's warp vote into the lookup path
     (up to its branch to the join) and the fast path (up to the join)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("int8_epilogue_sass", ROOT / "eval" / "int8_epilogue_sass.py")
+    spec = importlib.util.spec_from_file_location("int8_epilogue_sass", ROOT / "bench" / "int8_epilogue_sass.py")
     es = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(es)
     lines = ["VOTE.ALL P2, P2", "LEA R3, R4, R5", "@P2 BRA 0x60",       # 0x00-0x20
@@ -364,7 +378,7 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
         assert (64, o.exp2_poly_every, o.flags, o.name) in py.BENCH_VARIANTS
         assert py.FLAG_NAMES[o.flags] == o.name
     # variants_bench.bit_identity_check compares wg3 with flags & ~SAME_BITS_FLAGS: the partner
-    tree = ast.parse((k / "variants_bench.py").read_text())
+    tree = ast.parse((ROOT / "bench" / "sm90_int8" / "variants_bench.py").read_text())
     same = next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "SAME_BITS_FLAGS")
     same_bits = eval(compile(ast.Expression(same), "SAME_BITS_FLAGS", "eval"))
     assert same_bits & 1 << 18 and wg3.flags & ~same_bits == partner.flags
@@ -409,7 +423,7 @@ def test_int8_epilogue_staged_flag_name_and_bench_twins():
             assert (d, o.exp2_poly_every, o.flags, o.name) in py.BENCH_VARIANTS
             assert py.FLAG_NAMES[o.flags] == o.name
     assert all(o.epilogue_staged for *_, o in gen.variants())
-    bench = (CSRC / "sm90_int8" / "variants_bench.py").read_text()
+    bench = (ROOT / "bench" / "sm90_int8" / "variants_bench.py").read_text()
     bits = [int(b) for b in re.findall(r"1 << (\d+)", re.search(r"^SAME_BITS_FLAGS = (.+)$", bench, re.M).group(1))]
     # phase_clock, epilogue_summary, epilogue_staged, three_consumers, late_pv_wait
     assert set(bits) == {14, 15, 17, 18, 19}

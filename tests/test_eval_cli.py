@@ -1,4 +1,4 @@
-"""The eval command lines refuse bad input up front, naming the argument or file and what was expected.
+"""The eval and bench command lines refuse bad input up front, naming the argument or file and what was expected.
 
 Every test here fails before any generation, training, benchmark or model loading starts: that is
 the point of the checks, and what keeps these tests fast (no pipeline is ever built; where a test
@@ -10,6 +10,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from bench import (
+    dump_sass,
+    int8_epilogue_sass,
+    int8_fixed_cost,
+    int8_phases,
+    int8_variant_ab,
+    long_tile_accuracy,
+    ncu_source_summary,
+    profile_ncu,
+    pv_accumulation_model,
+)
 from eval import (
     _cli,
     _sagebwd_training,
@@ -21,16 +32,7 @@ from eval import (
     calibrate_auto,
     capture,
     context_parallel_bench,
-    dump_sass,
     finetune_minilm,
-    int8_epilogue_sass,
-    int8_fixed_cost,
-    int8_phases,
-    int8_variant_ab,
-    long_tile_accuracy,
-    ncu_source_summary,
-    profile_ncu,
-    pv_accumulation_model,
     reproduce,
     sagebwd_accuracy,
     train_lm,
@@ -442,11 +444,11 @@ def test_script_without_options_refuses_arguments(tmp_path, monkeypatch, capsys)
 
 
 def test_mutation_report_names_a_foreign_meta_file(tmp_path, monkeypatch):
-    """Bug: eval/mutation/report.py printed an empty table outside mutmut's folder and failed with a bare
+    """Bug: bench/mutation/report.py printed an empty table outside mutmut's folder and failed with a bare
     KeyError / JSONDecodeError on a meta file it could not read."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("mutation_report", capture.ROOT / "eval" / "mutation" / "report.py")
+    spec = importlib.util.spec_from_file_location("mutation_report", capture.ROOT / "bench" / "mutation" / "report.py")
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
     monkeypatch.chdir(tmp_path)

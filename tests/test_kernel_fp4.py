@@ -804,7 +804,8 @@ def test_api_runs_the_kernel_no_fallback():
 # ---- the paper's ablations through the kernel -------------------------------------------------
 @gpu
 def test_ablation_format_and_p_quant_order():
-    """NVFP4 vs MXFP4 x two-level vs direct P~ on peaked rows (fp4.peaked_inputs), cos vs fp32 SDPA.
+    """NVFP4 vs MXFP4 x two-level vs direct P~ on peaked rows (bench/fp4_lab.py's peaked_inputs), cos
+    vs fp32 SDPA.
 
     Orders asserted, with margins read off sage3_reference on these inputs (CPU, seeds 0-2, both
     head dims) and kept inside them:
@@ -816,7 +817,9 @@ def test_ablation_format_and_p_quant_order():
     NVFP4 direct vs MXFP4 direct is recorded, not asserted (MXFP4 wins there on these inputs).
     Every combination must also track its own reference (cos >= 0.9995).
     """
-    records = fp4.ablation(verbose=True)  # appends to $SAGE_FP4_REPORT when set
+    from bench import fp4_lab  # the kernel lab of the checkout (repository root on sys.path)
+
+    records = fp4_lab.ablation(verbose=True)  # appends to $SAGE_FP4_REPORT when set
     by_shape: dict = {}
     for r in records:
         by_shape.setdefault(r["case"], {})[(r["fmt"], r["p_quant"])] = r

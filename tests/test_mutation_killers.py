@@ -1,4 +1,4 @@
-"""Tests written for mutants that survived ``eval/mutation/run.sh`` (see eval/results/mutation.md).
+"""Tests written for mutants that survived ``bench/mutation/run.sh`` (see eval/results/mutation.md).
 
 Each test pins a documented behaviour that the rest of the CPU suite never exercised; its docstring
 names the mutation it catches. CPU, small shapes, a few seconds in all.

@@ -1,4 +1,4 @@
-"""eval/ncu_source_summary.py on a tiny synthetic ``ncu --page source --csv --print-source sass`` export
+"""bench/ncu_source_summary.py on a tiny synthetic ``ncu --page source --csv --print-source sass`` export
 (CPU): absolute addresses and branch targets become kernel offsets, the main loop is found as
 sass_cost.py finds it, and the samples are summed per base opcode inside it only."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "eval" / "ncu_source_summary.py"
+_PATH = Path(__file__).resolve().parents[1] / "bench" / "ncu_source_summary.py"
 _spec = importlib.util.spec_from_file_location("ncu_source_summary", _PATH)
 nss = importlib.util.module_from_spec(_spec)
 sys.modules["ncu_source_summary"] = nss

@@ -55,6 +55,16 @@ def test_wheel_metadata_uses_spdx_license(wheel):
     assert "Requires-Dist: filelock" in text
 
 
+def test_wheel_carries_the_kernel_sources_and_no_lab(wheel):
+    """The wheel holds the package and what the JIT compiles: no bench/ or eval/, no tool of csrc/."""
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+    assert not [n for n in names if n.split("/", 1)[0] in ("bench", "eval", "tests", "csrc")]
+    kernel = [n for n in names if n.startswith("sage_diffusers/_csrc/")]
+    assert kernel and all(Path(n).suffix in _jit.HASHED_SUFFIXES for n in kernel), \
+        sorted(n for n in kernel if Path(n).suffix not in _jit.HASHED_SUFFIXES)
+
+
 def test_installed_wheel_finds_its_kernel_sources(wheel, tmp_path):
     target = tmp_path / "site"
     res = _pip("install", "--no-deps", "-q", "--target", str(target), str(wheel), cwd=tmp_path)

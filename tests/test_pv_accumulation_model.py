@@ -1,10 +1,10 @@
-"""eval/pv_accumulation_model.py: the truncation it models and the ordering of its two accumulators."""
+"""bench/pv_accumulation_model.py: the truncation it models and the ordering of its two accumulators."""
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import pv_accumulation_model as model  # noqa: E402
 
 

@@ -5,7 +5,7 @@ variant benchmark times. Writes:
 * csrc/fp4/kernel_options.h: ``KernelOptions`` (the bit layout of the build flag -DSAGE_FP4_OPT)
   and ``SAGE_FP4_DEFAULT_OPT``, the option set a build without the flag compiles;
 * sage_diffusers/kernels/_fp4_variants.py: the same bits as ``KernelOpt`` (an IntFlag),
-  ``DEFAULT_KERNEL_OPT`` and ``BENCH_VARIANTS`` (what csrc/fp4/variants_bench.sh builds).
+  ``DEFAULT_KERNEL_OPT`` and ``BENCH_VARIANTS`` (what bench/fp4/variants_bench.sh builds).
 
 Every option is one bit, bit i for the i-th entry of OPTIONS, so a build is named by its option
 names joined by "+" (env SAGE_DIFFUSERS_FP4_OPT, "none" for the original schedule). All options
@@ -131,9 +131,9 @@ def render_py() -> str:
         *members,
         "",
         "",
-        "# the default option set: the fastest correct one of csrc/fp4/variants_bench.sh on the H200",
+        "# the default option set: the fastest correct one of bench/fp4/variants_bench.sh on the H200",
         f"DEFAULT_KERNEL_OPT = {_flag_expr(DEFAULT)}",
-        "# what csrc/fp4/variants_bench.sh builds, checks and times; the first is the baseline",
+        "# what bench/fp4/variants_bench.sh builds, checks and times; the first is the baseline",
         "BENCH_VARIANTS = (",
         bench + ",",
         ")",

@@ -177,7 +177,7 @@ EXTRA_EXP_POLY = {64: (8,), 128: ()}
 # eval/results/int8_sass_cost_sm90.md) were no faster on the H200, attention kernel alone:
 # 1x24x16384x128 4.258 against 4.223 ms, 1x24x4608x128 0.428 against 0.424, hd64 0.493 against 0.491.
 # Per head dim also: the defaults with phase_clock (timestamps at the phase points of each CTA:
-# eval/int8_phases.py splits the fixed cost; two consumer warpgroups only, so hd128 only now); the
+# bench/int8_phases.py splits the fixed cost; two consumer warpgroups only, so hd128 only now); the
 # defaults without the staged epilogue (the previous defaults); and without both epilogue options,
 # the partner variants_bench.py compares the defaults with bit for bit (SAME_BITS_FLAGS strips
 # epilogue_summary, epilogue_staged, three_consumers and phase_clock).
@@ -253,7 +253,7 @@ _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every
 # packed after the PV wait) without. sass_cost.py per 128 keys: 439 with tc_row_sum against the
 # defaults' 430; 499-515 without against the same options on 128-key tiles' 497 (the per-key work is
 # the same; fewer waits and barriers per key, 4 against 7). O's FP8 accumulator spans smem_o_every = 4
-# tiles, 768 keys here against 512, before each fp32 flush: eval/pv_accumulation_model.py
+# tiles, 768 keys here against 512, before each fp32 flush: bench/pv_accumulation_model.py
 # --mantissa-bits 10 (the H200's loss) gives O 0.44 % small on DiT-like inputs against 0.30 %; the
 # defaults' loop also with smem_o_every = 2 (384 keys: 0.23 %, a flush per 2 tiles). variants_bench.py's
 # accumulation check and the GPU test measure it. Not yet run on a GPU.

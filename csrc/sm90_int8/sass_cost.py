@@ -4,7 +4,7 @@
     python csrc/sm90_int8/sass_cost.py fwd_hd128_bf16_full      # compile that instantiation, report
     python csrc/sm90_int8/sass_cost.py path/to/unit.sass        # cuobjdump -sass text
     python csrc/sm90_int8/sass_cost.py path/to/unit.cubin       # or a cubin / .o (cuobjdump runs)
-    python csrc/sm90_int8/sass_cost.py DUMP/i8_*.sass           # several (sass_diff.py dump); exit 1 if
+    python csrc/sm90_int8/sass_cost.py DUMP/i8_*.sass           # several (bench/sass_diff.py dump); exit 1 if
                                                                 # any loop overwrites Q's registers
 
 The main loop is the smallest range (target .. branch) of a conditional backward branch that holds
@@ -381,7 +381,7 @@ def load_sass(arg: str) -> tuple[str, str]:
         if exe is None:
             sys.exit("cuobjdump not found (the CUDA toolkit's, or triton's bundled copy)")
         return subprocess.run([exe, "-sass", str(p)], check=True, capture_output=True, text=True).stdout, ""
-    sys.path.insert(0, str(HERE.parent))
+    sys.path.insert(0, str(HERE.parents[1] / "bench"))  # the SASS dump of the kernel lab (a checkout)
     import sass_diff
 
     with tempfile.TemporaryDirectory(prefix="sass_cost_") as tmp:

@@ -23,9 +23,9 @@ class KernelOpt(enum.IntFlag):
     NO_WGMMA_PINGPONG = 8
 
 
-# the default option set: the fastest correct one of csrc/fp4/variants_bench.sh on the H200
+# the default option set: the fastest correct one of bench/fp4/variants_bench.sh on the H200
 DEFAULT_KERNEL_OPT = KernelOpt.HOIST_MASK | KernelOpt.TREE_REDUCE | KernelOpt.PIPELINED_STAGING
-# what csrc/fp4/variants_bench.sh builds, checks and times; the first is the baseline
+# what bench/fp4/variants_bench.sh builds, checks and times; the first is the baseline
 BENCH_VARIANTS = (
     KernelOpt(0),
     KernelOpt.HOIST_MASK,

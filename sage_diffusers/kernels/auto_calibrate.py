@@ -3,7 +3,7 @@
 Per call class, the 8-bit kernel and the SDPA call "auto" would run instead are timed side by
 side through :func:`sage_diffusers.attention` itself (``mode="int8"`` against ``mode="sdpa"``,
 with the class's mask, grouped-query heads, causal flag and ragged lengths, so host work and
-SDPA's backend choice are what a user's call gets), by ``bench_utils.compare_ms``: methods
+SDPA's backend choice are what a user's call gets), by ``_timing.compare_ms``: methods
 interleaved over rounds, each round's sample the median of per-call times with L2 flushed. Lengths
 run from short to long and a class stops once the kernel wins at two lengths in a row.
 
@@ -84,7 +84,7 @@ def measure_class(cls: CallClass, profile: Profile, device, deadline: float,
     where the kernel wins (longer calls only amortize its fixed cost further, and SDPA's slow paths,
     masked or causal with a mask, cost seconds per call at long lengths), or at the deadline (then
     unmeasured: the conservative rule)."""
-    from .bench_utils import compare_ms, spread
+    from ._timing import compare_ms, spread
 
     timer = timer or compare_ms
     methods = _methods(cls)

@@ -100,7 +100,7 @@ def is_available() -> tuple[bool, str]:
 
 # Benchmark build (read once): bf16 non-causal variants for several kernel flag sets
 # (instantiations/bench_*.cu), selected at run time with ext.set_fwd_flags(flags); used by
-# csrc/sm90_int8/variants_bench.py. Never used by the backend.
+# bench/sm90_int8/variants_bench.py. Never used by the backend.
 _BENCH = os.environ.get("SAGE_DIFFUSERS_SM90_BENCH", "0") == "1"
 
 

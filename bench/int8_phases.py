@@ -23,7 +23,7 @@ may tick coarsely (about 1 us on some GPUs unless a profiler raises its rate): t
 clock64 column (cycles, exact within an SM) stay meaningful where the median is quantised. Each
 variant's output is also checked bit for bit against the variant without the clock.
 
-    SAGE_DIFFUSERS_SM90_BENCH=1 python eval/int8_phases.py [--reps 5] [--out eval/results/int8_phases_h200]
+    SAGE_DIFFUSERS_SM90_BENCH=1 python bench/int8_phases.py [--reps 5] [--out eval/results/int8_phases_h200]
 """
 from __future__ import annotations
 
@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.bench_utils import make_inputs  # noqa: E402
 from eval import _cli  # noqa: E402
 from sage_diffusers.kernels import _sm90_int8_variants as variants  # noqa: E402
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
-from sage_diffusers.kernels.bench_utils import make_inputs  # noqa: E402
 
 SHAPES = ((1, 24, 4608, 128), (1, 38, 4429, 64))  # Flux's and SD3.5's image attention
 BLOCK = 128  # keys per tile (csrc/sm90_int8/tile_config.hpp)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="path without suffix for .md and .json (its folder must exist)")
     args = ap.parse_args(argv)
     ext = int8_sm90.build()
-    lines = [f"{torch.cuda.get_device_name(0)}; phase clock per CTA (eval/int8_phases.py), both consumer "
+    lines = [f"{torch.cuda.get_device_name(0)}; phase clock per CTA (bench/int8_phases.py), both consumer "
              f"warpgroups pooled, the last of {args.reps} records; us from %globaltimer, kcycles from %clock64.", ""]
     results = []
     bad = 0

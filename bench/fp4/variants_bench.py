@@ -5,7 +5,7 @@ names, fp4.opt_name), after the builds. Prints one JSON line ("RESULT {...}", "o
 name) and saves the small-case outputs to $FP4_VARIANT_DIR/variant_<name>.pt so that every variant
 is compared with the baseline $FP4_BASELINE (the first of the driver's list, run first).
 
-    python csrc/fp4/variants_bench.py check|time [--iters N]
+    python bench/fp4/variants_bench.py check|time [--iters N]
 """
 from __future__ import annotations
 
@@ -13,13 +13,15 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from sage_diffusers.kernels import fp4
-from sage_diffusers.kernels.bench_utils import pipelined_ms
-from sage_diffusers.reference import cosine, sage3_reference
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from bench.bench_utils import pipelined_ms  # noqa: E402
+from sage_diffusers.kernels import fp4  # noqa: E402
+from sage_diffusers.reference import cosine, sage3_reference  # noqa: E402
 
 OPT = fp4.opt_name(fp4._opt_bits())  # the build's option set (env SAGE_DIFFUSERS_FP4_OPT)
 BASELINE = fp4.opt_name(fp4.parse_opt(os.environ.get("FP4_BASELINE", "none")))

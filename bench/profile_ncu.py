@@ -5,7 +5,7 @@ Warm-up calls (JIT build, caches) run outside the range, so ``ncu --profile-from
 records exactly one call per (mode, shape): the pre-pass launches and the attention kernel.
 
     ncu --clock-control none --profile-from-start off --section ComputeWorkloadAnalysis \\
-        python3 eval/profile_ncu.py --modes int8 --shapes 1x24x16384x128 1x48x17776x64
+        python3 bench/profile_ncu.py --modes int8 --shapes 1x24x16384x128 1x48x17776x64
 
 Inputs follow eval/bench_kernels.py: Q, V ~ N(0, 1), K = N(0, 1) + 4 N(0, 1) per channel.
 """
@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import sage_diffusers as sd  # noqa: E402
+from bench.bench_utils import make_inputs  # noqa: E402  (eval/bench_kernels.py's inputs)
 from eval import _cli  # noqa: E402
-from eval.bench_kernels import make_inputs  # noqa: E402  (the benchmark's inputs)
 
 
 def _mode(text: str) -> str:

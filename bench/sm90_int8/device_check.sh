@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One-shot GPU check of the sm_90a 8-bit attention (run on the H200 machine from the repo root).
 # Each mode fits one 10-minute device command (a fresh machine rebuilds: ~1 min on 16 cores):
-#   bash csrc/sm90_int8/device_check.sh              # build + smoke + pytest -x -q
-#   bash csrc/sm90_int8/device_check.sh bench        # build + eval/bench_kernels.py (full table)
-#   bash csrc/sm90_int8/device_check.sh bench-quick  # build + smoke + bench --quick
-#   bash csrc/sm90_int8/device_check.sh variants     # build the flag variants, time them vs cuDNN
-#   bash csrc/sm90_int8/device_check.sh ab NAME...   # those benchmark variants side by side (eval/int8_variant_ab.py)
-#   TESTS="tests/a.py tests/b.py" AB="NAME..." bash csrc/sm90_int8/device_check.sh session
+#   bash bench/sm90_int8/device_check.sh             # build + smoke + pytest -x -q
+#   bash bench/sm90_int8/device_check.sh bench       # build + eval/bench_kernels.py (full table)
+#   bash bench/sm90_int8/device_check.sh bench-quick # build + smoke + bench --quick
+#   bash bench/sm90_int8/device_check.sh variants    # build the flag variants, time them vs cuDNN
+#   bash bench/sm90_int8/device_check.sh ab NAME...  # those benchmark variants side by side (bench/int8_variant_ab.py)
+#   TESTS="tests/a.py tests/b.py" AB="NAME..." bash bench/sm90_int8/device_check.sh session
 #       # one call for a short lease: the regular and the benchmark build side by side, then pytest on
 #       # TESTS (default: the 8-bit GPU test files), then the A/B of AB (if set); logs in $OUT
 # Wheels carried in .whl/ (peers, diffusers, nvidia-cutlass) are installed one by one into
@@ -32,7 +32,7 @@ if [ -z "${CUTLASS_INCLUDE:-}" ] && ! "$PY" -c "import cutlass_library" 2>/dev/n
   done
 fi
 MODE="${1:-tests}"
-if [ "$MODE" = variants ]; then exec timeout 240 "$PY" csrc/sm90_int8/variants_bench.py; fi
+if [ "$MODE" = variants ]; then exec timeout 240 "$PY" bench/sm90_int8/variants_bench.py; fi
 if [ "$MODE" = session ]; then
   START=$(date +%s)
   timeout 330 "$PY" -c "from sage_diffusers.kernels import int8_sm90; int8_sm90.build(); print('regular built')" \
@@ -51,7 +51,7 @@ if [ "$MODE" = session ]; then
   TEST_RC=${PIPESTATUS[0]}
   AB_RC=skipped
   if [ -n "${AB:-}" ]; then
-    SAGE_DIFFUSERS_SM90_BENCH=1 timeout "${AB_S:-300}" "$PY" eval/int8_variant_ab.py --variants $AB \
+    SAGE_DIFFUSERS_SM90_BENCH=1 timeout "${AB_S:-300}" "$PY" bench/int8_variant_ab.py --variants $AB \
       --out "$LOG/int8_variant_ab.md" 2>&1 | tail -30
     AB_RC=${PIPESTATUS[0]}
     cat "$LOG/int8_variant_ab.md" 2>/dev/null
@@ -62,7 +62,7 @@ if [ "$MODE" = session ]; then
 fi
 if [ "$MODE" = ab ]; then
   shift
-  exec timeout 300 "$PY" eval/int8_variant_ab.py --variants "$@" --out "$LOG/int8_variant_ab.md"
+  exec timeout 300 "$PY" bench/int8_variant_ab.py --variants "$@" --out "$LOG/int8_variant_ab.md"
 fi
 echo "== device"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
@@ -81,7 +81,7 @@ SMOKE_RC=skipped; TEST_RC=skipped; BENCH_RC=skipped
 touch "$LOG/smoke.log" "$LOG/pytest.log"
 if [ "$MODE" != bench ]; then
   echo "== smoke (watchdog 150 s)"
-  timeout 150 "$PY" csrc/sm90_int8/smoke.py 2>&1 | tee "$LOG/smoke.log"
+  timeout 150 "$PY" bench/sm90_int8/smoke.py 2>&1 | tee "$LOG/smoke.log"
   SMOKE_RC=${PIPESTATUS[0]}
   [ "$SMOKE_RC" = 124 ] && echo "smoke TIMED OUT (kernel hang?)"
 fi

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Nsight Compute counters of one attention call per shape (GPU machine, repo root):
-#   bash eval/profile_ncu.sh MODE SHAPE... > log      e.g. int8 1x24x16384x128 1x48x17776x64
+#   bash bench/profile_ncu.sh MODE SHAPE... > log      e.g. int8 1x24x16384x128 1x48x17776x64
 # Prints, per kernel: duration, SM clock, per-pipe utilisation (tensor/gmma, FMA, ALU, XU = MUFU and
 # conversions), issue activity and warp-stall ratios. Clocks are left alone (--clock-control none).
 # SOURCE=DIR (one shape): instead, the attention kernel's per-SASS-instruction warp-stall samples
-# (SourceCounters) into DIR/src_SHAPE.csv, summarised by eval/ncu_source_summary.py (which also runs
+# (SourceCounters) into DIR/src_SHAPE.csv, summarised by bench/ncu_source_summary.py (which also runs
 # on the CSV anywhere else, no GPU needed).
 set -uo pipefail
 MODE="$1"; shift
 PY="${PYTHON:-python3}"
 NCU="${NCU:-ncu}"
-RUN=("$PY" eval/profile_ncu.py --modes "$MODE" --shapes "$@")
+RUN=("$PY" bench/profile_ncu.py --modes "$MODE" --shapes "$@")
 common=(--clock-control none --profile-from-start off --print-units base)
 # Build the kernels outside ncu: a JIT build under the profiler is slow, and a killed one leaves
 # compiler children holding the build lock.
@@ -24,7 +24,7 @@ if [ -n "${SOURCE:-}" ]; then
   "$NCU" --clock-control none --profile-from-start off --section SourceCounters --section WarpStateStats \
     -k regex:fwd_kernel -c 1 -f -o "$SOURCE/src_$tag" "${RUN[@]}" 2>&1 | grep -v "^==PROF=="
   "$NCU" -i "$SOURCE/src_$tag.ncu-rep" --page source --csv --print-source sass > "$SOURCE/src_$tag.csv" || exit 1
-  "$PY" eval/ncu_source_summary.py "$SOURCE/src_$tag.csv"
+  "$PY" bench/ncu_source_summary.py "$SOURCE/src_$tag.csv"
   exit $?
 fi
 if [ "${SECTIONS:-1}" = 1 ]; then

@@ -9,7 +9,7 @@ result before any kernel exists: ``sage8_reference(block_kv=tile, k_block=block,
 N(0, 1); K = N(0, 1) + 4 N(0, 1) per channel; eval/bench_kernels.py draws them on the GPU, here the
 same formula on the CPU generator), SageAttention2's bound being cos >= 0.99925, rel-L1 <= 0.039.
 
-    python eval/long_tile_accuracy.py --out eval/results/int8_long_tile_accuracy_cpu.md
+    python bench/long_tile_accuracy.py --out eval/results/int8_long_tile_accuracy_cpu.md
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
             lines.append(f"| {b}x{h}x{s}x{d} | {tile} | {block} | {c:.6f} | {r:.4f} | {ok} |")
             print(lines[-1], flush=True)
     text = ("# 8-bit numerics with longer key tiles and smaller K scale blocks (CPU, torch reference)\n\n"
-            f"`python eval/long_tile_accuracy.py`, torch {torch.__version__}, {time.time() - t0:.0f} s. "
+            f"`python bench/long_tile_accuracy.py`, torch {torch.__version__}, {time.time() - t0:.0f} s. "
             "sage8_reference(row_sum=\"codes\") against float32 attention on the benchmark's inputs "
             "(6 heads per shape). The first row of each shape is the shipped numerics.\n\n" + "\n".join(lines) + "\n")
     if args.out:

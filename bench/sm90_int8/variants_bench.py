@@ -21,7 +21,7 @@ Before the timing, --accuracy runs every variant on long sequences (16K-131K tok
 sage8_reference and fp32 SDPA (accumulation_check). A compact table comes last (the device log
 keeps only its tail).
 
-    python csrc/sm90_int8/variants_bench.py [--reps 20] [--shapes all|quick] [--accuracy all|quick|none]
+    python bench/sm90_int8/variants_bench.py [--reps 20] [--shapes all|quick] [--accuracy all|quick|none]
 """
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.bench_utils import event_median_ms, make_inputs, pipelined_ms  # noqa: E402
 from sage_diffusers.kernels import _sm90_int8_variants as _variants  # noqa: E402
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
-from sage_diffusers.kernels.bench_utils import event_median_ms, make_inputs, pipelined_ms  # noqa: E402
 from sage_diffusers.reference import cosine, relative_l1, sage8_reference  # noqa: E402
 
 SHAPES = [(1, 24, 4608, 128), (1, 38, 4429, 64), (2, 24, 4096, 128), (1, 24, 16384, 128),

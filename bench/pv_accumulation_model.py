@@ -18,18 +18,18 @@ Output after dividing by the row sum; rel-L1 and norm ratio against (a). The H20
 (eval/results/int8_pv_accumulation_h200.md: O 13 % small at 16K keys on DiT-like inputs) is
 nearer ``--mantissa-bits 10`` than 13.
 
-    python eval/pv_accumulation_model.py [--mantissa-bits 13] [--flush-tiles 1 4]
+    python bench/pv_accumulation_model.py [--mantissa-bits 13] [--flush-tiles 1 4]
 """
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-try:
-    from eval import _cli
-except ImportError:  # run as a script: eval/ is sys.path[0]
-    import _cli
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for eval._cli
+from eval import _cli  # noqa: E402
 
 MMA_K = 32  # keys per FP8 wgmma step (k = 32 bytes)
 TILE = 128  # keys per tile

@@ -4,12 +4,12 @@
 For each shape and each named option set of the benchmark build (generate_instantiations
 BENCH_VARIANTS, named as there: the option set, then ``exp2poly<N>`` where N > 0; ``default`` = the shipped
 defaults of that head dim): the full call (pre-pass + kernel + host work, L2 flushed, the timer of
-eval/bench_kernels.py, ``bench_utils.compare_ms``) and the attention kernel alone
+eval/bench_kernels.py, ``_timing.compare_ms``) and the attention kernel alone
 (``ext.bench_parts``), both over ``--rounds`` rounds with the methods in a new order every round;
 median [min-max] over the rounds. Before timing, every variant's output is compared with the
 default's (bit for bit, and cosine) and with ``sage8_reference`` at the same shape.
 
-    SAGE_DIFFUSERS_SM90_BENCH=1 python eval/int8_variant_ab.py \\
+    SAGE_DIFFUSERS_SM90_BENCH=1 python bench/int8_variant_ab.py \\
         --variants lean_overlap_pingpong_qregs_split_smemo4_esum_stage_latewait --out eval/results/x.md
 
 ``--prepass-modes N...`` adds the defaults under other pre-pass modes (launch.h kPrepass* bit sets),
@@ -31,9 +31,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.bench_utils import make_inputs  # noqa: E402
 from eval import _cli  # noqa: E402
 from sage_diffusers.kernels import _sm90_int8_variants as variants  # noqa: E402
-from sage_diffusers.kernels.bench_utils import compare_ms, make_inputs, spread  # noqa: E402
+from sage_diffusers.kernels._timing import compare_ms, spread  # noqa: E402
 from sage_diffusers.reference import cosine, relative_l1, sage8_reference  # noqa: E402
 
 SHAPES = [(1, 24, 4608, 128), (1, 24, 16384, 128), (1, 38, 4429, 64), (1, 48, 17776, 64)]

@@ -5,7 +5,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 S=$(date +%s)
-timeout -k 5 150 bash eval/device/session.sh build
+timeout -k 5 150 bash bench/device/session.sh build
 export SAGE_DIFFUSERS_CACHE="$PWD/build/jit" PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 BASE=""
@@ -15,4 +15,4 @@ echo "calibrate rc=$? after $(( $(date +%s) - S )) s"; tail -20 "$OUT/calibrate.
 LEFT=$(( 575 - ($(date +%s) - S) ))
 SAGE_DIFFUSERS_AUTO_CALIBRATE=0 timeout -k 10 "$LEFT" python3 -m eval.calibrate_auto --check-only --out-dir "$OUT" > "$OUT/check.log" 2>&1
 echo "check rc=$? after $(( $(date +%s) - S )) s"; tail -8 "$OUT/check.log"
-python3 eval/device/profile_auto_host.py > "$OUT/profile_auto_host.log" 2>&1; grep -E "function calls|== mode" "$OUT/profile_auto_host.log"
+python3 bench/device/profile_auto_host.py > "$OUT/profile_auto_host.log" 2>&1; grep -E "function calls|== mode" "$OUT/profile_auto_host.log"

@@ -2,15 +2,15 @@
 """Where a kernel's warps wait, per kind of instruction: a summary of Nsight Compute's per-SASS
 warp-stall samples (no GPU needed to read them).
 
-Collect on the GPU machine (``SOURCE=1 bash eval/profile_ncu.sh int8 SHAPE`` does both steps)::
+Collect on the GPU machine (``SOURCE=1 bash bench/profile_ncu.sh int8 SHAPE`` does both steps)::
 
     ncu --clock-control none --profile-from-start off --section SourceCounters --section WarpStateStats \\
-        -k regex:fwd_kernel -c 1 -o rep python3 eval/profile_ncu.py --modes int8 --shapes 1x24x16384x128
+        -k regex:fwd_kernel -c 1 -o rep python3 bench/profile_ncu.py --modes int8 --shapes 1x24x16384x128
     ncu -i rep.ncu-rep --page source --csv --print-source sass > src.csv
 
 then here::
 
-    python eval/ncu_source_summary.py src.csv [--top 20] [--range 0x6a80:0x12560]
+    python bench/ncu_source_summary.py src.csv [--top 20] [--range 0x6a80:0x12560]
 
 Prints markdown: the kernel's stall reasons over all samples; per base opcode (IGMMA, MUFU, FMNMX, ...)
 inside the main loop, the share of the loop's samples and its main stall reasons; and the instructions
@@ -31,10 +31,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-try:
-    from eval import _cli
-except ImportError:  # run as a script: eval/ is sys.path[0]
-    import _cli
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for eval._cli
+from eval import _cli  # noqa: E402
 
 _SASS_COST = Path(__file__).resolve().parents[1] / "csrc" / "sm90_int8" / "sass_cost.py"
 

@@ -9,7 +9,7 @@ squares, per compiled variant of the benchmark build (``SAGE_DIFFUSERS_SM90_BENC
 default. A large F against n c is what a persistent grid (the next work tile's loads under this
 one's epilogue) can win back at image lengths.
 
-    SAGE_DIFFUSERS_SM90_BENCH=1 python eval/int8_fixed_cost.py [--reps 20] [--out eval/results/int8_fixed_cost_h200]
+    SAGE_DIFFUSERS_SM90_BENCH=1 python bench/int8_fixed_cost.py [--reps 20] [--out eval/results/int8_fixed_cost_h200]
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bench_utils import make_inputs  # noqa: E402
 from eval import _cli  # noqa: E402
 from sage_diffusers.kernels import _sm90_int8_variants as variants  # noqa: E402
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
-from sage_diffusers.kernels.bench_utils import make_inputs  # noqa: E402
 
 # (head dim, heads, query length): Flux's and SD3.5's image attention.
 CASES = ((128, 24, 4608), (64, 38, 4429))

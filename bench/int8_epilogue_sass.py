@@ -6,8 +6,8 @@ path (the per-channel v_first lookup, what every other variant runs) or the fast
 This finds that vote in a ``cuobjdump -sass`` dump and counts, per consumer thread, the
 instructions, global loads and stores of each path from the branch to where they join.
 
-    python csrc/sass_diff.py dump OUT --only 'esum$'       # OUT/i8_bench_*_esum.sass
-    python eval/int8_epilogue_sass.py OUT/i8_bench_hd128_lean_overlap_pingpong_qregs_split_smemo4_esum.sass
+    python bench/sass_diff.py dump OUT --only 'esum$'       # OUT/i8_bench_*_esum.sass
+    python bench/int8_epilogue_sass.py OUT/i8_bench_hd128_lean_overlap_pingpong_qregs_split_smemo4_esum.sass
 """
 from __future__ import annotations
 
@@ -15,11 +15,10 @@ import argparse
 import collections
 import re
 import sys
+from pathlib import Path
 
-try:
-    from eval import _cli
-except ImportError:  # run as a script: eval/ is sys.path[0]
-    import _cli
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for eval._cli
+from eval import _cli  # noqa: E402
 
 _INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Mutation testing of sage_diffusers/reference/ and sage_diffusers/api.py with mutmut 3.
 #
-#   eval/mutation/run.sh                                              # everything in setup.cfg
-#   MUTATE="sage_diffusers/reference/quant.py" eval/mutation/run.sh   # one file first (faster)
-#   TESTS="tests/test_quant_bitexact.py" eval/mutation/run.sh         # a narrower test selection
-#   MUTANTS="sage_diffusers.api.*" SAMPLE=200 SEED=12 eval/mutation/run.sh   # a random sample
+#   bench/mutation/run.sh                                              # everything in setup.cfg
+#   MUTATE="sage_diffusers/reference/quant.py" bench/mutation/run.sh   # one file first (faster)
+#   TESTS="tests/test_quant_bitexact.py" bench/mutation/run.sh         # a narrower test selection
+#   MUTANTS="sage_diffusers.api.*" SAMPLE=200 SEED=12 bench/mutation/run.sh   # a random sample
 #
 # Runs on a scratch checkout of HEAD (commit what you want measured); prints mutmut's counts per
 # mutated file and every mutant that was not killed with its one-line change, and writes them to
@@ -20,7 +20,7 @@ else
   trap 'git -C "$repo" worktree remove --force "$work"' EXIT
 fi
 [ -d "$work" ] || git -C "$repo" worktree add --detach "$work" HEAD >/dev/null
-python - "$repo/eval/mutation/setup.cfg" "$work/setup.cfg" <<'PY'
+python - "$repo/bench/mutation/setup.cfg" "$work/setup.cfg" <<'PY'
 import os, sys
 text = open(sys.argv[1]).read()
 for key, env in (("only_mutate", "MUTATE"), ("pytest_add_cli_args_test_selection", "TESTS")):
@@ -53,4 +53,4 @@ PY
 fi
 mutmut run --max-children "$jobs" "${names[@]}" >/dev/null 2>&1 || true
 out="${MUTATION_OUT:-$repo/eval/results}"
-python "$repo/eval/mutation/report.py" "${names[@]}" | tee "$out/mutation_survivors.txt"
+python "$repo/bench/mutation/report.py" "${names[@]}" | tee "$out/mutation_survivors.txt"

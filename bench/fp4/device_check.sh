@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine (sm_90 or sm_120/121): build the FP4 extension, run its tests (-x -q), the
 # self test and a short benchmark, then print a summary. Run from the repository root:
-#   bash csrc/fp4/device_check.sh            (PYTHON, FP4_BENCH=0 to skip the benchmark)
+#   bash bench/fp4/device_check.sh           (PYTHON, FP4_BENCH=0 to skip the benchmark)
 # Writes the accuracy records to $OUT/fp4_report.jsonl when $OUT is set.
 set -uo pipefail
 PYTHON="${PYTHON:-python}"
@@ -21,10 +21,10 @@ echo "== pytest"
 "$PYTHON" -m pytest -x -q tests/test_kernel_fp4.py
 rc=$?
 echo "== selftest"
-"$PYTHON" -m sage_diffusers.kernels.fp4 selftest || rc=1
+"$PYTHON" bench/fp4_lab.py selftest || rc=1
 if [ "${FP4_BENCH:-1}" = "1" ]; then
   echo "== benchmark (pre-pass included, vs cuDNN BF16 SDPA; sm_90: both emulated GEMM variants)"
-  "$PYTHON" -m sage_diffusers.kernels.fp4 bench --emu both || rc=1
+  "$PYTHON" bench/fp4_lab.py bench --emu both || rc=1
 fi
 echo "== accuracy records ($REPORT)"
 "$PYTHON" - "$REPORT" <<'PY'

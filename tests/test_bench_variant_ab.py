@@ -1,4 +1,4 @@
-"""eval/int8_variant_ab.py without a GPU: its name lookup covers every benchmark variant and
+"""bench/int8_variant_ab.py without a GPU: its name lookup covers every benchmark variant and
 resolves to the flags the benchmark build dispatches on; without CUDA it exits with a reason."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("int8_variant_ab", ROOT / "eval" / "int8_variant_ab.py")
+    spec = importlib.util.spec_from_file_location("int8_variant_ab", ROOT / "bench" / "int8_variant_ab.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -39,6 +39,6 @@ def test_without_cuda_it_says_so():
     if torch.cuda.is_available():
         return
     name = next(iter(_load()._flags_by_name()))[1]  # a known name: unknown ones are refused before this check
-    res = subprocess.run([sys.executable, str(ROOT / "eval" / "int8_variant_ab.py"), "--variants", name],
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "int8_variant_ab.py"), "--variants", name],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and "needs a CUDA GPU" in res.stderr

@@ -2,7 +2,7 @@
 
 Run in the directory where ``mutmut run`` ran (it reads ``mutants/**/*.py.meta``)::
 
-    python eval/mutation/report.py [NAME_OR_GLOB ...]
+    python bench/mutation/report.py [NAME_OR_GLOB ...]
 
 With names or globs, only the matching mutants are counted (a sampled run). For every mutant that
 was not killed (survived, timeout, suspicious, segfault) it prints the changed lines of its diff.

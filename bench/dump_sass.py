@@ -1,18 +1,18 @@
 #!/usr/bin/env python3
 """Write the SASS of selected kernels of a built extension (GPU machine with cuobjdump).
 
-    python3 eval/dump_sass.py LIB.so OUT_DIR PATTERN...   (a kernel is kept if its mangled name
+    python3 bench/dump_sass.py LIB.so OUT_DIR PATTERN...   (a kernel is kept if its mangled name
     contains every PATTERN; one file per kernel, plus an opcode histogram of its hottest loop)
 """
 import argparse
 import collections
 import re
 import subprocess
+import sys
+from pathlib import Path
 
-try:
-    from eval import _cli
-except ImportError:  # run as a script: eval/ is sys.path[0]
-    import _cli
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for eval._cli
+from eval import _cli  # noqa: E402
 
 
 def main(argv: "list[str] | None" = None) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.bench_utils import pipelined_ms  # noqa: E402
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
-from sage_diffusers.kernels._timing import pipelined_ms  # noqa: E402
 from sage_diffusers.reference import cosine, relative_l1, sage8_quantize, sage8_reference  # noqa: E402
 
 

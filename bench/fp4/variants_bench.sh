@@ -5,7 +5,7 @@
 # D = 64 fp16; pass = cos >= 0.9999, finite) and time it (pre-pass included) against cuDNN BF16
 # SDPA at 1x24x16384x128 and 2x24x4096x128. Prints one table.
 # Run from the repository root on the GPU machine:
-#   bash csrc/fp4/variants_bench.sh      (FP4_VARIANTS="none hoist_mask ...", FP4_ITERS=10, PYTHON)
+#   bash bench/fp4/variants_bench.sh     (FP4_VARIANTS="none hoist_mask ...", FP4_ITERS=10, PYTHON)
 # FP4_VARIANTS: option sets separated by spaces, each its option names joined by "+" ("none": no
 # option); default fp4.BENCH_VARIANTS. The first is the baseline the others' outputs are compared
 # with. Names are checked (and bit masks turned into names) before anything is built.

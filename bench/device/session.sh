@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One lent-GPU session step (run from the repo root on the device machine; logs in $OUT):
-#   bash eval/device/session.sh build            # FP4 + 8-bit regular + 8-bit benchmark builds, side by side
-#   bash eval/device/session.sh pytest FILES...  # pytest on FILES (args after FILES go to pytest)
+#   bash bench/device/session.sh build            # FP4 + 8-bit regular + 8-bit benchmark builds, side by side
+#   bash bench/device/session.sh pytest FILES...  # pytest on FILES (args after FILES go to pytest)
 # Wheels in .whl/ go to /tmp/site first; the JIT cache is build/jit so a warm machine keeps it.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
