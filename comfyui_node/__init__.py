@@ -4,16 +4,17 @@ Load it either way:
 - as a folder in ``ComfyUI/custom_nodes/`` (a copy or a link of this folder): ComfyUI reads
   ``NODE_CLASS_MAPPINGS`` / ``NODE_DISPLAY_NAME_MAPPINGS`` (and ``comfy_entrypoint`` on V3-aware
   versions that find no mappings);
-- as the installed module ``comfyui_node`` (``import comfyui_node``), e.g. from tests, without
-  ComfyUI: the legacy node class and the pure logic work without ``comfy`` importable.
+- as the module ``comfyui_node`` (``import comfyui_node`` with the checkout on ``sys.path``), e.g.
+  from tests, without ComfyUI: the legacy node class and the pure logic work without ``comfy``
+  importable. The sage_diffusers wheel does not install this package (a generic top-level name).
 
 With ``comfy_api.latest`` available the mapping holds the V3 node (it also serves the V1 loader,
 which is the path ComfyUI takes when ``NODE_CLASS_MAPPINGS`` exists); otherwise the legacy node.
 
 One module identity: ComfyUI imports a ``custom_nodes`` folder under the folder's own name. Run
-that way, this file only re-exports the package imported as ``comfyui_node`` (the pip-installed
-one, else this folder under that name), so counters, the step state and the node classes exist
-once per process however the node was installed.
+that way, this file only re-exports the package imported as ``comfyui_node`` (one already on
+``sys.path``, else this folder under that name), so counters, the step state and the node classes
+exist once per process however many copies of the folder ComfyUI loads.
 """
 from __future__ import annotations
 

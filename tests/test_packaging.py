@@ -1,4 +1,5 @@
-"""Packaging: a wheel carries the kernel sources where the JIT looks; the JIT lock and build messages.
+"""Packaging: a wheel carries the kernel sources where the JIT looks, one top-level package and the
+run-time requirements only; the JIT lock and build messages.
 
 The wheel test builds from this checkout exactly as ``pip install <repo>`` does, installs the
 wheel into a folder outside the checkout and asks the installed copy's own lookup
@@ -6,6 +7,7 @@ wheel into a folder outside the checkout and asks the installed copy's own looku
 """
 import io
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -15,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 from sage_diffusers.kernels import _jit
 
@@ -65,10 +68,122 @@ def test_wheel_carries_the_kernel_sources_and_no_lab(wheel):
         sorted(n for n in kernel if Path(n).suffix not in _jit.HASHED_SUFFIXES)
 
 
-def test_installed_wheel_finds_its_kernel_sources(wheel, tmp_path):
-    target = tmp_path / "site"
-    res = _pip("install", "--no-deps", "-q", "--target", str(target), str(wheel), cwd=tmp_path)
+def _requirements(wheel: Path) -> list[Requirement]:
+    with zipfile.ZipFile(wheel) as z:
+        (meta,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        text = z.read(meta).decode()
+    return [Requirement(line.split(":", 1)[1].strip()) for line in text.splitlines() if line.startswith("Requires-Dist:")]
+
+
+LINUX = {"platform_system": "Linux", "sys_platform": "linux", "python_version": "3.12"}
+
+
+def _extras(req: Requirement) -> set[str]:
+    """The extras whose installs pull ``req`` on Linux."""
+    return {e for e in ("diffusers", "test", "eval", "mutation")
+            if req.marker is not None and req.marker.evaluate({**LINUX, "extra": e})}
+
+
+def test_wheel_requires_only_what_runs_and_keeps_an_installed_torch(wheel):
+    reqs = _requirements(wheel)
+    always = {r.name for r in reqs if r.marker is None or r.marker.evaluate({**LINUX, "extra": ""})}
+    assert always == {"torch", "nvidia-cutlass", "ninja", "filelock"}, always  # no diffusers, no test tooling
+    (torch_req,) = [r for r in reqs if r.name == "torch"]
+    assert all(spec.operator == ">=" for spec in torch_req.specifier), torch_req  # a lower bound: torch stays
+    extras = {r.name: _extras(r) for r in reqs if _extras(r)}
+    assert extras["diffusers"] == {"diffusers"}
+    assert {"diffusers", "transformers", "accelerate"} <= {r.name for r in reqs if "diffusers" in _extras(r)}
+    for extra in ("test", "eval"):  # both run the integration
+        assert any(r.name == "sage-diffusers" and r.extras == {"diffusers"} and extra in _extras(r) for r in reqs)
+    assert {"pytest", "triton"} <= {r.name for r in reqs if _extras(r) == {"test"}}
+    # torch pins its own triton on Linux (2.14: ~=3.8): any bound here would make pip swap torch
+    (triton_req,) = [r for r in reqs if r.name == "triton"]
+    assert not triton_req.specifier, triton_req
+    assert not triton_req.marker.evaluate({"extra": "test", "platform_system": "Windows"})
+
+
+def test_wheel_installs_sage_diffusers_only(wheel):
+    """No top-level ``comfyui_node``: a generic name other projects' wheels could also install. ComfyUI
+    loads the node from the checkout's folder (comfyui_node/README.md)."""
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        (top_level,) = [n for n in names if n.endswith(".dist-info/top_level.txt")] or [None]
+        tops = z.read(top_level).decode().split() if top_level else None
+    assert {n.split("/", 1)[0] for n in names} == {"sage_diffusers", "sage_diffusers-0.1.0.dist-info"}
+    assert tops in (None, ["sage_diffusers"]), tops
+    assert not any("comfyui" in n for n in names)
+
+
+def test_core_import_needs_no_diffusers_and_the_integration_names_the_extra(tmp_path):
+    """``pip install sage-diffusers`` (no extra): the API runs; the diffusers integration says what to install."""
+    probe = textwrap.dedent("""
+        import sys
+        sys.modules["diffusers"] = None  # as if it were not installed
+        import torch
+        import sage_diffusers as sd
+        q = torch.randn(1, 2, 16, 64)
+        assert sd.attention(q, q, q, mode="sdpa").shape == q.shape
+        assert "diffusers" not in {m.split(".")[0] for m in sys.modules if sys.modules[m] is not None}
+        for get in (lambda: sd.enable, lambda: sd.enable_context_parallel):
+            try:
+                get()
+            except ModuleNotFoundError as e:
+                print(e)
+            else:
+                raise AssertionError("diffusers imported")
+    """)
+    res = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 2 and all("pip install 'sage-diffusers[diffusers]'" in line for line in lines), lines
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    """The wheel installed into a folder of its own (put it on PYTHONPATH to use it)."""
+    target = tmp_path_factory.mktemp("installed") / "site"
+    res = _pip("install", "--no-deps", "-q", "--target", str(target), str(wheel), cwd=target.parent)
     assert res.returncode == 0, res.stdout + res.stderr
+    return target
+
+
+def _run_installed(probe: str, target: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """``probe`` in a child that imports the installed wheel, not this checkout (nor its editable install)."""
+    env = {k: v for k, v in os.environ.items() if k != "SAGE_DIFFUSERS_CSRC"}
+    env["PYTHONPATH"] = str(target)
+    # A fresh environment has no editable install of a checkout (an older one also mapped comfyui_node).
+    head = "import sys\nsys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]\n"
+    return subprocess.run([sys.executable, "-c", head + probe, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_comfyui_node_folder_runs_on_the_installed_wheel(installed, tmp_path):
+    """ComfyUI loads ``custom_nodes/<folder>`` under the folder's name; the folder (a copy of comfyui_node/)
+    then registers itself as ``comfyui_node`` and uses the installed sage_diffusers."""
+    node = tmp_path / "custom_nodes" / "sage_diffusers_node"
+    shutil.copytree(ROOT / "comfyui_node", node, ignore=shutil.ignore_patterns("__pycache__"))
+    probe = textwrap.dedent("""
+        import importlib.util, os, sys
+        node = sys.argv[1]
+        spec = importlib.util.spec_from_file_location("sage_diffusers_node", os.path.join(node, "__init__.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sage_diffusers_node"] = module  # what ComfyUI's load_custom_node does
+        spec.loader.exec_module(module)
+        import sage_diffusers
+        print(sage_diffusers.__file__)
+        print(sys.modules["comfyui_node"].__file__)
+        print(sorted(module.NODE_CLASS_MAPPINGS), module.attention_stats is sys.modules["comfyui_node"].attention_stats)
+    """)
+    res = _run_installed(probe, installed, tmp_path, str(node))
+    assert res.returncode == 0, res.stderr
+    sage_file, node_file, mappings = res.stdout.strip().splitlines()[-3:]
+    assert Path(sage_file).is_relative_to(installed)
+    assert Path(node_file) == node / "__init__.py"
+    assert mappings == "['SageDiffusersAttention'] True"
+
+
+def test_installed_wheel_finds_its_kernel_sources(installed, tmp_path):
+    target = installed
     probe = textwrap.dedent("""
         import sage_diffusers
         from sage_diffusers.kernels import _jit, fp4, int8_sm90
@@ -78,10 +193,7 @@ def test_installed_wheel_finds_its_kernel_sources(wheel, tmp_path):
         print(fp4.source_dir().is_dir(), int8_sm90.source_dir().is_dir(),
               all(p.is_file() for p in int8_sm90._sources()))
     """)
-    env = {k: v for k, v in os.environ.items() if k != "SAGE_DIFFUSERS_CSRC"}
-    env["PYTHONPATH"] = str(target)
-    res = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=120)
+    res = _run_installed(probe, target, tmp_path)
     assert res.returncode == 0, res.stderr
     module_file, csrc, missing, dirs = res.stdout.strip().splitlines()[-4:]
     assert Path(module_file).is_relative_to(target), "the probe imported the checkout, not the wheel"
@@ -98,7 +210,7 @@ def test_sdist_manifest_carries_csrc_and_the_build_hook(tmp_path):
     (sdist,) = tmp_path.glob("sage_diffusers-*.tar.gz")
     with tarfile.open(sdist) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    assert {"setup.py", "MANIFEST.in", "pyproject.toml"} <= names
+    assert {"setup.py", "MANIFEST.in", "pyproject.toml", "comfyui_node/__init__.py", "comfyui_node/README.md"} <= names
     want = {f"csrc/{rel}" for rel in _kernel_files(ROOT / "csrc")}
     assert want and want <= names, sorted(want - names)[:5]
     assert not any(n.endswith((".so", ".o")) for n in names)

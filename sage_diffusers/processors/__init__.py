@@ -20,6 +20,17 @@ import inspect
 from typing import Any
 
 import torch
+
+try:
+    import diffusers  # noqa: F401  (an optional dependency: the extra sage-diffusers[diffusers])
+except ModuleNotFoundError as exc:
+    if exc.name != "diffusers":
+        raise
+    raise ModuleNotFoundError(
+        "sage_diffusers' diffusers integration (sd.enable, sd.disable, sd.enable_context_parallel, "
+        "sage_diffusers.processors) needs diffusers: pip install 'sage-diffusers[diffusers]'",
+        name="diffusers",
+    ) from exc
 from diffusers.models.attention_processor import (
     CogVideoXAttnProcessor2_0,
     JointAttnProcessor2_0,
