@@ -396,8 +396,9 @@ def test_block_layouts_match_real_models(tmp_path):
 
 
 def test_installed_package_and_custom_nodes_link_are_one_module(tmp_path):
-    """pip install (here: a copy of the packages on PYTHONPATH, as a wheel installs them) plus the
-    checkout's folder linked into custom_nodes: one comfyui_node, the installed one."""
+    """A ``comfyui_node`` package on the path (as wheels before 0.1.0's packaging fix installed one; here a
+    copy on PYTHONPATH) plus the checkout's folder linked into custom_nodes: one comfyui_node, the installed
+    one. Today's wheel carries only sage_diffusers (tests/test_packaging.py covers that case)."""
     site = tmp_path / "site"
     for package in ("sage_diffusers", "comfyui_node"):
         shutil.copytree(REPO / package, site / package, ignore=shutil.ignore_patterns("__pycache__"))
