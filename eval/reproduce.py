@@ -113,12 +113,13 @@ REFERENCE = "sdpa"
 def parse_attention(spec: str):
     """"sdpa" | "int8" | "fp4" | "auto" | "policy:NAME" -> (label, mode, policy)."""
     from sage_diffusers.options import Mode
-    from sage_diffusers.policy import DEFAULT_POLICY, LayerRule, StepLayerPolicy
+    from sage_diffusers.policy import SAGE3_POLICY, LayerRule, StepLayerPolicy
 
     if spec.startswith("policy:"):
         name = spec.split(":", 1)[1]
-        policies = {"sage3": DEFAULT_POLICY,
-                    "sage3-int8-early": StepLayerPolicy(layer_rules=(LayerRule(range(0, 4), Mode.INT8),))}
+        policies = {"sage3": SAGE3_POLICY,
+                    "sage3-int8-early": StepLayerPolicy(default=Mode.FP4,
+                                                        layer_rules=(LayerRule(range(0, 4), Mode.INT8),))}
         if name not in policies:
             raise ValueError(f"unknown policy {name!r}; known: {', '.join(policies)}")
         return spec, Mode.AUTO, policies[name]

@@ -34,7 +34,7 @@ def test_flux_pipeline_runs_a_step_and_layer_policy(monkeypatch):
     reference = pipe(**_sage_tiny.tiny_call_kwargs(family, steps=4))[0]
 
     # SDPA on the first and last step; in between INT8 in layer 1 (the single-stream block), FP4 elsewhere.
-    policy = StepLayerPolicy(first_steps=1, last_steps=1, layer_rules=(LayerRule(range(1, 2), Mode.INT8),))
+    policy = StepLayerPolicy(default="fp4", first_steps=1, last_steps=1, layer_rules=(LayerRule(range(1, 2), Mode.INT8),))
     state = integration.enable(pipe, policy=policy)
     calls = ModeRecorder(monkeypatch)
 

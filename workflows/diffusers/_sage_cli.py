@@ -28,7 +28,7 @@ import sage_diffusers  # noqa: E402
 from sage_diffusers import integration  # noqa: E402
 from sage_diffusers._cli import enum_argument  # noqa: E402
 from sage_diffusers.options import Mode  # noqa: E402
-from sage_diffusers.policy import DEFAULT_POLICY, LayerRule, Policy, StepLayerPolicy  # noqa: E402
+from sage_diffusers.policy import SAGE3_POLICY, LayerRule, Policy, StepLayerPolicy  # noqa: E402
 
 
 class Output(str, enum.Enum):
@@ -51,8 +51,8 @@ def policy_of(choice: PolicyChoice) -> Policy | None:
     if choice is PolicyChoice.FIXED:
         return None
     if choice is PolicyChoice.SAGE3:
-        return DEFAULT_POLICY
-    return StepLayerPolicy(layer_rules=(LayerRule(range(0, 4), Mode.INT8),))
+        return SAGE3_POLICY
+    return StepLayerPolicy(default=Mode.FP4, layer_rules=(LayerRule(range(0, 4), Mode.INT8),))
 
 
 @dataclass(frozen=True)
