@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import math
 import sys
 import threading
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 from . import _fallback
 from ._shared import (check_scale as _check_scale, chunk_mask as _chunk_mask, exact_lse as _lse,
                       query_chunks as _query_chunks)
+from .kernels import backend_for as _kernel_cached
 from .options import Layout, Mode
 from .reference import sage3_reference, sage8_reference
 
@@ -602,37 +602,6 @@ def _auto_algorithm_of(cap: int) -> Optional[Mode]:
     if major == 12:
         return Mode.FP4
     return None
-
-
-@functools.lru_cache(maxsize=None)
-def _kernel_cached(mode: Mode, capability: tuple[int, int]) -> tuple[Optional[Backend], str]:
-    try:
-        if mode is Mode.INT8 and capability[0] == 8:  # sm_80/86/89: SageBwd's Triton forward
-            from .kernels import sagebwd_triton as module
-
-            fn_name = "attention_int8_triton"
-        elif mode is Mode.INT8:
-            from .kernels import int8_sm90 as module
-
-            fn_name = "attention_int8_sm90"
-        else:
-            from .kernels import fp4 as module
-
-            fn_name = "attention_fp4"
-    except ImportError as exc:
-        return None, f"kernel module missing ({exc})"
-    ok, why = module.is_available()
-    if not ok:
-        return None, why
-    try:
-        module.build()  # JIT on first use; a failed build becomes a fallback reason, not a crash
-    except Exception as exc:  # compiler missing, headers missing, ...: report and fall back
-        return None, f"build failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return getattr(module, fn_name), ""
-
-
-def _kernel(mode: Mode, device: torch.device) -> tuple[Optional[Backend], str]:
-    return _kernel_cached(mode, torch.cuda.get_device_capability(device))
 
 
 # ---------------------------------------------------------------------------------------------
