@@ -446,7 +446,7 @@ def _resolve_auto_table(index: int, calibrate: bool = True) -> tuple:
         if table is None:
             try:
                 with torch.cuda.device(index):
-                    table = auto_calibrate.first_use(torch.device("cuda", index), model, kernel, path)
+                    table = auto_calibrate.first_use(torch.device("cuda", index), model, kernel, path, attention)
             except Exception as exc:  # out of memory, a failing kernel: keep auto safe, say why
                 return conservative, f"calibration on {model} failed ({type(exc).__name__}: {exc}); conservative rule", True
     return table, f"calibrated on this {model}", True
