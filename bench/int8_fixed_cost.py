@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -52,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     ext = int8_sm90.build()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bench = os.environ.get("SAGE_DIFFUSERS_SM90_BENCH") == "1"
+    bench = int8_sm90._BENCH  # what the build above used (SAGE_DIFFUSERS_SM90_BENCH, read by sage_diffusers.config)
     todo = [(d, poly, flags, name) for d, poly, flags, name in variants.BENCH_VARIANTS] if bench else \
         [(d, variants.DEFAULT_EXP_POLY[d], -1, "default") for d, _, _ in CASES]
     rows, lines = [], []

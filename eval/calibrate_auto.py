@@ -333,7 +333,7 @@ def main(argv=None) -> None:
 
         todo = [c for c in auto_table.ALL_CLASSES if c not in base]
         table, results = auto_calibrate.calibrate(torch.device("cuda"), auto_calibrate.FULL._replace(rounds=args.rounds),
-                                                  classes=todo, on_class=show)
+                                                  classes=todo, on_class=show, attention=sd.attention)
         table = {**base, **table}
         meta["calibration_s"] = round(time.time() - t0, 1)
         if args.install:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import math
 import sys
 import threading
@@ -33,6 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from . import _fallback
+from ._shared import (check_scale as _check_scale, chunk_mask as _chunk_mask, exact_lse as _lse,
+                      query_chunks as _query_chunks)
+from .kernels import backend_for as _kernel_cached
 from .options import Layout, Mode
 from .reference import sage3_reference, sage8_reference
 
@@ -42,9 +44,6 @@ ACCEPTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # float32 inputs of the low-bit paths are rounded to this dtype first, on the kernels and the
 # references alike (so both compute from the same values); bfloat16 keeps float32's range.
 LOW_BIT_FLOAT32_AS = torch.bfloat16
-# Score elements per query chunk wherever the SDPA path works chunk by chunk (LSE, causal with a
-# mask): 2**24 float32 scores = 64 MiB, whatever the sequence length.
-_CHUNK_ELEMENTS = 1 << 24
 
 # fn(q, k, v, *, key_mask, is_causal, scale, return_lse) -> (out, lse | None), BHSD views.
 Backend = Callable[..., tuple]
@@ -179,22 +178,6 @@ def _to_bhsd(q, k, v, layout: Layout):
     if (hkv == 0 and hq != 0) or (hkv != 0 and hq % hkv):
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     return q, k, v
-
-
-def _check_scale(scale, d: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(d)
-    if isinstance(scale, torch.Tensor):
-        raise ValueError("scale: expected a Python float, got a tensor")
-    if isinstance(scale, bool):  # float(True) == 1.0 would pass silently
-        raise ValueError(f"scale: expected a finite float, got the bool {scale}")
-    try:
-        value = float(scale)
-    except (TypeError, ValueError):
-        raise ValueError(f"scale: expected a finite float, got {scale!r}") from None
-    if not math.isfinite(value):
-        raise ValueError(f"scale: expected a finite float, got {value}")
-    return value
 
 
 def _check_flag(name: str, value) -> bool:
@@ -463,7 +446,7 @@ def _resolve_auto_table(index: int, calibrate: bool = True) -> tuple:
         if table is None:
             try:
                 with torch.cuda.device(index):
-                    table = auto_calibrate.first_use(torch.device("cuda", index), model, kernel, path)
+                    table = auto_calibrate.first_use(torch.device("cuda", index), model, kernel, path, attention)
             except Exception as exc:  # out of memory, a failing kernel: keep auto safe, say why
                 return conservative, f"calibration on {model} failed ({type(exc).__name__}: {exc}); conservative rule", True
     return table, f"calibrated on this {model}", True
@@ -621,37 +604,6 @@ def _auto_algorithm_of(cap: int) -> Optional[Mode]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel_cached(mode: Mode, capability: tuple[int, int]) -> tuple[Optional[Backend], str]:
-    try:
-        if mode is Mode.INT8 and capability[0] == 8:  # sm_80/86/89: SageBwd's Triton forward
-            from .kernels import sagebwd_triton as module
-
-            fn_name = "attention_int8_triton"
-        elif mode is Mode.INT8:
-            from .kernels import int8_sm90 as module
-
-            fn_name = "attention_int8_sm90"
-        else:
-            from .kernels import fp4 as module
-
-            fn_name = "attention_fp4"
-    except ImportError as exc:
-        return None, f"kernel module missing ({exc})"
-    ok, why = module.is_available()
-    if not ok:
-        return None, why
-    try:
-        module.build()  # JIT on first use; a failed build becomes a fallback reason, not a crash
-    except Exception as exc:  # compiler missing, headers missing, ...: report and fall back
-        return None, f"build failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return getattr(module, fn_name), ""
-
-
-def _kernel(mode: Mode, device: torch.device) -> tuple[Optional[Backend], str]:
-    return _kernel_cached(mode, torch.cuda.get_device_capability(device))
-
-
 # ---------------------------------------------------------------------------------------------
 # Paths
 
@@ -689,47 +641,12 @@ def _run_sage(plan: Plan, q, k, v, key_mask, is_causal: bool, scale: float, retu
     if plan.path == "kernel":
         return plan.backend(q, k, v, key_mask=key_mask, is_causal=is_causal, scale=scale, return_lse=return_lse)
     if plan.path == "sagebwd":
-        from .sagebwd import attention_sagebwd
+        from ._sagebwd_autograd import attention_sagebwd
 
         return attention_sagebwd(q, k, v, key_mask=key_mask, is_causal=is_causal, scale=scale, return_lse=return_lse)
     ref = sage8_reference if plan.mode is Mode.INT8 else sage3_reference
     res = ref(q, k, v, key_mask=key_mask, is_causal=is_causal, scale=scale, return_lse=return_lse)
     return res if return_lse else (res, None)
-
-
-def _query_chunks(sq: int, skv: int, per_row: int, is_causal: bool):
-    """Yield (i0, i1, kend): query rows i0..i1-1 and the keys 0..kend-1 they can see.
-
-    ``per_row`` is the number of score elements one query row costs per key; chunks hold about
-    ``_CHUNK_ELEMENTS`` scores. Causal rows i < i1 see no key beyond i1 - 1 (top-left aligned).
-    """
-    step = max(1, _CHUNK_ELEMENTS // max(1, per_row * skv))
-    for i0 in range(0, sq, step):
-        i1 = min(i0 + step, sq)
-        yield i0, i1, (min(i1, skv) if is_causal else skv)
-
-
-def _chunk_mask(key_mask, attn_mask, is_causal: bool, i0: int, i1: int, kend: int, device):
-    """The SDPA mask of query rows i0..i1-1 and keys 0..kend-1, or None: bool (True = attend), or
-    additive float when ``attn_mask`` is float. Shape broadcastable to (B, Hq, i1 - i0, kend)."""
-    mask = None
-    if attn_mask is not None:
-        mask = attn_mask[..., :kend] if attn_mask.shape[2] == 1 else attn_mask[:, :, i0:i1, :kend]
-    bool_parts = []
-    if key_mask is not None:
-        bool_parts.append(key_mask[:, None, None, :kend])  # (B, 1, 1, kend)
-    if is_causal:
-        rows = torch.arange(i0, i1, device=device)[:, None]
-        cols = torch.arange(kend, device=device)[None, :]
-        bool_parts.append(cols <= rows)  # (n, kend)
-    for part in bool_parts:
-        if mask is None:
-            mask = part
-        elif mask.dtype == torch.bool:
-            mask = mask & part
-        else:
-            mask = mask.masked_fill(~part, -math.inf)
-    return mask
 
 
 def _visible(mask: torch.Tensor) -> torch.Tensor:
@@ -774,25 +691,3 @@ def _sdpa(q, k, v, key_mask, attn_mask, dropout: float, is_causal: bool, scale: 
                                            torch.zeros((), dtype=part.dtype, device=part.device))
     lse = _lse(q, k, key_mask, attn_mask, is_causal, scale) if return_lse else None
     return out, lse
-
-
-def _lse(q, k, key_mask, attn_mask, is_causal: bool, scale: float) -> torch.Tensor:
-    """Exact float32 log-sum-exp of the masked scores: (B, Hq, Sq).
-
-    Query chunks of about ``_CHUNK_ELEMENTS`` scores; grouped-query heads are handled by viewing
-    q as (B, Hkv, g * n, D) per chunk, so K is never repeated per query head.
-    """
-    b, hq, sq, d = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    kf = k.float()  # (B, Hkv, Skv, D)
-    lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
-    for i0, i1, kend in _query_chunks(sq, skv, b * hq, is_causal):
-        n = i1 - i0
-        qc = q[:, :, i0:i1].float().reshape(b, hkv, g * n, d)  # (B, Hkv, g*n, D): head h = kv head h // g
-        s = (qc @ kf[:, :, :kend].transpose(-1, -2)).reshape(b, hq, n, kend) * scale  # (B, Hq, n, kend)
-        mask = _chunk_mask(key_mask, attn_mask, is_causal, i0, i1, kend, q.device)
-        if mask is not None:
-            s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.float()
-        lse[:, :, i0:i1] = torch.logsumexp(s, dim=-1)
-    return lse

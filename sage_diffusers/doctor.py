@@ -17,7 +17,7 @@ from typing import Callable, Optional, TextIO
 
 import torch
 
-from . import __version__, selftest
+from . import __version__, kernels, selftest
 from .kernels import _jit
 from .options import Mode
 from .selftest import CheckKey, Status
@@ -47,13 +47,11 @@ def _nvcc() -> tuple[Optional[Path], str]:
 def _planned_backend(mode: Mode, device: torch.device) -> tuple[Optional[Callable], str]:
     """The backend the API would pick for ``mode`` on ``device``, found without building anything.
 
-    Runs the API's own choice (``api._kernel_cached``, unwrapped so that nothing is cached) under
+    Runs the API's own choice (``kernels.backend_for``, unwrapped so that nothing is cached) under
     ``_jit.dry_run``, where the kernel modules' ``build()`` only reports its cache entry.
     """
-    from . import api
-
     with _jit.dry_run():
-        return api._kernel_cached.__wrapped__(mode, torch.cuda.get_device_capability(device))
+        return kernels.backend_for.__wrapped__(mode, torch.cuda.get_device_capability(device))
 
 
 def _kernel_status(mode: Mode, device: Optional[torch.device]) -> str:

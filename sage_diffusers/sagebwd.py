@@ -9,108 +9,26 @@ Gradients: of q, k, v, and of the LSE where ``sd.attention(..., return_lse=True)
 (its gradient enters the quantized backward's dS). Not of a mask: a float ``attn_mask`` that
 requires grad runs SDPA, which differentiates it. No double backward: the backward is quantized
 and not itself differentiable, so ``create_graph=True`` raises (:data:`DOUBLE_BACKWARD_ERROR`).
+
+The autograd function itself is in ``sage_diffusers._sagebwd_autograd``, below the API, which
+runs it; this module, which checks its arguments with the API's checks, is above it.
 """
 from __future__ import annotations
 
-import enum
 from typing import Optional
 
 import torch
 
-from . import _fallback
+from . import _fallback, api
+from ._sagebwd_autograd import DOUBLE_BACKWARD_ERROR, Impl, SageBwdFunction, default_impl
 from .options import Layout
 from .reference import sagebwd as ref
-from .reference.sagebwd import DoVPrecision, PVPrecision, SageBwdState
+from .reference.sagebwd import DoVPrecision
 
 SUPPORTED_HEAD_DIMS = ref.SUPPORTED_HEAD_DIMS
 _NATIVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-DOUBLE_BACKWARD_ERROR = (
-    "sage_diffusers SageBwd (sd.sagebwd, or sd.attention(mode=\"int8\") with gradients) has no double "
-    "backward: its backward is quantized and not itself differentiable, so create_graph=True (gradient "
-    "penalties, higher-order gradients) would give wrong gradients. Use mode=\"sdpa\" for attention that "
-    "needs double backward (inside torch.nn.attention.sdpa_kernel(SDPBackend.MATH): torch's fused SDPA "
-    "kernels have no double backward either)."
-)
-
-
-class Impl(enum.Enum):
-    """Which implementation computes the quantized forward and backward."""
-
-    REFERENCE = "reference"  # plain torch, any device
-    TRITON = "triton"  # the Triton kernels (CUDA, or the CPU interpreter under TRITON_INTERPRET=1)
-
-
-def _impl_module(impl: Impl):
-    if impl is Impl.TRITON:
-        from .kernels import sagebwd_triton
-
-        return sagebwd_triton
-    return ref
-
-
-def default_impl(device: torch.device) -> Impl:
-    """Triton on CUDA when it imports, the torch reference otherwise."""
-    if device.type == "cuda":
-        from .kernels import sagebwd_triton
-
-        ok, why = sagebwd_triton.is_available()
-        if ok:
-            return Impl.TRITON
-        _fallback.record(f"sagebwd: Triton kernels unavailable ({why})", ran="the torch reference")
-    return Impl.REFERENCE
-
-
-class SageBwdFunction(torch.autograd.Function):
-    """Autograd function over BHSD tensors; see :func:`sagebwd` for the arguments.
-
-    With ``return_lse`` the outputs are (out, lse): lse float32 (B, Hq, Sq), the exact natural-log
-    LSE of the scaled scores (float32 scores, as the SDPA path computes it), whose gradient the
-    quantized backward takes with the output's (``dlse`` of the backends' ``sagebwd_backward``).
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, key_mask, is_causal: bool, scale: float, dov: DoVPrecision, impl: Impl,
-                return_lse: bool = False):
-        module = _impl_module(impl)
-        state = module.sagebwd_forward(q, k, v, key_mask, is_causal, scale, PVPrecision.INT8)
-        ctx.is_causal, ctx.scale, ctx.dov, ctx.impl = is_causal, scale, dov, impl
-        ctx.has_mask, ctx.return_lse = key_mask is not None, return_lse
-        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
-        extra = (key_mask,) if key_mask is not None else ()
-        if not return_lse:
-            ctx.save_for_backward(*state, *extra)
-            return state.out
-        from . import api
-
-        lse = api._lse(q, k, key_mask, None, is_causal, scale)  # (B, Hq, Sq)
-        # the LSE's dQ needs the K mean the forward smoothed with (float32 (B, Hkv, D), small)
-        k_mean = ref.key_mean(k, key_mask)
-        ctx.save_for_backward(*state, k_mean, *extra)
-        return state.out, lse
-
-    @staticmethod
-    def backward(ctx, do, dlse=None):
-        # Grad mode is on in a backward exactly when the caller asked for create_graph=True. The
-        # quantized backward is no differentiable function of q, k, v (its saved state is integer
-        # codes), so a graph built here would silently miss most of the second derivative.
-        if torch.is_grad_enabled():
-            raise RuntimeError(DOUBLE_BACKWARD_ERROR)
-        saved = ctx.saved_tensors
-        n = len(SageBwdState._fields)
-        state = SageBwdState(*saved[:n])
-        rest = list(saved[n:])
-        k_mean = rest.pop(0) if ctx.return_lse else None
-        key_mask = rest.pop(0) if ctx.has_mask else None
-        module = _impl_module(ctx.impl)
-        need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        dq, dk, dv = module.sagebwd_backward(
-            do.contiguous(), state, key_mask, ctx.is_causal, ctx.scale, ctx.dov,
-            dlse=dlse.float().contiguous() if ctx.return_lse else None, k_mean=k_mean,
-        )
-        tq, tk, tv = ctx.dtypes
-        return (dq.to(tq) if need_q else None, dk.to(tk) if need_k else None,
-                dv.to(tv) if need_v else None, None, None, None, None, None, None)
+__all__ = ["DOUBLE_BACKWARD_ERROR", "Impl", "SUPPORTED_HEAD_DIMS", "SageBwdFunction", "default_impl", "sagebwd"]
 
 
 def _fallback_reason(q: torch.Tensor, d: int, dv: int, general_mask: bool) -> Optional[str]:
@@ -167,8 +85,6 @@ def sagebwd(
     No double backward: differentiating SageBwd's gradients (``create_graph=True``) raises
     RuntimeError; use ``sage_diffusers.attention(..., mode="sdpa")`` there.
     """
-    from . import api  # the shared argument checks; imported here because api routes to this module
-
     layout = Layout.parse(layout)
     dov = DoVPrecision.parse(dov)
     qh, kh, vh = api._to_bhsd(q, k, v, layout)
@@ -190,21 +106,3 @@ def sagebwd(
         out = SageBwdFunction.apply(qh, kh, vh, mask_keys, bool(is_causal), scale_f, dov, impl)
     out = out.to(q.dtype)
     return out.transpose(1, 2) if layout is Layout.BSHD else out
-
-
-def attention_sagebwd(q, k, v, *, key_mask=None, is_causal=False, scale=None, return_lse=False):
-    """The API's gradient path for ``mode="int8"`` (the kernels' backend contract, BHSD views).
-
-    Returns (out like q, lse float32 (B, Hq, Sq) or None); the lse is exact (float32 scores,
-    computed as the SDPA path computes it) and differentiable: its gradient flows to q and k
-    through SageBwd's quantized backward, with the output's.
-    """
-    from . import api
-
-    impl = default_impl(q.device)
-    d = q.shape[-1]
-    sm_scale = api._check_scale(scale, d)
-    args = (q, k, v, key_mask, bool(is_causal), sm_scale, DoVPrecision.FP16, impl)
-    if return_lse:
-        return SageBwdFunction.apply(*args, True)
-    return SageBwdFunction.apply(*args), None

@@ -32,6 +32,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from . import kernels
 from .kernels import _jit
 from .options import Mode
 from .realistic import CASES as REALISTIC_CASES, case_inputs
@@ -446,16 +447,15 @@ def main(force: bool = False, details: bool = True, stream=None) -> int:
     if not torch.cuda.is_available():
         print("selftest: no CUDA device; nothing to check (mode=\"auto\" runs SDPA here)", file=stream)
         return 0
-    from . import api
-
     device = torch.device("cuda", torch.cuda.current_device())
     arch = arch_name(torch.cuda.get_device_capability(device))
     print(f"selftest on {torch.cuda.get_device_name(device)} ({arch}), driver {_driver_version()}", file=stream)
     failed = False
     for mode in REFERENCES:
-        backend, why = api._kernel(mode, device)  # the kernel the API runs for this mode here (built now)
+        # the kernel the API runs for this mode here (built now)
+        backend, why = kernels.backend_for(mode, torch.cuda.get_device_capability(device))
         if backend is None:
-            failed |= why.startswith("build failed")  # api._kernel's wording for a broken build
+            failed |= why.startswith("build failed")  # backend_for's wording for a broken build
             print(f"  {mode.value}: no kernel ({why})", file=stream)
             continue
         key = CheckKey(mode, arch, _driver_version(), kernel_hash(backend))

@@ -80,20 +80,21 @@ def assert_unchanged(before, after):
 
 
 class ModeRecorder:
-    """Records the mode of every ``sage_diffusers.attention`` call, in order (through monkeypatch)."""
+    """Records the mode of every ``sage_diffusers.attention`` call the processors make, in order (through
+    monkeypatch of ``sage_diffusers.api.attention``, which they call)."""
 
     def __init__(self, monkeypatch):
         import sage_diffusers
         from sage_diffusers.options import Mode
 
         self.modes: list = []
-        original = sage_diffusers.attention
+        original = sage_diffusers.api.attention
 
         def spy(*args, **kwargs):
             self.modes.append(Mode.parse(kwargs["mode"]))
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(sage_diffusers, "attention", spy)
+        monkeypatch.setattr(sage_diffusers.api, "attention", spy)
 
     def take(self) -> list:
         """The modes recorded since the last take."""

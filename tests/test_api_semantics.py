@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_diffusers as sd
-from sage_diffusers import api
+from sage_diffusers import _shared, api
 from sage_diffusers.reference import cosine, sage3_reference, sage8_reference
 
 from _util import assert_unchanged, snapshot
@@ -434,7 +434,7 @@ def test_sdpa_path_chunks_agree_with_one_shot(monkeypatch, hq, hkv):
     for form in (None, kp[:, None, None, :].float().log()):  # no mask, and an additive key mask
         expect, expect_lse = exact_attention(q, k, v, key_mask=kp, is_causal=True, attn_mask=form)
         for chunk in (1 << 24, 37 * 2 * hq * 3):  # one chunk; chunks of 3 query rows
-            monkeypatch.setattr(api, "_CHUNK_ELEMENTS", chunk)
+            monkeypatch.setattr(_shared, "CHUNK_ELEMENTS", chunk)
             out, lse = sd.attention(q, k, v, form, is_causal=True, key_mask=kp, mode="sdpa", return_lse=True)
             torch.testing.assert_close(out.double(), expect, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(lse.double(), expect_lse, rtol=1e-5, atol=1e-5)

@@ -268,12 +268,13 @@ def test_calibrate_stops_a_class_after_two_kernel_wins_and_keeps_the_budget(monk
 
     prof = auto_calibrate.Profile((1024, 2048, 4096, 8192, 16384), rounds=2, budget_s=60.0)
     cls = CallClass(128, False, False, False, False)
-    table, results = auto_calibrate.calibrate("cpu", prof, classes=[cls], timer=timer)
+    table, results = auto_calibrate.calibrate("cpu", prof, classes=[cls], timer=timer, attention=api.attention)
     assert seen == [1024, 2048, 4096, 8192]
     assert results[0].measured and table[cls] == pytest.approx(2 * 2048 ** 2 * 4 ** ((2.0 - 0.99) / 1.5), rel=1e-6)
     seen.clear()
     monkeypatch.setattr(auto_table, "SHIPPED", {})
-    table, results = auto_calibrate.calibrate("cpu", prof._replace(budget_s=-1.0), classes=[cls], timer=timer)
+    table, results = auto_calibrate.calibrate("cpu", prof._replace(budget_s=-1.0), classes=[cls], timer=timer,
+                                              attention=api.attention)
     assert seen == [] and not results[0].measured and table[cls] is None
 
 

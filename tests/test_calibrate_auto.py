@@ -132,11 +132,12 @@ def _sm90_kernel_available():
 def test_calibration_and_check_run_on_the_gpu(tmp_path):
     import torch
 
+    import sage_diffusers as sd
     from sage_diffusers.kernels import auto_calibrate
 
     classes = [auto_table.CallClass(128, False, True, False, True), auto_table.CallClass(64, True, False, True, False)]
     prof = auto_calibrate.Profile((1024, 2048), rounds=2, budget_s=60.0)
-    table, results = auto_calibrate.calibrate(torch.device("cuda"), prof, classes=classes)
+    table, results = auto_calibrate.calibrate(torch.device("cuda"), prof, classes=classes, attention=sd.attention)
     assert set(table) == set(classes) and all(r.measured for r in results)
     assert all(row["kernel"]["min"] > 0 and row["sdpa"]["min"] > 0 for r in results for row in r.rows)
     rows = calibrate_auto.check([calibrate_auto.Point(2, 8, 8, 1100, 1100, 128, keep=0.7, layout="bshd")], 2)

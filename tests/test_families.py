@@ -80,11 +80,12 @@ def _restore_models():
 
 
 class _Calls:
-    """Spies on sage_diffusers.attention: mode, masks, and (low-bit calls) the cosine against SDPA."""
+    """Spies on the processors' attention calls (``sage_diffusers.api.attention``): mode, masks, and (low-bit
+    calls) the cosine against SDPA."""
 
     def __init__(self, monkeypatch):
         self.records: list[dict] = []
-        original = sage_diffusers.attention
+        original = sage_diffusers.api.attention
 
         def spy(q, k, v, attn_mask=None, **kwargs):
             out = original(q, k, v, attn_mask=attn_mask, **kwargs)
@@ -96,7 +97,7 @@ class _Calls:
             self.records.append(record)
             return out
 
-        monkeypatch.setattr(sage_diffusers, "attention", spy)
+        monkeypatch.setattr(sage_diffusers.api, "attention", spy)
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.value)

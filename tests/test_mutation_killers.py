@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_diffusers as sd
-from sage_diffusers import api
+from sage_diffusers import _shared, api
 
 from inputs import dit_qkv, exact_attention, key_padding_mask
 
@@ -57,7 +57,7 @@ def test_sdpa_path_general_mask_scale_gqa_and_lse(monkeypatch, shape, causal):
     k[:, :, skv - 1] = math.nan  # hidden from every row by the mask: must not reach any output
     v[:, :, skv - 1] = math.nan
     for chunk in (1 << 24, skv * 2 * hq * 3):
-        monkeypatch.setattr(api, "_CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(_shared, "CHUNK_ELEMENTS", chunk)
         out, lse = sd.attention(q, k, v, bias, is_causal=causal, scale=0.3, mode="sdpa", return_lse=True)
         torch.testing.assert_close(out.double(), expect, rtol=1e-4, atol=1e-4)  # float32 of sharp rows
         torch.testing.assert_close(lse.double(), expect_lse, rtol=1e-5, atol=1e-5)
@@ -161,7 +161,7 @@ def test_any_one_input_requiring_grad_chooses_the_gradient_path(monkeypatch, mod
     counted "backward" (never the inference reference, whose gradients are silently wrong).
 
     Catches: ``_plan`` asking ``_needs_grad`` about only two of q, k, v (either check)."""
-    sagebwd = importlib.import_module("sage_diffusers.sagebwd")  # the package exports a function of that name
+    sagebwd = importlib.import_module("sage_diffusers._sagebwd_autograd")  # where the API takes its gradient path
     calls = []
     real = sagebwd.attention_sagebwd
     monkeypatch.setattr(sagebwd, "attention_sagebwd", lambda *a, **kw: calls.append(1) or real(*a, **kw))

@@ -184,13 +184,13 @@ def test_shadow_check_detects_wrong_attention(family, monkeypatch):
     """Negative control: attention with V reversed along the tokens must fail the fp4 per-layer bound."""
     model = _model(family)
     inputs, _ = _reference(family)
-    original = sage_diffusers.attention
+    original = sage_diffusers.api.attention
 
     def wrong(q, k, v, attn_mask=None, **kwargs):
         token_dim = 2 if kwargs["layout"] is sage_diffusers.Layout.BHSD else 1
         return original(q, k, v.flip(token_dim), attn_mask=attn_mask, **kwargs)
 
-    monkeypatch.setattr(sage_diffusers, "attention", wrong)
+    monkeypatch.setattr(sage_diffusers.api, "attention", wrong)
     with shadow(model, Mode.SDPA) as records:
         _forward(model, inputs)
     assert max(c for _, c, _ in records) < LAYER_COSINE_MIN[Mode.FP4]
@@ -206,7 +206,7 @@ def test_hunyuanvideo_key_mask_is_one_batched_call():
     expected = torch.cat([torch.ones(2, latent_tokens, dtype=torch.bool), text_keep], dim=1)
 
     seen = []
-    original = sage_diffusers.attention
+    original = sage_diffusers.api.attention
 
     def spy(q, k, v, attn_mask=None, key_mask=None, **kwargs):
         seen.append((q.shape[0], key_mask))
@@ -214,7 +214,7 @@ def test_hunyuanvideo_key_mask_is_one_batched_call():
 
     integration.enable(model, mode="int8")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sage_diffusers, "attention", spy)
+        mp.setattr(sage_diffusers.api, "attention", spy)
         _forward(model, inputs)
     assert len(seen) == _num_sage_layers(family)  # one call per layer for the whole batch
     for batch, mask in seen:

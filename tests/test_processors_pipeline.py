@@ -121,11 +121,11 @@ def test_bfloat16_per_layer_bounds_and_negative_controls(family, monkeypatch):
         worst = min(c for _, c, _ in records)
         assert records and worst >= LAYER_COSINE_MIN[mode], (mode, [round(c, 5) for _, c, _ in records])
 
-    original = sage_diffusers.attention
+    original = sage_diffusers.api.attention
     for wrong in (_zeroed, _v_reversed):
-        monkeypatch.setattr(sage_diffusers, "attention", wrong(original))
+        monkeypatch.setattr(sage_diffusers.api, "attention", wrong(original))
         with shadow(model, S) as records, torch.no_grad():
             model(**inputs, return_dict=False)
         best = max(c for _, c, _ in records)
         assert best < LAYER_COSINE_MIN[F], f"{wrong.__name__} attention passed the per-layer bound: {best}"
-    monkeypatch.setattr(sage_diffusers, "attention", original)
+    monkeypatch.setattr(sage_diffusers.api, "attention", original)

@@ -27,6 +27,8 @@ from typing import Callable, Iterator, NamedTuple, Sequence, TextIO, Union
 import filelock
 import torch
 
+from .. import config
+
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # .../sage_diffusers
 CHECKOUT_CSRC = _PACKAGE_ROOT.parent / "csrc"  # the source of truth in a checkout
 PACKAGED_CSRC = _PACKAGE_ROOT / "_csrc"  # the copy a wheel carries (setup.py's build_py)
@@ -98,9 +100,9 @@ def csrc_dir() -> Path:
     install, source tree on ``sys.path``); else the copy an installed wheel carries in
     ``sage_diffusers/_csrc``.
     """
-    env = os.environ.get("SAGE_DIFFUSERS_CSRC")
-    if env:
-        return Path(env)
+    env = config.csrc()
+    if env is not None:
+        return env
     return CHECKOUT_CSRC if _is_checkout() else PACKAGED_CSRC
 
 
@@ -112,9 +114,9 @@ def missing_kernel_sources(root: Path | None = None) -> list[str]:
 
 def cutlass_include() -> Path:
     """CUTLASS/CuTe include folder from the ``nvidia-cutlass`` package (or $CUTLASS_INCLUDE)."""
-    env = os.environ.get("CUTLASS_INCLUDE")
-    if env:
-        return Path(env)
+    env = config.cutlass_include()
+    if env is not None:
+        return env
     spec = importlib.util.find_spec("cutlass_library")
     if spec is None or spec.origin is None:
         raise RuntimeError(
@@ -129,9 +131,10 @@ def cutlass_include() -> Path:
 
 def cache_root() -> Path:
     """JIT cache folder: ``$SAGE_DIFFUSERS_CACHE/jit``, else ``$XDG_CACHE_HOME`` or ``~/.cache``, ``/sage_diffusers/jit``."""
-    env = os.environ.get("SAGE_DIFFUSERS_CACHE")
-    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return (base if env else base / "sage_diffusers") / "jit"
+    env = config.cache()
+    if env is not None:
+        return env / "jit"
+    return (config.xdg_cache_home() or Path.home() / ".cache") / "sage_diffusers" / "jit"
 
 
 def _source_digest(files: Sequence[Path], flags: Sequence[str]) -> str:
@@ -170,7 +173,8 @@ def build_lock(build_dir: Path, what: str, stream: TextIO | None = None) -> Iter
 
 
 def _build_estimate(cuda_files: int) -> str:
-    jobs = int(os.environ.get("MAX_JOBS") or (os.cpu_count() or 1))
+    jobs = config.max_jobs()
+    jobs = (os.cpu_count() or 1) if jobs is None else jobs
     seconds = math.ceil(max(cuda_files, 1) / max(jobs, 1)) * _SECONDS_PER_CUDA_FILE
     took = f"{seconds:.0f} s" if seconds < 90 else f"{round(seconds / 60)} min"
     return f"about {took} with {jobs} parallel job{'s' if jobs > 1 else ''}"

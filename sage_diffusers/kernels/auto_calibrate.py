@@ -5,7 +5,9 @@ side through :func:`sage_diffusers.attention` itself (``mode="int8"`` against ``
 with the class's mask, grouped-query heads, causal flag and ragged lengths, so host work and
 SDPA's backend choice are what a user's call gets), by ``_timing.compare_ms``: methods
 interleaved over rounds, each round's sample the median of per-call times with L2 flushed. Lengths
-run from short to long and a class stops once the kernel wins at two lengths in a row.
+run from short to long and a class stops once the kernel wins at two lengths in a row. The
+caller passes ``attention`` in: the API runs the first-use calibration, so this module does not
+import the API.
 
 Two profiles: :data:`FULL` (what ``eval/calibrate_auto.py`` ships; a few minutes per GPU) and
 :data:`FIRST_USE` (the one-time calibration of a GPU model without a shipped table: fewer lengths
@@ -69,9 +71,7 @@ def inputs(cls: CallClass, length: int, device, seed: int = 0):
     return q.bfloat16(), k.bfloat16(), v.bfloat16(), mask
 
 
-def _methods(cls: CallClass) -> dict[str, Callable]:
-    from ..api import attention
-
+def _methods(cls: CallClass, attention: Callable) -> dict[str, Callable]:
     def run(mode):
         return lambda q, k, v, m: attention(q, k, v, key_mask=m, is_causal=cls.causal, mode=mode)
 
@@ -79,7 +79,8 @@ def _methods(cls: CallClass) -> dict[str, Callable]:
 
 
 def measure_class(cls: CallClass, profile: Profile, device, deadline: float,
-                  timer: Optional[Callable] = None, margin: float = auto_table.PREFER_SDPA_WITHIN) -> ClassResult:
+                  timer: Optional[Callable] = None, margin: float = auto_table.PREFER_SDPA_WITHIN, *,
+                  attention: Callable) -> ClassResult:
     """Time one class over the profile's lengths, shortest first; stop after two lengths in a row
     where the kernel wins (longer calls only amortize its fixed cost further, and SDPA's slow paths,
     masked or causal with a mask, cost seconds per call at long lengths), or at the deadline (then
@@ -87,7 +88,7 @@ def measure_class(cls: CallClass, profile: Profile, device, deadline: float,
     from ._timing import compare_ms, spread
 
     timer = timer or compare_ms
-    methods = _methods(cls)
+    methods = _methods(cls, attention)
     points, rows, kernel_wins = {}, [], 0
     for length in sorted(profile.lengths):
         if time.monotonic() > deadline:
@@ -113,17 +114,20 @@ def measure_class(cls: CallClass, profile: Profile, device, deadline: float,
 
 def calibrate(device, profile: Profile = FULL, classes=auto_table.ALL_CLASSES,
               timer: Optional[Callable] = None, on_class: Optional[Callable[[ClassResult], None]] = None,
-              margin: float = auto_table.PREFER_SDPA_WITHIN) -> tuple[dict, list[ClassResult]]:
+              margin: float = auto_table.PREFER_SDPA_WITHIN, *,
+              attention: Callable) -> tuple[dict, list[ClassResult]]:
     """Measure ``classes`` on ``device``; returns (table, per-class results).
 
-    Classes not measured within ``profile.budget_s`` take the conservative rule's threshold.
+    ``attention`` is :func:`sage_diffusers.attention` (what is timed, with ``mode="int8"`` and
+    ``mode="sdpa"``). Classes not measured within ``profile.budget_s`` take the conservative
+    rule's threshold.
     """
     deadline = time.monotonic() + profile.budget_s
     conservative = auto_table.conservative_table()
     table, results = {}, []
     with torch.no_grad():
         for cls in classes:
-            res = measure_class(cls, profile, device, deadline, timer, margin)
+            res = measure_class(cls, profile, device, deadline, timer, margin, attention=attention)
             table[cls] = res.threshold if res.measured else conservative.get(cls)
             results.append(res)
             if on_class is not None:
@@ -131,15 +135,16 @@ def calibrate(device, profile: Profile = FULL, classes=auto_table.ALL_CLASSES,
     return table, results
 
 
-def first_use(device, model: str, kernel: str, path) -> dict:
-    """The one-time calibration of a GPU model without a shipped table: measure with FIRST_USE,
-    say so on the console, write the cache file; returns the table."""
+def first_use(device, model: str, kernel: str, path, attention: Callable) -> dict:
+    """The one-time calibration of a GPU model without a shipped table: measure ``attention``
+    (:func:`sage_diffusers.attention`) with FIRST_USE, say so on the console, write the cache file;
+    returns the table."""
     budget = FIRST_USE.budget_s
     logger.warning("sage_diffusers: mode='auto' has no measured table for %s: timing the 8-bit kernel against "
                    "SDPA once (at most about %d s; cached in %s; %s=0 skips it and uses a conservative rule)",
                    model, math.ceil(budget * 1.2), path, auto_table.ENV_CALIBRATE)
     start = time.monotonic()
-    table, results = calibrate(device, FIRST_USE)
+    table, results = calibrate(device, FIRST_USE, attention=attention)
     elapsed = time.monotonic() - start
     measured = sum(r.measured for r in results)
     auto_table.write_cached(path, model, kernel, table, profile="first_use", torch=torch.__version__,

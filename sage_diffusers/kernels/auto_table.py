@@ -37,6 +37,7 @@ import re
 from pathlib import Path
 from typing import Mapping, NamedTuple, Optional
 
+from .. import config
 from . import _auto_shipped
 
 logger = logging.getLogger("sage_diffusers")
@@ -49,7 +50,7 @@ AUTO_TOLERANCE = 1.03  # the goal: auto's time <= this x min(kernel, SDPA) at ev
 # 1 %, SDPA (exact) runs, which costs at most 1 / 0.99 = 1.01x, inside the goal with room for timer
 # noise (a method's rounds spread under 1 % on the H100 and H200).
 PREFER_SDPA_WITHIN = 0.01
-ENV_CALIBRATE = "SAGE_DIFFUSERS_AUTO_CALIBRATE"  # "0": no first-use calibration (conservative table)
+ENV_CALIBRATE = config.AUTO_CALIBRATE.name  # "0": no first-use calibration (conservative table)
 
 
 class CallClass(NamedTuple):
@@ -184,7 +185,7 @@ def conservative_table() -> dict[CallClass, Optional[int]]:
 
 def calibration_allowed() -> bool:
     """False when the user opted out of the first-use calibration (``SAGE_DIFFUSERS_AUTO_CALIBRATE=0``)."""
-    return os.environ.get(ENV_CALIBRATE, "1").strip().lower() not in ("0", "false", "no", "off")
+    return config.auto_calibrate()
 
 
 # ---- calibration cache files --------------------------------------------------------------------------

@@ -61,7 +61,6 @@ checkout's kernel lab: ``python bench/fp4_lab.py [selftest|build|bench|ablation]
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
@@ -69,6 +68,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .. import config
 from ..options import FP4Format, PQuant
 from ..reference.quant import fp4_tensor_scale
 from ..reference.sage3 import Q_SMOOTH_BLOCK  # query rows per smoothing mean: one CTA tile of the kernel
@@ -84,8 +84,6 @@ __all__ = ["attention_fp4", "prepass", "key_positions", "atom_gemm", "is_availab
 HEAD_DIMS = (64, 128)
 BLOCK_KV = 128  # keys per tile, and the padding unit of the pre-pass outputs
 KEY_CHUNK = 64  # K tokens are permuted within chunks of this many keys
-_ATOM_ENV = "SAGE_DIFFUSERS_FP4_ATOM"  # "native" or "emulated": override the default per device
-_NO_HW_E2M1_ENV = "SAGE_DIFFUSERS_FP4_NO_HW_E2M1"  # "1": integer E2M1 encoder on sm_120 too
 _P_QUANT_CODE = {PQuant.TWO_LEVEL: 0, PQuant.DIRECT: 1}  # mirrors PQuantMode in fp4_api.h
 _FMT_CODE = {FP4Format.NVFP4: 0, FP4Format.MXFP4: 1}  # mirrors Fp4Format in fp4_api.h
 # Dynamic shared memory of the emulated atom's kernel at D = 128 (FwdConfig<128>::smem_bytes<
@@ -96,46 +94,19 @@ _EMULATED_SMEM_BYTES = 141344
 
 # KernelOpt (the performance options, one build each), DEFAULT_KERNEL_OPT and the benchmark's
 # option sets come from csrc/fp4/generate_options.py, the source of the C++ KernelOptions too.
-_OPT_ENV = "SAGE_DIFFUSERS_FP4_OPT"
-_OPT_LIMIT = 1 << len(KernelOpt)  # bits above the options' are refused
+# SAGE_DIFFUSERS_FP4_OPT picks the option set of a build; config parses it (names or bits).
+opt_name = config.fp4_opt_name
+parse_opt = config.parse_fp4_opt
 
 
-def opt_name(opt: int) -> str:
-    """The name of an option set, as SAGE_DIFFUSERS_FP4_OPT accepts it: the option names joined
-    by "+" ("hoist_mask+tree_reduce"), "none" for no option."""
-    return "+".join(o.name.lower() for o in KernelOpt if int(opt) & o) or "none"
-
-
-def parse_opt(raw: str) -> KernelOpt:
-    """An option set from its bits as an integer ("3") or its :func:`opt_name` ("hoist_mask+tree_reduce",
-    "none"). Raises ValueError on unknown names or bits."""
-    try:
-        bits = int(raw)
-    except ValueError:
-        names = [n.strip().upper() for n in raw.split("+") if n.strip()]
-        if names == ["NONE"]:
-            return KernelOpt(0)
-        unknown = [n for n in names if n not in KernelOpt.__members__]
-        if unknown or not names:
-            raise ValueError(f"{_OPT_ENV} must be an integer bit mask or option names joined by '+' "
-                             f"({', '.join(m.lower() for m in KernelOpt.__members__)}), got {raw!r}") from None
-        bits = int(sum(KernelOpt[n] for n in set(names)))
-    if not 0 <= bits < _OPT_LIMIT:
-        raise ValueError(f"{_OPT_ENV} must be in [0, {_OPT_LIMIT}), got {bits}")
-    return KernelOpt(bits)
-
-
-# GEMM variant of the emulated atom (EmuGemm in csrc/fp4/fp4_api.h): "mma" or "wgmma".
-_EMU_ENV = "SAGE_DIFFUSERS_FP4_EMU"
-# Dynamic shared memory of the wgmma variant at D = 128 (WgmmaConfig<128>::kSmemBytes).
+# Dynamic shared memory of the emulated atom's wgmma GEMM variant at D = 128 (WgmmaConfig<128>::kSmemBytes).
 _WGMMA_SMEM_BYTES = 208536
 
 
 def _opt_bits() -> int:
     """The KernelOpt bits this process builds with (env SAGE_DIFFUSERS_FP4_OPT, default
     DEFAULT_KERNEL_OPT)."""
-    raw = os.environ.get(_OPT_ENV)
-    return int(DEFAULT_KERNEL_OPT if raw is None else parse_opt(raw))
+    return int(config.fp4_opt())
 
 
 def _emulated_smem_bytes() -> int:
@@ -160,10 +131,11 @@ class EmuGemm:
 
 def _emu_name(emu: Optional[str]) -> str:
     """The emulated GEMM variant: ``emu`` if given, else env SAGE_DIFFUSERS_FP4_EMU, else "auto"."""
-    name = emu if emu is not None else os.environ.get(_EMU_ENV, EmuGemm.AUTO)
-    if name not in EmuGemm.CODE:
-        raise ValueError(f"emu / {_EMU_ENV} must be 'auto', 'mma' or 'wgmma', got {name!r}")
-    return name
+    if emu is None:
+        return config.fp4_emu()
+    if emu not in EmuGemm.CODE:
+        raise ValueError(f"emu must be 'auto', 'mma' or 'wgmma', got {emu!r}")
+    return emu
 
 
 def emu_gemms(device: Optional[torch.device] = None) -> list[str]:
@@ -200,10 +172,8 @@ def attention_atoms(device: Optional[torch.device] = None) -> list[str]:
 
 
 def _default_atom(arch: str) -> str:
-    env = os.environ.get(_ATOM_ENV)
-    if env:
-        if env not in (Atom.NATIVE, Atom.EMULATED):
-            raise ValueError(f"{_ATOM_ENV} must be 'native' or 'emulated', got {env!r}")
+    env = config.fp4_atom()
+    if env is not None:
         if env == Atom.NATIVE and arch == "90a":
             raise ValueError("the native FP4 atom needs sm_120a/sm_121a; this device is sm_90a")
         return env
@@ -250,7 +220,7 @@ def build(atom: Optional[str] = None, arch: Optional[str] = None, verbose: bool 
     if wgmma:
         fwd.append(d / "attention_fwd_emulated_wgmma.cu")
     # Debug switch: P~ codes from the integer encoder instead of cvt.rn.satfinite.e2m1x2 (sm_120).
-    no_hw = ["-DSAGE_FP4_NO_HW_E2M1"] if os.environ.get(_NO_HW_E2M1_ENV) == "1" else []
+    no_hw = ["-DSAGE_FP4_NO_HW_E2M1"] if config.fp4_no_hw_e2m1() else []
     opt = _opt_bits()
     opt_flags, opt_suffix = [f"-DSAGE_FP4_OPT={opt}"], f"_opt{opt}"
     return _jit.load_extension(

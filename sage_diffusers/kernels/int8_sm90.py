@@ -25,7 +25,6 @@ torch.ops.sage_diffusers.int8_attention_sm90
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 from pathlib import Path
 from types import ModuleType
@@ -33,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from .. import config
 from . import _jit
 from . import _sm90_int8_variants as _variants
 from ._contract import call_op, check_qkv, fake_out_lse, in_layout_of, kernel_views, normalize_key_mask
@@ -48,10 +48,10 @@ Q_TILE_ROWS = 64
 # exp unit; the defaults and the compiled variants come from csrc/sm90_int8/generate_instantiations.py
 # (the same source as the C++ dispatch table).
 _DEFAULT_EXP_POLY = _variants.DEFAULT_EXP_POLY
-_EXP_POLY_ENV = "SAGE_DIFFUSERS_EXP_POLY"  # override, e.g. "0" to keep every exp2 on MUFU
-# Read once at import: the backend function is traced by torch.compile, which should not see
-# environment lookups. set_exp_poly_every() changes it at run time (benchmarks).
-_exp_poly_override: Optional[int] = int(os.environ[_EXP_POLY_ENV]) if _EXP_POLY_ENV in os.environ else None
+# SAGE_DIFFUSERS_EXP_POLY overrides it, e.g. "0" to keep every exp2 on MUFU. Read once at import:
+# the backend function is traced by torch.compile, which should not see environment lookups.
+# set_exp_poly_every() changes it at run time (benchmarks).
+_exp_poly_override: Optional[int] = config.exp_poly()
 
 _NVCC_FLAGS = (
     "-gencode=arch=compute_90a,code=sm_90a",
@@ -101,7 +101,7 @@ def is_available() -> tuple[bool, str]:
 # Benchmark build (read once): bf16 non-causal variants for several kernel flag sets
 # (instantiations/bench_*.cu), selected at run time with ext.set_fwd_flags(flags); used by
 # bench/sm90_int8/variants_bench.py. Never used by the backend.
-_BENCH = os.environ.get("SAGE_DIFFUSERS_SM90_BENCH", "0") == "1"
+_BENCH = config.sm90_bench()
 
 
 def _build_sources() -> list[Path]:

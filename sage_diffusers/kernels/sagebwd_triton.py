@@ -45,11 +45,11 @@ from __future__ import annotations
 
 import enum
 import math
-import os
 from typing import NamedTuple, Optional
 
 import torch
 
+from .. import config
 from ..reference import sagebwd as ref
 from ..reference.online_softmax import LOG2E
 from ..reference.sagebwd import BLOCK_KV, BLOCK_Q, DoVPrecision, PVPrecision, SageBwdState
@@ -66,13 +66,14 @@ except ImportError as exc:  # triton is optional on CPU-only installs
     triton = tl = None
     _IMPORT_ERROR = exc
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Both read once: the autotune decorators below are applied when this module is imported.
+INTERPRET = config.triton_interpret()
 # Launch parameters are autotuned on GPUs over every config of a list, or over its first N with
 # SAGE_DIFFUSERS_TRITON_AUTOTUNE=N (0: the first config only, no tuning: quick start for tests;
 # the lists put the likeliest Hopper winners first); the interpreter ignores them.
-_TUNE = os.environ.get("SAGE_DIFFUSERS_TRITON_AUTOTUNE", "1")
-AUTOTUNE = not INTERPRET and _TUNE != "0"
-TUNE_LIMIT: Optional[int] = int(_TUNE) if _TUNE.isdigit() and int(_TUNE) > 1 else None  # None: all
+_TUNE = config.triton_autotune()
+AUTOTUNE = not INTERPRET and _TUNE != 0
+TUNE_LIMIT: Optional[int] = _TUNE if _TUNE > 1 else None  # None: all
 # Under the interpreter the kernels run with this many rows on their wide tile side (the
 # autotuned BLOCK_N of the dK/dV kernel, BLOCK_M of the dQ kernel and the forward): 128 covers
 # the two-quantization-tile path; tests set 64 to cover the other.
@@ -100,7 +101,7 @@ class AccConvert(str, enum.Enum):
 
 
 def acc_convert() -> AccConvert:
-    return AccConvert(os.environ.get("SAGE_DIFFUSERS_SAGEBWD_ACC", AccConvert.XU.value))
+    return AccConvert(config.sagebwd_acc())
 
 
 class BwdKernels(str, enum.Enum):
@@ -133,8 +134,8 @@ def bwd_kernels(head_dim: int) -> BwdKernels:
     fastest on the H200 (eval/results/sagebwd_bwdfast_h200.md, forward + backward, 16K tokens):
     LEAN at D = 128 (42.9 ms against SPLIT's 57.3, FUSED 46.2), FUSED at D <= 64 (46.8 against
     LEAN's 51.7) unless torch's deterministic algorithms are on, which FUSED's atomics are not."""
-    env = os.environ.get("SAGE_DIFFUSERS_SAGEBWD_BWD")
-    if env:
+    env = config.sagebwd_bwd()
+    if env is not None:
         return BwdKernels(env)
     if head_dim <= 64 and not torch.are_deterministic_algorithms_enabled():
         return BwdKernels.FUSED

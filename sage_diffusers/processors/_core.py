@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-import sage_diffusers
+from sage_diffusers import api
 from sage_diffusers.options import Layout, Mode
 from sage_diffusers.policy import ALL_MODES, MODE_CODE, FixedPolicy, Policy, PolicyState
 
@@ -170,10 +170,10 @@ def attend(
         Attention output, same shape, layout and dtype as ``query`` (and the lse when asked).
     """
 
-    # Looked up on the package at call time (not imported by name) so that a test can wrap the public entry
-    # point and see every call the processors make.
+    # Looked up on the api module at call time (not imported by name) so that a test can wrap the entry point
+    # and see every call the processors make.
     def call(mode: Mode, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *mask: torch.Tensor) -> Any:
-        return sage_diffusers.attention(
+        return api.attention(
             q, k, v, key_mask=mask[0] if mask else None, layout=layout, mode=mode, **kwargs
         )
 

@@ -47,13 +47,14 @@ registration, so it cannot name these backends. Processors that call SDPA direct
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from sage_diffusers.api import classify_in_scope
-from sage_diffusers.options import Layout, Mode
-from sage_diffusers.processors._core import Choice, attend
+from sage_diffusers.options import Mode
+from sage_diffusers.processors._core import Choice
+from sage_diffusers.processors._dispatcher_call import dispatcher_call
+from sage_diffusers.processors.context_parallel import context_parallel_attention
 
 # Backend name of each mode.
 BACKEND_NAMES: dict[Mode, str] = {mode: f"sage_diffusers_{mode.value}" for mode in Mode}
@@ -74,53 +75,6 @@ class _ActiveCall:
 ACTIVE = _ActiveCall()
 
 
-def _factorize_mask(
-    attn_mask: torch.Tensor | None, batch: int, heads: int, q_len: int, kv_len: int
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Split a dispatcher mask into (key_mask (B, Skv), row_keep (B, Sq, H|1, 1), other_mask), unused ones None.
-
-    Key-padding structure (see the module docstring) becomes ``key_mask`` plus, when some query rows see no key,
-    ``row_keep`` (those rows are zeroed afterwards). Additive float masks and bool masks of any other structure are
-    returned as ``other_mask``, unchanged.
-    """
-    if attn_mask is None or attn_mask.dtype != torch.bool or attn_mask.ndim not in (2, 4):
-        return None, None, attn_mask
-    if attn_mask.ndim == 2:
-        if attn_mask.shape[0] in (1, batch) and attn_mask.shape[1] == kv_len:
-            return attn_mask.expand(batch, kv_len), None, None
-        return None, None, attn_mask
-    mb, mh, mq, mk = attn_mask.shape
-    if mb not in (1, batch) or mh not in (1, heads) or mq not in (1, q_len) or mk != kv_len:
-        return None, None, attn_mask  # let the API report the shape error
-    if mh == 1 and mq == 1:
-        return attn_mask[:, 0, 0, :].expand(batch, kv_len), None, None
-    if torch.compiler.is_compiling():
-        keys, rows, exact = _outer_factors(attn_mask)
-        torch._assert_async(exact.all(), "sage_diffusers: attn_mask is not a key-padding mask (outer product)")
-    else:
-        # The check reads the mask on the host (a sync): once per mask tensor, not once per block.
-        factors = classify_in_scope(attn_mask, _outer_product_of)
-        if factors is None:
-            return None, None, attn_mask
-        keys, rows = factors
-    row_keep = rows.transpose(1, 2)[..., None]  # (B, Sq, H, 1) like the BSHD output
-    return keys.expand(batch, kv_len), row_keep, None
-
-
-def _outer_factors(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """bool (B|1, H|1, Sq, Skv) -> (keys (B|1, Skv) any row sees, rows (B|1, H|1, Sq) that see a key,
-    exact: where ``mask`` equals their outer product)."""
-    keys = mask.any(dim=2).any(dim=1)
-    rows = mask.any(dim=-1)
-    return keys, rows, mask == (rows[..., None] & keys[:, None, None, :])
-
-
-def _outer_product_of(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(keys, rows) of :func:`_outer_factors` when ``mask`` is exactly their outer product, else None."""
-    keys, rows, exact = _outer_factors(mask)
-    return (keys, rows) if bool(exact.all()) else None
-
-
 def _sage_backend(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -135,37 +89,12 @@ def _sage_backend(
     *,
     mode: Choice,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    if dropout_p != 0.0:
-        raise ValueError(f"sage_diffusers attention has no dropout; got dropout_p={dropout_p}")
-    if query.shape[2] != key.shape[2] and not enable_gqa:
-        # Same contract as torch SDPA: differing head counts are an error unless GQA was asked for.
-        raise ValueError(
-            f"query has {query.shape[2]} heads and key {key.shape[2]}; pass enable_gqa=True for grouped-query attention"
-        )
-    b, sq, hq, _ = query.shape
-    key_mask, row_keep, other = _factorize_mask(attn_mask, b, hq, sq, key.shape[1])
-    extra: dict[str, Any] = dict(is_causal=is_causal, scale=scale, return_lse=return_lse)
-    if other is not None:
-        extra["attn_mask"] = other  # not key padding: the API runs it through SDPA and counts why
+    run = None
     if getattr(_parallel_config, "context_parallel_config", None) is not None:
-        from sage_diffusers.processors.context_parallel import context_parallel_attention
-
         # Ring / Ulysses over the ranks; the key mask travels with the keys (other masks are refused there).
-        result = context_parallel_attention(
-            query, key, value, mode=mode, parallel_config=_parallel_config, key_mask=key_mask, **extra
-        )
-    else:
-        result = attend(query, key, value, mode=mode, layout=Layout.BSHD, key_mask=key_mask, **extra)
-    out, lse = result if return_lse else (result, None)
-    if row_keep is not None:
-        out = torch.where(row_keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
-    if lse is None:
-        return out
-    # The API gives lse as (B, H, S); diffusers' backends return (B, S, H) next to a (B, S, H, D) output.
-    lse = lse.transpose(1, 2)
-    if row_keep is not None:
-        lse = torch.where(row_keep[..., 0], lse, torch.full((), float("-inf"), device=lse.device))
-    return out, lse.contiguous()
+        run = functools.partial(context_parallel_attention, parallel_config=_parallel_config)
+    return dispatcher_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                           mode=mode, run=run)
 
 
 def sage_attention_backend(

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from sage_diffusers.options import Layout, Mode
 from sage_diffusers.processors._core import Choice, attend
+from sage_diffusers.processors._dispatcher_call import dispatcher_call
 
 _NEG_INF = -math.inf
 
@@ -285,10 +286,8 @@ def sage_forward_op(
     saved on ``ctx``: the op is inference-only (``sage_backward_op`` raises). Masks mean what they mean to our
     backend; diffusers' ring reuses one mask for every key share, so use it unmasked there.
     """
-    from sage_diffusers.processors.backend import _sage_backend
-
-    return _sage_backend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, None,
-                         mode=mode)
+    return dispatcher_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                           mode=mode)
 
 
 def sage_backward_op(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

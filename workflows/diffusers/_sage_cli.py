@@ -85,19 +85,23 @@ class Workflow:
 
 @contextlib.contextmanager
 def record_attention_calls() -> Iterator[collections.Counter]:
-    """Count the calls of ``sage_diffusers.attention`` by mode while the context is open."""
+    """Count the calls of ``sage_diffusers.attention`` by mode while the context is open.
+
+    The processors call it as ``sage_diffusers.api.attention``, other code as ``sage_diffusers.attention``:
+    both names are wrapped (each call is counted once: the wrapper calls the function itself).
+    """
     counts: collections.Counter = collections.Counter()
-    original = sage_diffusers.attention
+    original = sage_diffusers.api.attention
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         counts[Mode.parse(kwargs.get("mode", Mode.AUTO))] += 1
         return original(*args, **kwargs)
 
-    sage_diffusers.attention = counting
+    sage_diffusers.attention = sage_diffusers.api.attention = counting
     try:
         yield counts
     finally:
-        sage_diffusers.attention = original
+        sage_diffusers.attention = sage_diffusers.api.attention = original
 
 
 def parse_args(workflow: Workflow, argv: list[str] | None) -> argparse.Namespace:
