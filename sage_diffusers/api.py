@@ -124,7 +124,7 @@ def attention(
     mode = Mode.parse(mode)
     qh, kh, vh = _to_bhsd(q, k, v, layout)
     b, hq, sq, d = qh.shape
-    skv, dv = kh.shape[2], vh.shape[3]
+    skv = kh.shape[2]
     scale_f = _check_scale(scale, d)
     dropout = _check_dropout(dropout_p)
     is_causal = _check_flag("is_causal", is_causal)

@@ -17,7 +17,7 @@ from typing import Callable, Optional, TextIO
 
 import torch
 
-from . import __version__, kernels, selftest
+from . import __version__, api, kernels, selftest
 from .kernels import _jit
 from .options import Mode
 from .selftest import CheckKey, Status

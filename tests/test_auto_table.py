@@ -293,3 +293,15 @@ def test_auto_status_checks_the_kernel_once_per_process(fake_sm90, monkeypatch):
     assert gates == [1]
     delattr(api._RESOLVED, "backend_int8_90_True")  # what it resolved is gone: checked again
     assert api._auto_status(0) == "" and gates == [1, 1]
+
+
+def test_doctor_names_the_table_in_use_without_calibrating(fake_sm90, monkeypatch):
+    """The doctor reports which auto table a GPU uses, and never starts a calibration (it diagnoses)."""
+    from sage_diffusers import doctor
+
+    monkeypatch.setattr(auto_calibrate, "calibrate", lambda *a, **k: pytest.fail("the doctor calibrated"))
+    monkeypatch.setattr(auto_table, "SHIPPED", {})
+    assert "the first auto call measures one" in doctor._measured_crossovers(torch.device("cuda", 0), 128)
+    monkeypatch.setattr(auto_table, "SHIPPED", {fake_sm90: _full_table(10**9)})
+    text = doctor._measured_crossovers(torch.device("cuda", 0), 128)
+    assert f"measured on an {fake_sm90}" in text and "kernel from B*H*Sq*Skv >= 1e+09" in text

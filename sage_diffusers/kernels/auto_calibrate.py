@@ -103,7 +103,7 @@ def measure_class(cls: CallClass, profile: Profile, device, deadline: float,
         rows.append(dict(cls=cls.key(), S=q.shape[2], Hq=q.shape[1], Hkv=args[1].shape[1], work=work,
                          kernel=dict(ks, rounds=t["kernel"]), sdpa=dict(ss, rounds=t["sdpa"]),
                          kernel_over_sdpa=ratio))
-        del args, q
+        args = q = None  # free this length's inputs before the next
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         kernel_wins = kernel_wins + 1 if ratio < 1 - margin else 0

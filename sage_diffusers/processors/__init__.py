@@ -12,11 +12,16 @@ construct them like diffusers' own::
   (``dispatched.py``, ``backend.py``).
 - SDPA families (CogVideoX, SD3/SD3.5, Mochi): diffusers calls SDPA inline, so ``__call__`` is restated with the
   SDPA line replaced (Mochi's per-sample loop becomes one batched, key-masked call).
+
+A family whose diffusers class the installed diffusers lacks is left out of ``PROCESSOR_FOR`` (``enable`` then
+refuses its models) and its sage processor raises ``DiffusersCompatError`` when constructed; without the
+dispatcher hooks every dispatcher family is left out (``_diffusers_compat``).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
 import torch
@@ -31,33 +36,23 @@ except ModuleNotFoundError as exc:
         "sage_diffusers.processors) needs diffusers: pip install 'sage-diffusers[diffusers]'",
         name="diffusers",
     ) from exc
-from diffusers.models.attention_processor import (
-    CogVideoXAttnProcessor2_0,
-    JointAttnProcessor2_0,
-    MochiAttention,
-    MochiAttnProcessor2_0,
-)
-from diffusers.models.transformers.transformer_flux import FluxAttention, FluxAttnProcessor
-from diffusers.models.transformers.transformer_flux2 import (
-    Flux2Attention,
+from sage_diffusers.options import Mode
+from sage_diffusers.policy import Policy, PolicyState
+from sage_diffusers.processors import _diffusers_compat as compat
+from sage_diffusers.processors._core import SageProcessorMixin
+from sage_diffusers.processors._diffusers_compat import DiffusersCompatError
+from sage_diffusers.processors.backend import BACKEND_NAMES, POLICY_BACKEND_NAME, register_backend, sage_attention_backend
+from sage_diffusers.processors.cogvideox import CogVideoXAttnProcessor2_0, SageCogVideoXAttnProcessor, apply_rotary_emb
+from sage_diffusers.processors.dispatched import (
     Flux2AttnProcessor,
     Flux2KVAttnProcessor,
     Flux2KVParallelSelfAttnProcessor,
-    Flux2ParallelSelfAttention,
     Flux2ParallelSelfAttnProcessor,
-)
-from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
-from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
-from diffusers.models.transformers.transformer_ltx import LTXAttention, LTXVideoAttnProcessor
-from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
-from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
-
-from sage_diffusers.options import Mode
-from sage_diffusers.policy import Policy, PolicyState
-from sage_diffusers.processors._core import SageProcessorMixin
-from sage_diffusers.processors.backend import BACKEND_NAMES, POLICY_BACKEND_NAME, register_backend, sage_attention_backend
-from sage_diffusers.processors.cogvideox import SageCogVideoXAttnProcessor
-from sage_diffusers.processors.dispatched import (
+    FluxAttnProcessor,
+    HunyuanVideo15AttnProcessor2_0,
+    HunyuanVideoAttnProcessor2_0,
+    LTXVideoAttnProcessor,
+    QwenDoubleStreamAttnProcessor2_0,
     SageFlux2AttnProcessor,
     SageFlux2KVAttnProcessor,
     SageFlux2KVParallelSelfAttnProcessor,
@@ -68,12 +63,46 @@ from sage_diffusers.processors.dispatched import (
     SageLTXVideoAttnProcessor,
     SageQwenDoubleStreamAttnProcessor,
     SageWanAttnProcessor,
+    WanAttnProcessor,
+    _DispatchedSageMixin,
 )
-from sage_diffusers.processors.mochi import SageMochiAttnProcessor
-from sage_diffusers.processors.sd3 import SageJointAttnProcessor
+from sage_diffusers.processors.mochi import MochiAttnProcessor2_0, SageMochiAttnProcessor
+from sage_diffusers.processors.sd3 import JointAttnProcessor2_0, SageJointAttnProcessor
+
+logger = logging.getLogger("sage_diffusers")
+
+# What a family needs beyond the processor class it replaces.
+_ALSO_NEEDS: dict[type, tuple[Any, ...]] = {SageCogVideoXAttnProcessor: (apply_rotary_emb,)}
+
+
+def _family_problem(base: type, sage: type[SageProcessorMixin]) -> str | None:
+    """Why this diffusers cannot serve the family of ``base`` (None: it can)."""
+    for needed in (base, *_ALSO_NEEDS.get(sage, ())):
+        if compat.is_missing(needed):
+            return compat.missing_what(needed)
+    if issubclass(sage, _DispatchedSageMixin):
+        return compat.backend_problem() or compat.dispatcher_problem(base)
+    return None
+
+
+def _families(table: dict[type, type[SageProcessorMixin]]) -> dict[type, type[SageProcessorMixin]]:
+    """``table`` without the families the installed diffusers cannot serve (each left out with a debug log)."""
+    problem = compat.backend_problem()
+    if problem is not None:  # turns off every dispatcher family: said once, as a warning
+        compat.warn_once(problem)
+    served = {}
+    for base, sage in table.items():
+        why = _family_problem(base, sage)
+        if why is None:
+            served[base] = sage
+        else:
+            logger.debug("sage_diffusers: %s left out: %s", sage.__name__, why)
+    return served
+
 
 # Exact diffusers processor class -> its sage replacement. Exact types only: a subclass may change the maths.
-PROCESSOR_FOR: dict[type, type[SageProcessorMixin]] = {
+# Families the installed diffusers lacks are left out, so ``enable`` refuses their models with its ValueError.
+PROCESSOR_FOR: dict[type, type[SageProcessorMixin]] = _families({
     CogVideoXAttnProcessor2_0: SageCogVideoXAttnProcessor,
     HunyuanVideoAttnProcessor2_0: SageHunyuanVideoAttnProcessor,
     HunyuanVideo15AttnProcessor2_0: SageHunyuanVideo15AttnProcessor,
@@ -87,18 +116,7 @@ PROCESSOR_FOR: dict[type, type[SageProcessorMixin]] = {
     Flux2ParallelSelfAttnProcessor: SageFlux2ParallelSelfAttnProcessor,
     Flux2KVAttnProcessor: SageFlux2KVAttnProcessor,
     Flux2KVParallelSelfAttnProcessor: SageFlux2KVParallelSelfAttnProcessor,
-}
-
-# Attention module classes that identify their family (``SageAttnProcessor``). diffusers' generic ``Attention``
-# serves SD3, CogVideoX, HunyuanVideo, HunyuanVideo 1.5 and QwenImage alike, so it is not here.
-PROCESSOR_FOR_MODULE: dict[type, type[SageProcessorMixin]] = {
-    FluxAttention: SageFluxAttnProcessor,
-    Flux2Attention: SageFlux2AttnProcessor,
-    Flux2ParallelSelfAttention: SageFlux2ParallelSelfAttnProcessor,
-    WanAttention: SageWanAttnProcessor,
-    LTXAttention: SageLTXVideoAttnProcessor,
-    MochiAttention: SageMochiAttnProcessor,
-}
+})
 
 
 def _call_parameters(cls: type) -> dict[str, inspect.Parameter]:
@@ -107,11 +125,50 @@ def _call_parameters(cls: type) -> dict[str, inspect.Parameter]:
 
 
 # Keywords SageAttnProcessor.__call__ names: diffusers' attention modules pass only the keywords the processor's
-# signature names, so it must name every keyword a family processor takes (checked at import below).
+# signature names, so it must name every keyword a family processor takes (checked below).
 _UNIVERSAL_KEYWORDS = ("hidden_states", "encoder_hidden_states", "attention_mask", "image_rotary_emb", "rotary_emb")
-_missing = {name for cls in PROCESSOR_FOR_MODULE.values() for name in _call_parameters(cls)} - set(_UNIVERSAL_KEYWORDS)
-if _missing:
-    raise ImportError(f"sage_diffusers: SageAttnProcessor must also take {sorted(_missing)} (diffusers changed)")
+
+
+def _module_families(table: dict[str, tuple[str, type[SageProcessorMixin]]]) -> dict[type, type[SageProcessorMixin]]:
+    """Attention module class -> sage processor, for the served families whose keywords SageAttnProcessor passes.
+
+    ``table`` maps a module class name to (its diffusers module, the family's sage processor). A family whose
+    processor takes a keyword ``SageAttnProcessor`` does not name (a newer diffusers) is left out with a warning:
+    that keyword would be dropped. Its processor and ``enable`` still serve it.
+    """
+    served_sage = set(PROCESSOR_FOR.values())
+    result = {}
+    for name, (module, sage) in table.items():
+        cls = compat.diffusers_class(module, name, f"SageAttnProcessor on {name} modules")
+        if compat.is_missing(cls) or sage not in served_sage:
+            why = "not in this diffusers" if compat.is_missing(cls) else f"{sage.__name__} is left out"
+            logger.debug("sage_diffusers: SageAttnProcessor does not serve %s (%s)", name, why)
+            continue
+        missing = set(_call_parameters(sage)) - set(_UNIVERSAL_KEYWORDS)
+        if missing:
+            compat.warn_once(compat.changed_message(
+                f"calls {name}'s processor with the keywords {sorted(missing)}, which SageAttnProcessor does not "
+                "pass on",
+                f"SageAttnProcessor on {name} modules",
+                f"sage_diffusers.enable and {sage.__name__}",
+            ))
+            continue
+        result[cls] = sage
+    return result
+
+
+# Attention module classes that identify their family (``SageAttnProcessor``). diffusers' generic ``Attention``
+# serves SD3, CogVideoX, HunyuanVideo, HunyuanVideo 1.5 and QwenImage alike, so it is not here.
+PROCESSOR_FOR_MODULE: dict[type, type[SageProcessorMixin]] = _module_families({
+    "FluxAttention": ("diffusers.models.transformers.transformer_flux", SageFluxAttnProcessor),
+    "Flux2Attention": ("diffusers.models.transformers.transformer_flux2", SageFlux2AttnProcessor),
+    "Flux2ParallelSelfAttention": (
+        "diffusers.models.transformers.transformer_flux2", SageFlux2ParallelSelfAttnProcessor
+    ),
+    "WanAttention": ("diffusers.models.transformers.transformer_wan", SageWanAttnProcessor),
+    "LTXAttention": ("diffusers.models.transformers.transformer_ltx", SageLTXVideoAttnProcessor),
+    "MochiAttention": ("diffusers.models.attention_processor", SageMochiAttnProcessor),
+})
 
 
 class SageAttnProcessor(SageProcessorMixin):
@@ -186,6 +243,7 @@ class SageAttnProcessor(SageProcessorMixin):
 
 __all__ = [
     "BACKEND_NAMES",
+    "DiffusersCompatError",
     "POLICY_BACKEND_NAME",
     "PROCESSOR_FOR",
     "PROCESSOR_FOR_MODULE",

@@ -6,7 +6,8 @@ LTX-Video, QwenImage, Flux.2, ...) through ``dispatch_attention_fn``, which look
 to add a name), and both ``ModelMixin.set_attention_backend(name)`` and ``attention_backend(name)`` validate names
 against it.
 
-Mechanism (``register_backend``), the least invasive we found in 0.42.1:
+Mechanism (``register_backend``), the least invasive we found in 0.42.1, which has no public way to add a
+backend; both steps use private hooks, reached only through ``_diffusers_compat``:
 
 1. Create one pseudo-member of ``AttentionBackendName`` per mode, exactly as ``Enum`` builds its own members
    (``str.__new__`` + ``_name_``/``_value_``), and insert it into the enum's lookup tables ``_member_map_``,
@@ -16,6 +17,10 @@ Mechanism (``register_backend``), the least invasive we found in 0.42.1:
 2. Register our function for that member with the registry's own decorator, as diffusers does for its built-in
    backends, so ``dispatch_attention_fn`` filters kwargs by our signature and runs the constraint checks when
    ``DIFFUSERS_ATTN_CHECKS`` is on.
+
+Where a newer diffusers lacks either hook, ``register_backend`` logs one warning naming the diffusers version and
+registers nothing, and ``backend_member`` (hence every dispatcher-family sage processor) raises
+``DiffusersCompatError``; the SDPA families' processors need no backend and keep working.
 
 Names (all prefixed ``sage_diffusers_`` so they cannot be mistaken for diffusers' own ``sage*`` backends, which
 call the ``sageattention`` package): ``"sage_diffusers_auto"``, ``"sage_diffusers_fp4"``,
@@ -52,6 +57,7 @@ from typing import Any
 import torch
 
 from sage_diffusers.options import Mode
+from sage_diffusers.processors import _diffusers_compat as compat
 from sage_diffusers.processors._core import Choice
 from sage_diffusers.processors._dispatcher_call import dispatcher_call
 from sage_diffusers.processors.context_parallel import context_parallel_attention
@@ -190,22 +196,6 @@ class _ModeBackend:
         )
 
 
-def _add_enum_member(enum_cls: type, name: str, value: str) -> Any:
-    """Add ``name = value`` to a closed ``(str, Enum)`` class the way ``Enum`` stores its own members."""
-    existing = enum_cls._value2member_map_.get(value)
-    if existing is not None:
-        return existing
-    member = str.__new__(enum_cls, value)
-    member._name_ = name
-    member._value_ = value
-    member.__objclass__ = enum_cls
-    member._sort_order_ = len(enum_cls._member_names_)
-    enum_cls._member_map_[name] = member
-    enum_cls._value2member_map_[value] = member
-    enum_cls._member_names_.append(name)
-    return member
-
-
 # Mode (None: the policy backend) -> registered AttentionBackendName member; filled once by register_backend().
 # A plain dict (not a cached function) so that torch.compile can read it inside a traced processor.
 _MEMBERS: dict[Mode | None, Any] = {}
@@ -217,28 +207,39 @@ def register_backend() -> dict[Mode, Any]:
     Returns
     -------
     dict of Mode to AttentionBackendName
-        The registered backend member of each mode.
+        The registered backend member of each mode; empty, with one logged warning, where the installed diffusers
+        lacks the private hooks this needs (the warning names its version and what still works).
     """
-    if not _MEMBERS:
-        from diffusers.models import attention_dispatch as dispatch
-
-        constraints = [
-            c for c in (getattr(dispatch, "_check_device", None), getattr(dispatch, "_check_shape", None)) if c
-        ]
-        names: dict[Mode | None, str] = {**BACKEND_NAMES, None: POLICY_BACKEND_NAME}
-        for mode, value in names.items():
-            member = _add_enum_member(dispatch.AttentionBackendName, value.upper(), value)
-            function = sage_attention_backend if mode is Mode.AUTO else _ModeBackend(mode)
-            registry = dispatch._AttentionBackendRegistry
-            registry.register(member, constraints=constraints, supports_context_parallel=True)(function)
-            _MEMBERS[mode] = member
+    try:
+        _register()
+    except compat.DiffusersCompatError as exc:
+        compat.warn_once(str(exc))
     return {mode: member for mode, member in _MEMBERS.items() if mode is not None}
 
 
+def _register() -> None:
+    """Register every backend once; raises ``DiffusersCompatError`` where diffusers lacks the hooks."""
+    if _MEMBERS:
+        return
+    constraints = compat.backend_constraints()
+    names: dict[Mode | None, str] = {**BACKEND_NAMES, None: POLICY_BACKEND_NAME}
+    members = {mode: compat.add_backend_name(value.upper(), value) for mode, value in names.items()}
+    for mode, member in members.items():
+        function = sage_attention_backend if mode is Mode.AUTO else _ModeBackend(mode)
+        compat.register_backend_function(member, function, constraints)
+    _MEMBERS.update(members)
+
+
 def backend_member(mode: Mode | None) -> Any:
-    """The ``AttentionBackendName`` member that runs ``mode`` (None: the policy backend); registers on first use."""
+    """The ``AttentionBackendName`` member that runs ``mode`` (None: the policy backend); registers on first use.
+
+    Raises
+    ------
+    DiffusersCompatError
+        Where the installed diffusers lacks the hooks the backends need (the message names its version).
+    """
     if not _MEMBERS:
-        register_backend()
+        _register()
     return _MEMBERS[mode]
 
 

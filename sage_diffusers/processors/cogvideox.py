@@ -7,11 +7,16 @@ then video; RoPE on the video part only; no mask from the pipeline). Only the SD
 from __future__ import annotations
 
 import torch
-from diffusers.models.attention_processor import Attention, CogVideoXAttnProcessor2_0
-from diffusers.models.embeddings import apply_rotary_emb
 
 from sage_diffusers.options import Layout
 from sage_diffusers.processors._core import SageProcessorMixin, attend
+from sage_diffusers.processors._diffusers_compat import diffusers_class, diffusers_function
+
+# Stand-ins where this diffusers lacks them (``diffusers_class``): the family is then left out.
+CogVideoXAttnProcessor2_0 = diffusers_class("diffusers.models.attention_processor", "CogVideoXAttnProcessor2_0")
+apply_rotary_emb = diffusers_function(
+    "diffusers.models.embeddings", "apply_rotary_emb", "the sage processor that replaces CogVideoXAttnProcessor2_0"
+)
 
 
 class SageCogVideoXAttnProcessor(SageProcessorMixin, CogVideoXAttnProcessor2_0):
@@ -22,7 +27,7 @@ class SageCogVideoXAttnProcessor(SageProcessorMixin, CogVideoXAttnProcessor2_0):
 
     def __call__(
         self,
-        attn: Attention,
+        attn: torch.nn.Module,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,

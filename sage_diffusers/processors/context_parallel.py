@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from sage_diffusers.options import Layout, Mode
+from sage_diffusers.processors import _diffusers_compat as compat
 from sage_diffusers.processors._core import Choice, attend
 from sage_diffusers.processors._dispatcher_call import dispatcher_call
 
@@ -234,12 +235,12 @@ def context_parallel_attention(
     u, r = cp.ulysses_degree, cp.ring_degree
     q, k, v, km = query, key, value, key_mask
     if u > 1:
-        group = cp._ulysses_mesh.get_group()
+        group = compat.cp_mesh(cp, "_ulysses_mesh").get_group()
         q, k, v = (_heads_to_sequence(t, u, group) for t in (q, k, v))
         if km is not None:
             km = _all_gather(km.t(), group).t()  # (B, U * Skv_local): shard j of rank j
     if r > 1:
-        group = cp._ring_mesh.get_group()
+        group = compat.cp_mesh(cp, "_ring_mesh").get_group()
         k_all = _all_gather(k.transpose(0, 1), group).transpose(0, 1)  # (B, R * Skv, Hkv_loc, D)
         v_all = _all_gather(v.transpose(0, 1), group).transpose(0, 1)
         km_all = None if km is None else _all_gather(km.t(), group).t()
@@ -254,7 +255,7 @@ def context_parallel_attention(
     else:
         out, lse = _share_attention(q, k, v, km, scale, mode)
     if u > 1:
-        group = cp._ulysses_mesh.get_group()
+        group = compat.cp_mesh(cp, "_ulysses_mesh").get_group()
         out = _sequence_to_heads(out, u, group)
         lse = _sequence_to_heads(lse.contiguous(), u, group) if return_lse else None
     return (out, lse.transpose(1, 2).contiguous()) if return_lse else out
@@ -302,9 +303,8 @@ def sage_backward_op(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: Any
 
 
 def _hunyuan_video_class() -> type:
-    from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoTransformer3DModel
-
-    return HunyuanVideoTransformer3DModel
+    # A stand-in (no model is an instance of it) where this diffusers has no HunyuanVideo.
+    return compat.diffusers_class("diffusers", "HunyuanVideoTransformer3DModel", "HunyuanVideo's context-parallel plan")
 
 
 def context_parallel_plan(transformer: torch.nn.Module) -> dict[str, Any]:
@@ -319,9 +319,8 @@ def context_parallel_plan(transformer: torch.nn.Module) -> dict[str, Any]:
     ValueError
         When the model has no plan and is not one we have a plan for.
     """
-    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
-
     if isinstance(transformer, _hunyuan_video_class()):
+        ContextParallelInput, ContextParallelOutput = compat.context_parallel_io()
         if getattr(transformer.config, "image_condition_type", None) == "token_replace":
             raise ValueError("HunyuanVideo token_replace (I2V) splits the first frame by position: not supported")
         first = "transformer_blocks.0" if len(transformer.transformer_blocks) else "single_transformer_blocks.0"
@@ -333,7 +332,7 @@ def context_parallel_plan(transformer: torch.nn.Module) -> dict[str, Any]:
             },
             "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
         }
-    plan = getattr(transformer, "_cp_plan", None)
+    plan = compat.model_cp_plan(transformer)
     if plan is None:
         raise ValueError(f"{type(transformer).__name__} has no context-parallel plan; pass cp_plan=...")
     return plan
@@ -408,7 +407,8 @@ def enable_context_parallel(transformer: torch.nn.Module, config: Any, cp_plan: 
     plan = cp_plan if cp_plan is not None else context_parallel_plan(transformer)
     transformer.enable_parallelism(config=config, cp_plan=plan)
     if isinstance(transformer, _hunyuan_video_class()):
-        mesh = transformer._parallel_config.context_parallel_config._flattened_mesh
+        cp = compat.model_parallel_config(transformer).context_parallel_config
+        mesh = compat.cp_mesh(cp, "_flattened_mesh")
         world, rank = mesh.size(), dist.get_rank(mesh.get_group())
         for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
             block.register_forward_pre_hook(_JointMaskHook(block, world, rank), with_kwargs=True)

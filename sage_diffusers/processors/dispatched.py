@@ -22,22 +22,33 @@ import functools
 from typing import Any
 
 import torch
-from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
-from diffusers.models.transformers.transformer_flux2 import (
-    Flux2AttnProcessor,
-    Flux2KVAttnProcessor,
-    Flux2KVParallelSelfAttnProcessor,
-    Flux2ParallelSelfAttnProcessor,
-)
-from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
-from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
-from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
-from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
-from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from sage_diffusers.api import classify_in_scope
 from sage_diffusers.processors._core import SageProcessorMixin
+from sage_diffusers.processors._diffusers_compat import diffusers_class
 from sage_diffusers.processors.backend import ACTIVE, backend_member
+
+# A class this diffusers lacks is a stand-in: its sage processor still exists but cannot be constructed, and
+# ``sage_diffusers.processors`` leaves that family out.
+_TRANSFORMERS = "diffusers.models.transformers"
+FluxAttnProcessor = diffusers_class(f"{_TRANSFORMERS}.transformer_flux", "FluxAttnProcessor")
+Flux2AttnProcessor = diffusers_class(f"{_TRANSFORMERS}.transformer_flux2", "Flux2AttnProcessor")
+Flux2KVAttnProcessor = diffusers_class(f"{_TRANSFORMERS}.transformer_flux2", "Flux2KVAttnProcessor")
+Flux2KVParallelSelfAttnProcessor = diffusers_class(
+    f"{_TRANSFORMERS}.transformer_flux2", "Flux2KVParallelSelfAttnProcessor"
+)
+Flux2ParallelSelfAttnProcessor = diffusers_class(f"{_TRANSFORMERS}.transformer_flux2", "Flux2ParallelSelfAttnProcessor")
+HunyuanVideoAttnProcessor2_0 = diffusers_class(
+    f"{_TRANSFORMERS}.transformer_hunyuan_video", "HunyuanVideoAttnProcessor2_0"
+)
+HunyuanVideo15AttnProcessor2_0 = diffusers_class(
+    f"{_TRANSFORMERS}.transformer_hunyuan_video15", "HunyuanVideo15AttnProcessor2_0"
+)
+LTXVideoAttnProcessor = diffusers_class(f"{_TRANSFORMERS}.transformer_ltx", "LTXVideoAttnProcessor")
+QwenDoubleStreamAttnProcessor2_0 = diffusers_class(
+    f"{_TRANSFORMERS}.transformer_qwenimage", "QwenDoubleStreamAttnProcessor2_0"
+)
+WanAttnProcessor = diffusers_class(f"{_TRANSFORMERS}.transformer_wan", "WanAttnProcessor")
 
 # An additive bias at or below this drops its key exactly: exp(-10000 + s - max) is 0 in fp32/bf16/fp16.
 _DROPPED_BIAS = -1.0e4
@@ -67,7 +78,10 @@ class _DispatchedSageMixin(SageProcessorMixin):
         super().__init_subclass__(**kwargs)
         if "__call__" in cls.__dict__:
             return
-        base = next(b for b in cls.__mro__ if b.__module__.startswith("diffusers.") and "__call__" in b.__dict__)
+        bases = (b for b in cls.__mro__ if b.__module__.startswith("diffusers.") and "__call__" in b.__dict__)
+        base = next(bases, None)
+        if base is None:  # built on a stand-in for a class this diffusers lacks: it cannot be constructed anyway
+            return
 
         # diffusers' attention modules pass only the keywords the processor's signature names: ``__wrapped__``
         # (set by functools.wraps) shows the base's signature to inspect.signature, also when dynamo traces it.

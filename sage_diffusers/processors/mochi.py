@@ -11,10 +11,13 @@ Projections, norms and RoPE are restated from diffusers step for step.
 from __future__ import annotations
 
 import torch
-from diffusers.models.attention_processor import MochiAttention, MochiAttnProcessor2_0
 
 from sage_diffusers.options import Layout
 from sage_diffusers.processors._core import SageProcessorMixin, attend
+from sage_diffusers.processors._diffusers_compat import diffusers_class
+
+# A stand-in where this diffusers lacks it (``diffusers_class``): the family is then left out.
+MochiAttnProcessor2_0 = diffusers_class("diffusers.models.attention_processor", "MochiAttnProcessor2_0")
 
 
 def _rotate(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -37,7 +40,7 @@ class SageMochiAttnProcessor(SageProcessorMixin, MochiAttnProcessor2_0):
 
     def __call__(
         self,
-        attn: MochiAttention,
+        attn: torch.nn.Module,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor,
         attention_mask: torch.Tensor,

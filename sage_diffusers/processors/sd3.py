@@ -8,10 +8,13 @@ attention (``attn2``, image only) uses the same class and takes the ``encoder_hi
 from __future__ import annotations
 
 import torch
-from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
 
 from sage_diffusers.options import Layout
 from sage_diffusers.processors._core import SageProcessorMixin, attend
+from sage_diffusers.processors._diffusers_compat import diffusers_class
+
+# A stand-in where this diffusers lacks it (``diffusers_class``): the family is then left out.
+JointAttnProcessor2_0 = diffusers_class("diffusers.models.attention_processor", "JointAttnProcessor2_0")
 
 
 class SageJointAttnProcessor(SageProcessorMixin, JointAttnProcessor2_0):
@@ -22,7 +25,7 @@ class SageJointAttnProcessor(SageProcessorMixin, JointAttnProcessor2_0):
 
     def __call__(
         self,
-        attn: Attention,
+        attn: torch.nn.Module,
         hidden_states: torch.FloatTensor,
         encoder_hidden_states: torch.FloatTensor = None,
         attention_mask: torch.FloatTensor | None = None,
