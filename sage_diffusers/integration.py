@@ -173,6 +173,9 @@ def _unsupported_message(model: torch.nn.Module) -> str:
     if any(_is_fused(p) for p in processors):
         return message + "Its projections are fused: call unfuse_qkv_projections() first, then enable()."
     if any(hasattr(p, "_attention_backend") for p in processors):
+        if not register_backend():  # this diffusers has no hook to add backends (logged once, with the version)
+            return message + ("Its processors use diffusers' attention dispatcher, to which this diffusers version "
+                              "lets no backend be added: call sage_diffusers.attention from a processor of your own.")
         return message + (
             "Its processors use diffusers' attention dispatcher: call sage_diffusers.integration.register_backend() "
             f"and model.set_attention_backend({BACKEND_NAMES[Mode.AUTO]!r}) (or another sage_diffusers_* name)."
