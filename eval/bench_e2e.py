@@ -6,9 +6,15 @@ Variants: ``original`` (diffusers' own processors), ``sdpa`` / ``int8`` / ``fp4`
 processors in that mode; ``auto`` is the default of ``integration.enable``). A low-bit mode is only timed where a GPU kernel runs it: where only the torch reference exists the
 variant is reported as skipped (``--allow-reference`` times it anyway).
 
-    python eval/bench_e2e.py                                  # all models, writes eval/results/e2e_h200.{md,json}
+    python eval/bench_e2e.py                                  # all models, writes eval/results/e2e_<gpu>.{md,json}
     python eval/bench_e2e.py --models flux sd35 --quick       # a subset, fewer frames and iterations
     python eval/bench_e2e.py --dry-run                        # configs and shapes only, on the meta device (CPU)
+
+Attention share: one more forward under diffusers' own processors with every torch SDPA call timed (CUDA
+events around each call, no sync inside the forward) gives the share f of the forward spent in attention. The
+first call of each distinct shape is then replayed side by side (SDPA, int8, auto; methods interleaved over
+rounds): s = the attention speed-up on this model's calls, and 1 / ((1 - f) + f / s) the end-to-end speed-up
+that speed-up allows at most (Amdahl). ``--no-attention-share`` skips it.
 
 Out-of-memory and errors are caught per (model, variant) and reported; ``--time-budget`` skips what would start
 after the budget is spent. Runs of different ``--models`` subsets merge into the same report (``--fresh``
@@ -295,6 +301,146 @@ def time_forward(model: torch.nn.Module, inputs: dict[str, Any], warmup: int, it
     return times
 
 
+@dataclass
+class _RecordedCall:
+    """The first SDPA call of one signature (its tensors kept for replay) and how often the forward made it."""
+
+    args: tuple
+    kwargs: dict[str, Any]
+    count: int = 0
+
+
+def _signature(tensors: tuple, kwargs: dict[str, Any]) -> tuple:
+    """What makes two SDPA calls time alike: shapes, strides and dtypes of the operands and the mask, flags."""
+    def of(t: Any) -> Any:
+        return (tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t
+    return tuple(of(t) for t in tensors) + tuple((k, of(v)) for k, v in sorted(kwargs.items()))
+
+
+class _GpuTimer:
+    """Start/stop pairs on the current stream: CUDA events on a GPU (read after one sync), wall clock on CPU."""
+
+    def __init__(self, on_cuda: bool) -> None:
+        self.on_cuda = on_cuda
+        self.spans: list[Any] = []
+
+    def start(self) -> Any:
+        if self.on_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, started: Any) -> None:
+        self.spans.append((started, self.start()))
+
+    def total_ms(self) -> float:
+        if self.on_cuda:
+            torch.cuda.synchronize()
+            return sum(a.elapsed_time(b) for a, b in self.spans)
+        return sum(b - a for a, b in self.spans) * 1e3
+
+
+@contextlib.contextmanager
+def _recording_sdpa(timer: _GpuTimer, calls: dict[tuple, _RecordedCall]) -> Iterator[None]:
+    """torch SDPA, each call timed by ``timer`` and the first of each signature kept in ``calls``.
+
+    diffusers reaches SDPA through the attribute ``torch.nn.functional.scaled_dot_product_attention`` at call
+    time (its native backend and its processors), so patching the attribute sees every call.
+    """
+    functional = torch.nn.functional
+    real = functional.scaled_dot_product_attention
+
+    def timed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                      enable_gqa=enable_gqa)
+        sig = _signature((query, key, value), kwargs)
+        entry = calls.get(sig)
+        if entry is None:
+            kept = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            entry = calls[sig] = _RecordedCall((query.clone(), key.clone(), value.clone()), kept)
+        entry.count += 1
+        started = timer.start()
+        out = real(query, key, value, **kwargs)
+        timer.stop(started)
+        return out
+
+    functional.scaled_dot_product_attention = timed
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = real
+
+
+def _cpu_median_ms(fn: Any, calls: int) -> float:
+    """compare_ms's sample on CPU: median wall time of ``calls`` calls."""
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def amdahl_limit(share: float, speedup: float) -> float:
+    """End-to-end speed-up when a share ``share`` of the time runs ``speedup`` times faster and the rest as before."""
+    return 1.0 / ((1.0 - share) + share / speedup)
+
+
+def attention_share(model: torch.nn.Module, inputs: dict[str, Any], args: argparse.Namespace,
+                    modes: list[Mode]) -> dict[str, Any]:
+    """Share of one forward (diffusers' own processors) spent in SDPA, and each mode's speed-up on those calls.
+
+    Returns
+    -------
+    dict with ``share`` (SDPA time / forward time, same forward), ``attention_ms``, ``forward_ms``, ``calls``
+    (SDPA calls per forward), ``shapes`` (distinct signatures: q/k shapes, mask, count, replay ms per method),
+    and per mode ``speedup`` (sum of count x SDPA ms over sum of count x mode ms) and ``amdahl`` (the
+    end-to-end limit that speed-up implies at this share).
+    """
+    import sage_diffusers
+    from sage_diffusers.kernels import _timing
+
+    on_cuda = next(model.parameters()).is_cuda
+    timer, whole, calls = _GpuTimer(on_cuda), _GpuTimer(on_cuda), {}
+    with torch.inference_mode():
+        model(**inputs, return_dict=False)  # warm: plans and allocator as in the timed variants
+        with _recording_sdpa(timer, calls):
+            started = whole.start()
+            model(**inputs, return_dict=False)
+            whole.stop(started)
+    attention_ms, forward_ms = timer.total_ms(), whole.total_ms()
+    real = torch.nn.functional.scaled_dot_product_attention
+    methods: dict[str, Any] = {"sdpa": lambda q, k, v, kw: real(q, k, v, **kw)}
+    for mode in modes:
+        methods[mode.value] = lambda q, k, v, kw, m=mode.value: sage_diffusers.attention(q, k, v, **kw, mode=m)
+    totals = dict.fromkeys(methods, 0.0)
+    shapes = []
+    sample = None if on_cuda else _cpu_median_ms
+    with torch.inference_mode():
+        for entry in calls.values():
+            q, k, v = entry.args
+            times = _timing.compare_ms(methods, lambda e=entry: (*e.args, e.kwargs), args.share_rounds,
+                                       sample=sample)
+            medians = {name: statistics.median(t) for name, t in times.items()}
+            for name, ms in medians.items():
+                totals[name] += entry.count * ms
+            mask = entry.kwargs["attn_mask"]
+            shapes.append(dict(q=list(q.shape), k=list(k.shape), count=entry.count,
+                               mask=None if mask is None else [list(mask.shape), str(mask.dtype)],
+                               is_causal=bool(entry.kwargs["is_causal"]),
+                               ms={name: round(ms, 4) for name, ms in medians.items()},
+                               ms_spread={name: _timing.spread(t) for name, t in times.items()}))
+    del calls
+    share = attention_ms / forward_ms if forward_ms > 0 else math.nan
+    record: dict[str, Any] = dict(share=share, attention_ms=attention_ms, forward_ms=forward_ms,
+                                  calls=sum(s["count"] for s in shapes), shapes=shapes, rounds=args.share_rounds)
+    for mode in modes:
+        speedup = totals["sdpa"] / totals[mode.value] if totals[mode.value] > 0 else math.nan
+        record[mode.value] = dict(speedup=speedup, amdahl=amdahl_limit(min(share, 1.0), speedup))
+    return record
+
+
 def _free_cuda_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -330,6 +476,27 @@ def run_variant(
                 fallbacks=sage_diffusers.fallback_stats(), peak_gib=peak)
 
 
+def _run_attention_share(model: torch.nn.Module, inputs: dict[str, Any], record: dict[str, Any],
+                         args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`attention_share` for the low-bit variants this model ran; errors reported, not raised."""
+    modes = [Mode.parse(v.value) for v in _LOW_BIT if record["variants"].get(v.value, {}).get("status") == "ok"]
+    try:
+        result = attention_share(model, inputs, args, modes)
+    except torch.cuda.OutOfMemoryError as exc:
+        result = dict(status="oom", reason=str(exc).splitlines()[0])
+    except Exception as exc:  # noqa: BLE001 - the forward times above stay valid
+        result = dict(status="error", reason=f"{type(exc).__name__}: {exc}")
+    else:
+        result["status"] = "ok"
+        shown = ", ".join(f"{m.value} x{result[m.value]['speedup']:.2f} (limit {result[m.value]['amdahl']:.2f}x)"
+                          for m in modes)
+        print(f"   attention {100 * result['share']:.0f} % of the forward ({result['calls']} calls); {shown}",
+              flush=True)
+    finally:
+        _free_cuda_memory(torch.device(args.device))
+    return result
+
+
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     started = time.monotonic()
@@ -359,9 +526,17 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 shown = f"{result['status']}: {result['reason']}"
             print(f"   {variant.value:9s} {shown}", flush=True)
+        if args.attention_share:
+            record["attention"] = _run_attention_share(model, inputs, record, args)
         del model, inputs
         _free_cuda_memory(device)
     return results
+
+
+def _commit() -> str | None:
+    from eval.calibrate_auto import _commit as commit_of_tree  # one rule for every result file
+
+    return commit_of_tree()
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
@@ -371,7 +546,7 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
 
     env = dict(torch=torch.__version__, diffusers=diffusers.__version__, sage_diffusers=sage_diffusers.__version__,
                python=platform.python_version(), quick=args.quick, warmup=args.warmup, iters=args.iters,
-               dtype="bfloat16", date=time.strftime("%Y-%m-%d %H:%M:%S"))
+               dtype="bfloat16", date=time.strftime("%Y-%m-%d %H:%M:%S"), commit=_commit())
     if torch.cuda.is_available() and args.device.startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name(args.device)
         env["capability"] = "sm_%d%d" % torch.cuda.get_device_capability(args.device)
@@ -388,7 +563,8 @@ def to_markdown(env: dict[str, Any], results: dict[str, Any], variants: list[Var
         "",
         f"{env.get('gpu', 'no GPU')} ({env.get('capability', '-')}), torch {env['torch']}, diffusers "
         f"{env['diffusers']}, bf16, random weights, median of {env['iters']} forwards after {env['warmup']} "
-        f"warm-up{' (--quick: fewer frames)' if env['quick'] else ''}; {env['date']}.",
+        f"warm-up{' (--quick: fewer frames)' if env['quick'] else ''}; {env['date']}, commit "
+        f"{env.get('commit', 'unknown')}.",
         "Speed-up = baseline time / variant time; the baseline is diffusers' own processors (original), or the"
         " sage processors in SDPA mode where original was not timed.",
         "",
@@ -416,8 +592,12 @@ def to_markdown(env: dict[str, Any], results: dict[str, Any], variants: list[Var
             f"{record['image_tokens']} + {record['text_tokens']} | {record.get('attention_layers', '-')} | "
             + " | ".join(cells) + " | " + " / ".join(speedups) + " |"
         )
+    lines += _share_table(results, [v for v in variants if v in _LOW_BIT])
     notes = []
     for name, record in results.items():
+        attention = record.get("attention")
+        if attention and attention.get("status") != "ok":
+            notes.append(f"- {name} attention share: {attention['status']} ({attention.get('reason', '')})")
         for v, r in record["variants"].items():
             if r.get("status") != "ok":
                 notes.append(f"- {name} {v}: {r['status']} ({r.get('reason', '')})")
@@ -428,6 +608,38 @@ def to_markdown(env: dict[str, Any], results: dict[str, Any], variants: list[Var
     if notes:
         lines += ["", "Notes:", *notes]
     return "\n".join(lines) + "\n"
+
+
+def _share_table(results: dict[str, Any], low_bit: list[Variant]) -> list[str]:
+    """Markdown lines: each model's attention share, the attention speed-up on its calls, the Amdahl limit."""
+    rows = [(r, r["attention"]) for r in results.values() if r.get("attention", {}).get("status") == "ok"]
+    if not rows:
+        return []
+    names = " / ".join(v.value for v in low_bit)
+    lines = [
+        "",
+        "Attention share: the time of the SDPA calls in one forward under diffusers' processors over that"
+        " forward's time. Attention speed-up: the model's distinct attention calls replayed side by side"
+        " (SDPA vs the mode, weighted by how often the forward makes each). Amdahl limit: the end-to-end"
+        " speed-up that attention speed-up allows at that share, 1 / ((1 - f) + f / s).",
+        "",
+        f"| model | attention share f | SDPA calls / forward | attention speed-up s ({names}) | "
+        f"Amdahl limit ({names}) | measured end-to-end ({names}) |",
+        "|---|---:|---:|---|---|---|",
+    ]
+    for record, attention in rows:
+        base = record["variants"].get(Variant.ORIGINAL.value, {})
+        speedups, limits, measured = [], [], []
+        for v in low_bit:
+            entry = attention.get(v.value)
+            r = record["variants"].get(v.value, {})
+            speedups.append(f"{entry['speedup']:.2f}x" if entry else "-")
+            limits.append(f"{entry['amdahl']:.2f}x" if entry else "-")
+            ok = r.get("status") == "ok" and base.get("status") == "ok"
+            measured.append(f"{base['ms_median'] / r['ms_median']:.2f}x" if ok else "-")
+        lines.append(f"| {record['model']} | {100 * attention['share']:.0f} % | {attention['calls']} | "
+                     f"{' / '.join(speedups)} | {' / '.join(limits)} | {' / '.join(measured)} |")
+    return lines
 
 
 def merge_results(previous: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -481,10 +693,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds; later variants are skipped")
     parser.add_argument("--allow-reference", action="store_true", help="also time modes that only have a reference")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "e2e_h200",
-                        help="output path without suffix (.md and .json are written)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output path without suffix (.md and .json are written; default "
+                             "eval/results/e2e_<gpu>, e.g. e2e_h100)")
     parser.add_argument("--fresh", action="store_true", help="replace the report instead of merging into it")
     parser.add_argument("--dry-run", action="store_true", help="build configs on the meta device only")
+    parser.add_argument("--no-attention-share", dest="attention_share", action="store_false",
+                        help="skip the attention-share forward and the replay of its attention calls")
+    parser.add_argument("--share-rounds", type=_cli.positive_int, default=3,
+                        help="rounds of the side-by-side replay of each attention shape (default 3)")
     args = parser.parse_args(argv)
     if args.warmup is None:
         args.warmup = 1 if args.quick else 2
@@ -500,6 +717,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("bench_e2e: no CUDA device (use --dry-run to check the configs)", file=sys.stderr)
         return 2
+    if args.out is None:
+        from eval.calibrate_auto import gpu_slug
+
+        gpu = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
+        args.out = ROOT / "eval" / "results" / f"e2e_{gpu_slug(gpu)}"
     json_path = args.out.with_suffix(".json")
     previous = None
     if json_path.exists() and not args.fresh:

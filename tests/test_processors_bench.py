@@ -53,11 +53,27 @@ def test_full_flow_on_a_tiny_model_writes_merged_reports(tmp_path, monkeypatch):
     assert statuses == {"original": "ok", "sdpa": "ok", "int8": "skipped", "fp4": "skipped",
                         "auto": "skipped"}
     assert "reference" in record["variants"]["int8"]["reason"]
+    # One SDPA call per attention layer, timed inside a forward of diffusers' processors.
+    attention = record["attention"]
+    assert attention["status"] == "ok" and attention["calls"] == 2 and 0 < attention["share"] <= 1
+    assert "int8" not in attention  # no low-bit variant ran: nothing to replay against
 
     assert bench_e2e.main(common + ["--variants", "int8", "--allow-reference"]) == 0
     report = json.loads(out.with_suffix(".json").read_text())["results"][tiny.name]["variants"]
     assert report["int8"]["status"] == "ok" and report["sdpa"]["status"] == "ok"  # merged, not replaced
     table = out.with_suffix(".md").read_text()
+    attention = json.loads(out.with_suffix(".json").read_text())["results"][tiny.name]["attention"]
+    assert attention["int8"]["speedup"] > 0
+    assert attention["int8"]["amdahl"] == pytest.approx(
+        bench_e2e.amdahl_limit(attention["share"], attention["int8"]["speedup"]))
+    assert "| model | attention share f | SDPA calls / forward | attention speed-up s (int8 / fp4 / auto) |" in table
     assert "| original | sdpa | int8 | fp4 | auto | speed-up int8 / fp4 / auto |" in table
     row = next(line for line in table.splitlines() if line.startswith("| tiny Flux |"))
     assert row.startswith("| tiny Flux | 1 | 2 x 128 | 64 + 7 | 2 | ") and row.endswith("x / - / - |")
+
+
+def test_amdahl_limit():
+    """Half the time twice as fast gives 1.33x; no attention gives 1x whatever the kernel."""
+    assert bench_e2e.amdahl_limit(0.5, 2.0) == pytest.approx(4 / 3)
+    assert bench_e2e.amdahl_limit(0.0, 10.0) == 1.0
+    assert bench_e2e.amdahl_limit(1.0, 3.0) == pytest.approx(3.0)
