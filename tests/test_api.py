@@ -9,9 +9,11 @@ import torch
 import torch.nn.functional as F
 
 import sage_diffusers as sd
+from sage_diffusers import api
 from sage_diffusers.reference import cosine
 
 from _util import assert_unchanged, snapshot
+from inputs import dit_qkv, key_padding_mask
 
 
 @pytest.fixture(autouse=True)
@@ -41,6 +43,32 @@ def qkv(b=1, h=2, s=40, d=64, hkv=None, skv=None, dtype=torch.float32):
 def test_malformed_inputs_raise_value_error(make, match):
     with pytest.raises(ValueError, match=match):
         sd.attention(*make(), mode="int8")
+
+
+_Q = lambda: torch.randn(2, 2, 16, 64)  # noqa: E731
+_K = lambda: torch.randn(2, 2, 16, 64)  # noqa: E731
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    ((None, _K(), _K()), {}, r"^q: expected a torch.Tensor, got NoneType"),
+    ((_Q(), [1.0], _K()), {}, r"^k: expected a torch.Tensor, got list"),
+    ((_Q(), _K(), 3), {}, r"^v: expected a torch.Tensor, got int"),
+    ((_Q(), _K(), torch.randn(2, 2, 15, 64)), {}, r"\(H, S\) \(2, 16\) vs \(2, 15\)"),
+    ((torch.randn(2, 2, 16, 0), torch.randn(2, 2, 16, 0), _K()), {}, r"^q and k: head dim must be at least 1$"),
+    ((_Q(), _K(), _K()), {"key_mask": [True] * 16}, r"^key_mask: expected a tensor or None, got list"),
+    ((_Q(), _K(), _K()), {"key_mask": torch.ones(2, 16, dtype=torch.bool, device="meta")},
+     r"^key_mask: expected device cpu, got meta"),
+    ((_Q(), _K(), _K()), {"key_mask": torch.ones(2, 16, 1, dtype=torch.bool)}, r"^key_mask: expected shape"),
+    ((_Q(), _K(), _K(), "mask"), {}, r"^attn_mask: expected a tensor or None, got str"),
+    ((_Q(), _K(), _K(), torch.ones(16, 16, dtype=torch.int32)), {}, r"^attn_mask: expected bool or floating"),
+    ((_Q(), _K(), _K(), torch.ones(2, 16, dtype=torch.bool)), {}, r"pass key padding as key_mask=\(B, Skv\)\)$"),
+])
+def test_malformed_input_is_refused_with_a_message_that_names_it(args, kwargs, match):
+    """Every malformed argument raises ValueError whose message names it and what it got (the
+    validation tests above match one word of the message). Fails on: messages replaced
+    (None, another name, the wrong shape slice) and the key-mask shape test joined with ``and``."""
+    with pytest.raises(ValueError, match=match):
+        sd.attention(*args, mode="int8", **kwargs)
 
 
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), "abc", torch.tensor(0.1)])
@@ -165,6 +193,15 @@ def test_key_mask_forms_agree():
     assert sd.fallback_stats() == {}
 
 
+def test_a_key_mask_of_one_row_broadcasts_over_the_batch():
+    """key_mask (1, Skv) is valid for any batch size (one padding pattern for every row).
+    Fails on: the batch check accepting (2, B) instead of (1, B)."""
+    q, k, v = dit_qkv(3, 2, 2, 24, 24, 64, seed=13)
+    kp = key_padding_mask(1, 24, seed=14)
+    out = sd.attention(q, k, v, key_mask=kp, mode="int8")
+    assert torch.equal(out, sd.attention(q, k, v, key_mask=kp.expand(3, 24), mode="int8"))
+
+
 def test_causal_with_more_queries_than_keys_matches_sdpa():
     q, k, v = qkv(s=50, skv=30)
     for mode in ("sdpa", "int8"):
@@ -191,6 +228,23 @@ def test_a_kernel_that_fails_to_build_becomes_a_reason_not_a_crash(monkeypatch):
     monkeypatch.setattr(int8_sm90, "build", broken_build)
     backend, why = api._kernel_cached.__wrapped__(Mode.INT8, (9, 0))
     assert backend is None and why == "build failed: RuntimeError: nvcc not found"
+
+
+def test_the_kernel_branch_hands_every_argument_to_the_backend():
+    """``_run_sage`` on a kernel plan calls the backend as the backend contract says:
+    backend(q, k, v, *, key_mask, is_causal, scale, return_lse) on BHSD views, float32 rounded to
+    bfloat16 first (the CPU suite cannot reach a real kernel). Fails on: a dropped argument."""
+    seen = {}
+
+    def backend(q, k, v, *, key_mask, is_causal, scale, return_lse):
+        seen.update(q=q, k=k, v=v, key_mask=key_mask, is_causal=is_causal, scale=scale, return_lse=return_lse)
+        return q, None
+
+    q, k, v = dit_qkv(1, 2, 2, 8, 8, 64, seed=16)
+    kp = key_padding_mask(1, 8, seed=17)
+    api._run_sage(api.Plan("kernel", api.Mode.INT8, backend), q, k, v, kp, True, 0.25, True)
+    assert all(torch.equal(seen[n], t.to(torch.bfloat16)) for n, t in (("q", q), ("k", k), ("v", v)))
+    assert seen["key_mask"] is kp and (seen["is_causal"], seen["scale"], seen["return_lse"]) == (True, 0.25, True)
 
 
 def test_dir_lists_the_lazy_names():

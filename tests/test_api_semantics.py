@@ -1,12 +1,16 @@
-"""Issue 11 regressions: where sage_diffusers.attention says "like SDPA", it is SDPA.
+"""Semantics of sage_diffusers.attention: where it says "like SDPA", it is SDPA (issue 11 and later).
 
-Each test's docstring names the bug it pins. CPU, small shapes: the low-bit modes run their torch
-references here (the kernels follow the same numerics contract, tested on GPUs).
+Each regression test's docstring names the bug it pins; the others say which wrong implementation
+they fail on. CPU, small shapes: the low-bit modes run their torch references here (the kernels
+follow the same numerics contract, tested on GPUs).
 """
+import gc
+import importlib
 import math
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
@@ -33,6 +37,11 @@ def _fresh_stats():
 
 def _qkv(b=2, hq=2, hkv=2, sq=40, skv=40, d=64, seed=0, **kw):
     return dit_qkv(b, hq, hkv, sq, skv, d, seed=seed, **kw)
+
+
+def _randn_qkv(b=2, h=2, s=8, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, h, s, d, generator=g) for _ in range(3))
 
 
 # ---- 1. attn_mask means what it means to SDPA; key padding is key_mask -----------------------------
@@ -170,6 +179,86 @@ def test_mask_scopes_are_per_thread():
         assert all(pool.map(work, range(24)))
 
 
+@pytest.mark.parametrize("mode", ["int8", "fp4"])
+def test_bool_mask_broadcast_over_keys_runs(mode):
+    """Bug: a bool attn_mask (B, 1, 1, 1) (valid SDPA: broadcast over heads, queries and keys) raised
+    a RuntimeError in _native_key_mask, which reshaped it to (B, Skv) instead of (B, 1)."""
+    q, k, v = _randn_qkv()
+    mask = torch.tensor([True, False]).reshape(2, 1, 1, 1)  # batch 0 sees every key, batch 1 none
+    out = sd.attention(q, k, v, attn_mask=mask, mode=mode)
+    want = sd.attention(q, k, v, key_mask=mask.reshape(2, 1).expand(2, 8), mode=mode)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert out[1].abs().max() == 0  # no visible key: zeros
+
+
+def test_a_bool_key_padding_attn_mask_is_never_read_on_the_host(monkeypatch):
+    """A bool (B, 1, 1, Skv) attn_mask is key padding by its shape: used as a view, its values
+    never read (no host sync). Fails on: the shape test looking at the wrong dim or size."""
+    reads = []
+    real = api._classify_key_padding
+    monkeypatch.setattr(api, "_classify_key_padding", lambda m: reads.append(1) or real(m))
+    q, k, v = dit_qkv(2, 2, 2, 24, 24, 64, seed=11)
+    kp = key_padding_mask(2, 24, seed=12)
+    out = sd.attention(q, k, v, kp[:, None, None, :], mode="int8")
+    assert reads == [] and torch.equal(out, sd.attention(q, k, v, key_mask=kp, mode="int8"))
+
+
+def test_mask_scope_does_not_keep_the_callers_mask_alive():
+    """Bug: _classify_key_padding returned a view of a bool mask, so the mask memo held every
+    classified (B, 1, Sq, Skv) mask alive after the caller dropped it. A scope holds its masks only
+    until it ends."""
+    q, k, v = _randn_qkv(b=1)
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    mask[..., -2:] = False
+    alive = weakref.ref(mask)
+    before = sd.fallback_stats()
+    with api.mask_scope():
+        sd.attention(q, k, v, attn_mask=mask, mode="int8")
+    assert sd.fallback_stats() == before  # classified as key padding (native path)
+    del mask
+    gc.collect()
+    assert alive() is None
+
+
+def _mask(b: int, skv: int, seed: int) -> torch.Tensor:
+    """A (B, 1, Sq, Skv) bool mask whose query rows are all equal: key padding in disguise."""
+    return key_padding_mask(b, skv, seed=seed)[:, None, None, :].expand(b, 1, 3, skv).contiguous()
+
+
+def test_mask_scope_classifies_once_per_tensor_and_forgets_at_exit():
+    """Inside a mask_scope a mask is classified once per tensor (a view of it included), a nested
+    scope uses the outer scope's answers, and no answer outlives its scope (outside one nothing is
+    read). Fails on: the memo keyed without the owner (a view's geometry alone), kept past the
+    scope, or shared by nested scopes incorrectly."""
+    calls = []
+
+    def compute(m):
+        calls.append(m)
+        return m[:, 0, 0, :].clone()
+
+    a, b = _mask(2, 20, 1), _mask(2, 20, 2)
+    with api.mask_scope():
+        for m in (a, b, a, a[:, :, :, :]):
+            assert torch.equal(api.classify_in_scope(m, compute), m[:, 0, 0, :])
+        with api.mask_scope():  # nested: the outer scope's answers
+            api.classify_in_scope(b, compute)
+        assert len(calls) == 2
+    assert api.classify_in_scope(a, compute) is None  # no scope: nothing read
+    with api.mask_scope():
+        api.classify_in_scope(a, compute)
+    assert len(calls) == 3
+
+
+def test_mask_scope_reads_nothing_while_compiling_or_on_meta(monkeypatch):
+    """Under torch.compile, and for meta / fake tensors, nothing is read (the mask counts as
+    general and runs SDPA). Regression: meta/FakeTensor inputs with a general mask failed in
+    int8 / fp4 (``.item()`` on meta)."""
+    with api.mask_scope():
+        assert api.classify_in_scope(torch.ones(1, 1, 2, 2, device="meta"), lambda m: pytest.fail("read")) is None
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert api.classify_in_scope(_mask(2, 20, 1), lambda m: pytest.fail("the mask was read")) is None
+
+
 @pytest.mark.parametrize("bad, match", [
     (lambda b, s: torch.ones(b, s), "bool"),
     (lambda b, s: torch.ones(b, s + 1, dtype=torch.bool), "shape"),
@@ -206,6 +295,32 @@ def test_dropout_runs_sdpa_counted(mode):
     assert sd.fallback_stats() == {f"{mode}: dropout": 1}
     with pytest.raises(ValueError, match="dropout_p"):
         sd.attention(q, k, v, dropout_p=1.5, mode=mode)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_with_a_mask_is_sdpas_dropout(causal):
+    """dropout_p with a key mask (and causal): the same draws as torch SDPA with the same seed.
+
+    Fails on: the masked SDPA call (non-causal) and the chunked causal call without ``dropout_p``."""
+    q, k, v = dit_qkv(2, 2, 2, 40, 40, 64, seed=5)
+    kp = key_padding_mask(2, 40, seed=6)
+    mask = kp[:, None, None, :]
+    if causal:
+        mask = mask & torch.ones(40, 40, dtype=torch.bool).tril()
+    torch.manual_seed(0)
+    out = sd.attention(q, k, v, dropout_p=0.5, is_causal=causal, key_mask=kp, mode="sdpa")
+    torch.manual_seed(0)
+    expect = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.5)
+    torch.testing.assert_close(out, expect)
+    torch.manual_seed(0)
+    assert not torch.allclose(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+@pytest.mark.parametrize("mode", ["sdpa", "int8"])
+def test_dropout_of_one_is_accepted_like_sdpa(mode):
+    """dropout_p = 1.0 is valid SDPA (every weight dropped: zeros). Fails on: a range check ``value < 1.0``."""
+    q, k, v = dit_qkv(1, 2, 2, 16, 16, 64, seed=15)
+    assert (sd.attention(q, k, v, dropout_p=1.0, mode=mode) == 0).all()
 
 
 # ---- 2. masked keys cannot leak ---------------------------------------------------------------------
@@ -366,6 +481,35 @@ def test_needs_grad_is_the_one_decision():
         assert not api._needs_grad(q, k, v)
 
 
+@pytest.mark.parametrize("which", [0, 1, 2])
+@pytest.mark.parametrize("mode", ["int8", "fp4"])
+def test_any_one_input_requiring_grad_chooses_the_gradient_path(monkeypatch, mode, which):
+    """Whichever one of q, k, v requires grad: "int8" trains through SageBwd, "fp4" runs SDPA
+    counted "backward" (never the inference reference, whose gradients are silently wrong).
+
+    Fails on: ``_plan`` asking ``_needs_grad`` about only two of q, k, v (either check)."""
+    sagebwd = importlib.import_module("sage_diffusers._sagebwd_autograd")  # where the API takes its gradient path
+    calls = []
+    real = sagebwd.attention_sagebwd
+    monkeypatch.setattr(sagebwd, "attention_sagebwd", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    t = list(dit_qkv(1, 2, 2, 24, 24, 64, seed=7))
+    t[which] = t[which].requires_grad_()
+    sd.attention(*t, mode=mode).sum().backward()
+    assert t[which].grad is not None
+    assert (len(calls), sd.fallback_stats()) == ((1, {}) if mode == "int8" else (0, {"fp4: backward": 1}))
+
+
+def test_sagebwd_path_gets_causal_and_returns_the_lse():
+    """mode "int8" with gradients: causal and return_lse reach SageBwd (output and LSE of causal
+    attention). Fails on: SageBwd called without ``is_causal`` or ``return_lse``."""
+    q, k, v = dit_qkv(1, 2, 2, 40, 40, 64, seed=10, dtype=torch.bfloat16)
+    qg = q.clone().requires_grad_()
+    out, lse = sd.attention(qg, k, v, is_causal=True, mode="int8", return_lse=True)
+    expect, expect_lse = exact_attention(q, k, v, is_causal=True)
+    assert torch.nn.functional.cosine_similarity(out.detach().double().flatten(), expect.flatten(), 0) > 0.995
+    assert lse is not None and (lse.double() - expect_lse).abs().max() < 1e-4
+
+
 # ---- 6. edge cases ----------------------------------------------------------------------------------
 
 
@@ -385,6 +529,20 @@ def test_empty_inputs_give_the_right_shapes(mode, shape, layout):
     qg = q.detach().clone().requires_grad_()
     sd.attention(qg, k, v, mode=mode, layout=layout).sum().backward()  # backward runs, zero gradient
     assert qg.grad.shape == q.shape and (qg.grad == 0).all()
+
+
+@pytest.mark.parametrize("mode", ["sdpa", "int8", "fp4"])
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_empty_input_keeps_every_input_in_the_graph(mode, which):
+    """Sq = 0: whichever of q, k, v requires grad gets a zero gradient of its shape, as with SDPA.
+
+    Fails on: ``_empty_result`` asking ``_needs_grad`` about q and only one of k, v."""
+    t = [torch.randn(2, 2, 0, 64), torch.randn(2, 2, 16, 64), torch.randn(2, 2, 16, 64)]
+    t[which] = t[which].requires_grad_()
+    out = sd.attention(*t, mode=mode)
+    assert out.requires_grad
+    out.sum().backward()
+    assert t[which].grad.shape == t[which].shape and (t[which].grad == 0).all()
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.0, -0.125, -1.0])
@@ -438,6 +596,49 @@ def test_sdpa_path_chunks_agree_with_one_shot(monkeypatch, hq, hkv):
             out, lse = sd.attention(q, k, v, form, is_causal=True, key_mask=kp, mode="sdpa", return_lse=True)
             torch.testing.assert_close(out.double(), expect, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(lse.double(), expect_lse, rtol=1e-5, atol=1e-5)
+
+
+def _row_bias(b: int, sq: int, skv: int, *, seed: int, dead_key: int, dead_row: int) -> torch.Tensor:
+    """Additive float mask (B, 1, Sq, Skv) that differs per query row (so it is no key padding):
+    random biases, scattered -inf, key ``dead_key`` hidden from every row, query row ``dead_row``
+    of batch 0 sees no key."""
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.randn(b, 1, sq, skv, generator=g)
+    bias = bias.masked_fill(torch.rand(b, 1, sq, skv, generator=g) < 0.2, -math.inf)
+    bias[..., 0] = 0.0  # every other row keeps key 0
+    bias[..., dead_key] = -math.inf
+    bias[0, 0, dead_row] = -math.inf
+    return bias
+
+
+# The (Hq, Hkv, Sq, Skv) cases: grouped heads with as many keys as query heads (a head count read
+# from the wrong dim goes unnoticed when the two differ), and more heads x batch than keys.
+_SHAPES = [(4, 2, 9, 4), (4, 2, 50, 37)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", _SHAPES)
+def test_sdpa_path_general_mask_scale_gqa_and_lse(monkeypatch, shape, causal):
+    """The SDPA path with a per-row additive mask, a non-default scale, grouped heads and the LSE,
+    in one chunk and in chunks of 3 query rows, against float64 attention.
+
+    Fails on: the chunk's mask rows taken from row 0 (``attn_mask[..., :kend]`` for a per-row mask),
+    the LSE ignoring ``attn_mask``, the causal chunks' SDPA call without ``scale`` or ``enable_gqa``,
+    the GQA flag computed from the key length, ``_visible`` with ``>=`` (keys hidden by -inf from
+    every row then keep their NaN), and a chunk step computed with ``/`` (a float step)."""
+    hq, hkv, sq, skv = shape
+    q, k, v = dit_qkv(2, hq, hkv, sq, skv, 64, seed=3)
+    bias = _row_bias(2, sq, skv, seed=4, dead_key=skv - 1, dead_row=sq // 2)
+    expect, expect_lse = exact_attention(q, k, v, attn_mask=bias, is_causal=causal, scale=0.3)
+    k, v = k.clone(), v.clone()
+    k[:, :, skv - 1] = math.nan  # hidden from every row by the mask: must not reach any output
+    v[:, :, skv - 1] = math.nan
+    for chunk in (1 << 24, skv * 2 * hq * 3):
+        monkeypatch.setattr(_shared, "CHUNK_ELEMENTS", chunk)
+        out, lse = sd.attention(q, k, v, bias, is_causal=causal, scale=0.3, mode="sdpa", return_lse=True)
+        torch.testing.assert_close(out.double(), expect, rtol=1e-4, atol=1e-4)  # float32 of sharp rows
+        torch.testing.assert_close(lse.double(), expect_lse, rtol=1e-5, atol=1e-5)
+        assert (out[0, :, sq // 2] == 0).all() and torch.isneginf(lse[0, :, sq // 2]).all()
 
 
 _PEAK_SCRIPT = textwrap.dedent("""

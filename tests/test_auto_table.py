@@ -295,6 +295,14 @@ def test_auto_status_checks_the_kernel_once_per_process(fake_sm90, monkeypatch):
     assert api._auto_status(0) == "" and gates == [1, 1]
 
 
+@pytest.mark.parametrize("cap, algo", [(90, "int8"), (120, "fp4"), (121, "fp4"), (80, None), (89, None),
+                                       (100, None)])
+def test_auto_algorithm_per_arch(cap, algo):
+    """"auto" runs INT8 on sm_9x, FP4 on sm_12x and nothing else (the CPU suite never asked)."""
+    got = api._auto_algorithm_of(cap)
+    assert (got.value if got is not None else None) == algo
+
+
 def test_doctor_names_the_table_in_use_without_calibrating(fake_sm90, monkeypatch):
     """The doctor reports which auto table a GPU uses, and never starts a calibration (it diagnoses)."""
     from sage_diffusers import doctor

@@ -27,6 +27,8 @@ from sage_diffusers.reference import sagebwd as ref
 from sage_diffusers.reference.sagebwd import DoVPrecision
 from sage_diffusers.sagebwd import Impl, SageBwdFunction
 
+from inputs import dit_qkv, key_padding_mask
+
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 TRITON_DEVICE = "cpu" if IN_INTERPRETER else ("cuda" if torch.cuda.is_available() else None)
 needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason="no CUDA device: runs in the interpreter child")
@@ -301,6 +303,21 @@ def test_float_mask_requiring_grad_runs_sdpa_and_gets_its_gradient(entry):
     assert torch.allclose(out, want, atol=1e-5)
     assert mask.grad is not None and torch.allclose(mask.grad, mask2.grad, atol=1e-4)
     assert torch.allclose(x.grad, x2.grad, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp4"])
+def test_a_float_mask_that_requires_grad_runs_sdpa(mode):
+    """A float key-padding mask (0 / -inf) that requires grad has no gradient on the low-bit paths
+    (SageBwd included): SDPA runs, counted "backward", and the mask gets its gradient.
+
+    Fails on: the float mask left out of the gradient decision (always None, or ``_needs_grad(None)``)."""
+    q, k, v = dit_qkv(1, 2, 2, 24, 24, 64, seed=8)
+    kp = key_padding_mask(1, 24, seed=9)
+    bias = torch.zeros(1, 1, 1, 24).masked_fill(~kp[:, None, None, :], -math.inf).requires_grad_()
+    qg = q.clone().requires_grad_()
+    sd.attention(qg, k, v, bias, mode=mode).sum().backward()
+    assert sd.fallback_stats() == {f"{mode}: backward": 1}
+    assert bias.grad is not None and qg.grad is not None
 
 
 def test_sagebwd_mask_that_requires_grad_runs_natively_without_grad_mode():

@@ -32,7 +32,7 @@ from _sage_cli import record_attention_calls  # noqa: E402
 from _sage_tiny import Family  # noqa: E402
 
 import sage_diffusers  # noqa: E402
-from sage_diffusers import integration  # noqa: E402
+from sage_diffusers import api, integration  # noqa: E402
 from sage_diffusers.options import Mode  # noqa: E402
 from sage_diffusers.policy import FixedPolicy, PolicyState  # noqa: E402
 from sage_diffusers.processors import PROCESSOR_FOR, SageProcessorMixin  # noqa: E402
@@ -562,6 +562,66 @@ def test_backend_runs_outer_product_and_per_head_padding_masks_natively():
         got = _sage_backend(q, k, v, causal, 0.0, False, None, False, False, None, mode=Mode.INT8)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
     assert sum(sage_diffusers.fallback_stats().values()) == 1
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts tensor -> Python scalar reads (bool(t), t.item()): the host syncs of a CUDA tensor."""
+
+    READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.item")
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(str(func).startswith(name) for name in self.READS):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_backend_outer_product_mask_checked_once_per_tensor():
+    """Bug: the dispatcher backend checked an outer-product key-padding mask ((B, 1, S, S), Chroma and
+    HunyuanVideo 1.5) with a host read on every call, i.e. a device sync in every block, although the
+    model hands the same mask tensor to all blocks; the check runs once per tensor per mask_scope
+    (one model forward) now, and again in the next scope (an edit in between is seen)."""
+    from sage_diffusers.processors import backend
+
+    b, s, h, d = 2, 8, 2, 64
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(b, s, h, d, generator=g) for _ in range(3))
+    keep = torch.ones(b, s, dtype=torch.bool)
+    keep[1, -3:] = False
+    mask = keep[:, None, :, None] & keep[:, None, None, :]  # (B, 1, S, S)
+    with api.mask_scope():
+        want = backend.sage_attention_backend(q, k, v, attn_mask=mask)  # first call: checked here
+        with _HostReads() as reads:
+            for _ in range(3):
+                out = backend.sage_attention_backend(q, k, v, attn_mask=mask)
+    assert reads.count == 0
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    mask.data[0, 0, 0, 0] = False  # an edit between forwards (even through .data): checked again
+    with api.mask_scope(), _HostReads() as reads:
+        backend.sage_attention_backend(q, k, v, attn_mask=mask)
+    assert reads.count > 0
+
+
+def test_ltx_padding_bias_checked_once_per_tensor():
+    """Bug: padding_bias_to_keep read LTX-Video's cross-attention bias on the host in every block (a
+    device sync per call); the transformer passes one bias tensor to all blocks, so the answer is kept
+    per tensor within a mask_scope now. A real bias still comes back unchanged."""
+    from sage_diffusers.processors.dispatched import padding_bias_to_keep
+
+    keep = torch.ones(2, 1, 6, dtype=torch.bool)
+    keep[1, :, -2:] = False
+    bias = (1 - keep.float()) * -10000.0
+    with api.mask_scope():
+        first = padding_bias_to_keep(bias)
+        assert torch.equal(first, keep)
+        with _HostReads() as reads:
+            again = padding_bias_to_keep(bias)
+        assert reads.count == 0 and torch.equal(again, keep)
+        real = torch.randn(2, 1, 6)
+        assert padding_bias_to_keep(real) is real
 
 
 def test_processors_pickle_and_work_after_loading():

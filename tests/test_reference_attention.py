@@ -10,7 +10,7 @@ from sage_diffusers.realistic import CASES as REALISTIC_CASES, case_inputs
 from sage_diffusers.reference import cosine, relative_l1, sage3_reference, sage8_reference
 
 from _util import assert_unchanged, snapshot
-from inputs import exact_attention as exact_float64_attention
+from inputs import dit_qkv, exact_attention as exact_float64_attention
 
 # Bounds on random N(0, 1) Q, V and K with a per-channel bias (measured: int8 cos ~0.9993,
 # rel-L1 ~0.036; fp4 cos ~0.982, rel-L1 ~0.19); each bound leaves a margin for other seeds.
@@ -101,6 +101,48 @@ def test_rows_without_visible_keys_are_zero(mode):
     assert torch.isfinite(lse[0, :, 1:]).all()
 
 
+@pytest.mark.parametrize("bad", ["q3d", "k3d", "v5d", "v_len", "heads"])
+def test_references_refuse_malformed_shapes_with_a_value_error(bad):
+    """The references' own shape check: any operand that is not 4-D, or a V that does not match K,
+    raises ValueError naming the shapes. Fails on: ``and`` in the 4-D test (a 5-D V passed) and a
+    message that fails to build (TypeError instead of the ValueError)."""
+    from sage_diffusers.reference import sage3_reference, sage8_reference
+
+    q, k, v = (torch.randn(1, 2, 16, 64) for _ in range(3))
+    q = q[0] if bad == "q3d" else (torch.randn(1, 3, 16, 64) if bad == "heads" else q)
+    k = k[0] if bad == "k3d" else k
+    v = v[..., None] if bad == "v5d" else (v[:, :, :15] if bad == "v_len" else v)
+    for ref in (sage8_reference, sage3_reference):
+        with pytest.raises(ValueError, match=r"^(expected 4-D|incompatible shapes|query heads \(3\) must be a multiple)"):
+            ref(q, k, v)
+
+
+def test_k_mean_over_a_single_attended_key_is_that_key():
+    """The attended-key mean of a batch row with one visible key is that key (count 1, not clamped
+    higher). Fails on: ``clamp_min(2)`` on the key count."""
+    from sage_diffusers.reference._common import attended_mean
+
+    k = torch.randn(2, 2, 10, 64)
+    mask = torch.zeros(2, 10, dtype=torch.bool)
+    mask[0, 3] = True
+    mask[1, :4] = True
+    mean = attended_mean(k, mask)
+    torch.testing.assert_close(mean[0, :, 0], k[0, :, 3], rtol=0, atol=0)
+    torch.testing.assert_close(mean[1, :, 0], k[1, :, :4].mean(1), rtol=1e-6, atol=1e-6)
+
+
+def test_q_block_mean_of_a_single_token_block_is_that_token():
+    """A 128-token Q block with one real (or one finite) row has that row as its mean, so the
+    smoothed row is 0. Fails on: the count clamped to 2 instead of 1 (halving such a mean)."""
+    from sage_diffusers.reference.sage3 import smooth_q
+
+    q = torch.randn(1, 2, 129, 64)  # the second block holds one token
+    q[0, 1, 1:128] = math.nan  # the first block of head 1 has one finite row, row 0
+    qs, qbar = smooth_q(q)
+    assert torch.equal(qbar[:, :, 128], q[:, :, 128]) and (qs[:, :, 128] == 0).all()
+    assert torch.equal(qbar[0, 1, 0], q[0, 1, 0]) and (qs[0, 1, 0] == 0).all()
+
+
 def _peaked_long_rows(skv: int, seed: int):
     """Rows with one dominant key in the first tile and a long tail that holds most of the mass.
 
@@ -170,6 +212,18 @@ def test_smoothing_helps_on_outlier_keys():
     full = cosine(sage3_reference(q, k, v), ref)
     none = cosine(sage3_reference(q, k, v, smooth_k=False, smooth_q_blocks=False), ref)
     assert full > none + 0.01
+
+
+def test_sage3_reference_without_k_smoothing_takes_half_precision_inputs():
+    """The smooth_k=False ablation on bfloat16 inputs computes from their float32 values, like
+    float32 inputs of the same values. Fails on: the zero K mean built in the input dtype (then the
+    LSE shift multiplies float32 by bfloat16)."""
+    from sage_diffusers.reference import sage3_reference
+
+    q, k, v = dit_qkv(1, 2, 2, 40, 40, 64, seed=18, dtype=torch.bfloat16)
+    out, lse = sage3_reference(q, k, v, smooth_k=False, return_lse=True)
+    ref, ref_lse = sage3_reference(q.float(), k.float(), v.float(), smooth_k=False, return_lse=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
 
 
 def test_int8_reference_tracks_sageattention2_accuracy():

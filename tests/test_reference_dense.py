@@ -256,6 +256,20 @@ def test_sage8_reference_follows_its_block_kv():
     _assert_agrees(out, lse, *dense_sage8(*_np(q, k, v), case, *_np(mask), p_tile=64, k_block=64))
 
 
+def test_sage3_reference_follows_its_block_kv():
+    """block_kv sets the P~ tiles (their running max and two-level scale): 64-key tiles give other
+    P~ codes than 128-key ones, both within the reference's accuracy. Fails on: block_kv not
+    passed to the tiled loop (the default 128 always)."""
+    from sage_diffusers.reference import cosine, sage3_reference
+
+    q, k, v = dit_qkv(1, 2, 2, 64, 256, 64, seed=19)
+    out64 = sage3_reference(q, k, v, block_kv=64)
+    out128 = sage3_reference(q, k, v, block_kv=128)
+    expect, _ = exact_attention(q, k, v)
+    assert not torch.equal(out64, out128)
+    assert cosine(out64, expect) > 0.97 and cosine(out128, expect) > 0.97
+
+
 # Every format x P~ mode on the GQA case; the two main variants on every other case.
 SAGE3_RUNS = [("gqa", f, p) for f in ("nvfp4", "mxfp4") for p in ("two_level", "direct")] + [
     (name, f, p) for name in CASES if name != "gqa" for f, p in (("nvfp4", "two_level"), ("mxfp4", "direct"))]
