@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from . import _fallback
 from ._shared import (check_scale as _check_scale, chunk_mask as _chunk_mask, exact_lse as _lse,
-                      query_chunks as _query_chunks)
+                      query_chunks as _query_chunks, to_output_dtype as _to_output_dtype)
 from .kernels import backend_for as _kernel_cached
 from .options import Layout, Mode
 from .reference import sage3_reference, sage8_reference
@@ -141,7 +141,7 @@ def attention(
             out, lse = _sdpa(qh, kh, vh, key_mask, attn_mask, dropout, bool(is_causal), scale_f, return_lse)
         else:
             out, lse = _run_sage(plan, qh, kh, vh, native_mask, bool(is_causal), scale_f, return_lse)
-    out = out.to(q.dtype)
+    out = _to_output_dtype(out, q.dtype)
     if layout is Layout.BSHD:
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

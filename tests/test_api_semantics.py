@@ -800,3 +800,25 @@ def test_float32_mask_keeps_its_dtype_in_sdpa_mode():
     out = sd.attention(q, k, v, bias, mode="sdpa")
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias),
                                rtol=0, atol=0)
+
+
+def test_fp16_output_saturates_at_its_range_instead_of_overflowing():
+    """Fails on: FP4 on x1e4 heavy-tailed fp16 inputs gave +-inf in 445 output values on an H100 where its
+    reference stays finite (an output at fp16's 65504 rounded a few ulps up, past 65520, to infinity;
+    exact attention never exceeds max |V|). The kernels saturate finite results at the dtype's range and
+    the references' float32 results are cast the same way; NaN and V's own infinities stay."""
+    from sage_diffusers._shared import to_output_dtype
+
+    x = torch.tensor([7e4, -1e5, 65519.0, 3.0, float("inf"), -float("inf"), float("nan")])
+    half = to_output_dtype(x, torch.float16)
+    assert half[:3].tolist() == [65504.0, -65504.0, 65504.0] and half[3] == 3.0
+    assert half[4] == float("inf") and half[5] == -float("inf") and torch.isnan(half[6])
+    bf16 = to_output_dtype(x, torch.bfloat16)  # inside bf16's range: an ordinary cast
+    assert torch.equal(bf16[:4], x[:4].to(torch.bfloat16))
+    assert to_output_dtype(x.half(), torch.float16).dtype == torch.float16
+    # The API's reference path goes through it: an fp32 output past 65504 comes back finite.
+    v = torch.full((1, 1, 4, 8), 65504.0, dtype=torch.float16)
+    q = torch.zeros(1, 1, 4, 8, dtype=torch.float16)
+    for mode in ("int8", "fp4", "sdpa"):
+        out = sd.attention(q, q, v, mode=mode)
+        assert torch.isfinite(out).all() and out.dtype == torch.float16, mode

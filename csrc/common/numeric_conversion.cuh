@@ -16,6 +16,7 @@ struct Elem16;
 template <>
 struct Elem16<__half> {
   using T2 = __half2;
+  static constexpr float kMaxFinite = 65504.0f;
   __device__ __forceinline__ static float to_float(__half x) { return __half2float(x); }
   // Two fp32 (round to nearest even) -> one 32-bit word, `a` in the low half.
   __device__ __forceinline__ static uint32_t pack2(float a, float b) {
@@ -32,6 +33,7 @@ struct Elem16<__half> {
 template <>
 struct Elem16<__nv_bfloat16> {
   using T2 = __nv_bfloat162;
+  static constexpr float kMaxFinite = 3.38953139e38f;  // 0x7f7f
   __device__ __forceinline__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
   __device__ __forceinline__ static uint32_t pack2(float a, float b) {
     __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
@@ -43,6 +45,14 @@ struct Elem16<__nv_bfloat16> {
     return __bfloat1622float2(h);
   }
 };
+
+// x clamped to T's finite range, NaN kept. Quantized operands can put a weighted average of V a few
+// percent beyond V's largest element (a block scale rounded up); near the top of fp16's range that
+// would round to infinity where exact attention, bounded by max |V|, stays finite.
+template <typename T>
+__device__ __forceinline__ float saturate_finite(float x) {
+  return fabsf(x) > Elem16<T>::kMaxFinite ? copysignf(Elem16<T>::kMaxFinite, x) : x;
+}
 
 // Eight 16-bit elements (one 16-byte word) as fp32; T is __half or __nv_bfloat16.
 template <typename T>

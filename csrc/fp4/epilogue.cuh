@@ -1,5 +1,6 @@
 // Epilogue of the FP4 forward: finish the row sums, normalise, apply V's tensor scale, store O in
-// the input dtype and the natural-log LSE of the unsmoothed scores. Non-finite values reach the
+// the input dtype (finite results saturate at its range, as exact attention never exceeds max |V|)
+// and the natural-log LSE of the unsmoothed scores. Non-finite values reach the
 // output where exact attention puts them: a query row whose Q held a NaN / Inf (qk_mean NaN,
 // q_prologue) and that sees a key is NaN, and V's non-finite elements (FwdParams::v_first) are
 // written over the channels of the rows that see their key (NaN where a NaN or both infinities
@@ -45,8 +46,11 @@ __device__ __forceinline__ void store_output(const FwdParams& p, const float (&a
 #pragma unroll
     for (int n = 0; n < kHeadDim / 8; ++n) {
       const int c = 8 * n + 2 * t;
-      const float o0 = sage_common::apply_nonfinite</*kInfFromBits=*/true>(v_first, kHeadDim, c, last_key, acc[n][2 * r] * inv);
-      const float o1 = sage_common::apply_nonfinite</*kInfFromBits=*/true>(v_first, kHeadDim, c + 1, last_key, acc[n][2 * r + 1] * inv);
+      // Saturated first: V's own non-finite values are then written where they belong.
+      const float o0 = sage_common::apply_nonfinite</*kInfFromBits=*/true>(
+          v_first, kHeadDim, c, last_key, sage_common::saturate_finite<T>(acc[n][2 * r] * inv));
+      const float o1 = sage_common::apply_nonfinite</*kInfFromBits=*/true>(
+          v_first, kHeadDim, c + 1, last_key, sage_common::saturate_finite<T>(acc[n][2 * r + 1] * inv));
       *reinterpret_cast<uint32_t*>(orow + 8 * n + 2 * t) = sage_common::Elem16<T>::pack2(o0, o1);
     }
     if (p.lse != nullptr && t == 0) {
