@@ -24,7 +24,7 @@ case "${1:-}" in
         > "$LOG/build_bench.log" 2>&1; echo "bench build rc=$?"
     fi
     wait $P1; echo "fp4 build rc=$?"; wait $P2; echo "int8 build rc=$?"
-    echo "builds done in $(( $(date +%s) - S )) s"; tail -3 "$LOG"/build_*.log ;;
+    echo "builds done in $(( $(date +%s) - S )) s"; tail -n 3 "$LOG"/build_*.log ;;
   pytest)
     shift
     PLUGIN=""; python3 -c "import pytest_timeout" 2>/dev/null && PLUGIN="--timeout=300"
