@@ -285,14 +285,15 @@ def _plan(mode: Mode, q, k, v, attn_mask, key_mask, dropout: float,
         return Plan("sagebwd", Mode.INT8), native  # trainable INT8: Triton on CUDA, reference elsewhere
 
     if mode is Mode.AUTO:
-        why = _auto_status(_device_index(device))
+        index = _device_index(device)
+        why = _auto_status(index)
         if not why:
             slower = _auto_prefers_sdpa(device, q.shape, k.shape[1], k.shape[2], native is not None, bool(is_causal))
             why = f"auto: SDPA is faster here ({slower})" if slower is not None else ""
         if why:
             _fallback.record(why)
             return Plan("sdpa", Mode.SDPA), None
-        cap = _capability(_device_index(device))
+        cap = _capability(index)
         algo = _auto_algorithm_of(cap)
         return Plan("kernel", algo, _RESOLVED.get("backend", algo.value, cap, True)), native
 
@@ -348,8 +349,17 @@ def _device_index(device: torch.device) -> int:
 @torch.compiler.assume_constant_result
 def _capability(index: int) -> int:
     """Compute capability of CUDA device ``index`` as one int, 90 for sm_90."""
-    major, minor = torch.cuda.get_device_capability(index)
-    return 10 * major + minor
+    cap = _CAPABILITIES.get(index)
+    if cap is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        cap = _CAPABILITIES[index] = 10 * major + minor
+    return cap
+
+
+# device index -> capability code. The hardware behind an index is fixed for the life of the process
+# (CUDA fixes the visible devices at initialization), so this cannot go stale; torch's own lookup
+# (device properties) cost a few µs, three times per "auto" call.
+_CAPABILITIES: dict[int, int] = {}
 
 
 @torch.compiler.assume_constant_result

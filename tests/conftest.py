@@ -23,6 +23,14 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_capabilities(monkeypatch):
+    """Tests fake the GPU's capability: the API's per-process memo of it starts empty in each."""
+    from sage_diffusers import api
+
+    monkeypatch.setattr(api, "_CAPABILITIES", {})
+
+
 def pytest_runtest_logreport(report):
     path = report.nodeid.split("::", 1)[0]
     if report.when == "call":
