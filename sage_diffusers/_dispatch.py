@@ -338,11 +338,11 @@ def run_low_bit(plan: Plan, q, k, v, key_mask, is_causal: bool, scale: float, re
     return plan.backend(q, k, v, key_mask=key_mask, is_causal=is_causal, scale=scale, return_lse=return_lse)
 
 
-def run(plan_: Plan, q, k, v, *, native_mask, key_mask, attn_mask, dropout: float, is_causal: bool,
+def run(chosen: Plan, q, k, v, *, native_mask, key_mask, attn_mask, dropout: float, is_causal: bool,
         scale: float, return_lse: bool):
-    """(out, lse | None) of a plan: SDPA with every mask the caller gave, any other backend with
-    the native key mask."""
-    if plan_.path is Route.SDPA:
+    """(out, lse | None) of the plan :func:`plan` chose: SDPA with every mask the caller gave, any
+    other backend with the native key mask."""
+    if chosen.path is Route.SDPA:
         return sdpa(q, k, v, key_mask=key_mask, attn_mask=attn_mask, dropout_p=dropout, is_causal=is_causal,
                     scale=scale, return_lse=return_lse)
-    return run_low_bit(plan_, q, k, v, native_mask, is_causal, scale, return_lse)
+    return run_low_bit(chosen, q, k, v, native_mask, is_causal, scale, return_lse)

@@ -205,7 +205,7 @@ BACKENDS: tuple[BackendSpec, ...] = (INT8_SM90, FP4, INT8_TRITON, SAGE8_REFERENC
 
 def _index() -> tuple[dict, dict, dict, dict]:
     """(kernel of (algorithm, arch), kernel "auto" runs per arch, reference function per algorithm,
-    trainable function per algorithm); raises ValueError where two specs claim the same slot or a spec
+    trainable spec per algorithm); raises ValueError where two specs claim the same slot or a spec
     claims "auto" or "verified" on an arch it does not serve."""
     kernels, auto, references, trainable = {}, {}, {}, {}
     for spec in BACKENDS:
@@ -222,7 +222,7 @@ def _index() -> tuple[dict, dict, dict, dict]:
         elif spec.route is Route.REFERENCE:
             references[spec.algorithm] = spec.load()  # the references are imported with this module
         elif spec.route is Route.SAGEBWD:
-            trainable[spec.algorithm] = spec.load()
+            trainable[spec.algorithm] = spec  # its function is looked up per call: a wrapper sees every call
     return kernels, auto, references, trainable
 
 
@@ -274,7 +274,8 @@ def reference_for(mode: Mode) -> Backend:
 
 def trainable_for(mode: Mode) -> Optional[Backend]:
     """The contract function that computes ``mode`` with gradients, or None (such calls run SDPA)."""
-    return _TRAINABLE.get(mode)
+    spec = _TRAINABLE.get(mode)
+    return spec.load() if spec is not None else None
 
 
 def verified_on_hardware(mode: Mode, cap: int) -> bool:
