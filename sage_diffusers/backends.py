@@ -185,7 +185,7 @@ FP4 = BackendSpec(
 # SageBwd's Triton forward: the int8 inference path of GPUs without this project's CUDA kernels.
 INT8_TRITON = BackendSpec(
     "int8_triton", Route.KERNEL, Mode.INT8, _sagebwd_triton_module, "attention_int8_triton",
-    archs=frozenset(range(80, 90)), head_dims=(32, 64, 128), dtypes=_HALF,
+    archs=frozenset(range(80, 90)), head_dims=sagebwd_reference.SUPPORTED_HEAD_DIMS, dtypes=_HALF,
 )
 SAGE8_REFERENCE = BackendSpec("sage8_reference", Route.REFERENCE, Mode.INT8, lambda: sage8, "sage8_backend")
 SAGE3_REFERENCE = BackendSpec("sage3_reference", Route.REFERENCE, Mode.FP4, lambda: sage3, "sage3_backend")
@@ -348,3 +348,25 @@ def build_all() -> int:
             failed = 1
             print(f"{spec.name}: build failed: {exc}")
     return failed
+
+
+# ---- docs/kernels.md -----------------------------------------------------------------------------
+DOC_BEGIN = "<!-- BEGIN generated from sage_diffusers.backends.markdown_table(); do not edit by hand -->"
+DOC_END = "<!-- END generated -->"
+
+
+def markdown_table() -> str:
+    """The registry as ``docs/kernels.md`` holds it between :data:`DOC_BEGIN` and :data:`DOC_END`."""
+
+    def listed(values, show) -> str:
+        return "any" if values is None else ", ".join(show(v) for v in values)
+
+    lines = ["| Backend | Route | Algorithm | GPU archs | Head dims | Dtypes | `auto` on | Verified on hardware |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for spec in BACKENDS:
+        cells = (f"`{spec.name}`", spec.route.value, spec.algorithm.value,
+                 "any device" if spec.archs is None else arch_list(spec.archs),
+                 listed(spec.head_dims, str), listed(spec.dtypes, lambda t: str(t).removeprefix("torch.")),
+                 arch_list(spec.auto_on) or "-", arch_list(spec.verified_on) or "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
