@@ -124,7 +124,7 @@ def check(points, rounds: int) -> list[dict]:
         st = {n: dict(spread(ts), rounds=ts) for n, ts in t.items()}
         ratio = auto_table.auto_over_best(st["auto"]["median"], st["int8"]["median"], st["sdpa"]["median"])
         plan, _ = _dispatch.plan(sd.Mode.AUTO, *(x if p.layout == "bhsd" else x.transpose(1, 2) for x in args[:3]),
-                            None, args[3], 0.0, p.causal)
+                                 None, args[3], 0.0, p.causal)
         rows.append(dict(point=p._asdict(), kernel=st["int8"], sdpa=st["sdpa"], auto=st["auto"],
                          auto_ran=plan.path.value, auto_over_best=ratio, meets_goal=ratio <= auto_table.AUTO_TOLERANCE))
         print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("kernel", "sdpa", "auto")}), flush=True)
