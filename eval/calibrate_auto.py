@@ -151,7 +151,7 @@ def _host_us(p: Point, mode: str, calls: int) -> float:
 def _auto_ran(p: Point) -> str:
     """The path auto takes for the call of ``p`` ("kernel" or "sdpa")."""
     q, k, v, m = point_inputs(p)
-    return api._plan(api.Mode.AUTO, q, k, v, None, m, 0.0, p.causal)[0].path
+    return _dispatch.plan(sd.Mode.AUTO, q, k, v, None, m, 0.0, p.causal)[0].path.value
 
 
 def host_overhead_us(calls: int = 300) -> dict:
