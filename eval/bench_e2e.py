@@ -268,15 +268,16 @@ def kernel_runs(mode: Mode, device: torch.device, head_dim: int) -> tuple[bool, 
     """Whether ``sage_diffusers.attention`` runs ``mode`` with a GPU kernel here (not the slow torch reference)."""
     if mode is Mode.SDPA:
         return True, ""
-    from sage_diffusers import api
+    from sage_diffusers import _dispatch
+    from sage_diffusers.backends import Route
 
-    # api._plan is how the API itself decides; asking it avoids timing a reference by accident.
+    # _dispatch.plan is how the API itself decides; asking it avoids timing a reference by accident.
     # A long self-attention shape: the question is whether a kernel exists, not the auto table.
     q = torch.empty(1, 1, 32768, head_dim, device=device, dtype=torch.bfloat16)
-    plan, _ = api._plan(Mode.INT8 if mode is Mode.AUTO else mode, q, q, q, None, None, 0.0)
-    if plan.path == "kernel":
+    plan, _ = _dispatch.plan(Mode.INT8 if mode is Mode.AUTO else mode, q, q, q, None, None, 0.0)
+    if plan.path is Route.KERNEL:
         return True, ""
-    return False, f"no {mode.value} kernel for this GPU ({plan.path} path)"
+    return False, f"no {mode.value} kernel for this GPU ({plan.path.value} path)"
 
 
 def time_forward(model: torch.nn.Module, inputs: dict[str, Any], warmup: int, iters: int) -> list[float]:

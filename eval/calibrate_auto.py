@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import sage_diffusers as sd  # noqa: E402
 from eval import _cli  # noqa: E402
-from sage_diffusers import api  # noqa: E402
+from sage_diffusers import _dispatch  # noqa: E402
 from sage_diffusers.kernels import _jit, auto_calibrate, auto_table  # noqa: E402
 
 SHIPPED_MODULE = ROOT / "sage_diffusers" / "kernels" / "_auto_shipped.py"
@@ -123,10 +123,10 @@ def check(points, rounds: int) -> list[dict]:
         t = compare_ms({m: _method(p, m) for m in ("int8", "sdpa", "auto")}, lambda: args, rounds)
         st = {n: dict(spread(ts), rounds=ts) for n, ts in t.items()}
         ratio = auto_table.auto_over_best(st["auto"]["median"], st["int8"]["median"], st["sdpa"]["median"])
-        plan, _ = api._plan(api.Mode.AUTO, *(x if p.layout == "bhsd" else x.transpose(1, 2) for x in args[:3]),
-                            None, args[3], 0.0, p.causal)
+        plan, _ = _dispatch.plan(sd.Mode.AUTO, *(x if p.layout == "bhsd" else x.transpose(1, 2) for x in args[:3]),
+                                 None, args[3], 0.0, p.causal)
         rows.append(dict(point=p._asdict(), kernel=st["int8"], sdpa=st["sdpa"], auto=st["auto"],
-                         auto_ran=plan.path, auto_over_best=ratio, meets_goal=ratio <= auto_table.AUTO_TOLERANCE))
+                         auto_ran=plan.path.value, auto_over_best=ratio, meets_goal=ratio <= auto_table.AUTO_TOLERANCE))
         print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("kernel", "sdpa", "auto")}), flush=True)
         del args
         torch.cuda.empty_cache()
@@ -151,7 +151,7 @@ def _host_us(p: Point, mode: str, calls: int) -> float:
 def _auto_ran(p: Point) -> str:
     """The path auto takes for the call of ``p`` ("kernel" or "sdpa")."""
     q, k, v, m = point_inputs(p)
-    return api._plan(api.Mode.AUTO, q, k, v, None, m, 0.0, p.causal)[0].path
+    return _dispatch.plan(sd.Mode.AUTO, q, k, v, None, m, 0.0, p.causal)[0].path.value
 
 
 def host_overhead_us(calls: int = 300) -> dict:
@@ -356,11 +356,11 @@ def main(argv=None) -> None:
             path = auto_table.cache_path(_jit.cache_root(), model, kernel)
             print("installed", auto_table.write_cached(path, model, kernel, table, profile="full",
                                                        torch=torch.__version__))
-            api._AUTO_TABLES.clear()
+            _dispatch._AUTO_TABLES.clear()
     rows, overhead = [], None
     if not args.no_check:
         sd.attention(*point_inputs(GRID[0])[:3], mode="auto")  # resolve auto's table before timing
-        found = api._AUTO_TABLES.get(torch.cuda.current_device())
+        found = _dispatch._AUTO_TABLES.get(torch.cuda.current_device())
         meta["auto_table_source"] = found[1] if found else None
         rows = check(GRID, args.rounds)
         overhead = host_overhead_us()

@@ -47,9 +47,9 @@ def _build(args: argparse.Namespace) -> int:
         print("build: no CUDA device; nothing to build (the kernels are built for the GPU they run on: "
               "run build on that machine, or let the first attention call there build them)")
         return 0
-    from . import kernels
+    from . import backends
 
-    return int(kernels.build_all() or 0)
+    return int(backends.build_all() or 0)
 
 
 def _demo(args: argparse.Namespace) -> int:

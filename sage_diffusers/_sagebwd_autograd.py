@@ -1,8 +1,8 @@
 """SageBwd's autograd function and the API's gradient path for ``mode="int8"``.
 
-Below :mod:`sage_diffusers.api` (which routes calls that need gradients here) and
-:mod:`sage_diffusers.sagebwd` (the public entry point, which validates its arguments with the
-API's checks): this module imports neither.
+:func:`attention_sagebwd` is the registry's trainable backend (``sage_diffusers.backends``), which
+the dispatcher runs for calls that need gradients. Below the registry, the dispatcher and
+:mod:`sage_diffusers.sagebwd` (the public entry point): this module imports none of them.
 """
 from __future__ import annotations
 

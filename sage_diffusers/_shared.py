@@ -1,14 +1,17 @@
-"""Pieces of the API's exact (SDPA) path that SageBwd uses too: the scale check, query chunks with
-their masks, and the exact log-sum-exp.
+"""The API's exact (SDPA) path and the pieces of it that SageBwd uses too: the scale check, query
+chunks with their masks, the exact log-sum-exp, and :func:`sdpa` itself (the SDPA backend).
 
-They sit below both ``api`` and the SageBwd autograd function so that neither imports the other
-(``api`` routes gradient calls to SageBwd; SageBwd needs the same scale rule and the same LSE).
+They sit below the dispatcher, the backend registry and the SageBwd autograd function so that none
+of them imports another for these (the dispatcher routes gradient calls to SageBwd; SageBwd needs
+the same scale rule and the same LSE; ``sage_diffusers.sagebwd`` falls back to the same SDPA path).
 """
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 # Score elements per query chunk wherever the SDPA path works chunk by chunk (LSE, causal with a
 # mask): 2**24 float32 scores = 64 MiB, whatever the sequence length.
@@ -113,3 +116,64 @@ def to_output_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     top = torch.finfo(dtype).max
     out = torch.where(torch.isfinite(out) & (out.abs() > top), out.sign() * top, out)
     return out.to(dtype)
+
+
+def _visible(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask > -math.inf
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_mask: Optional[torch.Tensor], is_causal: bool,
+         scale: float, return_lse: bool, attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0):
+    """torch SDPA on BHSD views (the backend contract of ``sage_diffusers.backends``, plus SDPA's
+    ``attn_mask`` and ``dropout_p``), and what SDPA itself does not promise.
+
+    Parameters
+    ----------
+    q : (B, Hq, Sq, D); k, v : (B, Hkv, Skv, D), any floating dtype, Hq % Hkv == 0.
+    key_mask : None or bool (B, Skv), True = attended.
+    is_causal : query i sees keys j <= i (top-left aligned).
+    scale : any finite float.
+    return_lse : also return the exact float32 (B, Hq, Sq) log-sum-exp.
+    attn_mask : None, or SDPA's bool / additive float mask as a 4-D view broadcastable to
+        (B, Hq, Sq, Skv).
+    dropout_p : SDPA's dropout on the attention weights.
+
+    Returns
+    -------
+    (out like q, lse or None).
+
+    - Keys that no query may see (masked for every row) get zero K and V rows first, so that
+      NaN/Inf there cannot leak (SDPA's math path computes 0 * NaN).
+    - Rows that see no key are 0 (some SDPA backends give NaN there).
+    - A causal call never builds an Sq x Skv mask: without other masks SDPA gets ``is_causal``;
+      with them, queries go in chunks, each with its own small mask and only the keys it sees.
+    """
+    b, hq, sq, _ = q.shape
+    skv = k.shape[2]
+    gqa = hq != k.shape[1]
+    if key_mask is not None or attn_mask is not None:
+        seen = key_mask if key_mask is not None else torch.ones((), dtype=torch.bool, device=q.device)
+        if attn_mask is not None:
+            seen = seen & _visible(attn_mask).any(dim=(1, 2))  # (B|1, Skv): keys some row may see
+        keep = seen[:, None, :, None]  # (B|1, 1, Skv, 1)
+        zero = torch.zeros((), dtype=k.dtype, device=k.device)
+        k, v = torch.where(keep, k, zero), torch.where(keep, v, zero)
+
+    if key_mask is None and attn_mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                             enable_gqa=gqa)
+    elif not is_causal:
+        mask = chunk_mask(key_mask, attn_mask, False, 0, sq, skv, q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                             enable_gqa=gqa)
+        out = torch.where(_visible(mask).any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype, device=out.device))
+    else:
+        out = q.new_empty(b, hq, sq, v.shape[3])
+        for i0, i1, kend in query_chunks(sq, skv, b * hq, True):
+            mask = chunk_mask(key_mask, attn_mask, True, i0, i1, kend, q.device)
+            part = F.scaled_dot_product_attention(q[:, :, i0:i1], k[:, :, :kend], v[:, :, :kend], attn_mask=mask,
+                                                  dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+            out[:, :, i0:i1] = torch.where(_visible(mask).any(-1, keepdim=True), part,
+                                           torch.zeros((), dtype=part.dtype, device=part.device))
+    lse = exact_lse(q, k, key_mask, attn_mask, is_causal, scale) if return_lse else None
+    return out, lse

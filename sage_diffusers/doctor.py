@@ -17,7 +17,7 @@ from typing import Callable, Optional, TextIO
 
 import torch
 
-from . import __version__, api, kernels, selftest
+from . import __version__, _dispatch, backends, selftest
 from .kernels import _jit
 from .options import Mode
 from .selftest import CheckKey, Status
@@ -47,11 +47,11 @@ def _nvcc() -> tuple[Optional[Path], str]:
 def _planned_backend(mode: Mode, device: torch.device) -> tuple[Optional[Callable], str]:
     """The backend the API would pick for ``mode`` on ``device``, found without building anything.
 
-    Runs the API's own choice (``kernels.backend_for``, unwrapped so that nothing is cached) under
+    Runs the API's own choice (``backends.backend_for``, unwrapped so that nothing is cached) under
     ``_jit.dry_run``, where the kernel modules' ``build()`` only reports its cache entry.
     """
     with _jit.dry_run():
-        return kernels.backend_for.__wrapped__(mode, torch.cuda.get_device_capability(device))
+        return backends.backend_for.__wrapped__(mode, torch.cuda.get_device_capability(device))
 
 
 def _kernel_status(mode: Mode, device: Optional[torch.device]) -> str:
@@ -68,12 +68,11 @@ def _kernel_status(mode: Mode, device: Optional[torch.device]) -> str:
     except TypeError:  # not a _jit extension
         built = "compiled by Triton on first launch"
     name = module.__name__.rsplit(".", 1)[-1]
-    arch = selftest.arch_name(torch.cuda.get_device_capability(device))
-    from . import api
-
+    capability = torch.cuda.get_device_capability(device)
+    arch = selftest.arch_name(capability)
     if (mode, arch) in selftest.VERIFIED_ON_HARDWARE:
         check = f"verified on {arch} hardware"
-    elif api._auto_algorithm(device) is not mode:
+    elif backends.auto_algorithm(backends.arch_code(capability)) is not mode:
         check = f'runs for mode="{mode.value}" only (auto does not pick it on {arch}, so it is not self-checked)'
     else:
         verdict = selftest.cached_verdict(CheckKey(mode, arch, selftest.driver_version(), selftest.kernel_hash(backend)))
@@ -87,17 +86,16 @@ def _kernel_status(mode: Mode, device: Optional[torch.device]) -> str:
 
 
 def _auto_lines(device: Optional[torch.device]) -> list[str]:
-    """What mode="auto" does per head dim on this device (the api's own choice of algorithm)."""
-    from . import api
-
+    """What mode="auto" does per head dim on this device (the dispatcher's own choice of algorithm)."""
     if device is None:
         return [f"head dim {d}: SDPA (no CUDA device: auto never runs the slow torch references)"
                 for d in AUTO_HEAD_DIMS]
-    algo = api._auto_algorithm(device)
-    arch = selftest.arch_name(torch.cuda.get_device_capability(device))
+    capability = torch.cuda.get_device_capability(device)
+    algo = backends.auto_algorithm(backends.arch_code(capability))
+    arch = selftest.arch_name(capability)
     lines = []
     for d in AUTO_HEAD_DIMS:
-        if d not in api.SUPPORTED_HEAD_DIMS:
+        if d not in _dispatch.SUPPORTED_HEAD_DIMS:
             lines.append(f"head dim {d}: SDPA (no kernel for this head dim)")
         elif algo is None:
             lines.append(f"head dim {d}: SDPA (no low-bit kernel for {arch})")
@@ -114,7 +112,7 @@ def _measured_crossovers(device: torch.device, head_dim: int) -> str:
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     try:
-        table, source, _ = api._resolve_auto_table(index, calibrate=False)
+        table, source, _ = _dispatch.resolve_auto_table(index, calibrate=False)
     except Exception as exc:  # the doctor reports, it does not fail
         return f" (auto table unknown: {type(exc).__name__}: {exc})"
     if table is None:
@@ -159,7 +157,7 @@ def report(stream: Optional[TextIO] = None) -> int:
         line("CUTLASS headers", f"not found: {exc}")
     line("JIT cache", str(_jit.cache_root()))
     print("kernels:", file=out)
-    for mode in selftest.REFERENCES:  # the low-bit modes
+    for mode in backends.REFERENCES:  # the low-bit modes
         print(f"  {mode.value:5s} {_kernel_status(mode, device)}", file=out)
     print('mode="auto":', file=out)
     for text in _auto_lines(device):

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from sage_diffusers import api
+from sage_diffusers import _masks
 from sage_diffusers.options import Mode
 from sage_diffusers.policy import FixedPolicy, Policy, PolicyState
 from sage_diffusers.processors import PROCESSOR_FOR, SageProcessorMixin
@@ -66,7 +66,7 @@ def _open_scope(module: torch.nn.Module, args: Any) -> None:
     if torch.compiler.is_compiling():  # compiled code reads no mask values
         return
     stack = _SCOPES.__dict__.setdefault("tokens", [])
-    stack.append(api.open_mask_scope())
+    stack.append(_masks.open_mask_scope())
 
 
 def _close_scope(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -75,7 +75,7 @@ def _close_scope(module: torch.nn.Module, args: Any, output: Any) -> None:
         return
     stack = getattr(_SCOPES, "tokens", None)
     if stack:
-        api.close_mask_scope(stack.pop())
+        _masks.close_mask_scope(stack.pop())
 
 
 class _FuseGuard:

@@ -10,8 +10,9 @@ Gradients: of q, k, v, and of the LSE where ``sd.attention(..., return_lse=True)
 requires grad runs SDPA, which differentiates it. No double backward: the backward is quantized
 and not itself differentiable, so ``create_graph=True`` raises (:data:`DOUBLE_BACKWARD_ERROR`).
 
-The autograd function itself is in ``sage_diffusers._sagebwd_autograd``, below the API, which
-runs it; this module, which checks its arguments with the API's checks, is above it.
+The autograd function itself is in ``sage_diffusers._sagebwd_autograd``, the registry's trainable
+backend, which the dispatcher runs; this module checks its arguments with the API's checks
+(``_validate``) and falls back to the same SDPA path (``_shared.sdpa``).
 """
 from __future__ import annotations
 
@@ -19,14 +20,17 @@ from typing import Optional
 
 import torch
 
-from . import _fallback, api
+from . import _fallback, backends
+from ._dispatch import needs_grad
+from ._masks import _native_key_mask
 from ._sagebwd_autograd import DOUBLE_BACKWARD_ERROR, Impl, SageBwdFunction, default_impl
+from ._shared import check_scale, sdpa
+from ._validate import check_attn_mask, check_key_mask, to_bhsd
 from .options import Layout
-from .reference import sagebwd as ref
 from .reference.sagebwd import DoVPrecision
 
-SUPPORTED_HEAD_DIMS = ref.SUPPORTED_HEAD_DIMS
-_NATIVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_HEAD_DIMS = backends.SAGEBWD.head_dims
+_NATIVE_DTYPES = backends.SAGEBWD.dtypes
 
 __all__ = ["DOUBLE_BACKWARD_ERROR", "Impl", "SUPPORTED_HEAD_DIMS", "SageBwdFunction", "default_impl", "sagebwd"]
 
@@ -87,20 +91,21 @@ def sagebwd(
     """
     layout = Layout.parse(layout)
     dov = DoVPrecision.parse(dov)
-    qh, kh, vh = api._to_bhsd(q, k, v, layout)
+    qh, kh, vh = to_bhsd(q, k, v, layout)
     b, hq, sq, d = qh.shape
     skv, dv = kh.shape[2], vh.shape[3]
-    scale_f = api._check_scale(scale, d)
-    key_mask = api._check_key_mask(key_mask, b, skv, q.device)
-    attn_mask = api._check_attn_mask(attn_mask, (b, hq, sq, skv), q.device)
-    if api._needs_grad(attn_mask):  # before the key-padding check, which reads the mask on the host
+    scale_f = check_scale(scale, d)
+    key_mask = check_key_mask(key_mask, b, skv, q.device)
+    attn_mask = check_attn_mask(attn_mask, (b, hq, sq, skv), q.device)
+    if needs_grad(attn_mask):  # before the key-padding check, which reads the mask on the host
         mask_keys, reason = None, "attn_mask requires grad (SageBwd computes no mask gradient)"
     else:
-        mask_keys, native = api._native_key_mask(attn_mask, key_mask, b, skv)
+        mask_keys, native = _native_key_mask(attn_mask, key_mask, b, skv)
         reason = _fallback_reason(q, d, dv, not native)
     if reason is not None:
         _fallback.record(f"sagebwd: {reason}")
-        out, _ = api._sdpa(qh, kh, vh, key_mask, attn_mask, 0.0, bool(is_causal), scale_f, False)
+        out, _ = sdpa(qh, kh, vh, key_mask=key_mask, attn_mask=attn_mask, is_causal=bool(is_causal), scale=scale_f,
+                      return_lse=False)
     else:
         impl = default_impl(q.device) if impl is None else impl
         out = SageBwdFunction.apply(qh, kh, vh, mask_keys, bool(is_causal), scale_f, dov, impl)

@@ -1,7 +1,8 @@
 """Self-checked dispatch: "auto" picks a kernel only where it is known to compute the right thing.
 
 A kernel counts as known on a GPU arch when this project ran it on that hardware
-(:data:`VERIFIED_ON_HARDWARE`, the one table of such runs). Anywhere else (today: the native FP4
+(:data:`VERIFIED_ON_HARDWARE`, read from each kernel's ``verified_on`` in the backend registry,
+``sage_diffusers.backends``). Anywhere else (today: the native FP4
 kernel on sm_120/sm_121, which compiles in CI but has never run here) the first time a process
 would let ``mode="auto"`` pick it, the kernel runs once on small fixed problems (key padding,
 grouped-query heads, causal, head dims 64 and 128, and the DiT-like inputs of
@@ -28,25 +29,28 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-from . import kernels
+from . import backends
+from .backends import Backend, Route
 from .kernels import _jit
 from .options import Mode
 from .realistic import CASES as REALISTIC_CASES, case_inputs
-from .reference import cosine, relative_l1, sage3_reference, sage8_reference
+from .reference import cosine, relative_l1
 
 logger = logging.getLogger("sage_diffusers")
 
-# (mode, arch) pairs whose kernel this project has run and tested on that hardware (an H200):
-# "auto" uses these without a self-check. Add an arch here only after a recorded run on it.
-VERIFIED_ON_HARDWARE: frozenset[tuple[Mode, str]] = frozenset({
-    (Mode.INT8, "sm_90"),
-    (Mode.FP4, "sm_90"),  # the emulated FP4 atom
-})
-REFERENCES = {Mode.INT8: sage8_reference, Mode.FP4: sage3_reference}
+# (mode, arch) pairs whose kernel this project has run and tested on that hardware: "auto" uses
+# these without a self-check. The registry's ``verified_on`` holds them (add an arch there only
+# after a recorded run on it).
+VERIFIED_ON_HARDWARE: frozenset[tuple[Mode, str]] = frozenset(
+    (spec.algorithm, f"sm_{code}") for spec in backends.BACKENDS if spec.route is Route.KERNEL
+    for code in spec.verified_on)
+# The torch reference of each low-bit mode's algorithm (the contract functions): what a kernel is
+# compared with, and the modes the command checks.
+REFERENCES = backends.REFERENCES
 # A correct kernel matches the reference of its own algorithm to cos >= 0.9999 and rel-L1 < 0.005
 # (measured on the plain problems on an H200: int8 0.999997 / 0.0017, emulated FP4 0.999967 / 0.0040;
 # the realistic problems are not measured on a GPU yet);
@@ -70,8 +74,6 @@ REALISTIC_SHAPE = (2, 4, 2, 300, 1000)
 # problems alone, which passed a kernel that gave NaN on sharp heads) is not trusted.
 CHECKS_VERSION = 2
 VERDICT_FOLDER = "selftest"  # under the JIT cache root
-
-Backend = Callable[..., tuple]
 
 
 class Status(str, enum.Enum):
@@ -453,7 +455,7 @@ def main(force: bool = False, details: bool = True, stream=None) -> int:
     failed = False
     for mode in REFERENCES:
         # the kernel the API runs for this mode here (built now)
-        backend, why = kernels.backend_for(mode, torch.cuda.get_device_capability(device))
+        backend, why = backends.backend_for(mode, torch.cuda.get_device_capability(device))
         if backend is None:
             failed |= why.startswith("build failed")  # backend_for's wording for a broken build
             print(f"  {mode.value}: no kernel ({why})", file=stream)

@@ -26,9 +26,9 @@ def _seed():
 @pytest.fixture(autouse=True)
 def _fresh_capabilities(monkeypatch):
     """Tests fake the GPU's capability: the API's per-process memo of it starts empty in each."""
-    from sage_diffusers import api
+    from sage_diffusers import _dispatch
 
-    monkeypatch.setattr(api, "_CAPABILITIES", {})
+    monkeypatch.setattr(_dispatch, "_CAPABILITIES", {})
 
 
 def pytest_runtest_logreport(report):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_diffusers as sd
-from sage_diffusers import api
+from sage_diffusers import _dispatch, api
 from sage_diffusers.reference import cosine
 
 from _util import assert_unchanged, snapshot
@@ -217,7 +217,7 @@ def test_top_level_enable_disable_are_the_integration_functions():
 
 
 def test_a_kernel_that_fails_to_build_becomes_a_reason_not_a_crash(monkeypatch):
-    from sage_diffusers import api
+    from sage_diffusers import backends
     from sage_diffusers.kernels import int8_sm90
     from sage_diffusers.options import Mode
 
@@ -226,12 +226,12 @@ def test_a_kernel_that_fails_to_build_becomes_a_reason_not_a_crash(monkeypatch):
 
     monkeypatch.setattr(int8_sm90, "is_available", lambda: (True, "ok"))
     monkeypatch.setattr(int8_sm90, "build", broken_build)
-    backend, why = api._kernel_cached.__wrapped__(Mode.INT8, (9, 0))
+    backend, why = backends.backend_for.__wrapped__(Mode.INT8, (9, 0))
     assert backend is None and why == "build failed: RuntimeError: nvcc not found"
 
 
 def test_the_kernel_branch_hands_every_argument_to_the_backend():
-    """``_run_sage`` on a kernel plan calls the backend as the backend contract says:
+    """``_dispatch.run_low_bit`` on a kernel plan calls the backend as the backend contract says:
     backend(q, k, v, *, key_mask, is_causal, scale, return_lse) on BHSD views, float32 rounded to
     bfloat16 first (the CPU suite cannot reach a real kernel). Fails on: a dropped argument."""
     seen = {}
@@ -242,7 +242,7 @@ def test_the_kernel_branch_hands_every_argument_to_the_backend():
 
     q, k, v = dit_qkv(1, 2, 2, 8, 8, 64, seed=16)
     kp = key_padding_mask(1, 8, seed=17)
-    api._run_sage(api.Plan("kernel", api.Mode.INT8, backend), q, k, v, kp, True, 0.25, True)
+    _dispatch.run_low_bit(_dispatch.Plan("kernel", api.Mode.INT8, backend), q, k, v, kp, True, 0.25, True)
     assert all(torch.equal(seen[n], t.to(torch.bfloat16)) for n, t in (("q", q), ("k", k), ("v", v)))
     assert seen["key_mask"] is kp and (seen["is_causal"], seen["scale"], seen["return_lse"]) == (True, 0.25, True)
 

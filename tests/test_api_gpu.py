@@ -55,9 +55,9 @@ def _separates(out, exact, ref) -> bool:
 
 def _auto_keeps_sdpa(q, k, is_causal=False, masked=False):
     """What the measured auto table decides for this call on this GPU (None: the kernel runs)."""
-    from sage_diffusers import api
+    from sage_diffusers import _dispatch
 
-    return api._auto_prefers_sdpa(q.device, tuple(q.shape), k.shape[1], k.shape[2], masked, is_causal)
+    return _dispatch.auto_prefers_sdpa(q.device, tuple(q.shape), k.shape[1], k.shape[2], masked, is_causal)
 
 
 @pytest.mark.parametrize("layout", ["BHSD", "BSHD"])

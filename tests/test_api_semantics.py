@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import sage_diffusers as sd
-from sage_diffusers import _shared, api
+from sage_diffusers import _dispatch, _masks, _shared, api
 from sage_diffusers.reference import cosine, sage3_reference, sage8_reference
 
 from _util import assert_unchanged, snapshot
@@ -105,8 +105,8 @@ def test_disguised_key_mask_is_checked_once_per_tensor_inside_a_mask_scope(monke
     reads the mask (a host sync): inside sd.mask_scope (what the integrations open per forward) it
     runs once per distinct tensor; outside a scope the mask is never read and runs SDPA, counted."""
     calls = []
-    real = api._classify_key_padding
-    monkeypatch.setattr(api, "_classify_key_padding", lambda m: calls.append(1) or real(m))
+    real = _masks._classify_key_padding
+    monkeypatch.setattr(_masks, "_classify_key_padding", lambda m: calls.append(1) or real(m))
     b, sq, skv = 2, 16, 32
     q, k, v = _qkv(b=b, sq=sq, skv=skv)
     kp = key_padding_mask(b, skv, seed=5)
@@ -195,8 +195,8 @@ def test_a_bool_key_padding_attn_mask_is_never_read_on_the_host(monkeypatch):
     """A bool (B, 1, 1, Skv) attn_mask is key padding by its shape: used as a view, its values
     never read (no host sync). Fails on: the shape test looking at the wrong dim or size."""
     reads = []
-    real = api._classify_key_padding
-    monkeypatch.setattr(api, "_classify_key_padding", lambda m: reads.append(1) or real(m))
+    real = _masks._classify_key_padding
+    monkeypatch.setattr(_masks, "_classify_key_padding", lambda m: reads.append(1) or real(m))
     q, k, v = dit_qkv(2, 2, 2, 24, 24, 64, seed=11)
     kp = key_padding_mask(2, 24, seed=12)
     out = sd.attention(q, k, v, kp[:, None, None, :], mode="int8")
@@ -239,13 +239,13 @@ def test_mask_scope_classifies_once_per_tensor_and_forgets_at_exit():
     a, b = _mask(2, 20, 1), _mask(2, 20, 2)
     with api.mask_scope():
         for m in (a, b, a, a[:, :, :, :]):
-            assert torch.equal(api.classify_in_scope(m, compute), m[:, 0, 0, :])
+            assert torch.equal(_masks.classify_in_scope(m, compute), m[:, 0, 0, :])
         with api.mask_scope():  # nested: the outer scope's answers
-            api.classify_in_scope(b, compute)
+            _masks.classify_in_scope(b, compute)
         assert len(calls) == 2
-    assert api.classify_in_scope(a, compute) is None  # no scope: nothing read
+    assert _masks.classify_in_scope(a, compute) is None  # no scope: nothing read
     with api.mask_scope():
-        api.classify_in_scope(a, compute)
+        _masks.classify_in_scope(a, compute)
     assert len(calls) == 3
 
 
@@ -254,9 +254,9 @@ def test_mask_scope_reads_nothing_while_compiling_or_on_meta(monkeypatch):
     general and runs SDPA). Regression: meta/FakeTensor inputs with a general mask failed in
     int8 / fp4 (``.item()`` on meta)."""
     with api.mask_scope():
-        assert api.classify_in_scope(torch.ones(1, 1, 2, 2, device="meta"), lambda m: pytest.fail("read")) is None
+        assert _masks.classify_in_scope(torch.ones(1, 1, 2, 2, device="meta"), lambda m: pytest.fail("read")) is None
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-        assert api.classify_in_scope(_mask(2, 20, 1), lambda m: pytest.fail("the mask was read")) is None
+        assert _masks.classify_in_scope(_mask(2, 20, 1), lambda m: pytest.fail("the mask was read")) is None
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -472,13 +472,13 @@ def test_gradients_are_never_silently_wrong(mode):
 
 def test_needs_grad_is_the_one_decision():
     q, k, v = _qkv()
-    assert not api._needs_grad(q, k, v)
+    assert not _dispatch.needs_grad(q, k, v)
     qg = q.clone().requires_grad_()
-    assert api._needs_grad(qg, k, v) and api._needs_grad(None, k, qg)
+    assert _dispatch.needs_grad(qg, k, v) and _dispatch.needs_grad(None, k, qg)
     with torch.no_grad():
-        assert not api._needs_grad(qg, k, v)
+        assert not _dispatch.needs_grad(qg, k, v)
     with torch.inference_mode():
-        assert not api._needs_grad(q, k, v)
+        assert not _dispatch.needs_grad(q, k, v)
 
 
 @pytest.mark.parametrize("which", [0, 1, 2])
@@ -487,7 +487,7 @@ def test_any_one_input_requiring_grad_chooses_the_gradient_path(monkeypatch, mod
     """Whichever one of q, k, v requires grad: "int8" trains through SageBwd, "fp4" runs SDPA
     counted "backward" (never the inference reference, whose gradients are silently wrong).
 
-    Fails on: ``_plan`` asking ``_needs_grad`` about only two of q, k, v (either check)."""
+    Fails on: ``_dispatch.plan`` asking ``needs_grad`` about only two of q, k, v (either check)."""
     sagebwd = importlib.import_module("sage_diffusers._sagebwd_autograd")  # where the API takes its gradient path
     calls = []
     real = sagebwd.attention_sagebwd
@@ -536,7 +536,7 @@ def test_empty_inputs_give_the_right_shapes(mode, shape, layout):
 def test_empty_input_keeps_every_input_in_the_graph(mode, which):
     """Sq = 0: whichever of q, k, v requires grad gets a zero gradient of its shape, as with SDPA.
 
-    Fails on: ``_empty_result`` asking ``_needs_grad`` about q and only one of k, v."""
+    Fails on: ``_dispatch.empty_result`` asking ``needs_grad`` about q and only one of k, v."""
     t = [torch.randn(2, 2, 0, 64), torch.randn(2, 2, 16, 64), torch.randn(2, 2, 16, 64)]
     t[which] = t[which].requires_grad_()
     out = sd.attention(*t, mode=mode)

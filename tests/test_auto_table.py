@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from sage_diffusers import api
+from sage_diffusers import _dispatch, api, backends
 from sage_diffusers.kernels import _jit, auto_calibrate, auto_table
 from sage_diffusers.kernels.auto_table import CallClass
 
@@ -139,7 +139,7 @@ def fake_sm90(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     monkeypatch.setattr(_jit, "cache_root", lambda: tmp_path)
     monkeypatch.setattr(selftest, "kernel_hash", lambda backend: "int8-test")
-    monkeypatch.setattr(api, "_AUTO_TABLES", {})
+    monkeypatch.setattr(_dispatch, "_AUTO_TABLES", {})
     yield auto_table.gpu_model(_Props.name, _Props.multi_processor_count)
 
 
@@ -150,15 +150,15 @@ def test_gate_reads_the_gpu_models_table_and_names_class_and_source(fake_sm90, m
     table.update({plain: 24 * 16384 ** 2, masked: 2 * 8 * 1024 ** 2})
     monkeypatch.setattr(auto_table, "SHIPPED", {model: table})
     dev = torch.device("cuda", 0)
-    assert api._auto_prefers_sdpa(dev, (1, 24, 16384, 128), 24, 16384, False, False) is None
-    why = api._auto_prefers_sdpa(dev, (1, 24, 4608, 128), 24, 4608, False, False)
+    assert _dispatch.auto_prefers_sdpa(dev, (1, 24, 16384, 128), 24, 16384, False, False) is None
+    why = _dispatch.auto_prefers_sdpa(dev, (1, 24, 4608, 128), 24, 4608, False, False)
     assert "d128_full:" in why and f"measured on an {model}" in why
     # the same shape with a key mask is a masked class, decided with masked timings: the kernel
-    assert api._auto_prefers_sdpa(dev, (2, 8, 4096, 128), 8, 4096, True, False) is None
-    assert "not faster at any size" in api._auto_prefers_sdpa(dev, (1, 24, 16384, 128), 24, 16384, False, True)
+    assert _dispatch.auto_prefers_sdpa(dev, (2, 8, 4096, 128), 8, 4096, True, False) is None
+    assert "not faster at any size" in _dispatch.auto_prefers_sdpa(dev, (1, 24, 16384, 128), 24, 16384, False, True)
     # no per-call work: the table is resolved once per device
-    monkeypatch.setattr(api, "_resolve_auto_table", lambda *a, **k: pytest.fail("resolved twice"))
-    api._auto_prefers_sdpa(dev, (1, 24, 4608, 128), 24, 4608, False, False)
+    monkeypatch.setattr(_dispatch, "resolve_auto_table", lambda *a, **k: pytest.fail("resolved twice"))
+    _dispatch.auto_prefers_sdpa(dev, (1, 24, 4608, 128), 24, 4608, False, False)
 
 
 def test_gate_prefers_a_calibration_of_this_gpu_over_the_shipped_table(fake_sm90, monkeypatch):
@@ -166,7 +166,7 @@ def test_gate_prefers_a_calibration_of_this_gpu_over_the_shipped_table(fake_sm90
     monkeypatch.setattr(auto_table, "SHIPPED", {model: _full_table(10**15)})
     path = auto_table.cache_path(_jit.cache_root(), model, "int8-test")
     auto_table.write_cached(path, model, "int8-test", _full_table(1))
-    assert api._auto_prefers_sdpa(torch.device("cuda", 0), (1, 2, 256, 64), 2, 256, False, False) is None
+    assert _dispatch.auto_prefers_sdpa(torch.device("cuda", 0), (1, 2, 256, 64), 2, 256, False, False) is None
 
 
 def test_unknown_gpu_calibrates_once_on_first_use_and_caches_it(fake_sm90, monkeypatch, caplog):
@@ -180,15 +180,15 @@ def test_unknown_gpu_calibrates_once_on_first_use_and_caches_it(fake_sm90, monke
 
     monkeypatch.setattr(auto_calibrate, "calibrate", fake_calibrate)
     with caplog.at_level(logging.WARNING, logger="sage_diffusers"):
-        assert api._auto_prefers_sdpa(torch.device("cuda", 0), (1, 2, 64, 64), 2, 64, False, False) is None
+        assert _dispatch.auto_prefers_sdpa(torch.device("cuda", 0), (1, 2, 64, 64), 2, 64, False, False) is None
     assert calls == [auto_calibrate.FIRST_USE]
     assert "no measured table" in caplog.text and "SAGE_DIFFUSERS_AUTO_CALIBRATE=0" in caplog.text
     assert "done in" in caplog.text
     path = auto_table.cache_path(_jit.cache_root(), model, "int8-test")
     assert auto_table.read_cached(path, model, "int8-test") == _full_table(5)
-    api._AUTO_TABLES.clear()  # a new process reads the file instead of measuring again
+    _dispatch._AUTO_TABLES.clear()  # a new process reads the file instead of measuring again
     monkeypatch.setattr(auto_calibrate, "calibrate", lambda *a, **k: pytest.fail("calibrated twice"))
-    assert api._auto_prefers_sdpa(torch.device("cuda", 0), (1, 2, 64, 64), 2, 64, False, False) is None
+    assert _dispatch.auto_prefers_sdpa(torch.device("cuda", 0), (1, 2, 64, 64), 2, 64, False, False) is None
 
 
 def test_opted_out_unknown_gpu_uses_the_conservative_rule(fake_sm90, monkeypatch):
@@ -196,9 +196,9 @@ def test_opted_out_unknown_gpu_uses_the_conservative_rule(fake_sm90, monkeypatch
     monkeypatch.setattr(auto_table, "SHIPPED", {"A (1 SMs)": _full_table(100), "B (2 SMs)": _full_table(300)})
     monkeypatch.setattr(auto_calibrate, "calibrate", lambda *a, **k: pytest.fail("must not calibrate"))
     dev = torch.device("cuda", 0)
-    why = api._auto_prefers_sdpa(dev, (1, 1, 10, 64), 1, 20, False, False)  # work 200 < 300
+    why = _dispatch.auto_prefers_sdpa(dev, (1, 1, 10, 64), 1, 20, False, False)  # work 200 < 300
     assert "conservative rule" in why
-    assert api._auto_prefers_sdpa(dev, (1, 1, 15, 64), 1, 20, False, False) is None  # 300
+    assert _dispatch.auto_prefers_sdpa(dev, (1, 1, 15, 64), 1, 20, False, False) is None  # 300
 
 
 def test_a_failed_calibration_keeps_auto_safe(fake_sm90, monkeypatch):
@@ -208,13 +208,13 @@ def test_a_failed_calibration_keeps_auto_safe(fake_sm90, monkeypatch):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(auto_calibrate, "calibrate", boom)
-    why = api._auto_prefers_sdpa(torch.device("cuda", 0), (1, 24, 4096, 128), 24, 4096, False, False)
+    why = _dispatch.auto_prefers_sdpa(torch.device("cuda", 0), (1, 24, 4096, 128), 24, 4096, False, False)
     assert "calibration on" in why and "OutOfMemoryError" in why
 
 
 def test_no_gate_where_there_are_no_tables(fake_sm90, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 0))
-    assert api._auto_prefers_sdpa(torch.device("cuda", 0), (1, 24, 4608, 128), 24, 4608, False, False) is None
+    assert _dispatch.auto_prefers_sdpa(torch.device("cuda", 0), (1, 24, 4608, 128), 24, 4608, False, False) is None
 
 
 def test_gpu_dispatch_decisions_trace_under_compile(fake_sm90, monkeypatch):
@@ -229,9 +229,9 @@ def test_gpu_dispatch_decisions_trace_under_compile(fake_sm90, monkeypatch):
     monkeypatch.setattr(auto_table, "SHIPPED", {model: table})
 
     def decide(x):
-        why = api._auto_status(0)  # on this CPU machine: the kernel is unavailable, with a reason
+        why = _dispatch._auto_status(0)  # on this CPU machine: the kernel is unavailable, with a reason
         n = x.shape[0]
-        slower = api._auto_prefers_sdpa(torch.device("cuda", 0), (1, 1, n, 128), 1, n, False, False)
+        slower = _dispatch.auto_prefers_sdpa(torch.device("cuda", 0), (1, 1, n, 128), 1, n, False, False)
         return (x * 2 if slower is None else x + 1), why
 
     try:
@@ -286,20 +286,20 @@ def test_auto_status_checks_the_kernel_once_per_process(fake_sm90, monkeypatch):
     from sage_diffusers.options import Mode
 
     gates = []
-    monkeypatch.setattr(api, "_kernel_cached", lambda mode, cap: (lambda *a: None, "") if mode is Mode.INT8 else (None, "no"))
+    monkeypatch.setattr(_dispatch, "_kernel_cached", lambda mode, cap: (lambda *a: None, "") if mode is Mode.INT8 else (None, "no"))
     monkeypatch.setattr(selftest, "gate", lambda mode, device, backend: gates.append(1) or (backend, ""))
-    monkeypatch.setattr(api, "_AUTO_READY", set())
-    assert api._auto_status(0) == "" and api._auto_status(0) == ""
+    monkeypatch.setattr(_dispatch, "_AUTO_READY", set())
+    assert _dispatch._auto_status(0) == "" and _dispatch._auto_status(0) == ""
     assert gates == [1]
-    delattr(api._RESOLVED, "backend_int8_90_True")  # what it resolved is gone: checked again
-    assert api._auto_status(0) == "" and gates == [1, 1]
+    delattr(_dispatch._RESOLVED, "backend_int8_90_True")  # what it resolved is gone: checked again
+    assert _dispatch._auto_status(0) == "" and gates == [1, 1]
 
 
 @pytest.mark.parametrize("cap, algo", [(90, "int8"), (120, "fp4"), (121, "fp4"), (80, None), (89, None),
                                        (100, None)])
 def test_auto_algorithm_per_arch(cap, algo):
     """"auto" runs INT8 on sm_9x, FP4 on sm_12x and nothing else (the CPU suite never asked)."""
-    got = api._auto_algorithm_of(cap)
+    got = backends.auto_algorithm(cap)
     assert (got.value if got is not None else None) == algo
 
 
@@ -313,3 +313,22 @@ def test_doctor_names_the_table_in_use_without_calibrating(fake_sm90, monkeypatc
     monkeypatch.setattr(auto_table, "SHIPPED", {fake_sm90: _full_table(10**9)})
     text = doctor._measured_crossovers(torch.device("cuda", 0), 128)
     assert f"measured on an {fake_sm90}" in text and "kernel from B*H*Sq*Skv >= 1e+09" in text
+
+
+def test_auto_decisions_memo_belongs_to_the_final_table_and_a_ready_kernel(fake_sm90, monkeypatch):
+    """auto's per-call answers are memoized (the decision cost ~20 µs of host time per call where it
+    keeps SDPA, enough to starve the GPU on short calls), but only under a final table with the
+    kernel ready, and a table entry replaced (a new calibration installed) starts a new memo."""
+    monkeypatch.setattr(_dispatch, "_AUTO_DECISIONS", {})
+    monkeypatch.setattr(_dispatch, "_AUTO_READY", set())
+    entry = (_full_table(None), "measured on a test GPU", True)
+    _dispatch._AUTO_TABLES[0] = entry
+    assert _dispatch._auto_decisions(0) is None  # kernel not known ready: answers may change
+    _dispatch._AUTO_READY.add((0, 90))
+    memo = _dispatch._auto_decisions(0)
+    assert memo == {} and _dispatch._auto_decisions(0) is memo
+    memo["call"] = "auto: SDPA is faster here (...)"
+    _dispatch._AUTO_TABLES[0] = (_full_table(1), "calibrated on this test GPU", True)
+    assert _dispatch._auto_decisions(0) == {}  # the new table's answers are taken afresh
+    del _dispatch._AUTO_TABLES[0]
+    assert _dispatch._auto_decisions(0) is None

@@ -1,10 +1,10 @@
 """torch.compile(fullgraph=True) over the API: inside torch.cond branches (where policies put it), and
-traces that resolve several kernel backends (the constant-result lookups of api._Resolved)."""
+traces that resolve several kernel backends (the constant-result lookups of _dispatch._Resolved)."""
 import pytest
 import torch
 
 import sage_diffusers as sd
-from sage_diffusers import api
+from sage_diffusers import _dispatch
 
 
 def test_fallback_inside_torch_cond_branch_compiles():
@@ -42,38 +42,38 @@ def test_two_backend_lookups_resolved_in_one_trace(monkeypatch):
     def gated(x):
         return x * 3
 
-    monkeypatch.setattr(api, "_capability", torch.compiler.assume_constant_result(lambda index: 90))
-    monkeypatch.setattr(api, "_kernel_cached", lambda mode, cap: (raw, "") if mode is Mode.INT8 else (None, "no"))
+    monkeypatch.setattr(_dispatch, "_capability", torch.compiler.assume_constant_result(lambda index: 90))
+    monkeypatch.setattr(_dispatch, "_kernel_cached", lambda mode, cap: (raw, "") if mode is Mode.INT8 else (None, "no"))
     monkeypatch.setattr(selftest, "gate", lambda mode, device, backend: (gated, ""))
 
     def dispatch(x):
-        # what _plan does for mode="int8", then for mode="auto", on GPU 0 of sm_90
-        assert api._kernel_status("int8", 90) == ""
-        y = api._RESOLVED.get("backend", "int8", 90, False)(x)
-        assert api._auto_status(0) == ""
-        return y + api._RESOLVED.get("backend", "int8", 90, True)(x)
+        # what _dispatch.plan does for mode="int8", then for mode="auto", on GPU 0 of sm_90
+        assert _dispatch._kernel_status("int8", 90) == ""
+        y = _dispatch._RESOLVED.get("backend", "int8", 90, False)(x)
+        assert _dispatch._auto_status(0) == ""
+        return y + _dispatch._RESOLVED.get("backend", "int8", 90, True)(x)
 
     torch._dynamo.reset()
     try:
-        for attr in [a for a in vars(api._RESOLVED) if a.startswith("backend_int8_90")]:
-            delattr(api._RESOLVED, attr)  # a fresh process: nothing resolved before the trace
+        for attr in [a for a in vars(_dispatch._RESOLVED) if a.startswith("backend_int8_90")]:
+            delattr(_dispatch._RESOLVED, attr)  # a fresh process: nothing resolved before the trace
         compiled = torch.compile(dispatch, fullgraph=True, backend="eager")
         x = torch.ones(4)
         torch.testing.assert_close(compiled(x), (x + 1) + x * 3)
     finally:
         torch._dynamo.reset()
-        for attr in [a for a in vars(api._RESOLVED) if a.startswith("backend_int8_90")]:
-            delattr(api._RESOLVED, attr)
+        for attr in [a for a in vars(_dispatch._RESOLVED) if a.startswith("backend_int8_90")]:
+            delattr(_dispatch._RESOLVED, attr)
 
 
 def test_resolved_lookups_keep_each_key_apart():
     """What the constant-result lookups resolved is found again under exactly its own key."""
-    r = api._Resolved()
+    r = _dispatch._Resolved()
     gated, plain = object(), object()
     r.put(gated, "backend", "int8", 90, True)
     r.put(plain, "backend", "int8", 90, False)
     assert r.get("backend", "int8", 90, True) is gated and r.get("backend", "int8", 90, False) is plain
-    assert api._Resolved._name("auto_rules", 90) == "auto_rules_90"
+    assert _dispatch._Resolved._name("auto_rules", 90) == "auto_rules_90"
     with pytest.raises(AttributeError):
         r.get("backend", "fp4", 90, True)
 
@@ -87,8 +87,8 @@ def test_gpu_compiled_graph_mixing_explicit_and_auto_modes():
     explicit = {9: "int8", 12: "fp4"}.get(cap[0])
     if explicit is None:
         pytest.skip(f"no low-bit kernel on sm_{cap[0]}{cap[1]}")
-    for attr in [a for a in vars(api._RESOLVED) if a.startswith("backend_")]:
-        delattr(api._RESOLVED, attr)  # as in a fresh process
+    for attr in [a for a in vars(_dispatch._RESOLVED) if a.startswith("backend_")]:
+        delattr(_dispatch._RESOLVED, attr)  # as in a fresh process
     q, k, v = (torch.randn(1, 2, 16384, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 
     def two_modes(q, k, v):

@@ -310,7 +310,7 @@ def test_a_float_mask_that_requires_grad_runs_sdpa(mode):
     """A float key-padding mask (0 / -inf) that requires grad has no gradient on the low-bit paths
     (SageBwd included): SDPA runs, counted "backward", and the mask gets its gradient.
 
-    Fails on: the float mask left out of the gradient decision (always None, or ``_needs_grad(None)``)."""
+    Fails on: the float mask left out of the gradient decision (always None, or ``needs_grad(None)``)."""
     q, k, v = dit_qkv(1, 2, 2, 24, 24, 64, seed=8)
     kp = key_padding_mask(1, 24, seed=9)
     bias = torch.zeros(1, 1, 1, 24).masked_fill(~kp[:, None, None, :], -math.inf).requires_grad_()

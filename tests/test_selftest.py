@@ -13,6 +13,7 @@ import torch
 
 from sage_diffusers import selftest
 from sage_diffusers.options import Mode
+from sage_diffusers.reference import sage3_reference, sage8_reference
 from sage_diffusers.selftest import Status
 
 REAL_KERNEL_HASH = selftest.kernel_hash  # the gpu fixture replaces it (csrc/ may change during a run)
@@ -236,7 +237,7 @@ def test_problems_include_every_realistic_case_in_both_dtypes_and_head_dims():
 @pytest.mark.parametrize("mode", [Mode.FP4, Mode.INT8])
 def test_reference_passes_on_every_problem(mode):
     """The reference itself as the kernel (not memoized): every problem passes with zero error."""
-    reference = {Mode.FP4: selftest.sage3_reference, Mode.INT8: selftest.sage8_reference}[mode]
+    reference = {Mode.FP4: sage3_reference, Mode.INT8: sage8_reference}[mode]
     verdict = selftest.run_check(mode, reference, "cpu")
     assert verdict.status is Status.PASSED, verdict.reason
     assert verdict.cosine > 0.999999 and verdict.rel_l1 == 0 and verdict.lse_error == 0

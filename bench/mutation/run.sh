@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Mutation testing of sage_diffusers/reference/ and sage_diffusers/api.py with mutmut 3.
+# Mutation testing of sage_diffusers/reference/ and the API (api.py and its private modules) with mutmut 3.
 #
 #   bench/mutation/run.sh                                              # everything in setup.cfg
 #   MUTATE="sage_diffusers/reference/quant.py" bench/mutation/run.sh   # one file first (faster)
 #   TESTS="tests/test_quant_bitexact.py" bench/mutation/run.sh         # a narrower test selection
-#   MUTANTS="sage_diffusers.api.*" SAMPLE=200 SEED=12 bench/mutation/run.sh   # a random sample
+#   MUTANTS="sage_diffusers._dispatch.*" SAMPLE=200 SEED=12 bench/mutation/run.sh   # a random sample
 #
 # Runs on a scratch checkout of HEAD (commit what you want measured); prints mutmut's counts per
 # mutated file and every mutant that was not killed with its one-line change, and writes them to

@@ -1,4 +1,4 @@
-"""Argument checks shared by every kernel's backend function (the contract in ``sage_diffusers.api``)."""
+"""Argument checks shared by every kernel's backend function (the contract in ``sage_diffusers.backends``)."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence

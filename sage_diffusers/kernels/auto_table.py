@@ -14,7 +14,7 @@ not multiples of 128. So the decision is taken per call class, with timings of t
 A table is measured per GPU *model* (``gpu_model``: name and SM count, so an H100 PCIe, H800, H20
 or GH200 never takes an H100 SXM's or an H200's table), by ``auto_calibrate.calibrate``:
 kernel and SDPA side by side per class over lengths, the crossover interpolated in log(work)
-(:func:`crossover`). Where a table comes from, in order (``api._load_auto_table``):
+(:func:`crossover`). Where a table comes from, in order (``_dispatch.resolve_auto_table``):
 
 1. a calibration of this GPU model and kernel build in the JIT cache (``python -m eval.calibrate_auto
    --install``, or the one-time calibration below);

@@ -40,7 +40,7 @@ below 2^-126 (blocks with scale 2^-127) to zero.
 Entry points
 ------------
 attention_fp4(q, k, v, *, key_mask, is_causal, scale, return_lse, p_quant, fmt, emu) -> (out, lse | None)
-    The backend contract of sage_diffusers.api (BHSD views, (out, lse | None)); the API itself
+    The backend contract of sage_diffusers.backends (BHSD views, (out, lse | None)); the API itself
     always runs NVFP4 (it has no format option), fmt is for direct callers and ablations.
 prepass(k, v, k_mean=None, fmt=...) -> dict
     The K/V quantization pre-pass alone (stored format, for bit-exact tests).

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from sage_diffusers.api import classify_in_scope
+from sage_diffusers._masks import classify_in_scope
 from sage_diffusers.options import Layout
 from sage_diffusers.processors._core import Choice, attend
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from sage_diffusers.api import classify_in_scope
+from sage_diffusers._masks import classify_in_scope
 from sage_diffusers.processors._core import SageProcessorMixin
 from sage_diffusers.processors._diffusers_compat import diffusers_class
 from sage_diffusers.processors.backend import ACTIVE, backend_member

@@ -155,3 +155,10 @@ def sage3_reference(
     out, lse = finish(acc, l, m, shift, bad_q_rows=nonfinite_rows(q),
                       v_nonfinite=tuple(expand_heads(t, hq) for t in v_nf))
     return (out, lse) if return_lse else out
+
+
+def sage3_backend(q, k, v, *, key_mask, is_causal, scale, return_lse):
+    """:func:`sage3_reference` (NVFP4, two-level P~) under the backend contract
+    (``sage_diffusers.backends``): always (out float32 (B, Hq, Sq, D), lse float32 (B, Hq, Sq) or None)."""
+    res = sage3_reference(q, k, v, key_mask=key_mask, is_causal=is_causal, scale=scale, return_lse=return_lse)
+    return res if return_lse else (res, None)
