@@ -19,8 +19,11 @@ if [ -n "${TESTS:-}" ]; then
   LEFT=$(( 590 - ($(date +%s) - S) ))
   timeout -k 5 120 python3 -m sage_diffusers selftest --force > "$OUT/selftest.log" 2>&1
   echo "selftest rc=$?"; tail -25 "$OUT/selftest.log"
-  LEFT=$(( 590 - ($(date +%s) - S) ))
-  timeout -k 5 "$LEFT" bash bench/device/session.sh pytest tests/test_kernel_int8_sm90.py tests/test_kernel_fp4.py \
+  timeout -k 5 60 python3 -m sage_diffusers doctor > "$OUT/doctor.log" 2>&1; echo "doctor rc=$?"
+  timeout -k 5 60 bash bench/device/session.sh pytest tests/test_kernel_int8_sm90.py tests/test_kernel_fp4.py \
     -k "realistic or sharp" -p no:cacheprovider
+  LEFT=$(( ${DEADLINE_S:-590} - ($(date +%s) - S) ))
+  timeout -k 5 "$LEFT" bash bench/device/session.sh pytest ${GPU_TESTS:-tests/test_api_gpu.py tests/test_compile_paths.py} \
+    -p no:cacheprovider -x
   echo "tests after $(( $(date +%s) - S )) s"
 fi
