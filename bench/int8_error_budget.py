@@ -13,11 +13,11 @@ bit (tests/test_int8_error_budget.py); every other variant changes the named ste
 - ``hadamard``: 0, or the block size of an orthonormal (Sylvester) Hadamard rotation applied to Q and
   smoothed K along D before they are quantized (Q K^T is unchanged; the block size divides D);
 - P~ (p = exp2(s - running max) in [0, 1]): ``none``, ``fp8`` (E4M3 of 448 p, shipped), ``int8``
-  (round(127 p)), ``uint8`` (round(255 p): the u8 x s8 integer MMA), ``fp16``;
+  (round(127 p)), ``uint8`` (round(255 p): the u8 x s8 integer MMA), ``fp16``, ``bf16``;
 - V: ``none``, ``fp8`` (E4M3 per channel, absmax / 448 over all keys, shipped), ``fp8_block`` (per
   channel and 128-key block), ``fp8_smooth`` (per channel after subtracting V's channel mean, added
   back to O exactly), ``int8`` (INT8 per channel), ``int8_block`` (per channel and 128-key block),
-  ``fp16``;
+  ``fp16``, ``bf16`` (the bf16 input as it is: a 16-bit P~ V needs no V pre-pass);
 - ``row_sum``: ``codes`` (O normalised by the sum of the quantized P~, the shipped ``tc_row_sum``)
   or ``p`` (the float row sum);
 - ``p_ref``: ``running`` (p relative to the running row max, shipped) or ``tile`` (p relative to the
@@ -69,11 +69,11 @@ from sage_diffusers.reference.quant import (  # noqa: E402
 
 Q_MODES = ("none", "token", "block32")
 K_MODES = ("none", "block128", "block64", "token")
-P_MODES = ("none", "fp8", "int8", "uint8", "fp16")
-V_MODES = ("none", "fp8", "fp8_block", "fp8_smooth", "int8", "int8_block", "fp16")
+P_MODES = ("none", "fp8", "int8", "uint8", "fp16", "bf16")
+V_MODES = ("none", "fp8", "fp8_block", "fp8_smooth", "int8", "int8_block", "fp16", "bf16")
 UINT8_MAX = 255.0
 # what one unit of p is worth in each P~ format (the "max offset": the running max maps to this)
-P_UNIT = {"none": 1.0, "fp8": E4M3_MAX, "int8": INT8_MAX, "uint8": UINT8_MAX, "fp16": 1.0}
+P_UNIT = {"none": 1.0, "fp8": E4M3_MAX, "int8": INT8_MAX, "uint8": UINT8_MAX, "fp16": 1.0, "bf16": 1.0}
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,8 @@ def quantize_v(v: torch.Tensor, mode: str, block: int = BLOCK_KV):
         return v, None
     if mode == "fp16":
         return v.half().float(), None
+    if mode == "bf16":  # the input's own values when it is bf16: a 16-bit P~ V can read V unquantized
+        return v.bfloat16().float(), None
     if mode in ("fp8", "fp8_smooth"):
         q, sv = quantize_fp8_per_channel(v)
         return q.float(), sv
@@ -177,6 +179,8 @@ def quantize_p(p: torch.Tensor, mode: str) -> torch.Tensor:
         return p
     if mode == "fp16":
         return p.half().float()
+    if mode == "bf16":
+        return p.bfloat16().float()
     if mode == "fp8":
         return e4m3_round(p * E4M3_MAX).float()
     return torch.round(p * P_UNIT[mode])  # int8 / uint8: nearest even, p <= 1 never leaves the range
@@ -361,6 +365,7 @@ VARIANTS: tuple[tuple[str, Variant], ...] = (
     ("one", _v("P uint8 tile max", "P~ UINT8 of p relative to the tile's row max, tile weighted in fp32",
                **{**EXACT, "p": "uint8", "row_sum": "codes", "p_ref": "tile"})),
     ("one", _v("P fp16", "P~ FP16", **{**EXACT, "p": "fp16", "row_sum": "codes"})),
+    ("one", _v("P bf16", "P~ BF16", **{**EXACT, "p": "bf16", "row_sum": "codes"})),
     ("one", _v("V fp8", "V E4M3 per channel", **{**EXACT, "v": "fp8"})),
     ("one", _v("V fp8 block", "V E4M3 per (channel, 128 keys)", **{**EXACT, "v": "fp8_block"})),
     ("one", _v("V fp8 smooth", "V - channel mean in E4M3 per channel", **{**EXACT, "v": "fp8_smooth"})),
@@ -382,6 +387,7 @@ VARIANTS: tuple[tuple[str, Variant], ...] = (
     ("pair", _v("PV u8/s8 tile max", "P~ UINT8 (tile max) + V INT8 per channel",
                 **{**EXACT, "p": "uint8", "v": "int8", "row_sum": "codes", "p_ref": "tile"})),
     ("pair", _v("PV fp16", "P~ FP16 + V FP16", **{**EXACT, "p": "fp16", "v": "fp16", "row_sum": "codes"})),
+    ("pair", _v("PV bf16", "P~ BF16 + V as given (bf16)", **{**EXACT, "p": "bf16", "v": "bf16", "row_sum": "codes"})),
     ("pipe", _v("shipped", "sage8_reference(row_sum='codes'): Q token, K 128, P~ E4M3, V E4M3 per channel")),
     ("pipe", _v("shipped, l=sum p", "the same, O normalised by the float row sum", row_sum="p")),
     ("pipe", _v("shipped + tc13 per tile", "FP8 accumulator 13 bits, from zero every tile (hd64 fp32_pv_tiles)",
@@ -397,6 +403,7 @@ VARIANTS: tuple[tuple[str, Variant], ...] = (
     ("pipe", _v("shipped + V fp8 smooth", "shipped, V smoothed by its channel mean", v="fp8_smooth")),
     ("pipe", _v("QK + PV fp16", "shipped, P~ V in FP16 (SageAttention2's pv-fp16 path)", p="fp16", v="fp16")),
     ("pipe", _v("QK + PV fp16, K token", "P~ V FP16, K per key", p="fp16", v="fp16", k="token")),
+    ("pipe", _v("QK + PV bf16", "shipped Q/K, P~ BF16 x the bf16 V as given", p="bf16", v="bf16")),
     ("pipe", _v("QK + PV s8/s8", "shipped, P~ INT8 (127) x V INT8 per channel", p="int8", v="int8")),
     ("pipe", _v("QK + PV u8/s8", "shipped, P~ UINT8 (255) x V INT8 per channel", p="uint8", v="int8")),
     ("pipe", _v("QK + PV u8/s8, V block", "the same, V per (channel, 128 keys)", p="uint8", v="int8_block")),
@@ -412,6 +419,7 @@ VARIANTS: tuple[tuple[str, Variant], ...] = (
                 p="uint8", v="int8", hadamard=-1, k="token")),
     ("bf16", _v("shipped, O bf16", "shipped, O rounded to bf16", out="bf16")),
     ("bf16", _v("QK + PV fp16, O bf16", "P~ V FP16, O bf16", p="fp16", v="fp16", out="bf16")),
+    ("bf16", _v("QK + PV bf16, O bf16", "P~ BF16 x V as given, O bf16", p="bf16", v="bf16", out="bf16")),
     ("bf16", _v("QK + PV u8/s8 tile max, O bf16", "P~ UINT8 (tile max) x V INT8, O bf16", p="uint8", v="int8",
                 p_ref="tile", out="bf16")),
     ("bf16", _v("QK + PV u8/s8 tile max, K token, O bf16", "the same, K per key, O bf16", p="uint8", v="int8",

@@ -58,7 +58,7 @@ def test_every_changed_step_changes_the_output():
     shipped = eb.emulate(q, k, v, _variant("shipped"))
     base = _variant("shipped")
     for change in (dict(q="block32"), dict(k="token"), dict(k="block64"), dict(hadamard=64), dict(p="uint8"),
-                   dict(p="fp16", v="fp16"), dict(v="fp8_block"), dict(v="fp8_smooth"), dict(p_ref="tile"),
+                   dict(p="fp16", v="fp16"), dict(p="bf16", v="bf16"), dict(v="fp8_block"), dict(v="fp8_smooth"), dict(p_ref="tile"),
                    dict(row_sum="p"), dict(acc="tc8_1"), dict(out="bf16")):
         assert not torch.equal(eb.emulate(q, k, v, replace(base, **change)), shipped), change
 
@@ -75,6 +75,14 @@ def test_nothing_quantized_is_float64_attention_within_float32_rounding(kind, s,
     err = (out.double() - ref).abs().max() / ref.abs().max()
     assert err < 2e-5, float(err)
     assert relative_l1(out, ref) < 5e-6
+
+
+def test_v_bf16_is_the_bf16_input_as_given():
+    # The 16-bit P~ V policy reads V unquantized: on bf16 inputs "bf16" must change nothing.
+    q, k, v = eb.make_inputs("dit-x4", 2, 200, 64, seed=2)
+    assert v.dtype == torch.bfloat16
+    base = eb.Variant("x", **{**eb.EXACT, "p": "bf16"})
+    assert torch.equal(eb.emulate(q, k, v, replace(base, v="bf16")), eb.emulate(q, k, v, base))
 
 
 def test_quantized_steps_are_far_from_exact():
