@@ -497,13 +497,14 @@ def tables(rows: list[dict]) -> str:
 
 
 def git_head() -> str:
-    """The commit of the repository this script runs from, '+dirty' when the tree has changes."""
+    """The commit of the repository this script runs from, '+dirty' when tracked files have changes."""
     root = Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True,
-                               text=True, check=True).stdout.strip()
+        # untracked files do not count: the run's own output files are new until committed
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
