@@ -39,6 +39,7 @@ error alone (a GPU measurement against fp32 SDPA adds the bf16 output rounding: 
 
     python bench/int8_error_budget.py --out eval/results/int8_error_budget_cpu.json --tables t.md
     python bench/int8_error_budget.py --quick            # 1x2x1024x{128,64}, one seed
+    python bench/int8_error_budget.py --merge a.json b.json --out all.json --tables all.md
 """
 from __future__ import annotations
 
@@ -515,6 +516,19 @@ def git_head() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+def merge(paths: list[Path]) -> dict:
+    """Rows of several runs (JSON files of ``--out``) as one result, in VARIANTS order within each shape
+    (later variants run separately go where the list puts them); meta keeps each run's own meta."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    rows = [r for run_ in runs for r in run_["rows"]]
+    order = {name: i for i, (_, var) in enumerate(VARIANTS) for name in [var.name]}
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    kinds = list(dict.fromkeys(r["inputs"] for r in rows))
+    rows.sort(key=lambda r: (shapes.index(r["shape"]), order.get(r["name"], len(order)), kinds.index(r["inputs"]),
+                             r["seed"]))
+    return dict(meta=dict(runs=[dict(run_["meta"], file=str(p)) for p, run_ in zip(paths, runs)]), rows=rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="JSON file of every row (rewritten as the run goes)")
@@ -526,7 +540,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", nargs="+", default=["4608x128", "4429x64"], help="SEQxD")
     ap.add_argument("--only", nargs="+", default=None, help="variant names to run (default all)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the machine is shared)")
+    ap.add_argument("--merge", type=Path, nargs="+", default=None,
+                    help="instead of running: join these --out files into --out / --tables")
     args = ap.parse_args(argv)
+    if args.merge:
+        merged = merge(args.merge)
+        if args.out:
+            args.out.write_text(json.dumps(merged, indent=1) + "\n")
+        if args.tables:
+            args.tables.write_text(tables(merged["rows"]) + "\n")
+        return
     torch.set_num_threads(args.threads)
     shapes = [(args.heads, *map(int, sd.split("x"))) for sd in args.shapes]
     inputs, seeds = args.inputs, args.seeds

@@ -128,3 +128,16 @@ def test_tables_summarise_the_rows():
     text = eb.tables(rows)
     assert "| one | exact | 1.000000 | 0.0000 [0.0000-0.0000] | 0.0000 |" in text
     assert not any(math.isnan(r["rel_l1"]) for r in rows)
+
+
+def test_merge_puts_rows_in_variant_order(tmp_path):
+    later = [v for v in eb.VARIANTS if v[1].name in ("exact", "shipped")]
+    first = eb.run([(1, 130, 64)], ["bench"], [0], variants=later[1:], log=lambda *_: None)
+    second = eb.run([(1, 130, 64)], ["bench"], [0], variants=later[:1], log=lambda *_: None)
+    paths = []
+    for i, rows in enumerate((first, second)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(eb.json.dumps(dict(meta=dict(commit=str(i)), rows=rows)))
+    merged = eb.merge(paths)
+    assert [r["name"] for r in merged["rows"]] == ["exact", "shipped"]
+    assert [m["commit"] for m in merged["meta"]["runs"]] == ["0", "1"]
