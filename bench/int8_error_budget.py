@@ -526,7 +526,12 @@ def merge(paths: list[Path]) -> dict:
     kinds = list(dict.fromkeys(r["inputs"] for r in rows))
     rows.sort(key=lambda r: (shapes.index(r["shape"]), order.get(r["name"], len(order)), kinds.index(r["inputs"]),
                              r["seed"]))
-    return dict(meta=dict(runs=[dict(run_["meta"], file=str(p)) for p, run_ in zip(paths, runs)]), rows=rows)
+    # what each run contributed (a run stopped early says complete: false and lists fewer shapes here)
+    runs_meta = [dict(run_["meta"], file=Path(p).name, rows=len(run_["rows"]),
+                      shapes_done=sorted({r["shape"] for r in run_["rows"]}),
+                      variants=list(dict.fromkeys(r["name"] for r in run_["rows"])))
+                 for p, run_ in zip(paths, runs)]
+    return dict(meta=dict(runs=runs_meta), rows=rows)
 
 
 def main(argv: list[str] | None = None) -> None:
