@@ -141,3 +141,22 @@ def test_merge_puts_rows_in_variant_order(tmp_path):
     merged = eb.merge(paths)
     assert [r["name"] for r in merged["rows"]] == ["exact", "shipped"]
     assert [m["commit"] for m in merged["meta"]["runs"]] == ["0", "1"]
+
+
+def test_merge_keeps_one_of_a_case_run_twice_and_marks_other_seeds(tmp_path):
+    var = [v for v in eb.VARIANTS if v[1].name in ("exact", "shipped")]
+    a = eb.run([(1, 130, 64)], ["bench"], [0, 1], variants=var, log=lambda *_: None)
+    b = eb.run([(1, 130, 64)], ["bench"], [0], variants=var[1:], log=lambda *_: None)  # shipped, seed 0 again
+    c = eb.run([(1, 130, 64)], ["bench"], [2], variants=var[1:], log=lambda *_: None)  # shipped, one seed more
+    paths = []
+    for i, rows in enumerate((a, b, c)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(eb.json.dumps(dict(meta={}, rows=rows)))
+    merged = eb.merge(paths)
+    assert len(merged["rows"]) == 2 + 3
+    text = eb.tables(merged["rows"])
+    assert "| one | exact |" in text and "| pipe | shipped * |" in text and "* = seeds [(0, 1, 2)]" in text
+    b[0]["rel_l1"] += 1e-9  # a run that disagrees is an error, not a silent pick
+    paths[1].write_text(eb.json.dumps(dict(meta={}, rows=b)))
+    with pytest.raises(ValueError):
+        eb.merge(paths)
