@@ -50,7 +50,7 @@ echo '#pragma once' > "$OUT/stub/c10/cuda/impl/cuda_cmake_macros.h"
 
 # ---------------------------------------------------------------------------------------------
 check_sm90_int8() {
-  local K="$HERE/sm90_int8"
+  local K="$HERE/sm90_int8" BENCH_K="$HERE/../bench/sm90_int8"
   # The JIT build's nvcc flags (sage_diffusers/kernels/int8_sm90.py; it undoes torch's
   # no-half-operator defines, so none are set here).
   FLAGS=("$STD" -O3 --expt-relaxed-constexpr -DNDEBUG -lineinfo
@@ -81,15 +81,18 @@ check_sm90_int8() {
   # bash arrays do not cross `export`: rebuild FLAGS inside each job from FLAGS_STR
   local pattern='\.cu$'
   # --quick: the pre-pass (and its 64-key blocks), the dispatch table and one forward variant per head dim
-  [ "$QUICK" = 1 ] && pattern='(prepass|prepass_long|dispatch|fwd_hd64_bf16_full_exp2poly8|fwd_hd128_fp16_causal)\.cu$'
-  find "$K" -name '*.cu' ! -name 'host_layout_check.cu' ! -name 'bench_*.cu' | grep -E "$pattern" | sort |
+  [ "$QUICK" = 1 ] && pattern='(prepass|prepass_long|dispatch|dispatch_bench|fwd_hd64_bf16_full_exp2poly8|fwd_hd128_fp16_causal)\.cu$'
+  # the shipped sources, and the benchmark build's own (bench/sm90_int8/: its dispatch table, the
+  # 64-key pre-pass; never shipped)
+  { find "$K" -name '*.cu' ! -name 'host_layout_check.cu' ! -name 'bench_*.cu'; find "$BENCH_K" -name '*.cu'; } |
+    grep -E "$pattern" | sort |
     xargs -P "$JOBS" -I{} bash -c 'FLAGS=($FLAGS_STR); compile_one "$@"' _ {}
 
   # Variants outside the regular build stay compilable: the benchmark build's generated files, and
   # option sets no build compiles today (written to $OUT, never committed).
   compile_variant() {  # NAME D OPTIONS-EXPRESSION
     local src="$OUT/variant_$1.cu"
-    printf '#include "%s/kernel_fwd.cuh"\nnamespace sage_sm90 {\ntemplate cudaError_t launch_fwd<%s, DType::kBF16, false, %s>(const FwdParams&, cudaStream_t);\n}\n' \
+    printf '#include "%s/kernel_fwd.cuh"\nnamespace sage_sm90 {\ntemplate cudaError_t launch_fwd<%s, DType::kBF16, false, %s>(const FwdParams&, cudaStream_t, bool);\n}\n' \
       "$K" "$2" "$3" > "$src"
     compile_one "$src"
   }
@@ -109,10 +112,12 @@ check_sm90_int8() {
   "$PYTHON" "$K/sass_cost.py" --check "$OUT"/*.o
 
   if [ -n "$TORCH_INC" ] && "$PYTHON" -c 'import pybind11' 2>/dev/null; then
-    echo "== sm90_int8: binding.cpp syntax (host compiler, torch headers)"
-    # shellcheck disable=SC2086
-    ${CXX:-g++} "$STD" -fsyntax-only -DTORCH_EXTENSION_NAME=check -I"$K" $TORCH_INC \
-        -idirafter "$OUT/stub" -I"$CUDA_INC" -I/usr/local/cuda/include "$K/binding.cpp"
+    echo "== sm90_int8: binding.cpp and bench/sm90_int8/binding_bench.cpp syntax (host compiler, torch headers)"
+    for b in "$K/binding.cpp" "$BENCH_K/binding_bench.cpp"; do
+      # shellcheck disable=SC2086
+      ${CXX:-g++} "$STD" -fsyntax-only -DTORCH_EXTENSION_NAME=check -I"$K" $TORCH_INC \
+          -idirafter "$OUT/stub" -I"$CUDA_INC" -I/usr/local/cuda/include "$b"
+    done
   fi
 }
 

@@ -293,12 +293,16 @@ def test_int8_q_in_kernel_flag_name_and_lse_rule():
     # the regular build compiles no q_in_kernel variant; dispatch's LSE rule covers every query
     regular = (CSRC / "sm90_int8" / "instantiations" / "variants.inc").read_text()
     assert "q_in_kernel" not in regular
-    dispatch = (CSRC / "sm90_int8" / "dispatch.cu").read_text()
-    # find_fwd_variant (behind has_fwd_variant, fwd_quantizes_q, fwd_rows_per_cta) and run_fwd
-    assert dispatch.count("serves_lse(OPT, ") == 2
-    for query in ("has_fwd_variant", "fwd_quantizes_q", "fwd_rows_per_cta"):
-        body = dispatch.split(f" {query}(int head_dim", 1)[1].split("\n}\n", 1)[0]
-        assert "find_fwd_variant(head_dim, causal, exp_poly_every, lse, o)" in body, query
+    lookup = (CSRC / "sm90_int8" / "dispatch.cuh").read_text()  # the shipped and the benchmark table's
+    # find_fwd_variant (behind has_fwd_variant, fwd_quantizes_q, fwd_rows_per_cta, ...) and run_fwd
+    assert lookup.count("serves_lse(OPT, ") == 2
+    for table in (CSRC / "sm90_int8" / "dispatch.cu", ROOT / "bench" / "sm90_int8" / "dispatch_bench.cu"):
+        dispatch = table.read_text()
+        assert '#include "dispatch.cuh"' in dispatch and "SAGE_SM90_VARIANT" not in dispatch
+        for query in ("has_fwd_variant", "fwd_quantizes_q", "fwd_rows_per_cta"):
+            body = dispatch.split(f" {query}(int head_dim", 1)[1].split("\n}\n", 1)[0]
+            assert ("find_fwd_variant(head_dim, causal, exp_poly_every, lse, " in body
+                    or "variant_or_default(head_dim, causal, exp_poly_every, lse, " in body), (table, query)
 
 
 def test_int8_three_consumers_flag_name_validity_and_q_tiles():
@@ -379,7 +383,8 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
         assert py.FLAG_NAMES[o.flags] == o.name
     # variants_bench.bit_identity_check compares wg3 with flags & ~SAME_BITS_FLAGS: the partner
     tree = ast.parse((ROOT / "bench" / "sm90_int8" / "variants_bench.py").read_text())
-    same = next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "SAME_BITS_FLAGS")
+    same = next(n.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
+                and n.targets[0].id == "SAME_BITS_FLAGS")
     same_bits = eval(compile(ast.Expression(same), "SAME_BITS_FLAGS", "eval"))
     assert same_bits & 1 << 18 and wg3.flags & ~same_bits == partner.flags
     assert wg3_128.flags & ~same_bits == partner_128.flags
@@ -388,10 +393,15 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
     fwd = (k / "kernel_fwd.cuh").read_text()
     assert "if (t + 1 < n_tiles) maybe_flush(t);" in fwd and "\n        maybe_flush(t);\n" not in fwd
     # the Q images cover whole CTAs of the variant run_fwd picks: no fixed 128-row block in the binding
-    binding = (k / "binding.cpp").read_text()
-    assert "kBlockM" not in binding and "sage_sm90::fwd_q_tiles(Sq, shape.rows_per_cta)" in binding
-    # fwd, bench_parts, fwd_phase_clock size the pre-pass by the variant (fwd_shape asks fwd_rows_per_cta)
-    assert binding.count("sage_sm90::fwd_rows_per_cta(") == 1 and binding.count("fwd_shape(D, is_causal, exp_poly_every") == 3
+    torch_side = (k / "binding.h").read_text()  # the torch side both bindings share
+    assert "kBlockM" not in torch_side and "sage_sm90::fwd_q_tiles(Sq, shape.rows_per_cta)" in torch_side
+    # fwd, bench_parts, fwd_phase_clock size the pre-pass by the variant (its policy's shape() asks
+    # fwd_rows_per_cta of the build's table)
+    assert torch_side.count("variants.shape(d, is_causal, e, return_lse)") == 1
+    assert (k / "binding.cpp").read_text().count("sage_sm90::fwd_rows_per_cta(") == 1
+    bench_binding = (ROOT / "bench" / "sm90_int8" / "binding_bench.cpp").read_text()
+    assert bench_binding.count("sage_sm90::bench::fwd_rows_per_cta(") == 1
+    assert bench_binding.count("variants.shape(d, is_causal, e, false)") == 2  # bench_parts, fwd_phase_clock
     assert "fwd_q_tiles(4429, 192) == 3 * 24" in launch
 
 
@@ -649,11 +659,14 @@ def test_int8_long_tile_flag_validity_and_bench_variants():
         return (128 * 128 + stages * (192 * 128 + 192 * (128 + sums)) + 8 * (2 * stages + 1) + 1024
                 + 128 * (128 + sums) * 4 + 16)
     assert smem(3) <= 227 * 1024 < smem(4) and smem(2, 8) <= 227 * 1024 < smem(3, 8)
-    binding = (CSRC / "sm90_int8" / "binding.cpp").read_text()
-    assert "sage_sm90::fwd_kv_blocks(Skv, shape.tile_keys, shape.kv_block)" in binding
-    assert binding.count("fwd_shape(D, is_causal, exp_poly_every") == 3  # fwd, bench_parts, fwd_phase_clock
+    torch_side = (CSRC / "sm90_int8" / "binding.h").read_text()
+    assert "sage_sm90::fwd_kv_blocks(Skv, shape.tile_keys, shape.kv_block)" in torch_side
+    # the shipped pre-pass refuses 64-key blocks; the benchmark build's (bench/, never shipped) has them
     pre = (CSRC / "sm90_int8" / "prepass.cu").read_text()
-    assert "#if SAGE_SM90_BENCH" in pre and "run_prepass_long" in pre
+    assert "if (p.kv_block != kBlockKV) return cudaErrorInvalidValue;" in pre and ", 64>" not in pre
+    assert not (CSRC / "sm90_int8" / "prepass_long.cu").exists()
+    long_pre = (ROOT / "bench" / "sm90_int8" / "prepass_long.cu").read_text()
+    assert "launch_prepass<128, DType::kBF16, 64>" in long_pre
     jit = (ROOT / "sage_diffusers" / "kernels" / "int8_sm90.py").read_text()
     assert jit.count('"prepass_long.cu"') == 1  # the benchmark build's source list only
 
@@ -675,3 +688,26 @@ def test_int8_prepass_kv_block_refused_outside_the_benchmark_build():
     q64 = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="head dim 128 only; got head dim 64"):
         int8_sm90.prepass(q64, q64, q64, kv_block=64)
+
+
+def test_int8_shipped_binding_has_no_benchmark_entry_points_or_flag_state():
+    """The shipped 8-bit binding exports the forward, the pre-pass and the variant query only; its
+    variant comes from the call through one fixed policy (ShippedVariants: the regular table and
+    kPrepassDefaultMode). The benchmark entry points and the run-time option / pre-pass-mode state live
+    in bench/sm90_int8/ (which no wheel carries: setup.py copies csrc/ only)."""
+    k = CSRC / "sm90_int8"
+    binding = (k / "binding.cpp").read_text()
+    assert re.findall(r'm\.def\("(\w+)"', binding) == ["fwd", "prepass", "has_variant"]
+    bench_only = ("bench_parts", "fwd_phase_clock", "set_prepass_mode", "set_fwd_flags", "pdl_launches",
+                  "g_flags", "g_mode", "g_selection", "SAGE_SM90_BENCH")
+    for p in k.rglob("*"):
+        if p.is_file() and p.suffix in _jit.HASHED_SUFFIXES:
+            text = p.read_text()
+            assert not [n for n in bench_only if n in text], p.relative_to(ROOT)
+    assert "static constexpr int kMode = sage_sm90::kPrepassDefaultMode;" in binding
+    bench = (ROOT / "bench" / "sm90_int8" / "binding_bench.cpp").read_text()
+    assert set(re.findall(r'm\.def\("(\w+)"', bench)) == {
+        "fwd", "prepass", "has_variant", "bench_parts", "fwd_phase_clock", "set_prepass_mode", "prepass_mode",
+        "set_fwd_flags"}
+    jit = (ROOT / "sage_diffusers" / "kernels" / "int8_sm90.py").read_text()
+    assert '"binding_bench.cpp"' in jit and "bench_source_dir()" in jit

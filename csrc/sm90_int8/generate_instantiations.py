@@ -164,7 +164,7 @@ DEFAULTS = {
 # Exp2 polynomial shares compiled besides the default (env SAGE_DIFFUSERS_EXP_POLY picks one).
 EXTRA_EXP_POLY = {64: (8,), 128: ()}
 
-# Benchmark build (-DSAGE_SM90_BENCH=1, env SAGE_DIFFUSERS_SM90_BENCH=1): bf16, non-causal. Per
+# Benchmark build (env SAGE_DIFFUSERS_SM90_BENCH=1, bench/sm90_int8/binding_bench.cpp): bf16, non-causal. Per
 # head dim: the defaults, the option set that accumulates O in the tensor core over all tiles
 # (the previous default), and the defaults on a persistent grid (one CTA per SM looping over the
 # work tiles: a CTA's prologue and epilogue, about 16 us of fixed cost per 128 query rows, overlap
@@ -318,7 +318,7 @@ def _write_instantiation(path: Path, args: str) -> None:
     path.write_text(
         _HEADER + '#include "../kernel_fwd.cuh"\n\n'
         "namespace sage_sm90 {\n"
-        f"template cudaError_t launch_fwd<{args}>(const FwdParams&, cudaStream_t);\n"
+        f"template cudaError_t launch_fwd<{args}>(const FwdParams&, cudaStream_t, bool);\n"
         "}  // namespace sage_sm90\n"
     )
 

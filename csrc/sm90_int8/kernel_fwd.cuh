@@ -3,8 +3,8 @@
 // one (or, with `persistent`, several): warps 0-7 are two consumer warpgroups (0-11: three), the
 // warp after them the producer. Template
 // axes: head dim, output dtype, causal, options (FwdOptions). Launched with programmatic dependent
-// launch when the pre-pass mode says so (launch.h pdl_launches): the kernel waits for the pre-pass
-// (pdl_wait) before its first read of the pre-pass's outputs.
+// launch when the caller asks (launch_fwd's pdl, from the pre-pass mode's kPrepassPdl): the kernel
+// waits for the pre-pass (pdl_wait) before its first read of the pre-pass's outputs.
 #pragma once
 
 #include <cstdint>
@@ -761,7 +761,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
 }
 
 template <int D, DType kOut, bool kCausal, FwdOptions kOpt>
-cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
+cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, bool pdl) {
   static_assert(kOpt.valid(), "FwdOptions combination the kernel does not implement (FwdOptions::valid)");
   auto kernel = fwd_kernel<D, kOut, kCausal, kOpt.exp2_poly_every, kOpt.flags()>;
   dim3 grid(p.n_q_tiles / FwdCta<kOpt>::kQTilesPerCTA, p.Hq, p.B);  // ceil(Sq / kBlockM) row blocks
@@ -773,7 +773,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
     const int64_t works = static_cast<int64_t>(grid.x) * grid.y * grid.z;
     grid = dim3(static_cast<unsigned>(works < sms ? works : sms));
   }
-  const sage_common::LaunchKind kind = pdl_launches() ? sage_common::LaunchKind::kPdl : sage_common::LaunchKind::kPlain;
+  const sage_common::LaunchKind kind = pdl ? sage_common::LaunchKind::kPdl : sage_common::LaunchKind::kPlain;
   return sage_common::launch_with_smem(kernel, grid, fwd_threads<kOpt>(), fwd_smem_bytes<D, kOpt>(), p, stream, kind);
 }
 

@@ -13,7 +13,8 @@ enum class DType : int { kF16 = 0, kBF16 = 1 };
 // Forward-kernel options (kernel_fwd.cuh explains each): one template axis of fwd_kernel, a
 // structural type so every instantiation names its options (instantiations/*.cu). The regular
 // build compiles one option set per head dim (generate_instantiations.DEFAULTS, which also writes
-// the Python side); flags() is the run-time key the benchmark selects with set_fwd_flags.
+// the Python side); flags() is an option set's run-time key, by which the benchmark build
+// (bench/sm90_int8/) picks among several; the shipped build has one per call and no switch.
 struct FwdOptions {
   bool lean_softmax = false;        // fewer instructions per score; O rescale skipped when no max moved
   bool overlap_softmax_pv = false;  // softmax of tile t under the PV wgmma of tile t-1
@@ -264,35 +265,29 @@ struct FwdParams {
   unsigned long long* phase_clock;
 };
 
-// Pre-pass variants (benchmarks: set_prepass_mode), a bit set; same output bits in every mode.
-//   0: stats launch: k mean, V absmax, mask bits; quant launch: Q, K, V (the original);
-//   bit kPrepassQInStats: Q quantization moves into the stats launch when no LSE (qkm) is wanted;
-//   bit kPrepassBatchLoads: each thread issues all its loads of a block before using them;
-//   bit kPrepassOneAlloc (binding.cpp, host only): one workspace allocation + a raw memset
-//   instead of ~12 tensors and a fill kernel (the forward path; prepass() keeps its tensors).
-//   bit kPrepassPdl: the quant launch and the forward kernel start with programmatic dependent
-//   launch (common/sm90/pdl.cuh): each may begin while the launch before it drains, and waits
-//   (pdl_wait) before it reads that launch's outputs.
-//   bit kPrepassL2Reuse: L2 eviction hints (the stats launch's K / V reads evict_last, the quant
-//   launch's K / V / Q reads evict_first) and the quant launch's K / V blocks in the reverse order,
-//   K next to V, so their second read hits L2 as far as it holds them (prepass.cuh).
-//   bit kPrepassFastDiv: each block's / row's / channel's reciprocal once instead of a division per
-//   element, bit for bit the same quotients (numerics.hpp ScaleDivider).
-constexpr int kPrepassQInStats = 1;
-constexpr int kPrepassBatchLoads = 2;
-constexpr int kPrepassOneAlloc = 4;
-constexpr int kPrepassPdl = 8;
-constexpr int kPrepassL2Reuse = 16;
-constexpr int kPrepassFastDiv = 32;
+// Pre-pass modes, a bit set; every mode writes the same output bits. The shipped binding runs
+// kPrepassDefaultMode; the benchmark build (bench/sm90_int8/binding_bench.cpp) runs any of them.
+// What each bit does in detail: csrc/sm90_int8/README.md and prepass.cuh.
+constexpr int kPrepassQInStats = 1;     // Q's blocks ride in the stats launch (calls without LSE)
+constexpr int kPrepassBatchLoads = 2;   // each thread issues all loads of a block before using them
+constexpr int kPrepassOneAlloc = 4;     // host: one workspace allocation + a raw memset (calls without LSE)
+constexpr int kPrepassPdl = 8;          // the quant launch and the forward kernel launch with PDL
+constexpr int kPrepassL2Reuse = 16;     // L2 eviction hints, the quant launch's K / V blocks reversed
+constexpr int kPrepassFastDiv = 32;     // one reciprocal per scale instead of a division per element
 constexpr int kPrepassModeMax = 63;
-// The mode every process starts with (prepass.cu); chosen from variants_bench.py's table.
+// The shipped build's mode (binding.cpp); chosen from variants_bench.py's pre-pass table.
 constexpr int kPrepassDefaultMode = 7;  // all three: the fastest in variants_bench.py's pre-pass table
 
-// Return cudaSuccess or the launch error. head_dim in {64, 128}.
-cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, cudaStream_t stream);
+// Return cudaSuccess or the launch error. head_dim in {64, 128}; p.kv_block 128 (the 64-key blocks of
+// the long_tile variants: bench/sm90_int8/prepass_long.cu). pdl: the quant launch with programmatic
+// dependent launch (kPrepassPdl).
+cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, bool pdl, cudaStream_t stream);
+// The forward variant for a call is the build's one option set for (head dim, dtype, causal,
+// exp2 share, LSE wanted): instantiations/variants.inc, generated from generate_instantiations.DEFAULTS.
 // exp_poly_every: 0 = every exp2 on MUFU; N > 0 = every N-th exp2 from the FMA polynomial
-// (compiled variants only: see instantiations/).
-cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every,
+// (compiled variants only: see instantiations/). pdl: the kernel launches with programmatic dependent
+// launch and waits for the launch before it (kPrepassPdl).
+cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every, bool pdl,
                     cudaStream_t stream);
 // Whether run_fwd has a compiled variant for these arguments (lse: the call wants the LSE, which
 // q_in_kernel variants do not compute, so run_fwd skips them when p.lse != nullptr).
@@ -323,14 +318,4 @@ constexpr int64_t fwd_q_tiles(int64_t Sq, int rows_per_cta) {
 static_assert(fwd_q_tiles(128, 128) == 2 && fwd_q_tiles(129, 128) == 4 && fwd_q_tiles(192, 192) == 3 &&
                   fwd_q_tiles(4429, 192) == 3 * 24,
               "fwd_q_tiles: whole CTAs of 64-row tiles");
-// Benchmarks only: the variant flags run_fwd dispatches on from now on (-1 = whatever is compiled).
-// Builds with -DSAGE_SM90_BENCH=1 compile a set of flag variants (instantiations/bench_*.cu).
-void set_fwd_flags(int flags);
-// Benchmarks: the pre-pass mode used from now on (default kSplit).
-void set_prepass_mode(int mode);
-int prepass_mode();
-// Whether the current mode launches with PDL (bit kPrepassPdl): the quant launch and run_fwd's
-// kernel take sage_common::LaunchKind::kPdl then.
-bool pdl_launches();
-
 }  // namespace sage_sm90
