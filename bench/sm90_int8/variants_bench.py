@@ -2,7 +2,7 @@
 """Time the forward-kernel variants side by side against cuDNN BF16 SDPA (one GPU, one process).
 
 Builds the benchmark extension (env SAGE_DIFFUSERS_SM90_BENCH=1: bf16 non-causal variants listed in
-generate_instantiations.BENCH_VARIANTS, options explained in kernel_fwd.cuh), checks every variant and
+generate_instantiations.BENCH_VARIANTS, options explained in csrc/sm90_int8/DESIGN.md), checks every variant and
 both pre-pass modes against sage8_reference on small awkward shapes (key mask included), then per
 timed shape and variant (the phase_clock, epilogue_summary and epilogue_staged variants are also
 compared bit for bit with the flags without them, V with and without +-Inf / NaN: bit_identity_check):

@@ -8,7 +8,7 @@
   (the binding's exp2 default, the benchmark's variant names).
 
 Variant axes: head dim, output dtype, causal, and the kernel options (FwdOptions in launch.h,
-explained in kernel_fwd.cuh), the exp2 polynomial share among them (0 = every exp2 on MUFU; N =
+explained in DESIGN.md), the exp2 polynomial share among them (0 = every exp2 on MUFU; N =
 every N-th exp2 from the FMA polynomial; only hd64 is bound by the exp unit). The defaults per head
 dim are the fastest correct option sets of the H200 variant benchmark (variants_bench.py; the
 tables are in eval/results/). Re-run after editing this file:

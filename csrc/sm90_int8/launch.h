@@ -10,7 +10,7 @@ namespace sage_sm90 {
 
 enum class DType : int { kF16 = 0, kBF16 = 1 };
 
-// Forward-kernel options (kernel_fwd.cuh explains each): one template axis of fwd_kernel, a
+// Forward-kernel options (one line each here; DESIGN.md: what each does in detail and what was measured): one template axis of fwd_kernel, a
 // structural type so every instantiation names its options (instantiations/*.cu). The regular
 // build compiles one option set per head dim (generate_instantiations.DEFAULTS, which also writes
 // the Python side); flags() is an option set's run-time key, by which the benchmark build
@@ -267,7 +267,7 @@ struct FwdParams {
 
 // Pre-pass modes, a bit set; every mode writes the same output bits. The shipped binding runs
 // kPrepassDefaultMode; the benchmark build (bench/sm90_int8/binding_bench.cpp) runs any of them.
-// What each bit does in detail: csrc/sm90_int8/README.md and prepass.cuh.
+// What each bit does and what it measured: DESIGN.md, "Pre-pass modes".
 constexpr int kPrepassQInStats = 1;     // Q's blocks ride in the stats launch (calls without LSE)
 constexpr int kPrepassBatchLoads = 2;   // each thread issues all loads of a block before using them
 constexpr int kPrepassOneAlloc = 4;     // host: one workspace allocation + a raw memset (calls without LSE)
