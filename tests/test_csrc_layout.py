@@ -110,15 +110,42 @@ def test_int8_variants_come_from_one_source():
     assert py.BENCH_VARIANTS == tuple((d, o.exp2_poly_every, o.flags, o.name) for d, o in gen.BENCH_VARIANTS)
     # the flag bits of the Python mirror are those of FwdOptions::flags() in launch.h
     launch = (CSRC / "sm90_int8" / "launch.h").read_text()
-    for i, name in enumerate(["lean_softmax", "overlap_softmax_pv", "pingpong", "q_in_registers",
-                              "fp16_exp2", "split_reductions"]):
+    for name, i in gen._LOW_BITS.items():
         assert f"({name} ? {1 << i} : 0)" in launch and f"o.{name} = (flags & {1 << i}) != 0;" in launch
         assert gen.FwdOptions(**{name: True, "lean_softmax": True}).flags & (1 << i)
+    assert list(gen._LOW_BITS) == ["lean_softmax", "overlap_softmax_pv", "pingpong", "q_in_registers",
+                                   "split_reductions", "fp32_pv_tiles"]
+
+
+def test_int8_deleted_options_keep_their_flag_bits_reserved():
+    """fp16_exp2 (flags 16) and seed_reductions (1 << kFlagsHighShift) were never built and are
+    deleted (DESIGN.md); their bits stay unused on both sides, so no other option set's flags or kernel
+    name change, and no field, validity rule or name part refers to them any more."""
+    from dataclasses import fields
+
+    gen = _generator()
+    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
+    assert gen._RESERVED_LOW_BITS == (4,) and gen._RESERVED_HIGH_BITS == (0, 11)
+    assert not set(gen._LOW_BITS.values()) & set(gen._RESERVED_LOW_BITS)
+    assert not set(gen._HIGH_BITS.values()) & set(gen._RESERVED_HIGH_BITS)
+    # every bool is at one listed bit, and the split reductions stay at 32, persistent at 1 << 13
+    bools = {f.name for f in fields(gen.FwdOptions) if f.type in ("bool", bool)}
+    assert bools == set(gen._LOW_BITS) | set(gen._HIGH_BITS)
+    assert gen.FwdOptions(lean_softmax=True, split_reductions=True).flags == 1 | 32
+    assert gen.FwdOptions(q_in_registers=True, persistent=True).flags == 8 | 1 << 13
+    src = "\n".join((CSRC / "sm90_int8" / f).read_text() for f in ("softmax.hpp", "kernel_fwd.cuh"))
+    for gone in ("fp16_exp2", "seed_reductions"):
+        assert gone not in {f.name for f in fields(gen.FwdOptions)}
+        assert f"bool {gone}" not in launch and f"o.{gone}" not in launch and f"{gone} ?" not in launch
+        assert gone not in src and gone not in gen._HIGH_SHORT
+        with pytest.raises(TypeError):
+            gen.FwdOptions(**{gone: True, "lean_softmax": True})
+    assert "kHalfExp" not in src and "kSeed_" not in src and "scores_lean_half" not in src
 
 
 def test_int8_invalid_option_sets_are_rejected():
     gen = _generator()
-    for bad in ({"fp16_exp2": True}, {"split_reductions": True}):
+    for bad in ({"split_reductions": True},):
         try:
             gen.FwdOptions(**bad)
         except ValueError:
@@ -487,22 +514,18 @@ def test_int8_late_pv_wait_flag_validity_and_bench_twins():
 
 
 def test_int8_tc_row_sum_flag_validity_and_bench_variants():
-    """`tc_row_sum` is flag bit 1 << 20 (kFlagsHighShift + 8) on both sides, named "tcsum", refused
-    with fp16_exp2 (Python raises, C++ valid() says so); the kernel sizes the PV wgmma and its
-    accumulator from TileConfig's sum columns, the epilogue reads the sums from the accumulator, and
-    the benchmark build holds each head dim's defaults with it."""
+    """`tc_row_sum` is flag bit 1 << 20 (kFlagsHighShift + 8) on both sides, named "tcsum"; the kernel
+    sizes the PV wgmma and its accumulator from TileConfig's sum columns, the epilogue reads the sums
+    from the accumulator, and the benchmark build holds each head dim's defaults with it."""
     from dataclasses import replace
 
     from sage_diffusers.kernels import _sm90_int8_variants as py
 
     gen = _generator()
     epilogue = (CSRC / "sm90_int8" / "epilogue.hpp").read_text()
-    launch, kernel = _assert_high_flag(gen, "tc_row_sum", 8, "tcsum")
-    assert "(!tc_row_sum || !fp16_exp2)" in launch
+    _, kernel = _assert_high_flag(gen, "tc_row_sum", 8, "tcsum")
     assert "using C = TileConfig<D, kWGs, kSumCols, kKeys>;" in kernel and "float o[C::kPVRegs];" in kernel
     assert "Softmax::kTcSum ? o[D / 2 + 2 * x] : quad_sum(sm.l[x])" in epilogue
-    with pytest.raises(ValueError, match="tc_row_sum"):
-        gen.FwdOptions(lean_softmax=True, fp16_exp2=True, tc_row_sum=True)
     # decided on the H200 (int8_tcsum_h200.md): the default at both head dims
     assert gen.DEFAULTS[64].tc_row_sum and gen.DEFAULTS[128].tc_row_sum
     assert py.DEFAULT_ROW_SUM == {64: "codes", 128: "codes"}
@@ -604,17 +627,14 @@ def test_int8_fused_rescale_flag_validity_and_bench_variant():
 
 
 def test_int8_seeded_scores_flag_validity_and_default():
-    """`seeded_scores` is flag bit 1 << 24 (kFlagsHighShift + 12) on both sides, named "seeded", refused
-    with fp16_exp2, hd128's default (decided on the H200: int8_seeded_scores_h200.md) with the same
-    options without it in the benchmark build (its bit-identity partner), and not built at hd64."""
+    """`seeded_scores` is flag bit 1 << 24 (kFlagsHighShift + 12) on both sides, named "seeded",
+    hd128's default (decided on the H200: int8_seeded_scores_h200.md) with the same options without
+    it in the benchmark build (its bit-identity partner), and not built at hd64."""
     from dataclasses import replace
 
     gen = _generator()
-    launch, kernel = _assert_high_flag(gen, "seeded_scores", 12, "seeded")
-    assert "(!seeded_scores || !fp16_exp2)" in launch
+    _, kernel = _assert_high_flag(gen, "seeded_scores", 12, "seeded")
     assert "ops.qk_issue_rs(stage, q_frag, s_acc, Softmax::kSeeded);" in kernel
-    with pytest.raises(ValueError, match="seeded_scores"):
-        gen.FwdOptions(lean_softmax=True, fp16_exp2=True, seeded_scores=True)
     seeded = gen.DEFAULTS[128]
     assert seeded.seeded_scores and not gen.DEFAULTS[64].seeded_scores
     base = replace(seeded, seeded_scores=False)
@@ -626,7 +646,7 @@ def test_int8_seeded_scores_flag_validity_and_default():
 
 def test_int8_long_tile_flag_validity_and_bench_variants():
     """`long_tile` is flag bit 1 << 25 (kFlagsHighShift + 13) on both sides, named "long", refused
-    without the lean softmax and with fp16_exp2 or three_consumers (Python raises, C++ valid() says
+    without the lean softmax and with three_consumers (Python raises, C++ valid() says
     so), no shipped variant has it, and the benchmark build holds hd128 long-tile loops with and
     without tc_row_sum whose 128-key partners (the defaults, and the defaults without tc_row_sum) are
     built too.
@@ -636,9 +656,9 @@ def test_int8_long_tile_flag_validity_and_bench_variants():
 
     gen = _generator()
     launch, kernel = _assert_high_flag(gen, "long_tile", 13, "long")
-    assert "(!long_tile || (lean_softmax && !fp16_exp2 && !three_consumers))" in launch
+    assert "(!long_tile || (lean_softmax && !three_consumers))" in launch
     assert "constexpr int kKeys = kOpt.tile_keys();" in kernel
-    for bad in (dict(), dict(lean_softmax=True, fp16_exp2=True), dict(lean_softmax=True, three_consumers=True)):
+    for bad in (dict(), dict(lean_softmax=True, three_consumers=True)):
         with pytest.raises(ValueError, match="long_tile"):
             gen.FwdOptions(long_tile=True, **bad)
     lean = gen.FwdOptions(lean_softmax=True, long_tile=True)

@@ -173,7 +173,6 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   constexpr bool kLatePvWait = kOpt.late_pv_wait;
   constexpr bool kPingPong = kOpt.pingpong;
   constexpr bool kQRegs = kOpt.q_in_registers;
-  constexpr bool kHalfExp = kOpt.fp16_exp2;
   constexpr bool kSplitReduce = kOpt.split_reductions;
   constexpr bool kTilePV = kOpt.fp32_pv_tiles;
   constexpr int kSmemOEvery = kOpt.smem_o_every;
@@ -281,8 +280,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     int row[2];
     fragment_rows(wg_row0, tid, lane, row);
 
-    using Softmax = OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce, kOpt.seed_reductions, kOpt.tc_row_sum,
-                                  kOpt.seeded_scores, kKeys>;
+    using Softmax = OnlineSoftmax<kPoly, kLean, kSplitReduce, kOpt.tc_row_sum, kOpt.seeded_scores, kKeys>;
     Softmax sm;
     if constexpr (!kQInKernel) {  // q_in_kernel: the row scales come with its Q fragments below
       const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;

@@ -20,13 +20,13 @@ struct FwdOptions {
   bool overlap_softmax_pv = false;  // softmax of tile t under the PV wgmma of tile t-1
   bool pingpong = false;            // the two consumer warpgroups take turns issuing wgmmas
   bool q_in_registers = false;      // Q K^T as an RS wgmma with Q held in registers
-  bool fp16_exp2 = false;           // two exp2 per MUFU op in fp16 (a lean-softmax variant)
+  // (flags() 16: fp16_exp2, deleted, never built; DESIGN.md. The value stays reserved.)
   bool split_reductions = false;    // row max / sum as four chains of 8 (a lean-softmax variant)
   bool fp32_pv_tiles = false;       // each key tile's P V from zero on the tensor cores, O summed in fp32
   int exp2_poly_every = 0;          // every N-th exp2 on the FMA pipes (0 = all on MUFU)
   int smem_o_every = 0;             // O's fp32 sum in smem, the tensor-core one flushed into it
                                     // every N key tiles (0 = O only in registers); power of 2
-  bool seed_reductions = false;     // (lean only) row max / sum chains start from their first value
+  // (flags() 1 << kFlagsHighShift: seed_reductions, deleted, never built; DESIGN.md. Reserved.)
   bool persistent = false;          // min(#SMs, work tiles) CTAs, each looping over work tiles (needs q_in_registers)
   bool phase_clock = false;         // (benchmarks) %globaltimer / %clock64 at fixed phase points (FwdParams::phase_clock)
   bool epilogue_summary = false;    // the epilogue skips V's non-finite lookup when FwdParams::v_summary says none is seen
@@ -38,21 +38,23 @@ struct FwdOptions {
                                     // (fwd_kernel, which knows D, static_asserts it)
   bool late_pv_wait = false;        // (overlap + lean) the PV wait after the softmax's exp2, P packed after it
   bool tc_row_sum = false;          // the row sums of P~ on the tensor cores: 8 columns of ones after V^T's D
-                                    // rows in smem (PV's N = D + 8); no fp16_exp2
+                                    // rows in smem (PV's N = D + 8)
   bool tile_sums = false;           // (tc_row_sum, no fp32_pv_tiles) each tile's row sums leave the FP8
                                     // accumulator into fp32 as soon as its PV retired
   bool fused_rescale = false;       // (fp32_pv_tiles, plain loop) O = alpha O + tile in one FFMA per value
                                     // after the PV instead of O *= alpha before it and O += tile after
-  bool seeded_scores = false;       // (no fp16_exp2) S's int32 accumulator starts from the bits of 1.5 * 2^23,
+  bool seeded_scores = false;       // S's int32 accumulator starts from the bits of 1.5 * 2^23,
                                     // so each score arrives as its biased float: no convert add per score
-  bool long_tile = false;           // (lean, no three_consumers / fp16_exp2) 192-key tiles of
+  bool long_tile = false;           // (lean, no three_consumers) 192-key tiles of
                                     // three 64-key K scale blocks (the pre-pass's kv_block = 64)
 
+  // Deleted options keep their bits unused, so the flags (and kernel names) of the others stay:
+  // 16 (fp16_exp2), 1 << kFlagsHighShift (seed_reductions), 1 << (kFlagsHighShift + 11) (fma_convert).
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
-           (q_in_registers ? 8 : 0) | (fp16_exp2 ? 16 : 0) | (split_reductions ? 32 : 0) |
+           (q_in_registers ? 8 : 0) | (split_reductions ? 32 : 0) |
            (fp32_pv_tiles ? 64 : 0) | (smem_o_every << kFlagsIntShift) |
-           (seed_reductions ? 1 << kFlagsHighShift : 0) | (persistent ? 1 << (kFlagsHighShift + 1) : 0) |
+           (persistent ? 1 << (kFlagsHighShift + 1) : 0) |
            (phase_clock ? 1 << (kFlagsHighShift + 2) : 0) | (epilogue_summary ? 1 << (kFlagsHighShift + 3) : 0) |
            (q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0) | (epilogue_staged ? 1 << (kFlagsHighShift + 5) : 0) |
            (three_consumers ? 1 << (kFlagsHighShift + 6) : 0) | (late_pv_wait ? 1 << (kFlagsHighShift + 7) : 0) |
@@ -70,11 +72,9 @@ struct FwdOptions {
     o.overlap_softmax_pv = (flags & 2) != 0;
     o.pingpong = (flags & 4) != 0;
     o.q_in_registers = (flags & 8) != 0;
-    o.fp16_exp2 = (flags & 16) != 0;
     o.split_reductions = (flags & 32) != 0;
     o.fp32_pv_tiles = (flags & 64) != 0;
     o.smem_o_every = (flags >> kFlagsIntShift) & ((1 << (kFlagsHighShift - kFlagsIntShift)) - 1);
-    o.seed_reductions = ((flags >> kFlagsHighShift) & 1) != 0;
     o.persistent = ((flags >> (kFlagsHighShift + 1)) & 1) != 0;
     o.phase_clock = ((flags >> (kFlagsHighShift + 2)) & 1) != 0;
     o.epilogue_summary = ((flags >> (kFlagsHighShift + 3)) & 1) != 0;
@@ -92,7 +92,7 @@ struct FwdOptions {
   }
   // Combinations the kernel implements (fwd_kernel static_asserts it instead of dropping options).
   constexpr bool valid() const {
-    return ((!fp16_exp2 && !split_reductions && !seed_reductions) || lean_softmax) && exp2_poly_every >= 0 &&
+    return (!split_reductions || lean_softmax) && exp2_poly_every >= 0 &&
            smem_o_every >= 0 && smem_o_every <= 16 && (smem_o_every & (smem_o_every - 1)) == 0 &&
            !(fp32_pv_tiles && smem_o_every > 0) &&
            // persistent: the next work tile's Q lands in smem while the current one runs, which
@@ -105,18 +105,14 @@ struct FwdOptions {
            (!three_consumers || (!pingpong && !phase_clock)) &&
            // late_pv_wait: the wait sits in the lean softmax's two O-rescale branches, under the overlap
            (!late_pv_wait || (overlap_softmax_pv && lean_softmax)) &&
-           // tc_row_sum: fp16_exp2 sums its fp16 pairs itself (softmax.hpp scores_lean_half)
-           (!tc_row_sum || !fp16_exp2) &&
            // tile_sums: the sums are tc_row_sum's; with fp32_pv_tiles every tile is in fp32 already
            (!tile_sums || (tc_row_sum && !fp32_pv_tiles)) &&
            // fused_rescale: O and the tile are separate registers only with fp32_pv_tiles, and the
            // FFMA needs the alpha of the tile just retired, which only the plain loop has at hand
            (!fused_rescale || (fp32_pv_tiles && !overlap_softmax_pv && !pingpong)) &&
-           // seeded_scores: fp16_exp2's step converts the scores its own way (softmax.hpp scores_lean_half)
-           (!seeded_scores || !fp16_exp2) &&
            // long_tile: per-block K scales in the lean fp32 steps (softmax.hpp); two consumer
            // warpgroups (S's 96 registers)
-           (!long_tile || (lean_softmax && !fp16_exp2 && !three_consumers));
+           (!long_tile || (lean_softmax && !three_consumers));
   }
   // Keys per tile and per K scale block (tile_config.hpp kLongTileKeys, kKBlockKeys).
   constexpr int tile_keys() const { return long_tile ? 192 : 128; }
@@ -133,7 +129,6 @@ struct FwdOptions {
 // from_flags inverts flags() for the bools above smem_o_every's bits (which they must not touch).
 static_assert(FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .persistent = true}.flags(), 0).persistent &&
                   FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .persistent = true}.flags(), 0).smem_o_every == 16 &&
-                  !FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .persistent = true}.flags(), 0).seed_reductions &&
                   FwdOptions{.persistent = true}.flags() == 2 << FwdOptions::kFlagsHighShift,
               "FwdOptions::flags / from_flags");
 static_assert(FwdOptions::from_flags(FwdOptions{.phase_clock = true}.flags(), 0).phase_clock &&
