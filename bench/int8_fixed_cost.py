@@ -49,11 +49,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=lambda t: str(_cli.output_file(t)), default=None,
                     help="path without suffix for .md and .json (its folder must exist)")
     args = ap.parse_args(argv)
-    ext = int8_sm90.build()
+    ext = int8_sm90.build_bench()  # bench_parts and set_fwd_flags are the benchmark build's
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bench = int8_sm90._BENCH  # what the build above used (SAGE_DIFFUSERS_SM90_BENCH, read by sage_diffusers.config)
+    bench = int8_sm90._BENCH  # every benchmark variant (SAGE_DIFFUSERS_SM90_BENCH), else the shipped option sets
     todo = [(d, poly, flags, name) for d, poly, flags, name in variants.BENCH_VARIANTS] if bench else \
-        [(d, variants.DEFAULT_EXP_POLY[d], -1, "default") for d, _, _ in CASES]
+        [(d, variants.DEFAULT_EXP_POLY[d], variants.DEFAULT_FLAGS[d], "default") for d, _, _ in CASES]
     rows, lines = [], []
     lines.append(f"{torch.cuda.get_device_name(0)}, {sms} SMs; attention kernel alone (bench_parts, "
                  f"{args.reps} back-to-back launches, median of 3); t = W (F + n c) fitted per variant.")

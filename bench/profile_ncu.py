@@ -44,7 +44,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.prepass_mode is not None:
         from sage_diffusers.kernels import int8_sm90
-        int8_sm90.build().set_prepass_mode(args.prepass_mode)
+        ext = int8_sm90.build()
+        if not hasattr(ext, "set_prepass_mode"):
+            raise SystemExit("--prepass-mode: the shipped build runs one mode; set SAGE_DIFFUSERS_SM90_BENCH=1 "
+                             "(the benchmark build, bench/sm90_int8/binding_bench.cpp)")
+        ext.set_prepass_mode(args.prepass_mode)
     cases = [(m, s) for m in args.modes for s in args.shapes]
     data = {}
     for mode, shape in cases:

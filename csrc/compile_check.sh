@@ -53,7 +53,7 @@ echo '#pragma once' > "$OUT/stub/c10/cuda/impl/cuda_cmake_macros.h"
 
 # ---------------------------------------------------------------------------------------------
 check_sm90_int8() {
-  local K="$HERE/sm90_int8"
+  local K="$HERE/sm90_int8" BENCH_K="$HERE/../bench/sm90_int8"
   # The JIT build's nvcc flags (sage_diffusers/kernels/int8_sm90.py; it undoes torch's
   # no-half-operator defines, so none are set here).
   FLAGS=("$STD" -O3 --expt-relaxed-constexpr -DNDEBUG -lineinfo
@@ -84,15 +84,18 @@ check_sm90_int8() {
   # bash arrays do not cross `export`: rebuild FLAGS inside each job from FLAGS_STR
   local pattern='\.cu$'
   # --quick: the pre-pass (and its 64-key blocks), the dispatch table and one forward variant per head dim
-  [ "$QUICK" = 1 ] && pattern='(prepass|prepass_long|dispatch|fwd_hd64_bf16_full_exp2poly8|fwd_hd128_fp16_causal)\.cu$'
-  find "$K" -name '*.cu' ! -name 'host_layout_check.cu' ! -name 'bench_*.cu' | grep -E "$pattern" | sort |
+  [ "$QUICK" = 1 ] && pattern='(prepass|prepass_long|dispatch|dispatch_bench|fwd_hd64_bf16_full_exp2poly8|fwd_hd128_fp16_causal)\.cu$'
+  # the shipped sources, and the benchmark build's own (bench/sm90_int8/: its dispatch table, the
+  # 64-key pre-pass; never shipped)
+  { find "$K" -name '*.cu' ! -name 'host_layout_check.cu' ! -name 'bench_*.cu'; find "$BENCH_K" -name '*.cu'; } |
+    grep -E "$pattern" | sort |
     xargs -P "$JOBS" -I{} bash -c 'FLAGS=($FLAGS_STR); compile_one "$@"' _ {}
 
   # Variants outside the regular build stay compilable: the benchmark build's generated files, and
   # option sets no build compiles today (written to $OUT, never committed).
   compile_variant() {  # NAME D OPTIONS-EXPRESSION
     local src="$OUT/variant_$1.cu"
-    printf '#include "%s/kernel_fwd.cuh"\nnamespace sage_sm90 {\ntemplate cudaError_t launch_fwd<%s, DType::kBF16, false, %s>(const FwdParams&, cudaStream_t);\n}\n' \
+    printf '#include "%s/kernel_fwd.cuh"\nnamespace sage_sm90 {\ntemplate cudaError_t launch_fwd<%s, DType::kBF16, false, %s>(const FwdParams&, cudaStream_t, bool);\n}\n' \
       "$K" "$2" "$3" > "$src"
     compile_one "$src"
   }
@@ -101,21 +104,20 @@ check_sm90_int8() {
   find "$K/instantiations" -name 'bench_*.cu' | sort |
     if [ "$BENCH_SAMPLE" = 1 ]; then awk 'NR <= 2 || (/_long\.cu$/ && !l++)'; else cat; fi |
     xargs -P "$JOBS" -I{} bash -c 'FLAGS=($FLAGS_STR); compile_one "$@"' _ {}
-  echo "== sm90_int8: other option sets (the original plain loop; fp16 exp2 pairs)"
+  echo "== sm90_int8: other option sets (the original plain loop)"
   compile_variant hd128_plain 128 'FwdOptions{}'
-  if [ "$BENCH_SAMPLE" != 1 ]; then
-    compile_variant hd64_lean_overlap_fp16exp2 64 'FwdOptions{.lean_softmax = true, .overlap_softmax_pv = true, .fp16_exp2 = true}'
-  fi
   # ptxas once gave Q's registers (the A operand of S = Q K^T, q_in_registers) to the softmax inside a
   # loop: wrong output from the second key tile on, no warning (eval/results/int8_hd128_wg3_h200.md).
   echo "== sm90_int8: Q's registers intact through every forward loop (sass_cost.py --check)"
   "$PYTHON" "$K/sass_cost.py" --check "$OUT"/*.o
 
   if [ -n "$TORCH_INC" ] && "$PYTHON" -c 'import pybind11' 2>/dev/null; then
-    echo "== sm90_int8: binding.cpp syntax (host compiler, torch headers)"
-    # shellcheck disable=SC2086
-    ${CXX:-g++} "$STD" -fsyntax-only -DTORCH_EXTENSION_NAME=check -I"$K" $TORCH_INC \
-        -idirafter "$OUT/stub" -I"$CUDA_INC" -I/usr/local/cuda/include "$K/binding.cpp"
+    echo "== sm90_int8: binding.cpp and bench/sm90_int8/binding_bench.cpp syntax (host compiler, torch headers)"
+    for b in "$K/binding.cpp" "$BENCH_K/binding_bench.cpp"; do
+      # shellcheck disable=SC2086
+      ${CXX:-g++} "$STD" -fsyntax-only -DTORCH_EXTENSION_NAME=check -I"$K" $TORCH_INC \
+          -idirafter "$OUT/stub" -I"$CUDA_INC" -I/usr/local/cuda/include "$b"
+    done
   fi
 }
 

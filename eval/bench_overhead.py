@@ -2,8 +2,9 @@
 
 For each shape the same inputs are timed, methods interleaved over rounds (median [min-max]):
 
-- ``pre-pass`` and ``kernel``: GPU time of the two launches alone (``ext.bench_parts``: prepared
-  once, back-to-back launches, no host work);
+- ``pre-pass`` and ``kernel``: GPU time of the two launches alone (``bench_parts`` of the benchmark
+  build, ``int8_sm90.build_bench()``, on the shipped option set of the head dim and the shipped
+  pre-pass mode: prepared once, back-to-back launches, no host work);
 - ``ext.fwd``: the pybind entry (allocations, checks, launches), pipelined;
 - ``op``: ``attention_int8_sm90`` (the registered custom op and its Python wrapper), pipelined;
 - ``sd int8`` / ``sd auto``: ``sage_diffusers.attention`` with that mode, pipelined;
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sage_diffusers as sd  # noqa: E402
 from bench.bench_utils import pipelined_ms  # noqa: E402
 from eval import _cli  # noqa: E402
+from sage_diffusers.kernels import _sm90_int8_variants as _variants  # noqa: E402
 from sage_diffusers.kernels import int8_sm90  # noqa: E402
 from sage_diffusers.kernels._timing import spread  # noqa: E402
 
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     ok, why = int8_sm90.is_available()
     if not ok:
         raise SystemExit(f"int8 kernel unavailable: {why}")
-    ext = int8_sm90.build()
+    ext = int8_sm90.build()  # the shipped build: ext.fwd, op, sd
+    parts = int8_sm90.build_bench()  # bench_parts, on each head dim's shipped option set
     rows = []
     for b, h, s, d in SHAPES:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -78,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
         times = {n: [] for n in ["pre-pass", "kernel", *entries]}
         names = list(entries)
         for r in range(args.rounds):
-            pre, ker = ext.bench_parts(q, k, v, False, poly, reps)
+            parts.set_fwd_flags(_variants.DEFAULT_FLAGS[d])
+            pre, ker = parts.bench_parts(q, k, v, False, poly, reps)
             times["pre-pass"].append(pre)
             times["kernel"].append(ker)
             order = names[r % len(names):] + names[:r % len(names)]
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(row), flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds,
-            "prepass_mode": int(ext.prepass_mode())}
+            "prepass_mode": int(parts.prepass_mode())}
     lines = [f"# 8-bit attention: host vs pre-pass vs kernel ({meta['gpu']})", "",
              f"torch {meta['torch']}, {meta['date']}, bf16 BHSD N(0,1), no mask, median of "
              f"{args.rounds} interleaved rounds [min-max]; pre-pass mode {meta['prepass_mode']}. "

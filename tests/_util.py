@@ -1,4 +1,6 @@
 """Small helpers shared by the tests (imported as a top-level module: tests/ is on sys.path)."""
+from __future__ import annotations
+
 import os
 import subprocess
 import sys
@@ -32,6 +34,15 @@ spec.loader.exec_module(gen)
 ext = int8_sm90.build()
 bad = 0
 """
+
+
+def bench_build_missing() -> str | None:
+    """Why the 8-bit kernel's benchmark build cannot be built here (its binding, dispatch table and
+    64-key pre-pass live in a checkout's bench/sm90_int8/, which no wheel carries), or None."""
+    from sage_diffusers.kernels import int8_sm90
+
+    src = int8_sm90.bench_source_dir() / "binding_bench.cpp"
+    return None if src.is_file() else f"the benchmark build needs a checkout's bench/sm90_int8/ ({src} not found)"
 
 
 def run_in_bench_build(body: str, tail: int = 4000) -> str:

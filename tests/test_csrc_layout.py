@@ -110,15 +110,42 @@ def test_int8_variants_come_from_one_source():
     assert py.BENCH_VARIANTS == tuple((d, o.exp2_poly_every, o.flags, o.name) for d, o in gen.BENCH_VARIANTS)
     # the flag bits of the Python mirror are those of FwdOptions::flags() in launch.h
     launch = (CSRC / "sm90_int8" / "launch.h").read_text()
-    for i, name in enumerate(["lean_softmax", "overlap_softmax_pv", "pingpong", "q_in_registers",
-                              "fp16_exp2", "split_reductions"]):
+    for name, i in gen._LOW_BITS.items():
         assert f"({name} ? {1 << i} : 0)" in launch and f"o.{name} = (flags & {1 << i}) != 0;" in launch
         assert gen.FwdOptions(**{name: True, "lean_softmax": True}).flags & (1 << i)
+    assert list(gen._LOW_BITS) == ["lean_softmax", "overlap_softmax_pv", "pingpong", "q_in_registers",
+                                   "split_reductions", "fp32_pv_tiles"]
+
+
+def test_int8_deleted_options_keep_their_flag_bits_reserved():
+    """fp16_exp2 (flags 16) and seed_reductions (1 << kFlagsHighShift) were never built and are
+    deleted (DESIGN.md); their bits stay unused on both sides, so no other option set's flags or kernel
+    name change, and no field, validity rule or name part refers to them any more."""
+    from dataclasses import fields
+
+    gen = _generator()
+    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
+    assert gen._RESERVED_LOW_BITS == (4,) and gen._RESERVED_HIGH_BITS == (0, 11)
+    assert not set(gen._LOW_BITS.values()) & set(gen._RESERVED_LOW_BITS)
+    assert not set(gen._HIGH_BITS.values()) & set(gen._RESERVED_HIGH_BITS)
+    # every bool is at one listed bit, and the split reductions stay at 32, persistent at 1 << 13
+    bools = {f.name for f in fields(gen.FwdOptions) if f.type in ("bool", bool)}
+    assert bools == set(gen._LOW_BITS) | set(gen._HIGH_BITS)
+    assert gen.FwdOptions(lean_softmax=True, split_reductions=True).flags == 1 | 32
+    assert gen.FwdOptions(q_in_registers=True, persistent=True).flags == 8 | 1 << 13
+    src = "\n".join((CSRC / "sm90_int8" / f).read_text() for f in ("softmax.hpp", "kernel_fwd.cuh"))
+    for gone in ("fp16_exp2", "seed_reductions"):
+        assert gone not in {f.name for f in fields(gen.FwdOptions)}
+        assert f"bool {gone}" not in launch and f"o.{gone}" not in launch and f"{gone} ?" not in launch
+        assert gone not in src and gone not in gen._HIGH_SHORT
+        with pytest.raises(TypeError):
+            gen.FwdOptions(**{gone: True, "lean_softmax": True})
+    assert "kHalfExp" not in src and "kSeed_" not in src and "scores_lean_half" not in src
 
 
 def test_int8_invalid_option_sets_are_rejected():
     gen = _generator()
-    for bad in ({"fp16_exp2": True}, {"split_reductions": True}):
+    for bad in ({"split_reductions": True},):
         try:
             gen.FwdOptions(**bad)
         except ValueError:
@@ -293,12 +320,16 @@ def test_int8_q_in_kernel_flag_name_and_lse_rule():
     # the regular build compiles no q_in_kernel variant; dispatch's LSE rule covers every query
     regular = (CSRC / "sm90_int8" / "instantiations" / "variants.inc").read_text()
     assert "q_in_kernel" not in regular
-    dispatch = (CSRC / "sm90_int8" / "dispatch.cu").read_text()
-    # find_fwd_variant (behind has_fwd_variant, fwd_quantizes_q, fwd_rows_per_cta) and run_fwd
-    assert dispatch.count("serves_lse(OPT, ") == 2
-    for query in ("has_fwd_variant", "fwd_quantizes_q", "fwd_rows_per_cta"):
-        body = dispatch.split(f" {query}(int head_dim", 1)[1].split("\n}\n", 1)[0]
-        assert "find_fwd_variant(head_dim, causal, exp_poly_every, lse, o)" in body, query
+    lookup = (CSRC / "sm90_int8" / "dispatch.cuh").read_text()  # the shipped and the benchmark table's
+    # find_fwd_variant (behind has_fwd_variant, fwd_quantizes_q, fwd_rows_per_cta, ...) and run_fwd
+    assert lookup.count("serves_lse(OPT, ") == 2
+    for table in (CSRC / "sm90_int8" / "dispatch.cu", ROOT / "bench" / "sm90_int8" / "dispatch_bench.cu"):
+        dispatch = table.read_text()
+        assert '#include "dispatch.cuh"' in dispatch and "SAGE_SM90_VARIANT" not in dispatch
+        for query in ("has_fwd_variant", "fwd_quantizes_q", "fwd_rows_per_cta"):
+            body = dispatch.split(f" {query}(int head_dim", 1)[1].split("\n}\n", 1)[0]
+            assert ("find_fwd_variant(head_dim, causal, exp_poly_every, lse, " in body
+                    or "variant_or_default(head_dim, causal, exp_poly_every, lse, " in body), (table, query)
 
 
 def test_int8_three_consumers_flag_name_validity_and_q_tiles():
@@ -379,7 +410,8 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
         assert py.FLAG_NAMES[o.flags] == o.name
     # variants_bench.bit_identity_check compares wg3 with flags & ~SAME_BITS_FLAGS: the partner
     tree = ast.parse((ROOT / "bench" / "sm90_int8" / "variants_bench.py").read_text())
-    same = next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "SAME_BITS_FLAGS")
+    same = next(n.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
+                and n.targets[0].id == "SAME_BITS_FLAGS")
     same_bits = eval(compile(ast.Expression(same), "SAME_BITS_FLAGS", "eval"))
     assert same_bits & 1 << 18 and wg3.flags & ~same_bits == partner.flags
     assert wg3_128.flags & ~same_bits == partner_128.flags
@@ -388,10 +420,15 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
     fwd = (k / "kernel_fwd.cuh").read_text()
     assert "if (t + 1 < n_tiles) maybe_flush(t);" in fwd and "\n        maybe_flush(t);\n" not in fwd
     # the Q images cover whole CTAs of the variant run_fwd picks: no fixed 128-row block in the binding
-    binding = (k / "binding.cpp").read_text()
-    assert "kBlockM" not in binding and "sage_sm90::fwd_q_tiles(Sq, shape.rows_per_cta)" in binding
-    # fwd, bench_parts, fwd_phase_clock size the pre-pass by the variant (fwd_shape asks fwd_rows_per_cta)
-    assert binding.count("sage_sm90::fwd_rows_per_cta(") == 1 and binding.count("fwd_shape(D, is_causal, exp_poly_every") == 3
+    torch_side = (k / "binding.h").read_text()  # the torch side both bindings share
+    assert "kBlockM" not in torch_side and "sage_sm90::fwd_q_tiles(Sq, shape.rows_per_cta)" in torch_side
+    # fwd, bench_parts, fwd_phase_clock size the pre-pass by the variant (its policy's shape() asks
+    # fwd_rows_per_cta of the build's table)
+    assert torch_side.count("variants.shape(d, is_causal, e, return_lse)") == 1
+    assert (k / "binding.cpp").read_text().count("sage_sm90::fwd_rows_per_cta(") == 1
+    bench_binding = (ROOT / "bench" / "sm90_int8" / "binding_bench.cpp").read_text()
+    assert bench_binding.count("sage_sm90::bench::fwd_rows_per_cta(") == 1
+    assert bench_binding.count("variants.shape(d, is_causal, e, false)") == 2  # bench_parts, fwd_phase_clock
     assert "fwd_q_tiles(4429, 192) == 3 * 24" in launch
 
 
@@ -477,22 +514,18 @@ def test_int8_late_pv_wait_flag_validity_and_bench_twins():
 
 
 def test_int8_tc_row_sum_flag_validity_and_bench_variants():
-    """`tc_row_sum` is flag bit 1 << 20 (kFlagsHighShift + 8) on both sides, named "tcsum", refused
-    with fp16_exp2 (Python raises, C++ valid() says so); the kernel sizes the PV wgmma and its
-    accumulator from TileConfig's sum columns, the epilogue reads the sums from the accumulator, and
-    the benchmark build holds each head dim's defaults with it."""
+    """`tc_row_sum` is flag bit 1 << 20 (kFlagsHighShift + 8) on both sides, named "tcsum"; the kernel
+    sizes the PV wgmma and its accumulator from TileConfig's sum columns, the epilogue reads the sums
+    from the accumulator, and the benchmark build holds each head dim's defaults with it."""
     from dataclasses import replace
 
     from sage_diffusers.kernels import _sm90_int8_variants as py
 
     gen = _generator()
     epilogue = (CSRC / "sm90_int8" / "epilogue.hpp").read_text()
-    launch, kernel = _assert_high_flag(gen, "tc_row_sum", 8, "tcsum")
-    assert "(!tc_row_sum || !fp16_exp2)" in launch
+    _, kernel = _assert_high_flag(gen, "tc_row_sum", 8, "tcsum")
     assert "using C = TileConfig<D, kWGs, kSumCols, kKeys>;" in kernel and "float o[C::kPVRegs];" in kernel
     assert "Softmax::kTcSum ? o[D / 2 + 2 * x] : quad_sum(sm.l[x])" in epilogue
-    with pytest.raises(ValueError, match="tc_row_sum"):
-        gen.FwdOptions(lean_softmax=True, fp16_exp2=True, tc_row_sum=True)
     # decided on the H200 (int8_tcsum_h200.md): the default at both head dims
     assert gen.DEFAULTS[64].tc_row_sum and gen.DEFAULTS[128].tc_row_sum
     assert py.DEFAULT_ROW_SUM == {64: "codes", 128: "codes"}
@@ -594,17 +627,14 @@ def test_int8_fused_rescale_flag_validity_and_bench_variant():
 
 
 def test_int8_seeded_scores_flag_validity_and_default():
-    """`seeded_scores` is flag bit 1 << 24 (kFlagsHighShift + 12) on both sides, named "seeded", refused
-    with fp16_exp2, hd128's default (decided on the H200: int8_seeded_scores_h200.md) with the same
-    options without it in the benchmark build (its bit-identity partner), and not built at hd64."""
+    """`seeded_scores` is flag bit 1 << 24 (kFlagsHighShift + 12) on both sides, named "seeded",
+    hd128's default (decided on the H200: int8_seeded_scores_h200.md) with the same options without
+    it in the benchmark build (its bit-identity partner), and not built at hd64."""
     from dataclasses import replace
 
     gen = _generator()
-    launch, kernel = _assert_high_flag(gen, "seeded_scores", 12, "seeded")
-    assert "(!seeded_scores || !fp16_exp2)" in launch
+    _, kernel = _assert_high_flag(gen, "seeded_scores", 12, "seeded")
     assert "ops.qk_issue_rs(stage, q_frag, s_acc, Softmax::kSeeded);" in kernel
-    with pytest.raises(ValueError, match="seeded_scores"):
-        gen.FwdOptions(lean_softmax=True, fp16_exp2=True, seeded_scores=True)
     seeded = gen.DEFAULTS[128]
     assert seeded.seeded_scores and not gen.DEFAULTS[64].seeded_scores
     base = replace(seeded, seeded_scores=False)
@@ -616,7 +646,7 @@ def test_int8_seeded_scores_flag_validity_and_default():
 
 def test_int8_long_tile_flag_validity_and_bench_variants():
     """`long_tile` is flag bit 1 << 25 (kFlagsHighShift + 13) on both sides, named "long", refused
-    without the lean softmax and with fp16_exp2 or three_consumers (Python raises, C++ valid() says
+    without the lean softmax and with three_consumers (Python raises, C++ valid() says
     so), no shipped variant has it, and the benchmark build holds hd128 long-tile loops with and
     without tc_row_sum whose 128-key partners (the defaults, and the defaults without tc_row_sum) are
     built too.
@@ -626,9 +656,9 @@ def test_int8_long_tile_flag_validity_and_bench_variants():
 
     gen = _generator()
     launch, kernel = _assert_high_flag(gen, "long_tile", 13, "long")
-    assert "(!long_tile || (lean_softmax && !fp16_exp2 && !three_consumers))" in launch
+    assert "(!long_tile || (lean_softmax && !three_consumers))" in launch
     assert "constexpr int kKeys = kOpt.tile_keys();" in kernel
-    for bad in (dict(), dict(lean_softmax=True, fp16_exp2=True), dict(lean_softmax=True, three_consumers=True)):
+    for bad in (dict(), dict(lean_softmax=True, three_consumers=True)):
         with pytest.raises(ValueError, match="long_tile"):
             gen.FwdOptions(long_tile=True, **bad)
     lean = gen.FwdOptions(lean_softmax=True, long_tile=True)
@@ -649,11 +679,14 @@ def test_int8_long_tile_flag_validity_and_bench_variants():
         return (128 * 128 + stages * (192 * 128 + 192 * (128 + sums)) + 8 * (2 * stages + 1) + 1024
                 + 128 * (128 + sums) * 4 + 16)
     assert smem(3) <= 227 * 1024 < smem(4) and smem(2, 8) <= 227 * 1024 < smem(3, 8)
-    binding = (CSRC / "sm90_int8" / "binding.cpp").read_text()
-    assert "sage_sm90::fwd_kv_blocks(Skv, shape.tile_keys, shape.kv_block)" in binding
-    assert binding.count("fwd_shape(D, is_causal, exp_poly_every") == 3  # fwd, bench_parts, fwd_phase_clock
+    torch_side = (CSRC / "sm90_int8" / "binding.h").read_text()
+    assert "sage_sm90::fwd_kv_blocks(Skv, shape.tile_keys, shape.kv_block)" in torch_side
+    # the shipped pre-pass refuses 64-key blocks; the benchmark build's (bench/, never shipped) has them
     pre = (CSRC / "sm90_int8" / "prepass.cu").read_text()
-    assert "#if SAGE_SM90_BENCH" in pre and "run_prepass_long" in pre
+    assert "if (p.kv_block != kBlockKV) return cudaErrorInvalidValue;" in pre and ", 64>" not in pre
+    assert not (CSRC / "sm90_int8" / "prepass_long.cu").exists()
+    long_pre = (ROOT / "bench" / "sm90_int8" / "prepass_long.cu").read_text()
+    assert "launch_prepass<128, DType::kBF16, 64>" in long_pre
     jit = (ROOT / "sage_diffusers" / "kernels" / "int8_sm90.py").read_text()
     assert jit.count('"prepass_long.cu"') == 1  # the benchmark build's source list only
 
@@ -675,3 +708,26 @@ def test_int8_prepass_kv_block_refused_outside_the_benchmark_build():
     q64 = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="head dim 128 only; got head dim 64"):
         int8_sm90.prepass(q64, q64, q64, kv_block=64)
+
+
+def test_int8_shipped_binding_has_no_benchmark_entry_points_or_flag_state():
+    """The shipped 8-bit binding exports the forward, the pre-pass and the variant query only; its
+    variant comes from the call through one fixed policy (ShippedVariants: the regular table and
+    kPrepassDefaultMode). The benchmark entry points and the run-time option / pre-pass-mode state live
+    in bench/sm90_int8/ (which no wheel carries: setup.py copies csrc/ only)."""
+    k = CSRC / "sm90_int8"
+    binding = (k / "binding.cpp").read_text()
+    assert re.findall(r'm\.def\("(\w+)"', binding) == ["fwd", "prepass", "has_variant"]
+    bench_only = ("bench_parts", "fwd_phase_clock", "set_prepass_mode", "set_fwd_flags", "pdl_launches",
+                  "g_flags", "g_mode", "g_selection", "SAGE_SM90_BENCH")
+    for p in k.rglob("*"):
+        if p.is_file() and p.suffix in _jit.HASHED_SUFFIXES:
+            text = p.read_text()
+            assert not [n for n in bench_only if n in text], p.relative_to(ROOT)
+    assert "static constexpr int kMode = sage_sm90::kPrepassDefaultMode;" in binding
+    bench = (ROOT / "bench" / "sm90_int8" / "binding_bench.cpp").read_text()
+    assert set(re.findall(r'm\.def\("(\w+)"', bench)) == {
+        "fwd", "prepass", "has_variant", "bench_parts", "fwd_phase_clock", "set_prepass_mode", "prepass_mode",
+        "set_fwd_flags"}
+    jit = (ROOT / "sage_diffusers" / "kernels" / "int8_sm90.py").read_text()
+    assert '"binding_bench.cpp"' in jit and "bench_source_dir()" in jit

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -243,73 +241,8 @@ def test_exp_poly_variants_hd64(poly):
     assert cosine(out, ref) >= 0.9999 and relative_l1(out, ref) <= 0.01
 
 
-def _prepass_mode_max() -> int:
-    """launch.h's kPrepassModeMax: the bit-identity test covers every mode the kernel defines."""
-    launch = (Path(__file__).resolve().parents[1] / "csrc" / "sm90_int8" / "launch.h").read_text()
-    return int(re.search(r"constexpr int kPrepassModeMax = (\d+);", launch).group(1))
-
-
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-def test_prepass_modes_bit_identical(d, causal):
-    """Every pre-pass mode (launch.h kPrepass* bits) writes the same bytes: same output bits."""
-    ext = int8_sm90.build()
-    q, k, v = make_qkv(2, 4, 2, 1500, 1777, d, torch.bfloat16, "bshd")
-    mask = make_mask(2, 1777)
-    default = ext.prepass_mode()
-    try:
-        ext.set_prepass_mode(0)
-        poly = int8_sm90.default_exp_poly_every(d)
-        want = [ext.fwd(q, k, v, m, causal, 0.1, False, poly)[0] for m in (None, mask)]
-        for mode in range(1, _prepass_mode_max() + 1):  # every bit set of launch.h's pre-pass modes
-            ext.set_prepass_mode(mode)
-            for m, w in zip((None, mask), want):
-                got = ext.fwd(q, k, v, m, causal, 0.1, False, poly)[0]
-                assert torch.equal(got, w), f"pre-pass mode {mode}, mask {m is not None}"
-    finally:
-        ext.set_prepass_mode(default)
-
-
-@pytest.mark.parametrize("d", [64, 128])
-def test_prepass_fast_division_edge_values_bit_identical(d):
-    """Pre-pass mode kPrepassFastDiv (32) takes the division only where an operand leaves its exact
-    range: signed zeros, subnormals, huge and tiny rows and blocks, NaN / Inf, an all-zero V channel
-    (scale 0) and masked keys must give mode 0's bytes in every quantized tensor and scale."""
-    ext = int8_sm90.build()
-    q, k, v = make_qkv(2, 4, 2, 300, 333, d, torch.bfloat16)
-    q, k, v = (x.clone() for x in (q, k, v))
-    sub, huge = 1e-40, 2.0 ** 70  # a bf16 subnormal; beyond 2^60
-    q[0, 0, 3, :8] = -0.0
-    q[0, 0, 4] = torch.linspace(-1e-30, 1e-30, d, device=q.device)  # a row scale far below 2^-60
-    q[0, 1, 5, 1] = sub
-    q[0, 1, 6, 2] = huge
-    q[0, 2, 7, 0] = float("nan")
-    q[1, 3, 8, 5] = float("inf")
-    k[0, 0, 130:140] = 0.0                            # zero keys (K - mean = -mean)
-    k[0, 1] *= 1e-25                                  # a head of tiny smoothed values (block scales < 2^-60)
-    k[1, 0, 10, 3] = huge
-    k[1, 1, 20, 4] = float("-inf")
-    v[0, 0, :, 7] = 0.0                               # a V channel of scale 0
-    v[0, 0, 11, :4] = -0.0
-    v[0, 1, 12, 9] = sub
-    v[1, 0, 13, 2] = huge
-    v[1, 1, 14, 6] = float("nan")
-    mask = make_mask(2, 333)
-    default = ext.prepass_mode()
-    try:
-        for m in (None, mask):
-            ext.set_prepass_mode(0)
-            want = int8_sm90.prepass(q, k, v, key_mask=m, scale=0.1)
-            for mode in (32, 34, 48, 50, 63):
-                ext.set_prepass_mode(mode)
-                got = int8_sm90.prepass(q, k, v, key_mask=m, scale=0.1)
-                for name in ("q8", "sq", "k8", "sk", "v8", "sv", "k_mean", "v_first", "v_summary"):
-                    a, b = got[name], want[name]
-                    if a.dtype.is_floating_point:  # bytes, so NaN scales and -0 compare too
-                        a, b = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
-                    assert torch.equal(a, b), f"{name}, pre-pass mode {mode}, mask {m is not None}"
-    finally:
-        ext.set_prepass_mode(default)
+# The pre-pass modes (launch.h kPrepass*) are the benchmark build's run-time choice (the shipped
+# build runs kPrepassDefaultMode): their bit-identity tests are test_kernel_int8_sm90_prepass_modes.py.
 
 
 # ---- integration -----------------------------------------------------------------------------------
@@ -337,32 +270,24 @@ def test_torch_compile_fullgraph_matches_eager():
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
 
 
-@pytest.mark.parametrize("prepass_mode", [None, 15], ids=["default_mode", "pdl_mode15"])
-def test_cuda_graph_replay_matches_eager(prepass_mode):
-    """Graph capture and replay give the eager bits, also with the launches chained by PDL (mode
-    bit 8: the captured graph holds programmatic dependencies between the three kernels)."""
-    ext = int8_sm90.build()
-    default = ext.prepass_mode()
+def test_cuda_graph_replay_matches_eager():
+    """Graph capture and replay give the eager bits (with the launches chained by PDL:
+    test_kernel_int8_sm90_prepass_modes.py, the benchmark build)."""
     q, k, v = make_qkv(2, 4, 4, 513, 700, 128, torch.bfloat16)
     mask = make_mask(2, 700)
     eager = _call(q, k, v, mask)
-    try:
-        if prepass_mode is not None:
-            ext.set_prepass_mode(prepass_mode)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                _call(q, k, v, mask)  # warm-up outside capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = _call(q, k, v, mask)
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-    finally:
-        ext.set_prepass_mode(default)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            _call(q, k, v, mask)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _call(q, k, v, mask)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
     assert torch.equal(eager[0], captured[0]) and torch.equal(eager[1], captured[1])
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _util import run_in_bench_build
+from _util import bench_build_missing, run_in_bench_build
 
 from sage_diffusers.kernels import int8_sm90
 
@@ -65,5 +65,6 @@ sys.exit(1 if bad else 0)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.skipif(not _OK, reason=f"int8 sm90 kernel unavailable: {_WHY}")
+@pytest.mark.skipif(bench_build_missing() is not None, reason=f"{bench_build_missing()}")
 def test_three_consumers_bit_identical_to_two_warpgroups():
     run_in_bench_build(_SCRIPT, tail=4000)

@@ -1,380 +1,48 @@
-// Torch binding of the sm_90a 8-bit attention: tensor checks, workspace allocation, launches on
-// the current stream. The only file that sees torch; kernels get raw pointers (launch.h).
-#include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/extension.h>
-
-#include <algorithm>
-#include <cmath>
-#include <vector>
-
-#include "../common/launch_context.h"
-#include "../common/nonfinite.h"
-#include "../common/token_stats.h"
-#include "launch.h"
+// Torch binding of the sm_90a 8-bit attention as shipped: the forward, the pre-pass alone (tests) and
+// the variant query. Every call takes its variant from its arguments through ShippedVariants, the
+// one option set per head dim the regular build compiles (instantiations/variants.inc) and the
+// default pre-pass mode: no run-time switch, no process-wide state. The torch side of a call is
+// binding.h; the benchmark build (bench/sm90_int8/binding_bench.cpp) adds its entry points there.
+#include "binding.h"
 
 namespace {
 
 using sage_sm90::DType;
+using sage_sm90_torch::FwdShape;
 
-constexpr int kQTileRows = sage_sm90::kQImageRows;
+// The shipped policy (binding.h Variants): launch.h's dispatch over the regular build's table and
+// kPrepassDefaultMode.
+struct ShippedVariants {
+  static constexpr int kMode = sage_sm90::kPrepassDefaultMode;
+  static constexpr bool kPdl = (kMode & sage_sm90::kPrepassPdl) != 0;
 
-// The shape of the forward variant run_fwd picks (launch.h fwd_rows_per_cta, fwd_tile_keys,
-// fwd_kv_block), which sizes the pre-pass's outputs: Q images of whole CTAs, K / V^T images and
-// scales in K blocks of kv_block keys covering whole tiles of tile_keys keys.
-struct FwdShape {
-  int rows_per_cta = 2 * kQTileRows;
-  int tile_keys = 128;
-  int kv_block = 128;
-};
-FwdShape fwd_shape(int64_t head_dim, bool causal, int64_t exp_poly_every, bool lse) {
-  const int d = static_cast<int>(head_dim), e = static_cast<int>(exp_poly_every);
-  return {sage_sm90::fwd_rows_per_cta(d, causal, e, lse), sage_sm90::fwd_tile_keys(d, causal, e, lse),
-          sage_sm90::fwd_kv_block(d, causal, e, lse)};
-}
-// v_first (launch.h): +Inf, -Inf, NaN per channel, "no key" = every byte 0x7f (common/nonfinite.h).
-constexpr int kNonFiniteKinds = static_cast<int>(sage_common::NonFinite::kCount);
-constexpr int kNoKeyByte = sage_common::kNoKey & 0xff;
-constexpr int kNoKey = sage_common::kNoKey;
-
-// ints of V's non-finite record: v_first (B, Hkv, kinds, D), then v_summary (B, Hkv) right after
-// it, so the one memset to kNoKey covers both (launch.h PrepassParams).
-int64_t v_record_ints(int64_t B, int64_t Hkv, int64_t D) { return B * Hkv * (kNonFiniteKinds * D + 1); }
-
-void check_qkv(const at::Tensor& x, const char* name, const at::Tensor& q) {
-  TORCH_CHECK(x.is_cuda(), name, " must be a CUDA tensor");
-  TORCH_CHECK(x.dim() == 4, name, " must be (B, H, S, D), got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == q.scalar_type(), name, " dtype ", x.scalar_type(), " != q dtype ",
-              q.scalar_type());
-  TORCH_CHECK(x.device() == q.device(), name, " is on ", x.device(), ", q on ", q.device());
-  TORCH_CHECK(x.stride(3) == 1, name, " needs a contiguous last dim, strides ", x.strides());
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % 8 == 0 &&
-                  x.stride(1) % 8 == 0 && x.stride(2) % 8 == 0,
-              name, " rows must be 16-byte aligned (strides ", x.strides(), ")");
-}
-
-DType dtype_of(const at::Tensor& q) {
-  if (q.scalar_type() == at::kHalf) return DType::kF16;
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16, got ", q.scalar_type());
-  return DType::kBF16;
-}
-
-struct Prepared {
-  at::Tensor q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, v_first, v_summary, ws_int, partial, split_count, mask_bits;
-  at::Tensor ws;  // kPrepassOneAlloc: every buffer above carved from this one (tensors undefined)
-  int n_ints = 0;  // split counters + kv_len, zeroed before the pre-pass
-  sage_sm90::PrepassParams p;
-};
-
-// Byte layout of the single workspace (kPrepassOneAlloc): each buffer 256-byte aligned.
-struct Carver {
-  int64_t bytes = 0;
-  int64_t take(int64_t n) {
-    const int64_t at = bytes;
-    bytes += (n + 255) / 256 * 256;
-    return at;
+  int prepass_mode() const { return kMode; }
+  bool has(int d, bool causal, int e, bool lse) const { return sage_sm90::has_fwd_variant(d, causal, e, lse); }
+  bool quantizes_q(int d, bool causal, int e, bool lse) const { return sage_sm90::fwd_quantizes_q(d, causal, e, lse); }
+  FwdShape shape(int d, bool causal, int e, bool lse) const {
+    return {sage_sm90::fwd_rows_per_cta(d, causal, e, lse), sage_sm90::fwd_tile_keys(d, causal, e, lse),
+            sage_sm90::fwd_kv_block(d, causal, e, lse)};
+  }
+  cudaError_t run_prepass(const sage_sm90::PrepassParams& p, int d, DType dtype, cudaStream_t stream) const {
+    return sage_sm90::run_prepass(p, d, dtype, kPdl, stream);
+  }
+  cudaError_t run_fwd(const sage_sm90::FwdParams& p, int d, DType dtype, bool causal, int e, cudaStream_t stream) const {
+    return sage_sm90::run_fwd(p, d, dtype, causal, e, kPdl, stream);
   }
 };
-
-// skip_q: the forward variant quantizes Q itself (sage_sm90::fwd_quantizes_q): no Q blocks, no
-// q_img / sq (empty tensors, null pointers), so it cannot want qkm. shape: the forward variant's
-// (fwd_shape): the Q images cover whole CTAs, the K blocks whole key tiles.
-Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const c10::optional<at::Tensor>& key_mask, double scale, bool want_qkm, bool skip_q = false,
-                 const FwdShape& shape = {}) {
-  TORCH_CHECK(!(skip_q && want_qkm), "internal: the LSE correction needs the pre-pass's Q");
-  check_qkv(q, "q", q);
-  check_qkv(k, "k", q);
-  check_qkv(v, "v", q);
-  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), Skv = k.size(2);
-  TORCH_CHECK(D == 64 || D == 128, "head dim must be 64 or 128, got ", D);
-  TORCH_CHECK(k.sizes() == v.sizes(), "k ", k.sizes(), " and v ", v.sizes(), " must match");
-  TORCH_CHECK(k.size(0) == B && k.size(3) == D, "k ", k.sizes(), " does not match q ", q.sizes());
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "Hq (", Hq, ") must be a multiple of Hkv (", Hkv, ")");
-  TORCH_CHECK(Sq >= 1 && Skv >= 1, "empty sequences are not supported: Sq=", Sq, " Skv=", Skv);
-  TORCH_CHECK(Sq < (1 << 30) && Skv < (1 << 30), "sequence too long");
-  if (key_mask.has_value()) {
-    const at::Tensor& m = *key_mask;
-    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 2 && m.size(0) == B && m.size(1) == Skv &&
-                    m.is_contiguous() && m.device() == q.device(),
-                "key_mask must be a contiguous bool (B, Skv) = (", B, ", ", Skv, ") tensor on ",
-                q.device(), ", got ", m.scalar_type(), " ", m.sizes());
-  }
-
-  Prepared r;
-  const int64_t n_q_tiles = sage_sm90::fwd_q_tiles(Sq, shape.rows_per_cta);
-  const int64_t kv_block = shape.kv_block;  // keys per K block (launch.h PrepassParams::kv_block)
-  const int64_t n_kv_tiles = sage_sm90::fwd_kv_blocks(Skv, shape.tile_keys, shape.kv_block);
-  // token chunks of the k-mean / v-absmax reduction (common/token_stats.h, shared with FP4)
-  const auto [n_split, split_len] = sage_common::stats_split(B * Hkv, Skv);
-
-  // Fewer host calls before the first launch (the GPU idles until then when the caller waits
-  // on each call): one caching-allocator request and a raw memset instead of ~12 tensors and a
-  // fill kernel. Calls that want qkm (tests' prepass(), LSE) keep the tensors.
-  const bool one_alloc = (sage_sm90::prepass_mode() & sage_sm90::kPrepassOneAlloc) != 0 && !want_qkm;
-  sage_sm90::PrepassParams& p = r.p;
-  r.n_ints = static_cast<int>(B * Hkv + B);
-  if (one_alloc) {
-    Carver c;
-    const int64_t q_elems = skip_q ? 0 : B * Hq * n_q_tiles * kQTileRows;
-    const int64_t o_q = c.take(q_elems * D);
-    const int64_t o_sq = c.take(4 * q_elems);
-    const int64_t o_k = c.take(B * Hkv * n_kv_tiles * kv_block * D);
-    const int64_t o_sk = c.take(4 * B * Hkv * n_kv_tiles);
-    const int64_t o_v = c.take(B * Hkv * n_kv_tiles * D * kv_block);
-    const int64_t o_sv = c.take(4 * B * Hkv * D);
-    const int64_t o_km = c.take(4 * B * Hkv * D);
-    const int64_t o_vf = c.take(4 * v_record_ints(B, Hkv, D));
-    const int64_t o_part = c.take(4 * B * Hkv * n_split * 2 * D);
-    const int64_t o_cnt = c.take(4 * B * Hkv * n_split);
-    const int64_t o_int = c.take(4 * (B * Hkv + B));
-    const int64_t o_bits = c.take(key_mask.has_value() ? 4 * B * (kv_block / 32) * n_kv_tiles : 0);
-    r.ws = at::empty({c.bytes}, q.options().dtype(at::kByte));
-    uint8_t* base = r.ws.data_ptr<uint8_t>();
-    p.q_img = skip_q ? nullptr : reinterpret_cast<int8_t*>(base + o_q);
-    p.sq = skip_q ? nullptr : reinterpret_cast<float*>(base + o_sq);
-    p.qkm = nullptr;
-    p.k_img = reinterpret_cast<int8_t*>(base + o_k);
-    p.sk = reinterpret_cast<float*>(base + o_sk);
-    p.vt_img = base + o_v;
-    p.sv = reinterpret_cast<float*>(base + o_sv);
-    p.kmean = reinterpret_cast<float*>(base + o_km);
-    p.v_first = reinterpret_cast<int*>(base + o_vf);
-    p.v_summary = p.v_first + B * Hkv * kNonFiniteKinds * D;
-    p.partial = reinterpret_cast<float*>(base + o_part);
-    p.split_count = reinterpret_cast<int*>(base + o_cnt);
-    p.counter = reinterpret_cast<int*>(base + o_int);
-    p.kv_len = p.counter + B * Hkv;
-    p.mask_bits = key_mask.has_value() ? reinterpret_cast<uint32_t*>(base + o_bits) : nullptr;
-    const cudaError_t e = cudaMemsetAsync(p.counter, 0, sizeof(int) * r.n_ints, c10::cuda::getCurrentCUDAStream());
-    TORCH_CHECK(e == cudaSuccess, "sage sm90 workspace memset failed: ", cudaGetErrorString(e));
-    const cudaError_t e2 = cudaMemsetAsync(p.v_first, kNoKeyByte, sizeof(int) * v_record_ints(B, Hkv, D),
-                                           c10::cuda::getCurrentCUDAStream());
-    TORCH_CHECK(e2 == cudaSuccess, "sage sm90 workspace memset failed: ", cudaGetErrorString(e2));
-  }
-  const auto u8 = q.options().dtype(at::kByte);
-  const auto i8 = q.options().dtype(at::kChar);
-  const auto f32 = q.options().dtype(at::kFloat);
-  const auto i32 = q.options().dtype(at::kInt);
-  if (!one_alloc) {
-    r.q_img = skip_q ? at::empty({0}, i8) : at::empty({B, Hq, n_q_tiles, kQTileRows * D}, i8);
-    r.sq = skip_q ? at::empty({0}, f32) : at::empty({B, Hq, n_q_tiles * kQTileRows}, f32);
-    r.qkm = want_qkm ? at::empty({B, Hq, n_q_tiles * kQTileRows}, f32) : at::empty({0}, f32);
-    r.k_img = at::empty({B, Hkv, n_kv_tiles, kv_block * D}, i8);
-    r.sk = at::empty({B, Hkv, n_kv_tiles}, f32);
-    r.vt_img = at::empty({B, Hkv, n_kv_tiles, D * kv_block}, u8);
-    r.sv = at::empty({B, Hkv, D}, f32);
-    r.kmean = at::empty({B, Hkv, D}, f32);
-    const at::Tensor v_record = at::full({v_record_ints(B, Hkv, D)}, kNoKey, i32);
-    r.v_first = v_record.narrow(0, 0, B * Hkv * kNonFiniteKinds * D).view({B, Hkv, kNonFiniteKinds, D});
-    r.v_summary = v_record.narrow(0, B * Hkv * kNonFiniteKinds * D, B * Hkv).view({B, Hkv});
-    r.partial = at::empty({B * Hkv, n_split, 2, D}, f32);
-    r.split_count = at::empty({B * Hkv, n_split}, i32);
-    r.ws_int = at::zeros({B * Hkv + B}, i32);  // split counters, then kv_len per batch
-    r.mask_bits = key_mask.has_value() ? at::empty({B, kv_block / 32 * n_kv_tiles}, i32) : at::empty({0}, i32);
-  }
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.q_sb = q.stride(0); p.q_sh = q.stride(1); p.q_ss = q.stride(2);
-  p.k_sb = k.stride(0); p.k_sh = k.stride(1); p.k_ss = k.stride(2);
-  p.v_sb = v.stride(0); p.v_sh = v.stride(1); p.v_ss = v.stride(2);
-  p.key_mask = key_mask.has_value() ? reinterpret_cast<const uint8_t*>(key_mask->data_ptr()) : nullptr;
-  p.B = B; p.Hq = Hq; p.Hkv = Hkv; p.Sq = Sq; p.Skv = Skv;
-  p.n_q_tiles = n_q_tiles;
-  p.n_kv_tiles = n_kv_tiles;
-  p.n_split = n_split;
-  p.split_len = split_len;
-  p.scale = static_cast<float>(scale);
-  p.q_in_stats = (sage_sm90::prepass_mode() & sage_sm90::kPrepassQInStats) != 0 && !want_qkm;
-  p.kernel_mode = sage_sm90::prepass_mode() &
-                  (sage_sm90::kPrepassBatchLoads | sage_sm90::kPrepassL2Reuse | sage_sm90::kPrepassFastDiv);
-  p.skip_q = skip_q ? 1 : 0;
-  p.kv_block = shape.kv_block;
-  if (!one_alloc) {
-    p.q_img = skip_q ? nullptr : r.q_img.data_ptr<int8_t>();
-    p.sq = skip_q ? nullptr : r.sq.data_ptr<float>();
-    p.qkm = want_qkm ? r.qkm.data_ptr<float>() : nullptr;
-    p.k_img = r.k_img.data_ptr<int8_t>();
-    p.sk = r.sk.data_ptr<float>();
-    p.vt_img = r.vt_img.data_ptr<uint8_t>();
-    p.sv = r.sv.data_ptr<float>();
-    p.kmean = r.kmean.data_ptr<float>();
-    p.v_first = r.v_first.data_ptr<int>();
-    p.v_summary = r.v_summary.data_ptr<int>();
-    p.partial = r.partial.data_ptr<float>();
-    p.split_count = r.split_count.data_ptr<int>();
-    p.counter = r.ws_int.data_ptr<int>();
-    p.kv_len = r.ws_int.data_ptr<int>() + B * Hkv;
-    p.mask_bits = key_mask.has_value() ? reinterpret_cast<uint32_t*>(r.mask_bits.data_ptr<int>()) : nullptr;
-  }
-
-  const cudaError_t err =
-      sage_sm90::run_prepass(p, static_cast<int>(D), dtype_of(q), c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "sage sm90 pre-pass launch failed: ", cudaGetErrorString(err));
-  return r;
-}
-
-// Pre-pass only, for tests: the quantized images and scales (layouts in launch.h). kv_block: keys
-// per K block, 128 or (benchmark builds: the long_tile variants' pre-pass) 64 in whole 192-key tiles.
-std::vector<at::Tensor> prepass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const c10::optional<at::Tensor>& key_mask, double scale, int64_t kv_block) {
-  const sage_common::LaunchContext launch(q);  // q's device and its current stream (common/launch_context.h)
-  TORCH_CHECK(kv_block == 128 || kv_block == 64, "kv_block must be 128 or 64, got ", kv_block);
-  const sage_sm90::FwdOptions tiles{.long_tile = kv_block == 64};  // the tile / K block of such variants
-  FwdShape shape;
-  shape.kv_block = tiles.kv_block();
-  shape.tile_keys = tiles.tile_keys();
-  Prepared r = prepare(q, k, v, key_mask, scale, /*want_qkm=*/true, /*skip_q=*/false, shape);
-  const int64_t B = q.size(0), Hkv = k.size(1);
-  at::Tensor kv_len = r.ws_int.slice(0, B * Hkv, B * Hkv + B);
-  return {r.q_img, r.sq, r.qkm, r.k_img, r.sk, r.vt_img, r.sv, r.kmean, kv_len, r.mask_bits, r.v_first, r.v_summary};
-}
-
-// The forward kernel's Q: the pre-pass's image and scales, and the 16-bit input with its strides
-// (read instead by q_in_kernel variants; the pre-pass then left q_img / sq null).
-void set_fwd_q(sage_sm90::FwdParams& p, const at::Tensor& q, const Prepared& r) {
-  p.q = q.data_ptr();
-  p.q_sb = q.stride(0); p.q_sh = q.stride(1); p.q_ss = q.stride(2);
-  p.q_img = r.p.q_img;
-  p.sq = r.p.sq;
-}
-
-// The forward kernel's parameters for r's pre-pass outputs and `out`, without a key mask or LSE
-// (fwd adds those; the benchmarks run without).
-sage_sm90::FwdParams fwd_params(const Prepared& r, const at::Tensor& q, const at::Tensor& k,
-                                const at::Tensor& out, double scale) {
-  sage_sm90::FwdParams p{};
-  set_fwd_q(p, q, r);
-  p.k_img = r.p.k_img;
-  p.sk = r.p.sk;
-  p.vt_img = r.p.vt_img;
-  p.sv = r.p.sv;
-  p.v_first = r.p.v_first;
-  p.v_summary = r.p.v_summary;
-  p.out = out.data_ptr();
-  p.o_sb = out.stride(0); p.o_sh = out.stride(1); p.o_ss = out.stride(2);
-  p.B = q.size(0); p.Hq = q.size(1); p.Hkv = k.size(1); p.Sq = q.size(2); p.Skv = k.size(2);
-  p.n_q_tiles = r.p.n_q_tiles;
-  p.n_kv_tiles = r.p.n_kv_tiles;
-  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-  return p;
-}
 
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& key_mask, bool is_causal, double scale,
                             bool return_lse, int64_t exp_poly_every) {
-  const sage_common::LaunchContext launch(q);  // q's device and its current stream (common/launch_context.h)
-  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
-  TORCH_CHECK(sage_sm90::has_fwd_variant(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), return_lse),
-              "no compiled variant for head dim ", D, ", causal ", is_causal, ", exp_poly_every ",
-              exp_poly_every, ", return_lse ", return_lse);
-  const bool q_in_kernel =
-      sage_sm90::fwd_quantizes_q(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), return_lse);
-  Prepared r = prepare(q, k, v, key_mask, scale, return_lse, q_in_kernel, fwd_shape(D, is_causal, exp_poly_every, return_lse));
-  at::Tensor out = at::empty_like(q);  // keeps q's memory layout: BSHD callers get BSHD back
-  at::Tensor lse = return_lse ? at::empty({B, Hq, Sq}, q.options().dtype(at::kFloat))
-                              : at::empty({0}, q.options().dtype(at::kFloat));
-  TORCH_CHECK(out.stride(3) == 1, "internal: output last dim must be contiguous");
-
-  sage_sm90::FwdParams p = fwd_params(r, q, k, out, scale);
-  p.qkm = return_lse ? r.p.qkm : nullptr;
-  p.kv_len = key_mask.has_value() ? r.p.kv_len : nullptr;
-  p.mask_bits = r.p.mask_bits;
-  p.lse = return_lse ? lse.data_ptr<float>() : nullptr;
-  const cudaError_t err = sage_sm90::run_fwd(p, static_cast<int>(D), dtype_of(q), is_causal,
-                                             static_cast<int>(exp_poly_every),
-                                             c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "sage sm90 attention launch failed: ", cudaGetErrorString(err));
-  return {out, lse};
+  return sage_sm90_torch::forward(ShippedVariants{}, q, k, v, key_mask, is_causal, scale, return_lse, exp_poly_every);
 }
 
-
-// Benchmarks: GPU time of the two parts of fwd alone, without host overheads (allocations,
-// argument checks, the Python call): prepare once, then `reps` back-to-back launches of the
-// pre-pass (with the memset of its counters, as in every call) and of the attention kernel,
-// timed with events on the current stream. Returns {pre-pass ms, attention-kernel ms} per call.
-std::vector<double> bench_parts(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                bool is_causal, int64_t exp_poly_every, int64_t reps) {
-  const sage_common::LaunchContext launch(q);  // q's device and its current stream (common/launch_context.h)
-  const int64_t D = q.size(3);
-  TORCH_CHECK(reps > 0, "reps must be positive");
-  TORCH_CHECK(sage_sm90::has_fwd_variant(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), false),
-              "no compiled variant for this call");
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  // the pre-pass the dispatched variant needs: without Q when it quantizes Q itself
-  const bool q_in_kernel =
-      sage_sm90::fwd_quantizes_q(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every), false);
-  Prepared r = prepare(q, k, v, c10::nullopt, scale, /*want_qkm=*/false, q_in_kernel,
-                       fwd_shape(D, is_causal, exp_poly_every, false));
-  at::Tensor out = at::empty_like(q);
-  const sage_sm90::FwdParams p = fwd_params(r, q, k, out, scale);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const DType dt = dtype_of(q);
-  cudaEvent_t ev[3];
-  for (auto& e : ev) TORCH_CHECK(cudaEventCreate(&e) == cudaSuccess, "cudaEventCreate failed");
-  auto prepass_once = [&] {
-    cudaMemsetAsync(r.p.counter, 0, sizeof(int) * r.n_ints, stream);
-    cudaMemsetAsync(r.p.v_first, kNoKeyByte, sizeof(int) * v_record_ints(q.size(0), k.size(1), D), stream);
-    return sage_sm90::run_prepass(r.p, static_cast<int>(D), dt, stream);
-  };
-  auto fwd_once = [&] {
-    return sage_sm90::run_fwd(p, static_cast<int>(D), dt, is_causal, static_cast<int>(exp_poly_every), stream);
-  };
-  for (int i = 0; i < 3; ++i) {  // warm-up
-    TORCH_CHECK(prepass_once() == cudaSuccess && fwd_once() == cudaSuccess, "bench launch failed");
-  }
-  cudaEventRecord(ev[0], stream);
-  for (int64_t i = 0; i < reps; ++i) prepass_once();
-  cudaEventRecord(ev[1], stream);
-  for (int64_t i = 0; i < reps; ++i) fwd_once();
-  cudaEventRecord(ev[2], stream);
-  TORCH_CHECK(cudaEventSynchronize(ev[2]) == cudaSuccess, "bench sync failed");
-  float t_pre = 0.f, t_fwd = 0.f;
-  cudaEventElapsedTime(&t_pre, ev[0], ev[1]);
-  cudaEventElapsedTime(&t_fwd, ev[1], ev[2]);
-  for (auto& e : ev) cudaEventDestroy(e);
-  return {t_pre / reps, t_fwd / reps};
+// kv_block 128 only: the 64-key pre-pass of the long_tile variants is the benchmark build's.
+std::vector<at::Tensor> prepass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const c10::optional<at::Tensor>& key_mask, double scale, int64_t kv_block) {
+  TORCH_CHECK(kv_block == 128, "kv_block must be 128 (64: the benchmark build's long_tile pre-pass), got ", kv_block);
+  return sage_sm90_torch::prepass_outputs(ShippedVariants{}, q, k, v, key_mask, scale, kv_block);
 }
-
-#if SAGE_SM90_BENCH
-// Benchmarks (phase_clock variants, selected with set_fwd_flags): the pre-pass and one forward
-// with a phase record. Returns int64 (CTAs, kPhaseSlots, kPhaseWords): per CTA and phase point
-// (launch.h ConsumerPhase for warpgroups 0 and 1, then ProducerPhase) {%globaltimer ns, %clock64
-// cycles}; 0 where nothing was recorded (a variant without phase_clock writes nothing; a
-// persistent grid fills only its first min(#SMs, CTAs) rows).
-at::Tensor fwd_phase_clock(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
-                           int64_t exp_poly_every) {
-  const sage_common::LaunchContext launch(q);  // q's device and its current stream (common/launch_context.h)
-  const int64_t D = q.size(3);
-  TORCH_CHECK(sage_sm90::has_fwd_variant(static_cast<int>(D), is_causal, static_cast<int>(exp_poly_every)),
-              "no compiled variant for this call");
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  const FwdShape shape = fwd_shape(D, is_causal, exp_poly_every, false);
-  const int rows_per_cta = shape.rows_per_cta;
-  Prepared r = prepare(q, k, v, c10::nullopt, scale, /*want_qkm=*/false, /*skip_q=*/false, shape);
-  at::Tensor out = at::empty_like(q);
-  sage_sm90::FwdParams p = fwd_params(r, q, k, out, scale);
-  const int64_t ctas = r.p.n_q_tiles / (rows_per_cta / kQTileRows) * q.size(1) * q.size(0);  // grid.x * Hq * B
-  at::Tensor rec = at::zeros({ctas, sage_sm90::kPhaseSlots, sage_sm90::kPhaseWords}, q.options().dtype(at::kLong));
-  p.phase_clock = reinterpret_cast<unsigned long long*>(rec.data_ptr<int64_t>());
-  const cudaError_t err = sage_sm90::run_fwd(p, static_cast<int>(D), dtype_of(q), is_causal,
-                                             static_cast<int>(exp_poly_every), c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "sage sm90 attention launch failed: ", cudaGetErrorString(err));
-  return rec;
-}
-#endif
-
-void set_prepass_mode(int64_t mode) {
-  TORCH_CHECK(mode >= 0 && mode <= sage_sm90::kPrepassModeMax,
-              "pre-pass mode is a bit set: 1 = Q in the stats launch, 2 = batched loads, "
-              "4 = one workspace allocation, 8 = programmatic dependent launches, 16 = L2 reuse "
-              "of K and V, 32 = one reciprocal per scale");
-  sage_sm90::set_prepass_mode(static_cast<int>(mode));
-}
-
-int64_t get_prepass_mode() { return sage_sm90::prepass_mode(); }
 
 bool has_variant(int64_t head_dim, bool causal, int64_t exp_poly_every) {
   return sage_sm90::has_fwd_variant(static_cast<int>(head_dim), causal, static_cast<int>(exp_poly_every));
@@ -391,22 +59,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "quantization pre-pass -> [q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, mask_bits, v_first, v_summary]",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("scale"), py::arg("kv_block") = 128);
   m.def("has_variant", &has_variant, py::arg("head_dim"), py::arg("causal"), py::arg("exp_poly_every"));
-  m.def("bench_parts", &bench_parts,
-        "benchmarks: [pre-pass ms, attention-kernel ms] per call, back-to-back launches, no host work",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("is_causal"), py::arg("exp_poly_every"),
-        py::arg("reps"));
-#if SAGE_SM90_BENCH
-  m.def("fwd_phase_clock", &fwd_phase_clock,
-        "benchmarks: pre-pass + one forward with a phase record -> int64 (CTAs, slots, {globaltimer ns, clock64})",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("is_causal"), py::arg("exp_poly_every"));
-#endif
-  m.def("set_prepass_mode", &set_prepass_mode,
-        "benchmarks: pre-pass bit set (launch.h kPrepass*): 0 = original, 1 = Q in the stats "
-        "launch (no LSE), 2 = batched loads, 4 = one workspace allocation (no LSE), 8 = programmatic "
-        "dependent launches, 16 = L2 reuse of K and V between the launches, 32 = one reciprocal per "
-        "scale instead of a division per element",
-        py::arg("mode"));
-  m.def("prepass_mode", &get_prepass_mode, "the current pre-pass mode bit set");
-  m.def("set_fwd_flags", &sage_sm90::set_fwd_flags,
-        "benchmarks: forward variant flags to dispatch on (-1 = default; see launch.h)", py::arg("flags"));
 }

@@ -8,7 +8,7 @@
   (the binding's exp2 default, the benchmark's variant names).
 
 Variant axes: head dim, output dtype, causal, and the kernel options (FwdOptions in launch.h,
-explained in kernel_fwd.cuh), the exp2 polynomial share among them (0 = every exp2 on MUFU; N =
+explained in DESIGN.md), the exp2 polynomial share among them (0 = every exp2 on MUFU; N =
 every N-th exp2 from the FMA polynomial; only hd64 is bound by the exp unit). The defaults per head
 dim are the fastest correct option sets of the H200 variant benchmark (variants_bench.py; the
 tables are in eval/results/). Re-run after editing this file:
@@ -24,13 +24,20 @@ HERE = Path(__file__).resolve().parent
 PY_OUT = HERE.parents[1] / "sage_diffusers" / "kernels" / "_sm90_int8_variants.py"
 
 
+# The first bools' flag bits (FwdOptions::flags() in launch.h spells the same positions).
+_LOW_BITS = {"lean_softmax": 0, "overlap_softmax_pv": 1, "pingpong": 2, "q_in_registers": 3,
+             "split_reductions": 5, "fp32_pv_tiles": 6}
 # Bools added after smem_o_every take flag bits above its five (FwdOptions::kFlagsHighShift), so
 # the flags of the older option sets (in eval/results/) stay what they were.
 _HIGH_SHIFT = 12
 # name -> bit above _HIGH_SHIFT (FwdOptions::flags() in launch.h spells the same positions)
-_HIGH_BITS = {"seed_reductions": 0, "persistent": 1, "phase_clock": 2, "epilogue_summary": 3, "q_in_kernel": 4,
+_HIGH_BITS = {"persistent": 1, "phase_clock": 2, "epilogue_summary": 3, "q_in_kernel": 4,
               "epilogue_staged": 5, "three_consumers": 6, "late_pv_wait": 7, "tc_row_sum": 8, "tile_sums": 9,
               "fused_rescale": 10, "seeded_scores": 12, "long_tile": 13}
+# Bits of deleted options, left unused so that no other option set's flags (or kernel name) change:
+# low bit 4 (fp16_exp2), high bits 0 (seed_reductions) and 11 (fma_convert). DESIGN.md.
+_RESERVED_LOW_BITS = (4,)
+_RESERVED_HIGH_BITS = (0, 11)
 
 
 @dataclass(frozen=True)
@@ -41,12 +48,10 @@ class FwdOptions:
     overlap_softmax_pv: bool = False  # bit 2
     pingpong: bool = False            # bit 4
     q_in_registers: bool = False      # bit 8
-    fp16_exp2: bool = False           # bit 16, needs lean_softmax
     split_reductions: bool = False    # bit 32, needs lean_softmax
     fp32_pv_tiles: bool = False       # bit 64
     exp2_poly_every: int = 0
     smem_o_every: int = 0             # flags bits 7-11 (FwdOptions::kFlagsIntShift)
-    seed_reductions: bool = False     # bit 1 << 12 (FwdOptions::kFlagsHighShift), needs lean_softmax
     persistent: bool = False          # bit 1 << 13 (kFlagsHighShift + 1), needs q_in_registers
     phase_clock: bool = False         # bit 1 << 14 (kFlagsHighShift + 2), benchmarks: timestamps per phase
     epilogue_summary: bool = False    # bit 1 << 15 (kFlagsHighShift + 3)
@@ -54,15 +59,15 @@ class FwdOptions:
     epilogue_staged: bool = False     # bit 1 << 17 (kFlagsHighShift + 5), O staged in smem, 16-byte stores
     three_consumers: bool = False     # bit 1 << 18 (kFlagsHighShift + 6), no pingpong / phase_clock; hd128: no overlap
     late_pv_wait: bool = False        # bit 1 << 19 (kFlagsHighShift + 7), needs overlap_softmax_pv and lean_softmax
-    tc_row_sum: bool = False          # bit 1 << 20 (kFlagsHighShift + 8), row sums on the tensor cores; no fp16_exp2
+    tc_row_sum: bool = False          # bit 1 << 20 (kFlagsHighShift + 8), row sums on the tensor cores
     tile_sums: bool = False           # bit 1 << 21 (kFlagsHighShift + 9), tc_row_sum's sums into fp32 per tile
     fused_rescale: bool = False       # bit 1 << 22 (kFlagsHighShift + 10), O = alpha O + tile (fp32_pv_tiles, plain loop)
-    seeded_scores: bool = False       # bit 1 << 24 (kFlagsHighShift + 12), S accumulated onto the bias bits (no fp16_exp2)
+    seeded_scores: bool = False       # bit 1 << 24 (kFlagsHighShift + 12), S accumulated onto the bias bits
     long_tile: bool = False           # bit 1 << 25 (kFlagsHighShift + 13), 192-key tiles of three 64-key K blocks
 
     def __post_init__(self):
-        if (self.fp16_exp2 or self.split_reductions or self.seed_reductions) and not self.lean_softmax:
-            raise ValueError(f"{self}: fp16_exp2, split_reductions and seed_reductions are variants of the lean softmax")
+        if self.split_reductions and not self.lean_softmax:
+            raise ValueError(f"{self}: split_reductions is a variant of the lean softmax")
         n = self.smem_o_every
         if n < 0 or n > 16 or n & (n - 1) or (n and self.fp32_pv_tiles):
             raise ValueError(f"{self}: smem_o_every is a power of 2 up to 16, not with fp32_pv_tiles")
@@ -73,17 +78,13 @@ class FwdOptions:
         if self.late_pv_wait and not (self.overlap_softmax_pv and self.lean_softmax):
             raise ValueError(f"{self}: late_pv_wait places the PV wait of the softmax / PV overlap in the lean "
                              "softmax's O-rescale branches (overlap_softmax_pv, lean_softmax)")
-        if self.tc_row_sum and self.fp16_exp2:
-            raise ValueError(f"{self}: tc_row_sum replaces the fp32 row sums; fp16_exp2 sums its fp16 pairs itself")
         if self.tile_sums and not (self.tc_row_sum and not self.fp32_pv_tiles):
             raise ValueError(f"{self}: tile_sums takes tc_row_sum's sums out of an accumulator that spans tiles "
                              "(tc_row_sum, not fp32_pv_tiles)")
         if self.fused_rescale and not (self.fp32_pv_tiles and not self.overlap_softmax_pv and not self.pingpong):
             raise ValueError(f"{self}: fused_rescale folds O's rescale into fp32_pv_tiles' O += tile, in the plain "
                              "loop (no overlap_softmax_pv, no pingpong)")
-        if self.seeded_scores and self.fp16_exp2:
-            raise ValueError(f"{self}: seeded_scores feeds the fp32 steps; fp16_exp2 converts its scores itself")
-        if self.long_tile and not (self.lean_softmax and not self.fp16_exp2 and not self.three_consumers):
+        if self.long_tile and not (self.lean_softmax and not self.three_consumers):
             raise ValueError(f"{self}: long_tile has per-block K scales in the lean fp32 steps and two consumer "
                              "warpgroups")
         if self.three_consumers and (self.pingpong or self.phase_clock):
@@ -92,14 +93,14 @@ class FwdOptions:
     @property
     def flags(self) -> int:
         """The run-time key of the option set (FwdOptions::flags(), set_fwd_flags)."""
-        bools = [f.name for f in fields(self) if f.type in ("bool", bool) and f.name not in _HIGH_BITS]
+        low = sum(1 << bit for name, bit in _LOW_BITS.items() if getattr(self, name))
         high = sum(1 << (_HIGH_SHIFT + bit) for name, bit in _HIGH_BITS.items() if getattr(self, name))
-        return sum(1 << i for i, name in enumerate(bools) if getattr(self, name)) | (self.smem_o_every << 7) | high
+        return low | (self.smem_o_every << 7) | high
 
     @property
     def name(self) -> str:
         short = {"lean_softmax": "lean", "overlap_softmax_pv": "overlap", "pingpong": "pingpong",
-                 "q_in_registers": "qregs", "fp16_exp2": "fp16exp2", "split_reductions": "split",
+                 "q_in_registers": "qregs", "split_reductions": "split",
                  "fp32_pv_tiles": "fp32pv"}
         parts = [v for k, v in short.items() if getattr(self, k)] or ["plain"]
         if self.smem_o_every:
@@ -117,7 +118,7 @@ class FwdOptions:
 
 
 # name parts of the high bools, in this order after smemo<N>
-_HIGH_SHORT = {"seed_reductions": "seed", "persistent": "persist", "epilogue_summary": "esum", "phase_clock": "clock",
+_HIGH_SHORT = {"persistent": "persist", "epilogue_summary": "esum", "phase_clock": "clock",
                "q_in_kernel": "qk", "epilogue_staged": "stage", "three_consumers": "wg3", "late_pv_wait": "latewait",
                "tc_row_sum": "tcsum", "tile_sums": "tilesum",
                "fused_rescale": "fusedrescale", "seeded_scores": "seeded", "long_tile": "long"}
@@ -164,7 +165,7 @@ DEFAULTS = {
 # Exp2 polynomial shares compiled besides the default (env SAGE_DIFFUSERS_EXP_POLY picks one).
 EXTRA_EXP_POLY = {64: (8,), 128: ()}
 
-# Benchmark build (-DSAGE_SM90_BENCH=1, env SAGE_DIFFUSERS_SM90_BENCH=1): bf16, non-causal. Per
+# Benchmark build (env SAGE_DIFFUSERS_SM90_BENCH=1, bench/sm90_int8/binding_bench.cpp): bf16, non-causal. Per
 # head dim: the defaults, the option set that accumulates O in the tensor core over all tiles
 # (the previous default), and the defaults on a persistent grid (one CTA per SM looping over the
 # work tiles: a CTA's prologue and epilogue, about 16 us of fixed cost per 128 query rows, overlap
@@ -172,10 +173,9 @@ EXTRA_EXP_POLY = {64: (8,), 128: ()}
 # eval/results/int8_fixed_cost_h200.md), and the defaults with Q
 # quantized inside the kernel (q_in_kernel: the pre-pass skips Q, a third of its bytes).
 # Measured and dropped (eval/results/int8_pv_accumulation_h200.md): hd128's per-tile register
-# sum (it spills), the smem sum at hd64, flushing every tile, and every 2 or 8 tiles. The
-# defaults with seed_reductions (16 fewer instructions per tile at hd128,
-# eval/results/int8_sass_cost_sm90.md) were no faster on the H200, attention kernel alone:
-# 1x24x16384x128 4.258 against 4.223 ms, 1x24x4608x128 0.428 against 0.424, hd64 0.493 against 0.491.
+# sum (it spills), the smem sum at hd64, flushing every tile, and every 2 or 8 tiles.
+# Measured and deleted (DESIGN.md): seed_reductions (no faster on the H200:
+# eval/results/int8_variants_h200.md) and fp16_exp2 (slower: eval/results/int8_latewait_h200.md).
 # Per head dim also: the defaults with phase_clock (timestamps at the phase points of each CTA:
 # bench/int8_phases.py splits the fixed cost; two consumer warpgroups only, so hd128 only now); the
 # defaults without the staged epilogue (the previous defaults); and without both epilogue options,
@@ -194,19 +194,15 @@ EXTRA_EXP_POLY = {64: (8,), 128: ()}
 # reference; sass_cost.py reports such a loop as MISCOMPILE; eval/results/int8_hd128_wg3_h200.md).
 # Option changes the benchmark build makes to the defaults of each head dim, in this order; a
 # change the defaults refuse (phase_clock with three_consumers) is left out (_bench_changed).
-# fp16_exp2 (two exp2 per MUFU op; other numerics, so no bit-identity partner): MUFU is the
-# largest per-tile demand at both head dims (eval/results/int8_sass_cost_sm90.md).
 _BENCH_COMMON = ({"persistent": True}, {"phase_clock": True}, {"epilogue_staged": False},
-                 {"epilogue_summary": False, "epilogue_staged": False}, {"q_in_kernel": True},
-                 {"fp16_exp2": True})
+                 {"epilogue_summary": False, "epilogue_staged": False}, {"q_in_kernel": True})
 _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every": 1, "q_in_registers": False}
 # late_pv_wait (the PV wait after the softmax's exp2; same bits as without): hd128's defaults with
 # it; hd64's two-warpgroup overlap loop with it. Measured slower on the H200, attention kernel alone
 # (eval/results/int8_latewait_h200.md): hd128 1.03x the defaults, hd64's overlap loop 1.15x without
-# it; with fp16_exp2 1.06x / 1.08x (sm_90a has no two-exp2 MUFU op: ptxas emits one MUFU.EX2.F16 per
-# half). fp16_exp2 sums its own fp16 pairs, so the tc_row_sum defaults refuse it: no longer built.
+# it.
 # tc_row_sum (the row sums of P~ from the PV wgmma, N = D + 8 with ones rows after V^T: 64 FADDs per
-# tile and thread fewer, 6 % / 12 % more PV tensor time at hd128 / hd64; other bits, as fp16_exp2):
+# tile and thread fewer, 6 % / 12 % more PV tensor time at hd128 / hd64; other bits):
 # the defaults of both head dims have it; the benchmark build has them without it (the previous defaults).
 # tile_sums (hd128: tc_row_sum's sums, which share O's 4-tile accumulation in the FP8 wgmma and come
 # out 2-3e-3 low in the LSE on DiT-like inputs, taken into fp32 after every tile;
@@ -318,7 +314,7 @@ def _write_instantiation(path: Path, args: str) -> None:
     path.write_text(
         _HEADER + '#include "../kernel_fwd.cuh"\n\n'
         "namespace sage_sm90 {\n"
-        f"template cudaError_t launch_fwd<{args}>(const FwdParams&, cudaStream_t);\n"
+        f"template cudaError_t launch_fwd<{args}>(const FwdParams&, cudaStream_t, bool);\n"
         "}  // namespace sage_sm90\n"
     )
 

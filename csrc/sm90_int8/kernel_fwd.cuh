@@ -3,8 +3,8 @@
 // one (or, with `persistent`, several): warps 0-7 are two consumer warpgroups (0-11: three), the
 // warp after them the producer. Template
 // axes: head dim, output dtype, causal, options (FwdOptions). Launched with programmatic dependent
-// launch when the pre-pass mode says so (launch.h pdl_launches): the kernel waits for the pre-pass
-// (pdl_wait) before its first read of the pre-pass's outputs.
+// launch when the caller asks (launch_fwd's pdl, from the pre-pass mode's kPrepassPdl): the kernel
+// waits for the pre-pass (pdl_wait) before its first read of the pre-pass's outputs.
 #pragma once
 
 #include <cstdint>
@@ -21,118 +21,9 @@
 
 namespace sage_sm90 {
 
-// Options (template axis kOpt, FwdOptions in launch.h; defaults per head dim in
-// generate_instantiations.DEFAULTS):
-//   lean_softmax       : fewer instructions per score element in the softmax (softmax.hpp) and the
-//                        O rescale skipped when no row max of the warp moved;
-//   overlap_softmax_pv : FA3-style intra-warpgroup overlap: the softmax of tile t runs while the
-//                        PV wgmma of tile t-1 is still on the tensor cores (+16 registers:
-//                        producer warpgroup + setmaxnreg, 384 threads);
-//   pingpong           : the two consumer warpgroups take turns issuing their wgmmas (named
-//                        barriers), so one warpgroup's softmax runs while the other's GEMMs occupy
-//                        the tensor cores (FA3's inter-warpgroup schedule);
-//   q_in_registers     : Q K^T as an RS wgmma with the loop-invariant Q tile held in registers
-//                        (D/8 of them), read once from smem: a third less smem operand traffic;
-//   fp16_exp2          : (lean only) two exp2 per MUFU op in fp16 (softmax.hpp scores_lean_half);
-//   split_reductions   : (lean only) row max and row sum of a tile as four interleaved chains of
-//                        8 instead of one chain of 32 per row: the chain latency was exposed,
-//                        since each scheduler holds only one warp of each consumer warpgroup;
-//   exp2_poly_every    : every N-th exp2 from the FMA polynomial (relieves MUFU where it bounds);
-//   fp32_pv_tiles      : each key tile's P V is computed from zero on the tensor cores and added
-//                        to O in fp32 registers (+D/2 registers, one FADD per O element and tile).
-//                        Without it O accumulates inside the FP8 wgmma across every key tile,
-//                        whose reduced-precision truncating adds shrink O by a share that grows
-//                        with the key count (mainloop.hpp pv_issue).
-//   smem_o_every       : the same cure where the tile's registers do not fit (hd128): O's fp32
-//                        sum lives in shared memory (kBlockM x D floats) and the tensor-core
-//                        accumulator is added into it every N key tiles, then restarts from zero,
-//                        so at most N tiles accumulate in the tensor core. The register
-//                        accumulator keeps the online-softmax rescale; the smem sum is rescaled
-//                        by the product of the alphas since its last flush.
-//   seed_reductions    : (lean only) each row max / row sum chain of a tile starts from its
-//                        first value instead of -inf / 0: one FMNMX and one FADD fewer per chain
-//                        (16 per tile with split_reductions; eval/results/int8_sass_cost_sm90.md).
-//                        Same results bit for bit (softmax.hpp OnlineSoftmax).
-//   persistent         : min(#SMs, work tiles) CTAs, each looping over the work tiles c,
-//                        c + gridDim.x, ... (causal: the longest first). With one CTA per SM
-//                        nothing overlaps a CTA's prologue (barriers, Q load, pipeline fill, a
-//                        first softmax without overlap) and epilogue (about 16 us per CTA on the
-//                        H200); here the producer runs ahead into the next work tile's K/V (one
-//                        running ring counter over the work tiles) and loads its Q as soon as the
-//                        consumers hold the current Q in registers (needs q_in_registers;
-//                        q_empty barrier). Still serial per work tile on the consumers: the
-//                        first key tile's softmax and the epilogue. Same results bit for bit.
-//   phase_clock        : (benchmarks) lane 0 of warp 0 of each consumer warpgroup and the producer
-//                        lane record %globaltimer and %clock64 at fixed phase points of the CTA
-//                        (launch.h ConsumerPhase / ProducerPhase) into p.phase_clock, to split the
-//                        per-CTA fixed cost into prologue, first tile, loop, tail and epilogue
-//                        (eval/int8_phases.py). Only timer reads and stores: same results bit for bit.
-//   epilogue_summary   : the epilogue reads one int per (b, kv head), the first attended key with
-//                        any non-finite V element (p.v_summary), and where no row of the warp sees
-//                        it skips the per-channel v_first lookup (epilogue.hpp). Same results.
-//   epilogue_staged    : the epilogue loads its sv values before any store, packs O into a per-warp
-//                        shared-memory tile (stmatrix) and writes whole rows with coalesced 16-byte
-//                        stores instead of 4-byte ones (epilogue.hpp StagedOut). Same results.
-//   q_in_kernel        : (needs q_in_registers) each consumer thread loads its Q fragment's
-//                        elements from the 16-bit input and quantizes them itself
-//                        (mainloop.hpp load_q_raw + quant_q_raw: the pre-pass's rule, same codes
-//                        and scales bit for bit, from each row's reciprocal), so the pre-pass
-//                        skips Q (PrepassParams::skip_q) and the producer copies no Q. The loads
-//                        go out at kernel entry, before pdl_wait (Q is no pre-pass output). No
-//                        LSE (its q . k_mean correction stays in the pre-pass): dispatch never
-//                        picks such a variant for an LSE call.
-//   three_consumers    : three consumer warpgroups, 192 query rows per CTA, so each SM
-//                        scheduler holds three consumer warps whose softmax chains and barrier
-//                        waits hide each other (the hd64 loop is latency-bound: ~1970 cycles per
-//                        128x128 tile against ~1024 of MUFU work). 512 threads; setmaxnreg gives
-//                        the consumers 160 registers and the producer warpgroup 32
-//                        (128 * (32 + 3 * 160) = 65536). The grid has ceil(Sq / 192) row blocks
-//                        and the pre-pass writes 3 Q tiles per block (launch.h fwd_rows_per_cta).
-//                        Each row's math is unchanged: same results bit for bit (causal: a
-//                        warpgroup may visit a key tile wholly above its rows, an exact no-op).
-//                        hd128 (a benchmark variant): S (64) and O (64) alone leave 32 of the 160
-//                        registers, so only the plain loop (one P array) with smem_o_every = 1
-//                        fits (O's registers are dead through the softmax: the plain loop below);
-//                        the K/V ring has 3 stages there (tile_config.hpp kStages: 227 KB).
-//   late_pv_wait       : (overlap_softmax_pv + lean_softmax) the PV wait after the softmax's
-//                        exp2 and row sums instead of after its P pack in the same basic block:
-//                        ptxas hoists a wgmma wait to the top of its block and gives the next P
-//                        array the registers of the one in flight, so without this the wait
-//                        lands before the row max (the overlap then covers only the int -> float
-//                        conversion and the mask). The wait opens both O-rescale branches and P
-//                        is packed after it (FA3's order). Same operations: same results bit for bit.
-//                        Measured slower (hd128 1.03x, hd64's overlap loop 1.15x the kernel time:
-//                        eval/results/int8_latewait_h200.md): a benchmark variant only.
-//   tc_row_sum         : the row sums of P~ on the tensor cores instead of one FADD per score: each
-//                        V^T stage in smem has 8 rows of E4M3 ones after its D channels (written
-//                        once per CTA: mainloop.hpp fill_sum_rows), so the PV wgmma is N = D + 8
-//                        and accumulator columns D.. hold sum_k P~_k, rescaled, flushed and
-//                        summed with O (TileConfig kPVRegs). The sum is that of the E4M3 codes O
-//                        is weighted with, accumulated at the FP8 wgmma's precision like O, so the
-//                        normalisation sees the same rounding as the numerator (not the same bits as
-//                        the fp32 sum of unrounded p). Costs D + 8 / D of the PV tensor time.
-//   tile_sums          : (tc_row_sum, no fp32_pv_tiles) the sum columns are moved into fp32 after
-//                        each tile's PV and restart at 0, so only O spans tiles in the accumulator.
-//   fused_rescale      : (fp32_pv_tiles, plain loop) O_t = alpha_t O_{t-1} + P_t V_t as one FFMA
-//                        per value once the tile's PV retired, instead of the warp vote and O *= alpha
-//                        (lean: where a row max of the warp moved) before the PV issue and O += tile
-//                        after it: no rescale between the softmax and the PV. Rounded once where
-//                        alpha != 1 (not the same bits there); fma(O, 1, tile) = O + tile elsewhere.
-//   seeded_scores      : (no fp16_exp2) S's registers are set to the bits of 1.5 * 2^23 before each QK
-//                        wgmma, which then accumulates onto them, so every score comes out as its
-//                        biased float and the softmax adds nothing (softmax.hpp biased_score): 64
-//                        register moves per tile (ptxas puts them just before the wgmma issue) instead
-//                        of 64 adds at the head of the softmax (eval/results/int8_fma_convert_h200.md:
-//                        the adds take ~13 % of hd128's stall samples). Same integers: same results
-//                        bit for bit. hd128's default (eval/results/int8_seeded_scores_h200.md).
-//   long_tile          : (hd128 benchmarks) 192-key tiles of three 64-key K quantization blocks
-//                        (tile_config.hpp kLongTileKeys): the per-tile work (waits, barriers, row max
-//                        and rescale, mask and scale loads) spread over 1.5x the keys; S 96 and P 24
-//                        registers per thread, a 3-stage ring. The pre-pass writes 64-key images and
-//                        scales (PrepassParams::kv_block), a tile takes three of each; c and the folded
-//                        offset are per K block (softmax.hpp). Other numerics than 128-key tiles:
-//                        sage8_reference(block_kv=192, k_block=64). With tc_row_sum the V^T stage is
-//                        three chunks of image and ones rows (three copies per tile) and the ring 2 stages.
+// Options: template axis kOpt (FwdOptions, launch.h: one line each on what it does and why; the
+// shipped set per head dim is generate_instantiations.DEFAULTS). What each does in detail and what
+// was measured: DESIGN.md.
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 168 registers, ptxas's cap for 384). With the overlap the producer becomes a
 // full warpgroup that gives its registers to the consumers: 128 * 40 + 256 * 232 = 64512 <= 65536.
@@ -282,7 +173,6 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   constexpr bool kLatePvWait = kOpt.late_pv_wait;
   constexpr bool kPingPong = kOpt.pingpong;
   constexpr bool kQRegs = kOpt.q_in_registers;
-  constexpr bool kHalfExp = kOpt.fp16_exp2;
   constexpr bool kSplitReduce = kOpt.split_reductions;
   constexpr bool kTilePV = kOpt.fp32_pv_tiles;
   constexpr int kSmemOEvery = kOpt.smem_o_every;
@@ -390,8 +280,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     int row[2];
     fragment_rows(wg_row0, tid, lane, row);
 
-    using Softmax = OnlineSoftmax<kPoly, kLean, kHalfExp, kSplitReduce, kOpt.seed_reductions, kOpt.tc_row_sum,
-                                  kOpt.seeded_scores, kKeys>;
+    using Softmax = OnlineSoftmax<kPoly, kLean, kSplitReduce, kOpt.tc_row_sum, kOpt.seeded_scores, kKeys>;
     Softmax sm;
     if constexpr (!kQInKernel) {  // q_in_kernel: the row scales come with its Q fragments below
       const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
@@ -761,7 +650,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
 }
 
 template <int D, DType kOut, bool kCausal, FwdOptions kOpt>
-cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
+cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, bool pdl) {
   static_assert(kOpt.valid(), "FwdOptions combination the kernel does not implement (FwdOptions::valid)");
   auto kernel = fwd_kernel<D, kOut, kCausal, kOpt.exp2_poly_every, kOpt.flags()>;
   dim3 grid(p.n_q_tiles / FwdCta<kOpt>::kQTilesPerCTA, p.Hq, p.B);  // ceil(Sq / kBlockM) row blocks
@@ -773,7 +662,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
     const int64_t works = static_cast<int64_t>(grid.x) * grid.y * grid.z;
     grid = dim3(static_cast<unsigned>(works < sms ? works : sms));
   }
-  const sage_common::LaunchKind kind = pdl_launches() ? sage_common::LaunchKind::kPdl : sage_common::LaunchKind::kPlain;
+  const sage_common::LaunchKind kind = pdl ? sage_common::LaunchKind::kPdl : sage_common::LaunchKind::kPlain;
   return sage_common::launch_with_smem(kernel, grid, fwd_threads<kOpt>(), fwd_smem_bytes<D, kOpt>(), p, stream, kind);
 }
 

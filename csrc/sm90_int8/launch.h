@@ -10,22 +10,23 @@ namespace sage_sm90 {
 
 enum class DType : int { kF16 = 0, kBF16 = 1 };
 
-// Forward-kernel options (kernel_fwd.cuh explains each): one template axis of fwd_kernel, a
+// Forward-kernel options (one line each here; DESIGN.md: what each does in detail and what was measured): one template axis of fwd_kernel, a
 // structural type so every instantiation names its options (instantiations/*.cu). The regular
 // build compiles one option set per head dim (generate_instantiations.DEFAULTS, which also writes
-// the Python side); flags() is the run-time key the benchmark selects with set_fwd_flags.
+// the Python side); flags() is an option set's run-time key, by which the benchmark build
+// (bench/sm90_int8/) picks among several; the shipped build has one per call and no switch.
 struct FwdOptions {
   bool lean_softmax = false;        // fewer instructions per score; O rescale skipped when no max moved
   bool overlap_softmax_pv = false;  // softmax of tile t under the PV wgmma of tile t-1
   bool pingpong = false;            // the two consumer warpgroups take turns issuing wgmmas
   bool q_in_registers = false;      // Q K^T as an RS wgmma with Q held in registers
-  bool fp16_exp2 = false;           // two exp2 per MUFU op in fp16 (a lean-softmax variant)
+  // (flags() 16: fp16_exp2, deleted, never built; DESIGN.md. The value stays reserved.)
   bool split_reductions = false;    // row max / sum as four chains of 8 (a lean-softmax variant)
   bool fp32_pv_tiles = false;       // each key tile's P V from zero on the tensor cores, O summed in fp32
   int exp2_poly_every = 0;          // every N-th exp2 on the FMA pipes (0 = all on MUFU)
   int smem_o_every = 0;             // O's fp32 sum in smem, the tensor-core one flushed into it
                                     // every N key tiles (0 = O only in registers); power of 2
-  bool seed_reductions = false;     // (lean only) row max / sum chains start from their first value
+  // (flags() 1 << kFlagsHighShift: seed_reductions, deleted, never built; DESIGN.md. Reserved.)
   bool persistent = false;          // min(#SMs, work tiles) CTAs, each looping over work tiles (needs q_in_registers)
   bool phase_clock = false;         // (benchmarks) %globaltimer / %clock64 at fixed phase points (FwdParams::phase_clock)
   bool epilogue_summary = false;    // the epilogue skips V's non-finite lookup when FwdParams::v_summary says none is seen
@@ -37,21 +38,23 @@ struct FwdOptions {
                                     // (fwd_kernel, which knows D, static_asserts it)
   bool late_pv_wait = false;        // (overlap + lean) the PV wait after the softmax's exp2, P packed after it
   bool tc_row_sum = false;          // the row sums of P~ on the tensor cores: 8 columns of ones after V^T's D
-                                    // rows in smem (PV's N = D + 8); no fp16_exp2
+                                    // rows in smem (PV's N = D + 8)
   bool tile_sums = false;           // (tc_row_sum, no fp32_pv_tiles) each tile's row sums leave the FP8
                                     // accumulator into fp32 as soon as its PV retired
   bool fused_rescale = false;       // (fp32_pv_tiles, plain loop) O = alpha O + tile in one FFMA per value
                                     // after the PV instead of O *= alpha before it and O += tile after
-  bool seeded_scores = false;       // (no fp16_exp2) S's int32 accumulator starts from the bits of 1.5 * 2^23,
+  bool seeded_scores = false;       // S's int32 accumulator starts from the bits of 1.5 * 2^23,
                                     // so each score arrives as its biased float: no convert add per score
-  bool long_tile = false;           // (lean, no three_consumers / fp16_exp2) 192-key tiles of
+  bool long_tile = false;           // (lean, no three_consumers) 192-key tiles of
                                     // three 64-key K scale blocks (the pre-pass's kv_block = 64)
 
+  // Deleted options keep their bits unused, so the flags (and kernel names) of the others stay:
+  // 16 (fp16_exp2), 1 << kFlagsHighShift (seed_reductions), 1 << (kFlagsHighShift + 11) (fma_convert).
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
-           (q_in_registers ? 8 : 0) | (fp16_exp2 ? 16 : 0) | (split_reductions ? 32 : 0) |
+           (q_in_registers ? 8 : 0) | (split_reductions ? 32 : 0) |
            (fp32_pv_tiles ? 64 : 0) | (smem_o_every << kFlagsIntShift) |
-           (seed_reductions ? 1 << kFlagsHighShift : 0) | (persistent ? 1 << (kFlagsHighShift + 1) : 0) |
+           (persistent ? 1 << (kFlagsHighShift + 1) : 0) |
            (phase_clock ? 1 << (kFlagsHighShift + 2) : 0) | (epilogue_summary ? 1 << (kFlagsHighShift + 3) : 0) |
            (q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0) | (epilogue_staged ? 1 << (kFlagsHighShift + 5) : 0) |
            (three_consumers ? 1 << (kFlagsHighShift + 6) : 0) | (late_pv_wait ? 1 << (kFlagsHighShift + 7) : 0) |
@@ -69,11 +72,9 @@ struct FwdOptions {
     o.overlap_softmax_pv = (flags & 2) != 0;
     o.pingpong = (flags & 4) != 0;
     o.q_in_registers = (flags & 8) != 0;
-    o.fp16_exp2 = (flags & 16) != 0;
     o.split_reductions = (flags & 32) != 0;
     o.fp32_pv_tiles = (flags & 64) != 0;
     o.smem_o_every = (flags >> kFlagsIntShift) & ((1 << (kFlagsHighShift - kFlagsIntShift)) - 1);
-    o.seed_reductions = ((flags >> kFlagsHighShift) & 1) != 0;
     o.persistent = ((flags >> (kFlagsHighShift + 1)) & 1) != 0;
     o.phase_clock = ((flags >> (kFlagsHighShift + 2)) & 1) != 0;
     o.epilogue_summary = ((flags >> (kFlagsHighShift + 3)) & 1) != 0;
@@ -91,7 +92,7 @@ struct FwdOptions {
   }
   // Combinations the kernel implements (fwd_kernel static_asserts it instead of dropping options).
   constexpr bool valid() const {
-    return ((!fp16_exp2 && !split_reductions && !seed_reductions) || lean_softmax) && exp2_poly_every >= 0 &&
+    return (!split_reductions || lean_softmax) && exp2_poly_every >= 0 &&
            smem_o_every >= 0 && smem_o_every <= 16 && (smem_o_every & (smem_o_every - 1)) == 0 &&
            !(fp32_pv_tiles && smem_o_every > 0) &&
            // persistent: the next work tile's Q lands in smem while the current one runs, which
@@ -104,18 +105,14 @@ struct FwdOptions {
            (!three_consumers || (!pingpong && !phase_clock)) &&
            // late_pv_wait: the wait sits in the lean softmax's two O-rescale branches, under the overlap
            (!late_pv_wait || (overlap_softmax_pv && lean_softmax)) &&
-           // tc_row_sum: fp16_exp2 sums its fp16 pairs itself (softmax.hpp scores_lean_half)
-           (!tc_row_sum || !fp16_exp2) &&
            // tile_sums: the sums are tc_row_sum's; with fp32_pv_tiles every tile is in fp32 already
            (!tile_sums || (tc_row_sum && !fp32_pv_tiles)) &&
            // fused_rescale: O and the tile are separate registers only with fp32_pv_tiles, and the
            // FFMA needs the alpha of the tile just retired, which only the plain loop has at hand
            (!fused_rescale || (fp32_pv_tiles && !overlap_softmax_pv && !pingpong)) &&
-           // seeded_scores: fp16_exp2's step converts the scores its own way (softmax.hpp scores_lean_half)
-           (!seeded_scores || !fp16_exp2) &&
            // long_tile: per-block K scales in the lean fp32 steps (softmax.hpp); two consumer
            // warpgroups (S's 96 registers)
-           (!long_tile || (lean_softmax && !fp16_exp2 && !three_consumers));
+           (!long_tile || (lean_softmax && !three_consumers));
   }
   // Keys per tile and per K scale block (tile_config.hpp kLongTileKeys, kKBlockKeys).
   constexpr int tile_keys() const { return long_tile ? 192 : 128; }
@@ -132,7 +129,6 @@ struct FwdOptions {
 // from_flags inverts flags() for the bools above smem_o_every's bits (which they must not touch).
 static_assert(FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .persistent = true}.flags(), 0).persistent &&
                   FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .persistent = true}.flags(), 0).smem_o_every == 16 &&
-                  !FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .persistent = true}.flags(), 0).seed_reductions &&
                   FwdOptions{.persistent = true}.flags() == 2 << FwdOptions::kFlagsHighShift,
               "FwdOptions::flags / from_flags");
 static_assert(FwdOptions::from_flags(FwdOptions{.phase_clock = true}.flags(), 0).phase_clock &&
@@ -264,35 +260,29 @@ struct FwdParams {
   unsigned long long* phase_clock;
 };
 
-// Pre-pass variants (benchmarks: set_prepass_mode), a bit set; same output bits in every mode.
-//   0: stats launch: k mean, V absmax, mask bits; quant launch: Q, K, V (the original);
-//   bit kPrepassQInStats: Q quantization moves into the stats launch when no LSE (qkm) is wanted;
-//   bit kPrepassBatchLoads: each thread issues all its loads of a block before using them;
-//   bit kPrepassOneAlloc (binding.cpp, host only): one workspace allocation + a raw memset
-//   instead of ~12 tensors and a fill kernel (the forward path; prepass() keeps its tensors).
-//   bit kPrepassPdl: the quant launch and the forward kernel start with programmatic dependent
-//   launch (common/sm90/pdl.cuh): each may begin while the launch before it drains, and waits
-//   (pdl_wait) before it reads that launch's outputs.
-//   bit kPrepassL2Reuse: L2 eviction hints (the stats launch's K / V reads evict_last, the quant
-//   launch's K / V / Q reads evict_first) and the quant launch's K / V blocks in the reverse order,
-//   K next to V, so their second read hits L2 as far as it holds them (prepass.cuh).
-//   bit kPrepassFastDiv: each block's / row's / channel's reciprocal once instead of a division per
-//   element, bit for bit the same quotients (numerics.hpp ScaleDivider).
-constexpr int kPrepassQInStats = 1;
-constexpr int kPrepassBatchLoads = 2;
-constexpr int kPrepassOneAlloc = 4;
-constexpr int kPrepassPdl = 8;
-constexpr int kPrepassL2Reuse = 16;
-constexpr int kPrepassFastDiv = 32;
+// Pre-pass modes, a bit set; every mode writes the same output bits. The shipped binding runs
+// kPrepassDefaultMode; the benchmark build (bench/sm90_int8/binding_bench.cpp) runs any of them.
+// What each bit does and what it measured: DESIGN.md, "Pre-pass modes".
+constexpr int kPrepassQInStats = 1;     // Q's blocks ride in the stats launch (calls without LSE)
+constexpr int kPrepassBatchLoads = 2;   // each thread issues all loads of a block before using them
+constexpr int kPrepassOneAlloc = 4;     // host: one workspace allocation + a raw memset (calls without LSE)
+constexpr int kPrepassPdl = 8;          // the quant launch and the forward kernel launch with PDL
+constexpr int kPrepassL2Reuse = 16;     // L2 eviction hints, the quant launch's K / V blocks reversed
+constexpr int kPrepassFastDiv = 32;     // one reciprocal per scale instead of a division per element
 constexpr int kPrepassModeMax = 63;
-// The mode every process starts with (prepass.cu); chosen from variants_bench.py's table.
+// The shipped build's mode (binding.cpp); chosen from variants_bench.py's pre-pass table.
 constexpr int kPrepassDefaultMode = 7;  // all three: the fastest in variants_bench.py's pre-pass table
 
-// Return cudaSuccess or the launch error. head_dim in {64, 128}.
-cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, cudaStream_t stream);
+// Return cudaSuccess or the launch error. head_dim in {64, 128}; p.kv_block 128 (the 64-key blocks of
+// the long_tile variants: bench/sm90_int8/prepass_long.cu). pdl: the quant launch with programmatic
+// dependent launch (kPrepassPdl).
+cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, bool pdl, cudaStream_t stream);
+// The forward variant for a call is the build's one option set for (head dim, dtype, causal,
+// exp2 share, LSE wanted): instantiations/variants.inc, generated from generate_instantiations.DEFAULTS.
 // exp_poly_every: 0 = every exp2 on MUFU; N > 0 = every N-th exp2 from the FMA polynomial
-// (compiled variants only: see instantiations/).
-cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every,
+// (compiled variants only: see instantiations/). pdl: the kernel launches with programmatic dependent
+// launch and waits for the launch before it (kPrepassPdl).
+cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every, bool pdl,
                     cudaStream_t stream);
 // Whether run_fwd has a compiled variant for these arguments (lse: the call wants the LSE, which
 // q_in_kernel variants do not compute, so run_fwd skips them when p.lse != nullptr).
@@ -323,14 +313,4 @@ constexpr int64_t fwd_q_tiles(int64_t Sq, int rows_per_cta) {
 static_assert(fwd_q_tiles(128, 128) == 2 && fwd_q_tiles(129, 128) == 4 && fwd_q_tiles(192, 192) == 3 &&
                   fwd_q_tiles(4429, 192) == 3 * 24,
               "fwd_q_tiles: whole CTAs of 64-row tiles");
-// Benchmarks only: the variant flags run_fwd dispatches on from now on (-1 = whatever is compiled).
-// Builds with -DSAGE_SM90_BENCH=1 compile a set of flag variants (instantiations/bench_*.cu).
-void set_fwd_flags(int flags);
-// Benchmarks: the pre-pass mode used from now on (default kSplit).
-void set_prepass_mode(int mode);
-int prepass_mode();
-// Whether the current mode launches with PDL (bit kPrepassPdl): the quant launch and run_fwd's
-// kernel take sage_common::LaunchKind::kPdl then.
-bool pdl_launches();
-
 }  // namespace sage_sm90

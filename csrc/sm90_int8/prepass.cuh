@@ -462,7 +462,7 @@ __global__ void __launch_bounds__(kPrepassThreads, kQuantMinBlocks<D, kM>)
 // under one wave of long serial reductions otherwise, gets independent work to hide its latency,
 // and the quant launch has a third fewer blocks (fewer waves and a shorter tail).
 template <int D, DType kIn, int kM, int kKB = kBlockKV>
-cudaError_t launch_prepass_impl(const PrepassParams& p, cudaStream_t stream) {
+cudaError_t launch_prepass_impl(const PrepassParams& p, bool pdl, cudaStream_t stream) {
   const int n_stat = p.B * p.Hkv * p.n_split;
   const int n_mask = p.key_mask ? p.B * ((kKB / 32 * p.n_kv_tiles + 7) / 8) : 0;
   const int n_q = p.q_in_stats ? q_block_count(p) : 0;
@@ -471,29 +471,24 @@ cudaError_t launch_prepass_impl(const PrepassParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const int n_quant = (p.q_in_stats ? 0 : q_block_count(p)) + 2 * p.B * p.Hkv * p.n_kv_tiles;
   return sage_common::launch_with_smem(quant_kernel<D, kIn, kM, kKB>, dim3(n_quant), kPrepassThreads, 0, p, stream,
-                                       pdl_launches() ? sage_common::LaunchKind::kPdl : sage_common::LaunchKind::kPlain);
+                                       pdl ? sage_common::LaunchKind::kPdl : sage_common::LaunchKind::kPlain);
 }
 
 // p.kernel_mode: the pre-pass mode's kernel-side bits (kPrepassKernelBits), one instantiation each.
 // kKB: keys per K block (128; 64 in prepass_long.cu).
 template <int D, DType kIn, int kKB, int... kModes>
-cudaError_t launch_prepass_of(const PrepassParams& p, cudaStream_t stream, std::integer_sequence<int, kModes...>) {
+cudaError_t launch_prepass_of(const PrepassParams& p, bool pdl, cudaStream_t stream, std::integer_sequence<int, kModes...>) {
   cudaError_t err = cudaErrorInvalidValue;  // a mode outside the list
-  ((p.kernel_mode == kModes ? (err = launch_prepass_impl<D, kIn, kModes, kKB>(p, stream), 0) : 0), ...);
+  ((p.kernel_mode == kModes ? (err = launch_prepass_impl<D, kIn, kModes, kKB>(p, pdl, stream), 0) : 0), ...);
   return err;
 }
 template <int D, DType kIn, int kKB = kBlockKV>
-cudaError_t launch_prepass(const PrepassParams& p, cudaStream_t stream) {
+cudaError_t launch_prepass(const PrepassParams& p, bool pdl, cudaStream_t stream) {
   constexpr int kB = kPrepassBatchLoads, kL = kPrepassL2Reuse, kF = kPrepassFastDiv;
   static_assert(kPrepassKernelBits == (kB | kL | kF), "every subset of the kernel-side bits below");
   return launch_prepass_of<D, kIn, kKB>(
-      p, stream, std::integer_sequence<int, 0, kB, kL, kB | kL, kF, kB | kF, kL | kF, kB | kL | kF>{});
+      p, pdl, stream, std::integer_sequence<int, 0, kB, kL, kB | kL, kF, kB | kF, kL | kF, kB | kL | kF>{});
 }
 
 }  // namespace sage_sm90
 
-namespace sage_sm90 {
-// long_tile forward variants' pre-pass (64-key K blocks: prepass_long.cu, benchmark builds only):
-// head dim 128 (the variants'), every mode; cudaErrorInvalidValue otherwise.
-cudaError_t run_prepass_long(const PrepassParams& p, int head_dim, DType dtype, cudaStream_t stream);
-}  // namespace sage_sm90

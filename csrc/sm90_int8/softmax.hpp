@@ -7,7 +7,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include "numerics.hpp"
 #include "tile_config.hpp"
@@ -69,19 +68,10 @@ struct TileKScales {
 // exponents of <= ~c (c = sq sk scale log2e, ~1e-4 on N(0, 1) inputs), common to the whole row of
 // the tile. That holds only while c is small: a warp's key tile whose c can be larger (large
 // |q| |k|) runs the exact exponents, one FADD more per score (lean_scores, kFoldMaxC).
-// kHalfExp_ (option fp16_exp2, needs kLean_): exp2 of two scores per MUFU op
-// (ex2.approx.f16x2), P~ = 448 p formed and rounded to E4M3 from fp16, row sums summed in fp16
-// over 8 values then in fp32. Halves the MUFU work that bounds hd64. x = s c - m <= 0 goes to
-// fp16 before the exp (the 448 factor is a separate HMUL2, so the large-p elements have |x| < 1
-// and an fp16 error < 2^-12): p carries ~2^-10 relative error against the 2^-4 E4M3 step.
 // kSplit_ (option split_reductions, with the lean softmax): the row max (and, in scores_lean,
 // the row sum) of a tile as four independent chains of 8 values each (columns 8j.. grouped by
 // j mod 4), combined at the end, instead of one dependent chain of 32: same max, sums rounded in
 // another order.
-// kSeed_ (option seed_reductions, with the lean softmax): each chain of the row max and of
-// scores_lean's row sum starts from its first value instead of fmaxf(-inf, s) / 0 + p, which ptxas
-// must keep (fmaxf(-inf, NaN) is -inf, 0 + -0 is +0): one FMNMX and one FADD fewer per chain and
-// tile. The same values: scores are never NaN (biased integers or -inf) and p is never -0.
 // kTcSum_ (option tc_row_sum): the row sums come from the PV wgmma (columns of ones after V^T,
 // tile_config.hpp kSumCols), as the sum of the E4M3 codes of P~ that O is weighted with, rescaled
 // with O; the steps here add no p and l stays 0 (the epilogue reads the sums from the accumulator).
@@ -91,25 +81,19 @@ struct TileKScales {
 // the convert add gives, without that add (biased_score).
 // kKeys_ (option long_tile: 192): keys per tile; a 192-key tile holds three 64-key K blocks, each
 // with its own scale, so c (and the folded offset) is per (K block, row half): value v belongs to K
-// block (v >> 2) / kGroupsPerBlock. Lean steps only (no fp16 exp2).
-template <int kPolyEvery, bool kLean_ = false, bool kHalfExp_ = false, bool kSplit_ = false, bool kSeed_ = false,
-          bool kTcSum_ = false, bool kSeeded_ = false, int kKeys_ = kBlockKV>
+// block (v >> 2) / kGroupsPerBlock. Lean steps only.
+template <int kPolyEvery, bool kLean_ = false, bool kSplit_ = false, bool kTcSum_ = false, bool kSeeded_ = false,
+          int kKeys_ = kBlockKV>
 struct OnlineSoftmax {
   static constexpr bool kLean = kLean_;
-  static constexpr bool kHalfExp = kHalfExp_;
-  static constexpr bool kSeed = kSeed_;
   static constexpr bool kTcSum = kTcSum_;
-  static_assert(!kTcSum_ || !kHalfExp_, "the fp16 exp2 path sums its pairs itself");
   static constexpr int kChains = kSplit_ ? 4 : 1;
-  static_assert(!kHalfExp_ || kLean_, "the fp16 exp2 path is a variant of the lean softmax");
-  static_assert(!kSeed_ || kLean_, "seeded reductions are a variant of the lean softmax");
-  static_assert(!kSeeded_ || !kHalfExp_, "the fp16 exp2 step converts its scores itself");
   static constexpr bool kSeeded = kSeeded_;
   static constexpr int kN = kKeys_ / 2;  // accumulator values per thread (64 rows x kKeys / 128 threads)
   static constexpr int kPRegs = kKeys_ / 8;  // FP8 A-operand registers of P~ (TileConfig kPRegs)
   static constexpr int kSB = kKeys_ / kKBlockKeys<kKeys_>;  // K scales per tile (TileConfig kScaleBlocks)
   static constexpr int kGroupsPerBlock = kN / 4 / kSB;  // 8-column groups (v >> 2) per K block
-  static_assert(kSB == 1 || (kLean_ && !kHalfExp_), "per-block K scales: the lean fp32 steps only");
+  static_assert(kSB == 1 || kLean_, "per-block K scales: the lean steps only");
   static_assert(kGroupsPerBlock % kChains == 0, "a K block holds whole chains");
   using KScales = TileKScales<kSB>;
   using Mask = TileMaskOf<kKeys_ / 32>;
@@ -149,16 +133,6 @@ struct OnlineSoftmax {
     }
   }
 
-  // Value v belongs to row half (v >> 1) & 1, K block block_of(v) and chain (v >> 2) % kChains; the
-  // first value of (block b, half h, chain j) is v = 4 (b kGroupsPerBlock + j) + 2h.
-  __device__ __forceinline__ static constexpr bool opens_chain(int v) {
-    return (v >> 2) % kGroupsPerBlock < kChains && (v & 1) == 0;
-  }
-
-  // The row sums' chains span the whole tile: the first value of (half h, chain j) is v = 4j + 2h
-  // (the same values as opens_chain with one K block per tile).
-  __device__ __forceinline__ static constexpr bool opens_sum_chain(int v) { return v < 4 * kChains && (v & 1) == 0; }
-
   // This thread's max of each row half over each K block of the tile, in kChains independent chains.
   __device__ __forceinline__ static void tile_row_max(const float (&s)[kN], float (&mx)[kSB][2]) {
     float part[kSB][2][kChains];
@@ -167,13 +141,14 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
 #pragma unroll
-        for (int j = 0; j < kChains; ++j) part[b][h][j] = kSeed ? s[4 * (b * kGroupsPerBlock + j) + 2 * h] : -INFINITY;
+        for (int j = 0; j < kChains; ++j) part[b][h][j] = -INFINITY;
       }
     }
 #pragma unroll
     for (int v = 0; v < kN; ++v) {
+      // value v: row half (v >> 1) & 1, K block block_of(v), chain (v >> 2) % kChains
       float& acc = part[block_of(v)][(v >> 1) & 1][(v >> 2) % kChains];
-      if (!(kSeed && opens_chain(v))) acc = fmaxf(acc, s[v]);
+      acc = fmaxf(acc, s[v]);
     }
 #pragma unroll
     for (int b = 0; b < kSB; ++b) {
@@ -199,9 +174,8 @@ struct OnlineSoftmax {
     }
   }
 
-  // A tile's P~ between the softmax and its FP8 pack: fp32 values (P~ * 448), or with fp16_exp2
-  // fp16 pairs (value 2j in the low half of pair j).
-  using Scores = std::conditional_t<kHalfExp, uint32_t[kN / 2], float[kN]>;
+  // A tile's P~ between the softmax and its FP8 pack: fp32 values (P~ * 448).
+  using Scores = float[kN];
 
   // s_int: the int32 accumulator of q8 . k8^T. Writes the FP8 A fragment (4 registers per
   // 32-key k-block, see tile_config.hpp for why no shuffle is needed) and the per-half rescale
@@ -237,22 +211,14 @@ struct OnlineSoftmax {
   template <bool kExact>
   __device__ __forceinline__ void scores_with(const uint32_t (&s_int)[kN], const KScales& sk_tile, const Mask& mk,
                                               Scores& sc, float (&alpha)[2]) {
-    if constexpr (kHalfExp) {
-      scores_lean_half<kExact>(s_int, sk_tile, mk, sc, alpha);
-    } else if constexpr (kLean) {
+    if constexpr (kLean) {
       scores_lean<kExact>(s_int, sk_tile, mk, sc, alpha);
     } else {
       scores_plain(s_int, sk_tile, mk, sc, alpha);
     }
   }
 
-  __device__ __forceinline__ static void pack(const Scores& sc, uint32_t (&p_frag)[kPRegs]) {
-    if constexpr (kHalfExp) {
-      pack_half(sc, p_frag);
-    } else {
-      pack_p_frag(sc, p_frag);
-    }
-  }
+  __device__ __forceinline__ static void pack(const Scores& sc, uint32_t (&p_frag)[kPRegs]) { pack_p_frag(sc, p_frag); }
 
   __device__ __forceinline__ void scores_plain(const uint32_t (&s_int)[kN], const KScales& sk_tile,
                                                const Mask& mk, float (&s)[kN], float (&alpha)[2]) {
@@ -395,7 +361,7 @@ struct OnlineSoftmax {
       }
       if constexpr (!kTcSum) {
         float& acc = part_sum[h][(v >> 2) % kChains];
-        acc = kSeed && opens_sum_chain(v) ? p : acc + p;
+        acc += p;
       }
       s[v] = p;  // already P~ * 448 (cvt saturates the rare 448 * (1 + 1e-7))
     }
@@ -405,62 +371,6 @@ struct OnlineSoftmax {
       for (int h = 0; h < 2; ++h) sum[h] = chains_sum(part_sum[h]);
       l[0] = l[0] * alpha[0] + sum[0];
       l[1] = l[1] * alpha[1] + sum[1];
-    }
-  }
-
-  template <bool kExact>
-  __device__ __forceinline__ void scores_lean_half(const uint32_t (&s_int)[kN], const KScales& sk_tile,
-                                                   const Mask& mk, uint32_t (&ph)[kN / 2],
-                                                   float (&alpha)[2]) {
-    constexpr uint32_t k448x2 = 0x5F005F00u;  // 448 in both fp16 halves
-    float s[kN];
-    LeanRow r;
-    lean_scores(s_int, sk_tile, mk, 0.f, s, r, alpha);  // x = s c - m <= 0
-    // Pair j holds values 2j, 2j+1 (same row half (j & 1)), value 2j in the low half.
-#pragma unroll
-    for (int j = 0; j < kN / 2; ++j) {
-      const int h = j & 1;
-      const float x0 = lean_x<kExact>(s[2 * j], r, 0, h);
-      const float x1 = lean_x<kExact>(s[2 * j + 1], r, 0, h);
-      uint32_t hx, hp;
-      asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(hx) : "f"(x1), "f"(x0));  // first source -> high
-      asm("ex2.approx.f16x2 %0, %1;" : "=r"(hp) : "r"(hx));
-      asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(ph[j]) : "r"(hp), "r"(k448x2));
-    }
-    // Row sums: 4 pairs (8 values <= 448 each) in fp16, then fp32.
-    float sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int grp = 0; grp < kN / 16; ++grp) {
-        const int j0 = h + 8 * grp;  // pairs j0, j0 + 2, j0 + 4, j0 + 6
-        uint32_t a, b2, acc;
-        asm("add.rn.f16x2 %0, %1, %2;" : "=r"(a) : "r"(ph[j0]), "r"(ph[j0 + 2]));
-        asm("add.rn.f16x2 %0, %1, %2;" : "=r"(b2) : "r"(ph[j0 + 4]), "r"(ph[j0 + 6]));
-        asm("add.rn.f16x2 %0, %1, %2;" : "=r"(acc) : "r"(a), "r"(b2));
-        __half2 hv;
-        *reinterpret_cast<uint32_t*>(&hv) = acc;
-        const float2 f = __half22float2(hv);
-        sum[h] += f.x + f.y;
-      }
-    }
-    l[0] = l[0] * alpha[0] + sum[0];
-    l[1] = l[1] * alpha[1] + sum[1];
-  }
-
-  // Same A-fragment assembly as pack_p_frag: register 4kb + r takes values v0, v0+1 (pair v0/2)
-  // and v0+4, v0+5 (pair v0/2 + 2).
-  __device__ __forceinline__ static void pack_half(const uint32_t (&ph)[kN / 2], uint32_t (&p_frag)[kPRegs]) {
-#pragma unroll
-    for (int kb = 0; kb < 4; ++kb) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int v0 = 4 * (4 * kb + 2 * (r >> 1)) + 2 * (r & 1);
-        uint16_t lo, hi;
-        asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(lo) : "r"(ph[v0 / 2]));
-        asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(hi) : "r"(ph[v0 / 2 + 2]));
-        p_frag[4 * kb + r] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-      }
     }
   }
 };

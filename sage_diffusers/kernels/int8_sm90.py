@@ -98,32 +98,44 @@ def is_available() -> tuple[bool, str]:
     return True, "ok"
 
 
-# Benchmark build (read once): bf16 non-causal variants for several kernel flag sets
-# (instantiations/bench_*.cu), selected at run time with ext.set_fwd_flags(flags); used by
-# bench/sm90_int8/variants_bench.py. Never used by the backend.
+# Benchmark build (read once): the benchmark binding (bench/sm90_int8/binding_bench.cpp: the option
+# set and pre-pass mode chosen at run time with ext.set_fwd_flags / ext.set_prepass_mode, the launches
+# timed alone with ext.bench_parts, ext.fwd_phase_clock) over bf16 non-causal variants for several
+# option sets (instantiations/bench_*.cu); used by bench/ and the benchmark-build tests. Never used by
+# the backend, and only from a checkout: a wheel carries csrc/ only, not bench/.
 _BENCH = config.sm90_bench()
 
 
-def _build_sources() -> list[Path]:
-    if not _BENCH:
-        return _sources()
+def bench_source_dir() -> Path:
+    """The benchmark build's own sources (binding, dispatch table, 64-key pre-pass): a checkout's
+    ``bench/sm90_int8/``."""
+    return _jit.CHECKOUT_CSRC.parent / "bench" / "sm90_int8"
+
+
+def _bench_sources() -> list[Path]:
+    b = bench_source_dir()
+    if not (b / "binding_bench.cpp").is_file():
+        raise RuntimeError(f"SAGE_DIFFUSERS_SM90_BENCH=1: the benchmark build needs a checkout's bench/sm90_int8/ "
+                           f"(not found at {b}); installed wheels carry only the shipped build")
     d = source_dir()
-    # prepass_long.cu: the 64-key K blocks of the long_tile variants (benchmark builds only)
-    return [d / "binding.cpp", d / "dispatch.cu", d / "prepass.cu", d / "prepass_long.cu",
+    return [b / "binding_bench.cpp", b / "dispatch_bench.cu", d / "prepass.cu", b / "prepass_long.cu",
             *sorted((d / "instantiations").glob("bench_*.cu"))]
 
 
 def build(verbose: bool = False) -> ModuleType:
-    """Compile (once per source hash) and load the extension."""
-    flags = ["-DSAGE_SM90_BENCH=1"] if _BENCH else []
-    return _jit.load_extension(
-        "sage_diffusers_int8_sm90" + ("_bench" if _BENCH else ""),
-        _build_sources(),
-        extra_cuda_cflags=list(_NVCC_FLAGS) + flags,
-        extra_cflags=flags,  # binding.cpp's benchmark-only functions
-        extra_include_paths=[source_dir()],
-        verbose=verbose,
-    )
+    """Compile (once per source hash) and load the extension: the shipped build, or the benchmark
+    build (:func:`build_bench`) where SAGE_DIFFUSERS_SM90_BENCH=1."""
+    if _BENCH:
+        return build_bench(verbose)
+    return _jit.load_extension("sage_diffusers_int8_sm90", _sources(), extra_cuda_cflags=list(_NVCC_FLAGS),
+                               extra_include_paths=[source_dir()], verbose=verbose)
+
+
+def build_bench(verbose: bool = False) -> ModuleType:
+    """The benchmark build (a checkout only), whatever SAGE_DIFFUSERS_SM90_BENCH says: a process
+    that times the shipped build can hold this one beside it for ``bench_parts``."""
+    return _jit.load_extension("sage_diffusers_int8_sm90_bench", _bench_sources(), extra_cuda_cflags=list(_NVCC_FLAGS),
+                               extra_include_paths=[source_dir()], verbose=verbose)
 
 
 def default_exp_poly_every(head_dim: int) -> int:

@@ -2,5 +2,5 @@
 #include "../kernel_fwd.cuh"
 
 namespace sage_sm90 {
-template cudaError_t launch_fwd<128, DType::kBF16, false, FwdOptions{.lean_softmax = true, .overlap_softmax_pv = true, .pingpong = true, .split_reductions = true, .smem_o_every = 4, .epilogue_summary = true, .epilogue_staged = true, .late_pv_wait = true, .seeded_scores = true, .long_tile = true}>(const FwdParams&, cudaStream_t);
+template cudaError_t launch_fwd<128, DType::kBF16, false, FwdOptions{.lean_softmax = true, .overlap_softmax_pv = true, .pingpong = true, .split_reductions = true, .smem_o_every = 4, .epilogue_summary = true, .epilogue_staged = true, .late_pv_wait = true, .seeded_scores = true, .long_tile = true}>(const FwdParams&, cudaStream_t, bool);
 }  // namespace sage_sm90

@@ -2,5 +2,5 @@
 #include "../kernel_fwd.cuh"
 
 namespace sage_sm90 {
-template cudaError_t launch_fwd<128, DType::kBF16, false, FwdOptions{.lean_softmax = true, .pingpong = true, .q_in_registers = true, .split_reductions = true, .smem_o_every = 4, .epilogue_summary = true, .epilogue_staged = true, .tc_row_sum = true, .seeded_scores = true}>(const FwdParams&, cudaStream_t);
+template cudaError_t launch_fwd<128, DType::kBF16, false, FwdOptions{.lean_softmax = true, .pingpong = true, .q_in_registers = true, .split_reductions = true, .smem_o_every = 4, .epilogue_summary = true, .epilogue_staged = true, .tc_row_sum = true, .seeded_scores = true}>(const FwdParams&, cudaStream_t, bool);
 }  // namespace sage_sm90

@@ -2,5 +2,5 @@
 #include "../kernel_fwd.cuh"
 
 namespace sage_sm90 {
-template cudaError_t launch_fwd<64, DType::kBF16, false, FwdOptions{.lean_softmax = true, .overlap_softmax_pv = true, .q_in_registers = true, .exp2_poly_every = 8}>(const FwdParams&, cudaStream_t);
+template cudaError_t launch_fwd<64, DType::kBF16, false, FwdOptions{.lean_softmax = true, .overlap_softmax_pv = true, .q_in_registers = true, .exp2_poly_every = 8}>(const FwdParams&, cudaStream_t, bool);
 }  // namespace sage_sm90

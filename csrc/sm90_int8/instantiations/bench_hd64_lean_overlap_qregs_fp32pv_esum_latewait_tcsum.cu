@@ -2,5 +2,5 @@
 #include "../kernel_fwd.cuh"
 
 namespace sage_sm90 {
-template cudaError_t launch_fwd<64, DType::kBF16, false, FwdOptions{.lean_softmax = true, .overlap_softmax_pv = true, .q_in_registers = true, .fp32_pv_tiles = true, .epilogue_summary = true, .late_pv_wait = true, .tc_row_sum = true}>(const FwdParams&, cudaStream_t);
+template cudaError_t launch_fwd<64, DType::kBF16, false, FwdOptions{.lean_softmax = true, .overlap_softmax_pv = true, .q_in_registers = true, .fp32_pv_tiles = true, .epilogue_summary = true, .late_pv_wait = true, .tc_row_sum = true}>(const FwdParams&, cudaStream_t, bool);
 }  // namespace sage_sm90

@@ -2,5 +2,5 @@
 #include "../kernel_fwd.cuh"
 
 namespace sage_sm90 {
-template cudaError_t launch_fwd<64, DType::kBF16, false, FwdOptions{.lean_softmax = true, .q_in_registers = true, .fp32_pv_tiles = true, .exp2_poly_every = 8, .epilogue_summary = true, .epilogue_staged = true, .three_consumers = true, .tc_row_sum = true, .fused_rescale = true}>(const FwdParams&, cudaStream_t);
+template cudaError_t launch_fwd<64, DType::kBF16, false, FwdOptions{.lean_softmax = true, .q_in_registers = true, .fp32_pv_tiles = true, .exp2_poly_every = 8, .epilogue_summary = true, .epilogue_staged = true, .three_consumers = true, .tc_row_sum = true, .fused_rescale = true}>(const FwdParams&, cudaStream_t, bool);
 }  // namespace sage_sm90

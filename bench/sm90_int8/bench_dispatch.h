@@ -1,0 +1,22 @@
+// The benchmark build's host interface (never shipped): launch.h's queries and launches with the two
+// run-time choices the shipped build fixes, the forward option set (`flags`, FwdOptions::flags(); -1 =
+// the first compiled for the call) and the pre-pass's K block (PrepassParams::kv_block 64: the
+// long_tile variants). dispatch_bench.cu holds the table (instantiations/variants_bench.inc),
+// prepass_long.cu the 64-key pre-pass.
+#pragma once
+
+#include "launch.h"
+
+namespace sage_sm90::bench {
+
+bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every, bool lse, int flags);
+bool fwd_quantizes_q(int head_dim, bool causal, int exp_poly_every, bool lse, int flags);
+int fwd_rows_per_cta(int head_dim, bool causal, int exp_poly_every, bool lse, int flags);
+int fwd_tile_keys(int head_dim, bool causal, int exp_poly_every, bool lse, int flags);
+int fwd_kv_block(int head_dim, bool causal, int exp_poly_every, bool lse, int flags);
+cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every, int flags,
+                    bool pdl, cudaStream_t stream);
+// p.kv_block 128: the shipped pre-pass; 64: the long_tile variants' (head dim 128).
+cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, bool pdl, cudaStream_t stream);
+
+}  // namespace sage_sm90::bench

@@ -1,0 +1,39 @@
+// The benchmark build's runtime -> template variant (bench_dispatch.h): the table of the bench_*.cu
+// instantiations (instantiations/variants_bench.inc, generate_instantiations.BENCH_VARIANTS), several
+// option sets per key, picked by the caller's flags.
+#define SAGE_SM90_TABLE "instantiations/variants_bench.inc"
+#include "bench_dispatch.h"
+#include "dispatch.cuh"
+
+namespace sage_sm90::bench {
+
+using dispatch_detail::variant_or_default;
+
+bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every, bool lse, int flags) {
+  FwdOptions o;
+  return dispatch_detail::find_fwd_variant(head_dim, causal, exp_poly_every, lse, flags, o);
+}
+
+bool fwd_quantizes_q(int head_dim, bool causal, int exp_poly_every, bool lse, int flags) {
+  FwdOptions o;
+  return dispatch_detail::find_fwd_variant(head_dim, causal, exp_poly_every, lse, flags, o) && o.q_in_kernel;
+}
+
+int fwd_rows_per_cta(int head_dim, bool causal, int exp_poly_every, bool lse, int flags) {
+  return kQImageRows * variant_or_default(head_dim, causal, exp_poly_every, lse, flags).consumer_warpgroups();
+}
+
+int fwd_tile_keys(int head_dim, bool causal, int exp_poly_every, bool lse, int flags) {
+  return variant_or_default(head_dim, causal, exp_poly_every, lse, flags).tile_keys();
+}
+
+int fwd_kv_block(int head_dim, bool causal, int exp_poly_every, bool lse, int flags) {
+  return variant_or_default(head_dim, causal, exp_poly_every, lse, flags).kv_block();
+}
+
+cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every, int flags,
+                    bool pdl, cudaStream_t stream) {
+  return dispatch_detail::run_fwd(p, head_dim, dtype, causal, exp_poly_every, flags, pdl, stream);
+}
+
+}  // namespace sage_sm90::bench
