@@ -318,7 +318,7 @@ def _signature(tensors: tuple, kwargs: dict[str, Any]) -> tuple:
     return tuple(of(t) for t in tensors) + tuple((k, of(v)) for k, v in sorted(kwargs.items()))
 
 
-class _GpuTimer:
+class _SpanTimer:
     """Start/stop pairs on the current stream: CUDA events on a GPU (read after one sync), wall clock on CPU."""
 
     def __init__(self, on_cuda: bool) -> None:
@@ -343,7 +343,7 @@ class _GpuTimer:
 
 
 @contextlib.contextmanager
-def _recording_sdpa(timer: _GpuTimer, calls: dict[tuple, _RecordedCall]) -> Iterator[None]:
+def _recording_sdpa(timer: _SpanTimer, calls: dict[tuple, _RecordedCall]) -> Iterator[None]:
     """torch SDPA, each call timed by ``timer`` and the first of each signature kept in ``calls``.
 
     diffusers reaches SDPA through the attribute ``torch.nn.functional.scaled_dot_product_attention`` at call
@@ -403,7 +403,7 @@ def attention_share(model: torch.nn.Module, inputs: dict[str, Any], args: argpar
     from sage_diffusers.kernels import _timing
 
     on_cuda = next(model.parameters()).is_cuda
-    timer, whole, calls = _GpuTimer(on_cuda), _GpuTimer(on_cuda), {}
+    timer, whole, calls = _SpanTimer(on_cuda), _SpanTimer(on_cuda), {}
     with torch.inference_mode():
         model(**inputs, return_dict=False)  # warm: plans and allocator as in the timed variants
         with _recording_sdpa(timer, calls):

@@ -18,6 +18,7 @@ import torch
 from . import _fallback, backends
 from ._masks import _native_key_mask
 from ._shared import sdpa
+from ._validate import operand_mismatch
 from .backends import Backend, Route
 from .options import Mode
 
@@ -56,20 +57,12 @@ def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _dtype_names(dtypes) -> str:
-    return ", ".join(str(t).removeprefix("torch.") for t in dtypes)
-
-
 def _unsupported(mode: Mode, q, k, v, attn_mask, dropout: float) -> Optional[str]:
     """Why the low-bit modes cannot take this call (it runs SDPA), or None."""
-    d, dv = q.shape[3], v.shape[3]
     float_mask = attn_mask if attn_mask is not None and attn_mask.is_floating_point() else None
-    if q.dtype not in ACCEPTED_DTYPES:
-        return f"dtype {q.dtype} (supported: {_dtype_names(ACCEPTED_DTYPES)})"
-    if d not in SUPPORTED_HEAD_DIMS:
-        return f"head dim {d} (supported: {SUPPORTED_HEAD_DIMS})"
-    if dv != d:
-        return f"value head dim {dv} differs from query head dim {d}"
+    mismatch = operand_mismatch(q.dtype, q.shape[3], v.shape[3], ACCEPTED_DTYPES, SUPPORTED_HEAD_DIMS)
+    if mismatch is not None:
+        return mismatch
     if dropout > 0.0:
         return "dropout"
     if needs_grad(q, k, v, float_mask) and (backends.trainable_for(mode) is None or needs_grad(float_mask)):

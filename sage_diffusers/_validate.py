@@ -97,3 +97,16 @@ def check_attn_mask(mask, full: tuple[int, int, int, int], device) -> Optional[t
                 " (a 2-D mask is (Sq, Skv), as in torch SDPA; pass key padding as key_mask=(B, Skv))"
             )
     return mask.reshape(shape4)
+
+
+def operand_mismatch(dtype: torch.dtype, d: int, dv: int, dtypes, head_dims) -> Optional[str]:
+    """Why a backend serving ``dtypes`` and ``head_dims`` cannot take operands of ``dtype`` with query /
+    value head dims ``d`` / ``dv`` (the counted fallback reason), or None."""
+    if dtype not in dtypes:
+        names = ", ".join(str(t).removeprefix("torch.") for t in dtypes)
+        return f"dtype {dtype} (supported: {names})"
+    if d not in head_dims:
+        return f"head dim {d} (supported: {head_dims})"
+    if dv != d:
+        return f"value head dim {dv} differs from query head dim {d}"
+    return None

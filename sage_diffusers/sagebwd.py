@@ -25,7 +25,7 @@ from ._dispatch import needs_grad
 from ._masks import _native_key_mask
 from ._sagebwd_autograd import DOUBLE_BACKWARD_ERROR, Impl, SageBwdFunction, default_impl
 from ._shared import check_scale, sdpa
-from ._validate import check_attn_mask, check_key_mask, to_bhsd
+from ._validate import check_attn_mask, check_key_mask, operand_mismatch, to_bhsd
 from .options import Layout
 from .reference.sagebwd import DoVPrecision
 
@@ -36,12 +36,9 @@ __all__ = ["DOUBLE_BACKWARD_ERROR", "Impl", "SUPPORTED_HEAD_DIMS", "SageBwdFunct
 
 
 def _fallback_reason(q: torch.Tensor, d: int, dv: int, general_mask: bool) -> Optional[str]:
-    if q.dtype not in _NATIVE_DTYPES:
-        return f"dtype {q.dtype} (supported: float16, bfloat16, float32)"
-    if d not in SUPPORTED_HEAD_DIMS:
-        return f"head dim {d} (supported: {SUPPORTED_HEAD_DIMS})"
-    if dv != d:
-        return f"value head dim {dv} differs from query head dim {d}"
+    mismatch = operand_mismatch(q.dtype, d, dv, _NATIVE_DTYPES, SUPPORTED_HEAD_DIMS)
+    if mismatch is not None:
+        return mismatch
     if general_mask:
         return "attn_mask is not a key-padding mask (only bool (B, Skv) / (B, 1, 1, Skv) run natively)"
     return None
