@@ -9,14 +9,15 @@
                                               # the backward kernel choices side by side
     python eval/bench_sagebwd.py --sass       # no GPU: per-tile SASS issue estimates for sm_90a
 
-Writes eval/results/sagebwd_h200.{json,md} (``--compare``: sagebwd_variants_h200.{json,md}).
+Writes eval/results/sagebwd_<gpu>.{json,md}, e.g. sagebwd_h100 (``--compare``: sagebwd_variants_<gpu>).
 
 - Inputs: bf16 BHSD from ``bench/bench_utils.py``'s ``make_inputs`` (Q, V ~ N(0, 1),
   K = N(0, 1) + 4 N(0, 1) per channel), dO ~ N(0, 1).
 - Methods: ``sagebwd`` (``sage_diffusers.sagebwd`` with the default kernels, the whole call:
   quantization pre-passes included); ``sagebwd_acc_alu``: the same with the backward's int32
   products and the forward's scores converted by ALU instructions instead of the conversion unit
-  (``SAGE_DIFFUSERS_SAGEBWD_ACC=alu``); ``sagebwd_split``, ``sagebwd_lean``, ``sagebwd_fused``:
+  (``SAGE_DIFFUSERS_SAGEBWD_ACC=alu``); ``sagebwd_fwd_int8``: the Triton forward (the paper's INT8
+  P~.V) instead of the default sm_90a kernel's (``SAGE_DIFFUSERS_SAGEBWD_FWD=int8``); ``sagebwd_split``, ``sagebwd_lean``, ``sagebwd_fused``:
   the backward kernel choices of ``SAGE_DIFFUSERS_SAGEBWD_BWD`` (``BwdKernels``: dK/dV and dQ
   kernels as before, the register-lean dK/dV kernel, dQ fused into it by atomic adds);
   ``sagebwd_dov_int8`` (the dO.V^T INT8 ablation);
@@ -56,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 import sage_diffusers as sd  # noqa: E402
 from bench import bench_utils  # noqa: E402
 from eval import _cli  # noqa: E402
+from eval.calibrate_auto import gpu_slug  # noqa: E402
 from sage_diffusers.kernels._timing import spread  # noqa: E402
 from sage_diffusers.reference import cosine, relative_l1  # noqa: E402
 
@@ -67,6 +69,7 @@ PASSES = ("fwd", "bwd", "fwd+bwd")
 METHOD_ENV = {
     "sagebwd": {},
     "sagebwd_dov_int8": {},
+    "sagebwd_fwd_int8": {"SAGE_DIFFUSERS_SAGEBWD_FWD": "int8"},
     "sagebwd_acc_alu": {"SAGE_DIFFUSERS_SAGEBWD_ACC": "alu"},
     "sagebwd_split": {"SAGE_DIFFUSERS_SAGEBWD_BWD": "split"},
     "sagebwd_lean": {"SAGE_DIFFUSERS_SAGEBWD_BWD": "lean"},
@@ -318,17 +321,20 @@ def main(argv: list[str] | None = None) -> None:
         passes = (args.passes or ",".join(PASSES)).split(",")
         rounds = args.rounds or 5
         acc_variants = {m: m for m in methods if m.startswith("sagebwd")}
-        out = Path(args.out or RESULTS / "sagebwd_variants_h200")
+        out = Path(args.out or RESULTS / f"sagebwd_variants_{gpu_slug(torch.cuda.get_device_name())}")
     else:
         shapes = [(1, 24, s, 128) for s in (4096, 8192, 16384, 32768)] + [(1, 48, s, 64) for s in (4096, 8192, 16384, 32768)]
         causal_shapes = [(1, 24, 16384, 128), (1, 48, 16384, 64)]
         rounds = args.rounds or 7
         if args.quick:
             shapes, causal_shapes, rounds = [(1, 24, 16384, 128), (1, 48, 8192, 64)], [], args.rounds or 3
-        methods = (args.methods or "sagebwd,sagebwd_dov_int8,sdpa_cudnn,sdpa_flash").split(",")
+        methods = (args.methods or "sagebwd,sagebwd_fwd_int8,sdpa_cudnn,sdpa_flash").split(",")
         passes = (args.passes or "fwd,fwd+bwd").split(",")
-        acc_variants = {"fp16": "sagebwd", "int8": "sagebwd_dov_int8"}
-        out = Path(args.out or RESULTS / "sagebwd_h200")
+        # the default, the forward choice and the dO.V^T ablation (the paper's: INT8 dP, less accurate dQ)
+        acc_variants = {"default (fwd fp8 where served, dP fp16)": "sagebwd",
+                        "fwd int8 (Triton), dP fp16": "sagebwd_fwd_int8",
+                        "default fwd, dP int8": "sagebwd_dov_int8"}
+        out = Path(args.out or RESULTS / f"sagebwd_{gpu_slug(torch.cuda.get_device_name())}")
     if args.shapes:
         shapes = args.shapes
         causal_shapes = [sh for sh in causal_shapes if sh in shapes]
