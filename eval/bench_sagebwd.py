@@ -8,6 +8,7 @@
         --methods sagebwd_split,sagebwd_lean,sagebwd_fused,sdpa_cudnn --shapes 1x24x16384x128,1x48x16384x64
                                               # the backward kernel choices side by side
     python eval/bench_sagebwd.py --sass       # no GPU: per-tile SASS issue estimates for sm_90a
+    python eval/bench_sagebwd.py --realistic  # gradients of each forward choice on the realistic inputs
 
 Writes eval/results/sagebwd_<gpu>.{json,md}, e.g. sagebwd_h100 (``--compare``: sagebwd_variants_<gpu>).
 
@@ -162,6 +163,66 @@ def accuracy(q, k, v, do, causal: bool, variants: dict) -> dict:
     return res
 
 
+REALISTIC_SHAPES = ((2, 4, 2, 1000, 1000, 128, False, torch.bfloat16), (1, 4, 4, 777, 1531, 64, True, torch.float16))
+REALISTIC_METHODS = {"fwd fp8 (default), dP fp16": "sagebwd", "fwd int8 (Triton), dP fp16": "sagebwd_fwd_int8",
+                     "fwd fp8, dP int8": "sagebwd_dov_int8"}
+
+
+def realistic_accuracy(out: Path) -> None:
+    """--realistic: O, dQ, dK, dV of each forward choice against float32 attention on the realistic
+    inputs (``sage_diffusers.realistic.CASES``), masked keys' NaN zeroed for the reference; a
+    gradient is "finite" where float32 attention's, cast to the input dtype, is."""
+    from sage_diffusers import realistic
+
+    t0 = time.time()
+    rows = []
+    for b, hq, hkv, sq, skv, d, causal, dtype in REALISTIC_SHAPES:
+        for case in realistic.CASES:
+            q, k, v, mask = realistic.case_inputs(case, b, hq, hkv, sq, skv, d, seed=5, dtype=dtype, device="cuda")
+            do = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to("cuda", dtype)
+            hidden = None if mask is None else ~mask[:, None, :, None]
+            x = [t.detach().float().requires_grad_() for t in
+                 (q, *((t if hidden is None else t.masked_fill(hidden, 0.0)) for t in (k, v)))]
+            m = None if mask is None else mask[:, None, None, :]
+            if causal:
+                tri = torch.ones(sq, skv, dtype=torch.bool, device="cuda").tril()
+                m = tri if m is None else m & tri
+            with sdpa_kernel(SDPBackend.MATH):
+                want_o = F.scaled_dot_product_attention(*x, attn_mask=m, enable_gqa=hq != hkv)
+            want = [want_o.detach(), *torch.autograd.grad(want_o, x, do.float())]
+            for label, method in REALISTIC_METHODS.items():
+                xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                with method_env(method):
+                    o = sd.sagebwd(*xs, is_causal=causal, key_mask=mask,
+                                   dov="int8" if method.endswith("dov_int8") else "fp16")
+                    got = [o.detach(), *torch.autograd.grad(o, xs, do)]
+                row = dict(shape=f"{b}x{hq}/{hkv}x{sq}x{skv}x{d}", causal=causal, dtype=str(dtype).split(".")[-1],
+                           case=case.name, method=label)
+                for name, g, w in zip(NAMES_OUT, got, want):
+                    row[name] = dict(cos=cosine(g, w), rel_l1=relative_l1(g, w),
+                                     finite_ok=bool(torch.isfinite(g).all() == torch.isfinite(w.to(dtype)).all()))
+                rows.append(row)
+                print(f"[{time.time() - t0:5.1f}s] {row['shape']} {case.name:34s} {label:28s} " + " ".join(
+                    f"{n} {row[n]['cos']:.5f}" for n in NAMES_OUT), flush=True)
+    lines = [f"# SageBwd on realistic inputs ({torch.cuda.get_device_name()})", "",
+             f"torch {torch.__version__}; `eval/bench_sagebwd.py --realistic` in {time.time() - t0:.0f} s. "
+             "cos / rel-L1 against float32 attention (math SDPA; masked keys' NaN zeroed there) of the output and "
+             "the gradients; `inf` marks a result that is not finite where float32 attention's, cast to the "
+             "input dtype, is (or the reverse).", "",
+             "| shape | dtype | causal | case | method | O | dQ | dK | dV |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [f"{r[n]['cos']:.5f} / {r[n]['rel_l1']:.4f}" + ("" if r[n]["finite_ok"] else " inf") for n in NAMES_OUT]
+        lines.append(f"| {r['shape']} | {r['dtype']} | {int(r['causal'])} | {r['case']} | {r['method']} | "
+                     + " | ".join(cells) + " |")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
+    print("wrote", out.with_suffix(".md"))
+
+
+NAMES_OUT = ("O", "dQ", "dK", "dV")
+
+
 def tuned_configs() -> dict:
     """{kernel: {autotune key: chosen config}} of the SageBwd Triton kernels run so far."""
     from sage_diffusers.kernels import sagebwd_triton as K
@@ -310,7 +371,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--sass", action="store_true",
                     help="no GPU needed: compile the kernels for sm_90a and write per-tile SASS issue estimates")
+    ap.add_argument("--realistic", action="store_true",
+                    help="accuracy only: each forward choice's gradients on the realistic inputs")
     args = ap.parse_args(argv)
+    if args.realistic:
+        realistic_accuracy(Path(args.out or RESULTS / f"sagebwd_realistic_{gpu_slug(torch.cuda.get_device_name())}"))
+        return
     if args.sass:
         sass_report(Path(args.out or RESULTS / "sagebwd_sass_sm90.md"))
         return
