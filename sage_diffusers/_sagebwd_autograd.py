@@ -13,7 +13,7 @@ import torch
 from . import _fallback
 from ._shared import check_scale, exact_lse
 from .reference import sagebwd as ref
-from .reference.sagebwd import DoVPrecision, SageBwdState
+from .reference.sagebwd import DoVPrecision, PVPrecision, SageBwdState
 
 DOUBLE_BACKWARD_ERROR = (
     "sage_diffusers SageBwd (sd.sagebwd, or sd.attention(mode=\"int8\") with gradients) has no double "
@@ -63,7 +63,7 @@ class SageBwdFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, key_mask, is_causal: bool, scale: float, dov: DoVPrecision, impl: Impl,
                 return_lse: bool = False):
         module = _impl_module(impl)
-        state = module.sagebwd_forward(q, k, v, key_mask, is_causal, scale, None)  # the training forward
+        state = module.sagebwd_forward(q, k, v, key_mask, is_causal, scale, PVPrecision.INT8)
         ctx.is_causal, ctx.scale, ctx.dov, ctx.impl = is_causal, scale, dov, impl
         ctx.has_mask, ctx.return_lse = key_mask is not None, return_lse
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)

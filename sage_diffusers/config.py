@@ -195,7 +195,6 @@ _EXP_POLY_DOC = "; ".join(f"D = {d}: {', '.join(map(str, s))}" for d, s in sorte
 # must not).
 SAGEBWD_ACC_VALUES = ("xu", "alu")
 SAGEBWD_BWD_VALUES = ("split", "lean", "fused")
-SAGEBWD_FWD_VALUES = ("fp8", "int8")
 FP4_ATOM_VALUES = ("native", "emulated")
 FP4_EMU_VALUES = ("auto", "mma", "wgmma")
 
@@ -259,11 +258,6 @@ SAGEBWD_BWD = Variable(
     "`lean` at D = 128; `fused` at D <= 64 unless torch's deterministic algorithms are on",
     "at each SageBwd backward", "user",
     "SageBwd's backward kernels (`split`, `lean`: deterministic, same bits; `fused`: dQ by atomics).")
-SAGEBWD_FWD = Variable(
-    "SAGE_DIFFUSERS_SAGEBWD_FWD", _choice(*SAGEBWD_FWD_VALUES), "fp8", _choices_doc(SAGEBWD_FWD_VALUES),
-    "`fp8`", "at each SageBwd forward", "user",
-    "SageBwd's forward: `fp8` the sm_90a 8-bit kernel where it serves the call (faster; P~.V in FP8), "
-    "`int8` the Triton forward everywhere (the paper's INT8 P~.V).")
 TRITON_INTERPRET = Variable(
     "TRITON_INTERPRET", lambda text: text == "1", False, "`1` on, anything else off", "off",
     "once, when `kernels.sagebwd_triton` is imported", "external",
@@ -287,7 +281,7 @@ COMMIT = Variable(
 
 VARIABLES: dict[str, Variable] = {v.name: v for v in (
     CACHE, CSRC, AUTO_CALIBRATE, SM90_BENCH, EXP_POLY, FP4_ATOM, FP4_EMU, FP4_OPT, FP4_NO_HW_E2M1,
-    TRITON_AUTOTUNE, SAGEBWD_ACC, SAGEBWD_BWD, SAGEBWD_FWD, TRITON_INTERPRET, CUTLASS_INCLUDE, MAX_JOBS, XDG_CACHE_HOME,
+    TRITON_AUTOTUNE, SAGEBWD_ACC, SAGEBWD_BWD, TRITON_INTERPRET, CUTLASS_INCLUDE, MAX_JOBS, XDG_CACHE_HOME,
     COMMIT,
 )}
 
@@ -353,11 +347,6 @@ def sagebwd_acc() -> str:
 def sagebwd_bwd() -> Optional[str]:
     """``SAGE_DIFFUSERS_SAGEBWD_BWD``: "split", "lean" or "fused", or None for the per-head-dim default."""
     return SAGEBWD_BWD.get()
-
-
-def sagebwd_fwd() -> str:
-    """``SAGE_DIFFUSERS_SAGEBWD_FWD``: "fp8" or "int8"."""
-    return SAGEBWD_FWD.get()
 
 
 def triton_interpret() -> bool:

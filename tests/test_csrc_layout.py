@@ -711,14 +711,13 @@ def test_int8_prepass_kv_block_refused_outside_the_benchmark_build():
 
 
 def test_int8_shipped_binding_has_no_benchmark_entry_points_or_flag_state():
-    """The shipped 8-bit binding exports the forward (plain, and with SageBwd's log2-domain row
-    statistics), the pre-pass and the variant query only; its
+    """The shipped 8-bit binding exports the forward, the pre-pass and the variant query only; its
     variant comes from the call through one fixed policy (ShippedVariants: the regular table and
     kPrepassDefaultMode). The benchmark entry points and the run-time option / pre-pass-mode state live
     in bench/sm90_int8/ (which no wheel carries: setup.py copies csrc/ only)."""
     k = CSRC / "sm90_int8"
     binding = (k / "binding.cpp").read_text()
-    assert re.findall(r'm\.def\("(\w+)"', binding) == ["fwd", "fwd_log2_stats", "prepass", "has_variant"]
+    assert re.findall(r'm\.def\("(\w+)"', binding) == ["fwd", "prepass", "has_variant"]
     bench_only = ("bench_parts", "fwd_phase_clock", "set_prepass_mode", "set_fwd_flags", "pdl_launches",
                   "g_flags", "g_mode", "g_selection", "SAGE_SM90_BENCH")
     for p in k.rglob("*"):

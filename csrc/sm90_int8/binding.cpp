@@ -37,14 +37,6 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   return sage_sm90_torch::forward(ShippedVariants{}, q, k, v, key_mask, is_causal, scale, return_lse, exp_poly_every);
 }
 
-// SageBwd's forward: also the smoothed scores' log2-domain row max and LSE its backward recomputes P~ from.
-std::vector<at::Tensor> fwd_log2_stats(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                       const c10::optional<at::Tensor>& key_mask, bool is_causal, double scale,
-                                       int64_t exp_poly_every) {
-  return sage_sm90_torch::forward(ShippedVariants{}, q, k, v, key_mask, is_causal, scale, /*return_lse=*/true,
-                                  exp_poly_every, /*return_log2_stats=*/true);
-}
-
 // kv_block 128 only: the 64-key pre-pass of the long_tile variants is the benchmark build's.
 std::vector<at::Tensor> prepass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const c10::optional<at::Tensor>& key_mask, double scale, int64_t kv_block) {
@@ -63,10 +55,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &fwd, "8-bit attention forward -> [out, lse (empty unless return_lse)]",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("is_causal"),
         py::arg("scale"), py::arg("return_lse"), py::arg("exp_poly_every"));
-  m.def("fwd_log2_stats", &fwd_log2_stats,
-        "8-bit attention forward -> [out, lse, m_log2, lse_log2] (SageBwd's forward state)",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("is_causal"),
-        py::arg("scale"), py::arg("exp_poly_every"));
   m.def("prepass", &prepass,
         "quantization pre-pass -> [q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, mask_bits, v_first, v_summary]",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("scale"), py::arg("kv_block") = 128);

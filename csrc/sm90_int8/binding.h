@@ -286,13 +286,11 @@ std::vector<at::Tensor> prepass_outputs(const Variants& variants, const at::Tens
   return {r.q_img, r.sq, r.qkm, r.k_img, r.sk, r.vt_img, r.sv, r.kmean, kv_len, r.mask_bits, r.v_first, r.v_summary};
 }
 
-// The forward: pre-pass, then the attention kernel of the variant the policy picks -> [out, lse], or
-// with return_log2_stats (SageBwd's forward, needs return_lse) [out, lse, m_log2, lse_log2] (FwdParams).
+// The forward: pre-pass, then the attention kernel of the variant the policy picks.
 template <class Variants>
 std::vector<at::Tensor> forward(const Variants& variants, const at::Tensor& q, const at::Tensor& k,
                                 const at::Tensor& v, const c10::optional<at::Tensor>& key_mask, bool is_causal,
-                                double scale, bool return_lse, int64_t exp_poly_every,
-                                bool return_log2_stats = false) {
+                                double scale, bool return_lse, int64_t exp_poly_every) {
   const sage_common::LaunchContext launch(q);  // q's device and its current stream (common/launch_context.h)
   const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
   const int d = static_cast<int>(D), e = static_cast<int>(exp_poly_every);
@@ -305,21 +303,14 @@ std::vector<at::Tensor> forward(const Variants& variants, const at::Tensor& q, c
   at::Tensor lse = return_lse ? at::empty({B, Hq, Sq}, q.options().dtype(at::kFloat))
                               : at::empty({0}, q.options().dtype(at::kFloat));
   TORCH_CHECK(out.stride(3) == 1, "internal: output last dim must be contiguous");
-  TORCH_CHECK(return_lse || !return_log2_stats, "return_log2_stats needs return_lse");
-  const auto stats_shape = return_log2_stats ? std::vector<int64_t>{B, Hq, Sq} : std::vector<int64_t>{0};
-  at::Tensor m_log2 = at::empty(stats_shape, q.options().dtype(at::kFloat));
-  at::Tensor lse_log2 = at::empty(stats_shape, q.options().dtype(at::kFloat));
 
   sage_sm90::FwdParams p = fwd_params(r, q, k, out, scale);
   p.qkm = return_lse ? r.p.qkm : nullptr;
   p.kv_len = key_mask.has_value() ? r.p.kv_len : nullptr;
   p.mask_bits = r.p.mask_bits;
   p.lse = return_lse ? lse.data_ptr<float>() : nullptr;
-  p.m_log2 = return_log2_stats ? m_log2.data_ptr<float>() : nullptr;
-  p.lse_log2 = return_log2_stats ? lse_log2.data_ptr<float>() : nullptr;
   const cudaError_t err = variants.run_fwd(p, d, dtype_of(q), is_causal, e, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "sage sm90 attention launch failed: ", cudaGetErrorString(err));
-  if (return_log2_stats) return {out, lse, m_log2, lse_log2};
   return {out, lse};
 }
 

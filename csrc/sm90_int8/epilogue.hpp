@@ -1,6 +1,5 @@
 // Final normalisation and stores (sage8 spec step 6):
 //   out = acc * sv[d] / (448 * l)  (0 when l == 0),  lse = m ln2 + ln l + scale q.k_mean;
-// with p.m_log2 (SageBwd's forward) also m and m + log2 l, the smoothed scores' log2-domain row max and LSE;
 // a query row whose Q held a NaN or Inf (pre-pass scale sq = NaN) and that sees a key is NaN in
 // out and lse, like exact attention, and only that row (its scores touch nothing else); V's
 // non-finite elements (p.v_first) are written over the channels of the rows that see them.
@@ -229,12 +228,6 @@ __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax
                                            (kL448 ? 6.1047932324f : 0.f)  // ln 448
                                      : -INFINITY;
         p.lse[bh * p.Sq + row[x]] = bad[x] ? __int_as_float(0x7fffffff) : lse;
-        if (p.m_log2 != nullptr) {
-          const float lse2 = l[x] > 0.f ? sm.m[x] + log2f(l[x]) - (kL448 ? 8.8073549221f : 0.f)  // log2 448
-                                        : -INFINITY;
-          p.m_log2[bh * p.Sq + row[x]] = bad[x] ? __int_as_float(0x7fffffff) : (l[x] > 0.f ? sm.m[x] : -INFINITY);
-          p.lse_log2[bh * p.Sq + row[x]] = bad[x] ? __int_as_float(0x7fffffff) : lse2;
-        }
       }
     }
   }

@@ -258,12 +258,6 @@ struct FwdParams {
   // phase_clock variants: (CTAs, kPhaseSlots, kPhaseWords) timestamps, CTA = blockIdx.x +
   // gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z); nullptr: nothing recorded
   unsigned long long* phase_clock;
-  // SageBwd's forward state (read only where lse != nullptr): (B, Hq, Sq) contiguous, the row max
-  // and the LSE of the smoothed scores times scale * log2(e), in the log2 domain (-inf on rows
-  // that see no key, NaN on rows whose Q is not finite), or nullptr. sagebwd_triton's backward
-  // recomputes P~ = exp2(s - m) from these, as from its own forward's.
-  float* m_log2;
-  float* lse_log2;
 };
 
 // Pre-pass modes, a bit set; every mode writes the same output bits. The shipped binding runs

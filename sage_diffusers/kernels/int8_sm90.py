@@ -15,9 +15,6 @@ Entry points
 attention_int8_sm90(q, k, v, *, key_mask, is_causal, scale, return_lse) -> (out, lse | None)
     The backend contract (q (B, Hq, Sq, D), k/v (B, Hkv, Skv, D) views, any strides with a
     contiguous last dim; fp16/bf16; D in {64, 128}).
-forward_log2_stats(q, k, v, key_mask, is_causal, scale) -> (out, m_log2, lse_log2)
-    SageBwd's forward (``sagebwd_triton``): the output and the smoothed scores' log2-domain row
-    max and LSE, from which its backward recomputes P~.
 prepass(q, k, v, key_mask=None, scale=None) -> dict
     The quantization pre-pass alone, decoded into plain tensors (for tests).
 is_available() -> (bool, reason)
@@ -41,7 +38,7 @@ from . import _sm90_int8_variants as _variants
 from ._contract import call_op, check_qkv, fake_out_lse, in_layout_of, kernel_views, normalize_key_mask
 
 __all__ = ["attention_int8_sm90", "prepass", "is_available", "build", "compile_check",
-           "HEAD_DIMS", "default_exp_poly_every", "set_exp_poly_every", "has_variant", "forward_log2_stats"]
+           "HEAD_DIMS", "default_exp_poly_every", "set_exp_poly_every", "has_variant"]
 
 ARCH = (9, 0)
 HEAD_DIMS = (64, 128)
@@ -233,29 +230,6 @@ def attention_int8_sm90(
     out, lse = call_op(torch.ops.sage_diffusers.int8_attention_sm90, _int8_attention_impl,
                        q, k, v, key_mask, bool(is_causal), scale, bool(return_lse), default_exp_poly_every(d))
     return out, (lse if return_lse else None)
-
-
-def forward_log2_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
-                       is_causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SageBwd's forward through this kernel (``sagebwd_triton``, inside its own custom op).
-
-    Parameters
-    ----------
-    q, k, v, key_mask, is_causal, scale : as :func:`attention_int8_sm90` (BHSD views, D 64 or
-        128, bool key mask (B, Skv) or None, scale a float).
-
-    Returns
-    -------
-    out : (B, Hq, Sq, D) like q.
-    m_log2, lse_log2 : float32 (B, Hq, Sq): the row max and the LSE of the smoothed scores
-        (K minus its mean) times scale * log2(e), -inf on rows that see no key.
-    """
-    check_qkv(q, k, v, HEAD_DIMS)
-    key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2])
-    qq, kk, vv = kernel_views(q, k, v)
-    out, _, m_log2, lse_log2 = _extension().fwd_log2_stats(qq, kk, vv, key_mask, bool(is_causal), float(scale),
-                                                           default_exp_poly_every(q.shape[-1]))
-    return in_layout_of(out, q, qq), m_log2, lse_log2
 
 
 # ---- pre-pass, decoded (tests) -------------------------------------------------------------------

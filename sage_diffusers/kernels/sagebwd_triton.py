@@ -45,12 +45,11 @@ from __future__ import annotations
 
 import enum
 import math
-import threading
 from typing import NamedTuple, Optional
 
 import torch
 
-from .. import _fallback, config
+from .. import config
 from ..reference import sagebwd as ref
 from ..reference.online_softmax import LOG2E
 from ..reference.sagebwd import BLOCK_KV, BLOCK_Q, DoVPrecision, PVPrecision, SageBwdState
@@ -581,9 +580,7 @@ if triton is not None:
             mb = tl.load(mb_ptr + bh * SQ + qs, mask=inq, other=float("inf"))
             pt = tl.exp2(st - mb[None, :])  # P~^T in [0, 1]
             pt = _keep_where(pt, 0.0, qs[None, :], keys[:, None], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL, EDGE)
-            # <= 1 also where m came from another kernel's quantized scores (the FP8 forward), so
-            # the codes never pass 127 (_f2i8's range); the same bits as unclamped for this forward's m
-            p8t = _f2i8(tl.minimum(pt, 1.0) * 127.0)
+            p8t = _f2i8(pt * 127.0)
             if not DV_LAST:
                 dv, dv2 = _dv_add(dv, dv2, p8t, dos8t_ptr, sdos_ptr, bh, qi, nqb, qs, SQ, inq, D, DW, ACC_XU)
             p = pt * tl.load(invl_ptr + bh * SQ + qs, mask=inq, other=0.0)[None, :]  # P * DS_PRESCALE
@@ -808,81 +805,17 @@ def quantize_blocks(x: torch.Tensor, block: int, mean: Optional[torch.Tensor] = 
     return (q, scale, qt) if transposed else (q, scale)
 
 
-class ForwardKernel(str, enum.Enum):
-    """SageBwd's forward for training (``SAGE_DIFFUSERS_SAGEBWD_FWD``, read at each call). Both save
-    the same backward state (this module's quantization of Q, K, V), and the same backward follows."""
-
-    # the sm_90a 8-bit inference kernel (P~ and V in FP8 E4M3) where it serves the call, else INT8:
-    # the faster forward, and the output inference gives (eval/results/sagebwd_h100.md)
-    FP8 = "fp8"
-    INT8 = "int8"  # this module's forward everywhere: the paper's INT8 P~.V
-
-
-_FP8_STATUS: dict[str, str] = {}  # "why": "" once the sm_90a kernel is built, else why it cannot be
-_FP8_LOCK = threading.Lock()
-
-
-def _fp8_unavailable() -> str:
-    """"" when the sm_90a kernel is built (on first use, once per process), else why it is not."""
-    why = _FP8_STATUS.get("why")
-    if why is None:
-        with _FP8_LOCK:
-            why = _FP8_STATUS.get("why")
-            if why is None:
-                from . import int8_sm90
-
-                ok, why = int8_sm90.is_available()
-                if ok:
-                    try:
-                        int8_sm90.build()
-                        why = ""
-                    except Exception as exc:  # noqa: BLE001 - any build failure: the Triton forward, counted
-                        first = str(exc).splitlines()[0][:200] if str(exc) else ""
-                        why = f"build failed ({type(exc).__name__}: {first})"
-                _FP8_STATUS["why"] = why
-    return why
-
-
-def training_pv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> PVPrecision:
-    """The P~.V precision of SageBwd's forward for this call (:class:`ForwardKernel`): FP8 where
-    the policy asks for it and the sm_90a kernel serves the call (an sm_90 GPU, D 64 or 128, 16-bit
-    q/k/v of one dtype, V's head dim equal to Q's), else INT8."""
-    if ForwardKernel(config.sagebwd_fwd()) is not ForwardKernel.FP8 or not q.is_cuda or INTERPRET:
-        return PVPrecision.INT8
-    from . import int8_sm90
-
-    if (torch.cuda.get_device_capability(q.device) != int8_sm90.ARCH or q.shape[-1] not in int8_sm90.HEAD_DIMS
-            or q.dtype not in (torch.float16, torch.bfloat16) or not k.dtype == v.dtype == q.dtype
-            or v.shape[-1] != q.shape[-1]):
-        return PVPrecision.INT8
-    why = _fp8_unavailable()
-    if why:
-        _fallback.record(f"sagebwd: sm_90a forward unavailable ({why})", ran="the Triton forward")
-        return PVPrecision.INT8
-    return PVPrecision.FP8
-
-
-def _forward_impl(q, k, v, key_mask, is_causal: bool, scale: Optional[float],
-                  pv: Optional[PVPrecision]) -> SageBwdState:
-    """The forward; ``pv`` None: the training forward's precision (:func:`training_pv`)."""
-    pv = training_pv(q, k, v) if pv is None else pv
+def _forward_impl(q, k, v, key_mask, is_causal: bool, scale: Optional[float], pv: PVPrecision) -> SageBwdState:
     b, hq, sq_len, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     q8, sq = quantize_blocks(q, BLOCK_Q)
     k8, sk = quantize_blocks(k, BLOCK_KV, mean=ref.key_mean(k, key_mask), key_mask=key_mask)
+    # V^ and its transposed copy (the P~.V operand, K-major) from one pass
+    v8, sv, v8t = quantize_blocks(v, BLOCK_KV, key_mask=key_mask, transposed=True)
     vc = ref.masked_v(v, key_mask).to(ref.compute_dtype(v.dtype)).contiguous()
     if vc.data_ptr() == v.data_ptr():  # a custom op's outputs never alias its inputs
         vc = vc.clone()
-    if pv is PVPrecision.FP8 and q.numel() and skv:
-        # the CUDA kernel computes O and the row statistics; V^ is the backward's dP operand only
-        from . import int8_sm90
-
-        v8, sv = quantize_blocks(v, BLOCK_KV, key_mask=key_mask)
-        out, m2, lse2 = int8_sm90.forward_log2_stats(q, k, v, key_mask, bool(is_causal), sm_scale)
-        return SageBwdState(q8=q8, sq=sq, k8=k8, sk=sk, v8=v8, sv=sv, vc=vc, out=out.contiguous(), m2=m2, lse2=lse2)
-    # V^ and its transposed copy (the P~.V operand, K-major) from one pass
-    v8, sv, v8t = quantize_blocks(v, BLOCK_KV, key_mask=key_mask, transposed=True)
     out = torch.empty((b, hq, sq_len, d), dtype=q.dtype, device=q.device)
     m2 = torch.empty((b, hq, sq_len), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(m2)
@@ -997,7 +930,7 @@ _State = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 @torch.library.custom_op("sage_diffusers::sagebwd_triton_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
             is_causal: bool, scale: float, pv: str) -> _State:
-    return tuple(_forward_impl(q, k, v, key_mask, is_causal, scale, PVPrecision(pv) if pv else None))
+    return tuple(_forward_impl(q, k, v, key_mask, is_causal, scale, PVPrecision(pv)))
 
 
 @_fwd_op.register_fake
@@ -1030,13 +963,10 @@ def _(do, q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, key_mask, is_causal, scale,
 
 
 def sagebwd_forward(q, k, v, key_mask=None, is_causal=False, scale=None,
-                    pv: "str | PVPrecision | None" = PVPrecision.INT8) -> SageBwdState:
-    """Same contract as :func:`sage_diffusers.reference.sagebwd.sagebwd_forward` (the torch op);
-    ``pv`` None picks by :class:`ForwardKernel` (inside the op: compiled graphs keep one node), and
-    ``"fp8"`` is the sm_90a kernel's forward (:func:`training_pv`'s conditions)."""
+                    pv: "str | PVPrecision" = PVPrecision.INT8) -> SageBwdState:
+    """Same contract as :func:`sage_diffusers.reference.sagebwd.sagebwd_forward` (the torch op)."""
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    pv_value = "" if pv is None else PVPrecision.parse(pv).value
-    return SageBwdState(*_fwd_op(q, k, v, key_mask, bool(is_causal), sm_scale, pv_value))
+    return SageBwdState(*_fwd_op(q, k, v, key_mask, bool(is_causal), sm_scale, PVPrecision.parse(pv).value))
 
 
 def sagebwd_backward(do, state: SageBwdState, key_mask=None, is_causal=False, scale=None,

@@ -58,7 +58,6 @@ class PVPrecision(ParsedEnum):
 
     INT8 = "int8"  # P^ (scale 1/127) times V^ (per-block INT8): SageBwd
     FP16 = "fp16"  # P~ and V in the 16-bit compute dtype: SageAttention2's sm_80 path
-    FP8 = "fp8"  # the sm_90a 8-bit inference kernel's forward (E4M3 P~ and V): sagebwd_triton on sm_90 only
 
     @classmethod
     def option_name(cls) -> str:
@@ -182,7 +181,7 @@ def sagebwd_forward(
     key_mask: Optional[torch.Tensor] = None,
     is_causal: bool = False,
     scale: Optional[float] = None,
-    pv: "str | PVPrecision | None" = PVPrecision.INT8,
+    pv: "str | PVPrecision" = PVPrecision.INT8,
 ) -> SageBwdState:
     """SageBwd forward.
 
@@ -192,18 +191,14 @@ def sagebwd_forward(
     key_mask : bool (B, Skv), True = attended, or None.
     is_causal : query i sees keys j <= i (top-left aligned, as torch SDPA).
     scale : softmax scale, default 1/sqrt(D).
-    pv : precision of P~.V; None: the training forward's (here INT8; the Triton module's
-        ``sagebwd_forward`` picks by its ``ForwardKernel`` policy).
+    pv : precision of P~.V.
 
     Returns
     -------
     :class:`SageBwdState`; ``state.out`` (B, Hq, Sq, D) has q's dtype, 0 on rows with no visible key.
     """
     b, hq, _, sq_len, skv, d = check_bhsd(q, k, v)
-    pv = PVPrecision.INT8 if pv is None else PVPrecision.parse(pv)
-    if pv is PVPrecision.FP8:
-        raise ValueError("pv='fp8' is the forward of the sm_90a CUDA kernel (sage_diffusers.kernels.sagebwd_triton "
-                         "on an sm_90 GPU); the reference computes pv='int8' or 'fp16'")
+    pv = PVPrecision.parse(pv)
     qk_scale = default_scale(scale, d) * LOG2E
     t = quantize_inputs(q, k, v, key_mask)
     sq_tok = _per_token(t["sq"], BLOCK_Q, sq_len)  # (B, Hq, Sq)
