@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .reference._common import to_output_dtype  # noqa: F401 - re-exported: the API's casts
+
 # Score elements per query chunk wherever the SDPA path works chunk by chunk (LSE, causal with a
 # mask): 2**24 float32 scores = 64 MiB, whatever the sequence length.
 CHUNK_ELEMENTS = 1 << 24
@@ -96,26 +98,6 @@ def exact_lse(q, k, key_mask, attn_mask, is_causal: bool, scale: float) -> torch
             s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.float()
         lse[:, :, i0:i1] = torch.logsumexp(s, dim=-1)
     return lse
-
-
-def to_output_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``out`` in the caller's ``dtype``, finite values beyond its range clamped to its largest finite value.
-
-    The references compute in float32; the kernels' epilogues saturate the same way (csrc/common/
-    numeric_conversion.cuh, saturate_finite): exact attention is bounded by max |V|, so an output a few
-    percent past fp16's range (quantized P or V scales rounded up) must not become infinite. NaN and the
-    infinities that came from V stay.
-
-    Parameters
-    ----------
-    out : (B, H, S, D) tensor, any floating dtype
-    dtype : the caller's dtype
-    """
-    if out.dtype == dtype or not dtype.is_floating_point or torch.finfo(dtype).max >= torch.finfo(out.dtype).max:
-        return out.to(dtype)
-    top = torch.finfo(dtype).max
-    out = torch.where(torch.isfinite(out) & (out.abs() > top), out.sign() * top, out)
-    return out.to(dtype)
 
 
 def _visible(mask: torch.Tensor) -> torch.Tensor:

@@ -226,6 +226,27 @@ def test_no_visible_key_rows_and_nan_in_masked_rows(device, variant):
 
 @needs_device
 @pytest.mark.parametrize("device", DEVICES)
+def test_fp16_output_saturates_instead_of_overflowing(device):
+    """V at fp16's largest value: exact attention gives 65504 everywhere, but P~'s INT8 codes round
+    up in some rows and the quantized sum exceeds 65520 there, which a plain cast makes inf. The
+    kernel's output and the reference's saturate at 65504 instead (float32 inputs of the same values
+    show the overshoot)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 64, 32, generator=g).half()
+    k = torch.randn(1, 2, 96, 32, generator=g).half()
+    v = torch.full((1, 2, 96, 32), 65504.0).half()
+    wide = ref.sagebwd_forward(q.float(), k.float(), v.float()).out
+    assert (wide > 65520).any()  # would be inf in fp16
+    want = ref.sagebwd_forward(q, k, v).out
+    got = kernels().sagebwd_forward(q.to(device), k.to(device), v.to(device)).out.cpu()
+    for out in (want, got):
+        assert out.dtype == torch.float16 and torch.isfinite(out).all()
+        assert (out[wide > 65520] == 65504).all()
+    assert torch.equal(got, want)
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
 def test_inference_backend_lse_matches_reference(device):
     tri = kernels()
     q, k, v, _, key_mask = inputs(1, 2, 1, 50, 90, 64, torch.float16, device, True)

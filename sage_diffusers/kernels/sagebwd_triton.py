@@ -188,11 +188,24 @@ if triton is not None:
                    for m, w, st in ((128, 8, 2), (64, 4, 2), (128, 8, 3), (64, 4, 3), (64, 8, 2), (128, 4, 2))]
 
     @triton.jit
+    def _dtype_max(dtype: tl.constexpr):
+        """The largest finite value of the 16-bit output dtype (float32 outputs: float32's)."""
+        if dtype == tl.float16:
+            return 65504.0
+        if dtype == tl.bfloat16:
+            return 3.3895313892515355e38
+        return 3.4028234663852886e38
+
+    @triton.jit
     def _fwd_store(acc, m_i, l_i, o_ptr, m_ptr, lse_ptr, bh, SQ, rows, dims, inq, D: tl.constexpr):
         """The forward's epilogue: O = acc / l, the log2-domain row max and LSE;
         rows without a visible key (l = 0) store O = 0 and -inf."""
         empty = l_i == 0
         out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+        # finite values past the output dtype's range saturate (exact attention is bounded by max |V|;
+        # quantized P~ and V may overshoot a V at fp16's 65504): reference._common.to_output_dtype
+        top = _dtype_max(o_ptr.dtype.element_ty)
+        out = tl.where((tl.abs(out) > top) & (tl.abs(out) < float("inf")), tl.where(out > 0, top, -top), out)
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         m_out = tl.where(empty, float("-inf"), m_i)
         tl.store(o_ptr + (bh * SQ + rows[:, None]) * D + dims[None, :], out.to(o_ptr.dtype.element_ty),

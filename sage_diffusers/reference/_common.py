@@ -57,3 +57,23 @@ def attended_mean(x: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Te
 def nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
     """bool (B, H, S, 1): rows of x (B, H, S, D) holding a NaN or +-Inf."""
     return ~torch.isfinite(x).all(-1, keepdim=True)
+
+
+def to_output_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` in the caller's ``dtype``, finite values beyond its range clamped to its largest finite value.
+
+    The references compute in float32; the kernels' epilogues saturate the same way (csrc/common/
+    numeric_conversion.cuh, saturate_finite; SageBwd's Triton forward, ``_fwd_store``): exact attention is bounded by max |V|, so an output a few
+    percent past fp16's range (quantized P or V scales rounded up) must not become infinite. NaN and the
+    infinities that came from V stay.
+
+    Parameters
+    ----------
+    out : (B, H, S, D) tensor, any floating dtype
+    dtype : the caller's dtype
+    """
+    if out.dtype == dtype or not dtype.is_floating_point or torch.finfo(dtype).max >= torch.finfo(out.dtype).max:
+        return out.to(dtype)
+    top = torch.finfo(dtype).max
+    out = torch.where(torch.isfinite(out) & (out.abs() > top), out.sign() * top, out)
+    return out.to(dtype)

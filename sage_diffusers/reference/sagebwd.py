@@ -42,7 +42,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..options import ParsedEnum
-from ._common import check_bhsd, default_scale, expand_heads
+from ._common import check_bhsd, default_scale, expand_heads, to_output_dtype
 from .formats import INT8_MAX
 from .online_softmax import LOG2E, online_softmax_attention, visible_keys
 from .quant import _div, _int8_from_scale, quantize_int8_per_block
@@ -228,7 +228,7 @@ def sagebwd_forward(
     out = torch.where(empty, torch.zeros_like(acc), acc / torch.where(empty, one, l))
     lse2 = torch.where(empty, torch.full_like(l, -math.inf), m + torch.log2(torch.where(empty, one, l)))
     m2 = torch.where(empty, torch.full_like(m, -math.inf), m)
-    return SageBwdState(out=out.to(q.dtype), m2=m2.squeeze(-1), lse2=lse2.squeeze(-1), **t)
+    return SageBwdState(out=to_output_dtype(out, q.dtype), m2=m2.squeeze(-1), lse2=lse2.squeeze(-1), **t)
 
 
 def _pad_to(x: torch.Tensor, dim: int, block: int) -> torch.Tensor:
