@@ -42,14 +42,18 @@ FP4_OPTS_SM120 = (int(_OPT.HOIST_MASK | _OPT.TREE_REDUCE), int(_DEFAULT))
 def units(root: Path) -> list[tuple[str, Path, str, list[str]]]:
     """(name, source, arch, extra flags) of every unit to compile."""
     i8, f4 = root / "sm90_int8", root / "fp4"
-    i8_bench = root.parent / "bench" / "sm90_int8"  # the benchmark build's own sources (never shipped)
+    # the benchmark build's own sources and instantiations (never shipped), with its include paths
+    i8_bench = root.parent / "bench" / "sm90_int8"
+    bench = INT8_UNDEFS + [f"-I{i8}", f"-I{i8_bench}"]
     out = [("i8_prepass", i8 / "prepass.cu", "90a", INT8_UNDEFS + [f"-I{i8}"]),
            ("i8_dispatch", i8 / "dispatch.cu", "90a", INT8_UNDEFS + [f"-I{i8}"])]
     if i8_bench.is_dir():
-        out += [("i8_dispatch_bench", i8_bench / "dispatch_bench.cu", "90a", INT8_UNDEFS + [f"-I{i8}"]),
-                ("i8_prepass_long", i8_bench / "prepass_long.cu", "90a", INT8_UNDEFS + [f"-I{i8}"])]
+        out += [("i8_dispatch_bench", i8_bench / "dispatch_bench.cu", "90a", bench),
+                ("i8_prepass_long", i8_bench / "prepass_long.cu", "90a", bench)]
     for src in sorted((i8 / "instantiations").glob("*.cu")):
         out.append((f"i8_{src.stem}", src, "90a", INT8_UNDEFS + [f"-I{i8}"]))
+    for src in sorted((i8_bench / "instantiations").glob("*.cu")):  # bench_*.cu: names as before the move
+        out.append((f"i8_{src.stem}", src, "90a", bench))
     fp4 = [f"-I{f4}"]
     out += [("fp4_prepass_sm90", f4 / "quant_prepass.cu", "90a", fp4 + ["-DSAGE_FP4_NATIVE=0"]),
             ("fp4_prepass_sm120", f4 / "quant_prepass.cu", "120a", fp4 + ["-DSAGE_FP4_NATIVE=1"])]

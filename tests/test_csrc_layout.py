@@ -57,6 +57,17 @@ def test_csrc_holds_no_lab_tools():
                      "fp4/generate_options.py", "fp4/layout_model.py"}
 
 
+def test_csrc_holds_no_benchmark_variants():
+    """The 8-bit benchmark build's forward variants and table (lab only) live in
+    bench/sm90_int8/instantiations/, so neither csrc/ nor a wheel carries them, and no shipped source
+    includes anything from bench/."""
+    assert not [p for p in CSRC.rglob("*") if p.name.startswith("bench_") or p.name == "variants_bench.inc"]
+    for p in (CSRC / "sm90_int8").rglob("*"):
+        if p.is_file() and p.suffix in _jit.HASHED_SUFFIXES:
+            text = p.read_text()
+            assert "bench_dispatch.h" not in text and "variants_bench.inc" not in text, p.relative_to(ROOT)
+
+
 def test_no_source_points_to_a_missing_notes_file():
     for p in CSRC.rglob("*"):
         if p.is_file() and p.suffix in _jit.HASHED_SUFFIXES | {".py", ".sh"}:
@@ -94,15 +105,21 @@ def _generator():
 
 
 def test_int8_variants_come_from_one_source():
-    """The instantiation files, the C++ tables and the Python side all match the generator."""
+    """The instantiation files, the C++ tables and the Python side all match the generator: the
+    shipped variants in csrc/, the benchmark build's (lab only) in bench/sm90_int8/instantiations/."""
     from sage_diffusers.kernels import _sm90_int8_variants as py
 
     gen = _generator()
     inst = CSRC / "sm90_int8" / "instantiations"
-    want = {f"bench_hd{d}_{o.name}.cu" for d, o in gen.BENCH_VARIANTS}
+    bench_inst = ROOT / "bench" / "sm90_int8" / "instantiations"
+    assert gen.BENCH_OUT == bench_inst
+    want = set()
     for d, dt, _, causal, o in gen.variants():
         want.add(f"fwd_hd{d}_{dt}_{'causal' if causal else 'full'}{gen._poly_suffix(o)}.cu")
     assert {p.name for p in inst.glob("*.cu")} == want
+    assert {p.name for p in bench_inst.glob("*.cu")} == {f"bench_hd{d}_{o.name}.cu" for d, o in gen.BENCH_VARIANTS}
+    assert {p.name for p in inst.glob("*.inc")} == {"variants.inc"}
+    assert {p.name for p in bench_inst.glob("*.inc")} == {"variants_bench.inc"}
     table = (inst / "variants.inc").read_text()
     for d, o in gen.DEFAULTS.items():
         assert o.cpp() in table

@@ -66,6 +66,8 @@ def test_wheel_carries_the_kernel_sources_and_no_lab(wheel):
     kernel = [n for n in names if n.startswith("sage_diffusers/_csrc/")]
     assert kernel and all(Path(n).suffix in _jit.HASHED_SUFFIXES for n in kernel), \
         sorted(n for n in kernel if Path(n).suffix not in _jit.HASHED_SUFFIXES)
+    # the 8-bit benchmark build's variants and table are the lab's (bench/sm90_int8/instantiations/)
+    assert not [n for n in kernel if Path(n).name.startswith("bench_") or Path(n).name == "variants_bench.inc"]
 
 
 def _requirements(wheel: Path) -> list[Requirement]:

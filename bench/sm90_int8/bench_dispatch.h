@@ -1,8 +1,8 @@
 // The benchmark build's host interface (never shipped): launch.h's queries and launches with the two
 // run-time choices the shipped build fixes, the forward option set (`flags`, FwdOptions::flags(); -1 =
 // the first compiled for the call) and the pre-pass's K block (PrepassParams::kv_block 64: the
-// long_tile variants). dispatch_bench.cu holds the table (instantiations/variants_bench.inc),
-// prepass_long.cu the 64-key pre-pass.
+// long_tile variants). dispatch_bench.cu holds the table (instantiations/variants_bench.inc, over the
+// instantiations/bench_*.cu beside it), prepass_long.cu the 64-key pre-pass.
 #pragma once
 
 #include "launch.h"
