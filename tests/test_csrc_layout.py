@@ -703,9 +703,33 @@ def test_int8_long_tile_flag_validity_and_bench_variants():
     assert "if (p.kv_block != kBlockKV) return cudaErrorInvalidValue;" in pre and ", 64>" not in pre
     assert not (CSRC / "sm90_int8" / "prepass_long.cu").exists()
     long_pre = (ROOT / "bench" / "sm90_int8" / "prepass_long.cu").read_text()
-    assert "launch_prepass<128, DType::kBF16, 64>" in long_pre
+    assert "launch_prepass<128, DType::kBF16, 64, Modes>" in long_pre and "using Modes = PrepassAllKernelModes;" in long_pre
     jit = (ROOT / "sage_diffusers" / "kernels" / "int8_sm90.py").read_text()
     assert jit.count('"prepass_long.cu"') == 1  # the benchmark build's source list only
+
+
+def test_int8_shipped_prepass_compiles_the_default_mode_only():
+    """The shipped pre-pass unit instantiates kPrepassDefaultMode's kernel-side bits only (the one mode
+    the shipped binding runs); every mode is the benchmark build's (bench/sm90_int8/prepass_modes.cu,
+    which that build compiles instead of prepass.cu), so tests/test_kernel_int8_sm90_prepass_modes.py
+    still finds them there."""
+    from sage_diffusers.kernels import int8_sm90
+
+    k, b = CSRC / "sm90_int8", ROOT / "bench" / "sm90_int8"
+    header = (k / "prepass.cuh").read_text()
+    assert ("using PrepassShippedKernelModes = std::integer_sequence<int, kPrepassDefaultMode & kPrepassKernelBits>;"
+            in header)
+    shipped, modes = (k / "prepass.cu").read_text(), (b / "prepass_modes.cu").read_text()
+    assert "using Modes = PrepassShippedKernelModes;" in shipped and "PrepassAllKernelModes" not in shipped
+    assert "using Modes = PrepassAllKernelModes;" in modes
+    for text in (shipped, modes):  # every (head dim, dtype) of 128-key blocks, through the one mode list
+        assert len(re.findall(r"launch_prepass<(?:64|128), DType::kB?F16, kBlockKV, Modes>", text)) == 4
+    binding = (k / "binding.cpp").read_text()
+    assert "static constexpr int kMode = sage_sm90::kPrepassDefaultMode;" in binding
+    shipped_src = {p.name for p in int8_sm90._sources()}
+    bench_src = {p.name for p in int8_sm90._bench_sources()}
+    assert "prepass.cu" in shipped_src and "prepass_modes.cu" not in shipped_src
+    assert {"prepass_modes.cu", "prepass_long.cu"} <= bench_src and "prepass.cu" not in bench_src
 
 
 def test_int8_prepass_kv_block_refused_outside_the_benchmark_build():

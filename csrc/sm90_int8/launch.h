@@ -270,7 +270,8 @@ constexpr int kPrepassPdl = 8;          // the quant launch and the forward kern
 constexpr int kPrepassL2Reuse = 16;     // L2 eviction hints, the quant launch's K / V blocks reversed
 constexpr int kPrepassFastDiv = 32;     // one reciprocal per scale instead of a division per element
 constexpr int kPrepassModeMax = 63;
-// The shipped build's mode (binding.cpp); chosen from variants_bench.py's pre-pass table.
+// The shipped build's mode (binding.cpp; prepass.cu compiles only its kernels, the benchmark build every
+// mode's); chosen from variants_bench.py's pre-pass table.
 constexpr int kPrepassDefaultMode = 7;  // all three: the fastest in variants_bench.py's pre-pass table
 
 // Return cudaSuccess or the launch error. head_dim in {64, 128}; p.kv_block 128 (the 64-key blocks of

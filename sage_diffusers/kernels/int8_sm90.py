@@ -108,7 +108,7 @@ _BENCH = config.sm90_bench()
 
 def bench_source_dir() -> Path:
     """The benchmark build's own sources (binding, dispatch table and its instantiations, the pre-pass
-    modes): a checkout's ``bench/sm90_int8/``."""
+    in every mode and with 64-key blocks): a checkout's ``bench/sm90_int8/``."""
     return _jit.CHECKOUT_CSRC.parent / "bench" / "sm90_int8"
 
 
@@ -117,8 +117,8 @@ def _bench_sources() -> list[Path]:
     if not (b / "binding_bench.cpp").is_file():
         raise RuntimeError(f"SAGE_DIFFUSERS_SM90_BENCH=1: the benchmark build needs a checkout's bench/sm90_int8/ "
                            f"(not found at {b}); installed wheels carry only the shipped build")
-    d = source_dir()
-    return [b / "binding_bench.cpp", b / "dispatch_bench.cu", d / "prepass.cu", b / "prepass_long.cu",
+    # the pre-pass: prepass_modes.cu (every mode), not the shipped prepass.cu (the default mode only)
+    return [b / "binding_bench.cpp", b / "dispatch_bench.cu", b / "prepass_modes.cu", b / "prepass_long.cu",
             *sorted((b / "instantiations").glob("bench_*.cu"))]
 
 
