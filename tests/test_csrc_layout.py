@@ -122,7 +122,7 @@ def test_int8_variants_come_from_one_source():
     assert {p.name for p in bench_inst.glob("*.inc")} == {"variants_bench.inc"}
     table = (inst / "variants.inc").read_text()
     for d, o in gen.DEFAULTS.items():
-        assert o.cpp() in table
+        assert f"(ShippedPolicy<{d}>::kOptions))" in table
         assert py.DEFAULT_EXP_POLY[d] == o.exp2_poly_every and py.DEFAULT_FLAGS[d] == o.flags
     assert py.BENCH_VARIANTS == tuple((d, o.exp2_poly_every, o.flags, o.name) for d, o in gen.BENCH_VARIANTS)
     # the flag bits of the Python mirror are those of FwdOptions::flags() in launch.h
@@ -132,6 +132,33 @@ def test_int8_variants_come_from_one_source():
         assert gen.FwdOptions(**{name: True, "lean_softmax": True}).flags & (1 << i)
     assert list(gen._LOW_BITS) == ["lean_softmax", "overlap_softmax_pv", "pingpong", "q_in_registers",
                                    "split_reductions", "fp32_pv_tiles"]
+
+
+def test_int8_shipped_policy_is_named_once(tmp_path):
+    """policy.hpp names the shipped option set per head dim (ShippedPolicy<D>::kOptions), one line of
+    why per option; the generator reads DEFAULTS from it, and the shipped instantiations and table
+    refer to it by name instead of spelling the options out (the benchmark build's variants do)."""
+    gen = _generator()
+    k = CSRC / "sm90_int8"
+    assert gen.read_policy(k / "policy.hpp") == gen.DEFAULTS and set(gen.DEFAULTS) == set(gen.HEAD_DIMS)
+    policy = (k / "policy.hpp").read_text()
+    for d, o in gen.DEFAULTS.items():
+        body = policy.split(f"struct ShippedPolicy<{d}> {{", 1)[1].split("};", 1)[0]
+        for line in (ln for ln in body.splitlines() if re.match(r"\s*\.\w+ = ", ln)):
+            assert "//" in line.split("=", 1)[1], f"ShippedPolicy<{d}>: no why for {line.strip()}"
+    for p in (k / "instantiations").glob("fwd_*.cu"):
+        text = p.read_text()
+        assert '#include "../policy.hpp"' in text and "ShippedPolicy<" in text and "FwdOptions{" not in text, p.name
+    table = (k / "instantiations" / "variants.inc").read_text()
+    assert "FwdOptions{" not in table and table.count("ShippedPolicy<") == len(list(gen.variants()))
+    assert '#include "policy.hpp"' in (k / "dispatch.cu").read_text()
+    for p in (ROOT / "bench" / "sm90_int8" / "instantiations").glob("bench_*.cu"):
+        assert "ShippedPolicy" not in p.read_text()  # lab variants spell their options out
+    # a policy the parser cannot read whole is an error, not a silently different default
+    bad = tmp_path / "policy.hpp"
+    bad.write_text(policy.replace(".lean_softmax = true,", ".lean_softmax = kLean,", 1))
+    with pytest.raises(ValueError, match="initializers"):
+        gen.read_policy(bad)
 
 
 def test_int8_deleted_options_keep_their_flag_bits_reserved():
