@@ -8,8 +8,9 @@ two such dumps: the proof that a refactor of csrc/ leaves the generated code as 
 Each unit is compiled device-only (nvcc -cubin) with the flags of its JIT build
 (sage_diffusers/kernels/{int8_sm90,fp4}.py, plus torch's half-operator defines), so the SASS is
 what the extension holds. Units are named by kernel, arch and file (FP4 also by SAGE_FP4_OPT);
-``compare`` matches kernels by mangled name (kernels only in AFTER are listed as added, not a
-difference) and, for units whose names changed (a renamed
+``compare`` matches kernels by mangled name (kernels and units only in AFTER are listed as added,
+not a difference; a BASE kernel missing from its unit is looked up in the other AFTER units, as moved)
+and, for units whose names changed (a renamed
 template argument, an anonymous namespace's per-file hash), by identical body and ptxas
 register / spill line. Needs nvcc and cuobjdump (CUDA 12.8+ for sm_120a; triton's bundled
 cuobjdump works).
@@ -42,14 +43,20 @@ FP4_OPTS_SM120 = (int(_OPT.HOIST_MASK | _OPT.TREE_REDUCE), int(_DEFAULT))
 def units(root: Path) -> list[tuple[str, Path, str, list[str]]]:
     """(name, source, arch, extra flags) of every unit to compile."""
     i8, f4 = root / "sm90_int8", root / "fp4"
-    i8_bench = root.parent / "bench" / "sm90_int8"  # the benchmark build's own sources (never shipped)
+    # the benchmark build's own sources and instantiations (never shipped), with its include paths
+    i8_bench = root.parent / "bench" / "sm90_int8"
+    bench = INT8_UNDEFS + [f"-I{i8}", f"-I{i8_bench}"]
     out = [("i8_prepass", i8 / "prepass.cu", "90a", INT8_UNDEFS + [f"-I{i8}"]),
            ("i8_dispatch", i8 / "dispatch.cu", "90a", INT8_UNDEFS + [f"-I{i8}"])]
     if i8_bench.is_dir():
-        out += [("i8_dispatch_bench", i8_bench / "dispatch_bench.cu", "90a", INT8_UNDEFS + [f"-I{i8}"]),
-                ("i8_prepass_long", i8_bench / "prepass_long.cu", "90a", INT8_UNDEFS + [f"-I{i8}"])]
+        out += [("i8_dispatch_bench", i8_bench / "dispatch_bench.cu", "90a", bench),
+                ("i8_prepass_long", i8_bench / "prepass_long.cu", "90a", bench)]
+        if (i8_bench / "prepass_modes.cu").is_file():  # every pre-pass mode (the shipped unit: the default's)
+            out.append(("i8_prepass_modes", i8_bench / "prepass_modes.cu", "90a", bench))
     for src in sorted((i8 / "instantiations").glob("*.cu")):
         out.append((f"i8_{src.stem}", src, "90a", INT8_UNDEFS + [f"-I{i8}"]))
+    for src in sorted((i8_bench / "instantiations").glob("*.cu")):  # bench_*.cu: names as before the move
+        out.append((f"i8_{src.stem}", src, "90a", bench))
     fp4 = [f"-I{f4}"]
     out += [("fp4_prepass_sm90", f4 / "quant_prepass.cu", "90a", fp4 + ["-DSAGE_FP4_NATIVE=0"]),
             ("fp4_prepass_sm120", f4 / "quant_prepass.cu", "120a", fp4 + ["-DSAGE_FP4_NATIVE=1"])]
@@ -106,7 +113,9 @@ def dump(out: Path, root: Path, only: str = "") -> int:
 
 
 def kernels(sass: Path) -> dict[str, str]:
-    """Mangled kernel name -> SASS body."""
+    """Mangled kernel name -> SASS body, each line's runs of blanks as one space (cuobjdump pads every
+    line to the longest instruction of the whole file, so a unit that gains or loses a kernel would
+    shift the columns of the others)."""
     res, cur, body = {}, None, []
     for line in sass.read_text().splitlines():
         m = re.match(r"\s*Function : (\S+)", line)
@@ -115,7 +124,7 @@ def kernels(sass: Path) -> dict[str, str]:
                 res[cur] = "\n".join(body)
             cur, body = m.group(1), []
         elif cur is not None:
-            body.append(line)
+            body.append(" ".join(line.split()))
     if cur:
         res[cur] = "\n".join(body)
     return res
@@ -136,24 +145,40 @@ def resources(log: Path) -> dict[str, tuple[int, int]]:
 
 def compare(base: Path, after: Path) -> int:
     names = sorted({p.stem for p in base.glob("*.sass")} | {p.stem for p in after.glob("*.sass")})
+    # every AFTER kernel by name, with its unit, body and resources: a kernel may move to another unit
+    # (the benchmark build's pre-pass modes left the shipped pre-pass unit for bench/'s prepass_modes.cu)
+    elsewhere = collections.defaultdict(list)
+    for a in sorted(after.glob("*.sass")):
+        ra = resources(a.with_suffix(".log"))
+        for k, body in kernels(a).items():
+            elsewhere[k].append((a.stem, body, ra.get(k)))
     status = 0
     for n in names:
         b, a = base / f"{n}.sass", after / f"{n}.sass"
-        if not (b.exists() and a.exists()):
-            print(f"ONLY IN {'BASE' if b.exists() else 'AFTER'} {n}")
-            status = 1
+        if not b.exists():  # a new unit: its kernels are additions, as new kernels in a unit are
+            print(f"{'ADDED':10s} {n}: {len(kernels(a))} kernels, a unit only in AFTER")
             continue
-        kb, ka = kernels(b), kernels(a)
-        rb, ra = resources(base / f"{n}.log"), resources(after / f"{n}.log")
-        if set(kb) <= set(ka):  # every base kernel still there (new ones may have been added)
-            diff = sorted(k for k in kb if kb[k] != ka[k] or rb.get(k) != ra.get(k))
+        kb, rb = kernels(b), resources(base / f"{n}.log")
+        ka, ra = (kernels(a), resources(after / f"{n}.log")) if a.exists() else ({}, {})
+        gone = set(kb) - set(ka)
+        moved = {k: [u for u, body, res in elsewhere[k] if u != n and (body, res) == (kb[k], rb.get(k))]
+                 for k in gone if any(u != n for u, _, _ in elsewhere[k])}
+        if set(moved) == gone:  # every base kernel still there, in this unit or (moved) in another
+            diff = sorted(k for k in kb if (k in ka and (kb[k] != ka[k] or rb.get(k) != ra.get(k)))
+                          or (k in moved and not moved[k]))
             added = sorted(set(ka) - set(kb))
+            units = sorted({us[0] for us in moved.values() if us})
             print(f"{'IDENTICAL' if not diff else 'DIFF':10s} {n}: {len(kb)} kernels"
-                  + (f", {len(added)} added" if added else ""))
+                  + (f", {len(added)} added" if added else "")
+                  + (f", {len(moved)} moved to {', '.join(units) or 'another unit'}" if moved else "")
+                  + ("" if a.exists() else " (the unit is only in BASE)"))
             for k in diff:
-                print(f"    differs: {k} regs/spill {rb.get(k)} -> {ra.get(k)}")
+                print(f"    differs: {k} regs/spill {rb.get(k)} -> {ra.get(k, 'moved')}")
             for k in added:
                 print(f"    added: {k} regs/spill {ra.get(k)}")
+        elif not a.exists():
+            print(f"ONLY IN BASE {n}: {len(gone - set(moved))} of its kernels in no AFTER unit")
+            diff = True
         else:  # renamed kernels: the same bodies with the same resources, one to one
             pb = collections.Counter((kb[k], rb.get(k)) for k in kb)
             pa = collections.Counter((ka[k], ra.get(k)) for k in ka)

@@ -81,15 +81,19 @@ check_sm90_int8() {
   export -f compile_one
   export NVCC OUT
   export FLAGS_STR="${FLAGS[*]}"
-  # bash arrays do not cross `export`: rebuild FLAGS inside each job from FLAGS_STR
+  # the benchmark build's sources also see bench/sm90_int8/ (dispatch_bench.cu's table is there)
+  export BENCH_FLAGS_STR="${FLAGS[*]} -I$BENCH_K"
+  # bash arrays do not cross `export`: rebuild FLAGS inside each job from FLAGS_STR / BENCH_FLAGS_STR
   local pattern='\.cu$'
-  # --quick: the pre-pass (and its 64-key blocks), the dispatch table and one forward variant per head dim
-  [ "$QUICK" = 1 ] && pattern='(prepass|prepass_long|dispatch|dispatch_bench|fwd_hd64_bf16_full_exp2poly8|fwd_hd128_fp16_causal)\.cu$'
-  # the shipped sources, and the benchmark build's own (bench/sm90_int8/: its dispatch table, the
-  # 64-key pre-pass; never shipped)
-  { find "$K" -name '*.cu' ! -name 'host_layout_check.cu' ! -name 'bench_*.cu'; find "$BENCH_K" -name '*.cu'; } |
-    grep -E "$pattern" | sort |
+  # --quick: the pre-pass (the shipped mode, every mode, the 64-key blocks), the dispatch tables and one
+  # forward variant per head dim
+  [ "$QUICK" = 1 ] && pattern='(prepass|prepass_modes|prepass_long|dispatch|dispatch_bench|fwd_hd64_bf16_full_exp2poly8|fwd_hd128_fp16_causal)\.cu$'
+  # the shipped sources, then the benchmark build's own (bench/sm90_int8/: its dispatch table, the
+  # pre-pass in every mode and with 64-key blocks; never shipped; its forward variants below)
+  find "$K" -name '*.cu' ! -name 'host_layout_check.cu' | grep -E "$pattern" | sort |
     xargs -P "$JOBS" -I{} bash -c 'FLAGS=($FLAGS_STR); compile_one "$@"' _ {}
+  find "$BENCH_K" -maxdepth 1 -name '*.cu' | grep -E "$pattern" | sort |
+    xargs -P "$JOBS" -I{} bash -c 'FLAGS=($BENCH_FLAGS_STR); compile_one "$@"' _ {}
 
   # Variants outside the regular build stay compilable: the benchmark build's generated files, and
   # option sets no build compiles today (written to $OUT, never committed).
@@ -99,11 +103,11 @@ check_sm90_int8() {
       "$K" "$2" "$3" > "$src"
     compile_one "$src"
   }
-  echo "== sm90_int8: benchmark-build variants (generate_instantiations.BENCH_VARIANTS)"
+  echo "== sm90_int8: benchmark-build variants (generate_instantiations.BENCH_VARIANTS, bench/sm90_int8/instantiations/)"
   # (--quick, --ci: the first two and one long_tile loop, the 192-key tile's code path)
-  find "$K/instantiations" -name 'bench_*.cu' | sort |
+  find "$BENCH_K/instantiations" -name 'bench_*.cu' | sort |
     if [ "$BENCH_SAMPLE" = 1 ]; then awk 'NR <= 2 || (/_long\.cu$/ && !l++)'; else cat; fi |
-    xargs -P "$JOBS" -I{} bash -c 'FLAGS=($FLAGS_STR); compile_one "$@"' _ {}
+    xargs -P "$JOBS" -I{} bash -c 'FLAGS=($BENCH_FLAGS_STR); compile_one "$@"' _ {}
   echo "== sm90_int8: other option sets (the original plain loop)"
   compile_variant hd128_plain 128 'FwdOptions{}'
   # ptxas once gave Q's registers (the A operand of S = Q K^T, q_in_registers) to the softmax inside a

@@ -57,6 +57,17 @@ def test_csrc_holds_no_lab_tools():
                      "fp4/generate_options.py", "fp4/layout_model.py"}
 
 
+def test_csrc_holds_no_benchmark_variants():
+    """The 8-bit benchmark build's forward variants and table (lab only) live in
+    bench/sm90_int8/instantiations/, so neither csrc/ nor a wheel carries them, and no shipped source
+    includes anything from bench/."""
+    assert not [p for p in CSRC.rglob("*") if p.name.startswith("bench_") or p.name == "variants_bench.inc"]
+    for p in (CSRC / "sm90_int8").rglob("*"):
+        if p.is_file() and p.suffix in _jit.HASHED_SUFFIXES:
+            text = p.read_text()
+            assert "bench_dispatch.h" not in text and "variants_bench.inc" not in text, p.relative_to(ROOT)
+
+
 def test_no_source_points_to_a_missing_notes_file():
     for p in CSRC.rglob("*"):
         if p.is_file() and p.suffix in _jit.HASHED_SUFFIXES | {".py", ".sh"}:
@@ -94,18 +105,24 @@ def _generator():
 
 
 def test_int8_variants_come_from_one_source():
-    """The instantiation files, the C++ tables and the Python side all match the generator."""
+    """The instantiation files, the C++ tables and the Python side all match the generator: the
+    shipped variants in csrc/, the benchmark build's (lab only) in bench/sm90_int8/instantiations/."""
     from sage_diffusers.kernels import _sm90_int8_variants as py
 
     gen = _generator()
     inst = CSRC / "sm90_int8" / "instantiations"
-    want = {f"bench_hd{d}_{o.name}.cu" for d, o in gen.BENCH_VARIANTS}
+    bench_inst = ROOT / "bench" / "sm90_int8" / "instantiations"
+    assert gen.BENCH_OUT == bench_inst
+    want = set()
     for d, dt, _, causal, o in gen.variants():
         want.add(f"fwd_hd{d}_{dt}_{'causal' if causal else 'full'}{gen._poly_suffix(o)}.cu")
     assert {p.name for p in inst.glob("*.cu")} == want
+    assert {p.name for p in bench_inst.glob("*.cu")} == {f"bench_hd{d}_{o.name}.cu" for d, o in gen.BENCH_VARIANTS}
+    assert {p.name for p in inst.glob("*.inc")} == {"variants.inc"}
+    assert {p.name for p in bench_inst.glob("*.inc")} == {"variants_bench.inc"}
     table = (inst / "variants.inc").read_text()
     for d, o in gen.DEFAULTS.items():
-        assert o.cpp() in table
+        assert f"(ShippedPolicy<{d}>::kOptions))" in table
         assert py.DEFAULT_EXP_POLY[d] == o.exp2_poly_every and py.DEFAULT_FLAGS[d] == o.flags
     assert py.BENCH_VARIANTS == tuple((d, o.exp2_poly_every, o.flags, o.name) for d, o in gen.BENCH_VARIANTS)
     # the flag bits of the Python mirror are those of FwdOptions::flags() in launch.h
@@ -115,6 +132,33 @@ def test_int8_variants_come_from_one_source():
         assert gen.FwdOptions(**{name: True, "lean_softmax": True}).flags & (1 << i)
     assert list(gen._LOW_BITS) == ["lean_softmax", "overlap_softmax_pv", "pingpong", "q_in_registers",
                                    "split_reductions", "fp32_pv_tiles"]
+
+
+def test_int8_shipped_policy_is_named_once(tmp_path):
+    """policy.hpp names the shipped option set per head dim (ShippedPolicy<D>::kOptions), one line of
+    why per option; the generator reads DEFAULTS from it, and the shipped instantiations and table
+    refer to it by name instead of spelling the options out (the benchmark build's variants do)."""
+    gen = _generator()
+    k = CSRC / "sm90_int8"
+    assert gen.read_policy(k / "policy.hpp") == gen.DEFAULTS and set(gen.DEFAULTS) == set(gen.HEAD_DIMS)
+    policy = (k / "policy.hpp").read_text()
+    for d, o in gen.DEFAULTS.items():
+        body = policy.split(f"struct ShippedPolicy<{d}> {{", 1)[1].split("};", 1)[0]
+        for line in (ln for ln in body.splitlines() if re.match(r"\s*\.\w+ = ", ln)):
+            assert "//" in line.split("=", 1)[1], f"ShippedPolicy<{d}>: no why for {line.strip()}"
+    for p in (k / "instantiations").glob("fwd_*.cu"):
+        text = p.read_text()
+        assert '#include "../policy.hpp"' in text and "ShippedPolicy<" in text and "FwdOptions{" not in text, p.name
+    table = (k / "instantiations" / "variants.inc").read_text()
+    assert "FwdOptions{" not in table and table.count("ShippedPolicy<") == len(list(gen.variants()))
+    assert '#include "policy.hpp"' in (k / "dispatch.cu").read_text()
+    for p in (ROOT / "bench" / "sm90_int8" / "instantiations").glob("bench_*.cu"):
+        assert "ShippedPolicy" not in p.read_text()  # lab variants spell their options out
+    # a policy the parser cannot read whole is an error, not a silently different default
+    bad = tmp_path / "policy.hpp"
+    bad.write_text(policy.replace(".lean_softmax = true,", ".lean_softmax = kLean,", 1))
+    with pytest.raises(ValueError, match="initializers"):
+        gen.read_policy(bad)
 
 
 def test_int8_deleted_options_keep_their_flag_bits_reserved():
@@ -686,9 +730,33 @@ def test_int8_long_tile_flag_validity_and_bench_variants():
     assert "if (p.kv_block != kBlockKV) return cudaErrorInvalidValue;" in pre and ", 64>" not in pre
     assert not (CSRC / "sm90_int8" / "prepass_long.cu").exists()
     long_pre = (ROOT / "bench" / "sm90_int8" / "prepass_long.cu").read_text()
-    assert "launch_prepass<128, DType::kBF16, 64>" in long_pre
+    assert "launch_prepass<128, DType::kBF16, 64, Modes>" in long_pre and "using Modes = PrepassAllKernelModes;" in long_pre
     jit = (ROOT / "sage_diffusers" / "kernels" / "int8_sm90.py").read_text()
     assert jit.count('"prepass_long.cu"') == 1  # the benchmark build's source list only
+
+
+def test_int8_shipped_prepass_compiles_the_default_mode_only():
+    """The shipped pre-pass unit instantiates kPrepassDefaultMode's kernel-side bits only (the one mode
+    the shipped binding runs); every mode is the benchmark build's (bench/sm90_int8/prepass_modes.cu,
+    which that build compiles instead of prepass.cu), so tests/test_kernel_int8_sm90_prepass_modes.py
+    still finds them there."""
+    from sage_diffusers.kernels import int8_sm90
+
+    k, b = CSRC / "sm90_int8", ROOT / "bench" / "sm90_int8"
+    header = (k / "prepass.cuh").read_text()
+    assert ("using PrepassShippedKernelModes = std::integer_sequence<int, kPrepassDefaultMode & kPrepassKernelBits>;"
+            in header)
+    shipped, modes = (k / "prepass.cu").read_text(), (b / "prepass_modes.cu").read_text()
+    assert "using Modes = PrepassShippedKernelModes;" in shipped and "PrepassAllKernelModes" not in shipped
+    assert "using Modes = PrepassAllKernelModes;" in modes
+    for text in (shipped, modes):  # every (head dim, dtype) of 128-key blocks, through the one mode list
+        assert len(re.findall(r"launch_prepass<(?:64|128), DType::kB?F16, kBlockKV, Modes>", text)) == 4
+    binding = (k / "binding.cpp").read_text()
+    assert "static constexpr int kMode = sage_sm90::kPrepassDefaultMode;" in binding
+    shipped_src = {p.name for p in int8_sm90._sources()}
+    bench_src = {p.name for p in int8_sm90._bench_sources()}
+    assert "prepass.cu" in shipped_src and "prepass_modes.cu" not in shipped_src
+    assert {"prepass_modes.cu", "prepass_long.cu"} <= bench_src and "prepass.cu" not in bench_src
 
 
 def test_int8_prepass_kv_block_refused_outside_the_benchmark_build():

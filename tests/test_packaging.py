@@ -66,6 +66,8 @@ def test_wheel_carries_the_kernel_sources_and_no_lab(wheel):
     kernel = [n for n in names if n.startswith("sage_diffusers/_csrc/")]
     assert kernel and all(Path(n).suffix in _jit.HASHED_SUFFIXES for n in kernel), \
         sorted(n for n in kernel if Path(n).suffix not in _jit.HASHED_SUFFIXES)
+    # the 8-bit benchmark build's variants and table are the lab's (bench/sm90_int8/instantiations/)
+    assert not [n for n in kernel if Path(n).name.startswith("bench_") or Path(n).name == "variants_bench.inc"]
 
 
 def _requirements(wheel: Path) -> list[Requirement]:
@@ -308,3 +310,24 @@ def test_dry_run_reports_the_cache_entry_without_building(tmp_path, monkeypatch)
     assert info.build_dir.parent == _jit.cache_root() and not info.build_dir.exists()
     src.write_text("// k changed\n")
     assert _jit.build_info(lambda: _jit.load_extension("sage_dry", [src], extra_cuda_cflags=["-DX=1"])).key != info.key
+
+
+def test_cache_key_covers_the_include_paths_and_their_shared_layer(tmp_path, monkeypatch):
+    """A build whose sources sit elsewhere (the 8-bit benchmark build: bench/sm90_int8/) rebuilds when a
+    header of its include path (csrc/sm90_int8/) or of that path's ../common/ changes."""
+    monkeypatch.setenv("SAGE_DIFFUSERS_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "lab").mkdir()
+    (tmp_path / "csrc" / "kernel").mkdir(parents=True)
+    (tmp_path / "csrc" / "common").mkdir()
+    src = tmp_path / "lab" / "k.cu"
+    src.write_text('#include "kernel.cuh"\n')
+
+    def key():
+        return _jit.build_info(lambda: _jit.load_extension("sage_inc", [src],
+                                                             extra_include_paths=[tmp_path / "csrc" / "kernel"])).key
+
+    before = key()
+    for header in (tmp_path / "csrc" / "kernel" / "kernel.cuh", tmp_path / "csrc" / "common" / "shared.cuh"):
+        header.write_text("// edited\n")
+        assert key() != before, header
+        before = key()

@@ -1,6 +1,7 @@
 // The benchmark build's runtime -> template variant (bench_dispatch.h): the table of the bench_*.cu
-// instantiations (instantiations/variants_bench.inc, generate_instantiations.BENCH_VARIANTS), several
-// option sets per key, picked by the caller's flags.
+// instantiations (instantiations/variants_bench.inc beside this file, generate_instantiations.BENCH_VARIANTS),
+// several option sets per key, picked by the caller's flags. dispatch.cuh includes the table, so the
+// build names this folder as an include path (int8_sm90.build_bench, bench/sass_diff.py, compile_check.sh).
 #define SAGE_SM90_TABLE "instantiations/variants_bench.inc"
 #include "bench_dispatch.h"
 #include "dispatch.cuh"

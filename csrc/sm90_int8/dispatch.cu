@@ -1,7 +1,9 @@
 // The shipped runtime -> template variant: (head dim, dtype, causal, exp2 share, LSE wanted) picks
 // the one option set the regular build compiles for it (instantiations/variants.inc, written by
-// generate_instantiations.py from DEFAULTS: one named policy per head dim). No run-time switch.
+// generate_instantiations.py: policy.hpp's ShippedPolicy<D>, one named policy per head dim). No
+// run-time switch.
 #define SAGE_SM90_TABLE "instantiations/variants.inc"
+#include "policy.hpp"  // the table's option sets
 #include "dispatch.cuh"
 
 namespace sage_sm90 {

@@ -1,8 +1,9 @@
 // The lookup from a call (head dim, dtype, causal, exp2 share, LSE wanted) to a compiled forward
 // variant, over a table of SAGE_SM90_VARIANT(D, DTYPE, CAUSAL, OPTIONS) lines: the file that includes
-// this header names it in SAGE_SM90_TABLE (a path relative to this folder). dispatch.cu: the shipped
-// table (instantiations/variants.inc, one option set per key); bench/sm90_int8/dispatch_bench.cu: the
-// benchmark table, where `flags` (FwdOptions::flags()) picks one of several option sets per key.
+// this header names it in SAGE_SM90_TABLE (a path relative to this folder or to an include path).
+// dispatch.cu: the shipped table (instantiations/variants.inc, one option set per key);
+// bench/sm90_int8/dispatch_bench.cu: the benchmark table (bench/sm90_int8/instantiations/), where
+// `flags` (FwdOptions::flags()) picks one of several option sets per key.
 #pragma once
 
 #include "launch.h"

@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""The one source of the 8-bit kernel's variants and defaults. Writes:
+"""The one source of the 8-bit kernel's variants; the defaults (the shipped option set per head dim)
+are read from policy.hpp (ShippedPolicy<D>::kOptions). Writes:
 
-* one .cu per compiled forward variant into instantiations/ (one file each so ninja/nvcc compile
-  them in parallel and a slim build can drop files), named by what it is;
-* instantiations/variants.inc and variants_bench.inc, the dispatch tables (dispatch.cu);
+* one .cu per compiled forward variant (one file each so ninja/nvcc compile them in parallel and a
+  slim build can drop files), named by what it is: the shipped ones (fwd_*.cu) into instantiations/,
+  the benchmark build's (bench_*.cu, lab only, never shipped) into bench/sm90_int8/instantiations/;
+* the dispatch tables beside them: instantiations/variants.inc (dispatch.cu) and
+  bench/sm90_int8/instantiations/variants_bench.inc (bench/sm90_int8/dispatch_bench.cu);
 * sage_diffusers/kernels/_sm90_int8_variants.py, the same defaults and variant lists for Python
   (the binding's exp2 default, the benchmark's variant names).
 
@@ -11,17 +14,21 @@ Variant axes: head dim, output dtype, causal, and the kernel options (FwdOptions
 explained in DESIGN.md), the exp2 polynomial share among them (0 = every exp2 on MUFU; N =
 every N-th exp2 from the FMA polynomial; only hd64 is bound by the exp unit). The defaults per head
 dim are the fastest correct option sets of the H200 variant benchmark (variants_bench.py; the
-tables are in eval/results/). Re-run after editing this file:
+tables are in eval/results/). Re-run after editing this file or policy.hpp:
     python csrc/sm90_int8/generate_instantiations.py
 """
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+POLICY = HERE / "policy.hpp"  # the shipped option set per head dim (ShippedPolicy<D>::kOptions)
 PY_OUT = HERE.parents[1] / "sage_diffusers" / "kernels" / "_sm90_int8_variants.py"
+# The benchmark build's instantiations and table: the checkout's lab (bench/), which no wheel carries.
+BENCH_OUT = HERE.parents[1] / "bench" / "sm90_int8" / "instantiations"
 
 
 # The first bools' flag bits (FwdOptions::flags() in launch.h spells the same positions).
@@ -126,7 +133,26 @@ _HIGH_SHORT = {"persistent": "persist", "epilogue_summary": "esum", "phase_clock
 HEAD_DIMS = (64, 128)
 DTYPES = {"fp16": "DType::kF16", "bf16": "DType::kBF16"}
 CAUSAL = (False, True)
-# The default options per head dim (the backend's choice). hd128: lean softmax, softmax / PV
+
+
+def read_policy(path: Path = POLICY) -> dict[int, FwdOptions]:
+    """ShippedPolicy<D>::kOptions of policy.hpp per head dim (its designated initializers; comments
+    ignored): the shipped option sets, named there once."""
+    text = re.sub(r"//[^\n]*", "", path.read_text())
+    policy = {}
+    for d, body in re.findall(r"struct ShippedPolicy<(\d+)> \{\s*static constexpr FwdOptions kOptions\{(.*?)\};",
+                              text, re.S):
+        values = re.findall(r"\.(\w+) = (true|false|\d+),?", body)
+        if len(values) != body.count("="):
+            raise ValueError(f"{path.name}: ShippedPolicy<{d}>: only `.field = true/false/N` initializers: {body}")
+        policy[int(d)] = FwdOptions(**{k: v == "true" if v in ("true", "false") else int(v) for k, v in values})
+    if set(policy) != set(HEAD_DIMS):
+        raise ValueError(f"{path.name}: ShippedPolicy for head dims {sorted(policy)}, expected {sorted(HEAD_DIMS)}")
+    return policy
+
+
+# The default options per head dim (the backend's choice: policy.hpp, one line of why per option;
+# the measurements behind them follow). hd128: lean softmax, softmax / PV
 # overlap, ping-pong, Q in registers, split reductions; hd64: the same without ping-pong and split
 # reductions (both lost there), every exp2 on MUFU (with the per-tile fp32 sum the FMA pipes are
 # busier: every 8th exp2 from the polynomial became 2-4 % slower, kernels_h200.md's
@@ -156,12 +182,8 @@ _HD64 = FwdOptions(lean_softmax=True, overlap_softmax_pv=True, q_in_registers=Tr
 #   softmax path (b0e984f: each warp votes per key tile on its rows' score scale) cost the fp32-sum
 #   loop more than the tcsum loop: side by side on the H200 (int8_tcsum_h200.md, run of 5369e27)
 #   the hd128 kernel with it 0.370 -> 0.360 ms at 1x24x4608x128, 4.243 -> 4.035 at 1x24x16384x128.
-DEFAULTS = {
-    128: replace(_HD128, smem_o_every=4, epilogue_summary=True, epilogue_staged=True, tc_row_sum=True,
-                 seeded_scores=True),
-    64: replace(_HD64, overlap_softmax_pv=False, fp32_pv_tiles=True, exp2_poly_every=0, epilogue_summary=True,
-                epilogue_staged=True, three_consumers=True, tc_row_sum=True, fused_rescale=True),
-}
+# * hd128: seeded_scores; hd64: fused_rescale (the benchmark build's notes below).
+DEFAULTS = read_policy()
 # Exp2 polynomial shares compiled besides the default (env SAGE_DIFFUSERS_EXP_POLY picks one).
 EXTRA_EXP_POLY = {64: (8,), 128: ()}
 
@@ -309,14 +331,26 @@ def variants():
 _HEADER = "// Generated by generate_instantiations.py: do not edit.\n"
 
 
-def _write_instantiation(path: Path, args: str) -> None:
-    """One .cu file instantiating launch_fwd<args>."""
+def _write_instantiation(path: Path, args: str, includes: tuple[str, ...]) -> None:
+    """One .cu file instantiating launch_fwd<args> after includes (the benchmark build's files, outside
+    csrc/, find kernel_fwd.cuh through its -I csrc/sm90_int8)."""
     path.write_text(
-        _HEADER + '#include "../kernel_fwd.cuh"\n\n'
+        _HEADER + "".join(f'#include "{inc}"\n' for inc in includes) + "\n"
         "namespace sage_sm90 {\n"
         f"template cudaError_t launch_fwd<{args}>(const FwdParams&, cudaStream_t, bool);\n"
         "}  // namespace sage_sm90\n"
     )
+
+
+def _shipped_cpp(d: int, opt: FwdOptions) -> str:
+    """The C++ expression of a shipped option set: policy.hpp's name for it (with another exp2
+    polynomial share: with_exp2_poly)."""
+    name = f"ShippedPolicy<{d}>::kOptions"
+    if opt == DEFAULTS[d]:
+        return name
+    if opt != replace(DEFAULTS[d], exp2_poly_every=opt.exp2_poly_every):
+        raise ValueError(f"{opt}: not head dim {d}'s shipped policy")
+    return f"with_exp2_poly({name}, {opt.exp2_poly_every})"
 
 
 def _poly_suffix(opt: FwdOptions) -> str:
@@ -331,26 +365,28 @@ def _row_sum(opt: FwdOptions) -> str:
 def main() -> None:
     out = HERE / "instantiations"
     out.mkdir(exist_ok=True)
-    for old in [*out.glob("fwd_*.cu"), *out.glob("bench_*.cu")]:
+    BENCH_OUT.mkdir(exist_ok=True)
+    for old in [*out.glob("fwd_*.cu"), *BENCH_OUT.glob("bench_*.cu")]:
         old.unlink()
     table = []
     for d, dt, cpp_dt, causal, opt in variants():
-        args = f"{d}, {cpp_dt}, {'true' if causal else 'false'}, {opt.cpp()}"
-        _write_instantiation(out / f"fwd_hd{d}_{dt}_{'causal' if causal else 'full'}{_poly_suffix(opt)}.cu", args)
-        table.append(f"SAGE_SM90_VARIANT({d}, {cpp_dt}, {'true' if causal else 'false'}, ({opt.cpp()}))")
+        args = f"{d}, {cpp_dt}, {'true' if causal else 'false'}, {_shipped_cpp(d, opt)}"
+        _write_instantiation(out / f"fwd_hd{d}_{dt}_{'causal' if causal else 'full'}{_poly_suffix(opt)}.cu", args,
+                             ("../kernel_fwd.cuh", "../policy.hpp"))
+        table.append(f"SAGE_SM90_VARIANT({d}, {cpp_dt}, {'true' if causal else 'false'}, ({_shipped_cpp(d, opt)}))")
     (out / "variants.inc").write_text(_HEADER + "\n".join(table) + "\n")
     bench = []
     for d, opt in BENCH_VARIANTS:
         args = f"{d}, DType::kBF16, false, {opt.cpp()}"
-        _write_instantiation(out / f"bench_hd{d}_{opt.name}.cu", args)
+        _write_instantiation(BENCH_OUT / f"bench_hd{d}_{opt.name}.cu", args, ("kernel_fwd.cuh",))
         bench.append(f"SAGE_SM90_VARIANT({d}, DType::kBF16, false, ({opt.cpp()}))")
-    (out / "variants_bench.inc").write_text(_HEADER + "\n".join(bench) + "\n")
+    (BENCH_OUT / "variants_bench.inc").write_text(_HEADER + "\n".join(bench) + "\n")
     names = {o.flags: replace(o, exp2_poly_every=0).name for o in [*DEFAULTS.values(), *(o for _, o in BENCH_VARIANTS)]}
     tiles = {o.flags: {"block_kv": 192, "k_block": 64} for _, o in BENCH_VARIANTS if o.long_tile}
     PY_OUT.write_text(
         '"""Generated by csrc/sm90_int8/generate_instantiations.py: do not edit.\n\n'
         "The 8-bit kernel's compiled variants and defaults, from the same source as the C++ dispatch\n"
-        'tables (csrc/sm90_int8/instantiations/variants*.inc)."""\n'
+        'tables (csrc/sm90_int8/instantiations/variants.inc, bench/sm90_int8/instantiations/variants_bench.inc)."""\n'
         f"# exp2 polynomial share of the default options per head dim\n"
         f"DEFAULT_EXP_POLY = {{{', '.join(f'{d}: {o.exp2_poly_every}' for d, o in sorted(DEFAULTS.items()))}}}\n"
         f"# run-time flags (FwdOptions::flags()) of the default options per head dim\n"

@@ -22,7 +22,7 @@
 namespace sage_sm90 {
 
 // Options: template axis kOpt (FwdOptions, launch.h: one line each on what it does and why; the
-// shipped set per head dim is generate_instantiations.DEFAULTS). What each does in detail and what
+// shipped set per head dim is policy.hpp's ShippedPolicy<D>). What each does in detail and what
 // was measured: DESIGN.md.
 // Register files are handed out per warpgroup, so a producer warp costs a whole warpgroup's
 // share anyway (288 threads compile to <= 168 registers, ptxas's cap for 384). With the overlap the producer becomes a

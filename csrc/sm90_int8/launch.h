@@ -12,9 +12,10 @@ enum class DType : int { kF16 = 0, kBF16 = 1 };
 
 // Forward-kernel options (one line each here; DESIGN.md: what each does in detail and what was measured): one template axis of fwd_kernel, a
 // structural type so every instantiation names its options (instantiations/*.cu). The regular
-// build compiles one option set per head dim (generate_instantiations.DEFAULTS, which also writes
-// the Python side); flags() is an option set's run-time key, by which the benchmark build
-// (bench/sm90_int8/) picks among several; the shipped build has one per call and no switch.
+// build compiles one option set per head dim (policy.hpp ShippedPolicy<D>, which
+// generate_instantiations.py reads to write the tables and the Python side); flags() is an option
+// set's run-time key, by which the benchmark build (bench/sm90_int8/) picks among several; the
+// shipped build has one per call and no switch.
 struct FwdOptions {
   bool lean_softmax = false;        // fewer instructions per score; O rescale skipped when no max moved
   bool overlap_softmax_pv = false;  // softmax of tile t under the PV wgmma of tile t-1
@@ -270,7 +271,8 @@ constexpr int kPrepassPdl = 8;          // the quant launch and the forward kern
 constexpr int kPrepassL2Reuse = 16;     // L2 eviction hints, the quant launch's K / V blocks reversed
 constexpr int kPrepassFastDiv = 32;     // one reciprocal per scale instead of a division per element
 constexpr int kPrepassModeMax = 63;
-// The shipped build's mode (binding.cpp); chosen from variants_bench.py's pre-pass table.
+// The shipped build's mode (binding.cpp; prepass.cu compiles only its kernels, the benchmark build every
+// mode's); chosen from variants_bench.py's pre-pass table.
 constexpr int kPrepassDefaultMode = 7;  // all three: the fastest in variants_bench.py's pre-pass table
 
 // Return cudaSuccess or the launch error. head_dim in {64, 128}; p.kv_block 128 (the 64-key blocks of
@@ -278,7 +280,7 @@ constexpr int kPrepassDefaultMode = 7;  // all three: the fastest in variants_be
 // dependent launch (kPrepassPdl).
 cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, bool pdl, cudaStream_t stream);
 // The forward variant for a call is the build's one option set for (head dim, dtype, causal,
-// exp2 share, LSE wanted): instantiations/variants.inc, generated from generate_instantiations.DEFAULTS.
+// exp2 share, LSE wanted): instantiations/variants.inc, generated from policy.hpp's ShippedPolicy.
 // exp_poly_every: 0 = every exp2 on MUFU; N > 0 = every N-th exp2 from the FMA polynomial
 // (compiled variants only: see instantiations/). pdl: the kernel launches with programmatic dependent
 // launch and waits for the launch before it (kPrepassPdl).

@@ -474,20 +474,28 @@ cudaError_t launch_prepass_impl(const PrepassParams& p, bool pdl, cudaStream_t s
                                        pdl ? sage_common::LaunchKind::kPdl : sage_common::LaunchKind::kPlain);
 }
 
-// p.kernel_mode: the pre-pass mode's kernel-side bits (kPrepassKernelBits), one instantiation each.
-// kKB: keys per K block (128; 64 in prepass_long.cu).
+// The kernel-side mode bits a build compiles (each one instantiation of both kernels):
+// the shipped build's one, kPrepassDefaultMode's (prepass.cu: the shipped binding runs nothing else) ...
+using PrepassShippedKernelModes = std::integer_sequence<int, kPrepassDefaultMode & kPrepassKernelBits>;
+// ... and every subset, the benchmark build's (bench/sm90_int8/prepass_modes.cu, prepass_long.cu).
+template <int kB = kPrepassBatchLoads, int kL = kPrepassL2Reuse, int kF = kPrepassFastDiv>
+using PrepassKernelModeSubsets = std::integer_sequence<int, 0, kB, kL, kB | kL, kF, kB | kF, kL | kF, kB | kL | kF>;
+using PrepassAllKernelModes = PrepassKernelModeSubsets<>;
+static_assert(kPrepassKernelBits == (kPrepassBatchLoads | kPrepassL2Reuse | kPrepassFastDiv),
+              "PrepassKernelModeSubsets spans every kernel-side bit");
+
+// p.kernel_mode: the pre-pass mode's kernel-side bits (kPrepassKernelBits), one instantiation each
+// of the modes in kModes (cudaErrorInvalidValue for any other). kKB: keys per K block (128; 64 in
+// bench/sm90_int8/prepass_long.cu).
 template <int D, DType kIn, int kKB, int... kModes>
 cudaError_t launch_prepass_of(const PrepassParams& p, bool pdl, cudaStream_t stream, std::integer_sequence<int, kModes...>) {
   cudaError_t err = cudaErrorInvalidValue;  // a mode outside the list
   ((p.kernel_mode == kModes ? (err = launch_prepass_impl<D, kIn, kModes, kKB>(p, pdl, stream), 0) : 0), ...);
   return err;
 }
-template <int D, DType kIn, int kKB = kBlockKV>
+template <int D, DType kIn, int kKB, class KernelModes>
 cudaError_t launch_prepass(const PrepassParams& p, bool pdl, cudaStream_t stream) {
-  constexpr int kB = kPrepassBatchLoads, kL = kPrepassL2Reuse, kF = kPrepassFastDiv;
-  static_assert(kPrepassKernelBits == (kB | kL | kF), "every subset of the kernel-side bits below");
-  return launch_prepass_of<D, kIn, kKB>(
-      p, pdl, stream, std::integer_sequence<int, 0, kB, kL, kB | kL, kF, kB | kF, kL | kF, kB | kL | kF>{});
+  return launch_prepass_of<D, kIn, kKB>(p, pdl, stream, KernelModes{});
 }
 
 }  // namespace sage_sm90

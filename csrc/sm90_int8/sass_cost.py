@@ -371,7 +371,7 @@ def _cuobjdump() -> str | None:
 
 def load_sass(arg: str) -> tuple[str, str]:
     """SASS text and ptxas log ("" if none) of a .sass file, a cubin / .o, or an instantiation stem
-    under instantiations/ (compiled with sass_diff.py's flags)."""
+    under instantiations/ or bench/sm90_int8/instantiations/ (compiled with sass_diff.py's flags)."""
     p = Path(arg)
     if p.suffix == ".sass":
         log = p.with_suffix(".log")

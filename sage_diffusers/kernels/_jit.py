@@ -228,8 +228,8 @@ def load_extension(
     Parameters
     ----------
     name : module name; also the cache folder prefix.
-    sources : .cpp/.cu files to compile. Every file beside them and in csrc/common/ (headers included) is hashed,
-        so editing a header rebuilds.
+    sources : .cpp/.cu files to compile. Every file beside them, in extra_include_paths and in csrc/common/
+        (headers included) is hashed, so editing a header rebuilds.
     extra_cuda_cflags : nvcc flags, e.g. ``["-gencode=arch=compute_90a,code=sm_90a"]``.
 
     Returns
@@ -240,8 +240,11 @@ def load_extension(
         return _loaded[name]
     sources = [Path(s) for s in sources]
     hashed: list[Path] = []
-    # The kernels include ../common/ (the shared layer): editing it must rebuild them too.
-    folders = {s.parent for s in sources} | {s.parent.parent / SHARED_FOLDER for s in sources}
+    # The kernels include ../common/ (the shared layer): editing it must rebuild them too; so must
+    # editing a header found through an include path (the 8-bit benchmark build, all of whose sources
+    # are in bench/sm90_int8/, includes csrc/sm90_int8/).
+    dirs = {s.parent for s in sources} | {Path(p) for p in extra_include_paths}
+    folders = dirs | {d.parent / SHARED_FOLDER for d in dirs}
     for folder in sorted(folders):
         hashed += [p for p in folder.rglob("*") if p.suffix in HASHED_SUFFIXES]
     flags = [CXX_STD, *extra_cuda_cflags] + ["|"] + list(extra_cflags)

@@ -101,14 +101,14 @@ def is_available() -> tuple[bool, str]:
 # Benchmark build (read once): the benchmark binding (bench/sm90_int8/binding_bench.cpp: the option
 # set and pre-pass mode chosen at run time with ext.set_fwd_flags / ext.set_prepass_mode, the launches
 # timed alone with ext.bench_parts, ext.fwd_phase_clock) over bf16 non-causal variants for several
-# option sets (instantiations/bench_*.cu); used by bench/ and the benchmark-build tests. Never used by
-# the backend, and only from a checkout: a wheel carries csrc/ only, not bench/.
+# option sets (bench/sm90_int8/instantiations/bench_*.cu); used by bench/ and the benchmark-build tests.
+# Never used by the backend, and only from a checkout: a wheel carries csrc/ only, not bench/.
 _BENCH = config.sm90_bench()
 
 
 def bench_source_dir() -> Path:
-    """The benchmark build's own sources (binding, dispatch table, 64-key pre-pass): a checkout's
-    ``bench/sm90_int8/``."""
+    """The benchmark build's own sources (binding, dispatch table and its instantiations, the pre-pass
+    in every mode and with 64-key blocks): a checkout's ``bench/sm90_int8/``."""
     return _jit.CHECKOUT_CSRC.parent / "bench" / "sm90_int8"
 
 
@@ -117,9 +117,9 @@ def _bench_sources() -> list[Path]:
     if not (b / "binding_bench.cpp").is_file():
         raise RuntimeError(f"SAGE_DIFFUSERS_SM90_BENCH=1: the benchmark build needs a checkout's bench/sm90_int8/ "
                            f"(not found at {b}); installed wheels carry only the shipped build")
-    d = source_dir()
-    return [b / "binding_bench.cpp", b / "dispatch_bench.cu", d / "prepass.cu", b / "prepass_long.cu",
-            *sorted((d / "instantiations").glob("bench_*.cu"))]
+    # the pre-pass: prepass_modes.cu (every mode), not the shipped prepass.cu (the default mode only)
+    return [b / "binding_bench.cpp", b / "dispatch_bench.cu", b / "prepass_modes.cu", b / "prepass_long.cu",
+            *sorted((b / "instantiations").glob("bench_*.cu"))]
 
 
 def build(verbose: bool = False) -> ModuleType:
@@ -134,8 +134,9 @@ def build(verbose: bool = False) -> ModuleType:
 def build_bench(verbose: bool = False) -> ModuleType:
     """The benchmark build (a checkout only), whatever SAGE_DIFFUSERS_SM90_BENCH says: a process
     that times the shipped build can hold this one beside it for ``bench_parts``."""
+    # bench_source_dir(): dispatch_bench.cu's table (instantiations/variants_bench.inc) is found there
     return _jit.load_extension("sage_diffusers_int8_sm90_bench", _bench_sources(), extra_cuda_cflags=list(_NVCC_FLAGS),
-                               extra_include_paths=[source_dir()], verbose=verbose)
+                               extra_include_paths=[source_dir(), bench_source_dir()], verbose=verbose)
 
 
 def default_exp_poly_every(head_dim: int) -> int:

@@ -1,0 +1,26 @@
+// The benchmark build's pre-pass (never shipped): 128-key blocks in every pre-pass mode (prepass.cuh
+// PrepassAllKernelModes; the shipped prepass.cu compiles kPrepassDefaultMode's only), so
+// set_prepass_mode can pick any mode per call; 64-key blocks (the long_tile variants) go to
+// prepass_long.cu. The same template code as the shipped pre-pass: its default-mode kernels are the
+// shipped ones (bench/sass_diff.py: identical SASS).
+#include "bench_dispatch.h"
+#include "prepass.cuh"
+
+namespace sage_sm90::bench {
+
+cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, bool pdl, cudaStream_t stream) {
+  using Modes = PrepassAllKernelModes;
+  if (p.kv_block == 64) return run_prepass_long(p, head_dim, dtype, pdl, stream);
+  if (p.kv_block != kBlockKV) return cudaErrorInvalidValue;
+  if (head_dim == 64) {
+    return dtype == DType::kF16 ? launch_prepass<64, DType::kF16, kBlockKV, Modes>(p, pdl, stream)
+                                : launch_prepass<64, DType::kBF16, kBlockKV, Modes>(p, pdl, stream);
+  }
+  if (head_dim == 128) {
+    return dtype == DType::kF16 ? launch_prepass<128, DType::kF16, kBlockKV, Modes>(p, pdl, stream)
+                                : launch_prepass<128, DType::kBF16, kBlockKV, Modes>(p, pdl, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace sage_sm90::bench
