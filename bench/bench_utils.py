@@ -18,6 +18,8 @@ interleaved(methods, args_of, rounds) -> {name: [ms per round]}
 from __future__ import annotations
 
 import statistics
+import subprocess
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -113,3 +115,17 @@ def interleaved(methods: dict, args_of: Callable[[], tuple], rounds: int, target
         for n in order:
             times[n].append(pipelined_ms(lambda: methods[n](*args_of()), iters))
     return times
+
+
+def git_head() -> str:
+    """The commit of the repository this script runs from, '+dirty' when tracked files have changes."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        # untracked files do not count: the run's own output files are new until committed
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")

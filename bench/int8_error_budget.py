@@ -46,17 +46,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for pv_accumulation_model
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for pv_accumulation_model and bench_utils
 
 import torch  # noqa: E402
 
+from bench_utils import git_head  # noqa: E402
 from pv_accumulation_model import MMA_K, truncate  # noqa: E402
 from sage_diffusers.realistic import realistic_qkv  # noqa: E402
 from sage_diffusers.reference import cosine, relative_l1  # noqa: E402
@@ -503,20 +503,6 @@ def tables(rows: list[dict]) -> str:
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
-
-
-def git_head() -> str:
-    """The commit of the repository this script runs from, '+dirty' when tracked files have changes."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        # untracked files do not count: the run's own output files are new until committed
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def merge(paths: list[Path]) -> dict:

@@ -44,10 +44,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -55,6 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from bench.bench_utils import git_head  # noqa: E402
 
 from sage_diffusers import realistic  # noqa: E402
 from sage_diffusers.reference import cosine, relative_l1  # noqa: E402
@@ -173,7 +174,7 @@ def forward(x: realistic.Inputs, var: Variant, is_causal: bool):
     the quantized operands over all keys, the operands' pieces the backward reuses)."""
     q, k, v, key_mask = x
     b, hq, sq_len, d = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
+    skv = k.shape[2]
     qk_scale = 1.0 / math.sqrt(d) * LOG2E
     ks, vz, _ = ref.masked_kv(k, v, key_mask)  # float32, smoothed K and masked V
     qf = q.float()
@@ -507,19 +508,6 @@ def tables(rows: list[dict], metric: str = "cos") -> str:
                 out.append(f"| {group} | {name} | " + " | ".join(cells) + " |")
             out.append("")
     return "\n".join(out)
-
-
-def git_head() -> str:
-    """The commit this script runs from, '+dirty' when tracked files have changes."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

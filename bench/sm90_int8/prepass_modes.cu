@@ -9,18 +9,9 @@
 namespace sage_sm90::bench {
 
 cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, bool pdl, cudaStream_t stream) {
-  using Modes = PrepassAllKernelModes;
   if (p.kv_block == 64) return run_prepass_long(p, head_dim, dtype, pdl, stream);
   if (p.kv_block != kBlockKV) return cudaErrorInvalidValue;
-  if (head_dim == 64) {
-    return dtype == DType::kF16 ? launch_prepass<64, DType::kF16, kBlockKV, Modes>(p, pdl, stream)
-                                : launch_prepass<64, DType::kBF16, kBlockKV, Modes>(p, pdl, stream);
-  }
-  if (head_dim == 128) {
-    return dtype == DType::kF16 ? launch_prepass<128, DType::kF16, kBlockKV, Modes>(p, pdl, stream)
-                                : launch_prepass<128, DType::kBF16, kBlockKV, Modes>(p, pdl, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_prepass<kBlockKV, PrepassAllKernelModes>(p, head_dim, dtype, pdl, stream);
 }
 
 }  // namespace sage_sm90::bench

@@ -498,5 +498,20 @@ cudaError_t launch_prepass(const PrepassParams& p, bool pdl, cudaStream_t stream
   return launch_prepass_of<D, kIn, kKB>(p, pdl, stream, KernelModes{});
 }
 
+// The runtime (head dim, dtype) switch over one set of kernel modes, for kKB-key blocks: the shipped
+// pre-pass (prepass.cu) and the benchmark build's every-mode one (bench/sm90_int8/prepass_modes.cu).
+template <int kKB, class KernelModes>
+cudaError_t dispatch_prepass(const PrepassParams& p, int head_dim, DType dtype, bool pdl, cudaStream_t stream) {
+  if (head_dim == 64) {
+    return dtype == DType::kF16 ? launch_prepass<64, DType::kF16, kKB, KernelModes>(p, pdl, stream)
+                                : launch_prepass<64, DType::kBF16, kKB, KernelModes>(p, pdl, stream);
+  }
+  if (head_dim == 128) {
+    return dtype == DType::kF16 ? launch_prepass<128, DType::kF16, kKB, KernelModes>(p, pdl, stream)
+                                : launch_prepass<128, DType::kBF16, kKB, KernelModes>(p, pdl, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace sage_sm90
 
