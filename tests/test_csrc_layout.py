@@ -747,10 +747,11 @@ def test_int8_shipped_prepass_compiles_the_default_mode_only():
     assert ("using PrepassShippedKernelModes = std::integer_sequence<int, kPrepassDefaultMode & kPrepassKernelBits>;"
             in header)
     shipped, modes = (k / "prepass.cu").read_text(), (b / "prepass_modes.cu").read_text()
-    assert "using Modes = PrepassShippedKernelModes;" in shipped and "PrepassAllKernelModes" not in shipped
-    assert "using Modes = PrepassAllKernelModes;" in modes
-    for text in (shipped, modes):  # every (head dim, dtype) of 128-key blocks, through the one mode list
-        assert len(re.findall(r"launch_prepass<(?:64|128), DType::kB?F16, kBlockKV, Modes>", text)) == 4
+    assert "dispatch_prepass<kBlockKV, PrepassShippedKernelModes>" in shipped and "PrepassAllKernelModes" not in shipped
+    assert "dispatch_prepass<kBlockKV, PrepassAllKernelModes>" in modes
+    # one (head dim, dtype) switch for both, over its one mode list: every head dim and dtype of 128-key blocks
+    body = header[header.index("cudaError_t dispatch_prepass("):]
+    assert len(re.findall(r"launch_prepass<(?:64|128), DType::kB?F16, kKB, KernelModes>", body[:body.index("\n}\n")])) == 4
     binding = (k / "binding.cpp").read_text()
     assert "static constexpr int kMode = sage_sm90::kPrepassDefaultMode;" in binding
     shipped_src = {p.name for p in int8_sm90._sources()}
