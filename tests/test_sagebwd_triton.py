@@ -96,32 +96,36 @@ def inputs(b, hq, hkv, sq, skv, d, dtype, device, masked):
     return tuple(map(move, (q, k, v, do, key_mask)))
 
 
-QUANTIZED = ("q8", "sq", "k8", "sk", "v8", "sv", "vc")
+QUANTIZED = ("q8", "sq", "k8", "sk", "v8", "sv", "vc", "qc", "kc")  # qc, kc: 16-bit, empty with INT8 scores
 CASES = [
-    # (b, hq, hkv, sq, skv, d, dtype, causal, masked, pv, dov)
-    (1, 2, 2, 64, 64, 32, torch.float16, False, False, "int8", "fp16"),
-    (1, 2, 1, 113, 77, 64, torch.bfloat16, True, True, "int8", "fp16"),
-    (2, 2, 2, 65, 130, 32, torch.float16, False, True, "fp16", "int8"),
-    (1, 1, 1, 1, 1, 32, torch.bfloat16, False, False, "int8", "fp16"),
-    (1, 2, 2, 40, 70, 128, torch.bfloat16, True, False, "int8", "int8"),
-    (1, 2, 2, 33, 50, 32, torch.float32, False, True, "int8", "fp16"),
-    (1, 4, 2, 239, 150, 64, torch.bfloat16, True, True, "int8", "fp16"),  # GQA, two wide tiles and a partial one
+    # (b, hq, hkv, sq, skv, d, dtype, causal, masked, pv, dov, scores)
+    (1, 2, 2, 64, 64, 32, torch.float16, False, False, "int8", "fp16", "int8"),
+    (1, 2, 1, 113, 77, 64, torch.bfloat16, True, True, "int8", "fp16", "int8"),
+    (2, 2, 2, 65, 130, 32, torch.float16, False, True, "fp16", "int8", "int8"),
+    (1, 1, 1, 1, 1, 32, torch.bfloat16, False, False, "int8", "fp16", "int8"),
+    (1, 2, 2, 40, 70, 128, torch.bfloat16, True, False, "int8", "int8", "int8"),
+    (1, 2, 2, 33, 50, 32, torch.float32, False, True, "int8", "fp16", "int8"),
+    (1, 4, 2, 239, 150, 64, torch.bfloat16, True, True, "int8", "fp16", "int8"),  # GQA, two wide tiles and a partial one
+    # 16-bit scores (ScorePrecision.FP16): as SageBwd pairs them (pv fp16), and with the other axes' INT8 choices
+    (1, 2, 1, 113, 77, 64, torch.bfloat16, True, True, "fp16", "fp16", "fp16"),
+    (2, 2, 2, 65, 130, 32, torch.float16, False, True, "int8", "int8", "fp16"),
+    (1, 2, 2, 40, 70, 128, torch.float32, True, False, "fp16", "fp16", "fp16"),  # float32: bfloat16 operands
 ]
 
 
 def _id(c):
-    return f"{'x'.join(map(str, c[:6]))}-{str(c[6])[6:]}-c{int(c[7])}m{int(c[8])}-pv{c[9]}-dov{c[10]}"
+    return f"{'x'.join(map(str, c[:6]))}-{str(c[6])[6:]}-c{int(c[7])}m{int(c[8])}-pv{c[9]}-dov{c[10]}-s{c[11]}"
 
 
 @needs_device
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_kernels_match_reference(case, device, variant):
-    b, hq, hkv, sq, skv, d, dtype, causal, masked, pv, dov = case
+    b, hq, hkv, sq, skv, d, dtype, causal, masked, pv, dov, scores = case
     tri = kernels()
     q, k, v, do, key_mask = inputs(b, hq, hkv, sq, skv, d, dtype, device, masked)
-    want = ref.sagebwd_forward(q, k, v, key_mask, causal, None, pv)
-    got = tri.sagebwd_forward(q, k, v, key_mask, causal, None, pv)
+    want = ref.sagebwd_forward(q, k, v, key_mask, causal, None, pv, scores)
+    got = tri.sagebwd_forward(q, k, v, key_mask, causal, None, pv, scores)
     for field in QUANTIZED:  # the pre-pass is bit-exact
         assert torch.equal(getattr(got, field), getattr(want, field)), field
     tol = 1e-5 if device == "cpu" else 1e-4  # exp2 / summation order only
@@ -130,8 +134,8 @@ def test_kernels_match_reference(case, device, variant):
     eps = torch.finfo(dtype).eps if dtype != torch.float32 else 2 ** -8
     assert (got.out.float() - want.out.float()).abs().max() <= 4 * eps * want.out.float().abs().max() + 1e-6
     # backward on the reference's state: the same inputs for both implementations
-    gw = ref.sagebwd_backward(do, want, key_mask, causal, None, dov)
-    gg = tri.sagebwd_backward(do, want, key_mask, causal, None, dov)
+    gw = ref.sagebwd_backward(do, want, key_mask, causal, None, dov, scores=scores)
+    gg = tri.sagebwd_backward(do, want, key_mask, causal, None, dov, scores=scores)
     for name, a, w in zip(("dq", "dk", "dv"), gg, gw):
         if w.abs().max() == 0:
             assert a.abs().max() == 0, name
@@ -260,28 +264,32 @@ def test_inference_backend_lse_matches_reference(device):
 
 @needs_device
 @pytest.mark.parametrize("device", DEVICES)
-def test_custom_ops_and_compile(device):
+@pytest.mark.parametrize("scores", ["int8", "fp16"])
+def test_custom_ops_and_compile(device, scores):
     """The kernels run as torch ops with fake implementations: opcheck, and torch.compile over
-    sd.sagebwd on the Triton path (fullgraph: no tracing into Triton launches)."""
+    sd.sagebwd on the Triton path (fullgraph: no tracing into Triton launches); with 16-bit scores
+    the state's 16-bit Q and K are real outputs (empty ones with INT8 scores)."""
     import sage_diffusers as sd
     from sage_diffusers.sagebwd import Impl
 
     tri = kernels()
+    pv = ref.ScorePrecision(scores).pv.value  # what SageBwd pairs with these scores
     q, k, v, do, key_mask = inputs(1, 2, 1, 40, 70, 32, torch.float16, device, True)
     torch.library.opcheck(torch.ops.sage_diffusers.sagebwd_triton_fwd.default,
-                          (q, k, v, key_mask, False, 0.125, "int8"),
+                          (q, k, v, key_mask, False, 0.125, pv, scores),
                           test_utils=("test_schema", "test_faketensor"))
-    st = tri.sagebwd_forward(q, k, v, key_mask, False, 0.125)
+    st = tri.sagebwd_forward(q, k, v, key_mask, False, 0.125, pv, scores)
     torch.library.opcheck(torch.ops.sage_diffusers.sagebwd_triton_bwd.default,
-                          (do, *st, key_mask, False, 0.125, "fp16"), test_utils=("test_schema", "test_faketensor"))
+                          (do, *st, key_mask, False, 0.125, "fp16", None, None, scores),
+                          test_utils=("test_schema", "test_faketensor"))
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
-    fn = torch.compile(lambda a, b, c: sd.sagebwd(a, b, c, key_mask=key_mask, impl=Impl.TRITON),
+    fn = torch.compile(lambda a, b, c: sd.sagebwd(a, b, c, key_mask=key_mask, scores=scores, impl=Impl.TRITON),
                        backend="aot_eager", fullgraph=True)
     out = fn(qs, ks, vs)
     out.backward(do)
-    want = tri.sagebwd_forward(q, k, v, key_mask, False, None)
+    want = tri.sagebwd_forward(q, k, v, key_mask, False, None, pv, scores)
     assert torch.equal(out, want.out)
-    gq, gk, gv = tri.sagebwd_backward(do, want, key_mask, False, None)
+    gq, gk, gv = tri.sagebwd_backward(do, want, key_mask, False, None, scores=scores)
     assert torch.equal(qs.grad, gq.to(q.dtype)) and torch.equal(vs.grad, gv.to(v.dtype))
 
 

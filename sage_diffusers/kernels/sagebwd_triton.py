@@ -9,13 +9,15 @@ The kernels:
 
 - ``_quant_kernel``: per-block INT8 of Q, smoothed K and V (V^ also transposed, the P~.V
   operand), masked rows 0;
-- ``_fwd_kernel``: INT8 QK^T, online softmax, P~.V as INT8 (``PV_INT8``) or 16-bit; O, the
-  row max m and the LSE (log2 domain), up to 128 query rows per program (autotuned);
+- ``_fwd_kernel``: INT8 QK^T (or 16-bit: ``QK16``, :class:`ScorePrecision`), online softmax,
+  P~.V as INT8 (``PV_INT8``) or 16-bit; O, the row max m and the LSE (log2 domain), up to 128
+  query rows per program (autotuned);
 - ``_bwd_prep_kernel``: delta = rowsum(dO o O), 1/l, the backward's row max and the transposed
   codes of dO' = dO / l (and of dO for the INT8 dP ablation), from one read of dO and O;
 - ``_bwd_dkdv_kernel`` (up to 128 keys per program, all query heads of its group) and
   ``_bwd_dq_kernel`` (up to 128 query rows per program), both recomputing the same P~ and dS
-  tiles; dP = dO.V^T 16-bit or INT8 (``DOV_INT8``); or ``_bwd_fused_kernel``, the dK/dV kernel
+  tiles (S from INT8 codes, or 16-bit operands with ``QK16``); dP = dO.V^T 16-bit or INT8
+  (``DOV_INT8``); or ``_bwd_fused_kernel``, the dK/dV kernel
   that also adds dQ by atomics (:class:`BwdKernels` picks, ``SAGE_DIFFUSERS_SAGEBWD_BWD``).
 
 How they are organised for Hopper, and why:
@@ -52,7 +54,7 @@ import torch
 from .. import config
 from ..reference import sagebwd as ref
 from ..reference.online_softmax import LOG2E
-from ..reference.sagebwd import BLOCK_KV, BLOCK_Q, DoVPrecision, PVPrecision, SageBwdState
+from ..reference.sagebwd import BLOCK_KV, BLOCK_Q, DoVPrecision, PVPrecision, SageBwdState, ScorePrecision
 
 # The backward kernels tile dS by whole quantization tiles: one block size for queries and keys.
 assert BLOCK_Q == BLOCK_KV
@@ -414,25 +416,31 @@ if triton is not None:
     @triton.jit
     def _fwd_loop(
         acc, m_i, l_i, lo, hi, q8, row_scale, rows, b, bkv,
-        k8_ptr, sk_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV,
+        k8_ptr, sk_ptr, kc_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV,
         D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
         EDGE: tl.constexpr, PV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr, ACC_XU: tl.constexpr,
+        QK16: tl.constexpr,
     ):
         """Online softmax over the key blocks [lo, hi); EDGE: blocks that need the bounds and causal
         tests (the diagonal, the last partial block), the others only the key mask if any. ACC_XU:
         the scores' int32 -> float32 on the conversion pipe (its spare capacity here), P~.V's
-        always by :func:`_i2f`."""
+        always by :func:`_i2f`. QK16: q8 is Q in 16 bits, the scores 16-bit products with K from
+        kc_ptr (row_scale = the softmax scale * log2(e) on every row, no block scales)."""
         dims = tl.arange(0, D)
         nkb = tl.cdiv(SKV, BLOCK_N)
         for start_n in range(lo, hi, BLOCK_N):
             cols = start_n + tl.arange(0, BLOCK_N)
             kv_off = (bkv * SKV + cols[:, None]) * D + dims[None, :]
-            if EDGE:  # not by _load_tile: ptxas then schedules the masked forward's loop otherwise
-                k8 = tl.load(k8_ptr + kv_off, mask=(cols < SKV)[:, None], other=0)
+            if QK16:
+                kc = _load_tile(kc_ptr + kv_off, cols, SKV, True, EDGE)
+                s = _dot16(q8, tl.trans(kc), DOT16_AS_F32) * row_scale[:, None]
             else:
-                k8 = tl.load(k8_ptr + kv_off)
-            sk = tl.load(sk_ptr + bkv * nkb + start_n // BLOCK_N)
-            s = _acc_f32(tl.dot(q8, tl.trans(k8), out_dtype=tl.int32), ACC_XU) * row_scale[:, None] * sk
+                if EDGE:  # not by _load_tile: ptxas then schedules the masked forward's loop otherwise
+                    k8 = tl.load(k8_ptr + kv_off, mask=(cols < SKV)[:, None], other=0)
+                else:
+                    k8 = tl.load(k8_ptr + kv_off)
+                sk = tl.load(sk_ptr + bkv * nkb + start_n // BLOCK_N)
+                s = _acc_f32(tl.dot(q8, tl.trans(k8), out_dtype=tl.int32), ACC_XU) * row_scale[:, None] * sk
             s = _keep_where(s, float("-inf"), rows[:, None], cols[None, :], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL, EDGE)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp2 gives 0, not NaN
@@ -450,40 +458,46 @@ if triton is not None:
             m_i = m_new
         return acc, m_i, l_i
 
-    @_autotuned(_FWD_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "PV_INT8", "ACC_XU"], max_rows_at_d128=64)
+    @_autotuned(_FWD_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "PV_INT8", "ACC_XU", "QK16"], max_rows_at_d128=64)
     @triton.jit
     def _fwd_kernel(
         q8_ptr, sq_ptr,  # int8 (B, Hq, Sq, D), float32 (B, Hq, ceil(Sq/BLOCK_Q))
         k8_ptr, sk_ptr,  # int8 (B, Hkv, Skv, D) smoothed, float32 (B, Hkv, ceil(Skv/BLOCK_N))
         v8t_ptr, sv_ptr,  # int8 (B, Hkv, D, Skv): V^ transposed (8-bit MMAs want K-major operands)
         vc_ptr,  # 16-bit (B, Hkv, Skv, D), masked V (read when not PV_INT8)
+        qc_ptr, kc_ptr,  # 16-bit (B, Hq, Sq, D) Q, (B, Hkv, Skv, D) masked K (read when QK16)
         mask_ptr,  # int8 (B, Skv)
         o_ptr, m_ptr, lse_ptr,  # (B, Hq, Sq, D) out dtype; float32 (B, Hq, Sq) x2
         qk_scale, HQ, GROUP, SQ, SKV,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
         HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, PV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
-        ACC_XU: tl.constexpr,
+        ACC_XU: tl.constexpr, QK16: tl.constexpr,
     ):
         """The forward: one program per BLOCK_M query rows (BLOCK_M / BLOCK_Q quantization blocks);
-        key blocks without bounds or causal tests run in their own loop."""
+        key blocks without bounds or causal tests run in their own loop. QK16: the scores from the
+        16-bit Q and K (:class:`ScorePrecision`), else from the INT8 codes."""
         pid_m, bh, b, bkv = _query_program(HQ, GROUP)
         nqb = tl.cdiv(SQ, BLOCK_Q)
         start_m = pid_m * BLOCK_M
         rows = start_m + tl.arange(0, BLOCK_M)
         dims = tl.arange(0, D)
         inq = rows < SQ
-        q8 = tl.load(q8_ptr + (bh * SQ + rows[:, None]) * D + dims[None, :], mask=inq[:, None], other=0)
-        row_scale = tl.load(sq_ptr + bh * nqb + rows // BLOCK_Q, mask=inq, other=0.0) * qk_scale  # (M,)
+        if QK16:  # the scores' Q operand (named q8 either way) and its row factor
+            q8 = tl.load(qc_ptr + (bh * SQ + rows[:, None]) * D + dims[None, :], mask=inq[:, None], other=0.0)
+            row_scale = tl.zeros((BLOCK_M,), tl.float32) + qk_scale
+        else:
+            q8 = tl.load(q8_ptr + (bh * SQ + rows[:, None]) * D + dims[None, :], mask=inq[:, None], other=0)
+            row_scale = tl.load(sq_ptr + bh * nqb + rows // BLOCK_Q, mask=inq, other=0.0) * qk_scale  # (M,)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
         n_free, n_end = _key_range(start_m, SKV, BLOCK_M, BLOCK_N, IS_CAUSAL)
         acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, 0, n_free, q8, row_scale, rows, b, bkv,
-                                  k8_ptr, sk_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV,
-                                  D, BLOCK_N, HAS_MASK, IS_CAUSAL, False, PV_INT8, DOT16_AS_F32, ACC_XU)
+                                  k8_ptr, sk_ptr, kc_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV,
+                                  D, BLOCK_N, HAS_MASK, IS_CAUSAL, False, PV_INT8, DOT16_AS_F32, ACC_XU, QK16)
         acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, n_free, n_end, q8, row_scale, rows, b, bkv,
-                                  k8_ptr, sk_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV,
-                                  D, BLOCK_N, HAS_MASK, IS_CAUSAL, True, PV_INT8, DOT16_AS_F32, ACC_XU)
+                                  k8_ptr, sk_ptr, kc_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV,
+                                  D, BLOCK_N, HAS_MASK, IS_CAUSAL, True, PV_INT8, DOT16_AS_F32, ACC_XU, QK16)
         _fwd_store(acc, m_i, l_i, o_ptr, m_ptr, lse_ptr, bh, SQ, rows, dims, inq, D)
 
     @triton.jit
@@ -565,11 +579,11 @@ if triton is not None:
     @triton.jit
     def _dkdv_loop(
         dk, dv, dk2, dv2, lo, hi, bh, b, keys, k8, sk_row, v8, sv_row, vc, k8t_a, k8t_b, sk_ptr, kb0, nkb,
-        q8_ptr, sq_ptr, q8t_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr, sdos_ptr,
-        mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV,
+        q8_ptr, sq_ptr, q8t_ptr, qc_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr,
+        sdos_ptr, mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV,
         D: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, DW: tl.constexpr, HAS_MASK: tl.constexpr,
         IS_CAUSAL: tl.constexpr, EDGE: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
-        ACC_XU: tl.constexpr, FUSE_DQ: tl.constexpr, DV_LAST: tl.constexpr,
+        ACC_XU: tl.constexpr, FUSE_DQ: tl.constexpr, DV_LAST: tl.constexpr, QK16: tl.constexpr,
     ):
         """dK, dV (BLOCK_N, D) of one key tile over the query blocks [lo, hi) of head bh, in the
         transposed orientation: S^T = K^ Q^T (BLOCK_N, SUB), so P~^T and dS^T feed the next MMAs
@@ -579,7 +593,8 @@ if triton is not None:
         second when DW = D / 2, else unused): each int32 product then holds DW columns, not D.
         DV_LAST: the dV product after dK's, else right after P~^T (see :class:`BwdKernels`).
         FUSE_DQ: this tile's dQ = dS.K^ is added to dq_ptr atomically (:func:`_dq_add`; k8t_a, k8t_b:
-        the K-major K^ column blocks; the key blocks' scales at sk_ptr from block kb0 on, of nkb)."""
+        the K-major K^ column blocks; the key blocks' scales at sk_ptr from block kb0 on, of nkb).
+        QK16: S^T from 16-bit operands, k8 then the 16-bit K tile and Q read from qc_ptr."""
         dims = tl.arange(0, D)
         nqb = tl.cdiv(SQ, SUB)
         for start_m in range(lo, hi, SUB):
@@ -587,9 +602,13 @@ if triton is not None:
             inq = qs < SQ
             qi = start_m // SUB
             q_off = (bh * SQ + qs[:, None]) * D + dims[None, :]  # (SUB, D)
-            q8 = tl.load(q8_ptr + q_off, mask=inq[:, None], other=0)
             sq = tl.load(sq_ptr + bh * nqb + qi)
-            st = _i2f(tl.dot(k8, tl.trans(q8), out_dtype=tl.int32)) * (sq * qk_scale) * sk_row[:, None]
+            if QK16:
+                qc = tl.load(qc_ptr + q_off, mask=inq[:, None], other=0.0)
+                st = _dot16(k8, tl.trans(qc), DOT16_AS_F32) * qk_scale
+            else:
+                q8 = tl.load(q8_ptr + q_off, mask=inq[:, None], other=0)
+                st = _i2f(tl.dot(k8, tl.trans(q8), out_dtype=tl.int32)) * (sq * qk_scale) * sk_row[:, None]
             mb = tl.load(mb_ptr + bh * SQ + qs, mask=inq, other=float("inf"))
             pt = tl.exp2(st - mb[None, :])  # P~^T in [0, 1]
             pt = _keep_where(pt, 0.0, qs[None, :], keys[:, None], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL, EDGE)
@@ -627,18 +646,20 @@ if triton is not None:
     @triton.jit
     def _bwd_dkdv_jit(
         q8_ptr, sq_ptr, q8t_ptr, k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr,
+        qc_ptr, kc_ptr,  # 16-bit (B, Hq, Sq, D) Q, (B, Hkv, Skv, D) masked K (read when QK16)
         mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr, sdos_ptr, mask_ptr,
         dk_ptr, dv_ptr,  # float32 (B, Hkv, Skv, D)
         dq_ptr,  # float32 (B, Hq, Sq, D), zeros, when FUSE_DQ
         qk_scale, sm_scale, HKV, GROUP, SQ, SKV,
         D: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, DW: tl.constexpr,
         HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
-        ACC_XU: tl.constexpr, FUSE_DQ: tl.constexpr, DV_LAST: tl.constexpr,
+        ACC_XU: tl.constexpr, FUSE_DQ: tl.constexpr, DV_LAST: tl.constexpr, QK16: tl.constexpr,
     ):
         """dK and dV: one program per BLOCK_N keys (BLOCK_N / SUB quantization blocks), all query
         heads of its group; the query blocks that need no bounds or causal test run in their own loop.
         DW: D or D / 2, the column width of each int32 dK / dV product; DV_LAST: the dV product
-        last in each step (:class:`BwdKernels`); FUSE_DQ: also dQ, by atomic adds."""
+        last in each step (:class:`BwdKernels`); FUSE_DQ: also dQ, by atomic adds; QK16: S^T from
+        the 16-bit K and Q."""
         tl.static_assert(DW == D or DW * 2 == D)
         pid_n = tl.program_id(0)
         bkv = tl.program_id(1)
@@ -650,7 +671,10 @@ if triton is not None:
         ink = keys < SKV
         nkb = tl.cdiv(SKV, SUB)
         kv_off = (bkv * SKV + keys[:, None]) * D + dims[None, :]
-        k8 = tl.load(k8_ptr + kv_off, mask=ink[:, None], other=0)
+        if QK16:  # the scores' K operand, named k8 either way
+            k8 = tl.load(kc_ptr + kv_off, mask=ink[:, None], other=0.0)
+        else:
+            k8 = tl.load(k8_ptr + kv_off, mask=ink[:, None], other=0)
         sk_row = tl.load(sk_ptr + bkv * nkb + keys // SUB, mask=ink, other=0.0)  # (BLOCK_N,)
         v8 = k8  # placeholders for the operands the chosen dP precision (or FUSE_DQ) does not read
         sv_row = sk_row
@@ -684,15 +708,17 @@ if triton is not None:
             dk, dv, dk2, dv2 = _dkdv_loop(
                 dk, dv, dk2, dv2, lo, edge_hi, bh, b, keys, k8, sk_row, v8, sv_row, vc, k8t_a, k8t_b,
                 sk_ptr + bkv * nkb, start_n // SUB, nkb,
-                q8_ptr, sq_ptr, q8t_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr,
-                sdos_ptr, mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV,
-                D, BLOCK_N, SUB, DW, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU, FUSE_DQ, DV_LAST)
+                q8_ptr, sq_ptr, q8t_ptr, qc_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr,
+                dos8t_ptr, sdos_ptr, mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV,
+                D, BLOCK_N, SUB, DW, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU, FUSE_DQ, DV_LAST,
+                QK16)
             dk, dv, dk2, dv2 = _dkdv_loop(
                 dk, dv, dk2, dv2, edge_hi, SQ, bh, b, keys, k8, sk_row, v8, sv_row, vc, k8t_a, k8t_b,
                 sk_ptr + bkv * nkb, start_n // SUB, nkb,
-                q8_ptr, sq_ptr, q8t_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr,
-                sdos_ptr, mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV,
-                D, BLOCK_N, SUB, DW, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU, FUSE_DQ, DV_LAST)
+                q8_ptr, sq_ptr, q8t_ptr, qc_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr,
+                dos8t_ptr, sdos_ptr, mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV,
+                D, BLOCK_N, SUB, DW, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU, FUSE_DQ, DV_LAST,
+                QK16)
         w_off = (bkv * SKV + keys[:, None]) * D + dimw[None, :]
         tl.store(dk_ptr + w_off, dk, mask=ink[:, None])
         tl.store(dv_ptr + w_off, dv, mask=ink[:, None])
@@ -700,7 +726,7 @@ if triton is not None:
             tl.store(dk_ptr + w_off + DW, dk2, mask=ink[:, None])
             tl.store(dv_ptr + w_off + DW, dv2, mask=ink[:, None])
 
-    _BWD_KEY = ["D", "DW", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "ACC_XU", "FUSE_DQ", "DV_LAST"]
+    _BWD_KEY = ["D", "DW", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "ACC_XU", "FUSE_DQ", "DV_LAST", "QK16"]
     _bwd_dkdv_kernel = _autotuned(_DKDV_CONFIGS, key=_BWD_KEY, max_rows_at_d128=64)(_bwd_dkdv_jit)
     # the fused backward: its own list (64 keys per program, or 128 on two warpgroups)
     _bwd_fused_kernel = _autotuned(_FUSED_CONFIGS, key=_BWD_KEY, max_rows_at_d128=64)(_bwd_dkdv_jit)
@@ -708,21 +734,26 @@ if triton is not None:
     @triton.jit
     def _dq_loop(
         dq, lo, hi, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
-        k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV,
+        k8_ptr, sk_ptr, k8t_ptr, kc_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV,
         D: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.constexpr, HAS_MASK: tl.constexpr,
         IS_CAUSAL: tl.constexpr, EDGE: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
-        ACC_XU: tl.constexpr,
+        ACC_XU: tl.constexpr, QK16: tl.constexpr,
     ):
-        """dQ (BLOCK_M, D) of one query tile over the key blocks [lo, hi)."""
+        """dQ (BLOCK_M, D) of one query tile over the key blocks [lo, hi). QK16: q8 is Q in 16 bits
+        and the scores 16-bit products with K from kc_ptr (row_qk: the softmax scale * log2(e))."""
         dims = tl.arange(0, D)
         nkb = tl.cdiv(SKV, SUB)
         for start_n in range(lo, hi, SUB):
             keys = start_n + tl.arange(0, SUB)
             kv_off = (bkv * SKV + keys[:, None]) * D + dims[None, :]
             kt_off = (bkv * D + dims[:, None]) * SKV + keys[None, :]
-            k8 = _load_tile(k8_ptr + kv_off, keys, SKV, True, EDGE)
             sk = tl.load(sk_ptr + bkv * nkb + start_n // SUB)
-            s = _i2f(tl.dot(q8, tl.trans(k8), out_dtype=tl.int32)) * row_qk[:, None] * sk
+            if QK16:
+                kc = _load_tile(kc_ptr + kv_off, keys, SKV, True, EDGE)
+                s = _dot16(q8, tl.trans(kc), DOT16_AS_F32) * row_qk[:, None]
+            else:
+                k8 = _load_tile(k8_ptr + kv_off, keys, SKV, True, EDGE)
+                s = _i2f(tl.dot(q8, tl.trans(k8), out_dtype=tl.int32)) * row_qk[:, None] * sk
             pt = tl.exp2(s - mb[:, None])
             pt = _keep_where(pt, 0.0, qs[:, None], keys[None, :], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL, EDGE)
             p = pt * inv_l[:, None]  # P * DS_PRESCALE (the factor is in inv_l)
@@ -738,19 +769,21 @@ if triton is not None:
             dq += _acc_f32(tl.dot(ds8, tl.trans(k8t), out_dtype=tl.int32), ACC_XU) * ((sds * sk) * sm_scale)[:, None]
         return dq
 
-    @_autotuned(_DQ_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "ACC_XU"], max_rows_at_d128=64)
+    @_autotuned(_DQ_CONFIGS, key=["D", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "ACC_XU", "QK16"], max_rows_at_d128=64)
     @triton.jit
     def _bwd_dq_kernel(
         q8_ptr, sq_ptr, k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr,
+        qc_ptr, kc_ptr,  # 16-bit (B, Hq, Sq, D) Q, (B, Hkv, Skv, D) masked K (read when QK16)
         mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, mask_ptr,
         dq_ptr,  # float32 (B, Hq, Sq, D)
         qk_scale, sm_scale, HQ, GROUP, SQ, SKV,
         D: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.constexpr,
         HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
-        ACC_XU: tl.constexpr,
+        ACC_XU: tl.constexpr, QK16: tl.constexpr,
     ):
         """dQ: one program per BLOCK_M query rows (BLOCK_M / SUB quantization blocks) over the key
-        blocks; those that need no bounds or causal test run in their own loop."""
+        blocks; those that need no bounds or causal test run in their own loop. QK16: the scores
+        from the 16-bit Q and K."""
         pid_m, bh, b, bkv = _query_program(HQ, GROUP)
         start_m = pid_m * BLOCK_M
         qs = start_m + tl.arange(0, BLOCK_M)
@@ -758,8 +791,12 @@ if triton is not None:
         inq = qs < SQ
         nqb = tl.cdiv(SQ, SUB)
         q_off = (bh * SQ + qs[:, None]) * D + dims[None, :]
-        q8 = tl.load(q8_ptr + q_off, mask=inq[:, None], other=0)
-        row_qk = tl.load(sq_ptr + bh * nqb + qs // SUB, mask=inq, other=0.0) * qk_scale
+        if QK16:  # the scores' Q operand (named q8 either way) and its row factor
+            q8 = tl.load(qc_ptr + q_off, mask=inq[:, None], other=0.0)
+            row_qk = tl.zeros((BLOCK_M,), tl.float32) + qk_scale
+        else:
+            q8 = tl.load(q8_ptr + q_off, mask=inq[:, None], other=0)
+            row_qk = tl.load(sq_ptr + bh * nqb + qs // SUB, mask=inq, other=0.0) * qk_scale
         mb = tl.load(mb_ptr + bh * SQ + qs, mask=inq, other=float("inf"))
         inv_l = tl.load(invl_ptr + bh * SQ + qs, mask=inq, other=0.0)
         delta = tl.load(delta_ptr + bh * SQ + qs, mask=inq, other=0.0)
@@ -774,11 +811,11 @@ if triton is not None:
         dq = tl.zeros((BLOCK_M, D), tl.float32)
         n_free, n_end = _key_range(start_m, SKV, BLOCK_M, SUB, IS_CAUSAL)
         dq = _dq_loop(dq, 0, n_free, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
-                      k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV,
-                      D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU)
+                      k8_ptr, sk_ptr, k8t_ptr, kc_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV,
+                      D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU, QK16)
         dq = _dq_loop(dq, n_free, n_end, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
-                      k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV,
-                      D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU)
+                      k8_ptr, sk_ptr, k8t_ptr, kc_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV,
+                      D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU, QK16)
         tl.store(dq_ptr + q_off, dq, mask=inq[:, None])
 
 
@@ -818,7 +855,15 @@ def quantize_blocks(x: torch.Tensor, block: int, mean: Optional[torch.Tensor] = 
     return (q, scale, qt) if transposed else (q, scale)
 
 
-def _forward_impl(q, k, v, key_mask, is_causal: bool, scale: Optional[float], pv: PVPrecision) -> SageBwdState:
+def _no_alias(x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """x, or a copy where it shares memory with one of ``inputs`` (a custom op's outputs never alias its inputs)."""
+    if x.numel() and any(x.data_ptr() == t.data_ptr() for t in inputs):
+        return x.clone()
+    return x
+
+
+def _forward_impl(q, k, v, key_mask, is_causal: bool, scale: Optional[float], pv: PVPrecision,
+                  scores: ScorePrecision = ScorePrecision.INT8) -> SageBwdState:
     b, hq, sq_len, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -826,9 +871,9 @@ def _forward_impl(q, k, v, key_mask, is_causal: bool, scale: Optional[float], pv
     k8, sk = quantize_blocks(k, BLOCK_KV, mean=ref.key_mean(k, key_mask), key_mask=key_mask)
     # V^ and its transposed copy (the P~.V operand, K-major) from one pass
     v8, sv, v8t = quantize_blocks(v, BLOCK_KV, key_mask=key_mask, transposed=True)
-    vc = ref.masked_v(v, key_mask).to(ref.compute_dtype(v.dtype)).contiguous()
-    if vc.data_ptr() == v.data_ptr():  # a custom op's outputs never alias its inputs
-        vc = vc.clone()
+    vc = _no_alias(ref.masked_v(v, key_mask).to(ref.compute_dtype(v.dtype)).contiguous(), v)
+    qc, kc = (_no_alias(x, q, k) for x in ref.score_operands(q, k, key_mask, scores))  # empty for INT8 scores
+    qk16 = scores is ScorePrecision.FP16
     out = torch.empty((b, hq, sq_len, d), dtype=q.dtype, device=q.device)
     m2 = torch.empty((b, hq, sq_len), dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(m2)
@@ -841,12 +886,13 @@ def _forward_impl(q, k, v, key_mask, is_causal: bool, scale: Optional[float], pv
             mask, has_mask = _mask_arg(key_mask, q.device)
             wide = dict(BLOCK_M=INTERPRET_WIDE) if INTERPRET else {}
             _fwd_kernel[lambda meta: (triton.cdiv(sq_len, meta["BLOCK_M"]), b * hq)](
-                q8, sq, k8, sk, v8t, sv, vc, mask, out, m2, lse2, sm_scale * LOG2E, hq, hq // hkv, sq_len, skv,
+                q8, sq, k8, sk, v8t, sv, vc, qc if qk16 else q8, kc if qk16 else k8,  # INT8: placeholders, not read
+                mask, out, m2, lse2, sm_scale * LOG2E, hq, hq // hkv, sq_len, skv,
                 D=d, BLOCK_N=BLOCK_KV, BLOCK_Q=BLOCK_Q, HAS_MASK=has_mask, IS_CAUSAL=bool(is_causal),
                 PV_INT8=pv is PVPrecision.INT8, DOT16_AS_F32=INTERPRET, ACC_XU=acc_convert() is AccConvert.XU,
-                **wide,
+                QK16=qk16, **wide,
             )
-    return SageBwdState(q8=q8, sq=sq, k8=k8, sk=sk, v8=v8, sv=sv, vc=vc, out=out, m2=m2, lse2=lse2)
+    return SageBwdState(q8=q8, sq=sq, k8=k8, sk=sk, v8=v8, sv=sv, vc=vc, out=out, m2=m2, lse2=lse2, qc=qc, kc=kc)
 
 
 class BackwardRows(NamedTuple):
@@ -881,12 +927,14 @@ def backward_rows(do: torch.Tensor, state: SageBwdState, dov_int8: bool) -> Back
 
 
 def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Optional[float], dov: DoVPrecision,
-                   dlse: Optional[torch.Tensor] = None, k_mean: Optional[torch.Tensor] = None):
+                   dlse: Optional[torch.Tensor] = None, k_mean: Optional[torch.Tensor] = None,
+                   scores: ScorePrecision = ScorePrecision.INT8):
     """Pre-pass kernel, then the dK/dV and dQ kernels, or the fused one (:func:`bwd_kernels`);
     returns float32 dq, dk, dv. An LSE gradient ``dlse`` enters as the reference's does: subtracted
     from the pre-pass's delta (dS = P o (dP - (delta - dlse))), which every dS tile reads, and the
     smoothing shift's dQ term added to the kernels' dQ."""
     ref.check_lse_grad(dlse, k_mean, state)
+    qk16 = ref.check_score_operands(scores, state) is ScorePrecision.FP16
     b, hq, sq_len, d = state.q8.shape
     hkv, skv = state.k8.shape[1], state.k8.shape[2]
     dev = do.device
@@ -909,7 +957,8 @@ def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Op
     do16 = do.to(state.vc.dtype).contiguous()
     mask, has_mask = _mask_arg(key_mask, dev)
     common = dict(D=d, SUB=BLOCK_Q, HAS_MASK=has_mask, IS_CAUSAL=bool(is_causal), DOV_INT8=dov_int8,
-                  DOT16_AS_F32=INTERPRET, ACC_XU=acc_convert() is AccConvert.XU)
+                  DOT16_AS_F32=INTERPRET, ACC_XU=acc_convert() is AccConvert.XU, QK16=qk16)
+    qc, kc = (state.qc, state.kc) if qk16 else (state.q8, state.k8)  # INT8 scores: placeholders, not read
     qk_scale = sm_scale * LOG2E
     q8t = _transposed(state.q8)  # (B, Hq, D, Sq)
     k8t = _transposed(state.k8)  # (B, Hkv, D, Skv)
@@ -919,13 +968,13 @@ def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Op
     wide_m = dict(BLOCK_M=INTERPRET_WIDE) if INTERPRET else {}
     kernel = _bwd_fused_kernel if fused else _bwd_dkdv_kernel
     kernel[lambda meta: (triton.cdiv(skv, meta["BLOCK_N"]), b * hkv)](
-        state.q8, state.sq, q8t, state.k8, state.sk, k8t, state.v8, state.sv, state.vc,
+        state.q8, state.sq, q8t, state.k8, state.sk, k8t, state.v8, state.sv, state.vc, qc, kc,
         r.mb, r.inv_l, r.delta, do16, r.do8, r.sdo, r.dos8t, r.sdos, mask, dk, dv, dq,
         qk_scale, sm_scale, hkv, hq // hkv, sq_len, skv, DW=dw, FUSE_DQ=fused, DV_LAST=lean, **common, **wide_n,
     )
     if not fused:
         _bwd_dq_kernel[lambda meta: (triton.cdiv(sq_len, meta["BLOCK_M"]), b * hq)](
-            state.q8, state.sq, state.k8, state.sk, k8t, state.v8, state.sv, state.vc,
+            state.q8, state.sq, state.k8, state.sk, k8t, state.v8, state.sv, state.vc, qc, kc,
             r.mb, r.inv_l, r.delta, do16, r.do8, r.sdo, mask, dq,
             qk_scale, sm_scale, hq, hq // hkv, sq_len, skv, **common, **wide_m,
         )
@@ -937,56 +986,66 @@ def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Op
 # One torch op per pass (opaque to torch.compile, with shape-only fake implementations), so the
 # autograd function and compiled graphs never trace into Triton launches.
 _State = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-               torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+               torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @torch.library.custom_op("sage_diffusers::sagebwd_triton_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
-            is_causal: bool, scale: float, pv: str) -> _State:
-    return tuple(_forward_impl(q, k, v, key_mask, is_causal, scale, PVPrecision(pv)))
+            is_causal: bool, scale: float, pv: str, scores: str = "int8") -> _State:
+    return tuple(_forward_impl(q, k, v, key_mask, is_causal, scale, PVPrecision(pv), ScorePrecision(scores)))
 
 
 @_fwd_op.register_fake
-def _(q, k, v, key_mask, is_causal, scale, pv):
+def _(q, k, v, key_mask, is_causal, scale, pv, scores="int8"):
     b, hq, sq_len, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     i8 = dict(dtype=torch.int8)
     nq, nk = -(-sq_len // BLOCK_Q), -(-skv // BLOCK_KV)
+    cdt = ref.compute_dtype(q.dtype)
+    qk16 = ScorePrecision(scores) is ScorePrecision.FP16
     return (q.new_empty(q.shape, **i8), q.new_empty((b, hq, nq), dtype=torch.float32),
             k.new_empty(k.shape, **i8), k.new_empty((b, hkv, nk), dtype=torch.float32),
             v.new_empty(v.shape, **i8), v.new_empty((b, hkv, nk), dtype=torch.float32),
             v.new_empty(v.shape, dtype=ref.compute_dtype(v.dtype)), q.new_empty(q.shape),
-            q.new_empty((b, hq, sq_len), dtype=torch.float32), q.new_empty((b, hq, sq_len), dtype=torch.float32))
+            q.new_empty((b, hq, sq_len), dtype=torch.float32), q.new_empty((b, hq, sq_len), dtype=torch.float32),
+            q.new_empty(q.shape if qk16 else (0,), dtype=cdt), k.new_empty(k.shape if qk16 else (0,), dtype=cdt))
 
 
 @torch.library.custom_op("sage_diffusers::sagebwd_triton_bwd", mutates_args=())
 def _bwd_op(do: torch.Tensor, q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk: torch.Tensor,
             v8: torch.Tensor, sv: torch.Tensor, vc: torch.Tensor, out: torch.Tensor, m2: torch.Tensor,
-            lse2: torch.Tensor, key_mask: Optional[torch.Tensor], is_causal: bool, scale: float,
-            dov: str, dlse: Optional[torch.Tensor] = None,
-            k_mean: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    state = SageBwdState(q8, sq, k8, sk, v8, sv, vc, out, m2, lse2)
-    return _backward_impl(do, state, key_mask, is_causal, scale, DoVPrecision(dov), dlse, k_mean)
+            lse2: torch.Tensor, qc: torch.Tensor, kc: torch.Tensor, key_mask: Optional[torch.Tensor],
+            is_causal: bool, scale: float, dov: str, dlse: Optional[torch.Tensor] = None,
+            k_mean: Optional[torch.Tensor] = None,
+            scores: str = "int8") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    state = SageBwdState(q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc)
+    return _backward_impl(do, state, key_mask, is_causal, scale, DoVPrecision(dov), dlse, k_mean,
+                          ScorePrecision(scores))
 
 
 @_bwd_op.register_fake
-def _(do, q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, key_mask, is_causal, scale, dov, dlse=None, k_mean=None):
+def _(do, q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc, key_mask, is_causal, scale, dov, dlse=None, k_mean=None,
+      scores="int8"):
     return (do.new_empty(q8.shape, dtype=torch.float32), do.new_empty(k8.shape, dtype=torch.float32),
             do.new_empty(k8.shape, dtype=torch.float32))
 
 
 def sagebwd_forward(q, k, v, key_mask=None, is_causal=False, scale=None,
-                    pv: "str | PVPrecision" = PVPrecision.INT8) -> SageBwdState:
+                    pv: "str | PVPrecision" = PVPrecision.INT8,
+                    scores: "str | ScorePrecision" = ScorePrecision.INT8) -> SageBwdState:
     """Same contract as :func:`sage_diffusers.reference.sagebwd.sagebwd_forward` (the torch op)."""
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return SageBwdState(*_fwd_op(q, k, v, key_mask, bool(is_causal), sm_scale, PVPrecision.parse(pv).value))
+    return SageBwdState(*_fwd_op(q, k, v, key_mask, bool(is_causal), sm_scale, PVPrecision.parse(pv).value,
+                                 ScorePrecision.parse(scores).value))
 
 
 def sagebwd_backward(do, state: SageBwdState, key_mask=None, is_causal=False, scale=None,
-                     dov: "str | DoVPrecision" = DoVPrecision.FP16, dlse=None, k_mean=None):
+                     dov: "str | DoVPrecision" = DoVPrecision.FP16, dlse=None, k_mean=None,
+                     scores: "str | ScorePrecision" = ScorePrecision.INT8):
     """Same contract as :func:`sage_diffusers.reference.sagebwd.sagebwd_backward` (the torch op)."""
     sm_scale = 1.0 / math.sqrt(state.q8.shape[-1]) if scale is None else float(scale)
-    return _bwd_op(do, *state, key_mask, bool(is_causal), sm_scale, DoVPrecision.parse(dov).value, dlse, k_mean)
+    return _bwd_op(do, *state, key_mask, bool(is_causal), sm_scale, DoVPrecision.parse(dov).value, dlse, k_mean,
+                   ScorePrecision.parse(scores).value)
 
 
 def attention_int8_triton(q, k, v, *, key_mask=None, is_causal=False, scale=None, return_lse=False,

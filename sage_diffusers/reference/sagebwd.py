@@ -21,6 +21,11 @@ Backward (five matmuls per ``BLOCK_Q`` x ``BLOCK_KV`` tile)
     delta = rowsum(dO o O); dQ = dS.K and dK = dS^T.Q in INT8 with dS quantized per tile.
     A gradient dlse of the LSE as well (d lse_i / d S_ij = P_ij) adds P o dlse to dS: delta - dlse
     takes delta's place (:func:`lse_grad_rows`).
+Scores in 16 bits (``ScorePrecision.FP16``, opt-in)
+    S = Q.K^T from Q and K in the 16-bit compute dtype with FP32 sums, in the forward and in the
+    backward's recomputation, with the forward's P~.V in 16 bits too; dV, dQ and dK stay INT8 and
+    dP as chosen. INT8 scores carry about 1 % of the scores' spread as an absolute error in the
+    exponent, which on sharp heads spoils dQ and dK (eval/results/sagebwd_error_budget_cpu.md).
 
 Why dK needs no term for the K mean: smoothing subtracts q.k_mean from every score of a row, which
 softmax ignores, and the gradient of the mean is (1/N) sum_j dS_ij q_i, zero because every row of
@@ -75,6 +80,29 @@ class DoVPrecision(ParsedEnum):
         return "dov"
 
 
+class ScorePrecision(ParsedEnum):
+    """Precision of the scores S = Q.K^T, in the forward and in the backward's recomputation of S.
+
+    The accuracy policy of SageBwd: with FP16 scores SageBwd also runs the forward's P~.V in 16 bits
+    (:attr:`pv`), and keeps the backward's dV = P~^T.dO', dQ = dS.K^ and dK = dS^T.Q^ in INT8.
+    """
+
+    INT8 = "int8"  # Q^ K^ per 64-token block, int32 sums: the paper's SageBwd (fast; sharp heads lose dQ / dK)
+    FP16 = "fp16"  # Q and K in the 16-bit compute dtype, FP32 sums: accurate on sharp heads, slower
+
+    @classmethod
+    def option_name(cls) -> str:
+        return "scores"
+
+    @property
+    def pv(self) -> PVPrecision:
+        """The forward's P~.V precision that goes with these scores in SageBwd: INT8 with INT8 scores;
+        16 bits with 16-bit scores, since delta = rowsum(dO o O) from an INT8 P~.V output no longer
+        matches the backward's P, and on sharp heads that alone spoils dQ and dK
+        (eval/results/sagebwd_error_budget_cpu.md)."""
+        return PVPrecision.INT8 if self is ScorePrecision.INT8 else PVPrecision.FP16
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The 16-bit dtype of the unquantized products: the input's, or bfloat16 for other inputs."""
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
@@ -87,8 +115,12 @@ class SageBwdState(NamedTuple):
     (smoothed K), sk float32 (B, Hkv, ceil(Skv/BLOCK_KV)); v8 int8 (B, Hkv, Skv, D), sv float32
     (B, Hkv, ceil(Skv/BLOCK_KV)); vc (B, Hkv, Skv, D) masked V in the 16-bit compute dtype;
     out (B, Hq, Sq, D) the returned output; m2 and lse2 float32 (B, Hq, Sq) the final row max and
-    the LSE of the smoothed scores times scale*log2(e), in the log2 domain (-inf on rows with no
-    visible key).
+    the LSE of the scores times scale*log2(e) (of the smoothed K with INT8 scores, of K with FP16
+    scores), in the log2 domain (-inf on rows with no visible key); with
+    :attr:`ScorePrecision.FP16` scores, qc (B, Hq, Sq, D) Q and kc (B, Hkv, Skv, D) K (masked rows
+    0), both in the 16-bit compute dtype: the scores' operands (:func:`score_operands`); with INT8
+    scores both are empty (0 elements): nothing reads them. q8 and k8 are kept either way: the
+    backward's dK and dQ products read them.
     """
 
     q8: torch.Tensor
@@ -101,6 +133,8 @@ class SageBwdState(NamedTuple):
     out: torch.Tensor
     m2: torch.Tensor
     lse2: torch.Tensor
+    qc: torch.Tensor
+    kc: torch.Tensor
 
 
 def key_mean(k: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -138,18 +172,38 @@ def masked_kv(k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor]
     return ks, masked_v(v, key_mask).float(), k_mean
 
 
-def quantize_inputs(q, k, v, key_mask: Optional[torch.Tensor]) -> dict:
+def score_operands(q: torch.Tensor, k: torch.Tensor, key_mask: Optional[torch.Tensor],
+                   scores: ScorePrecision) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qc, kc) of :class:`SageBwdState`: for FP16 scores q (B, Hq, Sq, D) and the masked K
+    (B, Hkv, Skv, D) (masked rows 0) in the 16-bit compute dtype; empty for INT8 scores. The Triton
+    wrapper calls this same function: kernels and reference read the same bits.
+
+    K is not smoothed here: smoothing serves the INT8 scales, and 16-bit inputs are then exact
+    operands, while the smoothed K rounded to 16 bits would put 2**-9 of |k - mean| into every
+    score (at scores x400 about 0.4 nats: dQ cos 0.975 against 0.9999 with K as given). The scores
+    then differ from the smoothed ones by q.k_mean per row, which softmax ignores; the backward's
+    dQ = dS.K^ still reads the smoothed K^ (its rows of dS sum to zero, or to dlse: ``lse_shift_dq``).
+    """
+    cdt = compute_dtype(q.dtype)
+    if scores is ScorePrecision.INT8:
+        return q.new_empty((0,), dtype=cdt), k.new_empty((0,), dtype=cdt)
+    return q.to(cdt).contiguous(), masked_v(k, key_mask).to(cdt).contiguous()
+
+
+def quantize_inputs(q, k, v, key_mask: Optional[torch.Tensor],
+                    scores: ScorePrecision = ScorePrecision.INT8) -> dict:
     """The forward's pre-pass: smooth K, quantize Q, K, V per block (absmax / 127, round to even).
 
-    Returns q8, sq, k8, sk, v8, sv (see :class:`SageBwdState`) and vc, the masked V in the
-    16-bit compute dtype.
+    Returns q8, sq, k8, sk, v8, sv, qc, kc (see :class:`SageBwdState`) and vc, the masked V in
+    the 16-bit compute dtype.
     """
     ks, vz, _ = masked_kv(k, v, key_mask)
     q8, sq = quantize_int8_per_block(q, BLOCK_Q)  # (B, Hq, Sq, D), (B, Hq, nq)
     k8, sk = quantize_int8_per_block(ks, BLOCK_KV)  # (B, Hkv, Skv, D), (B, Hkv, nk)
     v8, sv = quantize_int8_per_block(vz, BLOCK_KV)
     vc = vz.to(compute_dtype(v.dtype))  # (B, Hkv, Skv, D)
-    return dict(q8=q8, sq=sq, k8=k8, sk=sk, v8=v8, sv=sv, vc=vc)
+    qc, kc = score_operands(q, k, key_mask, scores)
+    return dict(q8=q8, sq=sq, k8=k8, sk=sk, v8=v8, sv=sv, vc=vc, qc=qc, kc=kc)
 
 
 def quantize_p(p: torch.Tensor) -> torch.Tensor:
@@ -174,6 +228,14 @@ def scores_log2(q8, sq_tok, k8, sk_tok, qk_scale: float) -> torch.Tensor:
     return dots * (sq_tok[..., :, None] * qk_scale) * sk_tok[..., None, :]
 
 
+def scores16_log2(qc: torch.Tensor, kc: torch.Tensor, qk_scale: float) -> torch.Tensor:
+    """S in the log2 domain from 16-bit operands (:attr:`ScorePrecision.FP16`), as the kernels compute
+    it: qc (B, H, M, D), kc (B, H, N, D) 16-bit; float32 (B, H, M, N) = (qc.kc, FP32 sums) * qk_scale.
+    The products of 16-bit values are exact in float32; only the summation order differs from a
+    tensor core's."""
+    return (qc.float() @ kc.float().transpose(-1, -2)) * qk_scale
+
+
 def sagebwd_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -182,6 +244,7 @@ def sagebwd_forward(
     is_causal: bool = False,
     scale: Optional[float] = None,
     pv: "str | PVPrecision" = PVPrecision.INT8,
+    scores: "str | ScorePrecision" = ScorePrecision.INT8,
 ) -> SageBwdState:
     """SageBwd forward.
 
@@ -192,6 +255,8 @@ def sagebwd_forward(
     is_causal : query i sees keys j <= i (top-left aligned, as torch SDPA).
     scale : softmax scale, default 1/sqrt(D).
     pv : precision of P~.V.
+    scores : precision of S = Q.K^T (SageBwd pairs FP16 scores with ``pv="fp16"``:
+        :attr:`ScorePrecision.pv`).
 
     Returns
     -------
@@ -199,8 +264,9 @@ def sagebwd_forward(
     """
     b, hq, _, sq_len, skv, d = check_bhsd(q, k, v)
     pv = PVPrecision.parse(pv)
+    scores = ScorePrecision.parse(scores)
     qk_scale = default_scale(scale, d) * LOG2E
-    t = quantize_inputs(q, k, v, key_mask)
+    t = quantize_inputs(q, k, v, key_mask, scores)
     sq_tok = _per_token(t["sq"], BLOCK_Q, sq_len)  # (B, Hq, Sq)
     k8 = expand_heads(t["k8"], hq)  # (B, Hq, Skv, D)
     sk_tok = _per_token(expand_heads(t["sk"], hq), BLOCK_KV, skv)  # (B, Hq, Skv)
@@ -208,8 +274,12 @@ def sagebwd_forward(
     sv = expand_heads(t["sv"], hq)  # (B, Hq, nk)
     vc = expand_heads(t["vc"], hq)  # (B, Hq, Skv, D), 16-bit
     q8 = t["q8"]
+    if scores is ScorePrecision.FP16:
+        kc = expand_heads(t["kc"], hq)  # (B, Hq, Skv, D), 16-bit, not smoothed
 
     def score(j0: int, j1: int) -> torch.Tensor:
+        if scores is ScorePrecision.FP16:
+            return scores16_log2(t["qc"], kc[:, :, j0:j1], qk_scale)
         return scores_log2(q8, sq_tok, k8[:, :, j0:j1], sk_tok[:, :, j0:j1], qk_scale)
 
     def pv_int8(j0: int, j1: int, p: torch.Tensor) -> torch.Tensor:
@@ -278,6 +348,7 @@ def sagebwd_backward(
     dov: "str | DoVPrecision" = DoVPrecision.FP16,
     dlse: Optional[torch.Tensor] = None,
     k_mean: Optional[torch.Tensor] = None,
+    scores: "str | ScorePrecision" = ScorePrecision.INT8,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SageBwd backward from the forward's saved state.
 
@@ -290,6 +361,7 @@ def sagebwd_backward(
         scores, when the forward's caller returned one; ignored on rows with no visible key.
     k_mean : float32 (B, Hkv, D), :func:`key_mean` of the forward's K and key_mask; required with
         ``dlse`` (the LSE's dQ term, :func:`lse_shift_dq`).
+    scores : precision of the recomputed S; the forward's (FP16 reads ``state.qc``, ``state.kc``).
 
     Returns
     -------
@@ -298,6 +370,7 @@ def sagebwd_backward(
     """
     check_lse_grad(dlse, k_mean, state)
     dov = DoVPrecision.parse(dov)
+    scores = check_score_operands(scores, state)
     b, hq, sq_len, d = state.q8.shape
     hkv, skv = state.k8.shape[1], state.k8.shape[2]
     sm_scale = default_scale(scale, d)
@@ -306,7 +379,10 @@ def sagebwd_backward(
     sq_tok = _per_token(state.sq, BLOCK_Q, sq_len)  # (B, Hq, Sq)
     sk_tok = _per_token(expand_heads(state.sk, hq), BLOCK_KV, skv)  # (B, Hq, Skv)
     k8 = expand_heads(state.k8, hq)  # (B, Hq, Skv, D)
-    s2 = scores_log2(state.q8, sq_tok, k8, sk_tok, sm_scale * LOG2E)  # (B, Hq, Sq, Skv)
+    if scores is ScorePrecision.FP16:
+        s2 = scores16_log2(state.qc, expand_heads(state.kc, hq), sm_scale * LOG2E)  # (B, Hq, Sq, Skv)
+    else:
+        s2 = scores_log2(state.q8, sq_tok, k8, sk_tok, sm_scale * LOG2E)
     vis = visible_keys(0, skv, sq_len, key_mask, is_causal, do.device)
     live = torch.isfinite(state.lse2)[..., None]  # (B, Hq, Sq, 1): rows that saw a key
     zero = torch.zeros((), dtype=torch.float32, device=do.device)
@@ -356,6 +432,18 @@ def sagebwd_backward(
     if dlse is not None:
         dq = dq + lse_shift_dq(dl, k_mean, sm_scale)
     return dq, dk, dv
+
+
+def check_score_operands(scores: "str | ScorePrecision", state: SageBwdState) -> ScorePrecision:
+    """The parsed ``scores``; ValueError if FP16 scores find no 16-bit Q and K in ``state`` (a forward
+    run with INT8 scores saves none)."""
+    scores = ScorePrecision.parse(scores)
+    if scores is ScorePrecision.FP16:
+        want_q, want_k = tuple(state.q8.shape), tuple(state.k8.shape)
+        if tuple(state.qc.shape) != want_q or tuple(state.kc.shape) != want_k:
+            raise ValueError(f"scores='fp16': the state's qc, kc must have shapes {want_q}, {want_k} (a forward "
+                             f"with scores='fp16'), got {tuple(state.qc.shape)}, {tuple(state.kc.shape)}")
+    return scores
 
 
 def check_lse_grad(dlse: Optional[torch.Tensor], k_mean: Optional[torch.Tensor], state: SageBwdState) -> None:
