@@ -10,10 +10,10 @@ import enum
 
 import torch
 
-from . import _fallback
+from . import _fallback, config
 from ._shared import check_scale, exact_lse
 from .reference import sagebwd as ref
-from .reference.sagebwd import DoVPrecision, PVPrecision, SageBwdState
+from .reference.sagebwd import DoVPrecision, SageBwdState, ScorePrecision
 
 DOUBLE_BACKWARD_ERROR = (
     "sage_diffusers SageBwd (sd.sagebwd, or sd.attention(mode=\"int8\") with gradients) has no double "
@@ -52,7 +52,9 @@ def default_impl(device: torch.device) -> Impl:
 
 
 class SageBwdFunction(torch.autograd.Function):
-    """Autograd function over BHSD tensors; see :func:`sagebwd` for the arguments.
+    """Autograd function over BHSD tensors; see :func:`sagebwd` for the arguments. ``scores``
+    (:class:`ScorePrecision`) picks the scores' precision and with it the forward's P~.V
+    (:attr:`ScorePrecision.pv`).
 
     With ``return_lse`` the outputs are (out, lse): lse float32 (B, Hq, Sq), the exact natural-log
     LSE of the scaled scores (float32 scores, as the SDPA path computes it), whose gradient the
@@ -61,10 +63,10 @@ class SageBwdFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_mask, is_causal: bool, scale: float, dov: DoVPrecision, impl: Impl,
-                return_lse: bool = False):
+                return_lse: bool = False, scores: ScorePrecision = ScorePrecision.INT8):
         module = _impl_module(impl)
-        state = module.sagebwd_forward(q, k, v, key_mask, is_causal, scale, PVPrecision.INT8)
-        ctx.is_causal, ctx.scale, ctx.dov, ctx.impl = is_causal, scale, dov, impl
+        state = module.sagebwd_forward(q, k, v, key_mask, is_causal, scale, scores.pv, scores)
+        ctx.is_causal, ctx.scale, ctx.dov, ctx.impl, ctx.scores = is_causal, scale, dov, impl, scores
         ctx.has_mask, ctx.return_lse = key_mask is not None, return_lse
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         extra = (key_mask,) if key_mask is not None else ()
@@ -94,15 +96,23 @@ class SageBwdFunction(torch.autograd.Function):
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         dq, dk, dv = module.sagebwd_backward(
             do.contiguous(), state, key_mask, ctx.is_causal, ctx.scale, ctx.dov,
-            dlse=dlse.float().contiguous() if ctx.return_lse else None, k_mean=k_mean,
+            dlse=dlse.float().contiguous() if ctx.return_lse else None, k_mean=k_mean, scores=ctx.scores,
         )
         tq, tk, tv = ctx.dtypes
         return (dq.to(tq) if need_q else None, dk.to(tk) if need_k else None,
-                dv.to(tv) if need_v else None, None, None, None, None, None, None)
+                dv.to(tv) if need_v else None, None, None, None, None, None, None, None)
+
+
+def default_scores() -> ScorePrecision:
+    """The scores' precision when the caller names none: ``SAGE_DIFFUSERS_SAGEBWD_SCORES`` (read at
+    each call), INT8 when unset."""
+    return ScorePrecision.parse(config.sagebwd_scores())
 
 
 def attention_sagebwd(q, k, v, *, key_mask=None, is_causal=False, scale=None, return_lse=False):
-    """The API's gradient path for ``mode="int8"`` (the kernels' backend contract, BHSD views).
+    """The API's gradient path for ``mode="int8"`` (the kernels' backend contract, BHSD views);
+    the scores' precision is :func:`default_scores` (INT8 unless ``SAGE_DIFFUSERS_SAGEBWD_SCORES``
+    says otherwise).
 
     Returns (out like q, lse float32 (B, Hq, Sq) or None); the lse is exact (float32 scores,
     computed as the SDPA path computes it) and differentiable: its gradient flows to q and k
@@ -112,6 +122,7 @@ def attention_sagebwd(q, k, v, *, key_mask=None, is_causal=False, scale=None, re
     d = q.shape[-1]
     sm_scale = check_scale(scale, d)
     args = (q, k, v, key_mask, bool(is_causal), sm_scale, DoVPrecision.FP16, impl)
+    scores = default_scores()
     if return_lse:
-        return SageBwdFunction.apply(*args, True)
-    return SageBwdFunction.apply(*args), None
+        return SageBwdFunction.apply(*args, True, scores)
+    return SageBwdFunction.apply(*args, False, scores), None

@@ -195,6 +195,7 @@ _EXP_POLY_DOC = "; ".join(f"D = {d}: {', '.join(map(str, s))}" for d, s in sorte
 # must not).
 SAGEBWD_ACC_VALUES = ("xu", "alu")
 SAGEBWD_BWD_VALUES = ("split", "lean", "fused")
+SAGEBWD_SCORES_VALUES = ("int8", "fp16")  # reference.sagebwd.ScorePrecision
 FP4_ATOM_VALUES = ("native", "emulated")
 FP4_EMU_VALUES = ("auto", "mma", "wgmma")
 
@@ -258,6 +259,11 @@ SAGEBWD_BWD = Variable(
     "`lean` at D = 128; `fused` at D <= 64 unless torch's deterministic algorithms are on",
     "at each SageBwd backward", "user",
     "SageBwd's backward kernels (`split`, `lean`: deterministic, same bits; `fused`: dQ by atomics).")
+SAGEBWD_SCORES = Variable(
+    "SAGE_DIFFUSERS_SAGEBWD_SCORES", _choice(*SAGEBWD_SCORES_VALUES), "int8", _choices_doc(SAGEBWD_SCORES_VALUES),
+    "`int8`", "at each SageBwd forward", "user",
+    "SageBwd's scores (`sd.attention(mode=\"int8\")` with gradients, `sd.sagebwd` without `scores=`): `fp16` "
+    "(Q.K^T and P~.V in 16 bits) is accurate on sharp heads and slower.")
 TRITON_INTERPRET = Variable(
     "TRITON_INTERPRET", lambda text: text == "1", False, "`1` on, anything else off", "off",
     "once, when `kernels.sagebwd_triton` is imported", "external",
@@ -281,7 +287,7 @@ COMMIT = Variable(
 
 VARIABLES: dict[str, Variable] = {v.name: v for v in (
     CACHE, CSRC, AUTO_CALIBRATE, SM90_BENCH, EXP_POLY, FP4_ATOM, FP4_EMU, FP4_OPT, FP4_NO_HW_E2M1,
-    TRITON_AUTOTUNE, SAGEBWD_ACC, SAGEBWD_BWD, TRITON_INTERPRET, CUTLASS_INCLUDE, MAX_JOBS, XDG_CACHE_HOME,
+    TRITON_AUTOTUNE, SAGEBWD_ACC, SAGEBWD_BWD, SAGEBWD_SCORES, TRITON_INTERPRET, CUTLASS_INCLUDE, MAX_JOBS, XDG_CACHE_HOME,
     COMMIT,
 )}
 
@@ -347,6 +353,11 @@ def sagebwd_acc() -> str:
 def sagebwd_bwd() -> Optional[str]:
     """``SAGE_DIFFUSERS_SAGEBWD_BWD``: "split", "lean" or "fused", or None for the per-head-dim default."""
     return SAGEBWD_BWD.get()
+
+
+def sagebwd_scores() -> str:
+    """``SAGE_DIFFUSERS_SAGEBWD_SCORES``: "int8" or "fp16"."""
+    return SAGEBWD_SCORES.get()
 
 
 def triton_interpret() -> bool:

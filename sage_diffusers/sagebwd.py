@@ -23,16 +23,17 @@ import torch
 from . import _fallback, backends
 from ._dispatch import needs_grad
 from ._masks import _native_key_mask
-from ._sagebwd_autograd import DOUBLE_BACKWARD_ERROR, Impl, SageBwdFunction, default_impl
+from ._sagebwd_autograd import DOUBLE_BACKWARD_ERROR, Impl, SageBwdFunction, default_impl, default_scores
 from ._shared import check_scale, sdpa
 from ._validate import check_attn_mask, check_key_mask, operand_mismatch, to_bhsd
 from .options import Layout
-from .reference.sagebwd import DoVPrecision
+from .reference.sagebwd import DoVPrecision, ScorePrecision
 
 SUPPORTED_HEAD_DIMS = backends.SAGEBWD.head_dims
 _NATIVE_DTYPES = backends.SAGEBWD.dtypes
 
-__all__ = ["DOUBLE_BACKWARD_ERROR", "Impl", "SUPPORTED_HEAD_DIMS", "SageBwdFunction", "default_impl", "sagebwd"]
+__all__ = ["DOUBLE_BACKWARD_ERROR", "Impl", "SUPPORTED_HEAD_DIMS", "SageBwdFunction", "ScorePrecision", "default_impl",
+           "sagebwd"]
 
 
 def _fallback_reason(q: torch.Tensor, d: int, dv: int, general_mask: bool) -> Optional[str]:
@@ -55,6 +56,7 @@ def sagebwd(
     key_mask: Optional[torch.Tensor] = None,
     layout: "str | Layout" = "BHSD",
     dov: "str | DoVPrecision" = "fp16",
+    scores: "str | ScorePrecision | None" = None,
     impl: "Impl | None" = None,
 ) -> torch.Tensor:
     """Trainable INT8 attention (SageBwd): quantized forward and backward.
@@ -74,6 +76,12 @@ def sagebwd(
     layout : "BHSD" or "BSHD"; the output uses the same layout.
     dov : precision of the backward's dP = dO.V^T: "fp16" (16-bit operands, the default) or
         "int8" (the paper's ablation, less accurate).
+    scores : precision of the scores S = Q.K^T, in the forward and in the backward's recomputation:
+        "int8" (the paper's SageBwd: Q and the smoothed K per 64-token block) or "fp16" (Q and K in
+        the 16-bit compute dtype, and the forward's P~.V in 16 bits too; the backward's dV, dQ and
+        dK products stay INT8): accurate gradients on sharp heads (large scores), at about a fifth
+        more tensor-core work in the backward and a 16-bit forward. None: the environment variable
+        ``SAGE_DIFFUSERS_SAGEBWD_SCORES``, "int8" when unset. See docs/sagebwd.md, "Accuracy".
     impl : force an implementation; default Triton on CUDA, the torch reference elsewhere.
 
     Returns
@@ -88,6 +96,7 @@ def sagebwd(
     """
     layout = Layout.parse(layout)
     dov = DoVPrecision.parse(dov)
+    scores = default_scores() if scores is None else ScorePrecision.parse(scores)
     qh, kh, vh = to_bhsd(q, k, v, layout)
     b, hq, sq, d = qh.shape
     skv, dv = kh.shape[2], vh.shape[3]
@@ -105,6 +114,6 @@ def sagebwd(
                       return_lse=False)
     else:
         impl = default_impl(q.device) if impl is None else impl
-        out = SageBwdFunction.apply(qh, kh, vh, mask_keys, bool(is_causal), scale_f, dov, impl)
+        out = SageBwdFunction.apply(qh, kh, vh, mask_keys, bool(is_causal), scale_f, dov, impl, False, scores)
     out = out.to(q.dtype)
     return out.transpose(1, 2) if layout is Layout.BSHD else out

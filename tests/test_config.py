@@ -11,6 +11,7 @@ import pytest
 
 from sage_diffusers import config
 from sage_diffusers.kernels import _jit, fp4
+from sage_diffusers.reference.sagebwd import ScorePrecision
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "sage_diffusers"
@@ -34,6 +35,7 @@ BAD = {
     "SAGE_DIFFUSERS_TRITON_AUTOTUNE": "fast",
     "SAGE_DIFFUSERS_SAGEBWD_ACC": "fpu",
     "SAGE_DIFFUSERS_SAGEBWD_BWD": "Lean",
+    "SAGE_DIFFUSERS_SAGEBWD_SCORES": "bf16",
     "TRITON_INTERPRET": None,
     "CUTLASS_INCLUDE": None,
     "MAX_JOBS": "-1",
@@ -162,6 +164,8 @@ def test_choices_are_the_values_of_the_enums_they_select():
     sagebwd_triton = pytest.importorskip("sage_diffusers.kernels.sagebwd_triton")
     assert config.SAGEBWD_ACC_VALUES == tuple(m.value for m in sagebwd_triton.AccConvert)
     assert config.SAGEBWD_BWD_VALUES == tuple(m.value for m in sagebwd_triton.BwdKernels)
+    assert config.SAGEBWD_SCORES_VALUES == tuple(m.value for m in ScorePrecision)
+    assert config.SAGEBWD_SCORES.default == ScorePrecision.INT8.value
     assert config.FP4_ATOM_VALUES == (fp4.Atom.NATIVE, fp4.Atom.EMULATED)
     assert set(config.FP4_EMU_VALUES) == set(fp4.EmuGemm.CODE)
     assert config.SAGEBWD_ACC.default == sagebwd_triton.AccConvert.XU.value
