@@ -2,6 +2,8 @@
 
     python eval/bench_sagebwd.py              # hd64 and hd128, 4K-32K tokens (H200: a few minutes)
     python eval/bench_sagebwd.py --quick      # two shapes, fewer rounds
+    python eval/bench_sagebwd.py --methods sagebwd,sagebwd_scores_fp16,sdpa_cudnn --shapes 1x24x16384x128,1x48x16384x64
+                                              # 16-bit scores against the default and cuDNN
     SAGE_DIFFUSERS_TRITON_AUTOTUNE=3 python eval/bench_sagebwd.py --compare
                                               # the kernel variants per pass, 4K and 16K (H200: < 4 min)
     SAGE_DIFFUSERS_TRITON_AUTOTUNE=3 python eval/bench_sagebwd.py --compare --passes fwd+bwd \
@@ -20,7 +22,8 @@ Writes eval/results/sagebwd_<gpu>.{json,md}, e.g. sagebwd_h100 (``--compare``: s
   (``SAGE_DIFFUSERS_SAGEBWD_ACC=alu``); ``sagebwd_split``, ``sagebwd_lean``, ``sagebwd_fused``:
   the backward kernel choices of ``SAGE_DIFFUSERS_SAGEBWD_BWD`` (``BwdKernels``: dK/dV and dQ
   kernels as before, the register-lean dK/dV kernel, dQ fused into it by atomic adds);
-  ``sagebwd_dov_int8`` (the dO.V^T INT8 ablation);
+  ``sagebwd_dov_int8`` (the dO.V^T INT8 ablation); ``sagebwd_scores_fp16`` (``scores="fp16"``:
+  Q.K^T and P~.V in 16 bits, the backward's dV, dQ, dK INT8; the accuracy policy for sharp heads);
   ``sdpa_cudnn`` and ``sdpa_flash`` (``F.scaled_dot_product_attention`` under
   ``sdpa_kernel``). The environment of a method is set around each of its calls (the kernels
   read it at call time).
@@ -69,6 +72,7 @@ PASSES = ("fwd", "bwd", "fwd+bwd")
 METHOD_ENV = {
     "sagebwd": {},
     "sagebwd_dov_int8": {},
+    "sagebwd_scores_fp16": {},  # an argument (sagebwd_options), not the environment
     "sagebwd_acc_alu": {"SAGE_DIFFUSERS_SAGEBWD_ACC": "alu"},
     "sagebwd_split": {"SAGE_DIFFUSERS_SAGEBWD_BWD": "split"},
     "sagebwd_lean": {"SAGE_DIFFUSERS_SAGEBWD_BWD": "lean"},
@@ -85,10 +89,17 @@ def make_inputs(b, h, s, d, seed=0):
     return [q, k, v, torch.randn(b, h, s, d, generator=g, device="cuda").to(torch.bfloat16)]
 
 
+def sagebwd_options(method: str) -> dict:
+    """The ``sd.sagebwd`` precision arguments of a SageBwd method: dov and scores (explicit, so a
+    ``SAGE_DIFFUSERS_SAGEBWD_SCORES`` in the caller's environment changes no method)."""
+    return dict(dov="int8" if method == "sagebwd_dov_int8" else "fp16",
+                scores="fp16" if method == "sagebwd_scores_fp16" else "int8")
+
+
 def attention_fn(method: str, causal: bool):
     if method.startswith("sagebwd"):
-        dov = "int8" if method.endswith("dov_int8") else "fp16"
-        return lambda q, k, v: sd.sagebwd(q, k, v, is_causal=causal, dov=dov)
+        opts = sagebwd_options(method)
+        return lambda q, k, v: sd.sagebwd(q, k, v, is_causal=causal, **opts)
 
     def run(q, k, v):
         with sdpa_kernel(SDPA_BACKENDS[method]):
@@ -163,11 +174,12 @@ def accuracy(q, k, v, do, causal: bool, variants: dict) -> dict:
 
 NAMES_OUT = ("O", "dQ", "dK", "dV")
 REALISTIC_SHAPES = ((2, 4, 2, 1000, 1000, 128, False, torch.bfloat16), (1, 4, 4, 777, 1531, 64, True, torch.float16))
-REALISTIC_METHODS = {"dP fp16 (SageBwd)": "sagebwd", "dP int8 (the paper's ablation)": "sagebwd_dov_int8"}
+REALISTIC_METHODS = {"dP fp16 (SageBwd)": "sagebwd", "dP int8 (the paper's ablation)": "sagebwd_dov_int8",
+                     "scores fp16 (Q.K^T, P~.V 16-bit)": "sagebwd_scores_fp16"}
 
 
 def realistic_accuracy(out: Path) -> None:
-    """--realistic: O, dQ, dK, dV of SageBwd (both dP precisions) against float32 attention on the realistic
+    """--realistic: O, dQ, dK, dV of SageBwd (both dP precisions, and 16-bit scores) against float32 attention on the realistic
     inputs (``sage_diffusers.realistic.CASES``), masked keys' NaN zeroed for the reference; a
     gradient is "finite" where float32 attention's, cast to the input dtype, is."""
     from sage_diffusers import realistic
@@ -191,8 +203,7 @@ def realistic_accuracy(out: Path) -> None:
             for label, method in REALISTIC_METHODS.items():
                 xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
                 with method_env(method):
-                    o = sd.sagebwd(*xs, is_causal=causal, key_mask=mask,
-                                   dov="int8" if method.endswith("dov_int8") else "fp16")
+                    o = sd.sagebwd(*xs, is_causal=causal, key_mask=mask, **sagebwd_options(method))
                     got = [o.detach(), *torch.autograd.grad(o, xs, do)]
                 row = dict(shape=f"{b}x{hq}/{hkv}x{sq}x{skv}x{d}", causal=causal, dtype=str(dtype).split(".")[-1],
                            case=case.name, method=label)
@@ -234,7 +245,7 @@ def tuned_configs() -> dict:
 # cuobjdump), its innermost loops counted in SASS. Pointer arguments are int8 unless named here.
 _SASS_FLOAT_PTRS = {"sq_ptr", "sk_ptr", "sv_ptr", "m_ptr", "lse_ptr", "delta_ptr", "sdo_ptr", "sdos_ptr", "dk_ptr",
                     "dv_ptr", "dq_ptr", "mb_ptr", "invl_ptr"}
-_SASS_BF16_PTRS = {"vc_ptr", "do_ptr", "o_ptr"}
+_SASS_BF16_PTRS = {"vc_ptr", "do_ptr", "o_ptr", "qc_ptr", "kc_ptr"}
 _XU_OPS = ("I2F", "I2FP", "F2I", "F2IP", "F2F", "MUFU", "FCHK")  # the 16-per-clock-per-SM pipe
 
 
@@ -295,7 +306,7 @@ def sass_report(out: Path) -> None:
     t0 = time.time()
     rows = []
     for d in (128, 64):
-        base = dict(D=d, HAS_MASK=False, IS_CAUSAL=False, DOT16_AS_F32=False)
+        base = dict(D=d, HAS_MASK=False, IS_CAUSAL=False, DOT16_AS_F32=False, QK16=False)
         bwd = dict(base, DOV_INT8=False)
         cases = [  # (kernel, constexprs, launch configs)
             ("fwd", K._fwd_kernel, dict(base, BLOCK_N=64, BLOCK_Q=64, PV_INT8=True, ACC_XU=True), K._FWD_CONFIGS),
@@ -307,6 +318,9 @@ def sass_report(out: Path) -> None:
             ("fused", K._bwd_fused_kernel,
              dict(bwd, SUB=64, ACC_XU=True, DW=min(d, K.LEAN_COLUMNS), FUSE_DQ=True, DV_LAST=True), K._FUSED_CONFIGS),
         ]
+        # scores="fp16": 16-bit Q.K^T (and P~.V in the forward), the default backward kernels of the head dim
+        cases += [(f"{name} qk16", kernel, dict(consts, QK16=True, **({"PV_INT8": False} if name == "fwd" else {})),
+                   configs) for name, kernel, consts, configs in cases if name in ("fwd", "dQ", "dK/dV lean", "fused")]
         for name, kernel, consts, configs in cases:
             for cfg in configs[:3]:
                 c = dict(consts, **cfg.kwargs)
@@ -389,9 +403,10 @@ def main(argv: list[str] | None = None) -> None:
         rounds = args.rounds or 7
         if args.quick:
             shapes, causal_shapes, rounds = [(1, 24, 16384, 128), (1, 48, 8192, 64)], [], args.rounds or 3
-        methods = (args.methods or "sagebwd,sdpa_cudnn,sdpa_flash").split(",")
+        methods = (args.methods or "sagebwd,sagebwd_scores_fp16,sdpa_cudnn,sdpa_flash").split(",")
         passes = (args.passes or "fwd,fwd+bwd").split(",")
-        acc_variants = {"fp16": "sagebwd", "int8": "sagebwd_dov_int8"}  # dP = dO.V^T: SageBwd's, the paper's ablation
+        # dP = dO.V^T: SageBwd's, the paper's ablation; and the 16-bit scores
+        acc_variants = {"fp16": "sagebwd", "int8": "sagebwd_dov_int8", "scores fp16": "sagebwd_scores_fp16"}
         out = Path(args.out or RESULTS / f"sagebwd_{gpu_slug(torch.cuda.get_device_name())}")
     if args.shapes:
         shapes = args.shapes

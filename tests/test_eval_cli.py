@@ -470,3 +470,14 @@ def test_type_functions():
                      (_cli.int_set, ""), (_cli.shape, "1x2x3x4x5"), (_cli.choice_list(("a",)), ",")):
         with pytest.raises(Exception, match="expected"):
             fn(text)
+
+
+def test_bench_sagebwd_methods_pass_their_precisions():
+    """Each SageBwd method of eval/bench_sagebwd.py passes its precisions explicitly (so a
+    SAGE_DIFFUSERS_SAGEBWD_SCORES in the environment changes no method), and --realistic runs known methods."""
+    opts = bench_sagebwd.sagebwd_options
+    assert opts("sagebwd") == dict(dov="fp16", scores="int8")
+    assert opts("sagebwd_dov_int8") == dict(dov="int8", scores="int8")
+    assert opts("sagebwd_scores_fp16") == dict(dov="fp16", scores="fp16")
+    assert set(bench_sagebwd.REALISTIC_METHODS.values()) <= set(bench_sagebwd.METHOD_ENV)
+    assert "sagebwd_scores_fp16" in bench_sagebwd.REALISTIC_METHODS.values()
