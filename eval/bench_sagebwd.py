@@ -179,9 +179,10 @@ REALISTIC_METHODS = {"dP fp16 (SageBwd)": "sagebwd", "dP int8 (the paper's ablat
 
 
 def realistic_accuracy(out: Path) -> None:
-    """--realistic: O, dQ, dK, dV of SageBwd (both dP precisions, and 16-bit scores) against float32 attention on the realistic
-    inputs (``sage_diffusers.realistic.CASES``), masked keys' NaN zeroed for the reference; a
-    gradient is "finite" where float32 attention's, cast to the input dtype, is."""
+    """--realistic: O, dQ, dK, dV of SageBwd (both dP precisions, and 16-bit scores: REALISTIC_METHODS)
+    against float32 attention on the realistic inputs (``sage_diffusers.realistic.CASES``), masked
+    keys' NaN zeroed for the reference; a gradient is "finite" where float32 attention's, cast to the
+    input dtype, is."""
     from sage_diffusers import realistic
 
     t0 = time.time()

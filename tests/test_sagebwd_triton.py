@@ -105,7 +105,8 @@ CASES = [
     (1, 1, 1, 1, 1, 32, torch.bfloat16, False, False, "int8", "fp16", "int8"),
     (1, 2, 2, 40, 70, 128, torch.bfloat16, True, False, "int8", "int8", "int8"),
     (1, 2, 2, 33, 50, 32, torch.float32, False, True, "int8", "fp16", "int8"),
-    (1, 4, 2, 239, 150, 64, torch.bfloat16, True, True, "int8", "fp16", "int8"),  # GQA, two wide tiles and a partial one
+    # GQA, two wide tiles and a partial one
+    (1, 4, 2, 239, 150, 64, torch.bfloat16, True, True, "int8", "fp16", "int8"),
     # 16-bit scores (ScorePrecision.FP16): as SageBwd pairs them (pv fp16), and with the other axes' INT8 choices
     (1, 2, 1, 113, 77, 64, torch.bfloat16, True, True, "fp16", "fp16", "fp16"),
     (2, 2, 2, 65, 130, 32, torch.float16, False, True, "int8", "int8", "fp16"),
