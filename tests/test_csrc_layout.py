@@ -162,29 +162,31 @@ def test_int8_shipped_policy_is_named_once(tmp_path):
 
 
 def test_int8_deleted_options_keep_their_flag_bits_reserved():
-    """fp16_exp2 (flags 16) and seed_reductions (1 << kFlagsHighShift) were never built and are
-    deleted (DESIGN.md); their bits stay unused on both sides, so no other option set's flags or kernel
-    name change, and no field, validity rule or name part refers to them any more."""
+    """fp16_exp2 (flags 16), seed_reductions (1 << kFlagsHighShift) and persistent (1 << 13) were
+    measured, rejected and deleted (DESIGN.md); their bits stay unused on both sides, so no other option
+    set's flags or kernel name change, and no field, validity rule or name part refers to them any more."""
     from dataclasses import fields
 
     gen = _generator()
     launch = (CSRC / "sm90_int8" / "launch.h").read_text()
-    assert gen._RESERVED_LOW_BITS == (4,) and gen._RESERVED_HIGH_BITS == (0, 11)
+    assert gen._RESERVED_LOW_BITS == (4,) and gen._RESERVED_HIGH_BITS == (0, 1, 11)
     assert not set(gen._LOW_BITS.values()) & set(gen._RESERVED_LOW_BITS)
     assert not set(gen._HIGH_BITS.values()) & set(gen._RESERVED_HIGH_BITS)
-    # every bool is at one listed bit, and the split reductions stay at 32, persistent at 1 << 13
+    # every bool is at one listed bit, and the split reductions stay at 32, phase_clock at 1 << 14
     bools = {f.name for f in fields(gen.FwdOptions) if f.type in ("bool", bool)}
     assert bools == set(gen._LOW_BITS) | set(gen._HIGH_BITS)
     assert gen.FwdOptions(lean_softmax=True, split_reductions=True).flags == 1 | 32
-    assert gen.FwdOptions(q_in_registers=True, persistent=True).flags == 8 | 1 << 13
-    src = "\n".join((CSRC / "sm90_int8" / f).read_text() for f in ("softmax.hpp", "kernel_fwd.cuh"))
-    for gone in ("fp16_exp2", "seed_reductions"):
+    assert gen.FwdOptions(q_in_registers=True, phase_clock=True).flags == 8 | 1 << 14
+    src = "\n".join((CSRC / "sm90_int8" / f).read_text() for f in ("softmax.hpp", "kernel_fwd.cuh", "mainloop.hpp"))
+    for gone in ("fp16_exp2", "seed_reductions", "persistent"):
         assert gone not in {f.name for f in fields(gen.FwdOptions)}
         assert f"bool {gone}" not in launch and f"o.{gone}" not in launch and f"{gone} ?" not in launch
         assert gone not in src and gone not in gen._HIGH_SHORT
         with pytest.raises(TypeError):
             gen.FwdOptions(**{gone: True, "lean_softmax": True})
     assert "kHalfExp" not in src and "kSeed_" not in src and "scores_lean_half" not in src
+    assert "kPersistent" not in src and "q_empty" not in src and "persistent_work" not in src
+    assert not any("persist" in name for name in _generated_names())
 
 
 def test_int8_invalid_option_sets_are_rejected():
@@ -197,13 +199,19 @@ def test_int8_invalid_option_sets_are_rejected():
         raise AssertionError(f"{bad} without lean_softmax was accepted")
 
 
-def test_int8_persistent_flag_and_name_round_trip():
-    """`persistent` is flag bit 1 << 13 (FwdOptions::kFlagsHighShift + 1) on both sides, named
-    "persist", needs Q in registers, and its benchmark variants reach the generated Python module."""
-    from dataclasses import replace
-
+def _generated_names():
+    """The names of every generated forward variant: the instantiation files of both builds, and the
+    Python module's benchmark variants and flag names."""
     from sage_diffusers.kernels import _sm90_int8_variants as py
 
+    files = [*(CSRC / "sm90_int8" / "instantiations").glob("*.cu"),
+             *(ROOT / "bench" / "sm90_int8" / "instantiations").glob("*.cu")]
+    return [f.stem for f in files] + [v[3] for v in py.BENCH_VARIANTS] + list(py.FLAG_NAMES.values())
+
+
+def test_int8_high_flags_round_trip():
+    """Each bool above smem_o_every's bits (FwdOptions::kFlagsHighShift + its bit) is at the same bit
+    in launch.h's flags() / from_flags() and the generator's _HIGH_BITS."""
     gen = _generator()
     launch = (CSRC / "sm90_int8" / "launch.h").read_text()
     assert f"static constexpr int kFlagsHighShift = {gen._HIGH_SHIFT};" in launch
@@ -211,24 +219,6 @@ def test_int8_persistent_flag_and_name_round_trip():
         shift = "kFlagsHighShift" if bit == 0 else f"(kFlagsHighShift + {bit})"
         assert f"({name} ? 1 << {shift} : 0)" in launch, name
         assert f"o.{name} = ((flags >> {shift}) & 1) != 0;" in launch, name
-    assert gen._HIGH_BITS["persistent"] == 1
-    for d in (64, 128):
-        base = gen.DEFAULTS[d]
-        assert not base.persistent  # the defaults are decided from a GPU run
-        pers = replace(base, persistent=True)
-        assert pers.flags == base.flags | 1 << 13 and not base.flags & 1 << 13
-        # "persist" joins the name parts (in _HIGH_SHORT's order), the C++ initializer the field
-        assert sorted(pers.name.split("_")) == sorted([*base.name.split("_"), "persist"])
-        assert ", .persistent = true" in pers.cpp() and ".persistent" not in base.cpp()
-        assert (d, pers) in gen.BENCH_VARIANTS
-        assert (d, pers.exp2_poly_every, pers.flags, pers.name) in py.BENCH_VARIANTS
-        assert py.FLAG_NAMES[pers.flags] == replace(pers, exp2_poly_every=0).name
-    try:
-        gen.FwdOptions(persistent=True)
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("persistent without q_in_registers was accepted")
 
 
 def test_int8_phase_clock_and_epilogue_summary_flags():
@@ -654,7 +644,7 @@ def test_int8_fused_rescale_flag_validity_and_bench_variant():
     assert "(!fused_rescale || (fp32_pv_tiles && !overlap_softmax_pv && !pingpong))" in launch
     assert "constexpr bool kFusedRescale = kOpt.fused_rescale;" in kernel
     assert "o[i] = fmaf(o[i], alpha[(i >> 1) & 1], o_tile[i]);" in kernel
-    assert "} else if (!kFusedRescale) {\n          rescale(alpha);" in kernel
+    assert "} else if (!kFusedRescale) {\n        rescale(alpha);" in kernel
     for bad in (dict(fused_rescale=True), dict(fused_rescale=True, fp32_pv_tiles=True, overlap_softmax_pv=True),
                 dict(fused_rescale=True, fp32_pv_tiles=True, pingpong=True)):
         with pytest.raises(ValueError, match="fused_rescale"):

@@ -109,8 +109,7 @@ std::vector<double> bench_parts(const at::Tensor& q, const at::Tensor& k, const 
 // phase_clock variants (selected with set_fwd_flags): the pre-pass and one forward with a phase
 // record. Returns int64 (CTAs, kPhaseSlots, kPhaseWords): per CTA and phase point (launch.h
 // ConsumerPhase for warpgroups 0 and 1, then ProducerPhase) {%globaltimer ns, %clock64 cycles}; 0 where
-// nothing was recorded (a variant without phase_clock writes nothing; a persistent grid fills only its
-// first min(#SMs, CTAs) rows).
+// nothing was recorded (a variant without phase_clock writes nothing).
 at::Tensor fwd_phase_clock(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
                            int64_t exp_poly_every) {
   const sage_common::LaunchContext launch(q);  // q's device and its current stream (common/launch_context.h)

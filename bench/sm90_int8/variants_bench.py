@@ -190,8 +190,7 @@ def main():
             q, k, v = make_inputs(b, h, s, d, seed=1)
             mask = torch.rand(b, s, device="cuda") > 0.2
             mask[:, :5] = True
-            # the last batch row sees only its first third: key-tile counts differ between the
-            # work tiles a persistent CTA runs in turn (its K/V ring runs on across them)
+            # the last batch row sees only its first third: key-tile counts differ between its CTAs
             mask[-1, s // 3:] = False
             # per tile numerics (TILE_KWARGS: long_tile's 192-key tiles of 64-key K blocks) and mask
             refs = {(key, masked): sage8_reference(q.float(), k.float(), v.float(), key_mask=mask if masked else None,

@@ -38,13 +38,13 @@ _LOW_BITS = {"lean_softmax": 0, "overlap_softmax_pv": 1, "pingpong": 2, "q_in_re
 # the flags of the older option sets (in eval/results/) stay what they were.
 _HIGH_SHIFT = 12
 # name -> bit above _HIGH_SHIFT (FwdOptions::flags() in launch.h spells the same positions)
-_HIGH_BITS = {"persistent": 1, "phase_clock": 2, "epilogue_summary": 3, "q_in_kernel": 4,
+_HIGH_BITS = {"phase_clock": 2, "epilogue_summary": 3, "q_in_kernel": 4,
               "epilogue_staged": 5, "three_consumers": 6, "late_pv_wait": 7, "tc_row_sum": 8, "tile_sums": 9,
               "fused_rescale": 10, "seeded_scores": 12, "long_tile": 13}
 # Bits of deleted options, left unused so that no other option set's flags (or kernel name) change:
-# low bit 4 (fp16_exp2), high bits 0 (seed_reductions) and 11 (fma_convert). DESIGN.md.
+# low bit 4 (fp16_exp2), high bits 0 (seed_reductions), 1 (persistent) and 11 (fma_convert). DESIGN.md.
 _RESERVED_LOW_BITS = (4,)
-_RESERVED_HIGH_BITS = (0, 11)
+_RESERVED_HIGH_BITS = (0, 1, 11)
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,6 @@ class FwdOptions:
     fp32_pv_tiles: bool = False       # bit 64
     exp2_poly_every: int = 0
     smem_o_every: int = 0             # flags bits 7-11 (FwdOptions::kFlagsIntShift)
-    persistent: bool = False          # bit 1 << 13 (kFlagsHighShift + 1), needs q_in_registers
     phase_clock: bool = False         # bit 1 << 14 (kFlagsHighShift + 2), benchmarks: timestamps per phase
     epilogue_summary: bool = False    # bit 1 << 15 (kFlagsHighShift + 3)
     q_in_kernel: bool = False         # bit 1 << 16 (kFlagsHighShift + 4), needs q_in_registers; no LSE
@@ -78,8 +77,6 @@ class FwdOptions:
         n = self.smem_o_every
         if n < 0 or n > 16 or n & (n - 1) or (n and self.fp32_pv_tiles):
             raise ValueError(f"{self}: smem_o_every is a power of 2 up to 16, not with fp32_pv_tiles")
-        if self.persistent and not self.q_in_registers:
-            raise ValueError(f"{self}: persistent loads the next work tile's Q while Q is held in registers (q_in_registers)")
         if self.q_in_kernel and not self.q_in_registers:
             raise ValueError(f"{self}: q_in_kernel quantizes each thread's Q register fragments (q_in_registers)")
         if self.late_pv_wait and not (self.overlap_softmax_pv and self.lean_softmax):
@@ -125,7 +122,7 @@ class FwdOptions:
 
 
 # name parts of the high bools, in this order after smemo<N>
-_HIGH_SHORT = {"persistent": "persist", "epilogue_summary": "esum", "phase_clock": "clock",
+_HIGH_SHORT = {"epilogue_summary": "esum", "phase_clock": "clock",
                "q_in_kernel": "qk", "epilogue_staged": "stage", "three_consumers": "wg3", "late_pv_wait": "latewait",
                "tc_row_sum": "tcsum", "tile_sums": "tilesum",
                "fused_rescale": "fusedrescale", "seeded_scores": "seeded", "long_tile": "long"}
@@ -189,15 +186,14 @@ EXTRA_EXP_POLY = {64: (8,), 128: ()}
 
 # Benchmark build (env SAGE_DIFFUSERS_SM90_BENCH=1, bench/sm90_int8/binding_bench.cpp): bf16, non-causal. Per
 # head dim: the defaults, the option set that accumulates O in the tensor core over all tiles
-# (the previous default), and the defaults on a persistent grid (one CTA per SM looping over the
-# work tiles: a CTA's prologue and epilogue, about 16 us of fixed cost per 128 query rows, overlap
-# the next work tile's loads; the K/V ring runs on across work tiles; measured no faster on the H200:
-# eval/results/int8_fixed_cost_h200.md), and the defaults with Q
+# (the previous default), and the defaults with Q
 # quantized inside the kernel (q_in_kernel: the pre-pass skips Q, a third of its bytes).
 # Measured and dropped (eval/results/int8_pv_accumulation_h200.md): hd128's per-tile register
 # sum (it spills), the smem sum at hd64, flushing every tile, and every 2 or 8 tiles.
 # Measured and deleted (DESIGN.md): seed_reductions (no faster on the H200:
-# eval/results/int8_variants_h200.md) and fp16_exp2 (slower: eval/results/int8_latewait_h200.md).
+# eval/results/int8_variants_h200.md), fp16_exp2 (slower: eval/results/int8_latewait_h200.md) and
+# persistent (a persistent grid, one CTA per SM looping over the work tiles: no faster on the H200,
+# eval/results/int8_variants_h200.md "persistent grid", int8_fixed_cost_h200.md).
 # Per head dim also: the defaults with phase_clock (timestamps at the phase points of each CTA:
 # bench/int8_phases.py splits the fixed cost; two consumer warpgroups only, so hd128 only now); the
 # defaults without the staged epilogue (the previous defaults); and without both epilogue options,
@@ -216,7 +212,7 @@ EXTRA_EXP_POLY = {64: (8,), 128: ()}
 # reference; sass_cost.py reports such a loop as MISCOMPILE; eval/results/int8_hd128_wg3_h200.md).
 # Option changes the benchmark build makes to the defaults of each head dim, in this order; a
 # change the defaults refuse (phase_clock with three_consumers) is left out (_bench_changed).
-_BENCH_COMMON = ({"persistent": True}, {"phase_clock": True}, {"epilogue_staged": False},
+_BENCH_COMMON = ({"phase_clock": True}, {"epilogue_staged": False},
                  {"epilogue_summary": False, "epilogue_staged": False}, {"q_in_kernel": True})
 _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every": 1, "q_in_registers": False}
 # late_pv_wait (the PV wait after the softmax's exp2; same bits as without): hd128's defaults with

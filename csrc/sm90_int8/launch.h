@@ -28,7 +28,7 @@ struct FwdOptions {
   int smem_o_every = 0;             // O's fp32 sum in smem, the tensor-core one flushed into it
                                     // every N key tiles (0 = O only in registers); power of 2
   // (flags() 1 << kFlagsHighShift: seed_reductions, deleted, never built; DESIGN.md. Reserved.)
-  bool persistent = false;          // min(#SMs, work tiles) CTAs, each looping over work tiles (needs q_in_registers)
+  // (flags() 1 << (kFlagsHighShift + 1): persistent, deleted; DESIGN.md. Reserved.)
   bool phase_clock = false;         // (benchmarks) %globaltimer / %clock64 at fixed phase points (FwdParams::phase_clock)
   bool epilogue_summary = false;    // the epilogue skips V's non-finite lookup when FwdParams::v_summary says none is seen
   bool q_in_kernel = false;         // consumers quantize Q from the 16-bit input (no pre-pass Q; needs
@@ -50,12 +50,12 @@ struct FwdOptions {
                                     // three 64-key K scale blocks (the pre-pass's kv_block = 64)
 
   // Deleted options keep their bits unused, so the flags (and kernel names) of the others stay:
-  // 16 (fp16_exp2), 1 << kFlagsHighShift (seed_reductions), 1 << (kFlagsHighShift + 11) (fma_convert).
+  // 16 (fp16_exp2), 1 << kFlagsHighShift (seed_reductions), 1 << (kFlagsHighShift + 1) (persistent),
+  // 1 << (kFlagsHighShift + 11) (fma_convert).
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
            (q_in_registers ? 8 : 0) | (split_reductions ? 32 : 0) |
            (fp32_pv_tiles ? 64 : 0) | (smem_o_every << kFlagsIntShift) |
-           (persistent ? 1 << (kFlagsHighShift + 1) : 0) |
            (phase_clock ? 1 << (kFlagsHighShift + 2) : 0) | (epilogue_summary ? 1 << (kFlagsHighShift + 3) : 0) |
            (q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0) | (epilogue_staged ? 1 << (kFlagsHighShift + 5) : 0) |
            (three_consumers ? 1 << (kFlagsHighShift + 6) : 0) | (late_pv_wait ? 1 << (kFlagsHighShift + 7) : 0) |
@@ -76,7 +76,6 @@ struct FwdOptions {
     o.split_reductions = (flags & 32) != 0;
     o.fp32_pv_tiles = (flags & 64) != 0;
     o.smem_o_every = (flags >> kFlagsIntShift) & ((1 << (kFlagsHighShift - kFlagsIntShift)) - 1);
-    o.persistent = ((flags >> (kFlagsHighShift + 1)) & 1) != 0;
     o.phase_clock = ((flags >> (kFlagsHighShift + 2)) & 1) != 0;
     o.epilogue_summary = ((flags >> (kFlagsHighShift + 3)) & 1) != 0;
     o.q_in_kernel = ((flags >> (kFlagsHighShift + 4)) & 1) != 0;
@@ -96,9 +95,6 @@ struct FwdOptions {
     return (!split_reductions || lean_softmax) && exp2_poly_every >= 0 &&
            smem_o_every >= 0 && smem_o_every <= 16 && (smem_o_every & (smem_o_every - 1)) == 0 &&
            !(fp32_pv_tiles && smem_o_every > 0) &&
-           // persistent: the next work tile's Q lands in smem while the current one runs, which
-           // needs the current Q held in registers
-           (!persistent || q_in_registers) &&
            // q_in_kernel: each consumer thread quantizes exactly its RS A fragments of Q
            (!q_in_kernel || q_in_registers) &&
            // three_consumers: the ping-pong schedule and the phase record are written for two
@@ -128,9 +124,9 @@ struct FwdOptions {
   constexpr int consumer_warpgroups() const { return three_consumers ? 3 : 2; }
 };
 // from_flags inverts flags() for the bools above smem_o_every's bits (which they must not touch).
-static_assert(FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .persistent = true}.flags(), 0).persistent &&
-                  FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .persistent = true}.flags(), 0).smem_o_every == 16 &&
-                  FwdOptions{.persistent = true}.flags() == 2 << FwdOptions::kFlagsHighShift,
+static_assert(FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .phase_clock = true}.flags(), 0).phase_clock &&
+                  FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .phase_clock = true}.flags(), 0).smem_o_every == 16 &&
+                  FwdOptions{.phase_clock = true}.flags() == 4 << FwdOptions::kFlagsHighShift,
               "FwdOptions::flags / from_flags");
 static_assert(FwdOptions::from_flags(FwdOptions{.phase_clock = true}.flags(), 0).phase_clock &&
                   !FwdOptions::from_flags(FwdOptions{.phase_clock = true}.flags(), 0).epilogue_summary &&
@@ -141,8 +137,7 @@ static_assert(FwdOptions::from_flags(FwdOptions{.phase_clock = true}.flags(), 0)
 
 // phase_clock: the phase points of one CTA's record (kernel_fwd.cuh). Lane 0 of warp 0 of consumer
 // warpgroup w writes slots w * kConsumerPhases + ConsumerPhase, the producer lane the slots from
-// kProducerSlot0 on; each slot holds {%globaltimer ns, %clock64 SM cycles} (kSmSlot: the SM). With `persistent`
-// only the CTA's first work tile is recorded.
+// kProducerSlot0 on; each slot holds {%globaltimer ns, %clock64 SM cycles} (kSmSlot: the SM).
 enum class ConsumerPhase : int {
   kEntry = 0,         // kernel entry (before pdl_wait)
   kReady = 1,         // after pdl_wait and the barrier init (__syncthreads)
@@ -167,7 +162,7 @@ constexpr int kSmSlot = kProducerSlot0 + static_cast<int>(ProducerPhase::kCount)
 constexpr int kPhaseSlots = kSmSlot + 1;
 constexpr int kPhaseWords = 2;  // per slot: globaltimer, clock64
 static_assert(FwdOptions{.q_in_kernel = true}.flags() == 1 << 16 &&
-                  FwdOptions::from_flags(1 << 16, 0).q_in_kernel && !FwdOptions::from_flags(1 << 16, 0).persistent,
+                  FwdOptions::from_flags(1 << 16, 0).q_in_kernel && !FwdOptions::from_flags(1 << 16, 0).phase_clock,
               "FwdOptions::q_in_kernel flag bit (generate_instantiations._HIGH_BITS)");
 static_assert(FwdOptions{.epilogue_staged = true}.flags() == 1 << 17 &&
                   FwdOptions::from_flags(1 << 17, 0).epilogue_staged && !FwdOptions::from_flags(1 << 17, 0).q_in_kernel &&

@@ -7,11 +7,8 @@
 // by the pre-pass, so one cp.async.bulk per operand per tile suffices (no tensor maps).
 //   full[s]  : count 1 (producer's arrive.expect_tx) + the copies' transaction bytes
 //   empty[s] : count 8 or 12 (lane 0 of each consumer warp, after its PV wgmma retired)
-//   q_full   : count 1 + Q bytes; phase w is work tile w of the CTA (0 without `persistent`)
-//   q_empty  : (persistent only) count 8 or 12 (lane 0 of each consumer warp, once its Q is in registers)
-// Phase rule: common/sm90/pipeline.cuh. A persistent CTA runs several work tiles: the K/V ring's
-// item index is one running key-tile counter over all of them (`tile0` = the key tiles of the
-// work tiles before), so the producer runs ahead into the next work tile's keys.
+//   q_full   : count 1 + Q bytes; one phase (phase 0: a CTA runs one work tile)
+// Phase rule: common/sm90/pipeline.cuh.
 //
 // Consumers (two or three warpgroups, 64 query rows each): S = Q K^T with INT8 SS wgmma, softmax in
 // registers, O += P V^T with FP8 RS wgmma. The wgmma descriptors come from CuTe's smem layouts
@@ -48,10 +45,6 @@ struct SmemPlan {
   uint64_t* full;
   uint64_t* empty;
   uint64_t* q_full;
-  // Initialised only by persistent kernels. It takes the 8 bytes that smem_o_sum's alignment pad
-  // skips after q_full (so no other layout moves) and that the 1024-byte base slack of
-  // TileConfig::kSmemBytes covers (the dynamic smem base is 16-byte aligned: at most 1008 used).
-  uint64_t* q_empty;
 
   __device__ __forceinline__ explicit SmemPlan(uint8_t* raw) {
     q = raw + sage_common::smem_align_pad<1024>(sage_common::smem_addr(raw));  // tiles start on the swizzle period
@@ -60,7 +53,6 @@ struct SmemPlan {
     full = reinterpret_cast<uint64_t*>(v + C::kSmemV);
     empty = full + C::kStages;
     q_full = empty + C::kStages;
-    q_empty = q_full + 1;
   }
 };
 
@@ -76,9 +68,6 @@ static_assert(kSmemOSumBytes<128, 3> == TileConfig<128, 3>::kSmemAfterBarriers &
               "TileConfig sizes its K/V ring to leave the O sum's room");
 template <int D, int kWGs, int kSumCols, int kKeys>
 __device__ __forceinline__ float4* smem_o_sum(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp) {
-  using C = TileConfig<D, kWGs, kSumCols, kKeys>;
-  static_assert((C::kSmemQ + C::kSmemK + C::kSmemV + 8 * (2 * C::kStages + 1)) % kSmemOSumAlign == 8,
-                "q_empty must fit in the alignment pad between q_full and the O sum (SmemPlan)");
   uint8_t* end = reinterpret_cast<uint8_t*>(sp.q_full + 1);
   return reinterpret_cast<float4*>(end + sage_common::smem_align_pad<kSmemOSumAlign>(sage_common::smem_addr(end)));
 }
@@ -102,8 +91,7 @@ __device__ __forceinline__ void fill_sum_rows(const SmemPlan<D, kWGs, kSumCols, 
   }
 }
 
-// kQEmpty: also q_empty (persistent kernels).
-template <int D, bool kQEmpty = false, int kWGs, int kSumCols, int kKeys>
+template <int D, int kWGs, int kSumCols, int kKeys>
 __device__ __forceinline__ void init_barriers(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp) {
   constexpr int kConsumerWarps = CtaShape<kWGs>::kConsumerThreads / 32;  // every one arrives
   if (threadIdx.x == 0) {
@@ -113,50 +101,36 @@ __device__ __forceinline__ void init_barriers(const SmemPlan<D, kWGs, kSumCols, 
       Barrier::init(&sp.empty[s], kConsumerWarps);
     }
     Barrier::init(sp.q_full, 1);
-    if constexpr (kQEmpty) Barrier::init(sp.q_empty, kConsumerWarps);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
 }
 
-// Stage and use count (n) of item `tile` of the K/V ring. kRunning: a running counter over a
-// persistent CTA's work tiles (unsigned: no sign fix-up in the division). kWGs: the CTA's consumer
-// warpgroups (the ring depth depends on them: TileConfig::kStages); kSumCols, kKeys: TileConfig's.
-template <int D, bool kRunning, int kWGs, int kSumCols = 0, int kKeys = kBlockKV>
+// Stage and use count (n) of item `tile` of the K/V ring. kWGs: the CTA's consumer warpgroups (the
+// ring depth depends on them: TileConfig::kStages); kSumCols, kKeys: TileConfig's.
+template <int D, int kWGs, int kSumCols = 0, int kKeys = kBlockKV>
 __device__ __forceinline__ void ring_slot(int tile, int& stage, int& n) {
   constexpr int kStages = TileConfig<D, kWGs, kSumCols, kKeys>::kStages;
-  if constexpr (kRunning) {
-    stage = static_cast<int>(static_cast<unsigned>(tile) % kStages);
-    n = static_cast<int>(static_cast<unsigned>(tile) / kStages);
-  } else {
-    stage = tile % kStages;
-    n = tile / kStages;
-  }
+  stage = tile % kStages;
+  n = tile / kStages;
 }
 
-// One work tile's copies; runs on one lane only. work: the CTA's work-tile count so far (0
-// without `persistent`); tile0: the ring items used by the work tiles before (kPersistent).
-// kPersistent: Q goes into smem only after the consumers took the previous work tile's Q into
-// registers (q_empty). kCopyQ false (q_in_kernel): the consumers load Q themselves (quant_q_frag):
-// no Q copy, q_full / q_empty unused.
+// The work tile's copies; runs on one lane only. kCopyQ false (q_in_kernel): the consumers load Q
+// themselves (quant_q_frag): no Q copy, q_full unused.
 // long_tile: a tile's images are its three 64-key blocks' images, back to back in memory: one copy
 // each for K and V^T all the same (k_src / v_src advance by whole tiles).
-template <int D, bool kPersistent = false, bool kCopyQ = true, int kWGs, int kSumCols, int kKeys>
+template <int D, bool kCopyQ = true, int kWGs, int kSumCols, int kKeys>
 __device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp, const int8_t* q_src,
-                                              const int8_t* k_src, const uint8_t* v_src,
-                                              int n_tiles, int work = 0, int tile0 = 0) {
+                                              const int8_t* k_src, const uint8_t* v_src, int n_tiles) {
   using C = TileConfig<D, kWGs, kSumCols, kKeys>;  // kSmemQ: the Q tiles of every consumer warpgroup
   using sage_common::sm90::bulk_copy_g2s;
   if constexpr (kCopyQ) {
-    if constexpr (kPersistent) {
-      if (work > 0) Barrier::wait(sp.q_empty, (work - 1) & 1);
-    }
     Barrier::arrive_and_expect_tx(sp.q_full, C::kSmemQ);
     bulk_copy_g2s(q_src, sp.q_full, sp.q, C::kSmemQ);
   }
   for (int t = 0; t < n_tiles; ++t) {
     int s, n;
-    ring_slot<D, kPersistent, kWGs, kSumCols, kKeys>(tile0 + t, s, n);
+    ring_slot<D, kWGs, kSumCols, kKeys>(t, s, n);
     if (n > 0) Barrier::wait(&sp.empty[s], (n - 1) & 1);
     Barrier::arrive_and_expect_tx(&sp.full[s], C::kKTileBytes + C::kVTileBytes);
     bulk_copy_g2s(k_src + static_cast<int64_t>(t) * C::kKTileBytes, &sp.full[s],
