@@ -162,14 +162,14 @@ def test_int8_shipped_policy_is_named_once(tmp_path):
 
 
 def test_int8_deleted_options_keep_their_flag_bits_reserved():
-    """fp16_exp2 (flags 16), seed_reductions (1 << kFlagsHighShift) and persistent (1 << 13) were
-    measured, rejected and deleted (DESIGN.md); their bits stay unused on both sides, so no other option
+    """fp16_exp2 (flags 16), seed_reductions (1 << kFlagsHighShift), persistent (1 << 13) and
+    late_pv_wait (1 << 19) were measured, rejected and deleted (DESIGN.md); their bits stay unused on both sides, so no other option
     set's flags or kernel name change, and no field, validity rule or name part refers to them any more."""
     from dataclasses import fields
 
     gen = _generator()
     launch = (CSRC / "sm90_int8" / "launch.h").read_text()
-    assert gen._RESERVED_LOW_BITS == (4,) and gen._RESERVED_HIGH_BITS == (0, 1, 11)
+    assert gen._RESERVED_LOW_BITS == (4,) and gen._RESERVED_HIGH_BITS == (0, 1, 7, 11)
     assert not set(gen._LOW_BITS.values()) & set(gen._RESERVED_LOW_BITS)
     assert not set(gen._HIGH_BITS.values()) & set(gen._RESERVED_HIGH_BITS)
     # every bool is at one listed bit, and the split reductions stay at 32, phase_clock at 1 << 14
@@ -177,8 +177,9 @@ def test_int8_deleted_options_keep_their_flag_bits_reserved():
     assert bools == set(gen._LOW_BITS) | set(gen._HIGH_BITS)
     assert gen.FwdOptions(lean_softmax=True, split_reductions=True).flags == 1 | 32
     assert gen.FwdOptions(q_in_registers=True, phase_clock=True).flags == 8 | 1 << 14
-    src = "\n".join((CSRC / "sm90_int8" / f).read_text() for f in ("softmax.hpp", "kernel_fwd.cuh", "mainloop.hpp"))
-    for gone in ("fp16_exp2", "seed_reductions", "persistent"):
+    src = "\n".join((CSRC / f).read_text() for f in ("sm90_int8/softmax.hpp", "sm90_int8/kernel_fwd.cuh",
+                                                      "sm90_int8/mainloop.hpp", "common/sm90/wgmma.cuh"))
+    for gone in ("fp16_exp2", "seed_reductions", "persistent", "late_pv_wait"):
         assert gone not in {f.name for f in fields(gen.FwdOptions)}
         assert f"bool {gone}" not in launch and f"o.{gone}" not in launch and f"{gone} ?" not in launch
         assert gone not in src and gone not in gen._HIGH_SHORT
@@ -186,7 +187,8 @@ def test_int8_deleted_options_keep_their_flag_bits_reserved():
             gen.FwdOptions(**{gone: True, "lean_softmax": True})
     assert "kHalfExp" not in src and "kSeed_" not in src and "scores_lean_half" not in src
     assert "kPersistent" not in src and "q_empty" not in src and "persistent_work" not in src
-    assert not any("persist" in name for name in _generated_names())
+    assert "kLatePvWait" not in src and "wgmma_wait_all" not in src
+    assert not any(part in name.split("_") for name in _generated_names() for part in ("persist", "latewait"))
 
 
 def test_int8_invalid_option_sets_are_rejected():
@@ -496,8 +498,8 @@ def test_int8_epilogue_staged_flag_name_and_bench_twins():
     assert all(o.epilogue_staged for *_, o in gen.variants())
     bench = (ROOT / "bench" / "sm90_int8" / "variants_bench.py").read_text()
     bits = [int(b) for b in re.findall(r"1 << (\d+)", re.search(r"^SAME_BITS_FLAGS = (.+)$", bench, re.M).group(1))]
-    # phase_clock, epilogue_summary, epilogue_staged, three_consumers, late_pv_wait
-    assert set(bits) == {14, 15, 17, 18, 19}
+    # phase_clock, epilogue_summary, epilogue_staged, three_consumers
+    assert set(bits) == {14, 15, 17, 18}
     same_bits = sum(1 << b for b in bits)
     # the defaults' partner without those bits is compiled too: the bit identity check runs on them
     flags = {(d, o.flags) for d, o in gen.BENCH_VARIANTS}
@@ -514,37 +516,6 @@ def _assert_high_flag(gen, name: str, bit: int, short: str) -> tuple[str, str]:
     assert f"({name} ? 1 << (kFlagsHighShift + {bit}) : 0)" in launch
     assert f"o.{name} = ((flags >> (kFlagsHighShift + {bit})) & 1) != 0;" in launch
     return launch, kernel
-
-
-def test_int8_late_pv_wait_flag_validity_and_bench_twins():
-    """`late_pv_wait` is flag bit 1 << 19 (kFlagsHighShift + 7) on both sides, named "latewait",
-    refused without the overlap and the lean softmax (Python raises, C++ valid() says so), and
-    the benchmark build holds hd128's defaults with it beside the defaults, so variants_bench.py's
-    bit-identity check compares them."""
-    from dataclasses import replace
-
-    from sage_diffusers.kernels import _sm90_int8_variants as py
-
-    gen = _generator()
-    launch, kernel = _assert_high_flag(gen, "late_pv_wait", 7, "latewait")
-    assert "(!late_pv_wait || (overlap_softmax_pv && lean_softmax))" in launch
-    assert "constexpr bool kLatePvWait = kOpt.late_pv_wait;" in kernel
-    assert "wgmma_wait_all</*kTag=*/0>" in kernel and "wgmma_wait_all</*kTag=*/1>" in kernel
-    for bad in (dict(late_pv_wait=True), dict(late_pv_wait=True, lean_softmax=True),
-                dict(late_pv_wait=True, overlap_softmax_pv=True)):
-        with pytest.raises(ValueError, match="late_pv_wait"):
-            gen.FwdOptions(**bad)
-    base = gen.DEFAULTS[128]
-    assert not base.late_pv_wait
-    for partner in (base,):
-        late = replace(partner, late_pv_wait=True)
-        # (tc_row_sum's and seeded_scores' name parts come last)
-        assert late.flags == partner.flags | 1 << 19
-        last = dict(tc_row_sum=False, seeded_scores=False)
-        assert replace(late, seeded_scores=False).name == replace(partner, **last).name + "_latewait_tcsum"
-        for o in (partner, late):
-            assert (128, o) in gen.BENCH_VARIANTS
-            assert py.FLAG_NAMES[o.flags] == o.name
 
 
 def test_int8_tc_row_sum_flag_validity_and_bench_variants():
@@ -699,7 +670,7 @@ def test_int8_long_tile_flag_validity_and_bench_variants():
     assert lean.flags == 1 | 1 << 25 and lean.name == "lean_long"
     assert not any(o.long_tile for *_, o in gen.variants())
     longs = [o for d, o in gen.BENCH_VARIANTS if o.long_tile]
-    assert len(longs) == 6 and all(d == 128 for d, o in gen.BENCH_VARIANTS if o.long_tile)
+    assert len(longs) == 5 and all(d == 128 for d, o in gen.BENCH_VARIANTS if o.long_tile)
     assert sum(o.tc_row_sum for o in longs) == 3 and not any(o.q_in_registers for o in longs)
     flags = {o.flags for d, o in gen.BENCH_VARIANTS if d == 128}
     assert replace(gen.DEFAULTS[128], tc_row_sum=False).flags in flags  # the partner without tc_row_sum

@@ -147,7 +147,6 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
                 "launch.h FwdOptions::tile_keys / kv_block and tile_config.hpp agree");
   constexpr bool kLean = kOpt.lean_softmax;
   constexpr bool kOverlapSoftmaxWithPV = kOpt.overlap_softmax_pv;
-  constexpr bool kLatePvWait = kOpt.late_pv_wait;
   constexpr bool kPingPong = kOpt.pingpong;
   constexpr bool kQRegs = kOpt.q_in_registers;
   constexpr bool kSplitReduce = kOpt.split_reductions;
@@ -528,31 +527,12 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
       }
       fence_regs(s_acc);
       float alpha[2];
-      if constexpr (kLatePvWait) {
-        // ptxas schedules a wgmma wait as early as its basic block allows, and p_next gets the
-        // physical registers of p_prev (an issued wgmma's operands count as dead): with the wait
-        // after step() in one block, it lands before the row max and nothing but the score
-        // conversion overlaps the PV. Here the wait opens each of the two O-rescale branches,
-        // which start only after the exp2 and row sums, and P is packed behind it.
-        typename Softmax::Scores sc;
-        sm.scores(s_acc, sk_t, mk, sc, alpha, exact_exponents(sk_t));
-        if (!max_kept(alpha)) {
-          sage_common::sm90::wgmma_wait_all</*kTag=*/0>();
-          retire_pv();
-          scale_o(alpha);
-        } else {
-          sage_common::sm90::wgmma_wait_all</*kTag=*/1>();  // another asm text: not merged above the branch
-          retire_pv();
-        }
-        Softmax::pack(sc, p_next);
-      } else {
-        sm.step(s_acc, sk_t, mk, p_next, alpha, exact_exponents(sk_t));
-        if constexpr (kOverlapSoftmaxWithPV) {
-          cute::warpgroup_wait<0>();
-          retire_pv();
-        }
-        rescale(alpha);
+      sm.step(s_acc, sk_t, mk, p_next, alpha, exact_exponents(sk_t));
+      if constexpr (kOverlapSoftmaxWithPV) {
+        cute::warpgroup_wait<0>();
+        retire_pv();
       }
+      rescale(alpha);
       maybe_flush(t - 1);
     };
     for (int t = 1; t < n_tiles; ++t) {

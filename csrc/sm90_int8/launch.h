@@ -37,7 +37,7 @@ struct FwdOptions {
   bool three_consumers = false;     // three consumer warpgroups (192 query rows per CTA) instead of two;
                                     // no ping-pong or phase_clock; at head dim 128 no overlap_softmax_pv
                                     // (fwd_kernel, which knows D, static_asserts it)
-  bool late_pv_wait = false;        // (overlap + lean) the PV wait after the softmax's exp2, P packed after it
+  // (flags() 1 << (kFlagsHighShift + 7): late_pv_wait, deleted; DESIGN.md. Reserved.)
   bool tc_row_sum = false;          // the row sums of P~ on the tensor cores: 8 columns of ones after V^T's D
                                     // rows in smem (PV's N = D + 8)
   bool tile_sums = false;           // (tc_row_sum, no fp32_pv_tiles) each tile's row sums leave the FP8
@@ -51,14 +51,14 @@ struct FwdOptions {
 
   // Deleted options keep their bits unused, so the flags (and kernel names) of the others stay:
   // 16 (fp16_exp2), 1 << kFlagsHighShift (seed_reductions), 1 << (kFlagsHighShift + 1) (persistent),
-  // 1 << (kFlagsHighShift + 11) (fma_convert).
+  // 1 << (kFlagsHighShift + 7) (late_pv_wait), 1 << (kFlagsHighShift + 11) (fma_convert).
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
            (q_in_registers ? 8 : 0) | (split_reductions ? 32 : 0) |
            (fp32_pv_tiles ? 64 : 0) | (smem_o_every << kFlagsIntShift) |
            (phase_clock ? 1 << (kFlagsHighShift + 2) : 0) | (epilogue_summary ? 1 << (kFlagsHighShift + 3) : 0) |
            (q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0) | (epilogue_staged ? 1 << (kFlagsHighShift + 5) : 0) |
-           (three_consumers ? 1 << (kFlagsHighShift + 6) : 0) | (late_pv_wait ? 1 << (kFlagsHighShift + 7) : 0) |
+           (three_consumers ? 1 << (kFlagsHighShift + 6) : 0) |
            (tc_row_sum ? 1 << (kFlagsHighShift + 8) : 0) | (tile_sums ? 1 << (kFlagsHighShift + 9) : 0) |
            (fused_rescale ? 1 << (kFlagsHighShift + 10) : 0) | (seeded_scores ? 1 << (kFlagsHighShift + 12) : 0) |
            (long_tile ? 1 << (kFlagsHighShift + 13) : 0);
@@ -81,7 +81,6 @@ struct FwdOptions {
     o.q_in_kernel = ((flags >> (kFlagsHighShift + 4)) & 1) != 0;
     o.epilogue_staged = ((flags >> (kFlagsHighShift + 5)) & 1) != 0;
     o.three_consumers = ((flags >> (kFlagsHighShift + 6)) & 1) != 0;
-    o.late_pv_wait = ((flags >> (kFlagsHighShift + 7)) & 1) != 0;
     o.tc_row_sum = ((flags >> (kFlagsHighShift + 8)) & 1) != 0;
     o.tile_sums = ((flags >> (kFlagsHighShift + 9)) & 1) != 0;
     o.fused_rescale = ((flags >> (kFlagsHighShift + 10)) & 1) != 0;
@@ -100,8 +99,6 @@ struct FwdOptions {
            // three_consumers: the ping-pong schedule and the phase record are written for two
            // consumer warpgroups (at head dim 128 also no overlap: fwd_kernel, which knows D, asserts that)
            (!three_consumers || (!pingpong && !phase_clock)) &&
-           // late_pv_wait: the wait sits in the lean softmax's two O-rescale branches, under the overlap
-           (!late_pv_wait || (overlap_softmax_pv && lean_softmax)) &&
            // tile_sums: the sums are tc_row_sum's; with fp32_pv_tiles every tile is in fp32 already
            (!tile_sums || (tc_row_sum && !fp32_pv_tiles)) &&
            // fused_rescale: O and the tile are separate registers only with fp32_pv_tiles, and the
@@ -181,9 +178,6 @@ static_assert(FwdOptions{.long_tile = true}.flags() == 1 << 25 && FwdOptions::fr
                   !FwdOptions::from_flags(1 << 24, 0).long_tile && !FwdOptions{.long_tile = true}.valid() &&
                   FwdOptions{.lean_softmax = true, .long_tile = true}.valid(),
               "FwdOptions::long_tile flag bit (generate_instantiations._HIGH_BITS) and validity");
-static_assert(FwdOptions{.late_pv_wait = true}.flags() == 1 << 19 &&
-                  FwdOptions::from_flags(1 << 19, 0).late_pv_wait && !FwdOptions::from_flags(1 << 18, 0).late_pv_wait,
-              "FwdOptions::late_pv_wait flag bit (generate_instantiations._HIGH_BITS)");
 
 // Everything the quantization pre-pass reads and writes. Strides are in elements; the last
 // (head) dimension of q, k, v is contiguous and rows are 16-byte aligned (checked by the binding).
