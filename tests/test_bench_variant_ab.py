@@ -29,7 +29,7 @@ def test_names_resolve_to_the_bench_builds_flags():
     for d, flags in v.DEFAULT_FLAGS.items():
         assert (flags, 0) in table.values()
     # no variant of a deleted option (csrc/sm90_int8/DESIGN.md) is left to name
-    assert not any(part in name.split("_") for _, name in table for part in ("persist", "latewait"))
+    assert not any(part in name.split("_") for _, name in table for part in ("persist", "qk", "latewait"))
 
 
 def test_without_cuda_it_says_so():

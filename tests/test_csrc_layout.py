@@ -162,14 +162,15 @@ def test_int8_shipped_policy_is_named_once(tmp_path):
 
 
 def test_int8_deleted_options_keep_their_flag_bits_reserved():
-    """fp16_exp2 (flags 16), seed_reductions (1 << kFlagsHighShift), persistent (1 << 13) and
-    late_pv_wait (1 << 19) were measured, rejected and deleted (DESIGN.md); their bits stay unused on both sides, so no other option
-    set's flags or kernel name change, and no field, validity rule or name part refers to them any more."""
+    """fp16_exp2 (flags 16), seed_reductions (1 << kFlagsHighShift), persistent (1 << 13),
+    q_in_kernel (1 << 16) and late_pv_wait (1 << 19) were measured, rejected and deleted (DESIGN.md);
+    their bits stay unused on both sides, so no other option set's flags or kernel name change, and
+    no field, validity rule or name part refers to them any more."""
     from dataclasses import fields
 
     gen = _generator()
     launch = (CSRC / "sm90_int8" / "launch.h").read_text()
-    assert gen._RESERVED_LOW_BITS == (4,) and gen._RESERVED_HIGH_BITS == (0, 1, 7, 11)
+    assert gen._RESERVED_LOW_BITS == (4,) and gen._RESERVED_HIGH_BITS == (0, 1, 4, 7, 11)
     assert not set(gen._LOW_BITS.values()) & set(gen._RESERVED_LOW_BITS)
     assert not set(gen._HIGH_BITS.values()) & set(gen._RESERVED_HIGH_BITS)
     # every bool is at one listed bit, and the split reductions stay at 32, phase_clock at 1 << 14
@@ -179,7 +180,7 @@ def test_int8_deleted_options_keep_their_flag_bits_reserved():
     assert gen.FwdOptions(q_in_registers=True, phase_clock=True).flags == 8 | 1 << 14
     src = "\n".join((CSRC / f).read_text() for f in ("sm90_int8/softmax.hpp", "sm90_int8/kernel_fwd.cuh",
                                                       "sm90_int8/mainloop.hpp", "common/sm90/wgmma.cuh"))
-    for gone in ("fp16_exp2", "seed_reductions", "persistent", "late_pv_wait"):
+    for gone in ("fp16_exp2", "seed_reductions", "persistent", "q_in_kernel", "late_pv_wait"):
         assert gone not in {f.name for f in fields(gen.FwdOptions)}
         assert f"bool {gone}" not in launch and f"o.{gone}" not in launch and f"{gone} ?" not in launch
         assert gone not in src and gone not in gen._HIGH_SHORT
@@ -188,7 +189,8 @@ def test_int8_deleted_options_keep_their_flag_bits_reserved():
     assert "kHalfExp" not in src and "kSeed_" not in src and "scores_lean_half" not in src
     assert "kPersistent" not in src and "q_empty" not in src and "persistent_work" not in src
     assert "kLatePvWait" not in src and "wgmma_wait_all" not in src
-    assert not any(part in name.split("_") for name in _generated_names() for part in ("persist", "latewait"))
+    assert "kQInKernel" not in src and "quant_q_raw" not in src and "quant_q_frag" not in src
+    assert not any(part in name.split("_") for name in _generated_names() for part in ("persist", "qk", "latewait"))
 
 
 def test_int8_invalid_option_sets_are_rejected():
@@ -323,49 +325,20 @@ def test_int8_epilogue_sass_finds_both_store_paths():
     assert r["fast"]["instructions"] == 2 and r["fast"]["STG"] == 1 and r["fast"]["LDG"] == 0
 
 
-def test_int8_q_in_kernel_flag_name_and_lse_rule():
-    """`q_in_kernel` is flag bit 1 << 16 (FwdOptions::kFlagsHighShift + 4) on both sides, named
-    "qk", needs Q in registers, is benchmarked at both head dims but not a default, and dispatch
-    never picks it for an LSE call (it computes no q . k_mean correction)."""
-    from dataclasses import replace
-
-    from sage_diffusers.kernels import _sm90_int8_variants as py
-
-    gen = _generator()
-    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
-    assert gen._HIGH_BITS["q_in_kernel"] == 4
-    assert "(q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0)" in launch
-    assert "o.q_in_kernel = ((flags >> (kFlagsHighShift + 4)) & 1) != 0;" in launch
-    assert "(!q_in_kernel || q_in_registers)" in launch
-    for d in (64, 128):
-        base = gen.DEFAULTS[d]
-        assert not base.q_in_kernel
-        qk = replace(base, q_in_kernel=True)
-        assert qk.flags == base.flags | 1 << 16
-        assert sorted(qk.name.split("_")) == sorted([*base.name.split("_"), "qk"])
-        assert ", .q_in_kernel = true" in qk.cpp() and ".q_in_kernel" not in base.cpp()
-        assert (d, qk) in gen.BENCH_VARIANTS
-        assert (d, qk.exp2_poly_every, qk.flags, qk.name) in py.BENCH_VARIANTS
-        assert py.FLAG_NAMES[qk.flags] == qk.name
-    try:
-        gen.FwdOptions(q_in_kernel=True)
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("q_in_kernel without q_in_registers was accepted")
-    # the regular build compiles no q_in_kernel variant; dispatch's LSE rule covers every query
-    regular = (CSRC / "sm90_int8" / "instantiations" / "variants.inc").read_text()
-    assert "q_in_kernel" not in regular
-    lookup = (CSRC / "sm90_int8" / "dispatch.cuh").read_text()  # the shipped and the benchmark table's
-    # find_fwd_variant (behind has_fwd_variant, fwd_quantizes_q, fwd_rows_per_cta, ...) and run_fwd
-    assert lookup.count("serves_lse(OPT, ") == 2
+def test_int8_dispatch_queries_share_one_lookup():
+    """The shipped and the benchmark table's queries (has_fwd_variant, fwd_rows_per_cta, ...) and
+    run_fwd go through dispatch.cuh's one lookup, keyed by (head dim, dtype, causal, exp2 share,
+    flags): no LSE key since q_in_kernel (which computed no LSE) was deleted."""
+    lookup = (CSRC / "sm90_int8" / "dispatch.cuh").read_text()
+    assert "serves_lse" not in lookup and "bool lse" not in lookup
     for table in (CSRC / "sm90_int8" / "dispatch.cu", ROOT / "bench" / "sm90_int8" / "dispatch_bench.cu"):
         dispatch = table.read_text()
         assert '#include "dispatch.cuh"' in dispatch and "SAGE_SM90_VARIANT" not in dispatch
-        for query in ("has_fwd_variant", "fwd_quantizes_q", "fwd_rows_per_cta"):
+        assert "fwd_quantizes_q" not in dispatch
+        for query in ("has_fwd_variant", "fwd_rows_per_cta", "fwd_tile_keys", "fwd_kv_block"):
             body = dispatch.split(f" {query}(int head_dim", 1)[1].split("\n}\n", 1)[0]
-            assert ("find_fwd_variant(head_dim, causal, exp_poly_every, lse, " in body
-                    or "variant_or_default(head_dim, causal, exp_poly_every, lse, " in body), (table, query)
+            assert ("find_fwd_variant(head_dim, causal, exp_poly_every, " in body
+                    or "variant_or_default(head_dim, causal, exp_poly_every, " in body), (table, query)
 
 
 def test_int8_three_consumers_flag_name_validity_and_q_tiles():
@@ -460,11 +433,11 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
     assert "kBlockM" not in torch_side and "sage_sm90::fwd_q_tiles(Sq, shape.rows_per_cta)" in torch_side
     # fwd, bench_parts, fwd_phase_clock size the pre-pass by the variant (its policy's shape() asks
     # fwd_rows_per_cta of the build's table)
-    assert torch_side.count("variants.shape(d, is_causal, e, return_lse)") == 1
+    assert torch_side.count("variants.shape(d, is_causal, e)") == 1
     assert (k / "binding.cpp").read_text().count("sage_sm90::fwd_rows_per_cta(") == 1
     bench_binding = (ROOT / "bench" / "sm90_int8" / "binding_bench.cpp").read_text()
     assert bench_binding.count("sage_sm90::bench::fwd_rows_per_cta(") == 1
-    assert bench_binding.count("variants.shape(d, is_causal, e, false)") == 2  # bench_parts, fwd_phase_clock
+    assert bench_binding.count("variants.shape(d, is_causal, e)") == 2  # bench_parts, fwd_phase_clock
     assert "fwd_q_tiles(4429, 192) == 3 * 24" in launch
 
 

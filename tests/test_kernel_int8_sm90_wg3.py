@@ -27,7 +27,7 @@ same_bits = (1 << 14) | (1 << 15) | (1 << 17) | (1 << 18)  # variants_bench.SAME
 pairs = []
 for d in (64, 128):
     wg3 = next(o for dd, o in gen.BENCH_VARIANTS if dd == d and o.three_consumers
-               and not o.q_in_kernel and o.epilogue_staged)
+               and o.epilogue_staged)
     partner = replace(wg3, three_consumers=False, epilogue_summary=False, epilogue_staged=False)
     assert partner.flags == wg3.flags & ~same_bits and (d, partner) in gen.BENCH_VARIANTS
     pairs.append((d, wg3, partner))

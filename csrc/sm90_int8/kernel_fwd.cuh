@@ -160,7 +160,6 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   clock.mark(ConsumerPhase::kEntry);  // ProducerPhase::kEntry is the same slot index
   static_assert(static_cast<int>(ConsumerPhase::kEntry) == static_cast<int>(ProducerPhase::kEntry) &&
                 static_cast<int>(ConsumerPhase::kReady) == static_cast<int>(ProducerPhase::kReady));
-  constexpr bool kQInKernel = kOpt.q_in_kernel;
   // Consumer warpgroup wg's first row in the work tile at m_block, and the two rows there of the
   // thread tid (in the warpgroup) and lane: those of its Q, S and O fragments.
   auto wg_first_row = [](int m_block, int wg) { return m_block * kBlockM + wg * kRowsPerWG; };
@@ -168,21 +167,6 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     row[0] = wg_row0 + 16 * (tid / 32) + (lane >> 2);
     row[1] = row[0] + 8;
   };
-  // q_in_kernel: each consumer thread's 16-bit Q loads go out first. Q
-  // is the caller's input, no pre-pass output, so they need no pdl_wait: under PDL they overlap the
-  // pre-pass's tail, in any launch the barrier setup and the first K/V copies (the quantization,
-  // quant_q_raw, follows on the consumer path).
-  constexpr bool kEarlyQ = kQInKernel;
-  uint2 q_raw[kEarlyQ ? D / 8 : 1];
-  if constexpr (kEarlyQ) {
-    if (threadIdx.x < kConsumerThreads) {
-      const int m_block = kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // make_work's tile
-      int rows[2];
-      fragment_rows(wg_first_row(m_block, threadIdx.x / 128), threadIdx.x % 128, threadIdx.x & 31, rows);
-      const char* q_bh = static_cast<const char*>(p.q) + 2 * (blockIdx.z * p.q_sb + blockIdx.y * p.q_sh);
-      WarpgroupOperands<D>::load_q_raw(q_bh, p.q_ss, rows, p.Sq, q_raw);
-    }
-  }
   // With PDL the pre-pass may still be draining: every read of its outputs (kv_len, sq, sk, the
   // mask bits, the Q / K / V^T images) comes after this (a no-op in a plain launch).
   sage_common::sm90::pdl_wait();
@@ -203,13 +187,11 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     if (warp == kProducerWarp && lane == 0) {
       clock.mark_sm();
       const int64_t bhk = static_cast<int64_t>(wk.b) * p.Hkv + wk.hk;
-      // q_in_kernel: no pre-pass image (p.q_img is null) and no Q copy
-      const int8_t* q_src = kQInKernel ? nullptr
-                                       : p.q_img + ((static_cast<int64_t>(wk.b) * p.Hq + wk.h) * p.n_q_tiles +
-                                                    kQTilesPerCTA * wk.m_block) * C::kQTileBytes;
+      const int8_t* q_src = p.q_img + ((static_cast<int64_t>(wk.b) * p.Hq + wk.h) * p.n_q_tiles +
+                                       kQTilesPerCTA * wk.m_block) * C::kQTileBytes;
       // p.n_kv_tiles K blocks (kKBlock keys each) per (b, kv head): kScaleBlocks per tile
-      producer_loop<D, !kQInKernel>(sp, q_src, p.k_img + bhk * p.n_kv_tiles * C::kKBlockBytes,
-                                    p.vt_img + bhk * p.n_kv_tiles * C::kVBlockBytes, wk.n_tiles);
+      producer_loop<D>(sp, q_src, p.k_img + bhk * p.n_kv_tiles * C::kKBlockBytes,
+                       p.vt_img + bhk * p.n_kv_tiles * C::kVBlockBytes, wk.n_tiles);
       clock.mark(ProducerPhase::kLastCopy);
     }
     return;
@@ -236,7 +218,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
 
   using Softmax = OnlineSoftmax<kPoly, kLean, kSplitReduce, kOpt.tc_row_sum, kOpt.seeded_scores, kKeys>;
   Softmax sm;
-  if constexpr (!kQInKernel) {  // q_in_kernel: the row scales come with its Q fragments below
+  {
     const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
     sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
   }
@@ -399,20 +381,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   };
 
   uint32_t q_frag[D / 8];
-  if constexpr (kQInKernel) {
-    // Q's fragments and row scales straight from the 16-bit input (no pre-pass image, no copy).
-    float sq[2];
-    if constexpr (kEarlyQ) {
-      WarpgroupOperands<D>::template quant_q_raw<kOut>(q_raw, q_frag, sq);  // loaded at entry
-    } else {
-      const char* q_bh = static_cast<const char*>(p.q) + 2 * (b * p.q_sb + h * p.q_sh);
-      WarpgroupOperands<D>::template quant_q_frag<kOut>(q_bh, p.q_ss, row, p.Sq, q_frag, sq);
-    }
-    sm.init(sq[0] * p.scale_log2, sq[1] * p.scale_log2);
-  } else {
-    Barrier::wait(sp.q_full, 0);
-    if constexpr (kQRegs) WarpgroupOperands<D, kWGs, kSumCols, kKeys>::load_q_frag(sp, wg, tid, q_frag);
-  }
+  Barrier::wait(sp.q_full, 0);
+  if constexpr (kQRegs) WarpgroupOperands<D, kWGs, kSumCols, kKeys>::load_q_frag(sp, wg, tid, q_frag);
   clock.mark(ConsumerPhase::kQReady);
   // Whether a key tile's row scales c = rowf sk can exceed the folded exponent's bound
   // (softmax.hpp lean_scores): then that tile's softmax step runs the exact exponents (a branch
