@@ -7,7 +7,8 @@ attention kernel alone (``ext.bench_parts``, back-to-back launches, pre-pass exc
 query length over several key lengths and fits F (us per CTA) and c (us per key tile) by least
 squares, per compiled variant of the benchmark build (``SAGE_DIFFUSERS_SM90_BENCH=1``) or the
 default. A large F against n c is what a persistent grid (the next work tile's loads under this
-one's epilogue) can win back at image lengths.
+one's epilogue) was to win back at image lengths (the `persistent` option: no faster, deleted;
+csrc/sm90_int8/DESIGN.md).
 
     SAGE_DIFFUSERS_SM90_BENCH=1 python bench/int8_fixed_cost.py [--reps 20] [--out eval/results/int8_fixed_cost_h200]
 """

@@ -10,7 +10,7 @@ median [min-max] over the rounds. Before timing, every variant's output is compa
 default's (bit for bit, and cosine) and with ``sage8_reference`` at the same shape.
 
     SAGE_DIFFUSERS_SM90_BENCH=1 python bench/int8_variant_ab.py \\
-        --variants lean_overlap_pingpong_qregs_split_smemo4_esum_stage_latewait --out eval/results/x.md
+        --variants lean_overlap_qregs_split_smemo4_esum_stage_tcsum_seeded --out eval/results/x.md
 
 ``--prepass-modes N...`` adds the defaults under other pre-pass modes (launch.h kPrepass* bit sets),
 named ``prepass mN``; the pre-pass alone (``ext.bench_parts``) is timed for every entry.

@@ -162,29 +162,35 @@ def test_int8_shipped_policy_is_named_once(tmp_path):
 
 
 def test_int8_deleted_options_keep_their_flag_bits_reserved():
-    """fp16_exp2 (flags 16) and seed_reductions (1 << kFlagsHighShift) were never built and are
-    deleted (DESIGN.md); their bits stay unused on both sides, so no other option set's flags or kernel
-    name change, and no field, validity rule or name part refers to them any more."""
+    """fp16_exp2 (flags 16), seed_reductions (1 << kFlagsHighShift), persistent (1 << 13),
+    q_in_kernel (1 << 16) and late_pv_wait (1 << 19) were measured, rejected and deleted (DESIGN.md);
+    their bits stay unused on both sides, so no other option set's flags or kernel name change, and
+    no field, validity rule or name part refers to them any more."""
     from dataclasses import fields
 
     gen = _generator()
     launch = (CSRC / "sm90_int8" / "launch.h").read_text()
-    assert gen._RESERVED_LOW_BITS == (4,) and gen._RESERVED_HIGH_BITS == (0, 11)
+    assert gen._RESERVED_LOW_BITS == (4,) and gen._RESERVED_HIGH_BITS == (0, 1, 4, 7, 11)
     assert not set(gen._LOW_BITS.values()) & set(gen._RESERVED_LOW_BITS)
     assert not set(gen._HIGH_BITS.values()) & set(gen._RESERVED_HIGH_BITS)
-    # every bool is at one listed bit, and the split reductions stay at 32, persistent at 1 << 13
+    # every bool is at one listed bit, and the split reductions stay at 32, phase_clock at 1 << 14
     bools = {f.name for f in fields(gen.FwdOptions) if f.type in ("bool", bool)}
     assert bools == set(gen._LOW_BITS) | set(gen._HIGH_BITS)
     assert gen.FwdOptions(lean_softmax=True, split_reductions=True).flags == 1 | 32
-    assert gen.FwdOptions(q_in_registers=True, persistent=True).flags == 8 | 1 << 13
-    src = "\n".join((CSRC / "sm90_int8" / f).read_text() for f in ("softmax.hpp", "kernel_fwd.cuh"))
-    for gone in ("fp16_exp2", "seed_reductions"):
+    assert gen.FwdOptions(q_in_registers=True, phase_clock=True).flags == 8 | 1 << 14
+    src = "\n".join((CSRC / f).read_text() for f in ("sm90_int8/softmax.hpp", "sm90_int8/kernel_fwd.cuh",
+                                                      "sm90_int8/mainloop.hpp", "common/sm90/wgmma.cuh"))
+    for gone in ("fp16_exp2", "seed_reductions", "persistent", "q_in_kernel", "late_pv_wait"):
         assert gone not in {f.name for f in fields(gen.FwdOptions)}
         assert f"bool {gone}" not in launch and f"o.{gone}" not in launch and f"{gone} ?" not in launch
         assert gone not in src and gone not in gen._HIGH_SHORT
         with pytest.raises(TypeError):
             gen.FwdOptions(**{gone: True, "lean_softmax": True})
     assert "kHalfExp" not in src and "kSeed_" not in src and "scores_lean_half" not in src
+    assert "kPersistent" not in src and "q_empty" not in src and "persistent_work" not in src
+    assert "kLatePvWait" not in src and "wgmma_wait_all" not in src
+    assert "kQInKernel" not in src and "quant_q_raw" not in src and "quant_q_frag" not in src
+    assert not any(part in name.split("_") for name in _generated_names() for part in ("persist", "qk", "latewait"))
 
 
 def test_int8_invalid_option_sets_are_rejected():
@@ -197,13 +203,19 @@ def test_int8_invalid_option_sets_are_rejected():
         raise AssertionError(f"{bad} without lean_softmax was accepted")
 
 
-def test_int8_persistent_flag_and_name_round_trip():
-    """`persistent` is flag bit 1 << 13 (FwdOptions::kFlagsHighShift + 1) on both sides, named
-    "persist", needs Q in registers, and its benchmark variants reach the generated Python module."""
-    from dataclasses import replace
-
+def _generated_names():
+    """The names of every generated forward variant: the instantiation files of both builds, and the
+    Python module's benchmark variants and flag names."""
     from sage_diffusers.kernels import _sm90_int8_variants as py
 
+    files = [*(CSRC / "sm90_int8" / "instantiations").glob("*.cu"),
+             *(ROOT / "bench" / "sm90_int8" / "instantiations").glob("*.cu")]
+    return [f.stem for f in files] + [v[3] for v in py.BENCH_VARIANTS] + list(py.FLAG_NAMES.values())
+
+
+def test_int8_high_flags_round_trip():
+    """Each bool above smem_o_every's bits (FwdOptions::kFlagsHighShift + its bit) is at the same bit
+    in launch.h's flags() / from_flags() and the generator's _HIGH_BITS."""
     gen = _generator()
     launch = (CSRC / "sm90_int8" / "launch.h").read_text()
     assert f"static constexpr int kFlagsHighShift = {gen._HIGH_SHIFT};" in launch
@@ -211,24 +223,6 @@ def test_int8_persistent_flag_and_name_round_trip():
         shift = "kFlagsHighShift" if bit == 0 else f"(kFlagsHighShift + {bit})"
         assert f"({name} ? 1 << {shift} : 0)" in launch, name
         assert f"o.{name} = ((flags >> {shift}) & 1) != 0;" in launch, name
-    assert gen._HIGH_BITS["persistent"] == 1
-    for d in (64, 128):
-        base = gen.DEFAULTS[d]
-        assert not base.persistent  # the defaults are decided from a GPU run
-        pers = replace(base, persistent=True)
-        assert pers.flags == base.flags | 1 << 13 and not base.flags & 1 << 13
-        # "persist" joins the name parts (in _HIGH_SHORT's order), the C++ initializer the field
-        assert sorted(pers.name.split("_")) == sorted([*base.name.split("_"), "persist"])
-        assert ", .persistent = true" in pers.cpp() and ".persistent" not in base.cpp()
-        assert (d, pers) in gen.BENCH_VARIANTS
-        assert (d, pers.exp2_poly_every, pers.flags, pers.name) in py.BENCH_VARIANTS
-        assert py.FLAG_NAMES[pers.flags] == replace(pers, exp2_poly_every=0).name
-    try:
-        gen.FwdOptions(persistent=True)
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("persistent without q_in_registers was accepted")
 
 
 def test_int8_phase_clock_and_epilogue_summary_flags():
@@ -331,49 +325,20 @@ def test_int8_epilogue_sass_finds_both_store_paths():
     assert r["fast"]["instructions"] == 2 and r["fast"]["STG"] == 1 and r["fast"]["LDG"] == 0
 
 
-def test_int8_q_in_kernel_flag_name_and_lse_rule():
-    """`q_in_kernel` is flag bit 1 << 16 (FwdOptions::kFlagsHighShift + 4) on both sides, named
-    "qk", needs Q in registers, is benchmarked at both head dims but not a default, and dispatch
-    never picks it for an LSE call (it computes no q . k_mean correction)."""
-    from dataclasses import replace
-
-    from sage_diffusers.kernels import _sm90_int8_variants as py
-
-    gen = _generator()
-    launch = (CSRC / "sm90_int8" / "launch.h").read_text()
-    assert gen._HIGH_BITS["q_in_kernel"] == 4
-    assert "(q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0)" in launch
-    assert "o.q_in_kernel = ((flags >> (kFlagsHighShift + 4)) & 1) != 0;" in launch
-    assert "(!q_in_kernel || q_in_registers)" in launch
-    for d in (64, 128):
-        base = gen.DEFAULTS[d]
-        assert not base.q_in_kernel
-        qk = replace(base, q_in_kernel=True)
-        assert qk.flags == base.flags | 1 << 16
-        assert sorted(qk.name.split("_")) == sorted([*base.name.split("_"), "qk"])
-        assert ", .q_in_kernel = true" in qk.cpp() and ".q_in_kernel" not in base.cpp()
-        assert (d, qk) in gen.BENCH_VARIANTS
-        assert (d, qk.exp2_poly_every, qk.flags, qk.name) in py.BENCH_VARIANTS
-        assert py.FLAG_NAMES[qk.flags] == qk.name
-    try:
-        gen.FwdOptions(q_in_kernel=True)
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("q_in_kernel without q_in_registers was accepted")
-    # the regular build compiles no q_in_kernel variant; dispatch's LSE rule covers every query
-    regular = (CSRC / "sm90_int8" / "instantiations" / "variants.inc").read_text()
-    assert "q_in_kernel" not in regular
-    lookup = (CSRC / "sm90_int8" / "dispatch.cuh").read_text()  # the shipped and the benchmark table's
-    # find_fwd_variant (behind has_fwd_variant, fwd_quantizes_q, fwd_rows_per_cta, ...) and run_fwd
-    assert lookup.count("serves_lse(OPT, ") == 2
+def test_int8_dispatch_queries_share_one_lookup():
+    """The shipped and the benchmark table's queries (has_fwd_variant, fwd_rows_per_cta, ...) and
+    run_fwd go through dispatch.cuh's one lookup, keyed by (head dim, dtype, causal, exp2 share,
+    flags): no LSE key since q_in_kernel (which computed no LSE) was deleted."""
+    lookup = (CSRC / "sm90_int8" / "dispatch.cuh").read_text()
+    assert "serves_lse" not in lookup and "bool lse" not in lookup
     for table in (CSRC / "sm90_int8" / "dispatch.cu", ROOT / "bench" / "sm90_int8" / "dispatch_bench.cu"):
         dispatch = table.read_text()
         assert '#include "dispatch.cuh"' in dispatch and "SAGE_SM90_VARIANT" not in dispatch
-        for query in ("has_fwd_variant", "fwd_quantizes_q", "fwd_rows_per_cta"):
+        assert "fwd_quantizes_q" not in dispatch
+        for query in ("has_fwd_variant", "fwd_rows_per_cta", "fwd_tile_keys", "fwd_kv_block"):
             body = dispatch.split(f" {query}(int head_dim", 1)[1].split("\n}\n", 1)[0]
-            assert ("find_fwd_variant(head_dim, causal, exp_poly_every, lse, " in body
-                    or "variant_or_default(head_dim, causal, exp_poly_every, lse, " in body), (table, query)
+            assert ("find_fwd_variant(head_dim, causal, exp_poly_every, " in body
+                    or "variant_or_default(head_dim, causal, exp_poly_every, " in body), (table, query)
 
 
 def test_int8_three_consumers_flag_name_validity_and_q_tiles():
@@ -468,11 +433,11 @@ def test_int8_three_consumers_flag_name_validity_and_q_tiles():
     assert "kBlockM" not in torch_side and "sage_sm90::fwd_q_tiles(Sq, shape.rows_per_cta)" in torch_side
     # fwd, bench_parts, fwd_phase_clock size the pre-pass by the variant (its policy's shape() asks
     # fwd_rows_per_cta of the build's table)
-    assert torch_side.count("variants.shape(d, is_causal, e, return_lse)") == 1
+    assert torch_side.count("variants.shape(d, is_causal, e)") == 1
     assert (k / "binding.cpp").read_text().count("sage_sm90::fwd_rows_per_cta(") == 1
     bench_binding = (ROOT / "bench" / "sm90_int8" / "binding_bench.cpp").read_text()
     assert bench_binding.count("sage_sm90::bench::fwd_rows_per_cta(") == 1
-    assert bench_binding.count("variants.shape(d, is_causal, e, false)") == 2  # bench_parts, fwd_phase_clock
+    assert bench_binding.count("variants.shape(d, is_causal, e)") == 2  # bench_parts, fwd_phase_clock
     assert "fwd_q_tiles(4429, 192) == 3 * 24" in launch
 
 
@@ -506,8 +471,8 @@ def test_int8_epilogue_staged_flag_name_and_bench_twins():
     assert all(o.epilogue_staged for *_, o in gen.variants())
     bench = (ROOT / "bench" / "sm90_int8" / "variants_bench.py").read_text()
     bits = [int(b) for b in re.findall(r"1 << (\d+)", re.search(r"^SAME_BITS_FLAGS = (.+)$", bench, re.M).group(1))]
-    # phase_clock, epilogue_summary, epilogue_staged, three_consumers, late_pv_wait
-    assert set(bits) == {14, 15, 17, 18, 19}
+    # phase_clock, epilogue_summary, epilogue_staged, three_consumers
+    assert set(bits) == {14, 15, 17, 18}
     same_bits = sum(1 << b for b in bits)
     # the defaults' partner without those bits is compiled too: the bit identity check runs on them
     flags = {(d, o.flags) for d, o in gen.BENCH_VARIANTS}
@@ -524,37 +489,6 @@ def _assert_high_flag(gen, name: str, bit: int, short: str) -> tuple[str, str]:
     assert f"({name} ? 1 << (kFlagsHighShift + {bit}) : 0)" in launch
     assert f"o.{name} = ((flags >> (kFlagsHighShift + {bit})) & 1) != 0;" in launch
     return launch, kernel
-
-
-def test_int8_late_pv_wait_flag_validity_and_bench_twins():
-    """`late_pv_wait` is flag bit 1 << 19 (kFlagsHighShift + 7) on both sides, named "latewait",
-    refused without the overlap and the lean softmax (Python raises, C++ valid() says so), and
-    the benchmark build holds hd128's defaults with it beside the defaults, so variants_bench.py's
-    bit-identity check compares them."""
-    from dataclasses import replace
-
-    from sage_diffusers.kernels import _sm90_int8_variants as py
-
-    gen = _generator()
-    launch, kernel = _assert_high_flag(gen, "late_pv_wait", 7, "latewait")
-    assert "(!late_pv_wait || (overlap_softmax_pv && lean_softmax))" in launch
-    assert "constexpr bool kLatePvWait = kOpt.late_pv_wait;" in kernel
-    assert "wgmma_wait_all</*kTag=*/0>" in kernel and "wgmma_wait_all</*kTag=*/1>" in kernel
-    for bad in (dict(late_pv_wait=True), dict(late_pv_wait=True, lean_softmax=True),
-                dict(late_pv_wait=True, overlap_softmax_pv=True)):
-        with pytest.raises(ValueError, match="late_pv_wait"):
-            gen.FwdOptions(**bad)
-    base = gen.DEFAULTS[128]
-    assert not base.late_pv_wait
-    for partner in (base,):
-        late = replace(partner, late_pv_wait=True)
-        # (tc_row_sum's and seeded_scores' name parts come last)
-        assert late.flags == partner.flags | 1 << 19
-        last = dict(tc_row_sum=False, seeded_scores=False)
-        assert replace(late, seeded_scores=False).name == replace(partner, **last).name + "_latewait_tcsum"
-        for o in (partner, late):
-            assert (128, o) in gen.BENCH_VARIANTS
-            assert py.FLAG_NAMES[o.flags] == o.name
 
 
 def test_int8_tc_row_sum_flag_validity_and_bench_variants():
@@ -654,7 +588,7 @@ def test_int8_fused_rescale_flag_validity_and_bench_variant():
     assert "(!fused_rescale || (fp32_pv_tiles && !overlap_softmax_pv && !pingpong))" in launch
     assert "constexpr bool kFusedRescale = kOpt.fused_rescale;" in kernel
     assert "o[i] = fmaf(o[i], alpha[(i >> 1) & 1], o_tile[i]);" in kernel
-    assert "} else if (!kFusedRescale) {\n          rescale(alpha);" in kernel
+    assert "} else if (!kFusedRescale) {\n        rescale(alpha);" in kernel
     for bad in (dict(fused_rescale=True), dict(fused_rescale=True, fp32_pv_tiles=True, overlap_softmax_pv=True),
                 dict(fused_rescale=True, fp32_pv_tiles=True, pingpong=True)):
         with pytest.raises(ValueError, match="fused_rescale"):
@@ -709,7 +643,7 @@ def test_int8_long_tile_flag_validity_and_bench_variants():
     assert lean.flags == 1 | 1 << 25 and lean.name == "lean_long"
     assert not any(o.long_tile for *_, o in gen.variants())
     longs = [o for d, o in gen.BENCH_VARIANTS if o.long_tile]
-    assert len(longs) == 6 and all(d == 128 for d, o in gen.BENCH_VARIANTS if o.long_tile)
+    assert len(longs) == 5 and all(d == 128 for d, o in gen.BENCH_VARIANTS if o.long_tile)
     assert sum(o.tc_row_sum for o in longs) == 3 and not any(o.q_in_registers for o in longs)
     flags = {o.flags for d, o in gen.BENCH_VARIANTS if d == 128}
     assert replace(gen.DEFAULTS[128], tc_row_sum=False).flags in flags  # the partner without tc_row_sum

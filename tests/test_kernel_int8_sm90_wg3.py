@@ -26,8 +26,8 @@ same_bits = (1 << 14) | (1 << 15) | (1 << 17) | (1 << 18)  # variants_bench.SAME
 # hd64: the defaults; hd128: the benchmark build's three-warpgroup variant
 pairs = []
 for d in (64, 128):
-    wg3 = next(o for dd, o in gen.BENCH_VARIANTS if dd == d and o.three_consumers and not o.persistent
-               and not o.q_in_kernel and o.epilogue_staged)
+    wg3 = next(o for dd, o in gen.BENCH_VARIANTS if dd == d and o.three_consumers
+               and o.epilogue_staged)
     partner = replace(wg3, three_consumers=False, epilogue_summary=False, epilogue_staged=False)
     assert partner.flags == wg3.flags & ~same_bits and (d, partner) in gen.BENCH_VARIANTS
     pairs.append((d, wg3, partner))

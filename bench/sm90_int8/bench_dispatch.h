@@ -11,11 +11,10 @@
 
 namespace sage_sm90::bench {
 
-bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every, bool lse, int flags);
-bool fwd_quantizes_q(int head_dim, bool causal, int exp_poly_every, bool lse, int flags);
-int fwd_rows_per_cta(int head_dim, bool causal, int exp_poly_every, bool lse, int flags);
-int fwd_tile_keys(int head_dim, bool causal, int exp_poly_every, bool lse, int flags);
-int fwd_kv_block(int head_dim, bool causal, int exp_poly_every, bool lse, int flags);
+bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every, int flags);
+int fwd_rows_per_cta(int head_dim, bool causal, int exp_poly_every, int flags);
+int fwd_tile_keys(int head_dim, bool causal, int exp_poly_every, int flags);
+int fwd_kv_block(int head_dim, bool causal, int exp_poly_every, int flags);
 cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every, int flags,
                     bool pdl, cudaStream_t stream);
 // Any pre-pass mode; p.kv_block 128, or 64 (the long_tile variants', head dim 128: run_prepass_long).

@@ -26,16 +26,10 @@ struct BenchVariants {
 
   bool pdl() const { return (s.prepass_mode & sage_sm90::kPrepassPdl) != 0; }
   int prepass_mode() const { return s.prepass_mode; }
-  bool has(int d, bool causal, int e, bool lse) const {
-    return sage_sm90::bench::has_fwd_variant(d, causal, e, lse, s.flags);
-  }
-  bool quantizes_q(int d, bool causal, int e, bool lse) const {
-    return sage_sm90::bench::fwd_quantizes_q(d, causal, e, lse, s.flags);
-  }
-  FwdShape shape(int d, bool causal, int e, bool lse) const {
-    return {sage_sm90::bench::fwd_rows_per_cta(d, causal, e, lse, s.flags),
-            sage_sm90::bench::fwd_tile_keys(d, causal, e, lse, s.flags),
-            sage_sm90::bench::fwd_kv_block(d, causal, e, lse, s.flags)};
+  bool has(int d, bool causal, int e) const { return sage_sm90::bench::has_fwd_variant(d, causal, e, s.flags); }
+  FwdShape shape(int d, bool causal, int e) const {
+    return {sage_sm90::bench::fwd_rows_per_cta(d, causal, e, s.flags), sage_sm90::bench::fwd_tile_keys(d, causal, e, s.flags),
+            sage_sm90::bench::fwd_kv_block(d, causal, e, s.flags)};
   }
   cudaError_t run_prepass(const sage_sm90::PrepassParams& p, int d, DType dtype, cudaStream_t stream) const {
     return sage_sm90::bench::run_prepass(p, d, dtype, pdl(), stream);
@@ -57,7 +51,7 @@ std::vector<at::Tensor> prepass(const at::Tensor& q, const at::Tensor& k, const 
 }
 
 bool has_variant(int64_t head_dim, bool causal, int64_t exp_poly_every) {
-  return BenchVariants{}.has(static_cast<int>(head_dim), causal, static_cast<int>(exp_poly_every), false);
+  return BenchVariants{}.has(static_cast<int>(head_dim), causal, static_cast<int>(exp_poly_every));
 }
 
 // GPU time of the two parts of fwd alone, without host overheads (allocations, argument checks, the
@@ -71,12 +65,11 @@ std::vector<double> bench_parts(const at::Tensor& q, const at::Tensor& k, const 
   const int64_t D = q.size(3);
   const int d = static_cast<int>(D), e = static_cast<int>(exp_poly_every);
   TORCH_CHECK(reps > 0, "reps must be positive");
-  TORCH_CHECK(variants.has(d, is_causal, e, false), "no compiled variant for this call");
+  TORCH_CHECK(variants.has(d, is_causal, e), "no compiled variant for this call");
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  // the pre-pass the dispatched variant needs: without Q when it quantizes Q itself
+  // the pre-pass the dispatched variant needs (its rows per CTA, keys per tile and per K block)
   Prepared r = sage_sm90_torch::prepare(q, k, v, c10::nullopt, scale, /*want_qkm=*/false,
-                                        variants.quantizes_q(d, is_causal, e, false),
-                                        variants.shape(d, is_causal, e, false), variants.prepass_mode());
+                                        variants.shape(d, is_causal, e), variants.prepass_mode());
   at::Tensor out = at::empty_like(q);
   const sage_sm90::FwdParams p = sage_sm90_torch::fwd_params(r, q, k, out, scale);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -109,19 +102,17 @@ std::vector<double> bench_parts(const at::Tensor& q, const at::Tensor& k, const 
 // phase_clock variants (selected with set_fwd_flags): the pre-pass and one forward with a phase
 // record. Returns int64 (CTAs, kPhaseSlots, kPhaseWords): per CTA and phase point (launch.h
 // ConsumerPhase for warpgroups 0 and 1, then ProducerPhase) {%globaltimer ns, %clock64 cycles}; 0 where
-// nothing was recorded (a variant without phase_clock writes nothing; a persistent grid fills only its
-// first min(#SMs, CTAs) rows).
+// nothing was recorded (a variant without phase_clock writes nothing).
 at::Tensor fwd_phase_clock(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal,
                            int64_t exp_poly_every) {
   const sage_common::LaunchContext launch(q);  // q's device and its current stream (common/launch_context.h)
   const BenchVariants variants;
   const int64_t D = q.size(3);
   const int d = static_cast<int>(D), e = static_cast<int>(exp_poly_every);
-  TORCH_CHECK(variants.has(d, is_causal, e, false), "no compiled variant for this call");
+  TORCH_CHECK(variants.has(d, is_causal, e), "no compiled variant for this call");
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  const FwdShape shape = variants.shape(d, is_causal, e, false);
-  Prepared r = sage_sm90_torch::prepare_and_launch(variants, q, k, v, c10::nullopt, scale, /*want_qkm=*/false,
-                                                   /*skip_q=*/false, shape);
+  const FwdShape shape = variants.shape(d, is_causal, e);
+  Prepared r = sage_sm90_torch::prepare_and_launch(variants, q, k, v, c10::nullopt, scale, /*want_qkm=*/false, shape);
   at::Tensor out = at::empty_like(q);
   sage_sm90::FwdParams p = sage_sm90_torch::fwd_params(r, q, k, out, scale);
   const int64_t ctas = r.p.n_q_tiles / (shape.rows_per_cta / sage_sm90_torch::kQTileRows) * q.size(1) * q.size(0);

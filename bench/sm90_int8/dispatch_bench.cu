@@ -10,26 +10,21 @@ namespace sage_sm90::bench {
 
 using dispatch_detail::variant_or_default;
 
-bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every, bool lse, int flags) {
+bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every, int flags) {
   FwdOptions o;
-  return dispatch_detail::find_fwd_variant(head_dim, causal, exp_poly_every, lse, flags, o);
+  return dispatch_detail::find_fwd_variant(head_dim, causal, exp_poly_every, flags, o);
 }
 
-bool fwd_quantizes_q(int head_dim, bool causal, int exp_poly_every, bool lse, int flags) {
-  FwdOptions o;
-  return dispatch_detail::find_fwd_variant(head_dim, causal, exp_poly_every, lse, flags, o) && o.q_in_kernel;
+int fwd_rows_per_cta(int head_dim, bool causal, int exp_poly_every, int flags) {
+  return kQImageRows * variant_or_default(head_dim, causal, exp_poly_every, flags).consumer_warpgroups();
 }
 
-int fwd_rows_per_cta(int head_dim, bool causal, int exp_poly_every, bool lse, int flags) {
-  return kQImageRows * variant_or_default(head_dim, causal, exp_poly_every, lse, flags).consumer_warpgroups();
+int fwd_tile_keys(int head_dim, bool causal, int exp_poly_every, int flags) {
+  return variant_or_default(head_dim, causal, exp_poly_every, flags).tile_keys();
 }
 
-int fwd_tile_keys(int head_dim, bool causal, int exp_poly_every, bool lse, int flags) {
-  return variant_or_default(head_dim, causal, exp_poly_every, lse, flags).tile_keys();
-}
-
-int fwd_kv_block(int head_dim, bool causal, int exp_poly_every, bool lse, int flags) {
-  return variant_or_default(head_dim, causal, exp_poly_every, lse, flags).kv_block();
+int fwd_kv_block(int head_dim, bool causal, int exp_poly_every, int flags) {
+  return variant_or_default(head_dim, causal, exp_poly_every, flags).kv_block();
 }
 
 cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every, int flags,

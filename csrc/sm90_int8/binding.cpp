@@ -17,11 +17,10 @@ struct ShippedVariants {
   static constexpr bool kPdl = (kMode & sage_sm90::kPrepassPdl) != 0;
 
   int prepass_mode() const { return kMode; }
-  bool has(int d, bool causal, int e, bool lse) const { return sage_sm90::has_fwd_variant(d, causal, e, lse); }
-  bool quantizes_q(int d, bool causal, int e, bool lse) const { return sage_sm90::fwd_quantizes_q(d, causal, e, lse); }
-  FwdShape shape(int d, bool causal, int e, bool lse) const {
-    return {sage_sm90::fwd_rows_per_cta(d, causal, e, lse), sage_sm90::fwd_tile_keys(d, causal, e, lse),
-            sage_sm90::fwd_kv_block(d, causal, e, lse)};
+  bool has(int d, bool causal, int e) const { return sage_sm90::has_fwd_variant(d, causal, e); }
+  FwdShape shape(int d, bool causal, int e) const {
+    return {sage_sm90::fwd_rows_per_cta(d, causal, e), sage_sm90::fwd_tile_keys(d, causal, e),
+            sage_sm90::fwd_kv_block(d, causal, e)};
   }
   cudaError_t run_prepass(const sage_sm90::PrepassParams& p, int d, DType dtype, cudaStream_t stream) const {
     return sage_sm90::run_prepass(p, d, dtype, kPdl, stream);

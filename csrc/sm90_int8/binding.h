@@ -76,15 +76,12 @@ struct Carver {
   }
 };
 
-// skip_q: the forward variant quantizes Q itself (sage_sm90::fwd_quantizes_q): no Q blocks, no
-// q_img / sq (empty tensors, null pointers), so it cannot want qkm. shape: the forward variant's
-// (fwd_shape): the Q images cover whole CTAs, the K blocks whole key tiles.
+// shape: the forward variant's (fwd_shape): the Q images cover whole CTAs, the K blocks whole key tiles.
 // prepass_mode: the kPrepass* bit set (launch.h) the buffers and the pre-pass launch follow. The
 // pre-pass itself is the caller's to launch (Variants::run_prepass).
 inline Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const c10::optional<at::Tensor>& key_mask, double scale, bool want_qkm, bool skip_q,
+                        const c10::optional<at::Tensor>& key_mask, double scale, bool want_qkm,
                         const FwdShape& shape, int prepass_mode) {
-  TORCH_CHECK(!(skip_q && want_qkm), "internal: the LSE correction needs the pre-pass's Q");
   check_qkv(q, "q", q);
   check_qkv(k, "k", q);
   check_qkv(v, "v", q);
@@ -119,7 +116,7 @@ inline Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tens
   r.n_ints = static_cast<int>(B * Hkv + B);
   if (one_alloc) {
     Carver c;
-    const int64_t q_elems = skip_q ? 0 : B * Hq * n_q_tiles * kQTileRows;
+    const int64_t q_elems = B * Hq * n_q_tiles * kQTileRows;
     const int64_t o_q = c.take(q_elems * D);
     const int64_t o_sq = c.take(4 * q_elems);
     const int64_t o_k = c.take(B * Hkv * n_kv_tiles * kv_block * D);
@@ -134,8 +131,8 @@ inline Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tens
     const int64_t o_bits = c.take(key_mask.has_value() ? 4 * B * (kv_block / 32) * n_kv_tiles : 0);
     r.ws = at::empty({c.bytes}, q.options().dtype(at::kByte));
     uint8_t* base = r.ws.data_ptr<uint8_t>();
-    p.q_img = skip_q ? nullptr : reinterpret_cast<int8_t*>(base + o_q);
-    p.sq = skip_q ? nullptr : reinterpret_cast<float*>(base + o_sq);
+    p.q_img = reinterpret_cast<int8_t*>(base + o_q);
+    p.sq = reinterpret_cast<float*>(base + o_sq);
     p.qkm = nullptr;
     p.k_img = reinterpret_cast<int8_t*>(base + o_k);
     p.sk = reinterpret_cast<float*>(base + o_sk);
@@ -160,8 +157,8 @@ inline Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const auto f32 = q.options().dtype(at::kFloat);
   const auto i32 = q.options().dtype(at::kInt);
   if (!one_alloc) {
-    r.q_img = skip_q ? at::empty({0}, i8) : at::empty({B, Hq, n_q_tiles, kQTileRows * D}, i8);
-    r.sq = skip_q ? at::empty({0}, f32) : at::empty({B, Hq, n_q_tiles * kQTileRows}, f32);
+    r.q_img = at::empty({B, Hq, n_q_tiles, kQTileRows * D}, i8);
+    r.sq = at::empty({B, Hq, n_q_tiles * kQTileRows}, f32);
     r.qkm = want_qkm ? at::empty({B, Hq, n_q_tiles * kQTileRows}, f32) : at::empty({0}, f32);
     r.k_img = at::empty({B, Hkv, n_kv_tiles, kv_block * D}, i8);
     r.sk = at::empty({B, Hkv, n_kv_tiles}, f32);
@@ -192,11 +189,11 @@ inline Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tens
   p.q_in_stats = (prepass_mode & sage_sm90::kPrepassQInStats) != 0 && !want_qkm;
   p.kernel_mode = prepass_mode &
                   (sage_sm90::kPrepassBatchLoads | sage_sm90::kPrepassL2Reuse | sage_sm90::kPrepassFastDiv);
-  p.skip_q = skip_q ? 1 : 0;
+  p.skip_q = 0;  // every forward variant reads the pre-pass's Q (q_in_kernel, which did not, is deleted)
   p.kv_block = shape.kv_block;
   if (!one_alloc) {
-    p.q_img = skip_q ? nullptr : r.q_img.data_ptr<int8_t>();
-    p.sq = skip_q ? nullptr : r.sq.data_ptr<float>();
+    p.q_img = r.q_img.data_ptr<int8_t>();
+    p.sq = r.sq.data_ptr<float>();
     p.qkm = want_qkm ? r.qkm.data_ptr<float>() : nullptr;
     p.k_img = r.k_img.data_ptr<int8_t>();
     p.sk = r.sk.data_ptr<float>();
@@ -215,21 +212,13 @@ inline Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tens
   return r;
 }
 
-// The forward kernel's Q: the pre-pass's image and scales, and the 16-bit input with its strides
-// (read instead by q_in_kernel variants; the pre-pass then left q_img / sq null).
-inline void set_fwd_q(sage_sm90::FwdParams& p, const at::Tensor& q, const Prepared& r) {
-  p.q = q.data_ptr();
-  p.q_sb = q.stride(0); p.q_sh = q.stride(1); p.q_ss = q.stride(2);
-  p.q_img = r.p.q_img;
-  p.sq = r.p.sq;
-}
-
 // The forward kernel's parameters for r's pre-pass outputs and `out`, without a key mask or LSE
 // (fwd adds those; the benchmarks run without).
 inline sage_sm90::FwdParams fwd_params(const Prepared& r, const at::Tensor& q, const at::Tensor& k,
                                 const at::Tensor& out, double scale) {
   sage_sm90::FwdParams p{};
-  set_fwd_q(p, q, r);
+  p.q_img = r.p.q_img;
+  p.sq = r.p.sq;
   p.k_img = r.p.k_img;
   p.sk = r.p.sk;
   p.vt_img = r.p.vt_img;
@@ -247,20 +236,19 @@ inline sage_sm90::FwdParams fwd_params(const Prepared& r, const at::Tensor& q, c
 
 
 // A Variants policy (binding.cpp ShippedVariants, bench/sm90_int8/binding_bench.cpp BenchVariants) says,
-// for a call's (head dim, causal, exp2 share, LSE wanted):
+// for a call's (head dim, causal, exp2 share):
 //   int prepass_mode() const;                     the kPrepass* bit set of the pre-pass
-//   bool has(d, causal, e, lse) const;            whether a compiled forward variant serves it
-//   bool quantizes_q(d, causal, e, lse) const;    whether that variant quantizes Q itself (q_in_kernel)
-//   FwdShape shape(d, causal, e, lse) const;      its rows per CTA, keys per tile and per K block
+//   bool has(d, causal, e) const;                 whether a compiled forward variant serves it
+//   FwdShape shape(d, causal, e) const;           its rows per CTA, keys per tile and per K block
 //   cudaError_t run_prepass(p, d, dtype, stream) const;
 //   cudaError_t run_fwd(p, d, dtype, causal, e, stream) const;
 
 // prepare() with the policy's pre-pass mode, then the pre-pass launch.
 template <class Variants>
 Prepared prepare_and_launch(const Variants& variants, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const c10::optional<at::Tensor>& key_mask, double scale, bool want_qkm, bool skip_q,
+                            const c10::optional<at::Tensor>& key_mask, double scale, bool want_qkm,
                             const FwdShape& shape) {
-  Prepared r = prepare(q, k, v, key_mask, scale, want_qkm, skip_q, shape, variants.prepass_mode());
+  Prepared r = prepare(q, k, v, key_mask, scale, want_qkm, shape, variants.prepass_mode());
   const cudaError_t err =
       variants.run_prepass(r.p, static_cast<int>(q.size(3)), dtype_of(q), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "sage sm90 pre-pass launch failed: ", cudaGetErrorString(err));
@@ -280,7 +268,7 @@ std::vector<at::Tensor> prepass_outputs(const Variants& variants, const at::Tens
   FwdShape shape;
   shape.kv_block = tiles.kv_block();
   shape.tile_keys = tiles.tile_keys();
-  Prepared r = prepare_and_launch(variants, q, k, v, key_mask, scale, /*want_qkm=*/true, /*skip_q=*/false, shape);
+  Prepared r = prepare_and_launch(variants, q, k, v, key_mask, scale, /*want_qkm=*/true, shape);
   const int64_t B = q.size(0), Hkv = k.size(1);
   at::Tensor kv_len = r.ws_int.slice(0, B * Hkv, B * Hkv + B);
   return {r.q_img, r.sq, r.qkm, r.k_img, r.sk, r.vt_img, r.sv, r.kmean, kv_len, r.mask_bits, r.v_first, r.v_summary};
@@ -294,11 +282,9 @@ std::vector<at::Tensor> forward(const Variants& variants, const at::Tensor& q, c
   const sage_common::LaunchContext launch(q);  // q's device and its current stream (common/launch_context.h)
   const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
   const int d = static_cast<int>(D), e = static_cast<int>(exp_poly_every);
-  TORCH_CHECK(variants.has(d, is_causal, e, return_lse), "no compiled variant for head dim ", D, ", causal ",
-              is_causal, ", exp_poly_every ", exp_poly_every, ", return_lse ", return_lse);
-  const bool q_in_kernel = variants.quantizes_q(d, is_causal, e, return_lse);
-  Prepared r = prepare_and_launch(variants, q, k, v, key_mask, scale, return_lse, q_in_kernel,
-                                  variants.shape(d, is_causal, e, return_lse));
+  TORCH_CHECK(variants.has(d, is_causal, e), "no compiled variant for head dim ", D, ", causal ", is_causal,
+              ", exp_poly_every ", exp_poly_every);
+  Prepared r = prepare_and_launch(variants, q, k, v, key_mask, scale, return_lse, variants.shape(d, is_causal, e));
   at::Tensor out = at::empty_like(q);  // keeps q's memory layout: BSHD callers get BSHD back
   at::Tensor lse = return_lse ? at::empty({B, Hq, Sq}, q.options().dtype(at::kFloat))
                               : at::empty({0}, q.options().dtype(at::kFloat));

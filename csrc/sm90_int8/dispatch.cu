@@ -1,4 +1,4 @@
-// The shipped runtime -> template variant: (head dim, dtype, causal, exp2 share, LSE wanted) picks
+// The shipped runtime -> template variant: (head dim, dtype, causal, exp2 share) picks
 // the one option set the regular build compiles for it (instantiations/variants.inc, written by
 // generate_instantiations.py: policy.hpp's ShippedPolicy<D>, one named policy per head dim). No
 // run-time switch.
@@ -11,26 +11,21 @@ namespace sage_sm90 {
 using dispatch_detail::kAnyFlags;
 using dispatch_detail::variant_or_default;
 
-bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every, bool lse) {
+bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every) {
   FwdOptions o;
-  return dispatch_detail::find_fwd_variant(head_dim, causal, exp_poly_every, lse, kAnyFlags, o);
+  return dispatch_detail::find_fwd_variant(head_dim, causal, exp_poly_every, kAnyFlags, o);
 }
 
-bool fwd_quantizes_q(int head_dim, bool causal, int exp_poly_every, bool lse) {
-  FwdOptions o;
-  return dispatch_detail::find_fwd_variant(head_dim, causal, exp_poly_every, lse, kAnyFlags, o) && o.q_in_kernel;
+int fwd_rows_per_cta(int head_dim, bool causal, int exp_poly_every) {
+  return kQImageRows * variant_or_default(head_dim, causal, exp_poly_every, kAnyFlags).consumer_warpgroups();
 }
 
-int fwd_rows_per_cta(int head_dim, bool causal, int exp_poly_every, bool lse) {
-  return kQImageRows * variant_or_default(head_dim, causal, exp_poly_every, lse, kAnyFlags).consumer_warpgroups();
+int fwd_tile_keys(int head_dim, bool causal, int exp_poly_every) {
+  return variant_or_default(head_dim, causal, exp_poly_every, kAnyFlags).tile_keys();
 }
 
-int fwd_tile_keys(int head_dim, bool causal, int exp_poly_every, bool lse) {
-  return variant_or_default(head_dim, causal, exp_poly_every, lse, kAnyFlags).tile_keys();
-}
-
-int fwd_kv_block(int head_dim, bool causal, int exp_poly_every, bool lse) {
-  return variant_or_default(head_dim, causal, exp_poly_every, lse, kAnyFlags).kv_block();
+int fwd_kv_block(int head_dim, bool causal, int exp_poly_every) {
+  return variant_or_default(head_dim, causal, exp_poly_every, kAnyFlags).kv_block();
 }
 
 cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every, bool pdl,

@@ -1,4 +1,4 @@
-// The lookup from a call (head dim, dtype, causal, exp2 share, LSE wanted) to a compiled forward
+// The lookup from a call (head dim, dtype, causal, exp2 share) to a compiled forward
 // variant, over a table of SAGE_SM90_VARIANT(D, DTYPE, CAUSAL, OPTIONS) lines: the file that includes
 // this header names it in SAGE_SM90_TABLE (a path relative to this folder or to an include path).
 // dispatch.cu: the shipped table (instantiations/variants.inc, one option set per key);
@@ -21,15 +21,13 @@ namespace dispatch_detail {
 
 constexpr int kAnyFlags = -1;  // the first option set of the table for the key (the shipped table has one)
 constexpr bool flags_match(int want, int flags) { return want == kAnyFlags || want == flags; }
-// q_in_kernel variants compute no LSE (FwdOptions::q_in_kernel): never picked for a call that wants it.
-constexpr bool serves_lse(const FwdOptions& o, bool lse) { return !lse || !o.q_in_kernel; }
 
 // The options of the first table entry run_fwd would match (every dtype compiles the same option
 // sets), or false where none does: the one lookup behind the queries of launch.h.
-inline bool find_fwd_variant(int head_dim, bool causal, int exp_poly_every, bool lse, int flags, FwdOptions& found) {
+inline bool find_fwd_variant(int head_dim, bool causal, int exp_poly_every, int flags, FwdOptions& found) {
 #define SAGE_SM90_VARIANT(D, DT, CAUSAL, OPT)                                                   \
   if (head_dim == D && causal == CAUSAL && exp_poly_every == (OPT).exp2_poly_every &&           \
-      flags_match(flags, (OPT).flags()) && serves_lse(OPT, lse)) {                               \
+      flags_match(flags, (OPT).flags())) {                                                      \
     found = (OPT);                                                                              \
     return true;                                                                                \
   }
@@ -42,7 +40,7 @@ inline cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool c
                            bool pdl, cudaStream_t stream) {
 #define SAGE_SM90_VARIANT(D, DT, CAUSAL, OPT)                                                   \
   if (head_dim == D && dtype == DT && causal == CAUSAL && exp_poly_every == (OPT).exp2_poly_every && \
-      flags_match(flags, (OPT).flags()) && serves_lse(OPT, p.lse != nullptr))                    \
+      flags_match(flags, (OPT).flags()))                                                         \
     return launch_fwd<D, DT, CAUSAL, (OPT)>(p, stream, pdl);
 #include SAGE_SM90_TABLE
 #undef SAGE_SM90_VARIANT
@@ -50,9 +48,9 @@ inline cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool c
 }
 
 // The variant's shape queries (launch.h); no variant: the default shape (run_fwd refuses the call anyway).
-inline FwdOptions variant_or_default(int head_dim, bool causal, int exp_poly_every, bool lse, int flags) {
+inline FwdOptions variant_or_default(int head_dim, bool causal, int exp_poly_every, int flags) {
   FwdOptions o;
-  find_fwd_variant(head_dim, causal, exp_poly_every, lse, flags, o);
+  find_fwd_variant(head_dim, causal, exp_poly_every, flags, o);
   return o;
 }
 

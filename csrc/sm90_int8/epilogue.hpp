@@ -192,8 +192,8 @@ __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax
         dst += piece_bytes;
       }
     }
-    // the region is read by other lanes above: none of the next work tile's writes (persistent:
-    // the fp32 sum's zeroing, the next epilogue's stmatrix) may overtake them
+    // the region is read by other lanes above: no later write of it may overtake them (none follows
+    // since `persistent`, whose next work tile wrote it, was deleted; kept, as the shipped SASS has it)
     __syncwarp();
   } else if constexpr (kSummary) {
     // warp-uniform, so each warp runs one of the two loops

@@ -38,13 +38,14 @@ _LOW_BITS = {"lean_softmax": 0, "overlap_softmax_pv": 1, "pingpong": 2, "q_in_re
 # the flags of the older option sets (in eval/results/) stay what they were.
 _HIGH_SHIFT = 12
 # name -> bit above _HIGH_SHIFT (FwdOptions::flags() in launch.h spells the same positions)
-_HIGH_BITS = {"persistent": 1, "phase_clock": 2, "epilogue_summary": 3, "q_in_kernel": 4,
-              "epilogue_staged": 5, "three_consumers": 6, "late_pv_wait": 7, "tc_row_sum": 8, "tile_sums": 9,
+_HIGH_BITS = {"phase_clock": 2, "epilogue_summary": 3,
+              "epilogue_staged": 5, "three_consumers": 6, "tc_row_sum": 8, "tile_sums": 9,
               "fused_rescale": 10, "seeded_scores": 12, "long_tile": 13}
 # Bits of deleted options, left unused so that no other option set's flags (or kernel name) change:
-# low bit 4 (fp16_exp2), high bits 0 (seed_reductions) and 11 (fma_convert). DESIGN.md.
+# low bit 4 (fp16_exp2), high bits 0 (seed_reductions), 1 (persistent), 4 (q_in_kernel), 7
+# (late_pv_wait) and 11 (fma_convert). DESIGN.md.
 _RESERVED_LOW_BITS = (4,)
-_RESERVED_HIGH_BITS = (0, 11)
+_RESERVED_HIGH_BITS = (0, 1, 4, 7, 11)
 
 
 @dataclass(frozen=True)
@@ -59,13 +60,10 @@ class FwdOptions:
     fp32_pv_tiles: bool = False       # bit 64
     exp2_poly_every: int = 0
     smem_o_every: int = 0             # flags bits 7-11 (FwdOptions::kFlagsIntShift)
-    persistent: bool = False          # bit 1 << 13 (kFlagsHighShift + 1), needs q_in_registers
     phase_clock: bool = False         # bit 1 << 14 (kFlagsHighShift + 2), benchmarks: timestamps per phase
     epilogue_summary: bool = False    # bit 1 << 15 (kFlagsHighShift + 3)
-    q_in_kernel: bool = False         # bit 1 << 16 (kFlagsHighShift + 4), needs q_in_registers; no LSE
     epilogue_staged: bool = False     # bit 1 << 17 (kFlagsHighShift + 5), O staged in smem, 16-byte stores
     three_consumers: bool = False     # bit 1 << 18 (kFlagsHighShift + 6), no pingpong / phase_clock; hd128: no overlap
-    late_pv_wait: bool = False        # bit 1 << 19 (kFlagsHighShift + 7), needs overlap_softmax_pv and lean_softmax
     tc_row_sum: bool = False          # bit 1 << 20 (kFlagsHighShift + 8), row sums on the tensor cores
     tile_sums: bool = False           # bit 1 << 21 (kFlagsHighShift + 9), tc_row_sum's sums into fp32 per tile
     fused_rescale: bool = False       # bit 1 << 22 (kFlagsHighShift + 10), O = alpha O + tile (fp32_pv_tiles, plain loop)
@@ -78,13 +76,6 @@ class FwdOptions:
         n = self.smem_o_every
         if n < 0 or n > 16 or n & (n - 1) or (n and self.fp32_pv_tiles):
             raise ValueError(f"{self}: smem_o_every is a power of 2 up to 16, not with fp32_pv_tiles")
-        if self.persistent and not self.q_in_registers:
-            raise ValueError(f"{self}: persistent loads the next work tile's Q while Q is held in registers (q_in_registers)")
-        if self.q_in_kernel and not self.q_in_registers:
-            raise ValueError(f"{self}: q_in_kernel quantizes each thread's Q register fragments (q_in_registers)")
-        if self.late_pv_wait and not (self.overlap_softmax_pv and self.lean_softmax):
-            raise ValueError(f"{self}: late_pv_wait places the PV wait of the softmax / PV overlap in the lean "
-                             "softmax's O-rescale branches (overlap_softmax_pv, lean_softmax)")
         if self.tile_sums and not (self.tc_row_sum and not self.fp32_pv_tiles):
             raise ValueError(f"{self}: tile_sums takes tc_row_sum's sums out of an accumulator that spans tiles "
                              "(tc_row_sum, not fp32_pv_tiles)")
@@ -125,8 +116,8 @@ class FwdOptions:
 
 
 # name parts of the high bools, in this order after smemo<N>
-_HIGH_SHORT = {"persistent": "persist", "epilogue_summary": "esum", "phase_clock": "clock",
-               "q_in_kernel": "qk", "epilogue_staged": "stage", "three_consumers": "wg3", "late_pv_wait": "latewait",
+_HIGH_SHORT = {"epilogue_summary": "esum", "phase_clock": "clock",
+               "epilogue_staged": "stage", "three_consumers": "wg3",
                "tc_row_sum": "tcsum", "tile_sums": "tilesum",
                "fused_rescale": "fusedrescale", "seeded_scores": "seeded", "long_tile": "long"}
 
@@ -189,15 +180,19 @@ EXTRA_EXP_POLY = {64: (8,), 128: ()}
 
 # Benchmark build (env SAGE_DIFFUSERS_SM90_BENCH=1, bench/sm90_int8/binding_bench.cpp): bf16, non-causal. Per
 # head dim: the defaults, the option set that accumulates O in the tensor core over all tiles
-# (the previous default), and the defaults on a persistent grid (one CTA per SM looping over the
-# work tiles: a CTA's prologue and epilogue, about 16 us of fixed cost per 128 query rows, overlap
-# the next work tile's loads; the K/V ring runs on across work tiles; measured no faster on the H200:
-# eval/results/int8_fixed_cost_h200.md), and the defaults with Q
-# quantized inside the kernel (q_in_kernel: the pre-pass skips Q, a third of its bytes).
+# (the previous default).
 # Measured and dropped (eval/results/int8_pv_accumulation_h200.md): hd128's per-tile register
 # sum (it spills), the smem sum at hd64, flushing every tile, and every 2 or 8 tiles.
 # Measured and deleted (DESIGN.md): seed_reductions (no faster on the H200:
-# eval/results/int8_variants_h200.md) and fp16_exp2 (slower: eval/results/int8_latewait_h200.md).
+# eval/results/int8_variants_h200.md), fp16_exp2 (slower: eval/results/int8_latewait_h200.md),
+# persistent (a persistent grid, one CTA per SM looping over the work tiles: no faster on the H200,
+# eval/results/int8_variants_h200.md "persistent grid", int8_fixed_cost_h200.md), q_in_kernel (Q
+# quantized inside the forward kernel, the pre-pass without Q: no faster in total, the whole call
+# 0.557 against 0.561 ms at 1x24x4608x128; no LSE path; eval/results/int8_variants_h200.md) and late_pv_wait
+# (the PV wait after the softmax's exp2, P packed after it; same bits: attention kernel 1.03x the
+# defaults at hd128, 1.15x hd64's overlap loop on the H200, eval/results/int8_latewait_h200.md; on
+# 192-key tiles 1.08x the defaults against 1.07x for the same loop without it on the H100,
+# eval/results/int8_long_tile_ab_h100.md).
 # Per head dim also: the defaults with phase_clock (timestamps at the phase points of each CTA:
 # bench/int8_phases.py splits the fixed cost; two consumer warpgroups only, so hd128 only now); the
 # defaults without the staged epilogue (the previous defaults); and without both epilogue options,
@@ -216,13 +211,9 @@ EXTRA_EXP_POLY = {64: (8,), 128: ()}
 # reference; sass_cost.py reports such a loop as MISCOMPILE; eval/results/int8_hd128_wg3_h200.md).
 # Option changes the benchmark build makes to the defaults of each head dim, in this order; a
 # change the defaults refuse (phase_clock with three_consumers) is left out (_bench_changed).
-_BENCH_COMMON = ({"persistent": True}, {"phase_clock": True}, {"epilogue_staged": False},
-                 {"epilogue_summary": False, "epilogue_staged": False}, {"q_in_kernel": True})
+_BENCH_COMMON = ({"phase_clock": True}, {"epilogue_staged": False},
+                 {"epilogue_summary": False, "epilogue_staged": False})
 _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every": 1, "q_in_registers": False}
-# late_pv_wait (the PV wait after the softmax's exp2; same bits as without): hd128's defaults with
-# it; hd64's two-warpgroup overlap loop with it. Measured slower on the H200, attention kernel alone
-# (eval/results/int8_latewait_h200.md): hd128 1.03x the defaults, hd64's overlap loop 1.15x without
-# it.
 # tc_row_sum (the row sums of P~ from the PV wgmma, N = D + 8 with ones rows after V^T: 64 FADDs per
 # tile and thread fewer, 6 % / 12 % more PV tensor time at hd128 / hd64; other bits):
 # the defaults of both head dims have it; the benchmark build has them without it (the previous defaults).
@@ -267,8 +258,8 @@ _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every
 # (C7512), as at 232 registers with Q in smem (eval/results/int8_long_tile_sass.md). With tc_row_sum
 # (the defaults') the V^T stage holds three chunks of image rows and ones rows (three copies per tile)
 # and the ring 2 stages (234 KB for 3); without it 3 stages. Loops: the defaults' (overlap + ping-pong)
-# and ping-pong alone, each with and without tc_row_sum, and the FA3 order (late_pv_wait: one P array,
-# packed after the PV wait) without. sass_cost.py per 128 keys: 439 with tc_row_sum against the
+# and ping-pong alone, each with and without tc_row_sum (the FA3 order, late_pv_wait, went with that
+# option). sass_cost.py per 128 keys: 439 with tc_row_sum against the
 # defaults' 430; 499-515 without against the same options on 128-key tiles' 497 (the per-key work is
 # the same; fewer waits and barriers per key, 4 against 7). O's FP8 accumulator spans smem_o_every = 4
 # tiles, 768 keys here against 512, before each fp32 flush: bench/pv_accumulation_model.py
@@ -280,15 +271,13 @@ _BENCH_CHANGES = {
     128: (*_BENCH_COMMON,
           {**_HD128_WG3_LOOP, "three_consumers": True},
           {**_HD128_WG3_LOOP, "epilogue_summary": False, "epilogue_staged": False},
-          {"late_pv_wait": True}, {"tc_row_sum": False}, {"tile_sums": True}, {"seeded_scores": False},
+          {"tc_row_sum": False}, {"tile_sums": True}, {"seeded_scores": False},
           {"overlap_softmax_pv": False}, {"pingpong": False},
           _LONG, {**_LONG, "smem_o_every": 2}, {**_LONG, "overlap_softmax_pv": False}, {**_LONG, "tc_row_sum": False},
-          {**_LONG, "tc_row_sum": False, "overlap_softmax_pv": False}, {**_LONG, "tc_row_sum": False, "late_pv_wait": True}),
+          {**_LONG, "tc_row_sum": False, "overlap_softmax_pv": False}),
     64: (*_BENCH_COMMON,
          {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True, "fused_rescale": False},
          {"three_consumers": False, "epilogue_summary": False, "epilogue_staged": False},
-         {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True, "late_pv_wait": True,
-          "fused_rescale": False},
          {"tc_row_sum": False}, {"fused_rescale": False}),
 }
 _UNCORRECTED = {128: _HD128, 64: _HD64}

@@ -1,7 +1,6 @@
 // sm_90a 8-bit attention forward: composes the producer, the consumer mainloop, the softmax and
-// the epilogue. One work tile = 128 query rows of one (b, h) (192 with three_consumers); a CTA runs
-// one (or, with `persistent`, several): warps 0-7 are two consumer warpgroups (0-11: three), the
-// warp after them the producer. Template
+// the epilogue. A CTA runs one work tile = 128 query rows of one (b, h) (192 with three_consumers):
+// warps 0-7 are two consumer warpgroups (0-11: three), the warp after them the producer. Template
 // axes: head dim, output dtype, causal, options (FwdOptions). Launched with programmatic dependent
 // launch when the caller asks (launch_fwd's pdl, from the pre-pass mode's kPrepassPdl): the kernel
 // waits for the pre-pass (pdl_wait) before its first read of the pre-pass's outputs.
@@ -124,28 +123,6 @@ __device__ __forceinline__ FwdWork make_work(const FwdParams& p, int m_block, in
   return w;
 }
 
-// Work tiles of one launch: (query-row blocks) x Hq x B.
-template <int kQTilesPerCTA>
-__device__ __forceinline__ int fwd_work_count(const FwdParams& p) {
-  return p.n_q_tiles / kQTilesPerCTA * p.Hq * p.B;
-}
-
-// Work tile w of a persistent launch (CTA c takes w = c, c + gridDim.x, ...). m_block varies
-// fastest, so the CTAs running at the same time share few (b, h) and their K/V stays in L2;
-// causal: m_block varies slowest and descends, so the longest work tiles go first.
-template <bool kCausal, int kWGs, int kKeys = kBlockKV>
-__device__ __forceinline__ FwdWork persistent_work(const FwdParams& p, int w) {
-  using Cta = CtaShape<kWGs>;
-  const int n_m = p.n_q_tiles / Cta::kQTilesPerCTA;
-  if constexpr (kCausal) {
-    const int bh = w % (p.Hq * p.B);
-    return make_work<kCausal, Cta::kBlockM, kKeys>(p, n_m - 1 - w / (p.Hq * p.B), bh % p.Hq, bh / p.Hq);
-  } else {
-    const int bh = w / n_m;
-    return make_work<kCausal, Cta::kBlockM, kKeys>(p, w % n_m, bh % p.Hq, bh / p.Hq);
-  }
-}
-
 // kFlags, kPoly: FwdOptions::flags() and exp2_poly_every of the options (launch_fwd).
 template <int D, DType kOut, bool kCausal, int kPoly, int kFlags>
 __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPoly)>(), 1)
@@ -170,7 +147,6 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
                 "launch.h FwdOptions::tile_keys / kv_block and tile_config.hpp agree");
   constexpr bool kLean = kOpt.lean_softmax;
   constexpr bool kOverlapSoftmaxWithPV = kOpt.overlap_softmax_pv;
-  constexpr bool kLatePvWait = kOpt.late_pv_wait;
   constexpr bool kPingPong = kOpt.pingpong;
   constexpr bool kQRegs = kOpt.q_in_registers;
   constexpr bool kSplitReduce = kOpt.split_reductions;
@@ -180,12 +156,10 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   // The plain loop (no overlap, no ping-pong) keeps its original order; the others share one
   // software-pipelined loop (S_t and PV_{t-1} issued together).
   constexpr bool kPipelined = kOverlapSoftmaxWithPV || kPingPong;
-  constexpr bool kPersistent = kOpt.persistent;
   const PhaseClock<kOpt.phase_clock> clock{p};
   clock.mark(ConsumerPhase::kEntry);  // ProducerPhase::kEntry is the same slot index
   static_assert(static_cast<int>(ConsumerPhase::kEntry) == static_cast<int>(ProducerPhase::kEntry) &&
                 static_cast<int>(ConsumerPhase::kReady) == static_cast<int>(ProducerPhase::kReady));
-  constexpr bool kQInKernel = kOpt.q_in_kernel;
   // Consumer warpgroup wg's first row in the work tile at m_block, and the two rows there of the
   // thread tid (in the warpgroup) and lane: those of its Q, S and O fragments.
   auto wg_first_row = [](int m_block, int wg) { return m_block * kBlockM + wg * kRowsPerWG; };
@@ -193,69 +167,32 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     row[0] = wg_row0 + 16 * (tid / 32) + (lane >> 2);
     row[1] = row[0] + 8;
   };
-  // q_in_kernel with one work tile per CTA: each consumer thread's 16-bit Q loads go out first. Q
-  // is the caller's input, no pre-pass output, so they need no pdl_wait: under PDL they overlap the
-  // pre-pass's tail, in any launch the barrier setup and the first K/V copies (the quantization,
-  // quant_q_raw, follows on the consumer path).
-  constexpr bool kEarlyQ = kQInKernel && !kPersistent;
-  uint2 q_raw[kEarlyQ ? D / 8 : 1];
-  if constexpr (kEarlyQ) {
-    if (threadIdx.x < kConsumerThreads) {
-      const int m_block = kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // make_work's tile
-      int rows[2];
-      fragment_rows(wg_first_row(m_block, threadIdx.x / 128), threadIdx.x % 128, threadIdx.x & 31, rows);
-      const char* q_bh = static_cast<const char*>(p.q) + 2 * (blockIdx.z * p.q_sb + blockIdx.y * p.q_sh);
-      WarpgroupOperands<D>::load_q_raw(q_bh, p.q_ss, rows, p.Sq, q_raw);
-    }
-  }
   // With PDL the pre-pass may still be draining: every read of its outputs (kv_len, sq, sk, the
   // mask bits, the Q / K / V^T images) comes after this (a no-op in a plain launch).
   sage_common::sm90::pdl_wait();
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const SmemPlan<D, kWGs, kSumCols, kKeys> sp(smem_raw);
 
-  // Without `persistent` the CTA's one work tile is (blockIdx.x, y, z).
-  FwdWork work0{};
-  if constexpr (!kPersistent) {
-    work0 = make_work<kCausal, kBlockM, kKeys>(p, kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
-  }
+  // The CTA's work tile is (blockIdx.x, y, z).
+  const FwdWork wk =
+      make_work<kCausal, kBlockM, kKeys>(p, kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
 
   fill_sum_rows(sp);  // tc_row_sum only; ordered before any wgmma by init_barriers' __syncthreads
-  init_barriers<D, kPersistent>(sp);
+  init_barriers<D>(sp);
   clock.mark(ConsumerPhase::kReady);  // = ProducerPhase::kReady on the producer lane
-
-  // body(work tile, its index among this CTA's, the K/V ring items of the ones before) for each
-  // work tile of the CTA: the same sequence on the producer lane and on every consumer thread.
-  auto for_each_work = [&](auto&& body) {
-    if constexpr (kPersistent) {
-      const int n_work = fwd_work_count<kQTilesPerCTA>(p);
-      int tile0 = 0;
-      for (int w = blockIdx.x, i = 0; w < n_work; w += gridDim.x, ++i) {
-        const FwdWork wk = persistent_work<kCausal, kWGs, kKeys>(p, w);
-        body(wk, i, tile0);
-        tile0 += wk.n_tiles;
-      }
-    } else {
-      body(work0, 0, 0);
-    }
-  };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   if (warp >= kProducerWarp) {
     if constexpr (kOpt.producer_warpgroup()) FwdRegisterSplit<kOpt>::producer();
     if (warp == kProducerWarp && lane == 0) {
       clock.mark_sm();
-      for_each_work([&](const FwdWork& wk, int work, int tile0) {
-        const int64_t bhk = static_cast<int64_t>(wk.b) * p.Hkv + wk.hk;
-        // q_in_kernel: no pre-pass image (p.q_img is null) and no Q copy
-        const int8_t* q_src = kQInKernel ? nullptr
-                                         : p.q_img + ((static_cast<int64_t>(wk.b) * p.Hq + wk.h) * p.n_q_tiles +
-                                                      kQTilesPerCTA * wk.m_block) * C::kQTileBytes;
-        // p.n_kv_tiles K blocks (kKBlock keys each) per (b, kv head): kScaleBlocks per tile
-        producer_loop<D, kPersistent, !kQInKernel>(sp, q_src, p.k_img + bhk * p.n_kv_tiles * C::kKBlockBytes,
-                                      p.vt_img + bhk * p.n_kv_tiles * C::kVBlockBytes, wk.n_tiles, work, tile0);
-        if (work == 0) clock.mark(ProducerPhase::kLastCopy);
-      });
+      const int64_t bhk = static_cast<int64_t>(wk.b) * p.Hkv + wk.hk;
+      const int8_t* q_src = p.q_img + ((static_cast<int64_t>(wk.b) * p.Hq + wk.h) * p.n_q_tiles +
+                                       kQTilesPerCTA * wk.m_block) * C::kQTileBytes;
+      // p.n_kv_tiles K blocks (kKBlock keys each) per (b, kv head): kScaleBlocks per tile
+      producer_loop<D>(sp, q_src, p.k_img + bhk * p.n_kv_tiles * C::kKBlockBytes,
+                       p.vt_img + bhk * p.n_kv_tiles * C::kVBlockBytes, wk.n_tiles);
+      clock.mark(ProducerPhase::kLastCopy);
     }
     return;
   }
@@ -263,405 +200,360 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   // ---- consumers ----
   if constexpr (kOpt.producer_warpgroup()) FwdRegisterSplit<kOpt>::consumer();
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
-  for_each_work([&](const FwdWork& wk, int work, int tile0) {
-    const int m_block = wk.m_block, h = wk.h, b = wk.b, hk = wk.hk, kv_len = wk.kv_len, n_tiles = wk.n_tiles;
-    // Stage and phase parity of key tile t of this work tile in the K/V ring.
-    auto stage_of = [&](int t) {
-      int s, n;
-      ring_slot<D, kPersistent, kWGs, kSumCols, kKeys>(tile0 + t, s, n);
-      return s;
-    };
-    auto parity_of = [&](int t) {
-      int s, n;
-      ring_slot<D, kPersistent, kWGs, kSumCols, kKeys>(tile0 + t, s, n);
-      return n & 1;
-    };
-    const int wg_row0 = wg_first_row(m_block, wg);
-    int row[2];
-    fragment_rows(wg_row0, tid, lane, row);
+  const int m_block = wk.m_block, h = wk.h, b = wk.b, hk = wk.hk, kv_len = wk.kv_len, n_tiles = wk.n_tiles;
+  // Stage and phase parity of key tile t in the K/V ring.
+  auto stage_of = [&](int t) {
+    int s, n;
+    ring_slot<D, kWGs, kSumCols, kKeys>(t, s, n);
+    return s;
+  };
+  auto parity_of = [&](int t) {
+    int s, n;
+    ring_slot<D, kWGs, kSumCols, kKeys>(t, s, n);
+    return n & 1;
+  };
+  const int wg_row0 = wg_first_row(m_block, wg);
+  int row[2];
+  fragment_rows(wg_row0, tid, lane, row);
 
-    using Softmax = OnlineSoftmax<kPoly, kLean, kSplitReduce, kOpt.tc_row_sum, kOpt.seeded_scores, kKeys>;
-    Softmax sm;
-    if constexpr (!kQInKernel) {  // q_in_kernel: the row scales come with its Q fragments below
-      const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
-      sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
+  using Softmax = OnlineSoftmax<kPoly, kLean, kSplitReduce, kOpt.tc_row_sum, kOpt.seeded_scores, kKeys>;
+  Softmax sm;
+  {
+    const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
+    sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
+  }
+  const WarpgroupOperands<D, kWGs, kSumCols, kKeys> ops(sp, wg, tid);
+  // per (b, kv head) p.n_kv_tiles K scales, per b the mask words of as many K blocks
+  const float* sk = p.sk + (static_cast<int64_t>(b) * p.Hkv + hk) * p.n_kv_tiles;
+  const uint32_t* bits =
+      p.mask_bits != nullptr ? p.mask_bits + static_cast<int64_t>(b) * (C::kKBlock / 32) * p.n_kv_tiles : nullptr;
+
+  uint32_t s_acc[C::kSRegs];
+  uint32_t p_frag[C::kPRegs];
+  // O's accumulator; tc_row_sum: then the row sums of P~ (TileConfig kPVRegs), which every step
+  // below (rescale, tile sums, the smem sum) treats as O's values.
+  float o[C::kPVRegs];
+  // tile_sums (tc_row_sum where O stays in the FP8 accumulator past one tile): each tile's row
+  // sums leave it as soon as its PV retired, into sm.l in fp32 (rescaled with O), and their
+  // columns restart at 0. Left there, the sums run smem_o_every tiles through the wgmma's
+  // truncating adds: the LSE came out 2e-3 to 3e-3 low on DiT-like inputs at hd128
+  // (eval/results/gpu_tests_h200.md run 15). Per thread, columns D/2 + 2x, D/2 + 2x + 1 hold row
+  // half x's whole sum (every ones column the same sum), so sm.l needs no quad reduction.
+  constexpr bool kSumsToFp32 = kOpt.tile_sums;  // FwdOptions::valid: with tc_row_sum, without fp32_pv_tiles
+  auto take_sums = [&] {
+    if constexpr (kSumsToFp32) {
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        sm.l[x] += o[D / 2 + 2 * x];
+        o[D / 2 + 2 * x] = o[D / 2 + 2 * x + 1] = 0.f;
+      }
     }
-    const WarpgroupOperands<D, kWGs, kSumCols, kKeys> ops(sp, wg, tid);
-    // per (b, kv head) p.n_kv_tiles K scales, per b the mask words of as many K blocks
-    const float* sk = p.sk + (static_cast<int64_t>(b) * p.Hkv + hk) * p.n_kv_tiles;
-    const uint32_t* bits =
-        p.mask_bits != nullptr ? p.mask_bits + static_cast<int64_t>(b) * (C::kKBlock / 32) * p.n_kv_tiles : nullptr;
-
-    uint32_t s_acc[C::kSRegs];
-    uint32_t p_frag[C::kPRegs];
-    // O's accumulator; tc_row_sum: then the row sums of P~ (TileConfig kPVRegs), which every step
-    // below (rescale, tile sums, the smem sum) treats as O's values.
-    float o[C::kPVRegs];
-    // tile_sums (tc_row_sum where O stays in the FP8 accumulator past one tile): each tile's row
-    // sums leave it as soon as its PV retired, into sm.l in fp32 (rescaled with O), and their
-    // columns restart at 0. Left there, the sums run smem_o_every tiles through the wgmma's
-    // truncating adds: the LSE came out 2e-3 to 3e-3 low on DiT-like inputs at hd128
-    // (eval/results/gpu_tests_h200.md run 15). Per thread, columns D/2 + 2x, D/2 + 2x + 1 hold row
-    // half x's whole sum (every ones column the same sum), so sm.l needs no quad reduction.
-    constexpr bool kSumsToFp32 = kOpt.tile_sums;  // FwdOptions::valid: with tc_row_sum, without fp32_pv_tiles
-    auto take_sums = [&] {
-      if constexpr (kSumsToFp32) {
+  };
+  // sm.l *= alpha where sm.l holds the row sums (kSumsToFp32), as O's registers.
+  auto scale_sums = [&](const float (&alpha)[2]) {
+    if constexpr (kSumsToFp32) {
+      sm.l[0] *= alpha[0];
+      sm.l[1] *= alpha[1];
+    }
+  };
+  // fp32_pv_tiles: the PV wgmma's accumulator, one tile's P V (unused, and compiled away, without).
+  float o_tile[C::kPVRegs];
 #pragma unroll
-        for (int x = 0; x < 2; ++x) {
-          sm.l[x] += o[D / 2 + 2 * x];
-          o[D / 2 + 2 * x] = o[D / 2 + 2 * x + 1] = 0.f;
-        }
-      }
-    };
-    // sm.l *= alpha where sm.l holds the row sums (kSumsToFp32), as O's registers.
-    auto scale_sums = [&](const float (&alpha)[2]) {
-      if constexpr (kSumsToFp32) {
-        sm.l[0] *= alpha[0];
-        sm.l[1] *= alpha[1];
-      }
-    };
-    // fp32_pv_tiles: the PV wgmma's accumulator, one tile's P V (unused, and compiled away, without).
-    float o_tile[C::kPVRegs];
+  for (int i = 0; i < C::kPVRegs; ++i) o[i] = o_tile[i] = 0.f;
+  float (&pv_acc)[C::kPVRegs] = *(kTilePV ? &o_tile : &o);
+  // smem_o_every: this thread's share of O's smem sum, as float4 j at o_sum[j * kConsumerThreads]
+  // (a warp's 32 lanes touch 512 consecutive bytes: no bank conflicts); o_scale: per row, the
+  // product of the alphas applied to the register accumulator since the last flush.
+  float4* const o_sum = kSmemO ? smem_o_sum<D>(sp) + threadIdx.x : nullptr;
+  float o_scale[2] = {1.f, 1.f};
+  if constexpr (kSmemO) {
 #pragma unroll
-    for (int i = 0; i < C::kPVRegs; ++i) o[i] = o_tile[i] = 0.f;
-    float (&pv_acc)[C::kPVRegs] = *(kTilePV ? &o_tile : &o);
-    // smem_o_every: this thread's share of O's smem sum, as float4 j at o_sum[j * kConsumerThreads]
-    // (a warp's 32 lanes touch 512 consecutive bytes: no bank conflicts); o_scale: per row, the
-    // product of the alphas applied to the register accumulator since the last flush.
-    float4* const o_sum = kSmemO ? smem_o_sum<D>(sp) + threadIdx.x : nullptr;
-    float o_scale[2] = {1.f, 1.f};
+    for (int j = 0; j < C::kPVRegs / 4; ++j) o_sum[j * kConsumerThreads] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  // Whether the PV wgmma of key tile u starts its accumulator from zero.
+  // (the divisor is never 0 when evaluated: without kSmemO the && stops first; spelled so nvcc
+  // does not warn of a zero divisor in the variants without the smem sum)
+  auto pv_zero = [&](int u) { return kSmemO && u % (kSmemO ? kSmemOEvery : 1) == 0; };
+  // o_scale * (float4 j of the smem sum) + O's registers 4j..4j+3 (register i holds row (i >> 1) & 1).
+  auto scaled_sum = [&](int j) {
+    float4 x = o_sum[j * kConsumerThreads];
+    x.x = fmaf(x.x, o_scale[0], o[4 * j]);
+    x.y = fmaf(x.y, o_scale[0], o[4 * j + 1]);
+    x.z = fmaf(x.z, o_scale[1], o[4 * j + 2]);
+    x.w = fmaf(x.w, o_scale[1], o[4 * j + 3]);
+    return x;
+  };
+  auto flush_o = [&] {
+#pragma unroll
+    for (int j = 0; j < C::kPVRegs / 4; ++j) o_sum[j * kConsumerThreads] = scaled_sum(j);
+    o_scale[0] = o_scale[1] = 1.f;
+  };
+  // After key tile u's PV retired and O was rescaled to the next tile's max.
+  auto maybe_flush = [&](int u) {
     if constexpr (kSmemO) {
-#pragma unroll
-      for (int j = 0; j < C::kPVRegs / 4; ++j) o_sum[j * kConsumerThreads] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (u % kSmemOEvery == kSmemOEvery - 1) flush_o();
     }
-    // Whether the PV wgmma of key tile u starts its accumulator from zero.
-    // (the divisor is never 0 when evaluated: without kSmemO the && stops first; spelled so nvcc
-    // does not warn of a zero divisor in the variants without the smem sum)
-    auto pv_zero = [&](int u) { return kSmemO && u % (kSmemO ? kSmemOEvery : 1) == 0; };
-    // o_scale * (float4 j of the smem sum) + O's registers 4j..4j+3 (register i holds row (i >> 1) & 1).
-    auto scaled_sum = [&](int j) {
-      float4 x = o_sum[j * kConsumerThreads];
-      x.x = fmaf(x.x, o_scale[0], o[4 * j]);
-      x.y = fmaf(x.y, o_scale[0], o[4 * j + 1]);
-      x.z = fmaf(x.z, o_scale[1], o[4 * j + 2]);
-      x.w = fmaf(x.w, o_scale[1], o[4 * j + 3]);
-      return x;
-    };
-    auto flush_o = [&] {
+  };
+  // O += the tile the last PV wgmma wrote (fp32_pv_tiles; a no-op without).
+  auto add_tile = [&] {
+    if constexpr (kTilePV) {
 #pragma unroll
-      for (int j = 0; j < C::kPVRegs / 4; ++j) o_sum[j * kConsumerThreads] = scaled_sum(j);
-      o_scale[0] = o_scale[1] = 1.f;
-    };
-    // After key tile u's PV retired and O was rescaled to the next tile's max.
-    auto maybe_flush = [&](int u) {
-      if constexpr (kSmemO) {
-        if (u % kSmemOEvery == kSmemOEvery - 1) flush_o();
-      }
-    };
-    // O += the tile the last PV wgmma wrote (fp32_pv_tiles; a no-op without).
-    auto add_tile = [&] {
-      if constexpr (kTilePV) {
+      for (int i = 0; i < C::kPVRegs; ++i) o[i] += o_tile[i];
+    }
+  };
+  // fused_rescale: O = alpha O + the tile the last PV wgmma wrote (register i: row (i >> 1) & 1).
+  constexpr bool kFusedRescale = kOpt.fused_rescale;  // FwdOptions::valid: fp32_pv_tiles, the plain loop
+  auto add_scaled_tile = [&](const float (&alpha)[2]) {
 #pragma unroll
-        for (int i = 0; i < C::kPVRegs; ++i) o[i] += o_tile[i];
-      }
-    };
-    // fused_rescale: O = alpha O + the tile the last PV wgmma wrote (register i: row (i >> 1) & 1).
-    constexpr bool kFusedRescale = kOpt.fused_rescale;  // FwdOptions::valid: fp32_pv_tiles, the plain loop
-    auto add_scaled_tile = [&](const float (&alpha)[2]) {
-#pragma unroll
-      for (int i = 0; i < C::kPVRegs; ++i) o[i] = fmaf(o[i], alpha[(i >> 1) & 1], o_tile[i]);
-    };
+    for (int i = 0; i < C::kPVRegs; ++i) o[i] = fmaf(o[i], alpha[(i >> 1) & 1], o_tile[i]);
+  };
 
-    // Per-tile scalars; fetched before waiting on the tile so their latency hides behind the copy.
-    using Mask = typename Softmax::Mask;
-    constexpr int kWords = kKeys / 32;
-    auto tile_mask = [&](int t) {
-      Mask mk;
-      mk.key_base = t * kKeys;
-      mk.kv_len = kv_len;
-      mk.causal = kCausal;
-      mk.row[0] = row[0];
-      mk.row[1] = row[1];
-      if constexpr (kWords == 4) {
-        if (bits != nullptr) {
-          const uint4 w = __ldg(reinterpret_cast<const uint4*>(bits + 4 * t));
-          mk.words[0] = w.x; mk.words[1] = w.y; mk.words[2] = w.z; mk.words[3] = w.w;
-        } else {
-          mk.words[0] = mk.words[1] = mk.words[2] = mk.words[3] = 0xffffffffu;
-        }
-        mk.active = mk.key_base + kKeys > kv_len ||
-                    (mk.words[0] & mk.words[1] & mk.words[2] & mk.words[3]) != 0xffffffffu ||
-                    (kCausal && mk.key_base + kKeys - 1 > wg_row0);
-      } else {  // long_tile: 6 words, 8-byte aligned
-        uint32_t all = 0xffffffffu;
-#pragma unroll
-        for (int i = 0; i < kWords / 2; ++i) {
-          const uint2 w = bits != nullptr ? __ldg(reinterpret_cast<const uint2*>(bits + kWords * t) + i)
-                                          : make_uint2(0xffffffffu, 0xffffffffu);
-          mk.words[2 * i] = w.x;
-          mk.words[2 * i + 1] = w.y;
-          all &= w.x & w.y;
-        }
-        mk.active = mk.key_base + kKeys > kv_len || all != 0xffffffffu ||
-                    (kCausal && mk.key_base + kKeys - 1 > wg_row0);
-      }
-      return mk;
-    };
-    // Tile t's K scales (C::kScaleBlocks of them).
-    auto tile_scales = [&](int t) {
-      typename Softmax::KScales ks;
-      if constexpr (C::kScaleBlocks == 1) {
-        ks.v[0] = __ldg(sk + t);  // (the loop below, unrolled, gave ptxas another uniform-register plan)
+  // Per-tile scalars; fetched before waiting on the tile so their latency hides behind the copy.
+  using Mask = typename Softmax::Mask;
+  constexpr int kWords = kKeys / 32;
+  auto tile_mask = [&](int t) {
+    Mask mk;
+    mk.key_base = t * kKeys;
+    mk.kv_len = kv_len;
+    mk.causal = kCausal;
+    mk.row[0] = row[0];
+    mk.row[1] = row[1];
+    if constexpr (kWords == 4) {
+      if (bits != nullptr) {
+        const uint4 w = __ldg(reinterpret_cast<const uint4*>(bits + 4 * t));
+        mk.words[0] = w.x; mk.words[1] = w.y; mk.words[2] = w.z; mk.words[3] = w.w;
       } else {
-#pragma unroll
-        for (int i = 0; i < C::kScaleBlocks; ++i) ks.v[i] = __ldg(sk + C::kScaleBlocks * t + i);
+        mk.words[0] = mk.words[1] = mk.words[2] = mk.words[3] = 0xffffffffu;
       }
-      return ks;
-    };
-    auto release = [&](int stage) {
-      __syncwarp();
-      if (lane == 0) Barrier::arrive(&sp.empty[stage]);
-    };
-
-    // No row of the warp changed its max (warp-uniform): the lean softmax then skips O *= alpha.
-    auto max_kept = [&](const float (&alpha)[2]) {
-      return __all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f);
-    };
-    // O *= alpha; with kLean skipped when max_kept.
-    auto scale_o = [&](const float (&alpha)[2]) {
+      mk.active = mk.key_base + kKeys > kv_len ||
+                  (mk.words[0] & mk.words[1] & mk.words[2] & mk.words[3]) != 0xffffffffu ||
+                  (kCausal && mk.key_base + kKeys - 1 > wg_row0);
+    } else {  // long_tile: 6 words, 8-byte aligned
+      uint32_t all = 0xffffffffu;
 #pragma unroll
-      for (int i = 0; i < C::kPVRegs; ++i) o[i] *= alpha[(i >> 1) & 1];
-      scale_sums(alpha);
-      if constexpr (kSmemO) {
+      for (int i = 0; i < kWords / 2; ++i) {
+        const uint2 w = bits != nullptr ? __ldg(reinterpret_cast<const uint2*>(bits + kWords * t) + i)
+                                        : make_uint2(0xffffffffu, 0xffffffffu);
+        mk.words[2 * i] = w.x;
+        mk.words[2 * i + 1] = w.y;
+        all &= w.x & w.y;
+      }
+      mk.active = mk.key_base + kKeys > kv_len || all != 0xffffffffu ||
+                  (kCausal && mk.key_base + kKeys - 1 > wg_row0);
+    }
+    return mk;
+  };
+  // Tile t's K scales (C::kScaleBlocks of them).
+  auto tile_scales = [&](int t) {
+    typename Softmax::KScales ks;
+    if constexpr (C::kScaleBlocks == 1) {
+      ks.v[0] = __ldg(sk + t);  // (the loop below, unrolled, gave ptxas another uniform-register plan)
+    } else {
+#pragma unroll
+      for (int i = 0; i < C::kScaleBlocks; ++i) ks.v[i] = __ldg(sk + C::kScaleBlocks * t + i);
+    }
+    return ks;
+  };
+  auto release = [&](int stage) {
+    __syncwarp();
+    if (lane == 0) Barrier::arrive(&sp.empty[stage]);
+  };
+
+  // No row of the warp changed its max (warp-uniform): the lean softmax then skips O *= alpha.
+  auto max_kept = [&](const float (&alpha)[2]) {
+    return __all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f);
+  };
+  // O *= alpha; with kLean skipped when max_kept.
+  auto scale_o = [&](const float (&alpha)[2]) {
+#pragma unroll
+    for (int i = 0; i < C::kPVRegs; ++i) o[i] *= alpha[(i >> 1) & 1];
+    scale_sums(alpha);
+    if constexpr (kSmemO) {
+      o_scale[0] *= alpha[0];
+      o_scale[1] *= alpha[1];
+    }
+  };
+  auto rescale = [&](const float (&alpha)[2]) {
+    if constexpr (kLean) {
+      if (max_kept(alpha)) return;
+    }
+    scale_o(alpha);
+  };
+
+  uint32_t q_frag[D / 8];
+  Barrier::wait(sp.q_full, 0);
+  if constexpr (kQRegs) WarpgroupOperands<D, kWGs, kSumCols, kKeys>::load_q_frag(sp, wg, tid, q_frag);
+  clock.mark(ConsumerPhase::kQReady);
+  // Whether a key tile's row scales c = rowf sk can exceed the folded exponent's bound
+  // (softmax.hpp lean_scores): then that tile's softmax step runs the exact exponents (a branch
+  // at the top of the step, so the folded step keeps its code). Warp-uniform (the step's quad
+  // shuffles need it); from the tile's K scale, loaded before its wait, and the rows' scales.
+  auto exact_exponents = [&](const typename Softmax::KScales& sk_t) {
+    return kLean && __any_sync(0xffffffffu, fmaxf(sm.rowf[0], sm.rowf[1]) * sk_t.max() > Softmax::kFoldMaxC);
+  };
+  auto qk_issue = [&](int stage) {
+    if constexpr (kQRegs) {
+      ops.qk_issue_rs(stage, q_frag, s_acc, Softmax::kSeeded);
+    } else {
+      ops.qk_issue(stage, s_acc, Softmax::kSeeded);
+    }
+  };
+  // seeded_scores: S's registers = the bias bits, before the waits that precede the next QK issue
+  // (S is dead from the softmax's pack to that issue).
+  auto seed_scores = [&] {
+    if constexpr (Softmax::kSeeded) {
+#pragma unroll
+      for (int i = 0; i < C::kSRegs; ++i) s_acc[i] = Softmax::kScoreBiasBits;
+    }
+  };
+  if constexpr (!kPipelined) {
+    // Plain order: S_t, softmax_t, O += P_t V_t, each retired before the next.
+    for (int t = 0; t < n_tiles; ++t) {
+      const int s = stage_of(t);
+      const auto sk_t = tile_scales(t);
+      const Mask mk = tile_mask(t);
+      seed_scores();
+      Barrier::wait(&sp.full[s], parity_of(t));
+      qk_issue(s);
+      cute::warpgroup_wait<0>();
+      fence_regs(s_acc);
+      float alpha[2];
+      sm.step(s_acc, sk_t, mk, p_frag, alpha, exact_exponents(sk_t));
+      if (t == 0) clock.mark(ConsumerPhase::kFirstSoftmax);
+      if (pv_zero(t)) {
+        // smem_o_every: this PV starts from zero and overwrites O's registers (flushed after the
+        // tile before), so only the smem sum's scale takes alpha; at smem_o_every = 1 O's
+        // registers are thus dead through every softmax (the three-warpgroup hd128 loop fits
+        // 160 registers only so).
         o_scale[0] *= alpha[0];
         o_scale[1] *= alpha[1];
+        scale_sums(alpha);
+      } else if (!kFusedRescale) {
+        rescale(alpha);
       }
-    };
-    auto rescale = [&](const float (&alpha)[2]) {
-      if constexpr (kLean) {
-        if (max_kept(alpha)) return;
-      }
-      scale_o(alpha);
-    };
-
-    uint32_t q_frag[D / 8];
-    if constexpr (kQInKernel) {
-      // Q's fragments and row scales straight from the 16-bit input (no pre-pass image, no copy).
-      float sq[2];
-      if constexpr (kEarlyQ) {
-        WarpgroupOperands<D>::template quant_q_raw<kOut>(q_raw, q_frag, sq);  // loaded at entry
+      ops.pv(s, p_frag, pv_acc, kTilePV || pv_zero(t));
+      if constexpr (kFusedRescale) {
+        add_scaled_tile(alpha);
       } else {
-        const char* q_bh = static_cast<const char*>(p.q) + 2 * (b * p.q_sb + h * p.q_sh);
-        WarpgroupOperands<D>::template quant_q_frag<kOut>(q_bh, p.q_ss, row, p.Sq, q_frag, sq);
+        add_tile();
       }
-      sm.init(sq[0] * p.scale_log2, sq[1] * p.scale_log2);
-    } else {
-      Barrier::wait(sp.q_full, work & 1);
-      if constexpr (kQRegs) WarpgroupOperands<D, kWGs, kSumCols, kKeys>::load_q_frag(sp, wg, tid, q_frag);
-      if constexpr (kPersistent) {  // Q is in registers: the producer may load the next work tile's
-        __syncwarp();
-        if (lane == 0) Barrier::arrive(sp.q_empty);
-      }
-    }
-    if (work == 0) clock.mark(ConsumerPhase::kQReady);
-    // Whether a key tile's row scales c = rowf sk can exceed the folded exponent's bound
-    // (softmax.hpp lean_scores): then that tile's softmax step runs the exact exponents (a branch
-    // at the top of the step, so the folded step keeps its code). Warp-uniform (the step's quad
-    // shuffles need it); from the tile's K scale, loaded before its wait, and the rows' scales.
-    auto exact_exponents = [&](const typename Softmax::KScales& sk_t) {
-      return kLean && __any_sync(0xffffffffu, fmaxf(sm.rowf[0], sm.rowf[1]) * sk_t.max() > Softmax::kFoldMaxC);
-    };
-    auto qk_issue = [&](int stage) {
-      if constexpr (kQRegs) {
-        ops.qk_issue_rs(stage, q_frag, s_acc, Softmax::kSeeded);
-      } else {
-        ops.qk_issue(stage, s_acc, Softmax::kSeeded);
-      }
-    };
-    // seeded_scores: S's registers = the bias bits, before the waits that precede the next QK issue
-    // (S is dead from the softmax's pack to that issue).
-    auto seed_scores = [&] {
-      if constexpr (Softmax::kSeeded) {
-#pragma unroll
-        for (int i = 0; i < C::kSRegs; ++i) s_acc[i] = Softmax::kScoreBiasBits;
-      }
-    };
-    if constexpr (!kPipelined) {
-      // Plain order: S_t, softmax_t, O += P_t V_t, each retired before the next.
-      for (int t = 0; t < n_tiles; ++t) {
-        const int s = stage_of(t);
-        const auto sk_t = tile_scales(t);
-        const Mask mk = tile_mask(t);
-        seed_scores();
-        Barrier::wait(&sp.full[s], parity_of(t));
-        qk_issue(s);
-        cute::warpgroup_wait<0>();
-        fence_regs(s_acc);
-        float alpha[2];
-        sm.step(s_acc, sk_t, mk, p_frag, alpha, exact_exponents(sk_t));
-        if (t == 0 && work == 0) clock.mark(ConsumerPhase::kFirstSoftmax);
-        if (pv_zero(t)) {
-          // smem_o_every: this PV starts from zero and overwrites O's registers (flushed after the
-          // tile before), so only the smem sum's scale takes alpha; at smem_o_every = 1 O's
-          // registers are thus dead through every softmax (the three-warpgroup hd128 loop fits
-          // 160 registers only so).
-          o_scale[0] *= alpha[0];
-          o_scale[1] *= alpha[1];
-          scale_sums(alpha);
-        } else if (!kFusedRescale) {
-          rescale(alpha);
-        }
-        ops.pv(s, p_frag, pv_acc, kTilePV || pv_zero(t));
-        if constexpr (kFusedRescale) {
-          add_scaled_tile(alpha);
-        } else {
-          add_tile();
-        }
-        take_sums();
-        release(s);
-        // Not after the last tile: the epilogue adds O's registers to the sum (scaled_sum), as
-        // after the pipelined loop, whose last PV is never flushed either.
-        if (t + 1 < n_tiles) maybe_flush(t);
-      }
-    } else if (n_tiles > 0) {
-      // Pipelined order: S_t and O += P_{t-1} V_{t-1} are issued back to back; with the overlap
-      // the softmax of tile t starts as soon as S_t retired, while the PV group still runs. O is
-      // rescaled by alpha_t only after that group retired (O_t = alpha_t O_{t-1} + P_t V_t). A
-      // tile's stage is released after its PV retired, i.e. one iteration later. P alternates
-      // between two register arrays so the one an in-flight wgmma reads is never redefined (else
-      // ptxas serializes). Ping-pong: each issue block is one turn (common/sm90/named_barrier.cuh).
-      uint32_t p_alt[C::kPRegs];
-      // two consumer warpgroups only (FwdOptions::valid: no ping-pong with three_consumers)
-      const sage_common::sm90::WarpgroupPingPong<kPingPong, kBarSchedFirst, CtaShape<2>::kConsumerThreads> sched{wg};
-      sched.start();
-      auto turn_begin = [&] { sched.begin(); };
-      auto turn_end = [&](bool last) { sched.end(last); };
-      {
-        const auto sk_t = tile_scales(0);
-        const Mask mk = tile_mask(0);
-        seed_scores();
-        Barrier::wait(&sp.full[stage_of(0)], parity_of(0));
-        turn_begin();
-        qk_issue(stage_of(0));
-        turn_end(false);
-        cute::warpgroup_wait<0>();
-        fence_regs(s_acc);
-        float alpha[2];
-        sm.step(s_acc, sk_t, mk, p_frag, alpha, exact_exponents(sk_t));  // O is still 0: alpha unused
-        if (work == 0) clock.mark(ConsumerPhase::kFirstSoftmax);
-      }
-      auto body = [&](int t, uint32_t (&p_prev)[C::kPRegs], uint32_t (&p_next)[C::kPRegs]) {
-        const int s = stage_of(t), s_prev = stage_of(t - 1);
-        const auto sk_t = tile_scales(t);
-        const Mask mk = tile_mask(t);
-        seed_scores();
-        Barrier::wait(&sp.full[s], parity_of(t));
-        turn_begin();
-        qk_issue(s);
-        ops.pv_issue(s_prev, p_prev, pv_acc, /*fence=*/false,  // qk_issue's fence covers it
-                     kTilePV || pv_zero(t - 1));
-        turn_end(false);
-        // PV_{t-1} retired: its stage goes back to the producer and O_{t-1} is complete.
-        auto retire_pv = [&] {
-          fence_regs(pv_acc);
-          fence_regs(p_prev);
-          release(s_prev);
-          add_tile();
-          take_sums();
-        };
-        if constexpr (kOverlapSoftmaxWithPV) {
-          cute::warpgroup_wait<1>();  // S_t retired, PV_{t-1} may still run
-        } else {
-          cute::warpgroup_wait<0>();
-          retire_pv();  // before the softmax: fp32_pv_tiles' tile dies before S_t's softmax needs registers
-        }
-        fence_regs(s_acc);
-        float alpha[2];
-        if constexpr (kLatePvWait) {
-          // ptxas schedules a wgmma wait as early as its basic block allows, and p_next gets the
-          // physical registers of p_prev (an issued wgmma's operands count as dead): with the wait
-          // after step() in one block, it lands before the row max and nothing but the score
-          // conversion overlaps the PV. Here the wait opens each of the two O-rescale branches,
-          // which start only after the exp2 and row sums, and P is packed behind it.
-          typename Softmax::Scores sc;
-          sm.scores(s_acc, sk_t, mk, sc, alpha, exact_exponents(sk_t));
-          if (!max_kept(alpha)) {
-            sage_common::sm90::wgmma_wait_all</*kTag=*/0>();
-            retire_pv();
-            scale_o(alpha);
-          } else {
-            sage_common::sm90::wgmma_wait_all</*kTag=*/1>();  // another asm text: not merged above the branch
-            retire_pv();
-          }
-          Softmax::pack(sc, p_next);
-        } else {
-          sm.step(s_acc, sk_t, mk, p_next, alpha, exact_exponents(sk_t));
-          if constexpr (kOverlapSoftmaxWithPV) {
-            cute::warpgroup_wait<0>();
-            retire_pv();
-          }
-          rescale(alpha);
-        }
-        maybe_flush(t - 1);
-      };
-      for (int t = 1; t < n_tiles; ++t) {
-        if (t & 1) {
-          body(t, p_frag, p_alt);
-        } else {
-          body(t, p_alt, p_frag);
-        }
-      }
-      const int s_last = stage_of(n_tiles - 1);
-      turn_begin();
-      if ((n_tiles - 1) & 1) {
-        ops.pv_issue(s_last, p_alt, pv_acc, /*fence=*/true, kTilePV || pv_zero(n_tiles - 1));
-      } else {
-        ops.pv_issue(s_last, p_frag, pv_acc, /*fence=*/true, kTilePV || pv_zero(n_tiles - 1));
-      }
-      turn_end(true);
-      cute::warpgroup_wait<0>();
-      fence_regs(pv_acc);
-      fence_regs(p_frag);
-      fence_regs(p_alt);
-      release(s_last);
-      add_tile();
       take_sums();
+      release(s);
+      // Not after the last tile: the epilogue adds O's registers to the sum (scaled_sum), as
+      // after the pipelined loop, whose last PV is never flushed either.
+      if (t + 1 < n_tiles) maybe_flush(t);
     }
-    if (work == 0) clock.mark(ConsumerPhase::kLastPV);
-    if constexpr (kSmemO) {  // O = o_scale * smem sum + the tiles since the last flush
-#pragma unroll
-      for (int j = 0; j < C::kPVRegs / 4; ++j) {
-        const float4 x = scaled_sum(j);
-        o[4 * j] = x.x;
-        o[4 * j + 1] = x.y;
-        o[4 * j + 2] = x.z;
-        o[4 * j + 3] = x.w;
+  } else if (n_tiles > 0) {
+    // Pipelined order: S_t and O += P_{t-1} V_{t-1} are issued back to back; with the overlap
+    // the softmax of tile t starts as soon as S_t retired, while the PV group still runs. O is
+    // rescaled by alpha_t only after that group retired (O_t = alpha_t O_{t-1} + P_t V_t). A
+    // tile's stage is released after its PV retired, i.e. one iteration later. P alternates
+    // between two register arrays so the one an in-flight wgmma reads is never redefined (else
+    // ptxas serializes). Ping-pong: each issue block is one turn (common/sm90/named_barrier.cuh).
+    uint32_t p_alt[C::kPRegs];
+    // two consumer warpgroups only (FwdOptions::valid: no ping-pong with three_consumers)
+    const sage_common::sm90::WarpgroupPingPong<kPingPong, kBarSchedFirst, CtaShape<2>::kConsumerThreads> sched{wg};
+    sched.start();
+    auto turn_begin = [&] { sched.begin(); };
+    auto turn_end = [&](bool last) { sched.end(last); };
+    {
+      const auto sk_t = tile_scales(0);
+      const Mask mk = tile_mask(0);
+      seed_scores();
+      Barrier::wait(&sp.full[stage_of(0)], parity_of(0));
+      turn_begin();
+      qk_issue(stage_of(0));
+      turn_end(false);
+      cute::warpgroup_wait<0>();
+      fence_regs(s_acc);
+      float alpha[2];
+      sm.step(s_acc, sk_t, mk, p_frag, alpha, exact_exponents(sk_t));  // O is still 0: alpha unused
+      clock.mark(ConsumerPhase::kFirstSoftmax);
+    }
+    auto body = [&](int t, uint32_t (&p_prev)[C::kPRegs], uint32_t (&p_next)[C::kPRegs]) {
+      const int s = stage_of(t), s_prev = stage_of(t - 1);
+      const auto sk_t = tile_scales(t);
+      const Mask mk = tile_mask(t);
+      seed_scores();
+      Barrier::wait(&sp.full[s], parity_of(t));
+      turn_begin();
+      qk_issue(s);
+      ops.pv_issue(s_prev, p_prev, pv_acc, /*fence=*/false,  // qk_issue's fence covers it
+                   kTilePV || pv_zero(t - 1));
+      turn_end(false);
+      // PV_{t-1} retired: its stage goes back to the producer and O_{t-1} is complete.
+      auto retire_pv = [&] {
+        fence_regs(pv_acc);
+        fence_regs(p_prev);
+        release(s_prev);
+        add_tile();
+        take_sums();
+      };
+      if constexpr (kOverlapSoftmaxWithPV) {
+        cute::warpgroup_wait<1>();  // S_t retired, PV_{t-1} may still run
+      } else {
+        cute::warpgroup_wait<0>();
+        retire_pv();  // before the softmax: fp32_pv_tiles' tile dies before S_t's softmax needs registers
+      }
+      fence_regs(s_acc);
+      float alpha[2];
+      sm.step(s_acc, sk_t, mk, p_next, alpha, exact_exponents(sk_t));
+      if constexpr (kOverlapSoftmaxWithPV) {
+        cute::warpgroup_wait<0>();
+        retire_pv();
+      }
+      rescale(alpha);
+      maybe_flush(t - 1);
+    };
+    for (int t = 1; t < n_tiles; ++t) {
+      if (t & 1) {
+        body(t, p_frag, p_alt);
+      } else {
+        body(t, p_alt, p_frag);
       }
     }
-    if constexpr (kSumsToFp32) {  // where the epilogue reads the row sums (their columns hold 0 here)
-      o[D / 2] = sm.l[0];
-      o[D / 2 + 2] = sm.l[1];
+    const int s_last = stage_of(n_tiles - 1);
+    turn_begin();
+    if ((n_tiles - 1) & 1) {
+      ops.pv_issue(s_last, p_alt, pv_acc, /*fence=*/true, kTilePV || pv_zero(n_tiles - 1));
+    } else {
+      ops.pv_issue(s_last, p_frag, pv_acc, /*fence=*/true, kTilePV || pv_zero(n_tiles - 1));
     }
-    if (work == 0) clock.mark(ConsumerPhase::kEpilogue);
-    epilogue_store<D, kOut, kCausal, kOpt.epilogue_summary, kOpt.epilogue_staged, kWGs>(
-        p, sm, o, row, b, h, hk, kOpt.epilogue_staged ? smem_o_sum<D>(sp) : nullptr);
-    if (work == 0) clock.mark(ConsumerPhase::kStored);
-  });
+    turn_end(true);
+    cute::warpgroup_wait<0>();
+    fence_regs(pv_acc);
+    fence_regs(p_frag);
+    fence_regs(p_alt);
+    release(s_last);
+    add_tile();
+    take_sums();
+  }
+  clock.mark(ConsumerPhase::kLastPV);
+  if constexpr (kSmemO) {  // O = o_scale * smem sum + the tiles since the last flush
+#pragma unroll
+    for (int j = 0; j < C::kPVRegs / 4; ++j) {
+      const float4 x = scaled_sum(j);
+      o[4 * j] = x.x;
+      o[4 * j + 1] = x.y;
+      o[4 * j + 2] = x.z;
+      o[4 * j + 3] = x.w;
+    }
+  }
+  if constexpr (kSumsToFp32) {  // where the epilogue reads the row sums (their columns hold 0 here)
+    o[D / 2] = sm.l[0];
+    o[D / 2 + 2] = sm.l[1];
+  }
+  clock.mark(ConsumerPhase::kEpilogue);
+  epilogue_store<D, kOut, kCausal, kOpt.epilogue_summary, kOpt.epilogue_staged, kWGs>(
+      p, sm, o, row, b, h, hk, kOpt.epilogue_staged ? smem_o_sum<D>(sp) : nullptr);
+  clock.mark(ConsumerPhase::kStored);
 }
 
 template <int D, DType kOut, bool kCausal, FwdOptions kOpt>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, bool pdl) {
   static_assert(kOpt.valid(), "FwdOptions combination the kernel does not implement (FwdOptions::valid)");
   auto kernel = fwd_kernel<D, kOut, kCausal, kOpt.exp2_poly_every, kOpt.flags()>;
-  dim3 grid(p.n_q_tiles / FwdCta<kOpt>::kQTilesPerCTA, p.Hq, p.B);  // ceil(Sq / kBlockM) row blocks
-  if constexpr (kOpt.persistent) {  // one CTA per SM (the launch bounds allow one), looping over the work tiles
-    int device = 0, sms = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err != cudaSuccess) return err;
-    const int64_t works = static_cast<int64_t>(grid.x) * grid.y * grid.z;
-    grid = dim3(static_cast<unsigned>(works < sms ? works : sms));
-  }
+  const dim3 grid(p.n_q_tiles / FwdCta<kOpt>::kQTilesPerCTA, p.Hq, p.B);  // ceil(Sq / kBlockM) row blocks
   const sage_common::LaunchKind kind = pdl ? sage_common::LaunchKind::kPdl : sage_common::LaunchKind::kPlain;
   return sage_common::launch_with_smem(kernel, grid, fwd_threads<kOpt>(), fwd_smem_bytes<D, kOpt>(), p, stream, kind);
 }

@@ -28,16 +28,15 @@ struct FwdOptions {
   int smem_o_every = 0;             // O's fp32 sum in smem, the tensor-core one flushed into it
                                     // every N key tiles (0 = O only in registers); power of 2
   // (flags() 1 << kFlagsHighShift: seed_reductions, deleted, never built; DESIGN.md. Reserved.)
-  bool persistent = false;          // min(#SMs, work tiles) CTAs, each looping over work tiles (needs q_in_registers)
+  // (flags() 1 << (kFlagsHighShift + 1): persistent, deleted; DESIGN.md. Reserved.)
   bool phase_clock = false;         // (benchmarks) %globaltimer / %clock64 at fixed phase points (FwdParams::phase_clock)
   bool epilogue_summary = false;    // the epilogue skips V's non-finite lookup when FwdParams::v_summary says none is seen
-  bool q_in_kernel = false;         // consumers quantize Q from the 16-bit input (no pre-pass Q; needs
-                                    // q_in_registers; no LSE: run_fwd never picks it for lse)
+  // (flags() 1 << (kFlagsHighShift + 4): q_in_kernel, deleted; DESIGN.md. Reserved.)
   bool epilogue_staged = false;     // the epilogue stages O in smem and writes rows with 16-byte stores
   bool three_consumers = false;     // three consumer warpgroups (192 query rows per CTA) instead of two;
                                     // no ping-pong or phase_clock; at head dim 128 no overlap_softmax_pv
                                     // (fwd_kernel, which knows D, static_asserts it)
-  bool late_pv_wait = false;        // (overlap + lean) the PV wait after the softmax's exp2, P packed after it
+  // (flags() 1 << (kFlagsHighShift + 7): late_pv_wait, deleted; DESIGN.md. Reserved.)
   bool tc_row_sum = false;          // the row sums of P~ on the tensor cores: 8 columns of ones after V^T's D
                                     // rows in smem (PV's N = D + 8)
   bool tile_sums = false;           // (tc_row_sum, no fp32_pv_tiles) each tile's row sums leave the FP8
@@ -50,15 +49,16 @@ struct FwdOptions {
                                     // three 64-key K scale blocks (the pre-pass's kv_block = 64)
 
   // Deleted options keep their bits unused, so the flags (and kernel names) of the others stay:
-  // 16 (fp16_exp2), 1 << kFlagsHighShift (seed_reductions), 1 << (kFlagsHighShift + 11) (fma_convert).
+  // 16 (fp16_exp2), 1 << kFlagsHighShift (seed_reductions), 1 << (kFlagsHighShift + 1) (persistent),
+  // 1 << (kFlagsHighShift + 4) (q_in_kernel), 1 << (kFlagsHighShift + 7) (late_pv_wait),
+  // 1 << (kFlagsHighShift + 11) (fma_convert).
   constexpr int flags() const {
     return (lean_softmax ? 1 : 0) | (overlap_softmax_pv ? 2 : 0) | (pingpong ? 4 : 0) |
            (q_in_registers ? 8 : 0) | (split_reductions ? 32 : 0) |
            (fp32_pv_tiles ? 64 : 0) | (smem_o_every << kFlagsIntShift) |
-           (persistent ? 1 << (kFlagsHighShift + 1) : 0) |
            (phase_clock ? 1 << (kFlagsHighShift + 2) : 0) | (epilogue_summary ? 1 << (kFlagsHighShift + 3) : 0) |
-           (q_in_kernel ? 1 << (kFlagsHighShift + 4) : 0) | (epilogue_staged ? 1 << (kFlagsHighShift + 5) : 0) |
-           (three_consumers ? 1 << (kFlagsHighShift + 6) : 0) | (late_pv_wait ? 1 << (kFlagsHighShift + 7) : 0) |
+           (epilogue_staged ? 1 << (kFlagsHighShift + 5) : 0) |
+           (three_consumers ? 1 << (kFlagsHighShift + 6) : 0) |
            (tc_row_sum ? 1 << (kFlagsHighShift + 8) : 0) | (tile_sums ? 1 << (kFlagsHighShift + 9) : 0) |
            (fused_rescale ? 1 << (kFlagsHighShift + 10) : 0) | (seeded_scores ? 1 << (kFlagsHighShift + 12) : 0) |
            (long_tile ? 1 << (kFlagsHighShift + 13) : 0);
@@ -76,13 +76,10 @@ struct FwdOptions {
     o.split_reductions = (flags & 32) != 0;
     o.fp32_pv_tiles = (flags & 64) != 0;
     o.smem_o_every = (flags >> kFlagsIntShift) & ((1 << (kFlagsHighShift - kFlagsIntShift)) - 1);
-    o.persistent = ((flags >> (kFlagsHighShift + 1)) & 1) != 0;
     o.phase_clock = ((flags >> (kFlagsHighShift + 2)) & 1) != 0;
     o.epilogue_summary = ((flags >> (kFlagsHighShift + 3)) & 1) != 0;
-    o.q_in_kernel = ((flags >> (kFlagsHighShift + 4)) & 1) != 0;
     o.epilogue_staged = ((flags >> (kFlagsHighShift + 5)) & 1) != 0;
     o.three_consumers = ((flags >> (kFlagsHighShift + 6)) & 1) != 0;
-    o.late_pv_wait = ((flags >> (kFlagsHighShift + 7)) & 1) != 0;
     o.tc_row_sum = ((flags >> (kFlagsHighShift + 8)) & 1) != 0;
     o.tile_sums = ((flags >> (kFlagsHighShift + 9)) & 1) != 0;
     o.fused_rescale = ((flags >> (kFlagsHighShift + 10)) & 1) != 0;
@@ -96,16 +93,9 @@ struct FwdOptions {
     return (!split_reductions || lean_softmax) && exp2_poly_every >= 0 &&
            smem_o_every >= 0 && smem_o_every <= 16 && (smem_o_every & (smem_o_every - 1)) == 0 &&
            !(fp32_pv_tiles && smem_o_every > 0) &&
-           // persistent: the next work tile's Q lands in smem while the current one runs, which
-           // needs the current Q held in registers
-           (!persistent || q_in_registers) &&
-           // q_in_kernel: each consumer thread quantizes exactly its RS A fragments of Q
-           (!q_in_kernel || q_in_registers) &&
            // three_consumers: the ping-pong schedule and the phase record are written for two
            // consumer warpgroups (at head dim 128 also no overlap: fwd_kernel, which knows D, asserts that)
            (!three_consumers || (!pingpong && !phase_clock)) &&
-           // late_pv_wait: the wait sits in the lean softmax's two O-rescale branches, under the overlap
-           (!late_pv_wait || (overlap_softmax_pv && lean_softmax)) &&
            // tile_sums: the sums are tc_row_sum's; with fp32_pv_tiles every tile is in fp32 already
            (!tile_sums || (tc_row_sum && !fp32_pv_tiles)) &&
            // fused_rescale: O and the tile are separate registers only with fp32_pv_tiles, and the
@@ -128,9 +118,9 @@ struct FwdOptions {
   constexpr int consumer_warpgroups() const { return three_consumers ? 3 : 2; }
 };
 // from_flags inverts flags() for the bools above smem_o_every's bits (which they must not touch).
-static_assert(FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .persistent = true}.flags(), 0).persistent &&
-                  FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .persistent = true}.flags(), 0).smem_o_every == 16 &&
-                  FwdOptions{.persistent = true}.flags() == 2 << FwdOptions::kFlagsHighShift,
+static_assert(FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .phase_clock = true}.flags(), 0).phase_clock &&
+                  FwdOptions::from_flags(FwdOptions{.smem_o_every = 16, .phase_clock = true}.flags(), 0).smem_o_every == 16 &&
+                  FwdOptions{.phase_clock = true}.flags() == 4 << FwdOptions::kFlagsHighShift,
               "FwdOptions::flags / from_flags");
 static_assert(FwdOptions::from_flags(FwdOptions{.phase_clock = true}.flags(), 0).phase_clock &&
                   !FwdOptions::from_flags(FwdOptions{.phase_clock = true}.flags(), 0).epilogue_summary &&
@@ -141,8 +131,7 @@ static_assert(FwdOptions::from_flags(FwdOptions{.phase_clock = true}.flags(), 0)
 
 // phase_clock: the phase points of one CTA's record (kernel_fwd.cuh). Lane 0 of warp 0 of consumer
 // warpgroup w writes slots w * kConsumerPhases + ConsumerPhase, the producer lane the slots from
-// kProducerSlot0 on; each slot holds {%globaltimer ns, %clock64 SM cycles} (kSmSlot: the SM). With `persistent`
-// only the CTA's first work tile is recorded.
+// kProducerSlot0 on; each slot holds {%globaltimer ns, %clock64 SM cycles} (kSmSlot: the SM).
 enum class ConsumerPhase : int {
   kEntry = 0,         // kernel entry (before pdl_wait)
   kReady = 1,         // after pdl_wait and the barrier init (__syncthreads)
@@ -166,15 +155,12 @@ constexpr int kProducerSlot0 = 2 * kConsumerPhases;  // two consumer warpgroups
 constexpr int kSmSlot = kProducerSlot0 + static_cast<int>(ProducerPhase::kCount);
 constexpr int kPhaseSlots = kSmSlot + 1;
 constexpr int kPhaseWords = 2;  // per slot: globaltimer, clock64
-static_assert(FwdOptions{.q_in_kernel = true}.flags() == 1 << 16 &&
-                  FwdOptions::from_flags(1 << 16, 0).q_in_kernel && !FwdOptions::from_flags(1 << 16, 0).persistent,
-              "FwdOptions::q_in_kernel flag bit (generate_instantiations._HIGH_BITS)");
 static_assert(FwdOptions{.epilogue_staged = true}.flags() == 1 << 17 &&
-                  FwdOptions::from_flags(1 << 17, 0).epilogue_staged && !FwdOptions::from_flags(1 << 17, 0).q_in_kernel &&
+                  FwdOptions::from_flags(1 << 17, 0).epilogue_staged && !FwdOptions::from_flags(1 << 17, 0).three_consumers &&
                   !FwdOptions::from_flags(1 << 16, 0).epilogue_staged,
               "FwdOptions::epilogue_staged flag bit (generate_instantiations._HIGH_BITS)");
 static_assert(FwdOptions{.three_consumers = true}.flags() == 1 << 18 &&
-                  FwdOptions::from_flags(1 << 18, 0).three_consumers && !FwdOptions::from_flags(1 << 18, 0).q_in_kernel &&
+                  FwdOptions::from_flags(1 << 18, 0).three_consumers && !FwdOptions::from_flags(1 << 18, 0).epilogue_staged &&
                   FwdOptions::from_flags(1 << 18, 0).consumer_warpgroups() == 3 &&
                   !FwdOptions{.pingpong = true, .three_consumers = true}.valid() &&
                   !FwdOptions{.phase_clock = true, .three_consumers = true}.valid(),
@@ -186,9 +172,6 @@ static_assert(FwdOptions{.long_tile = true}.flags() == 1 << 25 && FwdOptions::fr
                   !FwdOptions::from_flags(1 << 24, 0).long_tile && !FwdOptions{.long_tile = true}.valid() &&
                   FwdOptions{.lean_softmax = true, .long_tile = true}.valid(),
               "FwdOptions::long_tile flag bit (generate_instantiations._HIGH_BITS) and validity");
-static_assert(FwdOptions{.late_pv_wait = true}.flags() == 1 << 19 &&
-                  FwdOptions::from_flags(1 << 19, 0).late_pv_wait && !FwdOptions::from_flags(1 << 18, 0).late_pv_wait,
-              "FwdOptions::late_pv_wait flag bit (generate_instantiations._HIGH_BITS)");
 
 // Everything the quantization pre-pass reads and writes. Strides are in elements; the last
 // (head) dimension of q, k, v is contiguous and rows are 16-byte aligned (checked by the binding).
@@ -209,8 +192,7 @@ struct PrepassParams {
   int q_in_stats;   // 1: Q blocks run in the stats launch (needs qkm == nullptr; PrepassMode)
   int kernel_mode;  // the pre-pass mode's kernel-side bits (kPrepassBatchLoads | kPrepassL2Reuse |
                     // kPrepassFastDiv), a template argument of the kernels (prepass.cuh)
-  int skip_q;       // 1: no Q blocks, q_img / sq / qkm unused (the forward variant quantizes Q itself,
-                    // FwdOptions::q_in_kernel; fwd_quantizes_q)
+  int skip_q;       // 1: no Q blocks, q_img / sq / qkm unused (for FwdOptions::q_in_kernel, deleted: 0 now)
   // outputs
   int8_t* q_img;      // (B, Hq, n_q_tiles, 64*D) swizzled tile images
   float* sq;          // (B, Hq, n_q_tiles*64)
@@ -236,8 +218,10 @@ struct PrepassParams {
 };
 
 struct FwdParams {
-  const void* q;          // q_in_kernel only: the 16-bit Q (B, Hq, Sq, D), strides in elements, last
-  int64_t q_sb, q_sh, q_ss;  // dim contiguous, rows 16-byte aligned (then q_img, sq are unused)
+  // Unused: the 16-bit Q and its strides of q_in_kernel (deleted; DESIGN.md), kept so that the offsets of
+  // the fields after them, and so the kernels' SASS, stay.
+  const void* unused_q;
+  int64_t unused_q_strides[3];
   const int8_t* q_img;
   const float* sq;        // NaN for a query row with a non-finite element: that row's out / lse are NaN
   const float* qkm;       // nullptr unless lse != nullptr
@@ -280,28 +264,24 @@ constexpr int kPrepassDefaultMode = 7;  // all three: the fastest in variants_be
 // dependent launch (kPrepassPdl).
 cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, bool pdl, cudaStream_t stream);
 // The forward variant for a call is the build's one option set for (head dim, dtype, causal,
-// exp2 share, LSE wanted): instantiations/variants.inc, generated from policy.hpp's ShippedPolicy.
+// exp2 share): instantiations/variants.inc, generated from policy.hpp's ShippedPolicy.
 // exp_poly_every: 0 = every exp2 on MUFU; N > 0 = every N-th exp2 from the FMA polynomial
 // (compiled variants only: see instantiations/). pdl: the kernel launches with programmatic dependent
 // launch and waits for the launch before it (kPrepassPdl).
 cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every, bool pdl,
                     cudaStream_t stream);
-// Whether run_fwd has a compiled variant for these arguments (lse: the call wants the LSE, which
-// q_in_kernel variants do not compute, so run_fwd skips them when p.lse != nullptr).
-bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every, bool lse = false);
-// Whether the variant run_fwd picks for these arguments quantizes Q itself (FwdOptions::q_in_kernel):
-// then the pre-pass skips Q (PrepassParams::skip_q) and FwdParams carries q and its strides.
-bool fwd_quantizes_q(int head_dim, bool causal, int exp_poly_every, bool lse);
+// Whether run_fwd has a compiled variant for these arguments.
+bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every);
 // Query rows per CTA of the variant run_fwd picks for these arguments (64 per consumer warpgroup:
 // 128, or 192 with FwdOptions::three_consumers; 128 where none matches). The Q images are sized by
 // it: n_q_tiles = (rows / 64) * ceil(Sq / rows) tiles of 64 rows (rows >= Sq zero), so that every
 // CTA's Q tiles exist (fwd_q_tiles).
-int fwd_rows_per_cta(int head_dim, bool causal, int exp_poly_every, bool lse);
+int fwd_rows_per_cta(int head_dim, bool causal, int exp_poly_every);
 // Keys per tile (128, or 192 with FwdOptions::long_tile) and per K scale block (128, or 64) of the
 // variant run_fwd picks (128 / 128 where none matches): the pre-pass quantizes K in blocks of the
 // latter and covers whole tiles (fwd_kv_blocks).
-int fwd_tile_keys(int head_dim, bool causal, int exp_poly_every, bool lse);
-int fwd_kv_block(int head_dim, bool causal, int exp_poly_every, bool lse);
+int fwd_tile_keys(int head_dim, bool causal, int exp_poly_every);
+int fwd_kv_block(int head_dim, bool causal, int exp_poly_every);
 constexpr int64_t fwd_kv_blocks(int64_t Skv, int tile_keys, int kv_block) {
   return tile_keys / kv_block * ((Skv + tile_keys - 1) / tile_keys);
 }

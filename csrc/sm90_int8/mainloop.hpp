@@ -1,17 +1,14 @@
 // Data movement and tensor-core work of the attention mainloop.
 //
 // Producer (one elected lane of the warp after the consumers): bulk-copies the Q tiles of a work
-// tile (one per consumer warpgroup: 128 or 192 query rows of one (b, h), tile_config.hpp CtaShape;
-// not with q_in_kernel, whose consumers quantize Q themselves), then each K
+// tile (one per consumer warpgroup: 128 or 192 query rows of one (b, h), tile_config.hpp CtaShape),
+// then each K
 // and V^T tile of its kv loop into a kStages-deep ring. Every tile is a pre-swizzled image written
 // by the pre-pass, so one cp.async.bulk per operand per tile suffices (no tensor maps).
 //   full[s]  : count 1 (producer's arrive.expect_tx) + the copies' transaction bytes
 //   empty[s] : count 8 or 12 (lane 0 of each consumer warp, after its PV wgmma retired)
-//   q_full   : count 1 + Q bytes; phase w is work tile w of the CTA (0 without `persistent`)
-//   q_empty  : (persistent only) count 8 or 12 (lane 0 of each consumer warp, once its Q is in registers)
-// Phase rule: common/sm90/pipeline.cuh. A persistent CTA runs several work tiles: the K/V ring's
-// item index is one running key-tile counter over all of them (`tile0` = the key tiles of the
-// work tiles before), so the producer runs ahead into the next work tile's keys.
+//   q_full   : count 1 + Q bytes; one phase (phase 0: a CTA runs one work tile)
+// Phase rule: common/sm90/pipeline.cuh.
 //
 // Consumers (two or three warpgroups, 64 query rows each): S = Q K^T with INT8 SS wgmma, softmax in
 // registers, O += P V^T with FP8 RS wgmma. The wgmma descriptors come from CuTe's smem layouts
@@ -48,10 +45,6 @@ struct SmemPlan {
   uint64_t* full;
   uint64_t* empty;
   uint64_t* q_full;
-  // Initialised only by persistent kernels. It takes the 8 bytes that smem_o_sum's alignment pad
-  // skips after q_full (so no other layout moves) and that the 1024-byte base slack of
-  // TileConfig::kSmemBytes covers (the dynamic smem base is 16-byte aligned: at most 1008 used).
-  uint64_t* q_empty;
 
   __device__ __forceinline__ explicit SmemPlan(uint8_t* raw) {
     q = raw + sage_common::smem_align_pad<1024>(sage_common::smem_addr(raw));  // tiles start on the swizzle period
@@ -60,7 +53,6 @@ struct SmemPlan {
     full = reinterpret_cast<uint64_t*>(v + C::kSmemV);
     empty = full + C::kStages;
     q_full = empty + C::kStages;
-    q_empty = q_full + 1;
   }
 };
 
@@ -76,9 +68,6 @@ static_assert(kSmemOSumBytes<128, 3> == TileConfig<128, 3>::kSmemAfterBarriers &
               "TileConfig sizes its K/V ring to leave the O sum's room");
 template <int D, int kWGs, int kSumCols, int kKeys>
 __device__ __forceinline__ float4* smem_o_sum(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp) {
-  using C = TileConfig<D, kWGs, kSumCols, kKeys>;
-  static_assert((C::kSmemQ + C::kSmemK + C::kSmemV + 8 * (2 * C::kStages + 1)) % kSmemOSumAlign == 8,
-                "q_empty must fit in the alignment pad between q_full and the O sum (SmemPlan)");
   uint8_t* end = reinterpret_cast<uint8_t*>(sp.q_full + 1);
   return reinterpret_cast<float4*>(end + sage_common::smem_align_pad<kSmemOSumAlign>(sage_common::smem_addr(end)));
 }
@@ -102,8 +91,7 @@ __device__ __forceinline__ void fill_sum_rows(const SmemPlan<D, kWGs, kSumCols, 
   }
 }
 
-// kQEmpty: also q_empty (persistent kernels).
-template <int D, bool kQEmpty = false, int kWGs, int kSumCols, int kKeys>
+template <int D, int kWGs, int kSumCols, int kKeys>
 __device__ __forceinline__ void init_barriers(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp) {
   constexpr int kConsumerWarps = CtaShape<kWGs>::kConsumerThreads / 32;  // every one arrives
   if (threadIdx.x == 0) {
@@ -113,50 +101,33 @@ __device__ __forceinline__ void init_barriers(const SmemPlan<D, kWGs, kSumCols, 
       Barrier::init(&sp.empty[s], kConsumerWarps);
     }
     Barrier::init(sp.q_full, 1);
-    if constexpr (kQEmpty) Barrier::init(sp.q_empty, kConsumerWarps);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
 }
 
-// Stage and use count (n) of item `tile` of the K/V ring. kRunning: a running counter over a
-// persistent CTA's work tiles (unsigned: no sign fix-up in the division). kWGs: the CTA's consumer
-// warpgroups (the ring depth depends on them: TileConfig::kStages); kSumCols, kKeys: TileConfig's.
-template <int D, bool kRunning, int kWGs, int kSumCols = 0, int kKeys = kBlockKV>
+// Stage and use count (n) of item `tile` of the K/V ring. kWGs: the CTA's consumer warpgroups (the
+// ring depth depends on them: TileConfig::kStages); kSumCols, kKeys: TileConfig's.
+template <int D, int kWGs, int kSumCols = 0, int kKeys = kBlockKV>
 __device__ __forceinline__ void ring_slot(int tile, int& stage, int& n) {
   constexpr int kStages = TileConfig<D, kWGs, kSumCols, kKeys>::kStages;
-  if constexpr (kRunning) {
-    stage = static_cast<int>(static_cast<unsigned>(tile) % kStages);
-    n = static_cast<int>(static_cast<unsigned>(tile) / kStages);
-  } else {
-    stage = tile % kStages;
-    n = tile / kStages;
-  }
+  stage = tile % kStages;
+  n = tile / kStages;
 }
 
-// One work tile's copies; runs on one lane only. work: the CTA's work-tile count so far (0
-// without `persistent`); tile0: the ring items used by the work tiles before (kPersistent).
-// kPersistent: Q goes into smem only after the consumers took the previous work tile's Q into
-// registers (q_empty). kCopyQ false (q_in_kernel): the consumers load Q themselves (quant_q_frag):
-// no Q copy, q_full / q_empty unused.
+// The work tile's copies; runs on one lane only.
 // long_tile: a tile's images are its three 64-key blocks' images, back to back in memory: one copy
 // each for K and V^T all the same (k_src / v_src advance by whole tiles).
-template <int D, bool kPersistent = false, bool kCopyQ = true, int kWGs, int kSumCols, int kKeys>
+template <int D, int kWGs, int kSumCols, int kKeys>
 __device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp, const int8_t* q_src,
-                                              const int8_t* k_src, const uint8_t* v_src,
-                                              int n_tiles, int work = 0, int tile0 = 0) {
+                                              const int8_t* k_src, const uint8_t* v_src, int n_tiles) {
   using C = TileConfig<D, kWGs, kSumCols, kKeys>;  // kSmemQ: the Q tiles of every consumer warpgroup
   using sage_common::sm90::bulk_copy_g2s;
-  if constexpr (kCopyQ) {
-    if constexpr (kPersistent) {
-      if (work > 0) Barrier::wait(sp.q_empty, (work - 1) & 1);
-    }
-    Barrier::arrive_and_expect_tx(sp.q_full, C::kSmemQ);
-    bulk_copy_g2s(q_src, sp.q_full, sp.q, C::kSmemQ);
-  }
+  Barrier::arrive_and_expect_tx(sp.q_full, C::kSmemQ);
+  bulk_copy_g2s(q_src, sp.q_full, sp.q, C::kSmemQ);
   for (int t = 0; t < n_tiles; ++t) {
     int s, n;
-    ring_slot<D, kPersistent, kWGs, kSumCols, kKeys>(tile0 + t, s, n);
+    ring_slot<D, kWGs, kSumCols, kKeys>(t, s, n);
     if (n > 0) Barrier::wait(&sp.empty[s], (n - 1) & 1);
     Barrier::arrive_and_expect_tx(&sp.full[s], C::kKTileBytes + C::kVTileBytes);
     bulk_copy_g2s(k_src + static_cast<int64_t>(t) * C::kKTileBytes, &sp.full[s],
@@ -220,7 +191,7 @@ struct WarpgroupOperands {
   // (k+16 half) * 2 + (row half), holds row 16w + g + 8(r & 1), bytes 32kb + 16(r >> 1) + 4t + i;
   // 4 aligned bytes never straddle a 16-byte swizzle chunk.
   // The first column of register `reg` (= 4kb + r) of that layout for quad lane t (its row: 16w +
-  // g + 8 * q_frag_row_half(reg)); quant_q_frag fills the same registers from the same coordinates.
+  // g + 8 * q_frag_row_half(reg)).
   __host__ __device__ static constexpr int q_frag_col(int reg, int t) {
     return 32 * (reg >> 2) + 16 * ((reg >> 1) & 1) + 4 * t;
   }
@@ -235,80 +206,6 @@ struct WarpgroupOperands {
       const int row = 16 * (tid_in_wg / 32) + g + 8 * q_frag_row_half(reg);
       qf[reg] = *reinterpret_cast<const uint32_t*>(tile + sw_byte_offset<D>(row, q_frag_col(reg, t)));
     }
-  }
-
-  // q_in_kernel: the same fragments as load_q_frag (same registers, same coordinates:
-  // q_frag_col / q_frag_row_half), quantized here from the 16-bit input instead of read from the
-  // pre-pass's image. Register `reg` holds 4 consecutive columns of row rows[reg & 1] (its index in
-  // the (b, h) sequence), one 8-byte load each: D/4 elements per row and thread, the rest with the
-  // quad's other lanes t, so the row's absmax and non-finite flag reduce over the quad. QRowQuant +
-  // the codes of x / scale are the pre-pass's (quant_q_block) rule, so codes and scales are
-  // bit-identical to its image and sq; rows >= Sq are zeros there (codes 0, scale 0) and here.
-  // q_bh: Q of this (b, h); q_ss: its row stride (elements). sq: the rows' stored scales (NaN for a
-  // row with a non-finite element), as the pre-pass's p.sq.
-  // Two steps, so the loads can go out first (Q is the caller's input, no pre-pass output: before
-  // pdl_wait and the barrier setup) and the quantization run later. load_q_raw: the raw elements.
-  __device__ __forceinline__ static void load_q_raw(const void* q_bh, int64_t q_ss, const int (&rows)[2], int Sq,
-                                                    uint2 (&raw)[D / 8]) {
-    const int t = threadIdx.x & 3;
-    const char* row_ptr[2] = {static_cast<const char*>(q_bh) + 2 * static_cast<int64_t>(rows[0]) * q_ss,
-                              static_cast<const char*>(q_bh) + 2 * static_cast<int64_t>(rows[1]) * q_ss};
-#pragma unroll
-    for (int reg = 0; reg < D / 8; ++reg) {
-      const int x = q_frag_row_half(reg);
-      raw[reg] = rows[x] < Sq ? __ldg(reinterpret_cast<const uint2*>(row_ptr[x] + 2 * q_frag_col(reg, t)))
-                              : make_uint2(0u, 0u);
-    }
-  }
-  // quant_q_raw: the fragments and row scales of load_q_raw's elements. The codes come eight at a
-  // time (two registers of one row) from the row's reciprocal (numerics.hpp int8_codes8 with a
-  // ScaleDivider: the quotients of x / scale bit for bit, no division per element).
-  template <DType kIn>
-  __device__ __forceinline__ static void quant_q_raw(const uint2 (&raw)[D / 8], uint32_t (&qf)[D / 8], float (&sq)[2]) {
-    static_assert(q_frag_row_half(0) == 0 && q_frag_row_half(1) == 1 && q_frag_row_half(2) == 0 &&
-                      q_frag_row_half(3) == 1 && D % 32 == 0,
-                  "registers 4k + x and 4k + x + 2 hold row x");
-    QRowQuant rq[2];
-#pragma unroll
-    for (int reg = 0; reg < D / 8; ++reg) {
-      const float2 a = IO<kIn>::unpack2(raw[reg].x), b = IO<kIn>::unpack2(raw[reg].y);
-      QRowQuant& r = rq[q_frag_row_half(reg)];
-      r.add(a.x);
-      r.add(a.y);
-      r.add(b.x);
-      r.add(b.y);
-    }
-    ScaleDivider div[2];
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      rq[x].reduce<4>();  // the quad t = 0..3 holds the whole row
-      div[x] = ScaleDivider(rq[x].scale());
-      sq[x] = rq[x].stored_scale();
-    }
-#pragma unroll
-    for (int k = 0; k < D / 32; ++k) {
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const int r0 = 4 * k + x, r1 = r0 + 2;  // two registers of row x
-        float v[8];
-        const float2 a0 = IO<kIn>::unpack2(raw[r0].x), b0 = IO<kIn>::unpack2(raw[r0].y);
-        const float2 a1 = IO<kIn>::unpack2(raw[r1].x), b1 = IO<kIn>::unpack2(raw[r1].y);
-        v[0] = a0.x; v[1] = a0.y; v[2] = b0.x; v[3] = b0.y;
-        v[4] = a1.x; v[5] = a1.y; v[6] = b1.x; v[7] = b1.y;
-        int c[8];
-        int8_codes8(v, div[x], true, c);
-        // byte i = column q_frag_col + i, as the image's 4 bytes there (pack_int8x8's order)
-        qf[r0] = (c[0] & 0xff) | ((c[1] & 0xff) << 8) | ((c[2] & 0xff) << 16) | (static_cast<uint32_t>(c[3]) << 24);
-        qf[r1] = (c[4] & 0xff) | ((c[5] & 0xff) << 8) | ((c[6] & 0xff) << 16) | (static_cast<uint32_t>(c[7]) << 24);
-      }
-    }
-  }
-  template <DType kIn>
-  __device__ __forceinline__ static void quant_q_frag(const void* q_bh, int64_t q_ss, const int (&rows)[2], int Sq,
-                                                      uint32_t (&qf)[D / 8], float (&sq)[2]) {
-    uint2 raw[D / 8];
-    load_q_raw(q_bh, q_ss, rows, Sq, raw);
-    quant_q_raw<kIn>(raw, qf, sq);
   }
 
   // S = Q K_s^T with Q from registers (q_in_registers): saves the 8 KB smem read of Q per tile and

@@ -124,9 +124,9 @@ __device__ __forceinline__ void e4m3_codes8(const float (&x)[8], const ScaleDivi
   }
 }
 
-// Per-token INT8 quantization of one Q row (sage8: scale = max finite |x| / 127), shared by the
-// pre-pass (prepass.cuh quant_q_block) and the forward kernel's in-kernel Q (FwdOptions::q_in_kernel,
-// mainloop.hpp quant_q_frag) so both give the same codes and scales bit for bit. Each lane adds its
+// Per-token INT8 quantization of one Q row (sage8: scale = max finite |x| / 127), the pre-pass's
+// (prepass.cuh quant_q_block; the forward kernel's in-kernel Q of FwdOptions::q_in_kernel, deleted,
+// shared it). Each lane adds its
 // part of the row, reduce() combines kWidth consecutive lanes; the max is exact in any order and
 // `bad` only tells whether the row holds a non-finite element, so the lane split does not matter.
 struct QRowQuant {

@@ -31,8 +31,8 @@ struct ShippedPolicy<128> {
       .seeded_scores = true,       // S accumulated onto the float bias, no add per score: 4.029 -> 3.990 ms (16384)
   };
   // Not here: three_consumers (only the plain loop fits its 160 registers: 1.22x the kernel time at
-  // 1x24x4608x128), persistent (no faster), late_pv_wait (1.03x slower), tile_sums and long_tile (not yet
-  // run on a GPU).
+  // 1x24x4608x128), tile_sums and long_tile (not yet run on a GPU); persistent (no faster) and
+  // late_pv_wait (1.03x slower) are deleted (DESIGN.md).
 };
 
 template <>

@@ -81,8 +81,8 @@ __device__ __forceinline__ auto scale_divisor(float s) {
 template <int D, DType kIn, int kM>
 __device__ void quant_q_block(const PrepassParams& p, int blk);
 
-// Q image tiles the pre-pass quantizes (one block each): none with p.skip_q (the forward variant
-// quantizes Q itself, FwdOptions::q_in_kernel).
+// Q image tiles the pre-pass quantizes (one block each): none with p.skip_q (set by nothing since
+// FwdOptions::q_in_kernel, whose forward quantized Q itself, was deleted).
 __host__ __device__ __forceinline__ int q_block_count(const PrepassParams& p) {
   return p.skip_q ? 0 : p.B * p.Hq * p.n_q_tiles;
 }
@@ -206,7 +206,7 @@ __device__ void quant_q_block(const PrepassParams& p, int blk) {
     if constexpr (!kBatch) load_pass(pass);
     float x[8];
     raw_to_float8<kIn>(xs[pass], x);
-    QRowQuant rq;  // numerics.hpp: the rule the forward kernel's q_in_kernel shares
+    QRowQuant rq;  // numerics.hpp: the per-token rule
 #pragma unroll
     for (int i = 0; i < 8; ++i) rq.add(x[i]);
     rq.reduce<RT::kLanes>();

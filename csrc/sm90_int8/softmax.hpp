@@ -198,16 +198,8 @@ struct OnlineSoftmax {
     pack(sc, p_frag);
   }
 
-  // step in two halves, so a caller can put a wait between them (kernel_fwd.cuh late_pv_wait):
-  // scores = max, exp2 and row sums (m, l and alpha updated), pack = the FP8 A fragment.
-  __device__ __forceinline__ void scores(const uint32_t (&s_int)[kN], const KScales& sk_tile, const Mask& mk,
-                                         Scores& sc, float (&alpha)[2], bool exact = false) {
-    if (kLean && exact) {
-      scores_with<true>(s_int, sk_tile, mk, sc, alpha);
-    } else {
-      scores_with<false>(s_int, sk_tile, mk, sc, alpha);
-    }
-  }
+  // step's two halves: scores = max, exp2 and row sums (m, l and alpha updated), pack = the FP8 A
+  // fragment.
   template <bool kExact>
   __device__ __forceinline__ void scores_with(const uint32_t (&s_int)[kN], const KScales& sk_tile, const Mask& mk,
                                               Scores& sc, float (&alpha)[2]) {

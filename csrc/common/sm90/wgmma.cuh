@@ -50,19 +50,6 @@ __device__ __forceinline__ void fence_regs(E (&d)[N][M]) {
   }
 }
 
-// wgmma.wait_group 0 (every committed group retired), as cute::warpgroup_wait<0>, with a kTag that
-// only changes the asm text: two waits at the start of both arms of a branch are then not one
-// instruction to the compiler, which would hoist it above the branch (kernel_fwd.cuh late_pv_wait).
-template <int kTag>
-__device__ __forceinline__ void wgmma_wait_all() {
-  static_assert(kTag == 0 || kTag == 1, "two tags: the two arms of one branch");
-  if constexpr (kTag == 0) {
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-  } else {
-    asm volatile("wgmma.wait_group.sync.aligned 0; // second arm\n" ::: "memory");
-  }
-}
-
 // Generic-proxy stores to shared memory (e.g. a tile written by threads) made visible to the
 // async proxy (wgmma operands, bulk copies).
 __device__ __forceinline__ void fence_view_async_shared() {
