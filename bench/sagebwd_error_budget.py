@@ -513,6 +513,17 @@ def tables(rows: list[dict], metric: str = "cos") -> str:
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _rounded(x):
+    """x with every float at 6 significant digits (the tables print 5)."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rounded(v) for v in x]
+    return x
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="JSON file of every row (rewritten as the run goes)")
@@ -539,9 +550,10 @@ def main(argv: list[str] | None = None) -> None:
                 variants={v.name: dict(group=g, what=v.what) for g, v in variants})
 
     def save(rows, done=False):
-        if args.out:
-            args.out.write_text(json.dumps(dict(meta=dict(meta, seconds=round(time.time() - t0), complete=done),
-                                                rows=rows), indent=1) + "\n")
+        if args.out:  # one row per line, 6 significant digits: the full run has ~2,000 rows
+            head = json.dumps(dict(meta=dict(meta, seconds=round(time.time() - t0), complete=done)))[:-1]
+            body = ",\n".join(json.dumps(_rounded(r)) for r in rows)
+            args.out.write_text(f'{head}, "rows": [\n{body}\n]}}\n')
 
     rows = run(configs, cases, seeds, variants, on_progress=save)
     save(rows, done=True)
