@@ -1,9 +1,11 @@
 """Small helpers shared by the tests (imported as a top-level module: tests/ is on sys.path)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+from types import ModuleType
 from pathlib import Path
 
 import torch
@@ -34,6 +36,16 @@ spec.loader.exec_module(gen)
 ext = int8_sm90.build()
 bad = 0
 """
+
+
+def load_bench_script(name: str) -> ModuleType:
+    """bench/<name>.py loaded as the module ``name`` (registered in sys.modules: dataclasses look
+    their module up while a class is built)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def bench_build_missing() -> str | None:

@@ -2,25 +2,19 @@
 resolves to the flags the benchmark build dispatches on; without CUDA it exits with a reason."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+from _util import load_bench_script
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("int8_variant_ab", ROOT / "bench" / "int8_variant_ab.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_names_resolve_to_the_bench_builds_flags():
     from sage_diffusers.kernels import _sm90_int8_variants as v
 
-    table = _load()._flags_by_name()
+    table = load_bench_script("int8_variant_ab")._flags_by_name()
     assert len(table) == len(v.BENCH_VARIANTS)
     for d, poly, flags, name in v.BENCH_VARIANTS:
         assert table[(d, name)] == (flags, poly)
@@ -37,7 +31,7 @@ def test_without_cuda_it_says_so():
 
     if torch.cuda.is_available():
         return
-    name = next(iter(_load()._flags_by_name()))[1]  # a known name: unknown ones are refused before this check
+    name = next(iter(load_bench_script("int8_variant_ab")._flags_by_name()))[1]  # a known name: unknown ones are refused before this check
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "int8_variant_ab.py"), "--variants", name],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and "needs a CUDA GPU" in res.stderr

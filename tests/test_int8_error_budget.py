@@ -6,29 +6,18 @@ ragged last tile and its K scale block are covered.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
 from sage_diffusers.reference import relative_l1, sage8_reference
 
-ROOT = Path(__file__).resolve().parents[1]
+from _util import load_bench_script
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("int8_error_budget", ROOT / "bench" / "int8_error_budget.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
-
-
-eb = _load()
+eb = load_bench_script("int8_error_budget")
 CASES = [("bench", 300, 64), ("dit-x4", 300, 128), ("dit-x1-sink8", 200, 64)]
 
 

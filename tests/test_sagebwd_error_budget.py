@@ -6,10 +6,7 @@ the dS tiles is ragged; GQA (2 query heads on 1 key/value head) covers the heads
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,18 +14,10 @@ import torch
 from sage_diffusers import realistic
 from sage_diffusers.reference import cosine, relative_l1
 
-ROOT = Path(__file__).resolve().parents[1]
+from _util import load_bench_script
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("sagebwd_error_budget", ROOT / "bench" / "sagebwd_error_budget.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
-
-
-eb = _load()
+eb = load_bench_script("sagebwd_error_budget")
 CASE = {c.name: c for c in realistic.CASES}
 CONFIGS = [eb.Config(1, 2, 1, 150, 64, False, torch.bfloat16), eb.Config(1, 2, 2, 150, 128, True, torch.float16)]
 

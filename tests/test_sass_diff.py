@@ -3,17 +3,9 @@ in another AFTER unit it moved to (the pre-pass modes moved from the shipped pre
 benchmark build's); kernels and units only in AFTER are additions."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _sass_diff():
-    spec = importlib.util.spec_from_file_location("sass_diff", ROOT / "bench" / "sass_diff.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from _util import load_bench_script
 
 
 def _unit(folder: Path, name: str, kernels: dict[str, str]) -> None:
@@ -24,7 +16,7 @@ def _unit(folder: Path, name: str, kernels: dict[str, str]) -> None:
 
 
 def test_compare_follows_moved_kernels_and_accepts_added_units(tmp_path, capsys):
-    sd = _sass_diff()
+    sd = load_bench_script("sass_diff")
     base, after = tmp_path / "base", tmp_path / "after"
     _unit(base, "i8_prepass", {"_Z5statsILi2EE": "MOV R1;", "_Z5statsILi0EE": "IADD R2;"})
     _unit(after, "i8_prepass", {"_Z5statsILi2EE": "MOV R1;"})
@@ -43,7 +35,7 @@ def test_compare_follows_moved_kernels_and_accepts_added_units(tmp_path, capsys)
 def test_compare_ignores_the_column_padding(tmp_path):
     """cuobjdump pads each line to the longest instruction of the file: a unit with fewer kernels has
     narrower columns, the same code."""
-    sd = _sass_diff()
+    sd = load_bench_script("sass_diff")
     _unit(tmp_path / "base", "u", {"k": "        /*0000*/   MOV R1, R2 ;        /* 0x1 */"})
     _unit(tmp_path / "after", "u", {"k": "        /*0000*/ MOV R1, R2 ; /* 0x1 */"})
     assert sd.compare(tmp_path / "base", tmp_path / "after") == 0
