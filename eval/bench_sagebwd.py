@@ -11,6 +11,7 @@
                                               # the backward kernel choices side by side
     python eval/bench_sagebwd.py --sass       # no GPU: per-tile SASS issue estimates for sm_90a
     python eval/bench_sagebwd.py --realistic  # gradients on the realistic inputs (sharp heads, tails, masks)
+    python eval/bench_sagebwd.py --mask-cost  # a key-padding mask's cost against the kept keys alone
 
 Writes eval/results/sagebwd_<gpu>.{json,md}, e.g. sagebwd_h100 (``--compare``: sagebwd_variants_<gpu>).
 
@@ -242,6 +243,70 @@ def tuned_configs() -> dict:
     return out
 
 
+MASK_COST_SHAPES = [(1, 24, 16384, 128), (1, 48, 16384, 64), (1, 24, 4096, 128)]
+MASK_COST_KEEP = (0.5, 0.75, 0.95)
+
+
+def mask_cost(out: Path, methods: list, shapes: list, rounds: int, target_ms: float) -> None:
+    """--mask-cost: forward + backward of each SageBwd method with a key-padding mask keeping a
+    fraction of Skv = S keys, against the same method unmasked over only the kept keys (Skv = kept,
+    same queries): the mask's own cost. Causal against unmasked at the same shape is in the main table."""
+    t0 = time.time()
+    rows = []
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for b, h, s, d in shapes:
+        q, k, v, do = make_inputs(b, h, s, d)
+        for keep in MASK_COST_KEEP:
+            kept = int(round(keep * s))
+            mask = torch.zeros(b, s, dtype=torch.bool, device="cuda")
+            mask[:, :kept] = True
+            steps = {}
+            for m in methods:
+                opts = sagebwd_options(m)
+                qg = q.detach().requires_grad_()
+                km, vm = (t.detach().requires_grad_() for t in (k, v))
+                ku, vu = (t[:, :, :kept].detach().requires_grad_() for t in (k, v))
+
+                def masked(m=m, opts=opts, qg=qg, km=km, vm=vm):
+                    with method_env(m):
+                        o = sd.sagebwd(qg, km, vm, key_mask=mask, **opts)
+                        torch.autograd.grad(o, (qg, km, vm), do)
+
+                def unmasked(m=m, opts=opts, qg=qg, ku=ku, vu=vu):
+                    with method_env(m):
+                        o = sd.sagebwd(qg, ku, vu, **opts)
+                        torch.autograd.grad(o, (qg, ku, vu), do)
+
+                steps[f"{m} masked"], steps[f"{m} kept only"] = masked, unmasked
+            for fn in steps.values():
+                fn()
+            torch.cuda.synchronize()
+            times = bench_utils.interleaved(steps, tuple, rounds, target_ms=target_ms)
+            for m in methods:
+                a, u = spread(times[f"{m} masked"]), spread(times[f"{m} kept only"])
+                rows.append(dict(shape=f"{b}x{h}x{s}x{d}", keep=keep, kept=kept, method=m, masked=a, kept_only=u,
+                                 cost=a["median"] / u["median"] - 1.0))
+                print(f"[{time.time() - t0:6.1f}s] {b}x{h}x{s}x{d} keep {keep:.2f} {m:20s} masked {a['median']:.3f} ms, "
+                      f"kept only {u['median']:.3f} ms: {100 * rows[-1]['cost']:+.1f} %", flush=True)
+        del q, k, v, do
+        torch.cuda.empty_cache()
+    lines = [f"# SageBwd key-padding mask cost ({torch.cuda.get_device_name()})", "",
+             f"torch {torch.__version__}, triton {__import__('triton').__version__}; `eval/bench_sagebwd.py --mask-cost`, "
+             f"{rounds} interleaved rounds of about {target_ms:.0f} ms per method, in {time.time() - t0:.0f} s; "
+             "autotune " + os.environ.get("SAGE_DIFFUSERS_TRITON_AUTOTUNE", "1") + ". Forward + backward, bf16. "
+             "Masked: Skv = S keys, the first `kept` attended (`key_mask`). Kept only: the same call on the kept "
+             "keys alone, unmasked. Cost = masked median / kept-only median - 1.", "",
+             "| shape | keep | method | masked ms min / median / max | kept only ms | cost |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        a, u = r["masked"], r["kept_only"]
+        lines.append(f"| {r['shape']} | {r['keep']:.2f} ({r['kept']}) | {r['method']} | {a['min']:.3f} / {a['median']:.3f}"
+                     f" / {a['max']:.3f} | {u['min']:.3f} / {u['median']:.3f} / {u['max']:.3f} | {100 * r['cost']:+.1f} % |")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
+    print("wrote", out.with_suffix(".md"))
+
+
 # Static analysis: every kernel compiled for sm_90a on any machine (Triton ships ptxas and
 # cuobjdump), its innermost loops counted in SASS. Pointer arguments are int8 unless named here.
 _SASS_FLOAT_PTRS = {"sq_ptr", "sk_ptr", "sv_ptr", "m_ptr", "lse_ptr", "delta_ptr", "sdo_ptr", "sdos_ptr", "dk_ptr",
@@ -383,7 +448,17 @@ def main(argv: list[str] | None = None) -> None:
                     help="no GPU needed: compile the kernels for sm_90a and write per-tile SASS issue estimates")
     ap.add_argument("--realistic", action="store_true",
                     help="accuracy only: SageBwd's gradients on the realistic inputs")
+    ap.add_argument("--mask-cost", action="store_true",
+                    help="forward + backward with a key-padding mask against the kept keys alone (--methods: "
+                         "SageBwd methods; default sagebwd,sagebwd_scores_fp16)")
     args = ap.parse_args(argv)
+    if args.mask_cost:
+        methods = (args.methods or "sagebwd,sagebwd_scores_fp16").split(",")
+        if not all(m.startswith("sagebwd") for m in methods):
+            ap.error("--mask-cost times SageBwd methods only")
+        mask_cost(Path(args.out or RESULTS / f"sagebwd_mask_cost_{gpu_slug(torch.cuda.get_device_name())}"), methods,
+                  args.shapes or MASK_COST_SHAPES, args.rounds or 3, args.target_ms)
+        return
     if args.realistic:
         realistic_accuracy(Path(args.out or RESULTS / f"sagebwd_realistic_{gpu_slug(torch.cuda.get_device_name())}"))
         return
