@@ -2,8 +2,8 @@
 
     python eval/bench_sagebwd.py              # hd64 and hd128, 4K-32K tokens (H200: a few minutes)
     python eval/bench_sagebwd.py --quick      # two shapes, fewer rounds
-    python eval/bench_sagebwd.py --methods sagebwd,sagebwd_scores_fp16,sdpa_cudnn --shapes 1x24x16384x128,1x48x16384x64
-                                              # 16-bit scores against the default and cuDNN
+    python eval/bench_sagebwd.py --methods sagebwd,sagebwd_scores_int8,sdpa_cudnn --shapes 1x24x16384x128,1x48x16384x64
+                                              # the default against the paper's INT8 scores and cuDNN
     SAGE_DIFFUSERS_TRITON_AUTOTUNE=3 python eval/bench_sagebwd.py --compare
                                               # the kernel variants per pass, 4K and 16K (H200: < 4 min)
     SAGE_DIFFUSERS_TRITON_AUTOTUNE=3 python eval/bench_sagebwd.py --compare --passes fwd+bwd \
@@ -17,14 +17,14 @@ Writes eval/results/sagebwd_<gpu>.{json,md}, e.g. sagebwd_h100 (``--compare``: s
 
 - Inputs: bf16 BHSD from ``bench/bench_utils.py``'s ``make_inputs`` (Q, V ~ N(0, 1),
   K = N(0, 1) + 4 N(0, 1) per channel), dO ~ N(0, 1).
-- Methods: ``sagebwd`` (``sage_diffusers.sagebwd`` with the default kernels, the whole call:
-  quantization pre-passes included); ``sagebwd_acc_alu``: the same with the backward's int32
+- Methods: ``sagebwd`` (``sage_diffusers.sagebwd`` with the default kernels and precisions, the
+  whole call: quantization pre-passes included); ``sagebwd_acc_alu``: the same with the backward's int32
   products and the forward's scores converted by ALU instructions instead of the conversion unit
   (``SAGE_DIFFUSERS_SAGEBWD_ACC=alu``); ``sagebwd_split``, ``sagebwd_lean``, ``sagebwd_fused``:
   the backward kernel choices of ``SAGE_DIFFUSERS_SAGEBWD_BWD`` (``BwdKernels``: dK/dV and dQ
   kernels as before, the register-lean dK/dV kernel, dQ fused into it by atomic adds);
-  ``sagebwd_dov_int8`` (the dO.V^T INT8 ablation); ``sagebwd_scores_fp16`` (``scores="fp16"``:
-  Q.K^T and P~.V in 16 bits, the backward's dV, dQ, dK INT8; the accuracy policy for sharp heads);
+  ``sagebwd_dov_int8`` (the dO.V^T INT8 ablation); ``sagebwd_scores_int8`` (``scores="int8"``:
+  Q.K^T and P~.V in INT8 as well, the paper's SageBwd; the default computes them in 16 bits);
   ``sdpa_cudnn`` and ``sdpa_flash`` (``F.scaled_dot_product_attention`` under
   ``sdpa_kernel``). The environment of a method is set around each of its calls (the kernels
   read it at call time).
@@ -59,6 +59,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench/, eval/
 import sage_diffusers as sd  # noqa: E402
+from sage_diffusers import config  # noqa: E402
 from bench import bench_utils  # noqa: E402
 from eval import _cli  # noqa: E402
 from eval.calibrate_auto import gpu_slug  # noqa: E402
@@ -73,7 +74,7 @@ PASSES = ("fwd", "bwd", "fwd+bwd")
 METHOD_ENV = {
     "sagebwd": {},
     "sagebwd_dov_int8": {},
-    "sagebwd_scores_fp16": {},  # an argument (sagebwd_options), not the environment
+    "sagebwd_scores_int8": {},  # an argument (sagebwd_options), not the environment
     "sagebwd_acc_alu": {"SAGE_DIFFUSERS_SAGEBWD_ACC": "alu"},
     "sagebwd_split": {"SAGE_DIFFUSERS_SAGEBWD_BWD": "split"},
     "sagebwd_lean": {"SAGE_DIFFUSERS_SAGEBWD_BWD": "lean"},
@@ -92,9 +93,10 @@ def make_inputs(b, h, s, d, seed=0):
 
 def sagebwd_options(method: str) -> dict:
     """The ``sd.sagebwd`` precision arguments of a SageBwd method: dov and scores (explicit, so a
-    ``SAGE_DIFFUSERS_SAGEBWD_SCORES`` in the caller's environment changes no method)."""
+    ``SAGE_DIFFUSERS_SAGEBWD_SCORES`` in the caller's environment changes no method; the package's
+    default scores unless the method names INT8)."""
     return dict(dov="int8" if method == "sagebwd_dov_int8" else "fp16",
-                scores="fp16" if method == "sagebwd_scores_fp16" else "int8")
+                scores="int8" if method == "sagebwd_scores_int8" else config.SAGEBWD_SCORES.default)
 
 
 def attention_fn(method: str, causal: bool):
@@ -175,15 +177,16 @@ def accuracy(q, k, v, do, causal: bool, variants: dict) -> dict:
 
 NAMES_OUT = ("O", "dQ", "dK", "dV")
 REALISTIC_SHAPES = ((2, 4, 2, 1000, 1000, 128, False, torch.bfloat16), (1, 4, 4, 777, 1531, 64, True, torch.float16))
-REALISTIC_METHODS = {"dP fp16 (SageBwd)": "sagebwd", "dP int8 (the paper's ablation)": "sagebwd_dov_int8",
-                     "scores fp16 (Q.K^T, P~.V 16-bit)": "sagebwd_scores_fp16"}
+REALISTIC_METHODS = {"SageBwd (default)": "sagebwd", "dP int8 (ablation)": "sagebwd_dov_int8",
+                     "INT8 scores (the paper's)": "sagebwd_scores_int8"}
+REALISTIC_SDPA = "SDPA in the input dtype"  # the attainable: torch SDPA's gradients, cast as ours are
 
 
 def realistic_accuracy(out: Path) -> None:
-    """--realistic: O, dQ, dK, dV of SageBwd (both dP precisions, and 16-bit scores: REALISTIC_METHODS)
+    """--realistic: O, dQ, dK, dV of SageBwd (REALISTIC_METHODS) and of torch SDPA in the input dtype
     against float32 attention on the realistic inputs (``sage_diffusers.realistic.CASES``), masked
-    keys' NaN zeroed for the reference; a gradient is "finite" where float32 attention's, cast to the
-    input dtype, is."""
+    keys' NaN zeroed for the reference and SDPA; a gradient is "finite" where float32 attention's,
+    cast to the input dtype, is."""
     from sage_diffusers import realistic
 
     t0 = time.time()
@@ -202,11 +205,16 @@ def realistic_accuracy(out: Path) -> None:
             with sdpa_kernel(SDPBackend.MATH):
                 want_o = F.scaled_dot_product_attention(*x, attn_mask=m, enable_gqa=hq != hkv)
             want = [want_o.detach(), *torch.autograd.grad(want_o, x, do.float())]
-            for label, method in REALISTIC_METHODS.items():
-                xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-                with method_env(method):
-                    o = sd.sagebwd(*xs, is_causal=causal, key_mask=mask, **sagebwd_options(method))
+            for label, method in [*REALISTIC_METHODS.items(), (REALISTIC_SDPA, None)]:
+                if method is None:  # torch SDPA on the 16-bit inputs (masked keys zeroed: NaN there would spread)
+                    xs = [t.detach().to(dtype).requires_grad_() for t in x]
+                    o = F.scaled_dot_product_attention(*xs, attn_mask=m, enable_gqa=hq != hkv)
                     got = [o.detach(), *torch.autograd.grad(o, xs, do)]
+                else:
+                    xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                    with method_env(method):
+                        o = sd.sagebwd(*xs, is_causal=causal, key_mask=mask, **sagebwd_options(method))
+                        got = [o.detach(), *torch.autograd.grad(o, xs, do)]
                 row = dict(shape=f"{b}x{hq}/{hkv}x{sq}x{skv}x{d}", causal=causal, dtype=str(dtype).split(".")[-1],
                            case=case.name, method=label)
                 for name, g, w in zip(NAMES_OUT, got, want):
@@ -219,7 +227,8 @@ def realistic_accuracy(out: Path) -> None:
              f"torch {torch.__version__}; `eval/bench_sagebwd.py --realistic` in {time.time() - t0:.0f} s. "
              "cos / rel-L1 against float32 attention (math SDPA; masked keys' NaN zeroed there) of the output and "
              "the gradients; `inf` marks a result that is not finite where float32 attention's, cast to the "
-             "input dtype, is.", "",
+             f"input dtype, is. `{REALISTIC_SDPA}`: torch SDPA (its default backend) on the same 16-bit inputs "
+             "(masked keys zeroed), what a 16-bit attention can attain.", "",
              "| shape | dtype | causal | case | method | O | dQ | dK | dV |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = [f"{r[n]['cos']:.5f} / {r[n]['rel_l1']:.4f}" + ("" if r[n]["finite_ok"] else " inf") for n in NAMES_OUT]
@@ -334,11 +343,12 @@ def _sass_loops(kernel, consts: dict, num_warps: int, num_stages: int) -> dict:
         if a in consts:
             sig[a] = "constexpr"
         elif a.endswith("_ptr"):
-            sig[a] = "*fp32" if a in _SASS_FLOAT_PTRS else "*bf16" if a in _SASS_BF16_PTRS else "*i8"
+            sig[a] = ("*fp32" if a in _SASS_FLOAT_PTRS else "*bf16" if a in _SASS_BF16_PTRS
+                      else "*i32" if a == "kext_ptr" else "*i8")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[a] = "fp32" if a.endswith("scale") else "i32"
-            if a in ("SQ", "SKV"):
+            if a in ("SQ", "SKV", "SQT", "SKVT"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     ck = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                         options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -450,10 +460,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="accuracy only: SageBwd's gradients on the realistic inputs")
     ap.add_argument("--mask-cost", action="store_true",
                     help="forward + backward with a key-padding mask against the kept keys alone (--methods: "
-                         "SageBwd methods; default sagebwd,sagebwd_scores_fp16)")
+                         "SageBwd methods; default sagebwd,sagebwd_scores_int8)")
     args = ap.parse_args(argv)
     if args.mask_cost:
-        methods = (args.methods or "sagebwd,sagebwd_scores_fp16").split(",")
+        methods = (args.methods or "sagebwd,sagebwd_scores_int8").split(",")
         if not all(m.startswith("sagebwd") for m in methods):
             ap.error("--mask-cost times SageBwd methods only")
         mask_cost(Path(args.out or RESULTS / f"sagebwd_mask_cost_{gpu_slug(torch.cuda.get_device_name())}"), methods,
@@ -479,10 +489,10 @@ def main(argv: list[str] | None = None) -> None:
         rounds = args.rounds or 7
         if args.quick:
             shapes, causal_shapes, rounds = [(1, 24, 16384, 128), (1, 48, 8192, 64)], [], args.rounds or 3
-        methods = (args.methods or "sagebwd,sagebwd_scores_fp16,sdpa_cudnn,sdpa_flash").split(",")
+        methods = (args.methods or "sagebwd,sagebwd_scores_int8,sdpa_cudnn,sdpa_flash").split(",")
         passes = (args.passes or "fwd,fwd+bwd").split(",")
-        # dP = dO.V^T: SageBwd's, the paper's ablation; and the 16-bit scores
-        acc_variants = {"fp16": "sagebwd", "int8": "sagebwd_dov_int8", "scores fp16": "sagebwd_scores_fp16"}
+        # the default; dP = dO.V^T in INT8 (the paper's ablation); the paper's INT8 scores
+        acc_variants = {"default": "sagebwd", "dP int8": "sagebwd_dov_int8", "scores int8": "sagebwd_scores_int8"}
         out = Path(args.out or RESULTS / f"sagebwd_{gpu_slug(torch.cuda.get_device_name())}")
     if args.shapes:
         shapes = args.shapes

@@ -105,13 +105,14 @@ class SageBwdFunction(torch.autograd.Function):
 
 def default_scores() -> ScorePrecision:
     """The scores' precision when the caller names none: ``SAGE_DIFFUSERS_SAGEBWD_SCORES`` (read at
-    each call), INT8 when unset."""
+    each call), FP16 when unset: 16-bit scores keep sharp heads' gradients accurate and measured as
+    fast as INT8 ones with these kernels (docs/sagebwd.md)."""
     return ScorePrecision.parse(config.sagebwd_scores())
 
 
 def attention_sagebwd(q, k, v, *, key_mask=None, is_causal=False, scale=None, return_lse=False):
     """The API's gradient path for ``mode="int8"`` (the kernels' backend contract, BHSD views);
-    the scores' precision is :func:`default_scores` (INT8 unless ``SAGE_DIFFUSERS_SAGEBWD_SCORES``
+    the scores' precision is :func:`default_scores` (16-bit unless ``SAGE_DIFFUSERS_SAGEBWD_SCORES``
     says otherwise).
 
     Returns (out like q, lse float32 (B, Hq, Sq) or None); the lse is exact (float32 scores,

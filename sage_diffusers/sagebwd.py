@@ -77,11 +77,12 @@ def sagebwd(
     dov : precision of the backward's dP = dO.V^T: "fp16" (16-bit operands, the default) or
         "int8" (the paper's ablation, less accurate).
     scores : precision of the scores S = Q.K^T, in the forward and in the backward's recomputation:
-        "int8" (the paper's SageBwd: Q and the smoothed K per 64-token block) or "fp16" (Q and K in
-        the 16-bit compute dtype, and the forward's P~.V in 16 bits too; the backward's dV, dQ and
-        dK products stay INT8): accurate gradients on sharp heads (large scores), at about a fifth
-        more tensor-core work in the backward and a 16-bit forward. None: the environment variable
-        ``SAGE_DIFFUSERS_SAGEBWD_SCORES``, "int8" when unset. See docs/sagebwd.md, "Accuracy".
+        "fp16" (Q and K in the 16-bit compute dtype, and the forward's P~.V in 16 bits too; the
+        backward's dV, dQ and dK products stay INT8): accurate gradients on sharp heads (large
+        scores), measured as fast as "int8" with these kernels; or "int8" (the paper's SageBwd: Q
+        and the smoothed K per 64-token block, P~.V in INT8), whose gradients degrade on sharp heads.
+        None: the environment variable ``SAGE_DIFFUSERS_SAGEBWD_SCORES``, "fp16" when unset. See
+        docs/sagebwd.md, "Accuracy".
     impl : force an implementation; default Triton on CUDA, the torch reference elsewhere.
 
     Returns

@@ -165,7 +165,7 @@ def test_choices_are_the_values_of_the_enums_they_select():
     assert config.SAGEBWD_ACC_VALUES == tuple(m.value for m in sagebwd_triton.AccConvert)
     assert config.SAGEBWD_BWD_VALUES == tuple(m.value for m in sagebwd_triton.BwdKernels)
     assert config.SAGEBWD_SCORES_VALUES == tuple(m.value for m in ScorePrecision)
-    assert config.SAGEBWD_SCORES.default == ScorePrecision.INT8.value
+    assert config.SAGEBWD_SCORES.default == ScorePrecision.FP16.value
     assert config.FP4_ATOM_VALUES == (fp4.Atom.NATIVE, fp4.Atom.EMULATED)
     assert set(config.FP4_EMU_VALUES) == set(fp4.EmuGemm.CODE)
     assert config.SAGEBWD_ACC.default == sagebwd_triton.AccConvert.XU.value

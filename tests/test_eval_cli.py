@@ -476,8 +476,8 @@ def test_bench_sagebwd_methods_pass_their_precisions():
     """Each SageBwd method of eval/bench_sagebwd.py passes its precisions explicitly (so a
     SAGE_DIFFUSERS_SAGEBWD_SCORES in the environment changes no method), and --realistic runs known methods."""
     opts = bench_sagebwd.sagebwd_options
-    assert opts("sagebwd") == dict(dov="fp16", scores="int8")
-    assert opts("sagebwd_dov_int8") == dict(dov="int8", scores="int8")
-    assert opts("sagebwd_scores_fp16") == dict(dov="fp16", scores="fp16")
+    assert opts("sagebwd") == dict(dov="fp16", scores="fp16")
+    assert opts("sagebwd_dov_int8") == dict(dov="int8", scores="fp16")
+    assert opts("sagebwd_scores_int8") == dict(dov="fp16", scores="int8")
     assert set(bench_sagebwd.REALISTIC_METHODS.values()) <= set(bench_sagebwd.METHOD_ENV)
-    assert "sagebwd_scores_fp16" in bench_sagebwd.REALISTIC_METHODS.values()
+    assert "sagebwd_scores_int8" in bench_sagebwd.REALISTIC_METHODS.values()

@@ -90,7 +90,14 @@ def inputs(b, hq, hkv, sq, skv, d, dtype, device, masked):
     v = torch.randn(b, hkv, skv, d).to(dtype)
     do = torch.randn(b, hq, sq, d).to(dtype)
     key_mask = (torch.rand(b, skv) > 0.3) if masked else None
-    if masked:
+    if masked == "text":  # contiguous windows, as text padding gives: whole key tiles outside them are skipped
+        key_mask = torch.zeros(b, skv, dtype=torch.bool)
+        for i in range(b):  # batch 0: trailing padding; 1: both sides; 2: no attended key at all
+            if i % 3 == 0:
+                key_mask[i, :skv // 5] = True
+            elif i % 3 == 1:
+                key_mask[i, skv // 2:skv - 7] = True
+    elif masked:
         key_mask[0, :3] = True
     move = lambda t: None if t is None else t.to(device)  # noqa: E731
     return tuple(map(move, (q, k, v, do, key_mask)))
@@ -111,11 +118,15 @@ CASES = [
     (1, 2, 1, 113, 77, 64, torch.bfloat16, True, True, "fp16", "fp16", "fp16"),
     (2, 2, 2, 65, 130, 32, torch.float16, False, True, "int8", "int8", "fp16"),
     (1, 2, 2, 40, 70, 128, torch.float32, True, False, "fp16", "fp16", "fp16"),  # float32: bfloat16 operands
+    # key-padding windows longer than a key tile (the kernels skip the tiles outside them), odd lengths
+    (3, 2, 1, 97, 333, 64, torch.bfloat16, False, "text", "int8", "fp16", "int8"),
+    (3, 2, 2, 150, 333, 32, torch.float16, True, "text", "fp16", "fp16", "fp16"),
 ]
 
 
 def _id(c):
-    return f"{'x'.join(map(str, c[:6]))}-{str(c[6])[6:]}-c{int(c[7])}m{int(c[8])}-pv{c[9]}-dov{c[10]}-s{c[11]}"
+    mask = c[8] if isinstance(c[8], str) else int(c[8])
+    return f"{'x'.join(map(str, c[:6]))}-{str(c[6])[6:]}-c{int(c[7])}m{mask}-pv{c[9]}-dov{c[10]}-s{c[11]}"
 
 
 @needs_device
@@ -143,6 +154,23 @@ def test_kernels_match_reference(case, device, variant):
             continue
         # a dS element on an INT8 rounding tie may take the neighbouring code: tiny, isolated errors
         assert cosine(a, w) > 0.9999 and relative_l1(a, w) < 5e-3, (name, cosine(a, w), relative_l1(a, w))
+
+
+def test_key_extent_and_token_stride():
+    """The attended keys' extent per batch (first, last + 1; Skv, 0 when none) and the aligned
+    token stride of the transposed copies: the bounds the kernels' tile skipping and loads rely on."""
+    tri = kernels()
+    mask = torch.zeros(4, 10, dtype=torch.bool)
+    mask[0, :4] = True
+    mask[1, 3:9] = True
+    mask[2, [2, 7]] = True
+    got = tri.key_extent(mask, "cpu")
+    assert got.dtype == torch.int32 and got.tolist() == [[0, 4], [3, 9], [2, 8], [10, 0]]
+    assert tri.key_extent(None, "cpu").numel() == 2
+    assert [tri.token_stride(s) for s in (1, 16, 17, 15565)] == [16, 16, 32, 15568]
+    x8 = torch.randint(-127, 128, (1, 2, 37, 8), dtype=torch.int8)
+    t = tri._transposed(x8)
+    assert torch.equal(t, x8.transpose(-1, -2)) and t.stride(-2) == 48 and t.stride(-1) == 1
 
 
 @needs_device
@@ -175,8 +203,8 @@ def test_backward_prepass_matches_reference(device, dov):
 
 @needs_device
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("causal", [False, True])
-def test_backward_kernel_choices_agree(device, causal, monkeypatch):
+@pytest.mark.parametrize("causal,masked", [(False, True), (True, True), (False, "text")])
+def test_backward_kernel_choices_agree(device, causal, masked, monkeypatch):
     """LEAN reorders SPLIT's dK/dV kernel (dV product last, int32 products in column halves at
     D = 128) without changing any operation: the same bits. FUSED computes dK and dV the same way
     (same bits) and adds dQ by atomics, so only dQ's summation order differs; both of its paths:
@@ -186,7 +214,7 @@ def test_backward_kernel_choices_agree(device, causal, monkeypatch):
     16-bit dP product is a BLAS matmul whose summation order can depend on the matrix shape and on
     the CPU (OpenBLAS picks its kernel per CPU: on an AVX2-only one, 64 and 128 rows round apart)."""
     tri = kernels()
-    q, k, v, do, key_mask = inputs(1, 4, 2, 100, 130, 128, torch.bfloat16, device, True)
+    q, k, v, do, key_mask = inputs(1 if masked is True else 2, 4, 2, 100, 130, 128, torch.bfloat16, device, masked)
     st = ref.sagebwd_forward(q, k, v, key_mask, causal, None)
     runs = [(c, 128) for c in tri.BwdKernels] + [(tri.BwdKernels.FUSED, 64)]
     if IN_INTERPRETER:
