@@ -410,6 +410,7 @@ def test_text_inputs_of_the_sass_and_ncu_tools_are_named(tmp_path, capsys):
     (bench_sagebwd.main, ["--shapes", "1x24x16384"], "expected a shape BxHxSxD"),
     (bench_sagebwd.main, ["--methods", "sagebwd,flash"], "unknown 'flash'"),
     (bench_sagebwd.main, ["--passes", "fwd,back"], "unknown 'back'"),
+    (bench_sagebwd.main, ["--mask-cost", "--methods", "sagebwd,sdpa_cudnn"], "--mask-cost times SageBwd methods only"),
     (bench_e2e.main, ["--iters", "0"], "expected a positive integer"),
     (bench_e2e.main, ["--warmup", "-1"], "expected an integer >= 0"),
     (context_parallel_bench.main, ["--iters", "0"], "expected a positive integer"),
