@@ -397,6 +397,9 @@ def sass_report(out: Path) -> None:
         # scores="fp16": 16-bit Q.K^T (and P~.V in the forward), the default backward kernels of the head dim
         cases += [(f"{name} qk16", kernel, dict(consts, QK16=True, **({"PV_INT8": False} if name == "fwd" else {})),
                    configs) for name, kernel, consts, configs in cases if name in ("fwd", "dQ", "dK/dV lean", "fused")]
+        # a key-padding mask on the 16-bit-score kernels: the per-key test every visited tile runs
+        cases += [(f"{name} masked", kernel, dict(consts, HAS_MASK=True), configs)
+                  for name, kernel, consts, configs in cases if name.endswith("qk16")]
         for name, kernel, consts, configs in cases:
             for cfg in configs[:3]:
                 c = dict(consts, **cfg.kwargs)
@@ -418,8 +421,8 @@ def sass_report(out: Path) -> None:
 
     lines = ["# SageBwd Triton kernels: SASS for sm_90a, per-tile issue estimate", "",
              f"triton {triton.__version__} (its ptxas), compiled without a GPU by `eval/bench_sagebwd.py --sass`; "
-             "bf16, no mask, not causal; each config list's first three. Per innermost loop, numbered in code "
-             "order (the kernels run one loop for tiles without bounds or causal tests and one for the "
+             "bf16, not causal, no mask except the `masked` rows (a key-padding mask); each config list's first "
+             "three. Per innermost loop, numbered in code order (the kernels run one loop for tiles without bounds or causal tests and one for the "
              "others, which in this case only the last partial block would enter): SASS instructions per "
              "warp per iteration, of which on the XU pipe (conversions, exp2, division checks: 16 lanes per "
              "clock per SM), local-memory spill instructions, and tensor-core instructions (HGMMA/IGMMA = wgmma, "
