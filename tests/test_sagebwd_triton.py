@@ -242,19 +242,33 @@ def test_backward_kernel_choices_agree(device, causal, masked, monkeypatch):
 
 @needs_device
 @pytest.mark.parametrize("device", DEVICES)
-def test_no_visible_key_rows_and_nan_in_masked_rows(device, variant):
+@pytest.mark.parametrize("window", [False, True], ids=["scattered", "text-window"])
+def test_no_visible_key_rows_and_nan_in_masked_rows(device, variant, window):
+    """Batch 1 attends no key; NaN sits in masked K rows. ``window``: batch 0 keeps one window of
+    150 keys (text padding), so whole key tiles are skipped and the window's edge tiles test the mask,
+    with NaN in K and V everywhere outside it."""
     tri = kernels()
-    q, k, v, do, _ = inputs(2, 2, 2, 40, 70, 32, torch.float16, device, False)
-    key_mask = torch.rand(2, 70, device=device) > 0.5
-    key_mask[1] = False
-    k[:, :, 5] = float("nan")
-    key_mask[:, 5] = False
+    skv = 150 if window else 70
+    q, k, v, do, _ = inputs(2, 2, 2, 40, skv, 32, torch.float16, device, False)
+    if window:
+        key_mask = torch.zeros(2, skv, dtype=torch.bool, device=device)
+        key_mask[0, 20:83] = True
+        k[:, :, ~key_mask[0]] = float("nan")
+        v[:, :, ~key_mask[0]] = float("nan")
+        hidden = ~key_mask[0]
+    else:
+        key_mask = torch.rand(2, skv, device=device) > 0.5
+        key_mask[1] = False
+        k[:, :, 5] = float("nan")
+        key_mask[:, 5] = False
+        hidden = torch.arange(skv, device=device) == 5
     st = tri.sagebwd_forward(q, k, v, key_mask, False, None)
     assert torch.all(st.out[1] == 0) and torch.all(torch.isinf(st.lse2[1]))
     assert torch.isfinite(st.out).all()
     dq, dk, dv = tri.sagebwd_backward(do, st, key_mask, False, None)
-    assert torch.isfinite(dq).all() and torch.isfinite(dk).all()
-    assert torch.all(dq[1] == 0) and torch.all(dk[:, :, 5] == 0) and torch.all(dv[1] == 0)
+    assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
+    assert torch.all(dq[1] == 0) and torch.all(dk[:, :, hidden] == 0) and torch.all(dv[1] == 0)
+    assert torch.all(dv[:, :, hidden] == 0)
 
 
 @needs_device
