@@ -367,10 +367,14 @@ def _sass_loops(kernel, consts: dict, num_warps: int, num_stages: int) -> dict:
     inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in loops)]
     counts = []
     for lo, hi in inner:
-        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
-                                  for a, ins in lines if lo <= a <= hi)
+        body = [re.sub(r"^@!?U?P\w+\s+", "", ins) for a, ins in lines if lo <= a <= hi]
+        names = [ins.split()[0] for ins in body]
+        ops = collections.Counter(n.split(".")[0] for n in names)
         counts.append(dict(instr=sum(ops.values()), xu=sum(ops[k] for k in _XU_OPS), spill=ops["LDL"] + ops["STL"],
-                           gmma=ops["HGMMA"] + ops["IGMMA"], mma=ops["HMMA"] + ops["IMMA"]))
+                           gmma=ops["HGMMA"] + ops["IGMMA"], mma=ops["HMMA"] + ops["IMMA"],
+                           # what serializes a step: CTA-wide barriers, and waits for every wgmma in flight
+                           bar=sum(n.startswith("BAR.SYNC") for n in names),
+                           wait0=sum(bool(re.match(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b", ins)) for ins in body)))
     return dict(regs=int(re.search(r"REG:(\d+)", res).group(1)), stack=int(re.search(r"STACK:(\d+)", res).group(1)),
                 loops=counts)
 
@@ -426,14 +430,14 @@ def sass_report(out: Path) -> None:
              "others, which in this case only the last partial block would enter): SASS instructions per "
              "warp per iteration, of which on the XU pipe (conversions, exp2, division checks: 16 lanes per "
              "clock per SM), local-memory spill instructions, and tensor-core instructions (HGMMA/IGMMA = wgmma, "
-             "HMMA/IMMA = mma.sync). Cycles per 64x64 tile = max(instructions x "
+             "HMMA/IMMA = mma.sync), CTA-wide barriers (BAR.SYNC) and waits for all of the warpgroup's wgmma groups (WARPGROUP.DEPBAR.LE gsb0, 0x0: none left in flight, so the product is serialized with what follows). Cycles per 64x64 tile = max(instructions x "
              "warps per scheduler, XU instructions x warps per scheduler x 8) / tiles per iteration: a lower "
              "bound from issue alone (no stalls, no memory), for comparing variants, not a measurement.", "",
-             "| hd | kernel | config | loop | regs | stack B | instr/iter | XU | spill | wgmma / mma.sync | issue | XU cycles | cycles/tile |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| hd | kernel | config | loop | regs | stack B | instr/iter | XU | spill | wgmma / mma.sync | BAR.SYNC | wgmma waits | issue | XU cycles | cycles/tile |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['d']} | {r['kernel']} | {r['config']} | {r['loop']} | {r['regs']} | {r['stack']} | "
-                     f"{r['instr']} | {r['xu']} | {r['spill']} | {r['gmma']} / {r['mma']} | {r['issue_cycles_per_tile']:.0f} | "
+                     f"{r['instr']} | {r['xu']} | {r['spill']} | {r['gmma']} / {r['mma']} | {r['bar']} | {r['wait0']} | {r['issue_cycles_per_tile']:.0f} | "
                      f"{r['xu_cycles_per_tile']:.0f} | {r['bound']:.0f} |")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
