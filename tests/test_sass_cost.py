@@ -132,6 +132,29 @@ def test_two_tile_bodies_selected_by_a_branch_count_once():
     assert r["tiles"] == 1 and r["total"] == 6 and r["skipped"] == []
 
 
+def test_16bit_pv_loop_is_found_and_costed_at_half_rate(tmp_path, capsys):
+    # pv_16bit: O += P V as HGMMA (k = 16 keys each, 8 per 128-key tile) at half the 8-bit tensor rate;
+    # the loop is found, counted as one tile, and --check covers it (not skipped as "no attention loop")
+    body = """
+0040 UIADD3 UR4, UR4, 0x1, URZ
+0050 WARPGROUP.ARRIVE
+0060 IGMMA.64x128x32.S8.S8 R24, R180, gdesc[UR12], RZ, !UPT, gsb0
+0070 WARPGROUP.DEPBAR.LE gsb0, 0x0
+0080 MUFU.EX2 R12, R12
+0090 F2FP.BF16.F32.PACK_AB R14, R13, R12
+""" + "".join(f"{0xa0 + 16 * i:04x} HGMMA.64x128x16.F32.BF16 R88, R{196 + 4 * i}, gdesc[UR12], R88\n" for i in range(8)) + """0120 @!P4 BRA 0x40
+0130 EXIT
+"""
+    r = sass_cost.analyse(_listing(body))
+    assert r["loop"] == (0x40, 0x120) and r["tiles"] == 1 and r["per_tile"]["wgmma"] == 9
+    # 2 warpgroups x (64x128x32 at 4096 + 8 x 64x128x16 at 2048 MAC per clock)
+    assert r["bounds"]["tensor"] == pytest.approx(2 * (64 * 128 * 32 / 4096 + 8 * 64 * 128 * 16 / 2048))
+    unit = tmp_path / "pv16.sass"
+    unit.write_text(_listing(body))
+    assert sass_cost.main(["--check", str(unit)]) == 0
+    assert capsys.readouterr().out.strip() == "ok pv16.sass: Q's registers intact through the loop"
+
+
 def test_no_loop_is_an_error():
     with pytest.raises(ValueError, match="IGMMA and QGMMA"):
         sass_cost.analyse(_listing("0000 MUFU.EX2 R1, R1\n0010 EXIT"))

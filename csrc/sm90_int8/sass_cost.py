@@ -8,20 +8,20 @@
                                                                 # any loop overwrites Q's registers
 
 The main loop is the smallest range (target .. branch) of a conditional backward branch that holds
-both wgmma kinds (IGMMA for S = Q K^T, QGMMA for O += P V) and no EXIT; with two such loops (an
-unmasked and a masked one) that is the smaller. Its steady-state path is walked from the loop head to
+both wgmma kinds (IGMMA for S = Q K^T; QGMMA for O += P V, or HGMMA with FwdOptions::pv_16bit) and no
+EXIT; with two such loops (an unmasked and a masked one) that is the smaller. Its steady-state path is walked from the loop head to
 the back edge: unconditional branches are followed; a conditional forward branch inside the loop
 is taken when its fall-through path reaches the target without a wgmma (it skips a conditional
 block: a masked tile's masking, the O rescale when a row max moved, the O flush), else it falls
 through (it picks one of two copies of the tile body); branches leaving the loop (barrier retry paths) are
 not taken. The skipped regions are reported separately (what a masked tile, a moved max or a
 flush adds). Counts are per consumer thread and per 128-key tile (tiles on the path = the summed
-K extent of its QGMMAs / 128).
+K extent of its P V wgmmas / 128).
 
 Lower bounds per tile and SM (one CTA of ``threads`` consumer threads per SM, the whole tile's work):
 issue = instructions x warps / 4 schedulers; each pipe = thread-instructions / its lanes per clock
-(PIPE_RATE); tensor = wgmma MACs / the dense 8-bit rate (4096 MAC per clock per SM: the H200's
-1979 TOPS at 1.83 GHz over 132 SMs). These ignore latency: the kernel runs ~2.4x the largest one
+(PIPE_RATE); tensor = wgmma MACs / the dense rate of each wgmma's type (GMMA_MACS_PER_CLK: 8-bit 4096
+MAC per clock per SM, the H200's 1979 TOPS at 1.83 GHz over 132 SMs; 16-bit half that). These ignore latency: the kernel runs ~2.4x the largest one
 (eval/results/int8_ncu_h200.md), so they rank costs, they do not predict time.
 
 With Q in registers (q_in_registers) the report starts with MISCOMPILE when an instruction inside
@@ -70,7 +70,9 @@ PIPE_OF = {"FFMA/FMUL/FADD": "fp32", "IMAD": "fp32 (IMAD)", "FMNMX": "alu", "int
            "MUFU": "mufu", "convert": "convert", "F2FP pack": "convert"}
 PIPE_RATE = {"fp32": 128, "fp32 (IMAD)": 64, "alu": 64, "mufu": 16, "convert": 16}
 SCHEDULERS = 4
-MACS_PER_CLK = 4096  # dense INT8 / FP8 wgmma per SM
+# dense wgmma MACs per clock and SM by opcode: INT8 (IGMMA) and FP8 (QGMMA), 16-bit (HGMMA) at half rate
+GMMA_MACS_PER_CLK = {"IGMMA": 4096, "QGMMA": 4096, "HGMMA": 2048}
+PV_GMMA = ("QGMMA", "HGMMA")  # O += P V: FP8, or 16-bit (pv_16bit)
 KEYS_PER_TILE = 128
 BRANCHES = ("BRA", "BRX", "JMP")
 
@@ -136,8 +138,9 @@ def parse(sass: str) -> dict[str, list[Instr]]:
 
 def find_main_loop(code: list[Instr]) -> tuple[int, int]:
     """Indices (head, back edge) of the smallest range of a conditional backward branch that
-    holds IGMMA and QGMMA and no EXIT. (The out-of-line barrier retry blocks after the epilogue
-    return into the loop by unconditional backward branches: their ranges hold EXITs.)"""
+    holds IGMMA and a P V wgmma (QGMMA or HGMMA) and no EXIT. (The out-of-line barrier retry blocks
+    after the epilogue return into the loop by unconditional backward branches: their ranges hold
+    EXITs.)"""
     index = {ins.addr: i for i, ins in enumerate(code)}
     best = None
     for j, ins in enumerate(code):
@@ -146,10 +149,11 @@ def find_main_loop(code: list[Instr]) -> tuple[int, int]:
             continue
         i = index[t]
         kinds = {c.base for c in code[i:j + 1]}
-        if {"IGMMA", "QGMMA"} <= kinds and "EXIT" not in kinds and (best is None or j - i < best[1] - best[0]):
+        if ("IGMMA" in kinds and kinds & set(PV_GMMA) and "EXIT" not in kinds
+                and (best is None or j - i < best[1] - best[0])):
             best = (i, j)
     if best is None:
-        raise ValueError("no backward branch encloses both IGMMA and QGMMA: not the attention kernel?")
+        raise ValueError("no backward branch encloses both IGMMA and QGMMA / HGMMA: not the attention kernel?")
     return best
 
 
@@ -277,10 +281,10 @@ def steady_path(code: list[Instr], head: int, back: int,
                     i = index[t]
                     continue
         i += 1
-    k = sum(int(m.group(3)) for c in res.path if c.base == "QGMMA" and (m := _GMMA_SHAPE.search(c.opcode)))
+    k = sum(int(m.group(3)) for c in res.path if c.base in PV_GMMA and (m := _GMMA_SHAPE.search(c.opcode)))
     res.tiles = k / KEYS_PER_TILE
     if res.tiles == 0:
-        raise ValueError("the steady path holds no QGMMA")
+        raise ValueError("the steady path holds no P V wgmma (QGMMA / HGMMA)")
     return res
 
 
@@ -296,11 +300,12 @@ def bounds(path: list[Instr], tiles: float, threads: int) -> dict[str, float]:
     if "fp32 (IMAD)" in pipes:  # IMAD and the FP32 ops share the FMA pipes
         pipes["fp32"] += pipes.pop("fp32 (IMAD)")
     out.update({p: v / tiles for p, v in pipes.items()})
-    macs = 0
+    clocks = 0.0
     for c in path:
-        if (m := _GMMA_SHAPE.search(c.opcode)) and c.base.endswith("GMMA"):
-            macs += int(m.group(1)) * int(m.group(2)) * int(m.group(3)) * threads / 128
-    out["tensor"] = macs / MACS_PER_CLK / tiles
+        if (m := _GMMA_SHAPE.search(c.opcode)) and c.base in GMMA_MACS_PER_CLK:
+            macs = int(m.group(1)) * int(m.group(2)) * int(m.group(3)) * threads / 128
+            clocks += macs / GMMA_MACS_PER_CLK[c.base]
+    out["tensor"] = clocks / tiles
     return out
 
 
