@@ -75,7 +75,7 @@ check_sm90_int8() {
     spills=$(grep -o '[0-9]* bytes spill stores' "$log" | awk '{s+=$1} END {print s+0}')
     printf '  %-44s max regs %4s  spill stores %s B\n' "$(basename "$src")" "${regs:-?}" "$spills"
     if [ "$spills" != "0" ]; then echo "SPILL in $src"; grep -B2 'spill' "$log"; return 1; fi
-    if grep -q 'C7513' "$log"; then echo "wgmma serialized by ptxas in $src:"; grep 'C7513' "$log"; return 1; fi
+    if grep -qE 'C751[23]' "$log"; then echo "wgmma serialized by ptxas in $src:"; grep -E 'C751[23]' "$log"; return 1; fi
     if grep -qi 'warning' "$log"; then grep -i -A3 'warning' "$log" | head -20; fi
   }
   export -f compile_one

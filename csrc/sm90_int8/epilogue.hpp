@@ -1,5 +1,6 @@
 // Final normalisation and stores (sage8 spec step 6):
 //   out = acc * sv[d] / (448 * l)  (0 when l == 0),  lse = m ln2 + ln l + scale q.k_mean;
+// (FwdOptions::pv_16bit: P~ = p and V unscaled, so out = acc / l);
 // a query row whose Q held a NaN or Inf (pre-pass scale sq = NaN) and that sees a key is NaN in
 // out and lse, like exact attention, and only that row (its scores touch nothing else); V's
 // non-finite elements (p.v_first) are written over the channels of the rows that see them.
@@ -59,6 +60,11 @@ struct StagedOut {
     return r / kRowsPerPiece * kConsumerThreads + r % kRowsPerPiece * kChunks + (c & ~7) + ((c & 7) ^ r7);
   }
 };
+// A 16-bit V (pv_16bit: no smem_o_every) has no O sum: TileConfig leaves this tile's room instead.
+static_assert(StagedOut<128, 2>::kBytes == TileConfig<128, 2, 0, kBlockKV, cute::bfloat16_t>::kSmemAfterBarriers &&
+                  StagedOut<64, 3>::kBytes == TileConfig<64, 3, 0, kBlockKV, cute::half_t>::kSmemAfterBarriers &&
+                  StagedOut<128, 3>::kBytes == TileConfig<128, 3, 0, kBlockKV, cute::bfloat16_t>::kSmemAfterBarriers,
+              "TileConfig sizes a 16-bit V's ring to leave the staged epilogue's room");
 
 // Four 8x8 16-bit matrices from registers to shared memory: lane 8m + i gives the address of row i
 // of matrix m; register m of lane 4i + t holds row i, columns 2t and 2t + 1 of matrix m (the low
@@ -82,8 +88,10 @@ template <int D, DType kOut, bool kCausal, bool kSummary, bool kStaged, int kWGs
 __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax& sm,
                                                const float (&o)[D / 2 + (Softmax::kTcSum ? 4 : 0)],
                                                const int (&row)[2], int b, int h, int hk, const float4* stage) {
-  // l holds 448 * sum(p): the lean softmax sums P~ = 448 p, and so do the ones columns
-  constexpr bool kL448 = Softmax::kLean || Softmax::kTcSum;
+  // l holds 448 * sum(p): the lean softmax sums P~ = 448 p, and so do the ones columns (pv_16bit:
+  // P~ = p, l = sum(p) in every loop). kVScaled: V's channel scales (a 16-bit V has none)
+  constexpr bool kL448 = !Softmax::kP16 && (Softmax::kLean || Softmax::kTcSum);
+  constexpr bool kVScaled = !Softmax::kP16;
   const int t = threadIdx.x & 3;
   const int64_t bh = static_cast<int64_t>(b) * p.Hq + h;
   float l[2], inv[2];
@@ -93,19 +101,23 @@ __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax
   for (int x = 0; x < 2; ++x) {
     l[x] = Softmax::kTcSum ? o[D / 2 + 2 * x] : quad_sum(sm.l[x]);
     bad[x] = l[x] > 0.f && isnan(sm.rowf[x]);  // rowf = sq * scale * log2(e): NaN exactly when sq is
-    inv[x] = l[x] > 0.f ? 1.f / (kL448 ? l[x] : kFp8Max * l[x]) : 0.f;
+    inv[x] = l[x] > 0.f ? 1.f / (kL448 ? l[x] : Softmax::kPScale * l[x]) : 0.f;
     inv[x] = bad[x] ? __int_as_float(0x7fffffff) : inv[x];  // NaN * anything = NaN
     last_key[x] = kCausal ? min(row[x], p.Skv - 1) : p.Skv - 1;
   }
   const int* v_first = p.v_first + static_cast<int64_t>(b * p.Hkv + hk) * static_cast<int>(NonFinite::kCount) * D;
   const float* sv = p.sv + static_cast<int64_t>(b * p.Hkv + hk) * D;
+  // V's scales of channels col, col + 1 (1 without: the multiplies fold away)
+  auto v_scale = [&](int col) {
+    return kVScaled ? *reinterpret_cast<const float2*>(sv + col) : make_float2(1.f, 1.f);
+  };
   char* ob = static_cast<char*>(p.out) + 2 * (b * p.o_sb + h * p.o_sh);
   // fix(c, x, k): the output value of channel c for a row that sees keys <= k
   auto store = [&](auto&& fix) {
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) {
       const int col = 8 * j + 2 * t;
-      const float2 s = *reinterpret_cast<const float2*>(sv + col);
+      const float2 s = v_scale(col);
 #pragma unroll
       for (int x = 0; x < 2; ++x) {
         if (row[x] < p.Sq) {
@@ -128,7 +140,7 @@ __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax
     // Every sv value this thread needs first (nothing stored yet, so nothing for them to wait on).
     float2 s[D / 8];
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) s[j] = *reinterpret_cast<const float2*>(sv + 8 * j + 2 * t);
+    for (int j = 0; j < D / 8; ++j) s[j] = v_scale(8 * j + 2 * t);
     // packed[j][x]: columns 8j + 2t + {0, 1} of row x, the same expressions as store()'s (the
     // padding rows >= Sq are computed too, and never stored)
     uint32_t packed[D / 8][2];
@@ -205,7 +217,7 @@ __device__ __forceinline__ void epilogue_store(const FwdParams& p, const Softmax
       for (int x = 0; x < 2; ++x) orow[x] = reinterpret_cast<uint32_t*>(ob + 2 * (row[x] * p.o_ss + 2 * t));
 #pragma unroll
       for (int j = 0; j < D / 8; ++j) {
-        const float2 s = *reinterpret_cast<const float2*>(sv + 8 * j + 2 * t);
+        const float2 s = v_scale(8 * j + 2 * t);
 #pragma unroll
         for (int x = 0; x < 2; ++x) {
           if (row[x] < p.Sq) {

@@ -4,7 +4,9 @@
 //   1. every (row, col, stage) of the Q/K/V^T smem layouts maps to stage*tile + sw_byte_offset(row,
 //      col): the pre-pass writes those images, the wgmma descriptors read them through CuTe;
 //   2. the wgmma accumulator (C) and register-A fragment maps of the TiledMMAs are the ones the
-//      softmax indexes by hand (see softmax.hpp).
+//      softmax indexes by hand (see softmax.hpp);
+//   3. (pv_16bit) the 16-bit V layout is the pre-pass's image, sw128_elem16_offset per stage, and the
+//      16-bit A fragment of P holds the S accumulator values the softmax packs into it.
 // Exit status 0 when everything matches. Built and run by compile_check.sh.
 #include <cstdio>
 
@@ -138,6 +140,51 @@ void check_config() {
               kSumCols ? " (sum rows)" : "", kKeys, C::kSmemQ, C::kSmemK, C::kSmemV, C::kSmemBytes, C::kStages);
 }
 
+// A 16-bit V (FwdOptions::pv_16bit; T = bf16 / fp16): element (channel, key, stage) of the V layout
+// at stage * kVStageBytes + 2 * sw128_elem16_offset<128, D>(key, channel) bytes (quant_v16_block's
+// image, copied whole per stage), and P's A fragment in natural key order: register 4kb + r, half e
+// of k-step kb is S accumulator value 8kb + 2r + e (softmax.hpp pack_p_frag, kP16).
+// CuTe swizzles the 16-bit layout on byte addresses: read it through a (1024-aligned) smem pointer.
+template <int D, int kWGs, class T>
+void check_config_v16() {
+  using C = TileConfig<D, kWGs, 0, kBlockKV, T>;
+  static_assert(C::kV16 && C::kPVK == 16 && C::kPRegs == 32 && C::kVStageBytes == 2 * D * kBlockKV,
+                "16-bit V: 16-key k-steps, 32 P registers, D x 128 16-bit elements per stage");
+  CHECK_EQ(C::kStages, D == 128 ? 3 : 4, "16-bit V ring depth");
+  CHECK_EQ(C::kSmemBytes + C::kSmemAfterBarriers <= C::kSmemBudget, 1, "16-bit V smem budget");
+  alignas(1024) static T buf[D * kBlockKV * 4];  // the largest ring: 4 stages
+  auto tile = make_tensor(make_smem_ptr(buf), typename C::SmemLayoutVt{});
+  for (int s = 0; s < C::kStages; ++s)
+    for (int key = 0; key < kBlockKV; ++key)
+      for (int ch = 0; ch < D; ++ch) {
+        const long got = 2 * (&tile(ch, key, s) - buf);
+        const long want = (long)s * C::kVStageBytes + 2L * sw128_elem16_offset<kBlockKV, D>(key, ch);
+        CHECK_EQ(got, want, "16-bit V image");
+      }
+  auto cS = typename C::TiledMmaQK{}.get_layoutC_TV();
+  auto cO = typename C::TiledMmaPV{}.get_layoutC_TV();
+  auto aP = typename C::TiledMmaPV{}.get_layoutA_TV();
+  for (int tid = 0; tid < 128; ++tid) {
+    const int g = (tid & 31) >> 2, t = tid & 3, w = tid >> 5;
+    for (int v = 0; v < C::kPVRegs; ++v) {  // O: the same accumulator rule as the FP8 product's
+      const int idx = cO(tid, v);
+      CHECK_EQ(idx % 64, 16 * w + g + 8 * ((v >> 1) & 1), "16-bit O acc row");
+      CHECK_EQ(idx / 64, 8 * (v >> 2) + 2 * t + (v & 1), "16-bit O acc col");
+    }
+    for (int kb = 0; kb < kBlockKV / 16; ++kb)
+      for (int r = 0; r < 4; ++r)
+        for (int e = 0; e < 2; ++e) {
+          const int s_idx = cS(tid, 8 * kb + 2 * r + e);
+          const int a_idx = aP(tid, 2 * r + e);  // one k-step's fragment: 8 values of 16 keys
+          CHECK_EQ(s_idx % 64, a_idx % 64, "16-bit P fragment row");
+          CHECK_EQ(s_idx / 64, 16 * kb + a_idx / 64, "16-bit P fragment key");
+        }
+  }
+  std::printf("hd%d, %d WGs, 16-bit V (%s): V stage %d B, stages %d, total %d B + %d B after the barriers\n", D, kWGs,
+              std::is_same_v<T, cute::bfloat16_t> ? "bf16" : "fp16", C::kVStageBytes, C::kStages, C::kSmemBytes,
+              C::kSmemAfterBarriers);
+}
+
 int main() {
   check_config<64>();
   check_config<128>();
@@ -145,6 +192,11 @@ int main() {
   check_config<128, 8>();
   check_config<128, 0, kLongTileKeys>();
   check_config<128, 8, kLongTileKeys>();
+  check_config_v16<128, 2, cute::bfloat16_t>();
+  check_config_v16<128, 2, cute::half_t>();
+  check_config_v16<128, 3, cute::bfloat16_t>();
+  check_config_v16<64, 2, cute::bfloat16_t>();
+  check_config_v16<64, 3, cute::half_t>();
   if (g_fail) {
     std::printf("host_layout_check: %d mismatches\n", g_fail);
     return 1;

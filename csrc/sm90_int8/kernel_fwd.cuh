@@ -35,17 +35,27 @@ constexpr int fwd_threads() {
 }
 // Three consumer warpgroups (512 threads launch with 128 registers): 128 * (32 + 3 * 160) = 65536.
 // long_tile (S 96 registers per thread): the producer warpgroup at setmaxnreg's minimum, 24, gives the
-// consumers 240 (FA3's split): 128 * 24 + 256 * 240 = 64512.
+// consumers 240 (FA3's split): 128 * 24 + 256 * 240 = 64512. So does pv_16bit (P 32 registers instead of
+// 16 per array): at 232 the hd128 overlap loop spills 16 bytes and ptxas serializes its wgmmas.
 template <FwdOptions kOpt>
 using FwdRegisterSplit = std::conditional_t<
     kOpt.consumer_warpgroups() == 3, sage_common::sm90::RegisterSplit<32, 160, 3>,
-    std::conditional_t<kOpt.long_tile, sage_common::sm90::RegisterSplit<24, 240>, sage_common::sm90::RegisterSplit<40, 232>>>;
+    std::conditional_t<kOpt.long_tile || kOpt.pv_16bit, sage_common::sm90::RegisterSplit<24, 240>,
+                       sage_common::sm90::RegisterSplit<40, 232>>>;
 
-template <int D, FwdOptions kOpt>
+// V's element type in smem (TileConfig's VElem): FP8, or with pv_16bit the input's 16-bit type (CuTe's
+// names); P~'s 16-bit type for the softmax (OnlineSoftmax's P16_: CUDA's names), void for FP8.
+template <DType kOut, FwdOptions kOpt>
+using FwdVElem = std::conditional_t<!kOpt.pv_16bit, cute::float_e4m3_t,
+                                    std::conditional_t<kOut == DType::kBF16, cute::bfloat16_t, cute::half_t>>;
+template <DType kOut, FwdOptions kOpt>
+using FwdPElem = std::conditional_t<!kOpt.pv_16bit, void, typename IO<kOut>::T>;
+
+template <int D, DType kOut, FwdOptions kOpt>
 constexpr int fwd_smem_bytes() {
   // epilogue_staged: its tile takes the O sum's place (StagedOut, epilogue.hpp), or adds it
   constexpr int kWGs = kOpt.consumer_warpgroups();
-  constexpr int bytes = TileConfig<D, kWGs, kOpt.sum_cols(), kOpt.tile_keys()>::kSmemBytes + (kOpt.smem_o_every > 0 ? kSmemOSumBytes<D, kWGs, kOpt.sum_cols()>
+  constexpr int bytes = TileConfig<D, kWGs, kOpt.sum_cols(), kOpt.tile_keys(), FwdVElem<kOut, kOpt>>::kSmemBytes + (kOpt.smem_o_every > 0 ? kSmemOSumBytes<D, kWGs, kOpt.sum_cols()>
                                                            : kOpt.epilogue_staged ? StagedOut<D, kWGs>::kBytes
                                                                                   : 0);
   static_assert(bytes <= 227 * 1024, "shared memory budget of one sm_90 CTA");
@@ -142,7 +152,9 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   constexpr int kSumCols = kOpt.sum_cols();
   // long_tile: 192-key tiles of three 64-key K blocks (tile_config.hpp kLongTileKeys)
   constexpr int kKeys = kOpt.tile_keys();
-  using C = TileConfig<D, kWGs, kSumCols, kKeys>;
+  // pv_16bit: V's stages hold its 16-bit image, P~ is packed into the same 16-bit type
+  using VElem = FwdVElem<kOut, kOpt>;
+  using C = TileConfig<D, kWGs, kSumCols, kKeys, VElem>;
   static_assert(kKeys == (kOpt.long_tile ? kLongTileKeys : kBlockKV) && C::kKBlock == kOpt.kv_block(),
                 "launch.h FwdOptions::tile_keys / kv_block and tile_config.hpp agree");
   constexpr bool kLean = kOpt.lean_softmax;
@@ -171,7 +183,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   // mask bits, the Q / K / V^T images) comes after this (a no-op in a plain launch).
   sage_common::sm90::pdl_wait();
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  const SmemPlan<D, kWGs, kSumCols, kKeys> sp(smem_raw);
+  const SmemPlan<D, kWGs, kSumCols, kKeys, VElem> sp(smem_raw);
 
   // The CTA's work tile is (blockIdx.x, y, z).
   const FwdWork wk =
@@ -204,25 +216,25 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   // Stage and phase parity of key tile t in the K/V ring.
   auto stage_of = [&](int t) {
     int s, n;
-    ring_slot<D, kWGs, kSumCols, kKeys>(t, s, n);
+    ring_slot<D, kWGs, kSumCols, kKeys, VElem>(t, s, n);
     return s;
   };
   auto parity_of = [&](int t) {
     int s, n;
-    ring_slot<D, kWGs, kSumCols, kKeys>(t, s, n);
+    ring_slot<D, kWGs, kSumCols, kKeys, VElem>(t, s, n);
     return n & 1;
   };
   const int wg_row0 = wg_first_row(m_block, wg);
   int row[2];
   fragment_rows(wg_row0, tid, lane, row);
 
-  using Softmax = OnlineSoftmax<kPoly, kLean, kSplitReduce, kOpt.tc_row_sum, kOpt.seeded_scores, kKeys>;
+  using Softmax = OnlineSoftmax<kPoly, kLean, kSplitReduce, kOpt.tc_row_sum, kOpt.seeded_scores, kKeys, FwdPElem<kOut, kOpt>>;
   Softmax sm;
   {
     const int64_t q_rows = (static_cast<int64_t>(b) * p.Hq + h) * p.n_q_tiles * kRowsPerWG;
     sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
   }
-  const WarpgroupOperands<D, kWGs, kSumCols, kKeys> ops(sp, wg, tid);
+  const WarpgroupOperands<D, kWGs, kSumCols, kKeys, VElem> ops(sp, wg, tid);
   // per (b, kv head) p.n_kv_tiles K scales, per b the mask words of as many K blocks
   const float* sk = p.sk + (static_cast<int64_t>(b) * p.Hkv + hk) * p.n_kv_tiles;
   const uint32_t* bits =
@@ -382,7 +394,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
 
   uint32_t q_frag[D / 8];
   Barrier::wait(sp.q_full, 0);
-  if constexpr (kQRegs) WarpgroupOperands<D, kWGs, kSumCols, kKeys>::load_q_frag(sp, wg, tid, q_frag);
+  if constexpr (kQRegs) WarpgroupOperands<D, kWGs, kSumCols, kKeys, VElem>::load_q_frag(sp, wg, tid, q_frag);
   clock.mark(ConsumerPhase::kQReady);
   // Whether a key tile's row scales c = rowf sk can exceed the folded exponent's bound
   // (softmax.hpp lean_scores): then that tile's softmax step runs the exact exponents (a branch
@@ -555,7 +567,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, bool pdl) {
   auto kernel = fwd_kernel<D, kOut, kCausal, kOpt.exp2_poly_every, kOpt.flags()>;
   const dim3 grid(p.n_q_tiles / FwdCta<kOpt>::kQTilesPerCTA, p.Hq, p.B);  // ceil(Sq / kBlockM) row blocks
   const sage_common::LaunchKind kind = pdl ? sage_common::LaunchKind::kPdl : sage_common::LaunchKind::kPlain;
-  return sage_common::launch_with_smem(kernel, grid, fwd_threads<kOpt>(), fwd_smem_bytes<D, kOpt>(), p, stream, kind);
+  return sage_common::launch_with_smem(kernel, grid, fwd_threads<kOpt>(), fwd_smem_bytes<D, kOut, kOpt>(), p, stream, kind);
 }
 
 }  // namespace sage_sm90

@@ -47,6 +47,9 @@ struct FwdOptions {
                                     // so each score arrives as its biased float: no convert add per score
   bool long_tile = false;           // (lean, no three_consumers) 192-key tiles of
                                     // three 64-key K scale blocks (the pre-pass's kv_block = 64)
+  bool pv_16bit = false;            // (no tc_row_sum, fp32_pv_tiles, smem_o_every, long_tile) P~ V as a
+                                    // 16-bit wgmma in the input dtype, fp32 accumulation: P~ = p, V as given
+                                    // (the pre-pass's 16-bit image), the accuracy policy (issue 38 item 3)
 
   // Deleted options keep their bits unused, so the flags (and kernel names) of the others stay:
   // 16 (fp16_exp2), 1 << kFlagsHighShift (seed_reductions), 1 << (kFlagsHighShift + 1) (persistent),
@@ -61,7 +64,7 @@ struct FwdOptions {
            (three_consumers ? 1 << (kFlagsHighShift + 6) : 0) |
            (tc_row_sum ? 1 << (kFlagsHighShift + 8) : 0) | (tile_sums ? 1 << (kFlagsHighShift + 9) : 0) |
            (fused_rescale ? 1 << (kFlagsHighShift + 10) : 0) | (seeded_scores ? 1 << (kFlagsHighShift + 12) : 0) |
-           (long_tile ? 1 << (kFlagsHighShift + 13) : 0);
+           (long_tile ? 1 << (kFlagsHighShift + 13) : 0) | (pv_16bit ? 1 << (kFlagsHighShift + 14) : 0);
   }
   static constexpr int kFlagsIntShift = 7;  // smem_o_every (<= 16: 5 bits) sits above the first bools
   static constexpr int kFlagsHighShift = 12;  // bools added later sit above it (flags stay stable)
@@ -85,6 +88,7 @@ struct FwdOptions {
     o.fused_rescale = ((flags >> (kFlagsHighShift + 10)) & 1) != 0;
     o.seeded_scores = ((flags >> (kFlagsHighShift + 12)) & 1) != 0;
     o.long_tile = ((flags >> (kFlagsHighShift + 13)) & 1) != 0;
+    o.pv_16bit = ((flags >> (kFlagsHighShift + 14)) & 1) != 0;
     o.exp2_poly_every = exp2_poly_every;
     return o;
   }
@@ -103,7 +107,11 @@ struct FwdOptions {
            (!fused_rescale || (fp32_pv_tiles && !overlap_softmax_pv && !pingpong)) &&
            // long_tile: per-block K scales in the lean fp32 steps (softmax.hpp); two consumer
            // warpgroups (S's 96 registers)
-           (!long_tile || (lean_softmax && !three_consumers));
+           (!long_tile || (lean_softmax && !three_consumers)) &&
+           // pv_16bit: the row sums from the softmax (the ones rows are FP8); O accumulates in fp32
+           // in the tensor core already (and the smem after the barriers holds the staged epilogue's
+           // tile only: tile_config.hpp); 128-key tiles (V's image is per 128-key block)
+           (!pv_16bit || (!tc_row_sum && !fp32_pv_tiles && smem_o_every == 0 && !long_tile));
   }
   // Keys per tile and per K scale block (tile_config.hpp kLongTileKeys, kKBlockKeys).
   constexpr int tile_keys() const { return long_tile ? 192 : 128; }
@@ -112,8 +120,9 @@ struct FwdOptions {
   constexpr int sum_cols() const { return tc_row_sum ? 8 : 0; }
   // The loops that hold two P arrays (overlap or ping-pong) take a whole producer warpgroup; so
   // do three consumer warpgroups, whose 160 registers each exist only with setmaxnreg (512 threads
-  // launch with 128).
-  constexpr bool producer_warpgroup() const { return overlap_softmax_pv || pingpong || three_consumers; }
+  // launch with 128), and pv_16bit, whose P array is twice the FP8 one (32 registers: the plain
+  // two-warpgroup loop spills at the 168 registers 288 threads get).
+  constexpr bool producer_warpgroup() const { return overlap_softmax_pv || pingpong || three_consumers || pv_16bit; }
   // Consumer warpgroups of a CTA (64 query rows each: tile_config.hpp CtaShape).
   constexpr int consumer_warpgroups() const { return three_consumers ? 3 : 2; }
 };
@@ -172,6 +181,13 @@ static_assert(FwdOptions{.long_tile = true}.flags() == 1 << 25 && FwdOptions::fr
                   !FwdOptions::from_flags(1 << 24, 0).long_tile && !FwdOptions{.long_tile = true}.valid() &&
                   FwdOptions{.lean_softmax = true, .long_tile = true}.valid(),
               "FwdOptions::long_tile flag bit (generate_instantiations._HIGH_BITS) and validity");
+static_assert(FwdOptions{.pv_16bit = true}.flags() == 1 << 26 && FwdOptions::from_flags(1 << 26, 0).pv_16bit &&
+                  !FwdOptions::from_flags(1 << 25, 0).pv_16bit && FwdOptions{.pv_16bit = true}.valid() &&
+                  !FwdOptions{.tc_row_sum = true, .pv_16bit = true}.valid() &&
+                  !FwdOptions{.fp32_pv_tiles = true, .pv_16bit = true}.valid() &&
+                  !FwdOptions{.smem_o_every = 4, .pv_16bit = true}.valid() &&
+                  !FwdOptions{.lean_softmax = true, .long_tile = true, .pv_16bit = true}.valid(),
+              "FwdOptions::pv_16bit flag bit (generate_instantiations._HIGH_BITS) and validity");
 
 // Everything the quantization pre-pass reads and writes. Strides are in elements; the last
 // (head) dimension of q, k, v is contiguous and rows are 16-byte aligned (checked by the binding).

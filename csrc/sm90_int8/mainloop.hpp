@@ -11,7 +11,8 @@
 // Phase rule: common/sm90/pipeline.cuh.
 //
 // Consumers (two or three warpgroups, 64 query rows each): S = Q K^T with INT8 SS wgmma, softmax in
-// registers, O += P V^T with FP8 RS wgmma. The wgmma descriptors come from CuTe's smem layouts
+// registers, O += P V^T with FP8 RS wgmma (FwdOptions::pv_16bit: O += P V with a 16-bit RS wgmma on
+// V's 16-bit MN-major image). The wgmma descriptors come from CuTe's smem layouts
 // (tile_config.hpp); accumulators are plain register arrays handed to the atoms.
 #pragma once
 
@@ -35,10 +36,11 @@ using sage_common::sm90::wgmma_rs;
 using sage_common::sm90::wgmma_ss;
 
 // kWGs: consumer warpgroups of the CTA (CtaShape), one Q tile each. kSumCols: TileConfig's ones
-// rows after each V^T stage (tc_row_sum). kKeys: keys per tile (long_tile: 192).
-template <int D, int kWGs = 2, int kSumCols = 0, int kKeys = kBlockKV>
+// rows after each V^T stage (tc_row_sum). kKeys: keys per tile (long_tile: 192). VElem: V's element
+// type in smem (TileConfig's: FP8, or pv_16bit's bf16 / fp16).
+template <int D, int kWGs = 2, int kSumCols = 0, int kKeys = kBlockKV, class VElem = cute::float_e4m3_t>
 struct SmemPlan {
-  using C = TileConfig<D, kWGs, kSumCols, kKeys>;
+  using C = TileConfig<D, kWGs, kSumCols, kKeys, VElem>;
   uint8_t* q;   // kWGs tiles of kQTileBytes
   uint8_t* k;   // kStages tiles of kKTileBytes
   uint8_t* v;   // kStages stages of kVStageBytes (V^T: the kVTileBytes image, then kSumCols rows of ones)
@@ -66,8 +68,8 @@ static_assert(kSmemOSumBytes<128, 3> == TileConfig<128, 3>::kSmemAfterBarriers &
                   kSmemOSumBytes<64, 2> == TileConfig<64, 2>::kSmemAfterBarriers &&
                   kSmemOSumBytes<128, 3, 8> == TileConfig<128, 3, 8>::kSmemAfterBarriers,
               "TileConfig sizes its K/V ring to leave the O sum's room");
-template <int D, int kWGs, int kSumCols, int kKeys>
-__device__ __forceinline__ float4* smem_o_sum(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp) {
+template <int D, int kWGs, int kSumCols, int kKeys, class VElem>
+__device__ __forceinline__ float4* smem_o_sum(const SmemPlan<D, kWGs, kSumCols, kKeys, VElem>& sp) {
   uint8_t* end = reinterpret_cast<uint8_t*>(sp.q_full + 1);
   return reinterpret_cast<float4*>(end + sage_common::smem_align_pad<kSmemOSumAlign>(sage_common::smem_addr(end)));
 }
@@ -75,10 +77,10 @@ __device__ __forceinline__ float4* smem_o_sum(const SmemPlan<D, kWGs, kSumCols, 
 // tc_row_sum: every thread writes its share of the ones rows (fp8 1.0 = 0x38) after each V^T stage's
 // image, before init_barriers' __syncthreads; the fence makes these generic-proxy stores visible to
 // the wgmmas (async proxy) that read them. The producer's copies never touch them.
-template <int D, int kWGs, int kSumCols, int kKeys>
-__device__ __forceinline__ void fill_sum_rows(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp) {
+template <int D, int kWGs, int kSumCols, int kKeys, class VElem>
+__device__ __forceinline__ void fill_sum_rows(const SmemPlan<D, kWGs, kSumCols, kKeys, VElem>& sp) {
   if constexpr (kSumCols > 0) {
-    using C = TileConfig<D, kWGs, kSumCols, kKeys>;
+    using C = TileConfig<D, kWGs, kSumCols, kKeys, VElem>;
     // the ones rows after each chunk's image rows (one chunk per stage but with long_tile's three)
     constexpr int kChunks = kSumCols * C::kVChunkKeys / 16;  // 16-byte pieces per chunk
     for (int i = threadIdx.x; i < C::kStages * C::kVChunks * kChunks; i += blockDim.x) {
@@ -91,12 +93,12 @@ __device__ __forceinline__ void fill_sum_rows(const SmemPlan<D, kWGs, kSumCols, 
   }
 }
 
-template <int D, int kWGs, int kSumCols, int kKeys>
-__device__ __forceinline__ void init_barriers(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp) {
+template <int D, int kWGs, int kSumCols, int kKeys, class VElem>
+__device__ __forceinline__ void init_barriers(const SmemPlan<D, kWGs, kSumCols, kKeys, VElem>& sp) {
   constexpr int kConsumerWarps = CtaShape<kWGs>::kConsumerThreads / 32;  // every one arrives
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int s = 0; s < TileConfig<D, kWGs, kSumCols, kKeys>::kStages; ++s) {
+    for (int s = 0; s < TileConfig<D, kWGs, kSumCols, kKeys, VElem>::kStages; ++s) {
       Barrier::init(&sp.full[s], 1);
       Barrier::init(&sp.empty[s], kConsumerWarps);
     }
@@ -108,9 +110,9 @@ __device__ __forceinline__ void init_barriers(const SmemPlan<D, kWGs, kSumCols, 
 
 // Stage and use count (n) of item `tile` of the K/V ring. kWGs: the CTA's consumer warpgroups (the
 // ring depth depends on them: TileConfig::kStages); kSumCols, kKeys: TileConfig's.
-template <int D, int kWGs, int kSumCols = 0, int kKeys = kBlockKV>
+template <int D, int kWGs, int kSumCols = 0, int kKeys = kBlockKV, class VElem = cute::float_e4m3_t>
 __device__ __forceinline__ void ring_slot(int tile, int& stage, int& n) {
-  constexpr int kStages = TileConfig<D, kWGs, kSumCols, kKeys>::kStages;
+  constexpr int kStages = TileConfig<D, kWGs, kSumCols, kKeys, VElem>::kStages;
   stage = tile % kStages;
   n = tile / kStages;
 }
@@ -118,16 +120,16 @@ __device__ __forceinline__ void ring_slot(int tile, int& stage, int& n) {
 // The work tile's copies; runs on one lane only.
 // long_tile: a tile's images are its three 64-key blocks' images, back to back in memory: one copy
 // each for K and V^T all the same (k_src / v_src advance by whole tiles).
-template <int D, int kWGs, int kSumCols, int kKeys>
-__device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp, const int8_t* q_src,
+template <int D, int kWGs, int kSumCols, int kKeys, class VElem>
+__device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs, kSumCols, kKeys, VElem>& sp, const int8_t* q_src,
                                               const int8_t* k_src, const uint8_t* v_src, int n_tiles) {
-  using C = TileConfig<D, kWGs, kSumCols, kKeys>;  // kSmemQ: the Q tiles of every consumer warpgroup
+  using C = TileConfig<D, kWGs, kSumCols, kKeys, VElem>;  // kSmemQ: the Q tiles of every consumer warpgroup
   using sage_common::sm90::bulk_copy_g2s;
   Barrier::arrive_and_expect_tx(sp.q_full, C::kSmemQ);
   bulk_copy_g2s(q_src, sp.q_full, sp.q, C::kSmemQ);
   for (int t = 0; t < n_tiles; ++t) {
     int s, n;
-    ring_slot<D, kWGs, kSumCols, kKeys>(t, s, n);
+    ring_slot<D, kWGs, kSumCols, kKeys, VElem>(t, s, n);
     if (n > 0) Barrier::wait(&sp.empty[s], (n - 1) & 1);
     Barrier::arrive_and_expect_tx(&sp.full[s], C::kKTileBytes + C::kVTileBytes);
     bulk_copy_g2s(k_src + static_cast<int64_t>(t) * C::kKTileBytes, &sp.full[s],
@@ -142,32 +144,33 @@ __device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs, kSumCols, 
 
 // Descriptor tensors of one consumer warpgroup (CuTe builds the GMMA descriptors). kWGs: the CTA's
 // consumer warpgroups, which set the ring depth of the K / V^T layouts (TileConfig::kStages);
-// kSumCols: the V^T stages' ones rows (PV's N = D + kSumCols); kKeys: keys per tile.
-template <int D, int kWGs = 2, int kSumCols = 0, int kKeys = kBlockKV>
+// kSumCols: the V^T stages' ones rows (PV's N = D + kSumCols); kKeys: keys per tile; VElem: V's
+// element type (a 16-bit V: k-steps of 16 keys, C::kPVK).
+template <int D, int kWGs = 2, int kSumCols = 0, int kKeys = kBlockKV, class VElem = cute::float_e4m3_t>
 struct WarpgroupOperands {
-  using C = TileConfig<D, kWGs, kSumCols, kKeys>;
+  using C = TileConfig<D, kWGs, kSumCols, kKeys, VElem>;
   using TQ = sage_common::sm90::GmmaDescA<typename C::TiledMmaQK, typename C::SmemLayoutQ, int8_t>;
   using TK = sage_common::sm90::GmmaDescB<typename C::TiledMmaQK, typename C::SmemLayoutK, int8_t>;
-  using TV = sage_common::sm90::GmmaDescB<typename C::TiledMmaPV, typename C::SmemLayoutVt, cute::float_e4m3_t>;
+  using TV = sage_common::sm90::GmmaDescB<typename C::TiledMmaPV, typename C::SmemLayoutVt, VElem>;
   TQ q;  // (1, 1, D/32)
   TK k;  // (1, 1, D/32, kStages)
-  TV v;  // (1, 1, kKeys/32, kStages)
+  TV v;  // (1, 1, kKeys / kPVK, kStages)
 
-  __device__ __forceinline__ WarpgroupOperands(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp, int wg, int tid_in_wg)
+  __device__ __forceinline__ WarpgroupOperands(const SmemPlan<D, kWGs, kSumCols, kKeys, VElem>& sp, int wg, int tid_in_wg)
       : q(sage_common::sm90::gmma_desc_a<typename C::TiledMmaQK, typename C::SmemLayoutQ>(
             reinterpret_cast<int8_t*>(sp.q + wg * C::kQTileBytes), tid_in_wg)),
         k(sage_common::sm90::gmma_desc_b<typename C::TiledMmaQK, typename C::SmemLayoutK>(
             reinterpret_cast<int8_t*>(sp.k), tid_in_wg)),
         v(sage_common::sm90::gmma_desc_b<typename C::TiledMmaPV, typename C::SmemLayoutVt>(
-            reinterpret_cast<cute::float_e4m3_t*>(sp.v), tid_in_wg)) {
+            reinterpret_cast<VElem*>(sp.v), tid_in_wg)) {
     static_assert(cute::size<0>(TQ{}) == 1 && cute::size<1>(TQ{}) == 1 && cute::size<2>(TQ{}) == D / 32,
                   "Q descriptors: one per 32-wide k-block");
     static_assert(cute::size<1>(TK{}) == 1 && cute::size<2>(TK{}) == D / 32 &&
                       cute::size<3>(TK{}) == C::kStages,
                   "K descriptors: (k-block, stage)");
-    static_assert(cute::size<1>(TV{}) == 1 && cute::size<2>(TV{}) == kKeys / 32 &&
+    static_assert(cute::size<1>(TV{}) == 1 && cute::size<2>(TV{}) == kKeys / C::kPVK &&
                       cute::size<3>(TV{}) == C::kStages,
-                  "V^T descriptors: (k-block, stage)");
+                  "V descriptors: (k-step, stage)");
   }
 
   // S(64 x 128, int32) = Q_wg K_s^T as one committed wgmma group (not waited for). `fence`:
@@ -197,7 +200,7 @@ struct WarpgroupOperands {
   }
   __host__ __device__ static constexpr int q_frag_row_half(int reg) { return reg & 1; }
 
-  __device__ __forceinline__ static void load_q_frag(const SmemPlan<D, kWGs, kSumCols, kKeys>& sp, int wg, int tid_in_wg,
+  __device__ __forceinline__ static void load_q_frag(const SmemPlan<D, kWGs, kSumCols, kKeys, VElem>& sp, int wg, int tid_in_wg,
                                                      uint32_t (&qf)[D / 8]) {
     const int lane = tid_in_wg & 31, g = lane >> 2, t = lane & 3;
     const uint8_t* tile = sp.q + wg * C::kQTileBytes;
@@ -224,7 +227,8 @@ struct WarpgroupOperands {
   }
 
   // O(64 x D, fp32) += P(64 x 128, e4m3 registers) V_s as one committed group (not waited for);
-  // with kSumCols also the row sums of P (columns D.., the ones rows: TileConfig kPVRegs).
+  // with kSumCols also the row sums of P (columns D.., the ones rows: TileConfig kPVRegs). A 16-bit
+  // V: P in the same 16-bit type (twice the registers), 16 keys per k-step, full fp32 accumulation.
   // zero_first: O = P V_s instead (the first k-step overwrites the accumulator): a key tile's
   // product from zero (fp32_pv_tiles), or the first tile after a flush to smem (smem_o_every). The FP8 wgmma adds each k-step into its accumulator at reduced
   // precision with truncation, so summing all key tiles inside the tensor core loses a share of
@@ -236,7 +240,7 @@ struct WarpgroupOperands {
     fence_regs(o);
     if (fence) cute::warpgroup_arrive();
 #pragma unroll
-    for (int kb = 0; kb < kKeys / 32; ++kb) {
+    for (int kb = 0; kb < kKeys / C::kPVK; ++kb) {
       wgmma_rs<typename C::MmaPV>(&p[4 * kb], uint64_t(v(0, 0, kb, stage)), o,
                                   zero_first && kb == 0 ? cute::GMMA::ScaleOut::Zero
                                                         : cute::GMMA::ScaleOut::One,

@@ -1,5 +1,6 @@
 // Online softmax of one 64 x 128 score tile held in a warpgroup's wgmma accumulators, and the
-// conversion of P~ into the FP8 A-operand registers of the PV wgmma (sage8 spec, step 5).
+// conversion of P~ into the FP8 A-operand registers of the PV wgmma (sage8 spec, step 5), or with
+// FwdOptions::pv_16bit into 16-bit ones (P~ = p in the input dtype).
 //
 // Register convention (checked by host_layout_check.cu): thread lane = 4*g + t of warp w holds
 // accumulator value v at row 16*w + g + 8*((v >> 1) & 1) and column 8*(v >> 2) + 2*t + (v & 1).
@@ -7,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "numerics.hpp"
 #include "tile_config.hpp"
@@ -82,15 +84,21 @@ struct TileKScales {
 // kKeys_ (option long_tile: 192): keys per tile; a 192-key tile holds three 64-key K blocks, each
 // with its own scale, so c (and the folded offset) is per (K block, row half): value v belongs to K
 // block (v >> 2) / kGroupsPerBlock. Lean steps only.
+// P16_ (option pv_16bit: __nv_bfloat16 or __half, the input's type; void: FP8): P~ = p in [0, 1]
+// packed into that type for a 16-bit PV wgmma, instead of 448 p into E4M3 (no 448 anywhere: l sums p
+// in every loop); the row sums stay the softmax's (no kTcSum).
 template <int kPolyEvery, bool kLean_ = false, bool kSplit_ = false, bool kTcSum_ = false, bool kSeeded_ = false,
-          int kKeys_ = kBlockKV>
+          int kKeys_ = kBlockKV, class P16_ = void>
 struct OnlineSoftmax {
+  static constexpr bool kP16 = !std::is_void_v<P16_>;
+  static_assert(!(kP16 && kTcSum_), "pv_16bit: the row sums from the softmax (FwdOptions::valid)");
+  static constexpr float kPScale = kP16 ? 1.f : kFp8Max;  // P~ = kPScale p
   static constexpr bool kLean = kLean_;
   static constexpr bool kTcSum = kTcSum_;
   static constexpr int kChains = kSplit_ ? 4 : 1;
   static constexpr bool kSeeded = kSeeded_;
   static constexpr int kN = kKeys_ / 2;  // accumulator values per thread (64 rows x kKeys / 128 threads)
-  static constexpr int kPRegs = kKeys_ / 8;  // FP8 A-operand registers of P~ (TileConfig kPRegs)
+  static constexpr int kPRegs = kKeys_ / (kP16 ? 4 : 8);  // A-operand registers of P~ (TileConfig kPRegs)
   static constexpr int kSB = kKeys_ / kKBlockKeys<kKeys_>;  // K scales per tile (TileConfig kScaleBlocks)
   static constexpr int kGroupsPerBlock = kN / 4 / kSB;  // 8-column groups (v >> 2) per K block
   static_assert(kSB == 1 || kLean_, "per-block K scales: the lean steps only");
@@ -161,20 +169,28 @@ struct OnlineSoftmax {
   // r = (k+16 half) * 2 + (row half); byte i of the register is k position 4t + i, i.e.
   // accumulator columns 2t + (i & 1) + 8 * (i >> 1) of 8-column group 4kb + 2*(r >> 1): values
   // v = 4 * (4kb + 2*(r>>1) + (i>>1)) + 2*(r&1) + (i&1). No shuffles (tile_config.hpp).
+  // kP16: the 16-bit A fragment of k-step kb (16 keys) is the m16n8k16 one: register 4kb + r holds row
+  // half r & 1, keys 16kb + 8 (r >> 1) + 2t + {0, 1}, i.e. accumulator values 8kb + 2r + {0, 1}: register
+  // j packs values 2j, 2j + 1 (keys in their natural order: V needs no permutation; host_layout_check.cu).
   __device__ __forceinline__ static void pack_p_frag(const float (&s)[kN], uint32_t (&p_frag)[kPRegs]) {
+    if constexpr (kP16) {
 #pragma unroll
-    for (int kb = 0; kb < kKeys_ / 32; ++kb) {
+      for (int j = 0; j < kPRegs; ++j) p_frag[j] = sage_common::Elem16<P16_>::pack2(s[2 * j], s[2 * j + 1]);
+    } else {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int v0 = 4 * (4 * kb + 2 * (r >> 1)) + 2 * (r & 1);  // i = 0
-        const uint32_t lo = pack_e4m3x2(s[v0], s[v0 + 1]);          // i = 0, 1
-        const uint32_t hi = pack_e4m3x2(s[v0 + 4], s[v0 + 5]);      // i = 2, 3 (next 8 cols)
-        p_frag[4 * kb + r] = lo | (hi << 16);
+      for (int kb = 0; kb < kKeys_ / 32; ++kb) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int v0 = 4 * (4 * kb + 2 * (r >> 1)) + 2 * (r & 1);  // i = 0
+          const uint32_t lo = pack_e4m3x2(s[v0], s[v0 + 1]);          // i = 0, 1
+          const uint32_t hi = pack_e4m3x2(s[v0 + 4], s[v0 + 5]);      // i = 2, 3 (next 8 cols)
+          p_frag[4 * kb + r] = lo | (hi << 16);
+        }
       }
     }
   }
 
-  // A tile's P~ between the softmax and its FP8 pack: fp32 values (P~ * 448).
+  // A tile's P~ between the softmax and its pack: fp32 values (448 p; kP16: p).
   using Scores = float[kN];
 
   // s_int: the int32 accumulator of q8 . k8^T. Writes the FP8 A fragment (4 registers per
@@ -246,7 +262,7 @@ struct OnlineSoftmax {
         p = exp2_mufu(x);
       }
       if constexpr (!kTcSum) sum[h] += p;
-      s[v] = p * kFp8Max;  // exact fp32 multiply, in [0, 448]
+      s[v] = p * kPScale;  // exact fp32 multiply, in [0, 448] (kP16: p itself)
     }
     if constexpr (!kTcSum) {
       l[0] = l[0] * alpha[0] + sum[0];
@@ -332,9 +348,10 @@ struct OnlineSoftmax {
   template <bool kExact>
   __device__ __forceinline__ void scores_lean(const uint32_t (&s_int)[kN], const KScales& sk_tile,
                                               const Mask& mk, float (&s)[kN], float (&alpha)[2]) {
-    constexpr float kLog2Fp8Max = 8.8073549221f;  // log2(448): x = s c - m + log2 448
+    // log2(448): x = s c - m + log2 448 (kP16: P~ = p, no gain)
+    constexpr float kLog2Gain = kP16 ? 0.f : 8.8073549221f;
     LeanRow r;
-    lean_scores(s_int, sk_tile, mk, kLog2Fp8Max, s, r, alpha);
+    lean_scores(s_int, sk_tile, mk, kLog2Gain, s, r, alpha);
     float part_sum[2][kChains];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -355,7 +372,7 @@ struct OnlineSoftmax {
         float& acc = part_sum[h][(v >> 2) % kChains];
         acc += p;
       }
-      s[v] = p;  // already P~ * 448 (cvt saturates the rare 448 * (1 + 1e-7))
+      s[v] = p;  // already P~ * 448 (cvt saturates the rare 448 * (1 + 1e-7); kP16: p, 1 + 1e-7 rounds to 1)
     }
     if constexpr (!kTcSum) {
       float sum[2];
