@@ -51,6 +51,8 @@ def units(root: Path) -> list[tuple[str, Path, str, list[str]]]:
     if i8_bench.is_dir():
         out += [("i8_dispatch_bench", i8_bench / "dispatch_bench.cu", "90a", bench),
                 ("i8_prepass_long", i8_bench / "prepass_long.cu", "90a", bench)]
+        if (i8_bench / "prepass_v16.cu").is_file():  # the pv_16bit variants' pre-pass (V's 16-bit image)
+            out.append(("i8_prepass_v16", i8_bench / "prepass_v16.cu", "90a", bench))
         if (i8_bench / "prepass_modes.cu").is_file():  # every pre-pass mode (the shipped unit: the default's)
             out.append(("i8_prepass_modes", i8_bench / "prepass_modes.cu", "90a", bench))
     for src in sorted((i8 / "instantiations").glob("*.cu")):

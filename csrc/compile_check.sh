@@ -85,9 +85,9 @@ check_sm90_int8() {
   export BENCH_FLAGS_STR="${FLAGS[*]} -I$BENCH_K"
   # bash arrays do not cross `export`: rebuild FLAGS inside each job from FLAGS_STR / BENCH_FLAGS_STR
   local pattern='\.cu$'
-  # --quick: the pre-pass (the shipped mode, every mode, the 64-key blocks), the dispatch tables and one
-  # forward variant per head dim
-  [ "$QUICK" = 1 ] && pattern='(prepass|prepass_modes|prepass_long|dispatch|dispatch_bench|fwd_hd64_bf16_full_exp2poly8|fwd_hd128_fp16_causal)\.cu$'
+  # --quick: the pre-pass (the shipped mode, every mode, the 64-key blocks, the 16-bit V image), the
+  # dispatch tables and one forward variant per head dim
+  [ "$QUICK" = 1 ] && pattern='(prepass|prepass_modes|prepass_long|prepass_v16|dispatch|dispatch_bench|fwd_hd64_bf16_full_exp2poly8|fwd_hd128_fp16_causal)\.cu$'
   # the shipped sources, then the benchmark build's own (bench/sm90_int8/: its dispatch table, the
   # pre-pass in every mode and with 64-key blocks; never shipped; its forward variants below)
   find "$K" -name '*.cu' ! -name 'host_layout_check.cu' | grep -E "$pattern" | sort |

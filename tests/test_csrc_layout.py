@@ -697,8 +697,9 @@ def test_int8_shipped_prepass_compiles_the_default_mode_only():
 
 def test_int8_prepass_kv_block_refused_outside_the_benchmark_build():
     """int8_sm90.prepass(kv_block=...) names what it accepts: 128, or 64 only where the 64-key pre-pass
-    is compiled (the benchmark build, head dim 128); a ValueError before any tensor reaches the
-    extension (these are CPU tensors: nothing is launched)."""
+    is compiled (the benchmark build, head dim 128); v16=True (the 16-bit V image) likewise only there
+    and with 128-key blocks; a ValueError before any tensor reaches the extension (these are CPU
+    tensors: nothing is launched)."""
     import torch
 
     from sage_diffusers.kernels import int8_sm90
@@ -712,6 +713,11 @@ def test_int8_prepass_kv_block_refused_outside_the_benchmark_build():
     q64 = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="head dim 128 only; got head dim 64"):
         int8_sm90.prepass(q64, q64, q64, kv_block=64)
+    with pytest.raises(ValueError, match="v16=True"):
+        int8_sm90.prepass(q, k, v, kv_block=64, v16=True)
+    if not int8_sm90._BENCH:
+        with pytest.raises(ValueError, match="benchmark build"):
+            int8_sm90.prepass(q, k, v, v16=True)
 
 
 def test_int8_shipped_binding_has_no_benchmark_entry_points_or_flag_state():

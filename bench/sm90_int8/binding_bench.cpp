@@ -29,7 +29,7 @@ struct BenchVariants {
   bool has(int d, bool causal, int e) const { return sage_sm90::bench::has_fwd_variant(d, causal, e, s.flags); }
   FwdShape shape(int d, bool causal, int e) const {
     return {sage_sm90::bench::fwd_rows_per_cta(d, causal, e, s.flags), sage_sm90::bench::fwd_tile_keys(d, causal, e, s.flags),
-            sage_sm90::bench::fwd_kv_block(d, causal, e, s.flags)};
+            sage_sm90::bench::fwd_kv_block(d, causal, e, s.flags), sage_sm90::bench::fwd_pv_16bit(d, causal, e, s.flags)};
   }
   cudaError_t run_prepass(const sage_sm90::PrepassParams& p, int d, DType dtype, cudaStream_t stream) const {
     return sage_sm90::bench::run_prepass(p, d, dtype, pdl(), stream);
@@ -45,9 +45,10 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   return sage_sm90_torch::forward(BenchVariants{}, q, k, v, key_mask, is_causal, scale, return_lse, exp_poly_every);
 }
 
+// v16: V as the pv_16bit variants' 16-bit image (vt_img's bytes: 2 * 128 * D per block) instead of FP8 V^T.
 std::vector<at::Tensor> prepass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const c10::optional<at::Tensor>& key_mask, double scale, int64_t kv_block) {
-  return sage_sm90_torch::prepass_outputs(BenchVariants{}, q, k, v, key_mask, scale, kv_block);
+                                const c10::optional<at::Tensor>& key_mask, double scale, int64_t kv_block, bool v16) {
+  return sage_sm90_torch::prepass_outputs(BenchVariants{}, q, k, v, key_mask, scale, kv_block, v16);
 }
 
 bool has_variant(int64_t head_dim, bool causal, int64_t exp_poly_every) {
@@ -145,7 +146,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("return_lse"), py::arg("exp_poly_every"));
   m.def("prepass", &prepass,
         "quantization pre-pass -> [q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, mask_bits, v_first, v_summary]",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("scale"), py::arg("kv_block") = 128);
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("scale"), py::arg("kv_block") = 128,
+        py::arg("v16") = false);
   m.def("has_variant", &has_variant, py::arg("head_dim"), py::arg("causal"), py::arg("exp_poly_every"));
   m.def("bench_parts", &bench_parts,
         "[pre-pass ms, attention-kernel ms] per call, back-to-back launches, no host work",

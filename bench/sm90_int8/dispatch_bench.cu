@@ -27,6 +27,10 @@ int fwd_kv_block(int head_dim, bool causal, int exp_poly_every, int flags) {
   return variant_or_default(head_dim, causal, exp_poly_every, flags).kv_block();
 }
 
+bool fwd_pv_16bit(int head_dim, bool causal, int exp_poly_every, int flags) {
+  return variant_or_default(head_dim, causal, exp_poly_every, flags).pv_16bit;
+}
+
 cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every, int flags,
                     bool pdl, cudaStream_t stream) {
   return dispatch_detail::run_fwd(p, head_dim, dtype, causal, exp_poly_every, flags, pdl, stream);

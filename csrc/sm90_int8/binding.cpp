@@ -20,7 +20,7 @@ struct ShippedVariants {
   bool has(int d, bool causal, int e) const { return sage_sm90::has_fwd_variant(d, causal, e); }
   FwdShape shape(int d, bool causal, int e) const {
     return {sage_sm90::fwd_rows_per_cta(d, causal, e), sage_sm90::fwd_tile_keys(d, causal, e),
-            sage_sm90::fwd_kv_block(d, causal, e)};
+            sage_sm90::fwd_kv_block(d, causal, e), sage_sm90::fwd_pv_16bit(d, causal, e)};
   }
   cudaError_t run_prepass(const sage_sm90::PrepassParams& p, int d, DType dtype, cudaStream_t stream) const {
     return sage_sm90::run_prepass(p, d, dtype, kPdl, stream);

@@ -25,12 +25,13 @@ using sage_sm90::DType;
 constexpr int kQTileRows = sage_sm90::kQImageRows;
 
 // The shape of the forward variant that serves a call (launch.h fwd_rows_per_cta, fwd_tile_keys,
-// fwd_kv_block; a Variants policy's shape()), which sizes the pre-pass's outputs: Q images of whole CTAs, K / V^T images and
-// scales in K blocks of kv_block keys covering whole tiles of tile_keys keys.
+// fwd_kv_block, fwd_pv_16bit; a Variants policy's shape()), which sizes the pre-pass's outputs: Q images of whole CTAs, K / V^T images and
+// scales in K blocks of kv_block keys covering whole tiles of tile_keys keys; v16: V's image 16-bit.
 struct FwdShape {
   int rows_per_cta = 2 * kQTileRows;
   int tile_keys = 128;
   int kv_block = 128;
+  bool v16 = false;  // FwdOptions::pv_16bit: V as the 16-bit image (launch.h kPrepassV16Image), twice the bytes
 };
 // v_first (launch.h): +Inf, -Inf, NaN per channel, "no key" = every byte 0x7f (common/nonfinite.h).
 constexpr int kNonFiniteKinds = static_cast<int>(sage_common::NonFinite::kCount);
@@ -105,6 +106,9 @@ inline Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const int64_t n_q_tiles = sage_sm90::fwd_q_tiles(Sq, shape.rows_per_cta);
   const int64_t kv_block = shape.kv_block;  // keys per K block (launch.h PrepassParams::kv_block)
   const int64_t n_kv_tiles = sage_sm90::fwd_kv_blocks(Skv, shape.tile_keys, shape.kv_block);
+  const int64_t v_bytes = shape.v16 ? 2 : 1;  // per V image element: FP8, or the 16-bit input
+  TORCH_CHECK(!shape.v16 || (shape.kv_block == 128 && shape.tile_keys == 128),
+              "internal: a 16-bit V image has 128-key blocks and tiles");
   // token chunks of the k-mean / v-absmax reduction (common/token_stats.h, shared with FP4)
   const auto [n_split, split_len] = sage_common::stats_split(B * Hkv, Skv);
 
@@ -121,7 +125,7 @@ inline Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tens
     const int64_t o_sq = c.take(4 * q_elems);
     const int64_t o_k = c.take(B * Hkv * n_kv_tiles * kv_block * D);
     const int64_t o_sk = c.take(4 * B * Hkv * n_kv_tiles);
-    const int64_t o_v = c.take(B * Hkv * n_kv_tiles * D * kv_block);
+    const int64_t o_v = c.take(B * Hkv * n_kv_tiles * D * kv_block * v_bytes);
     const int64_t o_sv = c.take(4 * B * Hkv * D);
     const int64_t o_km = c.take(4 * B * Hkv * D);
     const int64_t o_vf = c.take(4 * v_record_ints(B, Hkv, D));
@@ -162,7 +166,7 @@ inline Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tens
     r.qkm = want_qkm ? at::empty({B, Hq, n_q_tiles * kQTileRows}, f32) : at::empty({0}, f32);
     r.k_img = at::empty({B, Hkv, n_kv_tiles, kv_block * D}, i8);
     r.sk = at::empty({B, Hkv, n_kv_tiles}, f32);
-    r.vt_img = at::empty({B, Hkv, n_kv_tiles, D * kv_block}, u8);
+    r.vt_img = at::empty({B, Hkv, n_kv_tiles, D * kv_block * v_bytes}, u8);
     r.sv = at::empty({B, Hkv, D}, f32);
     r.kmean = at::empty({B, Hkv, D}, f32);
     const at::Tensor v_record = at::full({v_record_ints(B, Hkv, D)}, kNoKey, i32);
@@ -187,8 +191,9 @@ inline Prepared prepare(const at::Tensor& q, const at::Tensor& k, const at::Tens
   p.split_len = split_len;
   p.scale = static_cast<float>(scale);
   p.q_in_stats = (prepass_mode & sage_sm90::kPrepassQInStats) != 0 && !want_qkm;
-  p.kernel_mode = prepass_mode &
-                  (sage_sm90::kPrepassBatchLoads | sage_sm90::kPrepassL2Reuse | sage_sm90::kPrepassFastDiv);
+  p.kernel_mode = (prepass_mode &
+                   (sage_sm90::kPrepassBatchLoads | sage_sm90::kPrepassL2Reuse | sage_sm90::kPrepassFastDiv)) |
+                  (shape.v16 ? sage_sm90::kPrepassV16Image : 0);
   p.skip_q = 0;  // every forward variant reads the pre-pass's Q (q_in_kernel, which did not, is deleted)
   p.kv_block = shape.kv_block;
   if (!one_alloc) {
@@ -239,7 +244,7 @@ inline sage_sm90::FwdParams fwd_params(const Prepared& r, const at::Tensor& q, c
 // for a call's (head dim, causal, exp2 share):
 //   int prepass_mode() const;                     the kPrepass* bit set of the pre-pass
 //   bool has(d, causal, e) const;                 whether a compiled forward variant serves it
-//   FwdShape shape(d, causal, e) const;           its rows per CTA, keys per tile and per K block
+//   FwdShape shape(d, causal, e) const;           its rows per CTA, keys per tile and per K block, V's image
 //   cudaError_t run_prepass(p, d, dtype, stream) const;
 //   cudaError_t run_fwd(p, d, dtype, causal, e, stream) const;
 
@@ -257,17 +262,20 @@ Prepared prepare_and_launch(const Variants& variants, const at::Tensor& q, const
 
 // Pre-pass only, for tests: the quantized images and scales (layouts in launch.h). kv_block: keys
 // per K block, 128, or 64 in whole 192-key tiles (the long_tile variants' pre-pass, which only the
-// benchmark build compiles).
+// benchmark build compiles). v16: V as the pv_16bit variants' 16-bit image (128-key blocks; the
+// benchmark build's too).
 template <class Variants>
 std::vector<at::Tensor> prepass_outputs(const Variants& variants, const at::Tensor& q, const at::Tensor& k,
                                         const at::Tensor& v, const c10::optional<at::Tensor>& key_mask, double scale,
-                                        int64_t kv_block) {
+                                        int64_t kv_block, bool v16 = false) {
   const sage_common::LaunchContext launch(q);  // q's device and its current stream (common/launch_context.h)
   TORCH_CHECK(kv_block == 128 || kv_block == 64, "kv_block must be 128 or 64, got ", kv_block);
+  TORCH_CHECK(!v16 || kv_block == 128, "a 16-bit V image has 128-key blocks, got kv_block ", kv_block);
   const sage_sm90::FwdOptions tiles{.long_tile = kv_block == 64};  // the tile / K block of such variants
   FwdShape shape;
   shape.kv_block = tiles.kv_block();
   shape.tile_keys = tiles.tile_keys();
+  shape.v16 = v16;
   Prepared r = prepare_and_launch(variants, q, k, v, key_mask, scale, /*want_qkm=*/true, shape);
   const int64_t B = q.size(0), Hkv = k.size(1);
   at::Tensor kv_len = r.ws_int.slice(0, B * Hkv, B * Hkv + B);

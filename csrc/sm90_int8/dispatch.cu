@@ -28,6 +28,10 @@ int fwd_kv_block(int head_dim, bool causal, int exp_poly_every) {
   return variant_or_default(head_dim, causal, exp_poly_every, kAnyFlags).kv_block();
 }
 
+bool fwd_pv_16bit(int head_dim, bool causal, int exp_poly_every) {
+  return variant_or_default(head_dim, causal, exp_poly_every, kAnyFlags).pv_16bit;
+}
+
 cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every, bool pdl,
                     cudaStream_t stream) {
   return dispatch_detail::run_fwd(p, head_dim, dtype, causal, exp_poly_every, kAnyFlags, pdl, stream);

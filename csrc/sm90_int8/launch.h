@@ -207,7 +207,8 @@ struct PrepassParams {
   float scale;     // softmax scale, for the LSE correction scale * q . k_mean
   int q_in_stats;   // 1: Q blocks run in the stats launch (needs qkm == nullptr; PrepassMode)
   int kernel_mode;  // the pre-pass mode's kernel-side bits (kPrepassBatchLoads | kPrepassL2Reuse |
-                    // kPrepassFastDiv), a template argument of the kernels (prepass.cuh)
+                    // kPrepassFastDiv), a template argument of the kernels (prepass.cuh); with
+                    // kPrepassV16Image where the forward variant reads a 16-bit V image
   int skip_q;       // 1: no Q blocks, q_img / sq / qkm unused (for FwdOptions::q_in_kernel, deleted: 0 now)
   // outputs
   int8_t* q_img;      // (B, Hq, n_q_tiles, 64*D) swizzled tile images
@@ -215,7 +216,9 @@ struct PrepassParams {
   float* qkm;         // (B, Hq, n_q_tiles*64) scale * q . k_mean, or nullptr (no LSE)
   int8_t* k_img;      // (B, Hkv, n_kv_tiles, 128*D)
   float* sk;          // (B, Hkv, n_kv_tiles)
-  uint8_t* vt_img;    // (B, Hkv, n_kv_tiles, D*128) fp8 e4m3, keys permuted (tile_config.hpp)
+  uint8_t* vt_img;    // (B, Hkv, n_kv_tiles, D*128) fp8 e4m3, keys permuted (tile_config.hpp); with
+                      // kPrepassV16Image (B, Hkv, n_kv_tiles, 2*128*D) bytes of 16-bit V, not quantized
+                      // (tile_config.hpp SmemLayoutVt's MN-major image)
   float* sv;          // (B, Hkv, D)
   float* kmean;       // (B, Hkv, D)
   int* v_first;       // (B, Hkv, 3, D) first attended key with V = +Inf, -Inf, NaN (numerics.hpp);
@@ -271,6 +274,11 @@ constexpr int kPrepassPdl = 8;          // the quant launch and the forward kern
 constexpr int kPrepassL2Reuse = 16;     // L2 eviction hints, the quant launch's K / V blocks reversed
 constexpr int kPrepassFastDiv = 32;     // one reciprocal per scale instead of a division per element
 constexpr int kPrepassModeMax = 63;
+// Not a mode: the host sets it in PrepassParams::kernel_mode from the forward variant's shape
+// (FwdOptions::pv_16bit): V's image is the 16-bit input as given (masked and non-finite elements 0)
+// instead of FP8 V^T. A template bit of the kernels, so the others' code stays as it was; the shipped
+// pre-pass has no such kernels (cudaErrorInvalidValue), the benchmark build's are prepass_v16.cu's.
+constexpr int kPrepassV16Image = 64;
 // The shipped build's mode (binding.cpp; prepass.cu compiles only its kernels, the benchmark build every
 // mode's); chosen from variants_bench.py's pre-pass table.
 constexpr int kPrepassDefaultMode = 7;  // all three: the fastest in variants_bench.py's pre-pass table
@@ -298,6 +306,9 @@ int fwd_rows_per_cta(int head_dim, bool causal, int exp_poly_every);
 // latter and covers whole tiles (fwd_kv_blocks).
 int fwd_tile_keys(int head_dim, bool causal, int exp_poly_every);
 int fwd_kv_block(int head_dim, bool causal, int exp_poly_every);
+// Whether the variant run_fwd picks reads V as a 16-bit image (FwdOptions::pv_16bit; false where none
+// matches): the pre-pass then writes that image (kPrepassV16Image) instead of FP8 V^T.
+bool fwd_pv_16bit(int head_dim, bool causal, int exp_poly_every);
 constexpr int64_t fwd_kv_blocks(int64_t Skv, int tile_keys, int kv_block) {
   return tile_keys / kv_block * ((Skv + tile_keys - 1) / tile_keys);
 }

@@ -9,6 +9,8 @@
 //                 each written as the swizzled shared-memory image the attention kernel copies
 //                 with one bulk copy per tile (tile_config.hpp). V is transposed on the way, with
 //                 the key permutation that lets P stay in registers. Padding rows/keys are 0.
+//                 For a pv_16bit forward variant (kPrepassV16Image) V is not quantized: its blocks
+//                 are the 16-bit input laid out as the kernel's MN-major smem tile (quant_v16_block).
 // With kPrepassPdl (launch.h) both launches after the first start early (common/sm90/pdl.cuh): the
 // quant launch's Q blocks overlap the stats launch's tail, and the forward kernel's prologue
 // overlaps the quant launch's.
@@ -44,15 +46,17 @@ struct RowTiling {
   static constexpr int kRowsPerPass = kPrepassThreads / kLanes;
 };
 
-// Compile-time pre-pass options (the kernel-side bits of launch.h's pre-pass mode). A template
-// axis of every pre-pass kernel as its int bits (nvcc's host stubs cannot spell a class-type
-// template argument).
+// Compile-time pre-pass options (the kernel-side bits of launch.h's pre-pass mode, and the forward
+// variant's kPrepassV16Image). A template axis of every pre-pass kernel as its int bits (nvcc's host
+// stubs cannot spell a class-type template argument).
 struct PrepassOpts {
   bool batch;     // kPrepassBatchLoads
   bool l2;        // kPrepassL2Reuse
   bool fast_div;  // kPrepassFastDiv
+  bool v16;       // kPrepassV16Image: V's blocks as the 16-bit image (quant_v16_block)
   static constexpr PrepassOpts of(int mode) {
-    return {(mode & kPrepassBatchLoads) != 0, (mode & kPrepassL2Reuse) != 0, (mode & kPrepassFastDiv) != 0};
+    return {(mode & kPrepassBatchLoads) != 0, (mode & kPrepassL2Reuse) != 0, (mode & kPrepassFastDiv) != 0,
+            (mode & kPrepassV16Image) != 0};
   }
 };
 constexpr int kPrepassKernelBits = kPrepassBatchLoads | kPrepassL2Reuse | kPrepassFastDiv;
@@ -414,6 +418,72 @@ __device__ void quant_v_block(const PrepassParams& p, int blk, uint8_t* stage) {
   }
 }
 
+// One 128-key V block of one (b, kv head) for a pv_16bit forward variant (kPrepassV16Image): not
+// quantized, the input's 16-bit values as the kernel's smem tile, element sw128_elem16_offset<kKB,
+// D>(key, channel) (tile_config.hpp: MN-major, V's own key order, 128-byte swizzle). Padding and
+// masked keys are zero rows, and a non-finite element is 0, recorded in v_first / v_summary as
+// quant_v_block records it (so masked keys' NaN / Inf vanish and the epilogue writes the rest over
+// the rows that see them): the image is sage8's V0 (sage8_quantize) in the input's type. Each thread
+// moves its 8 channels of a key as one 16-byte piece: no staging, no block barrier.
+template <int D, DType kIn, int kM, int kKB>
+__device__ void quant_v16_block(const PrepassParams& p, int blk) {
+  static_assert(kKB == kBlockKV, "a 16-bit V image per 128-key block (pv_16bit: no long_tile)");
+  constexpr bool kBatch = PrepassOpts::of(kM).batch;
+  using RT = RowTiling<D>;
+  constexpr int kPasses = kKB / RT::kRowsPerPass;
+  const int tile = blk % p.n_kv_tiles, bh = blk / p.n_kv_tiles;
+  const int b = bh / p.Hkv, hk = bh % p.Hkv;
+  const int tid = threadIdx.x, c0 = (tid % RT::kLanes) * 8;
+  const char* vb = static_cast<const char*>(p.v) + 2 * (b * p.v_sb + hk * p.v_sh + c0);
+  uint16_t* img = reinterpret_cast<uint16_t*>(p.vt_img) + (static_cast<int64_t>(bh) * p.n_kv_tiles + tile) * (kKB * D);
+  uint4 xs[kPasses];
+  auto load_pass = [&](int pass) {
+    const int key = tile * kKB + pass * RT::kRowsPerPass + tid / RT::kLanes;
+    // padding and masked keys: +0 bits
+    xs[pass] = key_attended(p, b, key) ? load_raw8<kLastReadHint<kM>>(vb + 2 * static_cast<int64_t>(key) * p.v_ss)
+                                       : make_uint4(0, 0, 0, 0);
+  };
+  if constexpr (kBatch) {
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) load_pass(pass);
+  }
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int r = pass * RT::kRowsPerPass + tid / RT::kLanes;
+    if constexpr (!kBatch) load_pass(pass);
+    float x[8];
+    raw_to_float8<kIn>(xs[pass], x);
+    bool odd = false;  // a non-finite element (rare): recorded for the epilogue, stored as +0
+#pragma unroll
+    for (int i = 0; i < 8; ++i) odd |= !(fabsf(x[i]) < INFINITY);
+    if (odd) {  // masked / padding rows were loaded as zeros: only attended keys get here
+      const int key = tile * kKB + r;
+      int* v_first = p.v_first + static_cast<int64_t>(bh) * static_cast<int>(NonFinite::kCount) * D;
+      uint32_t w[4] = {xs[pass].x, xs[pass].y, xs[pass].z, xs[pass].w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (!(fabsf(x[i]) < INFINITY)) {
+          record_nonfinite(v_first, D, c0 + i, key, x[i]);
+          w[i / 2] &= (i & 1) ? 0x0000ffffu : 0xffff0000u;  // element i: the low half when i is even
+        }
+      }
+      xs[pass] = make_uint4(w[0], w[1], w[2], w[3]);
+      atomicMin(p.v_summary + bh, key);  // the epilogue's shortcut (FwdOptions::epilogue_summary)
+    }
+    *reinterpret_cast<uint4*>(img + sw128_elem16_offset<kKB, D>(r, c0)) = xs[pass];
+  }
+}
+
+// quant_kernel's V block: the FP8 V^T image, or (kPrepassV16Image) the 16-bit one.
+template <int D, DType kIn, int kM, int kKB>
+__device__ __forceinline__ void quant_v_image(const PrepassParams& p, int blk, uint8_t* stage) {
+  if constexpr (PrepassOpts::of(kM).v16) {
+    quant_v16_block<D, kIn, kM, kKB>(p, blk);
+  } else {
+    quant_v_block<D, kIn, kM, kKB>(p, blk, stage);
+  }
+}
+
 // kBatch also brings hd128 from 92 to ~70 registers: 3 blocks per SM instead of 2 (a cap of 64
 // for 4 blocks spills). kPrepassFastDiv's eight quotients in flight take hd64 from 58 to ~72
 // registers: a floor of 4 blocks per SM (<= 64 registers) keeps its occupancy.
@@ -445,14 +515,14 @@ __global__ void __launch_bounds__(kPrepassThreads, kQuantMinBlocks<D, kM>)
     if (j % 2 == 0) {
       quant_k_block<D, kIn, kM, kKB>(p, kv_blk, scratch);
     } else {
-      quant_v_block<D, kIn, kM, kKB>(p, kv_blk, stage);
+      quant_v_image<D, kIn, kM, kKB>(p, kv_blk, stage);
     }
   } else if (blk < n_qb + n_kb) {
     sage_common::sm90::pdl_wait();  // the k mean
     quant_k_block<D, kIn, kM, kKB>(p, blk - n_qb, scratch);
   } else {
-    sage_common::sm90::pdl_wait();  // the V channel scales
-    quant_v_block<D, kIn, kM, kKB>(p, blk - n_qb - n_kb, stage);
+    sage_common::sm90::pdl_wait();  // the V channel scales (kPrepassV16Image: none needed; waits all the same)
+    quant_v_image<D, kIn, kM, kKB>(p, blk - n_qb - n_kb, stage);
   }
 }
 
@@ -461,12 +531,13 @@ __global__ void __launch_bounds__(kPrepassThreads, kQuantMinBlocks<D, kM>)
 // about the same bytes (stats: read K, V + Q in/out; quant: K, V in/out), the stats launch,
 // under one wave of long serial reductions otherwise, gets independent work to hide its latency,
 // and the quant launch has a third fewer blocks (fewer waves and a shorter tail).
+// kPrepassV16Image changes the quant launch's V blocks only: the stats launch is the same kernel.
 template <int D, DType kIn, int kM, int kKB = kBlockKV>
 cudaError_t launch_prepass_impl(const PrepassParams& p, bool pdl, cudaStream_t stream) {
   const int n_stat = p.B * p.Hkv * p.n_split;
   const int n_mask = p.key_mask ? p.B * ((kKB / 32 * p.n_kv_tiles + 7) / 8) : 0;
   const int n_q = p.q_in_stats ? q_block_count(p) : 0;
-  stats_kernel<D, kIn, kM, kKB><<<n_stat + n_mask + n_q, kPrepassThreads, 0, stream>>>(p);
+  stats_kernel<D, kIn, kM & ~kPrepassV16Image, kKB><<<n_stat + n_mask + n_q, kPrepassThreads, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int n_quant = (p.q_in_stats ? 0 : q_block_count(p)) + 2 * p.B * p.Hkv * p.n_kv_tiles;
@@ -483,6 +554,14 @@ using PrepassKernelModeSubsets = std::integer_sequence<int, 0, kB, kL, kB | kL, 
 using PrepassAllKernelModes = PrepassKernelModeSubsets<>;
 static_assert(kPrepassKernelBits == (kPrepassBatchLoads | kPrepassL2Reuse | kPrepassFastDiv),
               "PrepassKernelModeSubsets spans every kernel-side bit");
+// ... and each of those with kPrepassV16Image (the pv_16bit variants' V image; the benchmark build's
+// bench/sm90_int8/prepass_v16.cu).
+template <int kBits, int... kModes>
+constexpr auto with_mode_bits(std::integer_sequence<int, kModes...>) {
+  return std::integer_sequence<int, (kModes | kBits)...>{};
+}
+using PrepassV16KernelModes = decltype(with_mode_bits<kPrepassV16Image>(PrepassAllKernelModes{}));
+static_assert((kPrepassV16Image & (kPrepassKernelBits | kPrepassModeMax)) == 0, "kPrepassV16Image is no mode bit");
 
 // p.kernel_mode: the pre-pass mode's kernel-side bits (kPrepassKernelBits), one instantiation each
 // of the modes in kModes (cudaErrorInvalidValue for any other). kKB: keys per K block (128; 64 in

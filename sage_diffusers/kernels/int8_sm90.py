@@ -108,7 +108,7 @@ _BENCH = config.sm90_bench()
 
 def bench_source_dir() -> Path:
     """The benchmark build's own sources (binding, dispatch table and its instantiations, the pre-pass
-    in every mode and with 64-key blocks): a checkout's ``bench/sm90_int8/``."""
+    in every mode, with 64-key blocks and with V's 16-bit image): a checkout's ``bench/sm90_int8/``."""
     return _jit.CHECKOUT_CSRC.parent / "bench" / "sm90_int8"
 
 
@@ -119,7 +119,7 @@ def _bench_sources() -> list[Path]:
                            f"(not found at {b}); installed wheels carry only the shipped build")
     # the pre-pass: prepass_modes.cu (every mode), not the shipped prepass.cu (the default mode only)
     return [b / "binding_bench.cpp", b / "dispatch_bench.cu", b / "prepass_modes.cu", b / "prepass_long.cu",
-            *sorted((b / "instantiations").glob("bench_*.cu"))]
+            b / "prepass_v16.cu", *sorted((b / "instantiations").glob("bench_*.cu"))]
 
 
 def build(verbose: bool = False) -> ModuleType:
@@ -256,6 +256,14 @@ def _vt_key_to_position(device, keys: int = BLOCK_KV) -> torch.Tensor:
     return inv
 
 
+def _v16_offsets(keys: int, d: int, device) -> torch.Tensor:
+    """Element offset of (key, channel) inside a 16-bit V image (tile_config.hpp SmemLayoutVt of
+    ``pv_16bit``: common/sm90/gmma_swizzle.cuh sw128_elem16_offset<keys, d>), shape (keys, d)."""
+    key = torch.arange(keys, device=device).view(-1, 1)
+    ch = torch.arange(d, device=device).view(1, -1)
+    return (ch >> 6) * keys * 64 + key * 64 + ((((ch >> 3) & 7) ^ (key & 7)) << 3) + (ch & 7)
+
+
 def _decode_rows(img: torch.Tensor, rows: int, d: int, n_valid: int) -> torch.Tensor:
     """(B, H, n_tiles, rows*d) images of row-major (rows, d) tiles -> (B, H, n_valid, d)."""
     b, h, n, _ = img.shape
@@ -263,13 +271,16 @@ def _decode_rows(img: torch.Tensor, rows: int, d: int, n_valid: int) -> torch.Te
     return img[..., off].reshape(b, h, n * rows, d)[:, :, :n_valid]
 
 
-def prepass(q, k, v, key_mask=None, scale=None, kv_block: int = BLOCK_KV) -> dict:
+def prepass(q, k, v, key_mask=None, scale=None, kv_block: int = BLOCK_KV, v16: bool = False) -> dict:
     """Run only the quantization pre-pass and decode its outputs.
 
     kv_block: keys per K scale block, 128 (every shipped variant) or 64 (the ``long_tile`` variants
     of the benchmark build, whose 192-key tiles hold three such blocks; their pre-pass exists only
     in that build). sk then has 3 * ceil(Skv / 192) entries per (b, kv head), mask_bits 2 words per
     block.
+    v16: V as the ``pv_16bit`` variants' 16-bit image instead of FP8 (the benchmark build only,
+    128-key blocks): the dict then holds ``v16`` (B, Hkv, Skv, D) in q.dtype instead of ``v8``, the input
+    V as given with masked keys and non-finite elements 0 (those recorded in v_first / v_summary).
 
     Returns
     -------
@@ -286,6 +297,10 @@ def prepass(q, k, v, key_mask=None, scale=None, kv_block: int = BLOCK_KV) -> dic
     """
     if kv_block not in (BLOCK_KV, 64):
         raise ValueError(f"kv_block: expected {BLOCK_KV} or 64, got {kv_block}")
+    if v16 and (not _BENCH or kv_block != BLOCK_KV):
+        raise ValueError("v16=True (the pv_16bit variants' pre-pass) exists in the benchmark build "
+                         f"(SAGE_DIFFUSERS_SM90_BENCH=1) with kv_block={BLOCK_KV} only; got kv_block {kv_block}, "
+                         f"benchmark build {_BENCH}")
     if kv_block == 64 and (not _BENCH or q.shape[-1] != 128):
         raise ValueError("kv_block=64 (the long_tile variants' pre-pass) exists in the benchmark build "
                          f"(SAGE_DIFFUSERS_SM90_BENCH=1) at head dim 128 only; got head dim {q.shape[-1]}, "
@@ -295,22 +310,31 @@ def prepass(q, k, v, key_mask=None, scale=None, kv_block: int = BLOCK_KV) -> dic
     d, sq_len, skv = q.shape[-1], q.shape[2], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     qq, kk, vv = kernel_views(q, k, v)
+    # (the shipped binding takes no v16: only the benchmark build's is passed it)
+    extra = (True,) if v16 else ()
     q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, bits, v_first, v_summary = _extension().prepass(
-        qq, kk, vv, key_mask, scale, kv_block)
+        qq, kk, vv, key_mask, scale, kv_block, *extra)
     b, hkv = k.shape[0], k.shape[1]
     n_kv = vt_img.shape[2]
-    # V^T image (d, kv_block positions): key j of the block sits at position inv[j].
-    inv = _vt_key_to_position(q.device, kv_block)
-    off = _image_offsets(d, kv_block, q.device)            # (d, kv_block) by (channel, position)
-    gather = off[:, inv].t().reshape(-1)                    # (key, channel) -> byte offset
-    v8 = vt_img[..., gather].reshape(b, hkv, n_kv * kv_block, d)[:, :, :skv]
+    if v16:
+        # (B, Hkv, n_kv, 2 * 128 * d) bytes -> 16-bit elements, key j, channel c at _v16_offsets[j, c]
+        img16 = vt_img.contiguous().view(q.dtype)
+        v_dec = img16[..., _v16_offsets(kv_block, d, q.device).reshape(-1)].reshape(b, hkv, n_kv * kv_block, d)
+        v_out = {"v16": v_dec[:, :, :skv].contiguous()}
+    else:
+        # V^T image (d, kv_block positions): key j of the block sits at position inv[j].
+        inv = _vt_key_to_position(q.device, kv_block)
+        off = _image_offsets(d, kv_block, q.device)            # (d, kv_block) by (channel, position)
+        gather = off[:, inv].t().reshape(-1)                    # (key, channel) -> byte offset
+        v8 = vt_img[..., gather].reshape(b, hkv, n_kv * kv_block, d)[:, :, :skv]
+        v_out = {"v8": v8.contiguous().view(torch.float8_e4m3fn)}
     return {
         "q8": _decode_rows(q_img, Q_TILE_ROWS, d, sq_len),
         "sq": sq[:, :, :sq_len],
         "qkm": qkm[:, :, :sq_len],
         "k8": _decode_rows(k_img, kv_block, d, skv),
         "sk": sk,
-        "v8": v8.contiguous().view(torch.float8_e4m3fn),
+        **v_out,
         "sv": sv,
         "k_mean": kmean,
         "kv_len": kv_len,
