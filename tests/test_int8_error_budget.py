@@ -34,6 +34,19 @@ def test_shipped_is_sage8_reference_bit_for_bit(kind, s, d, row_sum):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("kind,s,d", CASES)
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_16bit_pv_is_sage8_reference_pv16_bit_for_bit(kind, s, d, fmt):
+    # The accuracy policy the kernel's pv_16bit option builds (P~ = p and V as given, in the input's
+    # 16-bit type, fp32 row sums of p): the emulation the error budget measured it with is the
+    # reference the kernel is tested against.
+    q, k, v = eb.make_inputs(kind, 2, s, d, seed=4)
+    ref = sage8_reference(q, k, v, row_sum="p", pv=fmt)
+    out = eb.emulate(q, k, v, replace(_variant("shipped"), p=fmt, v=fmt, row_sum="p"))
+    assert torch.equal(out, ref)
+    assert not torch.equal(ref, sage8_reference(q, k, v, row_sum="p"))  # not the FP8 product
+
+
 def test_k_block64_is_sage8_reference_k_block64_bit_for_bit():
     q, k, v = eb.make_inputs("bench", 2, 300, 64, seed=1)
     ref = sage8_reference(q, k, v, row_sum="codes", k_block=64)

@@ -268,6 +268,60 @@ def test_int8_reference_codes_row_sum():
         sage8_reference(q, k, v, row_sum="fp8")
 
 
+def test_int8_reference_16bit_pv():
+    """pv="bf16" / "fp16" (the kernel's pv_16bit): P~ = p and V (masked rows and non-finite entries 0)
+    both rounded to that type, no V scales, fp32 row sums of p. Checked against that product in one
+    plain softmax (one key tile), with masks and GQA; it is closer to float64 SDPA than the FP8
+    product on the benchmark inputs (the option's point: SageAttention2's rel-L1 0.038 -> ~0.012); V's
+    NaN / Inf still reach exactly the rows that see them, a masked key's NaN nothing; pv="fp8" is the
+    default bit for bit; row_sum="codes" and unknown formats are a ValueError."""
+    from sage_diffusers.reference import sage8_quantize
+
+    torch.manual_seed(2)
+    q, k, v = make_qkv(2, 4, 2, 113, 100, 64)  # 100 keys: one 128-key tile
+    mask = torch.rand(2, 100) > 0.3
+    mask[:, 0] = True
+    mask[1, 50:] = False
+    t = sage8_quantize(q, k, v, key_mask=mask)
+    # the scores as the reference rounds them (row scale first), so no p lands on the other side of a
+    # 16-bit rounding boundary
+    dots = t["q8"].float() @ t["k8"].float().repeat_interleave(2, 1).transpose(-1, -2)
+    s = dots * (t["sq"][..., None] * ((64 ** -0.5) * 1.4426950408889634)) * t["sk"].repeat_interleave(2, 1)[:, :, 0, None, None]
+    s = s.masked_fill(~mask[:, None, None, :], -math.inf)
+    p = torch.exp2(s - s.amax(-1, keepdim=True))  # (B, Hq, Sq, Skv)
+    shift = (64 ** -0.5) * (q @ t["k_mean"].repeat_interleave(2, 1)[..., None]).squeeze(-1)
+    for fmt, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        out, lse = sage8_reference(q, k, v, key_mask=mask, return_lse=True, pv=fmt)
+        v16 = torch.where(mask[:, None, :, None], v, 0.0).to(dt).float().repeat_interleave(2, 1)
+        want = p.to(dt).float() @ v16 / p.sum(-1, keepdim=True)
+        want_lse = (s.amax(-1) * math.log(2)) + torch.log(p.sum(-1)) + shift
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(sage8_reference(q, k, v, key_mask=mask, return_lse=True, pv="fp8"),
+                                                 sage8_reference(q, k, v, key_mask=mask, return_lse=True)))
+    # the benchmark inputs (bf16, as the kernel sees them): about three times closer to exact attention
+    qb, kb, vb = make_qkv(1, 4, 4, 1024, 1024, 128, torch.bfloat16)
+    qb, kb, vb = qb.float(), kb.float(), vb.float()
+    ref = exact_attention(qb, kb, vb)
+    l1_fp8, l1_bf16 = (relative_l1(sage8_reference(qb, kb, vb, pv=f), ref) for f in ("fp8", "bf16"))
+    assert l1_bf16 < 0.02 and l1_bf16 < l1_fp8 / 2.5, (l1_fp8, l1_bf16)
+    # V's NaN / Inf: the rows that see them, a masked key's nowhere
+    vn = v.clone()
+    j = int(mask[0, 1:].nonzero()[0]) + 1  # batch 0's second attended key (key 0 always is)
+    vn[0, 1, 0, 5], vn[0, 1, j, 6] = math.inf, math.nan
+    vn[1, 0, 60, 2] = math.nan  # key 60 of batch 1 is masked
+    out = sage8_reference(q, k, vn, key_mask=mask, pv="bf16")
+    ref_out = sage8_reference(q, k, v, key_mask=mask, pv="bf16")
+    assert torch.isinf(out[0, 2:4, :, 5]).all() and torch.isnan(out[0, 2:4, :, 6]).all()
+    keep = torch.ones_like(out, dtype=torch.bool)
+    keep[0, 2:4, :, 5:7] = False
+    assert torch.equal(out[keep], ref_out[keep])
+    with pytest.raises(ValueError, match="row_sum"):
+        sage8_reference(q, k, v, row_sum="codes", pv="bf16")
+    with pytest.raises(ValueError, match="pv"):
+        sage8_reference(q, k, v, pv="fp4")
+
+
 def test_int8_reference_k_block():
     """k_block (keys per K scale block, a divisor of the tile block_kv): k_block = block_kv is the shipped
     numerics bit for bit; 64-key scale blocks in 192-key tiles (the long-tile design) match a plain
