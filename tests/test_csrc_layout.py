@@ -650,7 +650,8 @@ def test_int8_long_tile_flag_validity_and_bench_variants():
     assert replace(gen.DEFAULTS[128], tc_row_sum=False).flags in flags  # the partner without tc_row_sum
     # the benchmarks' references follow each variant's tiles (generated for Python)
     from sage_diffusers.kernels import _sm90_int8_variants as py
-    assert py.TILE_KWARGS == {o.flags: {"block_kv": 192, "k_block": 64} for o in longs}
+    assert {f: kw for f, kw in py.REFERENCE_KWARGS.items() if "block_kv" in kw} == {
+        o.flags: {"block_kv": 192, "k_block": 64} for o in longs}
     # its ring: Q 16 KB + 3 stages x (K 24 KB + V^T 24 KB), barriers, the base slack and O's fp32 sum
     # fit the 227 KB budget (tile_config.hpp kStages), 4 stages do not
     # (tc_row_sum: V^T stages of 136 x 192 bytes, an O sum of 136 columns: 2 stages)
@@ -668,6 +669,56 @@ def test_int8_long_tile_flag_validity_and_bench_variants():
     assert "launch_prepass<128, DType::kBF16, 64, Modes>" in long_pre and "using Modes = PrepassAllKernelModes;" in long_pre
     jit = (ROOT / "sage_diffusers" / "kernels" / "int8_sm90.py").read_text()
     assert jit.count('"prepass_long.cu"') == 1  # the benchmark build's source list only
+
+
+def test_int8_pv_16bit_flag_validity_bench_variants_and_prepass():
+    """`pv_16bit` is flag bit 1 << 26 (kFlagsHighShift + 14) on both sides, named "pv16", refused with
+    tc_row_sum, fp32_pv_tiles, smem_o_every or long_tile (Python raises, C++ valid() says so); no shipped
+    variant has it; the benchmark build holds each head dim's defaults with it (without what it replaces)
+    and one more loop, compared against sage8_reference(pv="bf16"); the 16-bit V image is a template bit
+    of the pre-pass (kPrepassV16Image: the shipped kernels' code unchanged), compiled in the benchmark
+    build only, and the binding sizes it from the variant (fwd_pv_16bit)."""
+    from dataclasses import replace
+
+    from sage_diffusers.kernels import _sm90_int8_variants as py
+    from sage_diffusers.kernels import int8_sm90
+
+    gen = _generator()
+    launch, kernel = _assert_high_flag(gen, "pv_16bit", 14, "pv16")
+    assert "(!pv_16bit || (!tc_row_sum && !fp32_pv_tiles && smem_o_every == 0 && !long_tile))" in launch
+    assert "using VElem = FwdVElem<kOut, kOpt>;" in kernel
+    for bad in (dict(tc_row_sum=True), dict(fp32_pv_tiles=True), dict(smem_o_every=4),
+                dict(lean_softmax=True, long_tile=True)):
+        with pytest.raises(ValueError, match="pv_16bit"):
+            gen.FwdOptions(pv_16bit=True, **bad)
+    assert gen.FwdOptions(pv_16bit=True).flags == 1 << 26 and gen.FwdOptions(pv_16bit=True).name == "plain_pv16"
+    assert not any(o.pv_16bit for *_, o in gen.variants())
+    pv16 = [(d, o) for d, o in gen.BENCH_VARIANTS if o.pv_16bit]
+    assert sorted(d for d, _ in pv16) == [64, 64, 128, 128]
+    for d, o in pv16:
+        assert o == replace(gen.DEFAULTS[d], pv_16bit=True, tc_row_sum=False, smem_o_every=0, fp32_pv_tiles=False,
+                            fused_rescale=False, q_in_registers=o.q_in_registers,
+                            three_consumers=o.three_consumers, overlap_softmax_pv=o.overlap_softmax_pv)
+        assert py.REFERENCE_KWARGS[o.flags] == {"pv": "bf16"} and py.FLAG_NAMES[o.flags] == o.name
+    assert (128, replace(gen.DEFAULTS[128], pv_16bit=True, tc_row_sum=False, smem_o_every=0)) in pv16
+    assert (64, replace(gen.DEFAULTS[64], pv_16bit=True, tc_row_sum=False, fp32_pv_tiles=False,
+                        fused_rescale=False)) in pv16
+    # the register split: the consumers at 240 with a P array twice the FP8 one (two warpgroups)
+    assert "kOpt.long_tile || kOpt.pv_16bit, sage_common::sm90::RegisterSplit<24, 240>" in kernel
+    assert "three_consumers || pv_16bit; }" in launch
+    # the pre-pass: a template bit outside the modes, its kernels in bench/ only, sized by the variant
+    assert "constexpr int kPrepassV16Image = 64;" in launch and "constexpr int kPrepassModeMax = 63;" in launch
+    k, b = CSRC / "sm90_int8", ROOT / "bench" / "sm90_int8"
+    assert "PrepassV16KernelModes" not in (k / "prepass.cu").read_text()
+    assert "dispatch_prepass<kBlockKV, PrepassV16KernelModes>" in (b / "prepass_v16.cu").read_text()
+    assert "run_prepass_v16(p, head_dim, dtype, pdl, stream)" in (b / "prepass_modes.cu").read_text()
+    assert "stats_kernel<D, kIn, kM & ~kPrepassV16Image, kKB>" in (k / "prepass.cuh").read_text()
+    binding = (k / "binding.h").read_text()
+    assert "(shape.v16 ? sage_sm90::kPrepassV16Image : 0)" in binding
+    assert "sage_sm90::fwd_pv_16bit(d, causal, e)" in (k / "binding.cpp").read_text()
+    assert "sage_sm90::bench::fwd_pv_16bit(d, causal, e, s.flags)" in (b / "binding_bench.cpp").read_text()
+    assert {p.name for p in int8_sm90._bench_sources()} >= {"prepass_v16.cu"}
+    assert "prepass_v16.cu" not in {p.name for p in int8_sm90._sources()}
 
 
 def test_int8_shipped_prepass_compiles_the_default_mode_only():

@@ -135,15 +135,15 @@ def accumulation_check(variants, run, shapes):
         for label, bias in (("bench", {}), ("dit", {"q_bias": 1.0, "v_bias": 0.5})):
             q, k, v = make_inputs(b, h, s, d, seed=3, **bias)
             qf, kf, vf = q.float(), k.float(), v.float()
-            refs = {}  # per tile numerics (TILE_KWARGS: long_tile's 192 / 64), computed once each
+            refs = {}  # per variant numerics (REFERENCE_KWARGS: long_tile's 192 / 64, pv_16bit's pv), once each
             exact = F.scaled_dot_product_attention(qf, kf, vf)
             for dd, poly, flags in variants:
                 if dd != d:
                     continue
-                tiles = _variants.TILE_KWARGS.get(flags, {})
-                key = tuple(sorted(tiles.items()))
+                kw = _variants.REFERENCE_KWARGS.get(flags, {})
+                key = tuple(sorted(kw.items()))
                 if key not in refs:
-                    refs[key] = sage8_reference(qf, kf, vf, **tiles).float()
+                    refs[key] = sage8_reference(qf, kf, vf, **kw).float()
                 ref = refs[key]
                 out = run(q, k, v, poly, flags).float()
                 print(f"| {b}x{h}x{s}x{d} | {label} | {NAMES.get(flags, flags)}/p{poly} | "
@@ -189,10 +189,11 @@ def main():
             mask[:, :5] = True
             # the last batch row sees only its first third: key-tile counts differ between its CTAs
             mask[-1, s // 3:] = False
-            # per tile numerics (TILE_KWARGS: long_tile's 192-key tiles of 64-key K blocks) and mask
+            # per variant numerics (REFERENCE_KWARGS: long_tile's 192-key tiles of 64-key K blocks, pv_16bit's
+            # 16-bit P~ V) and mask
             refs = {(key, masked): sage8_reference(q.float(), k.float(), v.float(), key_mask=mask if masked else None,
                                                    **dict(key)).float()
-                    for key in {tuple(sorted(t.items())) for t in (*_variants.TILE_KWARGS.values(), {})}
+                    for key in {tuple(sorted(t.items())) for t in (*_variants.REFERENCE_KWARGS.values(), {})}
                     for masked in (False, True)}
             # every variant in mode 0 and launched with PDL (its pdl_wait guards the pre-pass outputs)
             cases = [(poly, flags, mode) for dd, poly, flags in variants if dd == d
@@ -204,7 +205,7 @@ def main():
                     ext.set_prepass_mode(mode)
                 for masked in (False, True):
                     out = run(q, k, v, poly, flags, mask=mask if masked else None)
-                    c = cosine(out.float(), refs[(tuple(sorted(_variants.TILE_KWARGS.get(flags, {}).items())), masked)])
+                    c = cosine(out.float(), refs[(tuple(sorted(_variants.REFERENCE_KWARGS.get(flags, {}).items())), masked)])
                     ok = c >= 0.9999 and torch.isfinite(out).all().item()
                     bad += not ok
                     if not ok:

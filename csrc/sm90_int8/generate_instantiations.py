@@ -40,7 +40,7 @@ _HIGH_SHIFT = 12
 # name -> bit above _HIGH_SHIFT (FwdOptions::flags() in launch.h spells the same positions)
 _HIGH_BITS = {"phase_clock": 2, "epilogue_summary": 3,
               "epilogue_staged": 5, "three_consumers": 6, "tc_row_sum": 8, "tile_sums": 9,
-              "fused_rescale": 10, "seeded_scores": 12, "long_tile": 13}
+              "fused_rescale": 10, "seeded_scores": 12, "long_tile": 13, "pv_16bit": 14}
 # Bits of deleted options, left unused so that no other option set's flags (or kernel name) change:
 # low bit 4 (fp16_exp2), high bits 0 (seed_reductions), 1 (persistent), 4 (q_in_kernel), 7
 # (late_pv_wait) and 11 (fma_convert). DESIGN.md.
@@ -69,6 +69,7 @@ class FwdOptions:
     fused_rescale: bool = False       # bit 1 << 22 (kFlagsHighShift + 10), O = alpha O + tile (fp32_pv_tiles, plain loop)
     seeded_scores: bool = False       # bit 1 << 24 (kFlagsHighShift + 12), S accumulated onto the bias bits
     long_tile: bool = False           # bit 1 << 25 (kFlagsHighShift + 13), 192-key tiles of three 64-key K blocks
+    pv_16bit: bool = False            # bit 1 << 26 (kFlagsHighShift + 14), P~ V as a 16-bit wgmma (V unquantized)
 
     def __post_init__(self):
         if self.split_reductions and not self.lean_softmax:
@@ -87,6 +88,10 @@ class FwdOptions:
                              "warpgroups")
         if self.three_consumers and (self.pingpong or self.phase_clock):
             raise ValueError(f"{self}: three_consumers has no ping-pong schedule or phase record (two warpgroups)")
+        if self.pv_16bit and (self.tc_row_sum or self.fp32_pv_tiles or self.smem_o_every or self.long_tile):
+            raise ValueError(f"{self}: pv_16bit takes the row sums from the softmax (no tc_row_sum), accumulates "
+                             "O in fp32 in the tensor core (no fp32_pv_tiles, smem_o_every) and 128-key tiles "
+                             "(no long_tile)")
 
     @property
     def flags(self) -> int:
@@ -119,7 +124,8 @@ class FwdOptions:
 _HIGH_SHORT = {"epilogue_summary": "esum", "phase_clock": "clock",
                "epilogue_staged": "stage", "three_consumers": "wg3",
                "tc_row_sum": "tcsum", "tile_sums": "tilesum",
-               "fused_rescale": "fusedrescale", "seeded_scores": "seeded", "long_tile": "long"}
+               "fused_rescale": "fusedrescale", "seeded_scores": "seeded", "long_tile": "long",
+               "pv_16bit": "pv16"}
 
 HEAD_DIMS = (64, 128)
 DTYPES = {"fp16": "DType::kF16", "bf16": "DType::kBF16"}
@@ -267,6 +273,17 @@ _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every
 # defaults' loop also with smem_o_every = 2 (384 keys: 0.23 %, a flush per 2 tiles). variants_bench.py's
 # accumulation check and the GPU test measure it. Not yet run on a GPU.
 _LONG = {"long_tile": True, "q_in_registers": False}
+# pv_16bit (the accuracy policy of issue 38 item 3, eval/results/int8_error_budget_cpu.md "The policy to
+# build": P~ = p in bf16 times V in bf16 as given, fp32 accumulation; benchmark inputs rel-L1 ~0.012
+# expected against 0.038; sage8_reference(pv="bf16")): each head dim's defaults with it, without what it
+# replaces: tc_row_sum (the sums come from the softmax: the ones rows are FP8), and the FP8
+# accumulator's workarounds smem_o_every (hd128), fp32_pv_tiles and fused_rescale (hd64). The pre-pass
+# writes V as a 16-bit image (kPrepassV16Image), twice the FP8 one; the hd128 ring drops to 3 stages.
+# hd128 fits the defaults' loop (overlap + ping-pong, Q in registers) only with the consumers at 240
+# registers (at 232: 16 bytes of spills, wgmmas serialized); companion: the same without Q in registers.
+# hd64: the defaults' three-consumer plain loop (160 registers, no spill), and the overlap loop on two
+# warpgroups. Not yet run on a GPU.
+_PV16 = {"pv_16bit": True, "tc_row_sum": False}
 _BENCH_CHANGES = {
     128: (*_BENCH_COMMON,
           {**_HD128_WG3_LOOP, "three_consumers": True},
@@ -274,11 +291,15 @@ _BENCH_CHANGES = {
           {"tc_row_sum": False}, {"tile_sums": True}, {"seeded_scores": False},
           {"overlap_softmax_pv": False}, {"pingpong": False},
           _LONG, {**_LONG, "smem_o_every": 2}, {**_LONG, "overlap_softmax_pv": False}, {**_LONG, "tc_row_sum": False},
-          {**_LONG, "tc_row_sum": False, "overlap_softmax_pv": False}),
+          {**_LONG, "tc_row_sum": False, "overlap_softmax_pv": False},
+          {**_PV16, "smem_o_every": 0}, {**_PV16, "smem_o_every": 0, "q_in_registers": False}),
     64: (*_BENCH_COMMON,
          {"three_consumers": False, "epilogue_staged": False, "overlap_softmax_pv": True, "fused_rescale": False},
          {"three_consumers": False, "epilogue_summary": False, "epilogue_staged": False},
-         {"tc_row_sum": False}, {"fused_rescale": False}),
+         {"tc_row_sum": False}, {"fused_rescale": False},
+         {**_PV16, "fp32_pv_tiles": False, "fused_rescale": False},
+         {**_PV16, "fp32_pv_tiles": False, "fused_rescale": False, "three_consumers": False,
+          "overlap_softmax_pv": True}),
 }
 _UNCORRECTED = {128: _HD128, 64: _HD64}
 # Options refused together at one head dim (fwd_kernel static_asserts the same): at hd128 the
@@ -351,6 +372,17 @@ def _row_sum(opt: FwdOptions) -> str:
     return "codes" if opt.tc_row_sum else "p"
 
 
+def _reference_kwargs(opt: FwdOptions) -> dict:
+    """sage8_reference's keyword arguments, beyond row_sum, for the numerics of a benchmark variant
+    (bf16 inputs): long_tile's 192-key tiles of 64-key K blocks, pv_16bit's 16-bit P~ V."""
+    kw: dict = {}
+    if opt.long_tile:
+        kw.update(block_kv=192, k_block=64)
+    if opt.pv_16bit:
+        kw.update(pv="bf16")
+    return kw
+
+
 def main() -> None:
     out = HERE / "instantiations"
     out.mkdir(exist_ok=True)
@@ -371,7 +403,7 @@ def main() -> None:
         bench.append(f"SAGE_SM90_VARIANT({d}, DType::kBF16, false, ({opt.cpp()}))")
     (BENCH_OUT / "variants_bench.inc").write_text(_HEADER + "\n".join(bench) + "\n")
     names = {o.flags: replace(o, exp2_poly_every=0).name for o in [*DEFAULTS.values(), *(o for _, o in BENCH_VARIANTS)]}
-    tiles = {o.flags: {"block_kv": 192, "k_block": 64} for _, o in BENCH_VARIANTS if o.long_tile}
+    reference = {o.flags: _reference_kwargs(o) for _, o in BENCH_VARIANTS if _reference_kwargs(o)}
     PY_OUT.write_text(
         '"""Generated by csrc/sm90_int8/generate_instantiations.py: do not edit.\n\n'
         "The 8-bit kernel's compiled variants and defaults, from the same source as the C++ dispatch\n"
@@ -388,8 +420,9 @@ def main() -> None:
         f"BENCH_VARIANTS = {tuple((d, o.exp2_poly_every, o.flags, o.name) for d, o in BENCH_VARIANTS)!r}\n"
         f"# option-set name per run-time flags\n"
         f"FLAG_NAMES = {dict(sorted(names.items()))!r}\n"
-        f"# sage8_reference's block_kv / k_block for the variants whose key tiles are not 128 / 128 (long_tile)\n"
-        f"TILE_KWARGS = {dict(sorted(tiles.items()))!r}\n"
+        f"# sage8_reference's keyword arguments for the benchmark variants whose numerics differ from the\n"
+        f"# defaults' beyond row_sum: block_kv / k_block (long_tile), pv (pv_16bit, in the build's bf16)\n"
+        f"REFERENCE_KWARGS = {dict(sorted(reference.items()))!r}\n"
     )
 
 
