@@ -46,12 +46,12 @@ if [ "$MODE" = session ]; then
   tail -5 "$LOG/build.log" "$LOG/build_bench.log"
   [ "$REG_RC" = 0 ] && [ "$BENCH_BUILD_RC" = 0 ] || exit 1
   PLUGIN=""
-  "$PY" -c "import pytest_timeout" 2>/dev/null && PLUGIN="-p pytest_timeout --timeout=400"
-  timeout 420 "$PY" -m pytest -q $PLUGIN ${TESTS:-tests/test_kernel_int8_sm90*.py} 2>&1 | tee "$LOG/pytest.log" | tail -40
+  "$PY" -c "import pytest_timeout" 2>/dev/null && PLUGIN="--timeout=${TEST_TIMEOUT_S:-400}"  # the plugin autoloads
+  timeout "${TESTS_S:-420}" "$PY" -m pytest -q $PLUGIN ${TESTS:-tests/test_kernel_int8_sm90*.py} 2>&1 | tee "$LOG/pytest.log" | tail -40
   TEST_RC=${PIPESTATUS[0]}
   AB_RC=skipped
   if [ -n "${AB:-}" ]; then
-    SAGE_DIFFUSERS_SM90_BENCH=1 timeout "${AB_S:-300}" "$PY" bench/int8_variant_ab.py --variants $AB \
+    SAGE_DIFFUSERS_SM90_BENCH=1 timeout "${AB_S:-300}" "$PY" bench/int8_variant_ab.py --variants $AB ${AB_ARGS:-} \
       --out "$LOG/int8_variant_ab.md" 2>&1 | tail -30
     AB_RC=${PIPESTATUS[0]}
     cat "$LOG/int8_variant_ab.md" 2>/dev/null
@@ -88,7 +88,7 @@ fi
 if [ "$MODE" = tests ]; then
   echo "== pytest"
   PLUGIN=""
-  "$PY" -c "import pytest_timeout" 2>/dev/null && PLUGIN="-p pytest_timeout --timeout=200"
+  "$PY" -c "import pytest_timeout" 2>/dev/null && PLUGIN="--timeout=200"  # the plugin autoloads
   timeout 330 "$PY" -m pytest -x -q $PLUGIN tests/test_kernel_int8_sm90.py 2>&1 | tee "$LOG/pytest.log" | tail -60
   TEST_RC=${PIPESTATUS[0]}
 fi
