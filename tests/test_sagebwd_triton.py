@@ -157,16 +157,18 @@ def test_kernels_match_reference(case, device, variant):
 
 
 def test_key_extent_and_token_stride():
-    """The attended keys' extent per batch (first, last + 1; Skv, 0 when none) and the aligned
-    token stride of the transposed copies: the bounds the kernels' tile skipping and loads rely on."""
+    """The attended keys' extent per batch (first, last + 1; Skv, 0 when none), the all-attended
+    range (the same when the attended keys are one window, else empty), and the aligned token
+    stride of the transposed copies: the bounds the kernels' tile skipping, mask-test skipping and
+    loads rely on."""
     tri = kernels()
     mask = torch.zeros(4, 10, dtype=torch.bool)
     mask[0, :4] = True
     mask[1, 3:9] = True
     mask[2, [2, 7]] = True
     got = tri.key_extent(mask, "cpu")
-    assert got.dtype == torch.int32 and got.tolist() == [[0, 4], [3, 9], [2, 8], [10, 0]]
-    assert tri.key_extent(None, "cpu").numel() == 2
+    assert got.dtype == torch.int32 and got.tolist() == [[0, 4, 0, 4], [3, 9, 3, 9], [2, 8, 0, 0], [10, 0, 0, 0]]
+    assert tri.key_extent(None, "cpu").numel() == tri.KEXT
     assert [tri.token_stride(s) for s in (1, 16, 17, 15565)] == [16, 16, 32, 15568]
     x8 = torch.randint(-127, 128, (1, 2, 37, 8), dtype=torch.int8)
     t = tri._transposed(x8)

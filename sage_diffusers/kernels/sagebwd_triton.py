@@ -76,6 +76,8 @@ INTERPRET = config.triton_interpret()
 _TUNE = config.triton_autotune()
 AUTOTUNE = not INTERPRET and _TUNE != 0
 TUNE_LIMIT: Optional[int] = _TUNE if _TUNE > 1 else None  # None: all
+# key_extent's entries per batch: the attended keys' first and last + 1, then the all-attended range.
+KEXT = 4
 # Under the interpreter the kernels run with this many rows on their wide tile side (the
 # autotuned BLOCK_N of the dK/dV kernel, BLOCK_M of the dQ kernel and the forward): 128 covers
 # the two-quantization-tile path; tests set 64 to cover the other.
@@ -170,6 +172,7 @@ if triton is not None:
     # that keeps the dS quantizer's reciprocal finite and its FMA residual exact down to tile scales
     # of 2**-133 (subnormal), with no test in the loop (dS would have to exceed 2**96 to overflow).
     DS_PRESCALE = tl.constexpr(4294967296.0)
+    _KEXT = tl.constexpr(KEXT)
 
     # BLOCK_M of the forward, BLOCK_N (keys per program) of the dK/dV kernel, BLOCK_M (query rows
     # per program) of the dQ kernel: multiples of the 64-token quantization blocks; the other
@@ -319,16 +322,25 @@ if triton is not None:
         return keep
 
     @triton.jit
-    def _keep_where(x, fill, qi, kj, mask_ptr, b, SKV, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    def _keep_where(x, fill, qi, kj, mask_ptr, b, SKV, test_keys, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
                     EDGE: tl.constexpr):
         """x where the key is visible to the query (:func:`_keep`), else ``fill``. EDGE tiles (the
         diagonal, the last partial block) test bounds and causality; the others only the key mask
-        if there is one (their keys are in range and before every query of the tile)."""
+        if there is one (their keys are in range and before every query of the tile), and only
+        where ``test_keys`` (a runtime scalar, :func:`_tile_needs_mask`): a tile whose keys are all
+        attended skips the mask's load and select."""
         if EDGE:
             x = tl.where(_keep(qi, kj, mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL), x, fill)
         elif HAS_MASK:
-            x = tl.where(_keep(qi, kj, mask_ptr, b, SKV, True, False), x, fill)
+            if test_keys:
+                x = tl.where(_keep(qi, kj, mask_ptr, b, SKV, True, False), x, fill)
         return x
+
+    @triton.jit
+    def _tile_needs_mask(start, n: tl.constexpr, dense_lo, dense_hi):
+        """Whether keys [start, start + n) need the key-mask test: not all inside the all-attended
+        range [dense_lo, dense_hi) (:func:`key_extent`)."""
+        return (start < dense_lo) | (start + n > dense_hi)
 
     @triton.jit
     def _load_tile(ptrs, idx, n, ROWS: tl.constexpr, EDGE: tl.constexpr):
@@ -367,17 +379,21 @@ if triton is not None:
 
     @triton.jit
     def _masked_key_range(lo, n_free, n_end, kext_ptr, b, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr):
-        """(lo, n_free, n_end) of :func:`_key_range` clipped to batch b's attended keys (HAS_MASK):
-        kext (B, 2) int32 holds the first attended key and the last attended key + 1
-        (:func:`key_extent`); key blocks outside give P~ = 0 and are not visited. Text padding
-        (trailing masked keys) then costs its kept length, not the padded one."""
+        """(lo, n_free, n_end) of :func:`_key_range` clipped to batch b's attended keys (HAS_MASK),
+        and the all-attended range (dense_lo, dense_hi), from kext (B, KEXT) int32 (:func:`key_extent`).
+        Key blocks outside the attended keys give P~ = 0 and are not visited: text padding (trailing
+        masked keys) costs its kept length, not the padded one."""
+        dense_lo = 0
+        dense_hi = 0
         if HAS_MASK:
-            first = tl.load(kext_ptr + 2 * b)
-            end = tl.load(kext_ptr + 2 * b + 1)
+            first = tl.load(kext_ptr + _KEXT * b)
+            end = tl.load(kext_ptr + _KEXT * b + 1)
+            dense_lo = tl.load(kext_ptr + _KEXT * b + 2)
+            dense_hi = tl.load(kext_ptr + _KEXT * b + 3)
             lo = tl.maximum(lo, (first // BLOCK_N) * BLOCK_N)
             n_free = tl.minimum(n_free, tl.cdiv(end, BLOCK_N) * BLOCK_N)
             n_end = tl.minimum(n_end, end)
-        return lo, n_free, n_end
+        return lo, n_free, n_end, dense_lo, dense_hi
 
     @triton.jit
     def _load_block(x_ptr, sxb, sxh, sxs, sxd, H, S, D: tl.constexpr, BLOCK: tl.constexpr):
@@ -431,7 +447,7 @@ if triton is not None:
     @triton.jit
     def _fwd_loop(
         acc, m_i, l_i, lo, hi, q8, row_scale, rows, b, bkv,
-        k8_ptr, sk_ptr, kc_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV, SKVT,
+        k8_ptr, sk_ptr, kc_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV, SKVT, dense_lo, dense_hi,
         D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
         EDGE: tl.constexpr, PV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr, ACC_XU: tl.constexpr,
         QK16: tl.constexpr,
@@ -456,7 +472,8 @@ if triton is not None:
                     k8 = tl.load(k8_ptr + kv_off)
                 sk = tl.load(sk_ptr + bkv * nkb + start_n // BLOCK_N)
                 s = _acc_f32(tl.dot(q8, tl.trans(k8), out_dtype=tl.int32), ACC_XU) * row_scale[:, None] * sk
-            s = _keep_where(s, float("-inf"), rows[:, None], cols[None, :], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL, EDGE)
+            s = _keep_where(s, float("-inf"), rows[:, None], cols[None, :], mask_ptr, b, SKV,
+                            _tile_needs_mask(start_n, BLOCK_N, dense_lo, dense_hi), HAS_MASK, IS_CAUSAL, EDGE)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp2 gives 0, not NaN
             p = tl.exp2(s - m_safe[:, None])  # (M, N) in [0, 1]
@@ -481,7 +498,7 @@ if triton is not None:
         v8t_ptr, sv_ptr,  # int8 (B, Hkv, D, Skv), token stride SKVT: V^ transposed (8-bit MMAs want K-major operands)
         vc_ptr,  # 16-bit (B, Hkv, Skv, D), masked V (read when not PV_INT8)
         qc_ptr, kc_ptr,  # 16-bit (B, Hq, Sq, D) Q, (B, Hkv, Skv, D) masked K (read when QK16)
-        mask_ptr, kext_ptr,  # int8 (B, Skv); int32 (B, 2) the attended keys' extent (key_extent)
+        mask_ptr, kext_ptr,  # int8 (B, Skv); int32 (B, KEXT) the attended keys' extent (key_extent)
         o_ptr, m_ptr, lse_ptr,  # (B, Hq, Sq, D) out dtype; float32 (B, Hq, Sq) x2
         qk_scale, HQ, GROUP, SQ, SKV, SKVT,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -507,12 +524,12 @@ if triton is not None:
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
         n_free, n_end = _key_range(start_m, SKV, BLOCK_M, BLOCK_N, IS_CAUSAL)
-        lo, n_free, n_end = _masked_key_range(0, n_free, n_end, kext_ptr, b, BLOCK_N, HAS_MASK)
+        lo, n_free, n_end, dense_lo, dense_hi = _masked_key_range(0, n_free, n_end, kext_ptr, b, BLOCK_N, HAS_MASK)
         acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, lo, n_free, q8, row_scale, rows, b, bkv,
-                                  k8_ptr, sk_ptr, kc_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV, SKVT,
+                                  k8_ptr, sk_ptr, kc_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV, SKVT, dense_lo, dense_hi,
                                   D, BLOCK_N, HAS_MASK, IS_CAUSAL, False, PV_INT8, DOT16_AS_F32, ACC_XU, QK16)
         acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, tl.maximum(n_free, lo), n_end, q8, row_scale, rows, b, bkv,
-                                  k8_ptr, sk_ptr, kc_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV, SKVT,
+                                  k8_ptr, sk_ptr, kc_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV, SKVT, dense_lo, dense_hi,
                                   D, BLOCK_N, HAS_MASK, IS_CAUSAL, True, PV_INT8, DOT16_AS_F32, ACC_XU, QK16)
         _fwd_store(acc, m_i, l_i, o_ptr, m_ptr, lse_ptr, bh, SQ, rows, dims, inq, D)
 
@@ -598,7 +615,7 @@ if triton is not None:
     def _dkdv_loop(
         dk, dv, dk2, dv2, lo, hi, bh, b, keys, k8, sk_row, v8, sv_row, vc, k8t_a, k8t_b, sk_ptr, kb0, nkb,
         q8_ptr, sq_ptr, q8t_ptr, qc_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr,
-        sdos_ptr, mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV, SQT,
+        sdos_ptr, mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV, SQT, test_keys,
         D: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, DW: tl.constexpr, HAS_MASK: tl.constexpr,
         IS_CAUSAL: tl.constexpr, EDGE: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
         ACC_XU: tl.constexpr, FUSE_DQ: tl.constexpr, DV_LAST: tl.constexpr, QK16: tl.constexpr,
@@ -629,7 +646,7 @@ if triton is not None:
                 st = _i2f(tl.dot(k8, tl.trans(q8), out_dtype=tl.int32)) * (sq * qk_scale) * sk_row[:, None]
             mb = tl.load(mb_ptr + bh * SQ + qs, mask=inq, other=float("inf"))
             pt = tl.exp2(st - mb[None, :])  # P~^T in [0, 1]
-            pt = _keep_where(pt, 0.0, qs[None, :], keys[:, None], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL, EDGE)
+            pt = _keep_where(pt, 0.0, qs[None, :], keys[:, None], mask_ptr, b, SKV, test_keys, HAS_MASK, IS_CAUSAL, EDGE)
             p8t = _f2i8(pt * 127.0)
             if not DV_LAST:
                 dv, dv2 = _dv_add(dv, dv2, p8t, dos8t_ptr, sdos_ptr, bh, qi, nqb, qs, SQT, inq, D, DW, ACC_XU)
@@ -666,7 +683,7 @@ if triton is not None:
         q8_ptr, sq_ptr, q8t_ptr, k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr,  # q8t, k8t: token strides SQT, SKVT
         qc_ptr, kc_ptr,  # 16-bit (B, Hq, Sq, D) Q, (B, Hkv, Skv, D) masked K (read when QK16)
         mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr, dos8t_ptr, sdos_ptr,  # dos8t: token stride SQT
-        mask_ptr, kext_ptr,  # int8 (B, Skv); int32 (B, 2) the attended keys' extent (key_extent)
+        mask_ptr, kext_ptr,  # int8 (B, Skv); int32 (B, KEXT) the attended keys' extent (key_extent)
         dk_ptr, dv_ptr,  # float32 (B, Hkv, Skv, D)
         dq_ptr,  # float32 (B, Hq, Sq, D), zeros, when FUSE_DQ
         qk_scale, sm_scale, HKV, GROUP, SQ, SKV, SQT, SKVT,
@@ -723,25 +740,28 @@ if triton is not None:
         # the last, partial key block: every query block tests bounds (padded keys must get P~ = 0)
         edge_hi = tl.maximum(tl.where(start_n + BLOCK_N > SKV, SQ, edge_hi), lo)
         q_end = SQ
+        test_keys = HAS_MASK
         if HAS_MASK:  # a key tile outside the attended keys' extent: P~ = dS = 0, dK = dV = 0, no dQ term
-            live = (start_n < tl.load(kext_ptr + 2 * b + 1)) & (start_n + BLOCK_N > tl.load(kext_ptr + 2 * b))
+            live = (start_n < tl.load(kext_ptr + _KEXT * b + 1)) & (start_n + BLOCK_N > tl.load(kext_ptr + _KEXT * b))
             q_end = tl.where(live, SQ, 0)
             lo = tl.minimum(lo, q_end)
             edge_hi = tl.minimum(edge_hi, q_end)
+            test_keys = _tile_needs_mask(start_n, BLOCK_N, tl.load(kext_ptr + _KEXT * b + 2),
+                                         tl.load(kext_ptr + _KEXT * b + 3))
         for g in range(0, GROUP):
             bh = (b * HKV + hkv) * GROUP + g
             dk, dv, dk2, dv2 = _dkdv_loop(
                 dk, dv, dk2, dv2, lo, edge_hi, bh, b, keys, k8, sk_row, v8, sv_row, vc, k8t_a, k8t_b,
                 sk_ptr + bkv * nkb, start_n // SUB, nkb,
                 q8_ptr, sq_ptr, q8t_ptr, qc_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr,
-                dos8t_ptr, sdos_ptr, mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV, SQT,
+                dos8t_ptr, sdos_ptr, mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV, SQT, test_keys,
                 D, BLOCK_N, SUB, DW, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU, FUSE_DQ, DV_LAST,
                 QK16)
             dk, dv, dk2, dv2 = _dkdv_loop(
                 dk, dv, dk2, dv2, edge_hi, q_end, bh, b, keys, k8, sk_row, v8, sv_row, vc, k8t_a, k8t_b,
                 sk_ptr + bkv * nkb, start_n // SUB, nkb,
                 q8_ptr, sq_ptr, q8t_ptr, qc_ptr, mb_ptr, invl_ptr, delta_ptr, do_ptr, do8_ptr, sdo_ptr,
-                dos8t_ptr, sdos_ptr, mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV, SQT,
+                dos8t_ptr, sdos_ptr, mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV, SQT, test_keys,
                 D, BLOCK_N, SUB, DW, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU, FUSE_DQ, DV_LAST,
                 QK16)
         w_off = (bkv * SKV + keys[:, None]) * D + dimw[None, :]
@@ -759,7 +779,7 @@ if triton is not None:
     @triton.jit
     def _dq_loop(
         dq, lo, hi, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
-        k8_ptr, sk_ptr, k8t_ptr, kc_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV, SKVT,
+        k8_ptr, sk_ptr, k8t_ptr, kc_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV, SKVT, dense_lo, dense_hi,
         D: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.constexpr, HAS_MASK: tl.constexpr,
         IS_CAUSAL: tl.constexpr, EDGE: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
         ACC_XU: tl.constexpr, QK16: tl.constexpr,
@@ -780,7 +800,8 @@ if triton is not None:
                 k8 = _load_tile(k8_ptr + kv_off, keys, SKV, True, EDGE)
                 s = _i2f(tl.dot(q8, tl.trans(k8), out_dtype=tl.int32)) * row_qk[:, None] * sk
             pt = tl.exp2(s - mb[:, None])
-            pt = _keep_where(pt, 0.0, qs[:, None], keys[None, :], mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL, EDGE)
+            pt = _keep_where(pt, 0.0, qs[:, None], keys[None, :], mask_ptr, b, SKV,
+                             _tile_needs_mask(start_n, SUB, dense_lo, dense_hi), HAS_MASK, IS_CAUSAL, EDGE)
             p = pt * inv_l[:, None]  # P * DS_PRESCALE (the factor is in inv_l)
             if DOV_INT8:
                 v8 = _load_tile(v8_ptr + kv_off, keys, SKV, True, EDGE)
@@ -835,13 +856,13 @@ if triton is not None:
             do = tl.load(do_ptr + q_off, mask=inq[:, None], other=0.0)
         dq = tl.zeros((BLOCK_M, D), tl.float32)
         n_free, n_end = _key_range(start_m, SKV, BLOCK_M, SUB, IS_CAUSAL)
-        lo, n_free, n_end = _masked_key_range(0, n_free, n_end, kext_ptr, b, SUB, HAS_MASK)
+        lo, n_free, n_end, dense_lo, dense_hi = _masked_key_range(0, n_free, n_end, kext_ptr, b, SUB, HAS_MASK)
         dq = _dq_loop(dq, lo, n_free, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
                       k8_ptr, sk_ptr, k8t_ptr, kc_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV, SKVT,
-                      D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU, QK16)
+                      dense_lo, dense_hi, D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU, QK16)
         dq = _dq_loop(dq, tl.maximum(n_free, lo), n_end, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
                       k8_ptr, sk_ptr, k8t_ptr, kc_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV, SKVT,
-                      D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU, QK16)
+                      dense_lo, dense_hi, D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU, QK16)
         tl.store(dq_ptr + q_off, dq, mask=inq[:, None])
 
 
@@ -879,16 +900,21 @@ def _mask_arg(key_mask: Optional[torch.Tensor], device) -> tuple[torch.Tensor, b
 
 
 def key_extent(key_mask: Optional[torch.Tensor], device) -> torch.Tensor:
-    """int32 (B, 2): per batch, the first attended key and the last attended key + 1 (Skv and 0
-    when none is), computed on the device (no host sync); a 2-element dummy without a mask. The
-    kernels skip the key tiles outside it."""
+    """int32 (B, KEXT), per batch: the first attended key, the last attended key + 1 (Skv and 0
+    when none is), and the range whose keys are all attended: the same two when the attended keys
+    are one window (text padding), else empty (0, 0). Computed on the device (no host sync); a
+    KEXT-element dummy without a mask. The kernels skip the key tiles outside the first range and
+    the per-key mask test inside the second."""
     if key_mask is None:
-        return torch.zeros(2, dtype=torch.int32, device=device)
+        return torch.zeros(KEXT, dtype=torch.int32, device=device)
     skv = key_mask.shape[1]
     idx = torch.arange(skv, dtype=torch.int32, device=device)
     first = torch.where(key_mask, idx, skv).amin(dim=1)
     end = torch.where(key_mask, idx + 1, 0).amax(dim=1)
-    return torch.stack((first, end), dim=1).to(torch.int32).contiguous()
+    window = key_mask.sum(dim=1, dtype=torch.int32) == end - first  # no hole between first and end
+    zero = torch.zeros_like(first)
+    ext = (first, end, torch.where(window, first, zero), torch.where(window, end, zero))
+    return torch.stack(ext, dim=1).to(torch.int32).contiguous()
 
 
 def quantize_blocks(x: torch.Tensor, block: int, mean: Optional[torch.Tensor] = None,
