@@ -151,7 +151,7 @@ def render_report() -> Path:
         "",
         "Both runs of each experiment share the seed, the initial weights, the data order and the",
         "number of steps; only the attention differs: `torch.nn.functional.scaled_dot_product_attention`",
-        "(fp32) or `sage_diffusers.sagebwd` (INT8 forward and backward, dO·Vᵀ in 16 bits). The `impl`",
+        "(fp32) or `sage_diffusers.sagebwd` (its default precisions: INT8 dV, dK and dQ products, the rest in 16 bits). The `impl`",
         "below says which SageBwd ran: `reference` is the torch reference, which computes the kernels'",
         "quantized operands bit for bit (`tests/test_sagebwd_triton.py`), on the device named there",
         "(the same numerics on a CPU or a GPU). s/step includes everything (data, optimizer).",
