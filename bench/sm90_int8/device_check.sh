@@ -9,7 +9,7 @@
 #   TESTS="tests/a.py tests/b.py" AB="NAME..." bash bench/sm90_int8/device_check.sh session
 #       # one call for a short lease: the regular and the benchmark build side by side, then pytest on
 #       # TESTS (default: the 8-bit GPU test files), then the A/B of AB (if set); logs in $OUT
-# Wheels carried in .whl/ (peers, diffusers, nvidia-cutlass) are installed one by one into
+# Wheels carried in .whl/ (diffusers, nvidia-cutlass, pytest) and .whl-peers/ (bench/device/fetch_peer_wheels.sh) are installed one by one into
 # /tmp/site first (one that does not fit this Python is skipped) and put on PYTHONPATH.
 # CUTLASS/CuTe headers: $CUTLASS_INCLUDE, the nvidia-cutlass package, or a carried copy at
 # .cutlass/include (see the report for the carry command). Logs go to $OUT when it is set.
@@ -20,8 +20,9 @@ LOG="${OUT:-/tmp}"
 export PYTHONUNBUFFERED=1
 export SAGE_DIFFUSERS_CACHE="${SAGE_DIFFUSERS_CACHE:-/tmp/sage_jit}"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  for w in .whl/*.whl; do
+if compgen -G ".whl/*.whl" >/dev/null || compgen -G ".whl-peers/*.whl" >/dev/null; then
+  for w in .whl/*.whl .whl-peers/*.whl; do
+    [ -f "$w" ] || continue
     "$PY" -m pip install -q --no-deps --target /tmp/site "$w" >/dev/null 2>&1 || echo "skipped wheel $w (not for this Python)"
   done
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
