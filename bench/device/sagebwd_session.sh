@@ -6,7 +6,8 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 S=${SESSION_START:-$(date +%s)}
-export SAGE_DIFFUSERS_CACHE="$PWD/build/jit" PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# the repository on the path too: the training scripts run as files, not modules
+export SAGE_DIFFUSERS_CACHE="$PWD/build/jit" PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 left() { echo $(( ${DEADLINE_S:-585} - ($(date +%s) - S) )); }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 for step in ${STEPS:-tests mask train}; do
