@@ -20,7 +20,7 @@ SDPA) <= 1.03) comes from a second timing of just those three, side by side in t
 ``auto`` is what ``sd.attention`` does by default, and its section gives auto / min(ours, SDPA)
 per shape, flagged where over ``auto_table.AUTO_TOLERANCE`` (1.03).
 
-    python eval/bench_kernels.py            # full table -> eval/results/kernels_h200.{json,md,png}
+    python eval/bench_kernels.py            # full table -> eval/results/kernels_<gpu>.{json,md,png} (h100, h200)
     python eval/bench_kernels.py --quick    # three shapes
 """
 from __future__ import annotations
@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_utils import make_inputs  # noqa: E402  (the inputs of the kernel lab's benchmarks too)
 from eval import _cli  # noqa: E402
+from eval.calibrate_auto import gpu_slug  # noqa: E402
 from sage_diffusers.reference import cosine, relative_l1, rmse  # noqa: E402
 from sage_diffusers.kernels import auto_table  # noqa: E402
 from sage_diffusers.kernels._timing import TARGET_MS, compare_ms  # noqa: E402  (auto's calibration timer)
@@ -416,7 +417,8 @@ def run(args) -> list[dict]:
 def write_outputs(rows, out_dir: Path, meta: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     accept = auto_acceptance(rows)  # also marks the auto rows
-    (out_dir / "kernels_h200.json").write_text(json.dumps({"meta": meta, "rows": rows, "auto_acceptance": accept},
+    stem = out_dir / f"kernels_{gpu_slug(meta['device'])}"  # one table per GPU model
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "auto_acceptance": accept},
                                                           indent=1))
     lines = [f"# Attention kernels on {meta['device']}", "",
              f"torch {meta['torch']}, {meta['date']}. TOPS = 4*B*H*Sq*Skv*D/t (x0.5 causal), "
@@ -450,7 +452,7 @@ def write_outputs(rows, out_dir: Path, meta: dict) -> None:
             lines.append(f"| {b}x{h}x{s}x{d} | {c} | {a['timing']} | {a['ours']:.3f} | {a['sdpa']:.3f} | "
                          f"{a['auto']:.3f} | {a['auto_over_best']:.3f} | {'ok' if a['meets_goal'] else '**over**'} | "
                          f"{a['table_auto_over_best']:.3f} |")
-    (out_dir / "kernels_h200.md").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
 
@@ -479,7 +481,7 @@ def write_outputs(rows, out_dir: Path, meta: dict) -> None:
     ax.set_title(f"Attention forward on {meta['device']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / "kernels_h200.png", dpi=120)
+    fig.savefig(stem.with_suffix(".png"), dpi=120)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -503,7 +505,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         b, h, s, d, c = a["shape"]
         flag = "ok" if a["meets_goal"] else f"OVER {auto_table.AUTO_TOLERANCE}"
         print(f"auto / best {b}x{h}x{s}x{d}{' causal' if c else ''}: {a['auto_over_best']:.3f} {flag}")
-    print(f"wrote {args.out_dir}/kernels_h200.json/.md/.png")
+    print(f"wrote {args.out_dir}/kernels_{gpu_slug(meta['device'])}.json/.md/.png")
 
 
 if __name__ == "__main__":

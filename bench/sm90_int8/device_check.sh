@@ -98,7 +98,7 @@ if [ "$MODE" = bench ] || [ "$MODE" = bench-quick ]; then
   Q=""; [ "$MODE" != bench ] && Q="--quick"
   timeout 420 "$PY" eval/bench_kernels.py $Q --out-dir "${OUT:-eval/results}" 2>&1 | tee "$LOG/bench.log" | tail -40
   BENCH_RC=${PIPESTATUS[0]}
-  cat "${OUT:-eval/results}/kernels_h200.md" 2>/dev/null
+  cat "${OUT:-eval/results}"/kernels_h*.md 2>/dev/null
 fi
 echo "SUMMARY: mode=$MODE build ok, smoke rc=$SMOKE_RC, pytest rc=$TEST_RC, bench rc=$BENCH_RC"
 grep -E "^(OK |BAD|ERR|time)" "$LOG/smoke.log" || true
