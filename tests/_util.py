@@ -35,6 +35,19 @@ spec.loader.exec_module(gen)
 
 ext = int8_sm90.build()
 bad = 0
+
+
+# the benchmark build's forward with the option set o (a gen.FwdOptions), not causal
+def run_variant(o, q, k, v, m, lse):
+    ext.set_fwd_flags(o.flags)
+    return ext.fwd(q, k, v, m, False, q.shape[-1] ** -0.5, lse, o.exp2_poly_every)
+
+
+# one check's line; a failed one counts in `bad` (the script's exit status)
+def report(ok, what):
+    global bad
+    bad += not ok
+    print(f"{'ok ' if ok else 'BAD'} {what}", flush=True)
 """
 
 

@@ -39,16 +39,6 @@ from bench.bench_utils import make_inputs
 from sage_diffusers.realistic import CASES as REALISTIC_CASES, case_inputs
 
 
-def run(o, q, k, v, m, lse):
-    ext.set_fwd_flags(o.flags)
-    return ext.fwd(q, k, v, m, False, q.shape[-1] ** -0.5, lse, o.exp2_poly_every)
-
-
-def report(ok, what):
-    global bad
-    bad += not ok
-    print(f"{'ok ' if ok else 'BAD'} {what}", flush=True)
-
 
 def reference(q, k, v, m, hq, hkv):
     kk, vv = (x.float().repeat_interleave(hq // hkv, dim=1) for x in (k, v))
@@ -88,7 +78,7 @@ for d in (64, 128):
 for d, o in pv16:
     for b, hq, hkv, s, mag, q, k, v, mask, kg, vg in int8_variant_cases(d):
         for m in (None, mask):
-            out, lse = run(o, q, k, v, m, True)
+            out, lse = run_variant(o, q, k, v, m, True)
             ref, ref_lse = reference(q, k, v, m, hq, hkv)
             live = torch.ones(b, dtype=torch.bool, device="cuda") if m is None else m.any(-1)
             c, rl1 = cosine(out[live].float(), ref[live]), relative_l1(out[live].float(), ref[live])
@@ -101,7 +91,7 @@ for d, o in pv16:
                        f"rel-L1={rl1:.4f} {why or 'LSE ok'}")
             if m is None:
                 continue
-            out_p, lse_p = run(o, q, kg, vg, m, True)
+            out_p, lse_p = run_variant(o, q, kg, vg, m, True)
             same = torch.equal(out_p.view(torch.int16), out.view(torch.int16)) and \
                 torch.equal(lse_p.view(torch.int32), lse.view(torch.int32))
             report(same, f"hd{d} {o.name} {b}x{hq}/{hkv}x{s} x{mag:g} masked rows NaN / 1e4: bit-identical={same}")
@@ -120,7 +110,7 @@ for d, o in pv16:
         vv[0, 0, 300, 5] = -math.inf  # rows seeing both keys: NaN
         vv[0, 1, 50, 9] = math.nan
         vv[0, 1, 595, 11] = math.inf  # masked: vanishes
-        out, _ = run(o, q, k, vv, mask, False)
+        out, _ = run_variant(o, q, k, vv, mask, False)
         ref, _ = reference(q, k, vv, mask, 2, 2)
         ok = all(torch.equal(t(out), t(ref)) for t in (torch.isnan, torch.isposinf, torch.isneginf))
         ok &= bool(torch.isfinite(out[0, 1, :, 11]).all())
@@ -135,7 +125,7 @@ for d, o in pv16:
     for n, case in enumerate(REALISTIC_CASES):
         sq, skv = ((113, 1023), (1023, 4097), (300, 300))[n % 3]
         q, k, v, mask = case_inputs(case, 2, 4, 2, sq, skv, d, seed=sq + d, dtype=torch.bfloat16, device="cuda")
-        out, lse = run(o, q, k, v, mask, True)
+        out, lse = run_variant(o, q, k, v, mask, True)
         ref, ref_lse = reference(q, k, v, mask, 4, 2)
         c, rl1 = cosine(out.float(), ref), relative_l1(out.float(), ref)
         sharp = case.logit_scale * case.magnitude > 10
@@ -146,7 +136,7 @@ for d, o in pv16:
             hidden = ~mask[:, None, :, None]
             other = ((k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)) if case.nan_masked
                      else (k.masked_fill(hidden, math.nan), v.masked_fill(hidden, 1e4)))
-            out2, lse2 = run(o, q, *other, mask, True)
+            out2, lse2 = run_variant(o, q, *other, mask, True)
             ok &= torch.equal(out2.view(torch.int16), out.view(torch.int16)) and \
                 torch.equal(lse2.view(torch.int32), lse.view(torch.int32))
         report(ok, f"hd{d} {o.name} realistic '{case.name}' 2x4/2x{sq}x{skv}: cos={c:.6f} rel-L1={rl1:.4f} "
@@ -157,8 +147,8 @@ for d, o in pv16:
     s = 4608 if d == 128 else 4429
     q, k, v = make_inputs(1, 4, s, d, seed=3)
     exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-    l1_def = relative_l1(run(gen.DEFAULTS[d], q, k, v, None, False)[0].float(), exact)
-    out = run(o, q, k, v, None, False)[0].float()
+    l1_def = relative_l1(run_variant(gen.DEFAULTS[d], q, k, v, None, False)[0].float(), exact)
+    out = run_variant(o, q, k, v, None, False)[0].float()
     l1, c = relative_l1(out, exact), cosine(out, exact)
     # (emulated, O in bf16: rel-L1 0.0117 / 0.0112 and cos 0.99993 against 0.038 for the FP8 product)
     report(l1 <= 0.02 and l1 <= 0.6 * l1_def and c >= 0.9998,

@@ -36,16 +36,6 @@ from _util import int8_code_step_allowance
 
 
 
-def run(o, q, k, v, m, lse):
-    ext.set_fwd_flags(o.flags)
-    return ext.fwd(q, k, v, m, False, q.shape[-1] ** -0.5, lse, o.exp2_poly_every)
-
-
-def report(ok, what):
-    global bad
-    bad += not ok
-    print(f"{'ok ' if ok else 'BAD'} {what}", flush=True)
-
 
 # each head dim's defaults (which have tc_row_sum), hd128's with tile_sums (its sums in fp32 per tile)
 # and hd64's without fused_rescale (O *= alpha before the PV, O += tile after it: the previous defaults)
@@ -70,7 +60,7 @@ for d, tc in ((64, replace(gen.DEFAULTS[64], tc_row_sum=True)), (128, replace(ge
         mask = torch.rand(b, s, generator=g, device="cuda") > 0.2
         mask[:, 0] = True
         for m in ((None, mask) if s < 32768 else (None,)):
-            out, lse = run(tc, q, k, v, m, True)
+            out, lse = run_variant(tc, q, k, v, m, True)
             kk, vv = (x.float().repeat_interleave(hq // hkv, dim=1) for x in (k, v))
             ref, ref_lse = sage8_reference(q.float(), kk, vv, key_mask=m, return_lse=True, row_sum="codes")
             c, rl1 = cosine(out.float(), ref.float()), relative_l1(out.float(), ref.float())
@@ -90,7 +80,7 @@ for d, tc in ((64, replace(gen.DEFAULTS[64], tc_row_sum=True)), (128, replace(ge
                 continue
             for poison in (math.nan, 1e4):
                 kp, vp = (torch.where(m[:, None, :, None], x, torch.full_like(x, poison)) for x in (k, v))
-                out_p, lse_p = run(tc, q, kp, vp, m, True)
+                out_p, lse_p = run_variant(tc, q, kp, vp, m, True)
                 same = torch.equal(out_p.view(torch.int16), out.view(torch.int16)) and \
                     torch.equal(lse_p.view(torch.int32), lse.view(torch.int32))
                 report(same, f"hd{d} {tc.name} {b}x{hq}/{hkv}x{s} masked rows = {poison:g}: bit-identical={same}")
@@ -98,7 +88,7 @@ for d, tc in ((64, replace(gen.DEFAULTS[64], tc_row_sum=True)), (128, replace(ge
     q, k, v = (torch.randn(2, 2, 300, d, device="cuda").bfloat16() for _ in range(3))
     m = torch.ones(2, 300, dtype=torch.bool, device="cuda")
     m[1] = False
-    out, lse = run(tc, q, k, v, m, True)
+    out, lse = run_variant(tc, q, k, v, m, True)
     ok = bool((out[1] == 0).all()) and bool((lse[1] == -math.inf).all()) and bool(torch.isfinite(out[0]).all())
     report(ok, f"hd{d} {tc.name} fully masked batch: zero output, -inf LSE: {ok}")
 ext.set_fwd_flags(-1)
