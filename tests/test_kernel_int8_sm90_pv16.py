@@ -1,6 +1,6 @@
 """GPU test of the sm_90a 8-bit kernel's option ``pv_16bit`` (csrc/sm90_int8, FwdOptions::pv_16bit: P~ V
 as a 16-bit wgmma, P~ = p in the input dtype times V as given, fp32 accumulation, instead of E4M3 x
-E4M3; the accuracy policy of issue 38 item 3, eval/results/int8_error_budget_cpu.md).
+E4M3; the accuracy policy designed in eval/results/int8_error_budget_cpu.md).
 
 Its variants (each head dim's defaults with it, without tc_row_sum and the FP8 accumulator's
 workarounds, and one more loop per head dim) exist only in the benchmark build (env

@@ -273,7 +273,7 @@ _HD128_WG3_LOOP = {"overlap_softmax_pv": False, "pingpong": False, "smem_o_every
 # defaults' loop also with smem_o_every = 2 (384 keys: 0.23 %, a flush per 2 tiles). variants_bench.py's
 # accumulation check and the GPU test measure it. Not yet run on a GPU.
 _LONG = {"long_tile": True, "q_in_registers": False}
-# pv_16bit (the accuracy policy of issue 38 item 3, eval/results/int8_error_budget_cpu.md "The policy to
+# pv_16bit (the accuracy policy designed in eval/results/int8_error_budget_cpu.md, "The policy to
 # build": P~ = p in bf16 times V in bf16 as given, fp32 accumulation; benchmark inputs rel-L1 ~0.012
 # expected against 0.038; sage8_reference(pv="bf16")): each head dim's defaults with it, without what it
 # replaces: tc_row_sum (the sums come from the softmax: the ones rows are FP8), and the FP8

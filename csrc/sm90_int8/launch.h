@@ -49,7 +49,7 @@ struct FwdOptions {
                                     // three 64-key K scale blocks (the pre-pass's kv_block = 64)
   bool pv_16bit = false;            // (no tc_row_sum, fp32_pv_tiles, smem_o_every, long_tile) P~ V as a
                                     // 16-bit wgmma in the input dtype, fp32 accumulation: P~ = p, V as given
-                                    // (the pre-pass's 16-bit image), the accuracy policy (issue 38 item 3)
+                                    // (the pre-pass's 16-bit image): 3x lower rel-L1, emulated (int8_error_budget_cpu.md)
 
   // Deleted options keep their bits unused, so the flags (and kernel names) of the others stay:
   // 16 (fp16_exp2), 1 << kFlagsHighShift (seed_reductions), 1 << (kFlagsHighShift + 1) (persistent),
