@@ -70,6 +70,27 @@ def bench_build_missing() -> str | None:
     return None if src.is_file() else f"the benchmark build needs a checkout's bench/sm90_int8/ ({src} not found)"
 
 
+def bench_build_marks() -> list:
+    """Skip marks of a test that runs the 8-bit kernel's benchmark build: a CUDA device the kernel
+    supports (int8_sm90.is_available) and a checkout's bench/sm90_int8/ (:func:`bench_build_missing`)."""
+    import pytest
+
+    from sage_diffusers.kernels import int8_sm90
+
+    ok, why = int8_sm90.is_available()
+    missing = bench_build_missing()
+    return [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            pytest.mark.skipif(not ok, reason=f"int8 sm90 kernel unavailable: {why}"),
+            pytest.mark.skipif(missing is not None, reason=f"{missing}")]
+
+
+def needs_bench_build(test):
+    """``test`` with :func:`bench_build_marks`."""
+    for mark in bench_build_marks():
+        test = mark(test)
+    return test
+
+
 def run_in_bench_build(body: str, tail: int = 4000) -> str:
     """Run BENCH_BUILD_PREAMBLE + body in a subprocess with the 8-bit kernel's benchmark build
     (SAGE_DIFFUSERS_SM90_BENCH=1 is read when int8_sm90 is imported, so it cannot be switched in this

@@ -15,18 +15,9 @@ Skipped without CUDA, on a device the kernel does not support, or without a chec
 """
 from __future__ import annotations
 
-import pytest
-import torch
-from _util import bench_build_missing, run_in_bench_build
+from _util import bench_build_marks, run_in_bench_build
 
-from sage_diffusers.kernels import int8_sm90
-
-_OK, _WHY = int8_sm90.is_available()
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(not _OK, reason=f"int8 sm90 kernel unavailable: {_WHY}"),
-    pytest.mark.skipif(bench_build_missing() is not None, reason=f"{bench_build_missing()}"),
-]
+pytestmark = bench_build_marks()
 
 # the variant of each head dim that the modes run: its default option set
 _SELECT = r"""

@@ -13,13 +13,7 @@ x1e4 the softmax runs its exact exponents, the other copy of the step), and stay
 """
 from __future__ import annotations
 
-import pytest
-import torch
-from _util import bench_build_missing, run_in_bench_build
-
-from sage_diffusers.kernels import int8_sm90
-
-_OK, _WHY = int8_sm90.is_available()
+from _util import needs_bench_build, run_in_bench_build
 
 _SCRIPT = r"""
 from _util import int8_variant_cases
@@ -61,8 +55,6 @@ sys.exit(1 if bad else 0)
 """
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.skipif(not _OK, reason=f"int8 sm90 kernel unavailable: {_WHY}")
-@pytest.mark.skipif(bench_build_missing() is not None, reason=f"{bench_build_missing()}")
+@needs_bench_build
 def test_seeded_scores_bit_identical_to_defaults():
     run_in_bench_build(_SCRIPT, tail=4000)

@@ -23,13 +23,7 @@ Skipped without CUDA or on a device the kernel does not support.
 """
 from __future__ import annotations
 
-import pytest
-import torch
-from _util import bench_build_missing, run_in_bench_build
-
-from sage_diffusers.kernels import int8_sm90
-
-_OK, _WHY = int8_sm90.is_available()
+from _util import needs_bench_build, run_in_bench_build
 
 _SCRIPT = r"""
 from _util import int8_code_step_allowance
@@ -96,8 +90,6 @@ sys.exit(1 if bad else 0)
 """
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.skipif(not _OK, reason=f"int8 sm90 kernel unavailable: {_WHY}")
-@pytest.mark.skipif(bench_build_missing() is not None, reason=f"{bench_build_missing()}")
+@needs_bench_build
 def test_tc_row_sum_matches_reference_and_ignores_masked_keys():
     run_in_bench_build(_SCRIPT, tail=6000)

@@ -13,13 +13,7 @@ not support.
 """
 from __future__ import annotations
 
-import pytest
-import torch
-from _util import bench_build_missing, run_in_bench_build
-
-from sage_diffusers.kernels import int8_sm90
-
-_OK, _WHY = int8_sm90.is_available()
+from _util import needs_bench_build, run_in_bench_build
 
 _SCRIPT = r"""
 same_bits = (1 << 14) | (1 << 15) | (1 << 17) | (1 << 18)  # variants_bench.SAME_BITS_FLAGS
@@ -63,8 +57,6 @@ sys.exit(1 if bad else 0)
 """
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.skipif(not _OK, reason=f"int8 sm90 kernel unavailable: {_WHY}")
-@pytest.mark.skipif(bench_build_missing() is not None, reason=f"{bench_build_missing()}")
+@needs_bench_build
 def test_three_consumers_bit_identical_to_two_warpgroups():
     run_in_bench_build(_SCRIPT, tail=4000)
