@@ -327,8 +327,9 @@ if triton is not None:
         """x where the key is visible to the query (:func:`_keep`), else ``fill``. EDGE tiles (the
         diagonal, the last partial block) test bounds and causality; the others only the key mask
         if there is one (their keys are in range and before every query of the tile), and only
-        where ``test_keys`` (a runtime scalar, :func:`_tile_needs_mask`): a tile whose keys are all
-        attended skips the mask's load and select."""
+        where ``test_keys`` (the dK/dV program's runtime scalar, :func:`_tile_needs_mask`, or a
+        constexpr of the forward's loops): a tile whose keys are all attended skips the mask's load
+        and select."""
         if EDGE:
             x = tl.where(_keep(qi, kj, mask_ptr, b, SKV, HAS_MASK, IS_CAUSAL), x, fill)
         elif HAS_MASK:
@@ -447,13 +448,15 @@ if triton is not None:
     @triton.jit
     def _fwd_loop(
         acc, m_i, l_i, lo, hi, q8, row_scale, rows, b, bkv,
-        k8_ptr, sk_ptr, kc_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV, SKVT, dense_lo, dense_hi,
+        k8_ptr, sk_ptr, kc_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV, SKVT,
         D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-        EDGE: tl.constexpr, PV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr, ACC_XU: tl.constexpr,
-        QK16: tl.constexpr,
+        EDGE: tl.constexpr, KEY_TEST: tl.constexpr, PV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
+        ACC_XU: tl.constexpr, QK16: tl.constexpr,
     ):
         """Online softmax over the key blocks [lo, hi); EDGE: blocks that need the bounds and causal
-        tests (the diagonal, the last partial block), the others only the key mask if any. ACC_XU:
+        tests (the diagonal, the last partial block), the others only the key mask if any and
+        KEY_TEST (blocks inside the all-attended range run in a loop of their own without it: a
+        branch in the loop would cost P~.V its place in flight). ACC_XU:
         the scores' int32 -> float32 on the conversion pipe (its spare capacity here), P~.V's
         always by :func:`_i2f`. QK16: q8 is Q in 16 bits, the scores 16-bit products with K from
         kc_ptr (row_scale = the softmax scale * log2(e) on every row, no block scales)."""
@@ -472,8 +475,8 @@ if triton is not None:
                     k8 = tl.load(k8_ptr + kv_off)
                 sk = tl.load(sk_ptr + bkv * nkb + start_n // BLOCK_N)
                 s = _acc_f32(tl.dot(q8, tl.trans(k8), out_dtype=tl.int32), ACC_XU) * row_scale[:, None] * sk
-            s = _keep_where(s, float("-inf"), rows[:, None], cols[None, :], mask_ptr, b, SKV,
-                            _tile_needs_mask(start_n, BLOCK_N, dense_lo, dense_hi), HAS_MASK, IS_CAUSAL, EDGE)
+            s = _keep_where(s, float("-inf"), rows[:, None], cols[None, :], mask_ptr, b, SKV, KEY_TEST, HAS_MASK,
+                            IS_CAUSAL, EDGE)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp2 gives 0, not NaN
             p = tl.exp2(s - m_safe[:, None])  # (M, N) in [0, 1]
@@ -525,12 +528,27 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, D), tl.float32)
         n_free, n_end = _key_range(start_m, SKV, BLOCK_M, BLOCK_N, IS_CAUSAL)
         lo, n_free, n_end, dense_lo, dense_hi = _masked_key_range(0, n_free, n_end, kext_ptr, b, BLOCK_N, HAS_MASK)
-        acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, lo, n_free, q8, row_scale, rows, b, bkv,
-                                  k8_ptr, sk_ptr, kc_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV, SKVT, dense_lo, dense_hi,
-                                  D, BLOCK_N, HAS_MASK, IS_CAUSAL, False, PV_INT8, DOT16_AS_F32, ACC_XU, QK16)
+        # [lo, n_free) in key order: the blocks before the all-attended range and after it test the
+        # key mask, those inside it [mid_lo, mid_hi) do not (empty without a mask test to skip)
+        mid_lo = n_free
+        mid_hi = n_free
+        if HAS_MASK:
+            mid_lo = tl.minimum(tl.maximum(tl.cdiv(dense_lo, BLOCK_N) * BLOCK_N, lo), n_free)
+            mid_hi = tl.maximum(tl.minimum((dense_hi // BLOCK_N) * BLOCK_N, n_free), mid_lo)
+            acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, lo, mid_lo, q8, row_scale, rows, b, bkv,
+                                      k8_ptr, sk_ptr, kc_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV, SKVT,
+                                      D, BLOCK_N, HAS_MASK, IS_CAUSAL, False, True, PV_INT8, DOT16_AS_F32, ACC_XU, QK16)
+            acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, mid_lo, mid_hi, q8, row_scale, rows, b, bkv,
+                                      k8_ptr, sk_ptr, kc_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV, SKVT,
+                                      D, BLOCK_N, HAS_MASK, IS_CAUSAL, False, False, PV_INT8, DOT16_AS_F32, ACC_XU, QK16)
+        else:
+            mid_hi = lo
+        acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, mid_hi, n_free, q8, row_scale, rows, b, bkv,
+                                  k8_ptr, sk_ptr, kc_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV, SKVT,
+                                  D, BLOCK_N, HAS_MASK, IS_CAUSAL, False, HAS_MASK, PV_INT8, DOT16_AS_F32, ACC_XU, QK16)
         acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, tl.maximum(n_free, lo), n_end, q8, row_scale, rows, b, bkv,
-                                  k8_ptr, sk_ptr, kc_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV, SKVT, dense_lo, dense_hi,
-                                  D, BLOCK_N, HAS_MASK, IS_CAUSAL, True, PV_INT8, DOT16_AS_F32, ACC_XU, QK16)
+                                  k8_ptr, sk_ptr, kc_ptr, v8t_ptr, sv_ptr, vc_ptr, mask_ptr, SKV, SKVT,
+                                  D, BLOCK_N, HAS_MASK, IS_CAUSAL, True, HAS_MASK, PV_INT8, DOT16_AS_F32, ACC_XU, QK16)
         _fwd_store(acc, m_i, l_i, o_ptr, m_ptr, lse_ptr, bh, SQ, rows, dims, inq, D)
 
     @triton.jit
