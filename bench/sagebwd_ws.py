@@ -104,10 +104,6 @@ def _dkdv_ws_kernel(
         tl.store(dv_ptr + w_off + DW, dv2, mask=ink[:, None])
 
 
-def _alloc(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def prepare(q, k, v, do):
     """The shipped forward (16-bit scores) and backward pre-pass: everything both dK/dV kernels read."""
     state = K._forward_impl(q, k, v, None, False, None, K.PVPrecision.INT8, ScorePrecision.FP16)
@@ -230,7 +226,6 @@ def _cos(a, b):
 
 
 def bench(args) -> int:
-    triton.set_allocator(_alloc)
     dev = "cuda"
     known = {f"{s}x{d}": (b, h, hkv, s, d) for b, h, hkv, s, d in
              ((1, 24, 24, 16384, 128), (1, 48, 48, 16384, 64), (1, 24, 24, 4096, 128))}
