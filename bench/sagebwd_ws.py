@@ -95,13 +95,7 @@ def _dkdv_ws_kernel(
         if DW < D:
             ot2 = ot_desc.load([bh, DW, m0]).reshape(DW, SUB)
             dv2 += tl.dot(p8t, tl.trans(ot2), out_dtype=tl.int32).to(tl.float32) * dv_scale
-    dimw = tl.arange(0, DW)
-    w_off = (bkv * SKV + keys[:, None]) * D + dimw[None, :]
-    tl.store(dk_ptr + w_off, dk, mask=ink[:, None])
-    tl.store(dv_ptr + w_off, dv, mask=ink[:, None])
-    if DW < D:
-        tl.store(dk_ptr + w_off + DW, dk2, mask=ink[:, None])
-        tl.store(dv_ptr + w_off + DW, dv2, mask=ink[:, None])
+    K._store_dkdv(dk_ptr, dv_ptr, dk, dv, dk2, dv2, bkv, SKV, keys, ink, D, DW)
 
 
 def prepare(q, k, v, do):

@@ -697,6 +697,17 @@ if triton is not None:
         return dk, dv, dk2, dv2
 
     @triton.jit
+    def _store_dkdv(dk_ptr, dv_ptr, dk, dv, dk2, dv2, bkv, SKV, keys, ink, D: tl.constexpr, DW: tl.constexpr):
+        """A key tile's float32 dK and dV rows (``keys`` of KV head bkv, those in ``ink``) into (B, Hkv,
+        Skv, D): column blocks dk / dv, and dk2 / dv2 after them when DW < D."""
+        w_off = (bkv * SKV + keys[:, None]) * D + tl.arange(0, DW)[None, :]
+        tl.store(dk_ptr + w_off, dk, mask=ink[:, None])
+        tl.store(dv_ptr + w_off, dv, mask=ink[:, None])
+        if DW < D:
+            tl.store(dk_ptr + w_off + DW, dk2, mask=ink[:, None])
+            tl.store(dv_ptr + w_off + DW, dv2, mask=ink[:, None])
+
+    @triton.jit
     def _bwd_dkdv_jit(
         q8_ptr, sq_ptr, q8t_ptr, k8_ptr, sk_ptr, k8t_ptr, v8_ptr, sv_ptr, vc_ptr,  # q8t, k8t: token strides SQT, SKVT
         qc_ptr, kc_ptr,  # 16-bit (B, Hq, Sq, D) Q, (B, Hkv, Skv, D) masked K (read when QK16)
@@ -782,12 +793,7 @@ if triton is not None:
                 dos8t_ptr, sdos_ptr, mask_ptr, dq_ptr, qk_scale, sm_scale, SQ, SKV, SQT, test_keys,
                 D, BLOCK_N, SUB, DW, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU, FUSE_DQ, DV_LAST,
                 QK16)
-        w_off = (bkv * SKV + keys[:, None]) * D + dimw[None, :]
-        tl.store(dk_ptr + w_off, dk, mask=ink[:, None])
-        tl.store(dv_ptr + w_off, dv, mask=ink[:, None])
-        if DW < D:
-            tl.store(dk_ptr + w_off + DW, dk2, mask=ink[:, None])
-            tl.store(dv_ptr + w_off + DW, dv2, mask=ink[:, None])
+        _store_dkdv(dk_ptr, dv_ptr, dk, dv, dk2, dv2, bkv, SKV, keys, ink, D, DW)
 
     _BWD_KEY = ["D", "DW", "IS_CAUSAL", "HAS_MASK", "DOV_INT8", "ACC_XU", "FUSE_DQ", "DV_LAST", "QK16"]
     _bwd_dkdv_kernel = _autotuned(_DKDV_CONFIGS, key=_BWD_KEY, max_rows_at_d128=64)(_bwd_dkdv_jit)
