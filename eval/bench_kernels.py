@@ -66,7 +66,8 @@ QUICK_SHAPES = [(1, 24, 4608, 128, False), (1, 48, 17776, 64, False), (1, 24, 16
 
 
 # ---- methods: each returns (run(q, k, v) -> out bf16 BHSD, note) or raises ------------------------
-def m_ours(poly: Optional[int] = None):
+def m_ours(poly: Optional[int] = None, precision: str = "fast"):
+    """The 8-bit kernel: the fast policy (optionally another exp2 share) or the accurate one."""
     from sage_diffusers.kernels import int8_sm90
 
     ok, why = int8_sm90.is_available()
@@ -78,7 +79,7 @@ def m_ours(poly: Optional[int] = None):
             int8_sm90.set_exp_poly_every(poly)
         try:
             return int8_sm90.attention_int8_sm90(q, k, v, key_mask=None, is_causal=causal, scale=None,
-                                                 return_lse=False)[0]
+                                                 return_lse=False, precision=precision)[0]
         finally:
             if poly is not None:
                 int8_sm90.set_exp_poly_every(None)
@@ -257,6 +258,7 @@ def methods(args):
 
     add("ours", lambda: m_ours())
     add("ours_exp2poly8", lambda: m_ours(poly=8))  # every 8th exp2 on the FMA pipes: hd64 only
+    add("ours_accurate", lambda: m_ours(precision="accurate"))  # int8_precision="accurate": 16-bit P~ V
     add("sdpa", lambda: m_sdpa())
     add("sdpa_cudnn", lambda: m_sdpa("CUDNN_ATTENTION"))
     add("sdpa_flash", lambda: m_sdpa("FLASH_ATTENTION"))

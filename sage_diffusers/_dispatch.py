@@ -15,12 +15,12 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from . import _fallback, backends
+from . import _fallback, backends, config
 from ._masks import _native_key_mask
 from ._shared import sdpa
 from ._validate import operand_mismatch
 from .backends import Backend, Route
-from .options import Mode
+from .options import Int8Precision, Mode
 
 # Lookup of the kernel for (mode, capability), built and cached per process; a module attribute so
 # that a test can stand in for a GPU.
@@ -34,6 +34,9 @@ KERNEL_DTYPES = backends.LOW_BIT_DTYPES
 # references alike (so both compute from the same values); bfloat16 keeps float32's range.
 LOW_BIT_FLOAT32_AS = torch.bfloat16
 ACCEPTED_DTYPES = KERNEL_DTYPES + (torch.float32,)
+# sd.attention's int8_precision where the caller gives none (SAGE_DIFFUSERS_INT8_PRECISION): read once,
+# at import, so that compiled graphs never see an environment lookup.
+DEFAULT_INT8_PRECISION = Int8Precision.parse(config.int8_precision())
 
 
 class Plan(NamedTuple):
@@ -362,19 +365,22 @@ def _fold_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
     return q * 0.0, 1.0  # scale 0: every score 0 (NaN rows stay NaN, as in SDPA)
 
 
-def run_low_bit(plan: Plan, q, k, v, key_mask, is_causal: bool, scale: float, return_lse: bool):
-    """Run a low-bit plan's backend under the backend contract (scale > 0, float16 / bfloat16)."""
+def run_low_bit(plan: Plan, q, k, v, key_mask, is_causal: bool, scale: float, return_lse: bool,
+                precision: Int8Precision = Int8Precision.FAST):
+    """Run a low-bit plan's backend under the backend contract (scale > 0, float16 / bfloat16).
+    precision: the 8-bit inference backends' P~.V (SageBwd's training path has its own options)."""
     q, scale = _fold_scale(q, scale)
     if q.dtype not in KERNEL_DTYPES:
         q, k, v = (t.to(LOW_BIT_FLOAT32_AS) for t in (q, k, v))
-    return plan.backend(q, k, v, key_mask=key_mask, is_causal=is_causal, scale=scale, return_lse=return_lse)
+    extra = {"precision": precision} if plan.mode is Mode.INT8 and plan.path is not Route.SAGEBWD else {}
+    return plan.backend(q, k, v, key_mask=key_mask, is_causal=is_causal, scale=scale, return_lse=return_lse, **extra)
 
 
 def run(chosen: Plan, q, k, v, *, native_mask, key_mask, attn_mask, dropout: float, is_causal: bool,
-        scale: float, return_lse: bool):
+        scale: float, return_lse: bool, precision: Int8Precision = Int8Precision.FAST):
     """(out, lse | None) of the plan :func:`plan` chose: SDPA with every mask the caller gave, any
     other backend with the native key mask."""
     if chosen.path is Route.SDPA:
         return sdpa(q, k, v, key_mask=key_mask, attn_mask=attn_mask, dropout_p=dropout, is_causal=is_causal,
                     scale=scale, return_lse=return_lse)
-    return run_low_bit(chosen, q, k, v, native_mask, is_causal, scale, return_lse)
+    return run_low_bit(chosen, q, k, v, native_mask, is_causal, scale, return_lse, precision)

@@ -196,6 +196,7 @@ _EXP_POLY_DOC = "; ".join(f"D = {d}: {', '.join(map(str, s))}" for d, s in sorte
 SAGEBWD_ACC_VALUES = ("xu", "alu")
 SAGEBWD_BWD_VALUES = ("split", "lean", "fused")
 SAGEBWD_SCORES_VALUES = ("int8", "fp16")  # reference.sagebwd.ScorePrecision
+INT8_PRECISION_VALUES = ("fast", "accurate")  # options.Int8Precision
 FP4_ATOM_VALUES = ("native", "emulated")
 FP4_EMU_VALUES = ("auto", "mma", "wgmma")
 
@@ -228,6 +229,12 @@ EXP_POLY = Variable(
     "once, when `kernels.int8_sm90` is imported", "benchmark",
     "Share of the 8-bit kernel's exp2 computed by an FMA polynomial (every N-th element, `0`: "
     "none).")
+INT8_PRECISION = Variable(
+    "SAGE_DIFFUSERS_INT8_PRECISION", _choice(*INT8_PRECISION_VALUES), "fast", _choices_doc(INT8_PRECISION_VALUES),
+    "`fast`", "once, when `sage_diffusers` is imported (its dispatch module)", "user",
+    "The 8-bit path's P~.V product where `sd.attention` gets no `int8_precision` (the diffusers and "
+    "ComfyUI integrations among them): `fast` (FP8) or `accurate` (16-bit: about a third of the error, "
+    "3-18 % more kernel time on Hopper).")
 FP4_ATOM = Variable(
     "SAGE_DIFFUSERS_FP4_ATOM", _choice(*FP4_ATOM_VALUES), None, _choices_doc(FP4_ATOM_VALUES),
     "`native` on sm_120/121, `emulated` on sm_90", "at each FP4 build", "debug",
@@ -287,7 +294,7 @@ COMMIT = Variable(
     "The commit a calibration run records (a copied tree's `.git` can be stale).")
 
 VARIABLES: dict[str, Variable] = {v.name: v for v in (
-    CACHE, CSRC, AUTO_CALIBRATE, SM90_BENCH, EXP_POLY, FP4_ATOM, FP4_EMU, FP4_OPT, FP4_NO_HW_E2M1,
+    CACHE, CSRC, AUTO_CALIBRATE, SM90_BENCH, EXP_POLY, INT8_PRECISION, FP4_ATOM, FP4_EMU, FP4_OPT, FP4_NO_HW_E2M1,
     TRITON_AUTOTUNE, SAGEBWD_ACC, SAGEBWD_BWD, SAGEBWD_SCORES, TRITON_INTERPRET, CUTLASS_INCLUDE, MAX_JOBS,
     XDG_CACHE_HOME, COMMIT,
 )}
@@ -318,6 +325,11 @@ def exp_poly() -> Optional[int]:
     """``SAGE_DIFFUSERS_EXP_POLY``: the exp2 polynomial share for every head dim, or None for the
     per-head-dim default."""
     return EXP_POLY.get()
+
+
+def int8_precision() -> str:
+    """``SAGE_DIFFUSERS_INT8_PRECISION``: the default of ``sd.attention``'s ``int8_precision``."""
+    return INT8_PRECISION.get()
 
 
 def fp4_atom() -> Optional[str]:

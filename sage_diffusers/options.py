@@ -44,6 +44,24 @@ class Mode(ParsedEnum):
     SDPA = "sdpa"
 
 
+class Int8Precision(ParsedEnum):
+    """The 8-bit algorithm's P~.V product: what the 8-bit paths compute wherever they run (the Hopper
+    kernel's two shipped policies, the Triton kernel of other GPUs, the torch reference).
+
+    FAST (the default) multiplies P~ and V in FP8 E4M3, as SageAttention2's Hopper kernel does;
+    ACCURATE multiplies them in the 16-bit input dtype with FP32 accumulation: about a third of the
+    error against exact attention (rel-L1 0.012 against 0.038 on the benchmark inputs) for 3-18 %
+    more kernel time on Hopper (eval/results/int8_pv16_ab_h100.md).
+    """
+
+    FAST = "fast"
+    ACCURATE = "accurate"
+
+    @classmethod
+    def option_name(cls) -> str:
+        return "int8_precision"
+
+
 class Layout(ParsedEnum):
     """Memory order of the four attention dimensions: batch, heads, sequence, head dim."""
 

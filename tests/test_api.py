@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import sage_diffusers as sd
 from sage_diffusers import _dispatch, api
+from sage_diffusers.options import Int8Precision
 from sage_diffusers.reference import cosine
 
 from _util import assert_unchanged, snapshot
@@ -232,19 +233,23 @@ def test_a_kernel_that_fails_to_build_becomes_a_reason_not_a_crash(monkeypatch):
 
 def test_the_kernel_branch_hands_every_argument_to_the_backend():
     """``_dispatch.run_low_bit`` on a kernel plan calls the backend as the backend contract says:
-    backend(q, k, v, *, key_mask, is_causal, scale, return_lse) on BHSD views, float32 rounded to
-    bfloat16 first (the CPU suite cannot reach a real kernel). Fails on: a dropped argument."""
+    backend(q, k, v, *, key_mask, is_causal, scale, return_lse[, precision]) on BHSD views, float32
+    rounded to bfloat16 first (the CPU suite cannot reach a real kernel); the 8-bit inference backends
+    also get the int8 precision. Fails on: a dropped argument."""
     seen = {}
 
-    def backend(q, k, v, *, key_mask, is_causal, scale, return_lse):
-        seen.update(q=q, k=k, v=v, key_mask=key_mask, is_causal=is_causal, scale=scale, return_lse=return_lse)
+    def backend(q, k, v, *, key_mask, is_causal, scale, return_lse, precision):
+        seen.update(q=q, k=k, v=v, key_mask=key_mask, is_causal=is_causal, scale=scale, return_lse=return_lse,
+                    precision=precision)
         return q, None
 
     q, k, v = dit_qkv(1, 2, 2, 8, 8, 64, seed=16)
     kp = key_padding_mask(1, 8, seed=17)
-    _dispatch.run_low_bit(_dispatch.Plan("kernel", api.Mode.INT8, backend), q, k, v, kp, True, 0.25, True)
+    _dispatch.run_low_bit(_dispatch.Plan("kernel", api.Mode.INT8, backend), q, k, v, kp, True, 0.25, True,
+                          Int8Precision.ACCURATE)
     assert all(torch.equal(seen[n], t.to(torch.bfloat16)) for n, t in (("q", q), ("k", k), ("v", v)))
     assert seen["key_mask"] is kp and (seen["is_causal"], seen["scale"], seen["return_lse"]) == (True, 0.25, True)
+    assert seen["precision"] is Int8Precision.ACCURATE
 
 
 def test_dir_lists_the_lazy_names():

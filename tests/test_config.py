@@ -11,6 +11,7 @@ import pytest
 
 from sage_diffusers import config
 from sage_diffusers.kernels import _jit, fp4
+from sage_diffusers.options import Int8Precision
 from sage_diffusers.reference.sagebwd import ScorePrecision
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +29,7 @@ BAD = {
     "SAGE_DIFFUSERS_AUTO_CALIBRATE": "maybe",
     "SAGE_DIFFUSERS_SM90_BENCH": "2",
     "SAGE_DIFFUSERS_EXP_POLY": "3",
+    "SAGE_DIFFUSERS_INT8_PRECISION": "Accurate",
     "SAGE_DIFFUSERS_FP4_ATOM": "Native",
     "SAGE_DIFFUSERS_FP4_EMU": "WGMMA",
     "SAGE_DIFFUSERS_FP4_OPT": "hoist_mask+bogus",
@@ -166,6 +168,8 @@ def test_choices_are_the_values_of_the_enums_they_select():
     assert config.SAGEBWD_BWD_VALUES == tuple(m.value for m in sagebwd_triton.BwdKernels)
     assert config.SAGEBWD_SCORES_VALUES == tuple(m.value for m in ScorePrecision)
     assert config.SAGEBWD_SCORES.default == ScorePrecision.FP16.value
+    assert config.INT8_PRECISION_VALUES == tuple(m.value for m in Int8Precision)
+    assert config.INT8_PRECISION.default == Int8Precision.FAST.value
     assert config.FP4_ATOM_VALUES == (fp4.Atom.NATIVE, fp4.Atom.EMULATED)
     assert set(config.FP4_EMU_VALUES) == set(fp4.EmuGemm.CODE)
     assert config.SAGEBWD_ACC.default == sagebwd_triton.AccConvert.XU.value

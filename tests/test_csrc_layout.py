@@ -115,7 +115,7 @@ def test_int8_variants_come_from_one_source():
     assert gen.BENCH_OUT == bench_inst
     want = set()
     for d, dt, _, causal, o in gen.variants():
-        want.add(f"fwd_hd{d}_{dt}_{'causal' if causal else 'full'}{gen._poly_suffix(o)}.cu")
+        want.add(f"fwd_hd{d}_{dt}_{'causal' if causal else 'full'}{gen._suffix(d, o)}.cu")
     assert {p.name for p in inst.glob("*.cu")} == want
     assert {p.name for p in bench_inst.glob("*.cu")} == {f"bench_hd{d}_{o.name}.cu" for d, o in gen.BENCH_VARIANTS}
     assert {p.name for p in inst.glob("*.inc")} == {"variants.inc"}
@@ -124,6 +124,9 @@ def test_int8_variants_come_from_one_source():
     for d, o in gen.DEFAULTS.items():
         assert f"(ShippedPolicy<{d}>::kOptions))" in table
         assert py.DEFAULT_EXP_POLY[d] == o.exp2_poly_every and py.DEFAULT_FLAGS[d] == o.flags
+    for d, o in gen.ACCURATE.items():  # the accurate policy: every dtype and causal flag, its own exp2 share
+        assert table.count(f"(AccuratePolicy<{d}>::kOptions))") == len(gen.DTYPES) * len(gen.CAUSAL)
+        assert py.ACCURATE_EXP_POLY[d] == o.exp2_poly_every and py.ACCURATE_FLAGS[d] == o.flags
     assert py.BENCH_VARIANTS == tuple((d, o.exp2_poly_every, o.flags, o.name) for d, o in gen.BENCH_VARIANTS)
     # the flag bits of the Python mirror are those of FwdOptions::flags() in launch.h
     launch = (CSRC / "sm90_int8" / "launch.h").read_text()
@@ -135,22 +138,27 @@ def test_int8_variants_come_from_one_source():
 
 
 def test_int8_shipped_policy_is_named_once(tmp_path):
-    """policy.hpp names the shipped option set per head dim (ShippedPolicy<D>::kOptions), one line of
-    why per option; the generator reads DEFAULTS from it, and the shipped instantiations and table
-    refer to it by name instead of spelling the options out (the benchmark build's variants do)."""
+    """policy.hpp names the shipped option sets per head dim (ShippedPolicy<D>::kOptions, the fast
+    one; AccuratePolicy<D>::kOptions), one line of why per option; the generator reads DEFAULTS and
+    ACCURATE from it, and the shipped instantiations and table refer to them by name instead of
+    spelling the options out (the benchmark build's variants do)."""
     gen = _generator()
     k = CSRC / "sm90_int8"
     assert gen.read_policy(k / "policy.hpp") == gen.DEFAULTS and set(gen.DEFAULTS) == set(gen.HEAD_DIMS)
+    assert gen.read_policy(k / "policy.hpp", "AccuratePolicy") == gen.ACCURATE and set(gen.ACCURATE) == set(gen.HEAD_DIMS)
     policy = (k / "policy.hpp").read_text()
-    for d, o in gen.DEFAULTS.items():
-        body = policy.split(f"struct ShippedPolicy<{d}> {{", 1)[1].split("};", 1)[0]
-        for line in (ln for ln in body.splitlines() if re.match(r"\s*\.\w+ = ", ln)):
-            assert "//" in line.split("=", 1)[1], f"ShippedPolicy<{d}>: no why for {line.strip()}"
+    for struct, options in (("ShippedPolicy", gen.DEFAULTS), ("AccuratePolicy", gen.ACCURATE)):
+        for d in options:
+            body = policy.split(f"struct {struct}<{d}> {{", 1)[1].split("};", 1)[0]
+            for line in (ln for ln in body.splitlines() if re.match(r"\s*\.\w+ = ", ln)):
+                assert "//" in line.split("=", 1)[1], f"{struct}<{d}>: no why for {line.strip()}"
     for p in (k / "instantiations").glob("fwd_*.cu"):
         text = p.read_text()
-        assert '#include "../policy.hpp"' in text and "ShippedPolicy<" in text and "FwdOptions{" not in text, p.name
+        named = "AccuratePolicy<" if p.stem.endswith("_accurate") else "ShippedPolicy<"
+        assert '#include "../policy.hpp"' in text and named in text and "FwdOptions{" not in text, p.name
     table = (k / "instantiations" / "variants.inc").read_text()
-    assert "FwdOptions{" not in table and table.count("ShippedPolicy<") == len(list(gen.variants()))
+    assert "FwdOptions{" not in table
+    assert table.count("ShippedPolicy<") + table.count("AccuratePolicy<") == len(list(gen.variants()))
     assert '#include "policy.hpp"' in (k / "dispatch.cu").read_text()
     for p in (ROOT / "bench" / "sm90_int8" / "instantiations").glob("bench_*.cu"):
         assert "ShippedPolicy" not in p.read_text()  # lab variants spell their options out
@@ -600,9 +608,10 @@ def test_int8_fused_rescale_flag_validity_and_bench_variant():
     assert fused.flags == base.flags | 1 << 22 and fused.name == base.name + "_fusedrescale"
     for o in (base, fused):
         assert (64, o) in gen.BENCH_VARIANTS and py.FLAG_NAMES[o.flags] == o.name
-    # every hd64 unit of the regular build has it, no hd128 one (smem_o_every: O stays in the tensor core)
+    # every hd64 unit of the fast policy has it, no hd128 one (smem_o_every: O stays in the tensor core)
+    # and no accurate one (its 16-bit P~ V accumulates in fp32 in the tensor core)
     assert {d for d, _, _, _, o in gen.variants() if o.fused_rescale} == {64}
-    assert all(o.fused_rescale for d, _, _, _, o in gen.variants() if d == 64)
+    assert all(o.fused_rescale != o.pv_16bit for d, _, _, _, o in gen.variants() if d == 64)
 
 
 def test_int8_seeded_scores_flag_validity_and_default():
@@ -673,11 +682,12 @@ def test_int8_long_tile_flag_validity_and_bench_variants():
 
 def test_int8_pv_16bit_flag_validity_bench_variants_and_prepass():
     """`pv_16bit` is flag bit 1 << 26 (kFlagsHighShift + 14) on both sides, named "pv16", refused with
-    tc_row_sum, fp32_pv_tiles, smem_o_every or long_tile (Python raises, C++ valid() says so); no shipped
-    variant has it; the benchmark build holds each head dim's defaults with it (without what it replaces)
-    and one more loop, compared against sage8_reference(pv="bf16"); the 16-bit V image is a template bit
-    of the pre-pass (kPrepassV16Image: the shipped kernels' code unchanged), compiled in the benchmark
-    build only, and the binding sizes it from the variant (fwd_pv_16bit)."""
+    tc_row_sum, fp32_pv_tiles, smem_o_every or long_tile (Python raises, C++ valid() says so); the
+    shipped variants with it are the accurate policy's; the benchmark build holds each head dim's
+    defaults with it (without what it replaces) and one more loop, compared against
+    sage8_reference(pv="bf16"); the 16-bit V image is a template bit of the pre-pass (kPrepassV16Image:
+    the other kernels' code unchanged), compiled in the shipped mode and, in the benchmark build, in
+    every mode, and the binding sizes it from the variant (fwd_pv_16bit)."""
     from dataclasses import replace
 
     from sage_diffusers.kernels import _sm90_int8_variants as py
@@ -692,8 +702,10 @@ def test_int8_pv_16bit_flag_validity_bench_variants_and_prepass():
         with pytest.raises(ValueError, match="pv_16bit"):
             gen.FwdOptions(pv_16bit=True, **bad)
     assert gen.FwdOptions(pv_16bit=True).flags == 1 << 26 and gen.FwdOptions(pv_16bit=True).name == "plain_pv16"
-    assert not any(o.pv_16bit for *_, o in gen.variants())
+    # the regular build's 16-bit P~ V variants are the accurate policy's, one of the benchmark build's each
+    assert {(d, o) for d, *_, o in gen.variants() if o.pv_16bit} == set(gen.ACCURATE.items())
     pv16 = [(d, o) for d, o in gen.BENCH_VARIANTS if o.pv_16bit]
+    assert all((d, o) in pv16 for d, o in gen.ACCURATE.items())
     assert sorted(d for d, _ in pv16) == [64, 64, 128, 128]
     for d, o in pv16:
         assert o == replace(gen.DEFAULTS[d], pv_16bit=True, tc_row_sum=False, smem_o_every=0, fp32_pv_tiles=False,
@@ -706,16 +718,21 @@ def test_int8_pv_16bit_flag_validity_bench_variants_and_prepass():
     # the register split: the consumers at 240 with a P array twice the FP8 one (two warpgroups)
     assert "kOpt.long_tile || kOpt.pv_16bit, sage_common::sm90::RegisterSplit<24, 240>" in kernel
     assert "three_consumers || pv_16bit; }" in launch
-    # the pre-pass: a template bit outside the modes, its kernels in bench/ only, sized by the variant
+    # the pre-pass: a template bit outside the modes, in the shipped mode for the accurate policy, in every
+    # mode in bench/, sized by the variant
     assert "constexpr int kPrepassV16Image = 64;" in launch and "constexpr int kPrepassModeMax = 63;" in launch
     k, b = CSRC / "sm90_int8", ROOT / "bench" / "sm90_int8"
-    assert "PrepassV16KernelModes" not in (k / "prepass.cu").read_text()
+    shipped_prepass = (k / "prepass.cu").read_text()
+    assert "PrepassV16KernelModes" not in shipped_prepass
+    assert "dispatch_prepass<kBlockKV, PrepassShippedV16KernelModes>" in shipped_prepass
+    assert ("using PrepassShippedV16KernelModes = decltype(with_mode_bits<kPrepassV16Image>(PrepassShippedKernelModes{}));"
+            in (k / "prepass.cuh").read_text())
     assert "dispatch_prepass<kBlockKV, PrepassV16KernelModes>" in (b / "prepass_v16.cu").read_text()
     assert "run_prepass_v16(p, head_dim, dtype, pdl, stream)" in (b / "prepass_modes.cu").read_text()
     assert "stats_kernel<D, kIn, kM & ~kPrepassV16Image, kKB>" in (k / "prepass.cuh").read_text()
     binding = (k / "binding.h").read_text()
     assert "(shape.v16 ? sage_sm90::kPrepassV16Image : 0)" in binding
-    assert "sage_sm90::fwd_pv_16bit(d, causal, e)" in (k / "binding.cpp").read_text()
+    assert "sage_sm90::fwd_pv_16bit(d, causal, e, precision)" in (k / "binding.cpp").read_text()
     assert "sage_sm90::bench::fwd_pv_16bit(d, causal, e, s.flags)" in (b / "binding_bench.cpp").read_text()
     assert {p.name for p in int8_sm90._bench_sources()} >= {"prepass_v16.cu"}
     assert "prepass_v16.cu" not in {p.name for p in int8_sm90._sources()}
@@ -748,8 +765,8 @@ def test_int8_shipped_prepass_compiles_the_default_mode_only():
 
 def test_int8_prepass_kv_block_refused_outside_the_benchmark_build():
     """int8_sm90.prepass(kv_block=...) names what it accepts: 128, or 64 only where the 64-key pre-pass
-    is compiled (the benchmark build, head dim 128); v16=True (the 16-bit V image) likewise only there
-    and with 128-key blocks; a ValueError before any tensor reaches the extension (these are CPU
+    is compiled (the benchmark build, head dim 128); v16=True (the accurate policy's 16-bit V image)
+    with 128-key blocks only; a ValueError before any tensor reaches the extension (these are CPU
     tensors: nothing is launched)."""
     import torch
 
@@ -766,9 +783,6 @@ def test_int8_prepass_kv_block_refused_outside_the_benchmark_build():
         int8_sm90.prepass(q64, q64, q64, kv_block=64)
     with pytest.raises(ValueError, match="v16=True"):
         int8_sm90.prepass(q, k, v, kv_block=64, v16=True)
-    if not int8_sm90._BENCH:
-        with pytest.raises(ValueError, match="benchmark build"):
-            int8_sm90.prepass(q, k, v, v16=True)
 
 
 def test_int8_shipped_binding_has_no_benchmark_entry_points_or_flag_state():

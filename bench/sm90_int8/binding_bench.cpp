@@ -6,6 +6,7 @@
 // only), the two launches timed alone (bench_parts) and the phase_clock record (fwd_phase_clock).
 #include "bench_dispatch.h"
 #include "binding.h"
+#include "policy.hpp"
 
 namespace {
 
@@ -39,10 +40,23 @@ struct BenchVariants {
   }
 };
 
+// The calls' variants: the selected option set, or where none is selected the shipped binding's
+// choice for the precision (the first compiled option set, the defaults, or the accurate policy).
+BenchVariants variants_for(int64_t head_dim, int64_t precision) {
+  BenchVariants v;
+  TORCH_CHECK(precision == 0 || precision == 1, "precision must be 0 (fast) or 1 (accurate), got ", precision);
+  if (precision == 1 && v.s.flags == -1) {
+    v.s.flags = head_dim == 64 ? sage_sm90::AccuratePolicy<64>::kOptions.flags()
+                               : sage_sm90::AccuratePolicy<128>::kOptions.flags();
+  }
+  return v;
+}
+
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& key_mask, bool is_causal, double scale,
-                            bool return_lse, int64_t exp_poly_every) {
-  return sage_sm90_torch::forward(BenchVariants{}, q, k, v, key_mask, is_causal, scale, return_lse, exp_poly_every);
+                            bool return_lse, int64_t exp_poly_every, int64_t precision) {
+  return sage_sm90_torch::forward(variants_for(q.size(3), precision), q, k, v, key_mask, is_causal, scale, return_lse,
+                                  exp_poly_every);
 }
 
 // v16: V as the pv_16bit variants' 16-bit image (vt_img's bytes: 2 * 128 * D per block) instead of FP8 V^T.
@@ -51,8 +65,8 @@ std::vector<at::Tensor> prepass(const at::Tensor& q, const at::Tensor& k, const 
   return sage_sm90_torch::prepass_outputs(BenchVariants{}, q, k, v, key_mask, scale, kv_block, v16);
 }
 
-bool has_variant(int64_t head_dim, bool causal, int64_t exp_poly_every) {
-  return BenchVariants{}.has(static_cast<int>(head_dim), causal, static_cast<int>(exp_poly_every));
+bool has_variant(int64_t head_dim, bool causal, int64_t exp_poly_every, int64_t precision) {
+  return variants_for(head_dim, precision).has(static_cast<int>(head_dim), causal, static_cast<int>(exp_poly_every));
 }
 
 // GPU time of the two parts of fwd alone, without host overheads (allocations, argument checks, the
@@ -143,12 +157,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "sage_diffusers sm_90a 8-bit attention, benchmark build (see bench/sm90_int8/)";
   m.def("fwd", &fwd, "8-bit attention forward -> [out, lse (empty unless return_lse)]",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("is_causal"),
-        py::arg("scale"), py::arg("return_lse"), py::arg("exp_poly_every"));
+        py::arg("scale"), py::arg("return_lse"), py::arg("exp_poly_every"), py::arg("precision") = 0);
   m.def("prepass", &prepass,
         "quantization pre-pass -> [q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, mask_bits, v_first, v_summary]",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_mask"), py::arg("scale"), py::arg("kv_block") = 128,
         py::arg("v16") = false);
-  m.def("has_variant", &has_variant, py::arg("head_dim"), py::arg("causal"), py::arg("exp_poly_every"));
+  m.def("has_variant", &has_variant, py::arg("head_dim"), py::arg("causal"), py::arg("exp_poly_every"),
+        py::arg("precision") = 0);
   m.def("bench_parts", &bench_parts,
         "[pre-pass ms, attention-kernel ms] per call, back-to-back launches, no host work",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("is_causal"), py::arg("exp_poly_every"),

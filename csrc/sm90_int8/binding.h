@@ -262,8 +262,8 @@ Prepared prepare_and_launch(const Variants& variants, const at::Tensor& q, const
 
 // Pre-pass only, for tests: the quantized images and scales (layouts in launch.h). kv_block: keys
 // per K block, 128, or 64 in whole 192-key tiles (the long_tile variants' pre-pass, which only the
-// benchmark build compiles). v16: V as the pv_16bit variants' 16-bit image (128-key blocks; the
-// benchmark build's too).
+// benchmark build compiles). v16: V as the pv_16bit variants' 16-bit image (128-key blocks: the
+// accurate policy's).
 template <class Variants>
 std::vector<at::Tensor> prepass_outputs(const Variants& variants, const at::Tensor& q, const at::Tensor& k,
                                         const at::Tensor& v, const c10::optional<at::Tensor>& key_mask, double scale,

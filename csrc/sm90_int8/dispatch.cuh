@@ -1,7 +1,7 @@
 // The lookup from a call (head dim, dtype, causal, exp2 share) to a compiled forward
 // variant, over a table of SAGE_SM90_VARIANT(D, DTYPE, CAUSAL, OPTIONS) lines: the file that includes
 // this header names it in SAGE_SM90_TABLE (a path relative to this folder or to an include path).
-// dispatch.cu: the shipped table (instantiations/variants.inc, one option set per key);
+// dispatch.cu: the shipped table (instantiations/variants.inc, one option set per key and precision);
 // bench/sm90_int8/dispatch_bench.cu: the benchmark table (bench/sm90_int8/instantiations/), where
 // `flags` (FwdOptions::flags()) picks one of several option sets per key.
 #pragma once
@@ -19,7 +19,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream, bool pdl);  // i
 
 namespace dispatch_detail {
 
-constexpr int kAnyFlags = -1;  // the first option set of the table for the key (the shipped table has one)
+constexpr int kAnyFlags = -1;  // the first option set of the table for the key
 constexpr bool flags_match(int want, int flags) { return want == kAnyFlags || want == flags; }
 
 // The options of the first table entry run_fwd would match (every dtype compiles the same option

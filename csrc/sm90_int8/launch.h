@@ -10,12 +10,17 @@ namespace sage_sm90 {
 
 enum class DType : int { kF16 = 0, kBF16 = 1 };
 
+// Which shipped policy serves a call (policy.hpp): the fast one (FP8 P~ V, the default) or the
+// accurate one (16-bit P~ V: a third of the error, 3-18 % more kernel time). The Python side passes
+// the same numbers (int8_sm90.Precision).
+enum class Precision : int { kFast = 0, kAccurate = 1 };
+
 // Forward-kernel options (one line each here; DESIGN.md: what each does in detail and what was measured): one template axis of fwd_kernel, a
 // structural type so every instantiation names its options (instantiations/*.cu). The regular
-// build compiles one option set per head dim (policy.hpp ShippedPolicy<D>, which
-// generate_instantiations.py reads to write the tables and the Python side); flags() is an option
-// set's run-time key, by which the benchmark build (bench/sm90_int8/) picks among several; the
-// shipped build has one per call and no switch.
+// build compiles one option set per head dim and Precision (policy.hpp ShippedPolicy<D>,
+// AccuratePolicy<D>, which generate_instantiations.py reads to write the tables and the Python side);
+// flags() is an option set's run-time key, by which the shipped build picks the policy of a call's
+// precision and the benchmark build (bench/sm90_int8/) picks among several.
 struct FwdOptions {
   bool lean_softmax = false;        // fewer instructions per score; O rescale skipped when no max moved
   bool overlap_softmax_pv = false;  // softmax of tile t under the PV wgmma of tile t-1
@@ -277,7 +282,8 @@ constexpr int kPrepassModeMax = 63;
 // Not a mode: the host sets it in PrepassParams::kernel_mode from the forward variant's shape
 // (FwdOptions::pv_16bit): V's image is the 16-bit input as given (masked and non-finite elements 0)
 // instead of FP8 V^T. A template bit of the kernels, so the others' code stays as it was; the shipped
-// pre-pass has no such kernels (cudaErrorInvalidValue), the benchmark build's are prepass_v16.cu's.
+// pre-pass has them in kPrepassDefaultMode (the accurate policy's), the benchmark build in every mode
+// (prepass_v16.cu).
 constexpr int kPrepassV16Image = 64;
 // The shipped build's mode (binding.cpp; prepass.cu compiles only its kernels, the benchmark build every
 // mode's); chosen from variants_bench.py's pre-pass table.
@@ -287,28 +293,28 @@ constexpr int kPrepassDefaultMode = 7;  // all three: the fastest in variants_be
 // the long_tile variants: bench/sm90_int8/prepass_long.cu). pdl: the quant launch with programmatic
 // dependent launch (kPrepassPdl).
 cudaError_t run_prepass(const PrepassParams& p, int head_dim, DType dtype, bool pdl, cudaStream_t stream);
-// The forward variant for a call is the build's one option set for (head dim, dtype, causal,
-// exp2 share): instantiations/variants.inc, generated from policy.hpp's ShippedPolicy.
+// The forward variant for a call is the build's option set for (head dim, dtype, causal, exp2 share,
+// precision): instantiations/variants.inc, generated from policy.hpp's ShippedPolicy and AccuratePolicy.
 // exp_poly_every: 0 = every exp2 on MUFU; N > 0 = every N-th exp2 from the FMA polynomial
 // (compiled variants only: see instantiations/). pdl: the kernel launches with programmatic dependent
 // launch and waits for the launch before it (kPrepassPdl).
-cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every, bool pdl,
-                    cudaStream_t stream);
+cudaError_t run_fwd(const FwdParams& p, int head_dim, DType dtype, bool causal, int exp_poly_every, Precision precision,
+                    bool pdl, cudaStream_t stream);
 // Whether run_fwd has a compiled variant for these arguments.
-bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every);
+bool has_fwd_variant(int head_dim, bool causal, int exp_poly_every, Precision precision);
 // Query rows per CTA of the variant run_fwd picks for these arguments (64 per consumer warpgroup:
 // 128, or 192 with FwdOptions::three_consumers; 128 where none matches). The Q images are sized by
 // it: n_q_tiles = (rows / 64) * ceil(Sq / rows) tiles of 64 rows (rows >= Sq zero), so that every
 // CTA's Q tiles exist (fwd_q_tiles).
-int fwd_rows_per_cta(int head_dim, bool causal, int exp_poly_every);
+int fwd_rows_per_cta(int head_dim, bool causal, int exp_poly_every, Precision precision);
 // Keys per tile (128, or 192 with FwdOptions::long_tile) and per K scale block (128, or 64) of the
 // variant run_fwd picks (128 / 128 where none matches): the pre-pass quantizes K in blocks of the
 // latter and covers whole tiles (fwd_kv_blocks).
-int fwd_tile_keys(int head_dim, bool causal, int exp_poly_every);
-int fwd_kv_block(int head_dim, bool causal, int exp_poly_every);
+int fwd_tile_keys(int head_dim, bool causal, int exp_poly_every, Precision precision);
+int fwd_kv_block(int head_dim, bool causal, int exp_poly_every, Precision precision);
 // Whether the variant run_fwd picks reads V as a 16-bit image (FwdOptions::pv_16bit; false where none
 // matches): the pre-pass then writes that image (kPrepassV16Image) instead of FP8 V^T.
-bool fwd_pv_16bit(int head_dim, bool causal, int exp_poly_every);
+bool fwd_pv_16bit(int head_dim, bool causal, int exp_poly_every, Precision precision);
 constexpr int64_t fwd_kv_blocks(int64_t Skv, int tile_keys, int kv_block) {
   return tile_keys / kv_block * ((Skv + tile_keys - 1) / tile_keys);
 }

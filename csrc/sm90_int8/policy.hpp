@@ -1,11 +1,12 @@
-// The shipped forward policy: the one option set (FwdOptions, launch.h) the regular build compiles
-// per head dim, named once here (in the spirit of FlashAttention-3's tile_size.h). The generated
-// shipped instantiations (instantiations/fwd_*.cu) and dispatch table (instantiations/variants.inc)
-// refer to ShippedPolicy<D>::kOptions; generate_instantiations.py reads this file (its DEFAULTS) to
-// write them, the benchmark build's variants (each a change of these) and the Python side. After an
-// edit: python csrc/sm90_int8/generate_instantiations.py. Each choice says why in one line (H200,
-// attention kernel alone unless said otherwise); the A/B runs behind them: generate_instantiations.py's
-// comments, DESIGN.md and eval/results/. The pre-pass's shipped mode is launch.h's kPrepassDefaultMode.
+// The shipped forward policies: the option sets (FwdOptions, launch.h) the regular build compiles per
+// head dim, named once here (in the spirit of FlashAttention-3's tile_size.h): ShippedPolicy, the fast
+// one and the default, and AccuratePolicy (Precision::kAccurate). The generated shipped instantiations
+// (instantiations/fwd_*.cu) and dispatch table (instantiations/variants.inc) refer to their kOptions;
+// generate_instantiations.py reads this file (DEFAULTS, ACCURATE) to write them, the benchmark build's
+// variants (each a change of the defaults) and the Python side. After an edit: python
+// csrc/sm90_int8/generate_instantiations.py. Each choice says why in one line (H200, attention kernel
+// alone unless said otherwise); the A/B runs behind them: generate_instantiations.py's comments,
+// DESIGN.md and eval/results/. The pre-pass's shipped mode is launch.h's kPrepassDefaultMode.
 #pragma once
 
 #include "launch.h"
@@ -59,7 +60,44 @@ constexpr FwdOptions with_exp2_poly(FwdOptions o, int exp2_poly_every) {
   return o;
 }
 
-static_assert(ShippedPolicy<64>::kOptions.valid() && ShippedPolicy<128>::kOptions.valid(),
+// The accuracy policy per head dim (Precision::kAccurate, picked per call): the fast policy with P~ V as
+// a 16-bit wgmma in the input dtype instead of FP8 x FP8, and without what that replaces. Measured on
+// the H100 (eval/results/int8_pv16_ab_h100.md): rel-L1 against fp32 SDPA 0.0116 / 0.0110 (hd128 / hd64)
+// against 0.0383, attention kernel 1.05x-1.12x the fast policy's at hd128 and 1.17x-1.18x at hd64.
+template <int D>
+struct AccuratePolicy;  // head dims 64 and 128
+
+template <>
+struct AccuratePolicy<128> {
+  static constexpr FwdOptions kOptions{
+      .lean_softmax = true,        // as the fast policy
+      .overlap_softmax_pv = true,  // as the fast policy (fits with the consumers at 240 registers)
+      .pingpong = true,            // as the fast policy
+      .q_in_registers = true,      // as the fast policy: Q from smem was slower (1.078x against 1.051x, 4608 keys)
+      .split_reductions = true,    // as the fast policy
+      .epilogue_summary = true,    // as the fast policy
+      .epilogue_staged = true,     // as the fast policy
+      .seeded_scores = true,       // as the fast policy
+      .pv_16bit = true,            // P~ V in 16 bits, fp32 accumulation: a third of the error; no smem_o_every
+                                   // (O no longer shrinks in an FP8 accumulator), no tc_row_sum (its ones are FP8)
+  };
+};
+
+template <>
+struct AccuratePolicy<64> {
+  static constexpr FwdOptions kOptions{
+      .lean_softmax = true,      // as the fast policy
+      .q_in_registers = true,    // as the fast policy
+      .epilogue_summary = true,  // as the fast policy
+      .epilogue_staged = true,   // as the fast policy
+      .three_consumers = true,   // as the fast policy: the two-warpgroup overlap loop was slower (1.27x against 1.17x)
+      .pv_16bit = true,          // P~ V in 16 bits, fp32 accumulation: a third of the error; no fp32_pv_tiles or
+                                 // fused_rescale (the accumulator is fp32), no tc_row_sum (its ones are FP8)
+  };
+};
+
+static_assert(ShippedPolicy<64>::kOptions.valid() && ShippedPolicy<128>::kOptions.valid() &&
+                  AccuratePolicy<64>::kOptions.valid() && AccuratePolicy<128>::kOptions.valid(),
               "the shipped option sets are combinations the kernel implements");
 
 }  // namespace sage_sm90

@@ -564,6 +564,8 @@ constexpr auto with_mode_bits(std::integer_sequence<int, kModes...>) {
   return std::integer_sequence<int, (kModes | kBits)...>{};
 }
 using PrepassV16KernelModes = decltype(with_mode_bits<kPrepassV16Image>(PrepassAllKernelModes{}));
+// ... and the shipped mode with it: the accurate policy's pre-pass (prepass.cu).
+using PrepassShippedV16KernelModes = decltype(with_mode_bits<kPrepassV16Image>(PrepassShippedKernelModes{}));
 static_assert((kPrepassV16Image & (kPrepassKernelBits | kPrepassModeMax)) == 0, "kPrepassV16Image is no mode bit");
 
 // p.kernel_mode: the pre-pass mode's kernel-side bits (kPrepassKernelBits), one instantiation each

@@ -12,9 +12,11 @@ the rows that see them. Sources live in
 
 Entry points
 ------------
-attention_int8_sm90(q, k, v, *, key_mask, is_causal, scale, return_lse) -> (out, lse | None)
+attention_int8_sm90(q, k, v, *, key_mask, is_causal, scale, return_lse, precision) -> (out, lse | None)
     The backend contract (q (B, Hq, Sq, D), k/v (B, Hkv, Skv, D) views, any strides with a
-    contiguous last dim; fp16/bf16; D in {64, 128}).
+    contiguous last dim; fp16/bf16; D in {64, 128}); precision picks the shipped policy
+    (:class:`~sage_diffusers.options.Int8Precision`: FP8 P~.V, or 16-bit P~.V as
+    ``sage8_reference(pv="bf16" / "fp16", row_sum="p")``).
 prepass(q, k, v, key_mask=None, scale=None) -> dict
     The quantization pre-pass alone, decoded into plain tensors (for tests).
 is_available() -> (bool, reason)
@@ -33,6 +35,7 @@ from typing import Optional
 import torch
 
 from .. import config
+from ..options import Int8Precision
 from . import _jit
 from . import _sm90_int8_variants as _variants
 from ._contract import call_op, check_qkv, fake_out_lse, in_layout_of, kernel_views, normalize_key_mask
@@ -139,8 +142,16 @@ def build_bench(verbose: bool = False) -> ModuleType:
                                extra_include_paths=[source_dir(), bench_source_dir()], verbose=verbose)
 
 
-def default_exp_poly_every(head_dim: int) -> int:
-    """Share of exp2 computed by the FMA polynomial (every N-th element, 0 = none)."""
+# The number of each precision in the binding (csrc/sm90_int8/launch.h Precision).
+_PRECISION_ID = {Int8Precision.FAST: 0, Int8Precision.ACCURATE: 1}
+
+
+def default_exp_poly_every(head_dim: int, precision: Int8Precision = Int8Precision.FAST) -> int:
+    """Share of exp2 computed by the FMA polynomial (every N-th element, 0 = none). The override
+    (SAGE_DIFFUSERS_EXP_POLY, :func:`set_exp_poly_every`) applies to the fast policy, the one
+    compiled with several shares; the accurate policy has one."""
+    if precision is Int8Precision.ACCURATE:
+        return _variants.ACCURATE_EXP_POLY[head_dim]
     if _exp_poly_override is not None:
         return _exp_poly_override
     return _DEFAULT_EXP_POLY[head_dim]
@@ -152,9 +163,10 @@ def set_exp_poly_every(n: Optional[int]) -> None:
     _exp_poly_override = None if n is None else int(n)
 
 
-def has_variant(head_dim: int, is_causal: bool, exp_poly_every: int) -> bool:
+def has_variant(head_dim: int, is_causal: bool, exp_poly_every: int,
+                precision: Int8Precision = Int8Precision.FAST) -> bool:
     """Whether the built extension has that compiled variant (builds on first call)."""
-    return bool(build().has_variant(head_dim, is_causal, exp_poly_every))
+    return bool(build().has_variant(head_dim, is_causal, exp_poly_every, _PRECISION_ID[precision]))
 
 
 
@@ -181,9 +193,10 @@ def _int8_attention_impl(
     scale: float,
     return_lse: bool,
     exp_poly_every: int,
+    precision: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     qq, kk, vv = kernel_views(q, k, v)
-    out, lse = _extension().fwd(qq, kk, vv, key_mask, is_causal, scale, return_lse, exp_poly_every)
+    out, lse = _extension().fwd(qq, kk, vv, key_mask, is_causal, scale, return_lse, exp_poly_every, precision)
     out = in_layout_of(out, q, qq)
     return out, lse
 
@@ -193,7 +206,7 @@ _int8_attention_sm90 = torch.library.custom_op("sage_diffusers::int8_attention_s
 
 
 @_int8_attention_sm90.register_fake
-def _(q, k, v, key_mask, is_causal, scale, return_lse, exp_poly_every):
+def _(q, k, v, key_mask, is_causal, scale, return_lse, exp_poly_every, precision):
     return fake_out_lse(q, return_lse)
 
 
@@ -206,6 +219,7 @@ def attention_int8_sm90(
     is_causal: bool = False,
     scale: Optional[float] = None,
     return_lse: bool = False,
+    precision: Int8Precision = Int8Precision.FAST,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """8-bit attention on sm_90a with sage8 numerics.
 
@@ -218,6 +232,8 @@ def attention_int8_sm90(
     is_causal : top-left aligned like torch SDPA: query i sees keys j <= i.
     scale : softmax scale, default 1/sqrt(D).
     return_lse : also return the natural-log LSE of scale * q.k (float32 (B, Hq, Sq)).
+    precision : :class:`~sage_diffusers.options.Int8Precision` (or its string): the fast policy
+        (FP8 P~.V) or the accurate one (16-bit P~.V).
 
     Returns
     -------
@@ -226,10 +242,12 @@ def attention_int8_sm90(
     """
     check_qkv(q, k, v, HEAD_DIMS)
     key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2])
+    precision = Int8Precision.parse(precision)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     out, lse = call_op(torch.ops.sage_diffusers.int8_attention_sm90, _int8_attention_impl,
-                       q, k, v, key_mask, bool(is_causal), scale, bool(return_lse), default_exp_poly_every(d))
+                       q, k, v, key_mask, bool(is_causal), scale, bool(return_lse),
+                       default_exp_poly_every(d, precision), _PRECISION_ID[precision])
     return out, (lse if return_lse else None)
 
 
@@ -278,9 +296,9 @@ def prepass(q, k, v, key_mask=None, scale=None, kv_block: int = BLOCK_KV, v16: b
     of the benchmark build, whose 192-key tiles hold three such blocks; their pre-pass exists only
     in that build). sk then has 3 * ceil(Skv / 192) entries per (b, kv head), mask_bits 2 words per
     block.
-    v16: V as the ``pv_16bit`` variants' 16-bit image instead of FP8 (the benchmark build only,
-    128-key blocks): the dict then holds ``v16`` (B, Hkv, Skv, D) in q.dtype instead of ``v8``, the input
-    V as given with masked keys and non-finite elements 0 (those recorded in v_first / v_summary).
+    v16: V as the accurate policy's 16-bit image instead of FP8 (128-key blocks): the dict then holds
+    ``v16`` (B, Hkv, Skv, D) in q.dtype instead of ``v8``, the input V as given with masked keys and
+    non-finite elements 0 (those recorded in v_first / v_summary).
 
     Returns
     -------
@@ -297,10 +315,8 @@ def prepass(q, k, v, key_mask=None, scale=None, kv_block: int = BLOCK_KV, v16: b
     """
     if kv_block not in (BLOCK_KV, 64):
         raise ValueError(f"kv_block: expected {BLOCK_KV} or 64, got {kv_block}")
-    if v16 and (not _BENCH or kv_block != BLOCK_KV):
-        raise ValueError("v16=True (the pv_16bit variants' pre-pass) exists in the benchmark build "
-                         f"(SAGE_DIFFUSERS_SM90_BENCH=1) with kv_block={BLOCK_KV} only; got kv_block {kv_block}, "
-                         f"benchmark build {_BENCH}")
+    if v16 and kv_block != BLOCK_KV:
+        raise ValueError(f"v16=True (the 16-bit V image) has kv_block={BLOCK_KV} only; got kv_block {kv_block}")
     if kv_block == 64 and (not _BENCH or q.shape[-1] != 128):
         raise ValueError("kv_block=64 (the long_tile variants' pre-pass) exists in the benchmark build "
                          f"(SAGE_DIFFUSERS_SM90_BENCH=1) at head dim 128 only; got head dim {q.shape[-1]}, "
@@ -310,10 +326,8 @@ def prepass(q, k, v, key_mask=None, scale=None, kv_block: int = BLOCK_KV, v16: b
     d, sq_len, skv = q.shape[-1], q.shape[2], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     qq, kk, vv = kernel_views(q, k, v)
-    # (the shipped binding takes no v16: only the benchmark build's is passed it)
-    extra = (True,) if v16 else ()
     q_img, sq, qkm, k_img, sk, vt_img, sv, kmean, kv_len, bits, v_first, v_summary = _extension().prepass(
-        qq, kk, vv, key_mask, scale, kv_block, *extra)
+        qq, kk, vv, key_mask, scale, kv_block, v16)
     b, hkv = k.shape[0], k.shape[1]
     n_kv = vt_img.shape[2]
     if v16:

@@ -1161,12 +1161,13 @@ def sagebwd_backward(do, state: SageBwdState, key_mask=None, is_causal=False, sc
 
 
 def attention_int8_triton(q, k, v, *, key_mask=None, is_causal=False, scale=None, return_lse=False,
-                          pv: "str | PVPrecision" = PVPrecision.FP16):
+                          pv: "str | PVPrecision" = PVPrecision.FP16, precision: str = "fast"):
     """Inference backend (the kernels' contract): SageBwd's Triton forward on BHSD views.
 
     ``mode="int8"`` runs it on GPUs without this project's CUDA kernels (sm_80/86/89); P~.V in
     16 bits by default (SageAttention2's sm_80 choice: more accurate than INT8 P~, and inference
-    needs no INT8 P~ for a backward).
+    needs no INT8 P~ for a backward). ``precision`` (options.Int8Precision) changes nothing here:
+    both policies are this 16-bit P~.V, the accurate one's product (these GPUs have no FP8 MMA).
 
     Returns (out like q, natural-log lse float32 (B, Hq, Sq) with the smoothing shift added back,
     or None).

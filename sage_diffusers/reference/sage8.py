@@ -143,8 +143,10 @@ def sage8_reference(
     return (out, lse) if return_lse else out
 
 
-def sage8_backend(q, k, v, *, key_mask, is_causal, scale, return_lse):
+def sage8_backend(q, k, v, *, key_mask, is_causal, scale, return_lse, precision: str = "fast"):
     """:func:`sage8_reference` under the backend contract (``sage_diffusers.backends``): always
-    (out float32 (B, Hq, Sq, D), lse float32 (B, Hq, Sq) or None)."""
-    res = sage8_reference(q, k, v, key_mask=key_mask, is_causal=is_causal, scale=scale, return_lse=return_lse)
+    (out float32 (B, Hq, Sq, D), lse float32 (B, Hq, Sq) or None). precision ("fast" / "accurate",
+    options.Int8Precision): P.V in FP8, or in the 16-bit input dtype (the Hopper kernel's two policies)."""
+    pv = "fp8" if str(precision) == "fast" else ("fp16" if q.dtype == torch.float16 else "bf16")
+    res = sage8_reference(q, k, v, key_mask=key_mask, is_causal=is_causal, scale=scale, return_lse=return_lse, pv=pv)
     return res if return_lse else (res, None)
