@@ -684,7 +684,7 @@ def test_int8_pv_16bit_flag_validity_bench_variants_and_prepass():
     """`pv_16bit` is flag bit 1 << 26 (kFlagsHighShift + 14) on both sides, named "pv16", refused with
     tc_row_sum, fp32_pv_tiles, smem_o_every or long_tile (Python raises, C++ valid() says so); the
     shipped variants with it are the accurate policy's; the benchmark build holds each head dim's
-    defaults with it (without what it replaces) and one more loop, compared against
+    defaults with it (without what it replaces: the accurate policy), compared against
     sage8_reference(pv="bf16"); the 16-bit V image is a template bit of the pre-pass (kPrepassV16Image:
     the other kernels' code unchanged), compiled in the shipped mode and, in the benchmark build, in
     every mode, and the binding sizes it from the variant (fwd_pv_16bit)."""
@@ -706,7 +706,7 @@ def test_int8_pv_16bit_flag_validity_bench_variants_and_prepass():
     assert {(d, o) for d, *_, o in gen.variants() if o.pv_16bit} == set(gen.ACCURATE.items())
     pv16 = [(d, o) for d, o in gen.BENCH_VARIANTS if o.pv_16bit]
     assert all((d, o) in pv16 for d, o in gen.ACCURATE.items())
-    assert sorted(d for d, _ in pv16) == [64, 64, 128, 128]
+    assert sorted(d for d, _ in pv16) == [64, 128]
     for d, o in pv16:
         assert o == replace(gen.DEFAULTS[d], pv_16bit=True, tc_row_sum=False, smem_o_every=0, fp32_pv_tiles=False,
                             fused_rescale=False, q_in_registers=o.q_in_registers,
