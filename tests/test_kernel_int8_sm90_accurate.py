@@ -47,7 +47,7 @@ def test_forward_vs_reference_and_sdpa(s, d, causal, dtype, layout, masked, gqa)
     ref, ref_lse = ref16(q, k, v, key_mask=mask, is_causal=causal, scale=scale, return_lse=True)
     assert torch.isfinite(out).all()
     cos, rl1 = cosine(out, ref), relative_l1(out, ref)
-    assert cos >= 0.99995 and rl1 <= 0.005, f"vs its reference: cos {cos:.6f}, rel-L1 {rl1:.5f}"
+    assert cos >= 0.9999 and rl1 <= 0.01, f"vs its reference: cos {cos:.6f}, rel-L1 {rl1:.5f}"
     msg = int8_lse_error(lse, ref_lse, "p", d, 1e-6, None)
     assert msg is None, msg
     exact, _ = sdpa_fp32(q, k, v, mask, causal, scale)
