@@ -12,7 +12,7 @@ enum class DType : int { kF16 = 0, kBF16 = 1 };
 
 // Which shipped policy serves a call (policy.hpp): the fast one (FP8 P~ V, the default) or the
 // accurate one (16-bit P~ V: a third of the error, 3-18 % more kernel time). The Python side passes
-// the same numbers (int8_sm90.Precision).
+// the same numbers (int8_sm90._PRECISION_ID, from options.Int8Precision).
 enum class Precision : int { kFast = 0, kAccurate = 1 };
 
 // Forward-kernel options (one line each here; DESIGN.md: what each does in detail and what was measured): one template axis of fwd_kernel, a
