@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import sage_diffusers as sd
-from sage_diffusers import _dispatch
 from sage_diffusers.options import Int8Precision
 from sage_diffusers.reference import sage8_reference
 
