@@ -238,8 +238,9 @@ def bench(args) -> int:
         del ref_out, gq, qf, kf, vf
         state, rows = prepare(q, k, v, do)
         bwd = K._bwd_dkdv_kernel
-        dk_s = torch.empty_like(gk)
-        dv_s = torch.empty_like(gk)
+        # contiguous like the shipped path's (SDPA's gk may come back in another memory layout)
+        dk_s = torch.empty((b, hkv, s, d), dtype=torch.float32, device=dev)
+        dv_s = torch.empty_like(dk_s)
         q8t = K._transposed(state.q8)
         k8t = K._transposed(state.k8)
         do16 = do.to(state.vc.dtype).contiguous()
