@@ -2,8 +2,8 @@
 """Measure ``mode="auto"``'s table on this GPU model, and check auto against the best path.
 
 1. calibrate: for every call class (head dim, causal, key mask, grouped-query heads, ragged
-   length: ``sage_diffusers.kernels.auto_table``) time the 8-bit kernel and the SDPA call auto
-   would run instead, through ``sd.attention`` itself, over lengths 1K-32K
+   length: ``sage_diffusers.kernels.auto_table``) time the 8-bit kernel (fast and accurate
+   policies) and the SDPA call auto would run instead, through ``sd.attention`` itself, over lengths 1K-32K
    (``auto_calibrate.FULL``); each class's threshold on B*H*Sq*Skv is interpolated where the kernel
    starts to win by more than 1 %.
 2. check: over a grid of calls that covers head dims 64 and 128, 1K-64K tokens, batch 1-2, key
@@ -44,6 +44,12 @@ from sage_diffusers import _dispatch  # noqa: E402
 from sage_diffusers.kernels import _jit, auto_calibrate, auto_table  # noqa: E402
 
 SHIPPED_MODULE = ROOT / "sage_diffusers" / "kernels" / "_auto_shipped.py"
+# Shipping a calibration that timed the fast policy only (made before the accurate policy existed):
+# the accurate policy's time per call over the fast one's, the largest measured per head dim on an
+# H100 (eval/results/kernels_h100.md: 1.00-1.16 at 128, 1.13-1.19 at 64), scales the fast kernel's
+# times. An upper bound, so auto leans to SDPA near such a class's crossover; a calibration that
+# times both policies replaces the estimate.
+ACCURATE_COST_BOUND = {64: 1.19, 128: 1.16}
 
 
 class Point(NamedTuple):
@@ -201,10 +207,12 @@ def write(out_dir: Path, meta: dict, results, table, rows, overhead) -> Path:
         measured = {res.cls: res.rows for res in results}
         base = meta.get("base") or {}
         for cls in sorted(table):
-            rows_of = measured.get(cls) or [r for r in base.get("sweep", []) if r["cls"] == cls.key()]
-            pts = ", ".join(f"{r['S']}: {r['kernel_over_sdpa']:.3f}" for r in sorted(rows_of, key=lambda r: r["S"]))
+            swept = cls.fast()
+            rows_of = measured.get(swept) or [r for r in base.get("sweep", []) if r["cls"] == swept.key()]
+            ratio = "accurate_over_sdpa" if cls.accurate else "kernel_over_sdpa"
+            pts = ", ".join(f"{r['S']}: {r[ratio]:.3f}" for r in sorted(rows_of, key=lambda r: r["S"]) if ratio in r)
             thr = table[cls]
-            src = "" if cls in measured else f" (from {base.get('file')}, commit {base.get('commit')})"
+            src = "" if swept in measured else f" (from {base.get('file')}, commit {base.get('commit')})"
             lines.append(f"| {cls.key()} | {'SDPA always' if thr is None else f'{thr:.4g}'} | {pts}{src} |")
         lines.append("")
     if rows:
@@ -249,12 +257,32 @@ def read_result(path: Path) -> dict:
     return data
 
 
+def estimated_accurate(path: Path, data: dict) -> dict:
+    """{accurate class: threshold} from a calibration's sweep of the fast policy alone, the kernel's
+    times scaled by ACCURATE_COST_BOUND; InputError naming the file where a class has no sweep."""
+    out = {}
+    for cls in auto_table.SWEPT_CLASSES:
+        rows = [r for r in data.get("sweep") or [] if isinstance(r, dict) and r.get("cls") == cls.key()]
+        try:
+            points = {int(r["work"]): float(r["kernel_over_sdpa"]) * ACCURATE_COST_BOUND[cls.head_dim] for r in rows}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _cli.InputError(f"calibration {path}: sweep of {cls.key()}: {exc!r}") from None
+        if not points:
+            raise _cli.InputError(f"calibration {path}: no sweep of {cls.key()} to estimate its accurate class from")
+        out[cls._replace(accurate=True)] = auto_table.crossover(points)
+    return out
+
+
 def shipped_module(sources: list[Path]) -> str:
-    """The text of kernels/_auto_shipped.py for calibration JSONs (one per GPU model)."""
+    """The text of kernels/_auto_shipped.py for calibration JSONs (one per GPU model). A calibration
+    that timed the fast policy only ships estimated accurate classes (:func:`estimated_accurate`)."""
     tables, names = {}, {}
     for path in sources:
         data = read_result(path)
         meta, table = data["meta"], auto_table.table_from_json(data["classes"])
+        estimated = not any(c.accurate for c in table)
+        if estimated:
+            table.update(estimated_accurate(path, data))
         missing = [c.key() for c in auto_table.ALL_CLASSES if c not in table]
         if missing:
             raise _cli.InputError(f"calibration {path}: classes missing: {', '.join(missing)}")
@@ -263,7 +291,8 @@ def shipped_module(sources: list[Path]) -> str:
             rel = Path(path).resolve().relative_to(ROOT)
         except ValueError:
             rel = Path(path).name
-        names[meta["model"]] = f"{rel} ({meta['date']}, commit {meta['commit'] or 'unknown'})"
+        names[meta["model"]] = (f"{rel} ({meta['date']}, commit {meta['commit'] or 'unknown'})"
+                                + ("; accurate classes estimated: fast kernel times x ACCURATE_COST_BOUND" if estimated else ""))
     lines = ['"""Measured "auto" tables shipped per GPU model (written by ``python -m eval.calibrate_auto --ship``).',
              "", "{GPU model (``auto_table.gpu_model``): {call class: minimum B*Hq*Sq*Skv for the kernel, or None}};",
              "the source of each is named in SOURCES. See ``auto_table`` for what the numbers mean.", '"""',
@@ -343,7 +372,7 @@ def main(argv=None) -> None:
                   flush=True)
             write(args.out_dir, meta, done, {r.cls: r.threshold for r in done}, [], None)
 
-        todo = [c for c in auto_table.ALL_CLASSES if c not in base]
+        todo = [c for c in auto_table.SWEPT_CLASSES if c not in base or c._replace(accurate=True) not in base]
         table, results = auto_calibrate.calibrate(torch.device("cuda"), auto_calibrate.FULL._replace(rounds=args.rounds),
                                                   classes=todo, on_class=show, attention=sd.attention)
         table = {**base, **table}

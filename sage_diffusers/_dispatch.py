@@ -73,11 +73,12 @@ def _unsupported(mode: Mode, q, k, v, attn_mask, dropout: float) -> Optional[str
     return None
 
 
-def plan(mode: Mode, q, k, v, attn_mask, key_mask, dropout: float,
-         is_causal: bool = False) -> tuple[Plan, Optional[torch.Tensor]]:
+def plan(mode: Mode, q, k, v, attn_mask, key_mask, dropout: float, is_causal: bool = False,
+         precision: Int8Precision = Int8Precision.FAST) -> tuple[Plan, Optional[torch.Tensor]]:
     """Choose the backend; return it with the native key mask (B, Skv) it runs with (or None).
 
-    q, k, v are BHSD views, validated, none empty; ``attn_mask`` a 4-D view or None.
+    q, k, v are BHSD views, validated, none empty; ``attn_mask`` a 4-D view or None; ``precision``
+    the 8-bit policy the kernel would run (auto compares its timings with SDPA's).
     """
     if mode is Mode.SDPA:
         return _SDPA_PLAN, None
@@ -99,13 +100,14 @@ def plan(mode: Mode, q, k, v, attn_mask, key_mask, dropout: float,
     if mode is Mode.AUTO:
         index = _device_index(device)
         memo = None if torch.compiler.is_compiling() else _auto_decisions(index)
-        call = (tuple(q.shape), k.shape[1], k.shape[2], native is not None, bool(is_causal))
+        accurate = precision is Int8Precision.ACCURATE
+        call = (tuple(q.shape), k.shape[1], k.shape[2], native is not None, bool(is_causal), accurate)
         why = memo.get(call) if memo is not None else None
         if why is None:
             why = _auto_status(index)
             if not why:
                 slower = auto_prefers_sdpa(device, q.shape, k.shape[1], k.shape[2], native is not None,
-                                           bool(is_causal))
+                                           bool(is_causal), accurate)
                 why = f"auto: SDPA is faster here ({slower})" if slower is not None else ""
             if memo is not None and len(memo) < _AUTO_DECISIONS_MAX:
                 memo[call] = why
@@ -312,7 +314,7 @@ def resolve_auto_table(index: int, calibrate: bool = True) -> tuple:
 
 
 def auto_prefers_sdpa(device: torch.device, q_shape, hkv: int, skv: int, masked: bool,
-                      is_causal: bool) -> Optional[str]:
+                      is_causal: bool, accurate: bool = False) -> Optional[str]:
     """Why "auto" keeps SDPA for this call on this GPU (its class's measured crossover), or None.
 
     Only GPUs with auto tables (sm_90) are gated; elsewhere the self-checked kernel runs. Shapes,
@@ -325,7 +327,7 @@ def auto_prefers_sdpa(device: torch.device, q_shape, hkv: int, skv: int, masked:
         return None
     table = _RESOLVED.get("auto_table", index)
     b, hq, sq, d = q_shape
-    cls = auto_table.call_class(d, is_causal, masked, hq, hkv, sq, skv)
+    cls = auto_table.call_class(d, is_causal, masked, hq, hkv, sq, skv, accurate)
     if auto_table.kernel_is_faster(table, cls, auto_table.call_work(b, hq, sq, skv)):
         return None
     threshold = table.get(cls)

@@ -80,8 +80,8 @@ def attention(
     return_lse : also return the natural-log log-sum-exp of the scaled scores, float32 (B, Hq, Sq).
     int8_precision : the 8-bit algorithm's P~.V product, wherever it runs (``mode="int8"``, or
         ``"auto"`` choosing it): "fast" (FP8, SageAttention2's) or "accurate" (the 16-bit input
-        dtype: about a third of the error against exact attention, 3-18 % more kernel time on
-        Hopper). None: ``SAGE_DIFFUSERS_INT8_PRECISION`` (read at import; default "fast").
+        dtype: about a third of the error against exact attention, 0-19 % more time per call on
+        an H100; ``"auto"`` decides with this policy's timings). None: ``SAGE_DIFFUSERS_INT8_PRECISION`` (read at import; default "fast").
         :class:`~sage_diffusers.options.Int8Precision`. Training calls (SageBwd) ignore it.
 
     Returns
@@ -121,7 +121,7 @@ def attention(
     if b == 0 or hq == 0 or sq == 0 or skv == 0:
         out, lse = _dispatch.empty_result(qh, kh, vh, return_lse)
     else:
-        plan, native_mask = _dispatch.plan(mode, qh, kh, vh, attn_mask, key_mask, dropout, is_causal)
+        plan, native_mask = _dispatch.plan(mode, qh, kh, vh, attn_mask, key_mask, dropout, is_causal, precision)
         out, lse = _dispatch.run(plan, qh, kh, vh, native_mask=native_mask, key_mask=key_mask, attn_mask=attn_mask,
                                  dropout=dropout, is_causal=bool(is_causal), scale=scale_f, return_lse=return_lse,
                                  precision=precision)

@@ -19,7 +19,7 @@ import torch
 
 from . import __version__, _dispatch, backends, selftest
 from .kernels import _jit
-from .options import Mode
+from .options import Int8Precision, Mode
 from .selftest import CheckKey, Status
 
 AUTO_HEAD_DIMS = (64, 128)
@@ -117,10 +117,11 @@ def _measured_crossovers(device: torch.device, head_dim: int) -> str:
         return f" (auto table unknown: {type(exc).__name__}: {exc})"
     if table is None:
         return f" ({source})"
-    parts = []
+    accurate = _dispatch.DEFAULT_INT8_PRECISION is Int8Precision.ACCURATE  # what the integrations run
+    parts = [f"int8_precision {_dispatch.DEFAULT_INT8_PRECISION.value}"]
     for causal in (False, True):
         for masked in (False, True):
-            thr = table.get(auto_table.CallClass(head_dim, causal, masked, False, False))
+            thr = table.get(auto_table.CallClass(head_dim, causal, masked, False, False, accurate))
             parts.append(f"{'causal' if causal else 'full'}{' masked' if masked else ''}: "
                          + ("SDPA" if thr is None else f"kernel from B*H*Sq*Skv >= {thr:.3g}"))
     return f" where faster than SDPA ({source}; {', '.join(parts)})"

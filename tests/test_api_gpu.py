@@ -113,6 +113,29 @@ def test_auto_on_hopper_uses_the_int8_kernel():
     assert not _matches(sage3_reference(qf, kf, vf), ref)  # the references differ: FP4 would show
 
 
+def test_auto_decides_each_int8_precision_with_its_own_class():
+    """auto compares the policy that would run: at 1x24x32768x128 the shipped H100 table runs the fast
+    kernel and keeps SDPA for the accurate one (its class's estimate); whatever the table on this GPU
+    says, the API must follow the class of the precision it was given."""
+    if _arch_major() != 9:
+        pytest.skip("sm_90 only")
+    from sage_diffusers import _dispatch
+
+    q, k, v = dit_qkv(1, 24, 24, 32768, 32768, 128, seed=2, dtype=torch.bfloat16, device="cuda")
+    for precision in ("fast", "accurate"):
+        sd.reset_fallback_stats()
+        keeps_sdpa = _dispatch.auto_prefers_sdpa(q.device, tuple(q.shape), 24, 32768, False, False,
+                                                 accurate=precision == "accurate")
+        out = sd.attention(q, k, v, mode="auto", int8_precision=precision)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        if keeps_sdpa is None:
+            assert sd.fallback_stats() == {}, (precision, sd.fallback_stats())
+        else:
+            assert any(keeps_sdpa in r for r in sd.fallback_stats()), (precision, sd.fallback_stats())
+            assert ("_accurate:" in keeps_sdpa) == (precision == "accurate")
+
+
 def test_int8_kernel_keeps_its_reference_at_16k():
     # O must not accumulate in the FP8 tensor core over every key tile: it shrank ~10 % here
     # (kernel_fwd.cuh fp32_pv_tiles / smem_o_every)

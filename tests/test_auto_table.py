@@ -14,11 +14,13 @@ from sage_diffusers.kernels.auto_table import CallClass
 
 def test_call_class_keys_round_trip_and_cover_every_flag():
     keys = {c.key() for c in auto_table.ALL_CLASSES}
-    assert len(keys) == len(auto_table.ALL_CLASSES) == 32
-    assert "d128_causal_mask_gqa_ragged" in keys and "d64_full" in keys
+    assert len(keys) == len(auto_table.ALL_CLASSES) == 64  # 32 per 8-bit policy
+    assert "d128_causal_mask_gqa_ragged" in keys and "d64_full" in keys and "d64_full_gqa_accurate" in keys
     for c in auto_table.ALL_CLASSES:
         assert CallClass.parse(c.key()) == c
-    for bad in ("d128", "d128_full_ragged_mask", "x64_full", "d64_half", ""):
+        assert c.fast() in auto_table.SWEPT_CLASSES
+    assert not any(c.accurate for c in auto_table.SWEPT_CLASSES) and len(auto_table.SWEPT_CLASSES) == 32
+    for bad in ("d128", "d128_full_ragged_mask", "x64_full", "d64_half", "", "d64_full_accurate_gqa"):
         with pytest.raises(ValueError):
             CallClass.parse(bad)
 
@@ -27,6 +29,8 @@ def test_call_class_reads_mask_gqa_causal_and_raggedness():
     assert auto_table.call_class(128, False, False, 24, 24, 4096, 4096) == CallClass(128, False, False, False, False)
     assert auto_table.call_class(64, True, True, 32, 8, 4096, 4097) == CallClass(64, True, True, True, True)
     assert auto_table.call_class(128, False, False, 24, 24, 4608, 333).ragged  # cross-attention to text
+    assert auto_table.call_class(64, False, False, 24, 24, 4096, 4096, accurate=True) == CallClass(
+        64, False, False, False, False, True)
     assert auto_table.call_work(2, 24, 1023, 4608) == 2 * 24 * 1023 * 4608
 
 
@@ -105,10 +109,10 @@ def test_calibration_file_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("content", [
-    "[]", "null", "not json", '{"schema": 1}', '{"schema": 2, "gpu": "other", "kernel": "int8-abc", "classes": {}}',
-    '{"schema": 2, "gpu": "NVIDIA X (7 SMs)", "kernel": "int8-old", "classes": {}}',
-    '{"schema": 2, "gpu": "NVIDIA X (7 SMs)", "kernel": "int8-abc", "classes": {"d128_full": 5}}',
-    '{"schema": 2, "gpu": "NVIDIA X (7 SMs)", "kernel": "int8-abc", "classes": []}',
+    "[]", "null", "not json", '{"schema": 1}', '{"schema": 3, "gpu": "other", "kernel": "int8-abc", "classes": {}}',
+    '{"schema": 3, "gpu": "NVIDIA X (7 SMs)", "kernel": "int8-old", "classes": {}}',
+    '{"schema": 3, "gpu": "NVIDIA X (7 SMs)", "kernel": "int8-abc", "classes": {"d128_full": 5}}',
+    '{"schema": 3, "gpu": "NVIDIA X (7 SMs)", "kernel": "int8-abc", "classes": []}',
 ])
 def test_bad_calibration_files_are_ignored_with_one_warning_naming_them(tmp_path, caplog, content):
     """Regression: cache files of valid JSON but the wrong shape (a list, null, rules: []) made every
@@ -120,6 +124,22 @@ def test_bad_calibration_files_are_ignored_with_one_warning_naming_them(tmp_path
     with caplog.at_level(logging.WARNING, logger="sage_diffusers"):
         assert auto_table.read_cached(path, "NVIDIA X (7 SMs)", "int8-abc") is None
     assert len(caplog.records) == 1 and str(path) in caplog.text
+
+
+def test_a_calibration_file_without_the_accurate_classes_is_recalibrated(tmp_path, caplog):
+    """A file an older version wrote (schema 2: the fast policy's 32 classes) holds no thresholds for
+    int8_precision="accurate": ignored with a warning, so the GPU is measured again."""
+    import json
+
+    path = auto_table.cache_path(tmp_path, "NVIDIA X (7 SMs)", "int8-abc")
+    path.parent.mkdir(parents=True)
+    fast = {c.key(): 5 for c in auto_table.SWEPT_CLASSES}
+    for schema in (2, auto_table.SCHEMA):
+        path.write_text(json.dumps(dict(schema=schema, gpu="NVIDIA X (7 SMs)", kernel="int8-abc", classes=fast)))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sage_diffusers"):
+            assert auto_table.read_cached(path, "NVIDIA X (7 SMs)", "int8-abc") is None
+        assert str(path) in caplog.text
 
 
 # ---- the dispatcher's gate -----------------------------------------------------------------------------
@@ -156,9 +176,13 @@ def test_gate_reads_the_gpu_models_table_and_names_class_and_source(fake_sm90, m
     # the same shape with a key mask is a masked class, decided with masked timings: the kernel
     assert _dispatch.auto_prefers_sdpa(dev, (2, 8, 4096, 128), 8, 4096, True, False) is None
     assert "not faster at any size" in _dispatch.auto_prefers_sdpa(dev, (1, 24, 16384, 128), 24, 16384, False, True)
+    # the accurate policy is decided with its own class: SDPA at every size here
+    assert "d128_full_accurate: kernel not faster" in _dispatch.auto_prefers_sdpa(
+        dev, (1, 24, 16384, 128), 24, 16384, False, False, accurate=True)
     # no per-call work: the table is resolved once per device
     monkeypatch.setattr(_dispatch, "resolve_auto_table", lambda *a, **k: pytest.fail("resolved twice"))
     _dispatch.auto_prefers_sdpa(dev, (1, 24, 4608, 128), 24, 4608, False, False)
+
 
 
 def test_gate_prefers_a_calibration_of_this_gpu_over_the_shipped_table(fake_sm90, monkeypatch):
@@ -264,18 +288,30 @@ def test_calibrate_stops_a_class_after_two_kernel_wins_and_keeps_the_budget(monk
     def timer(methods, args_of, rounds):
         s = args_of()[0].shape[2]
         seen.append(s)
-        return {"kernel": [1.0] * rounds, "sdpa": [2.0 if s >= 4096 else 0.5] * rounds}
+        assert set(methods) == {"kernel", "kernel_accurate", "sdpa"}
+        return {"kernel": [1.0] * rounds, "kernel_accurate": [1.5 if s < 8192 else 1.9] * rounds,
+                "sdpa": [2.0 if s >= 4096 else 0.5] * rounds}
 
     prof = auto_calibrate.Profile((1024, 2048, 4096, 8192, 16384), rounds=2, budget_s=60.0)
     cls = CallClass(128, False, False, False, False)
+    acc = cls._replace(accurate=True)
     table, results = auto_calibrate.calibrate("cpu", prof, classes=[cls], timer=timer, attention=api.attention)
+    # the fast kernel wins from 4096 on, the accurate one at 4096 (0.75) and 8192 (0.95): both twice
     assert seen == [1024, 2048, 4096, 8192]
     assert results[0].measured and table[cls] == pytest.approx(2 * 2048 ** 2 * 4 ** ((2.0 - 0.99) / 1.5), rel=1e-6)
+    assert table[acc] == pytest.approx(2 * 2048 ** 2 * 4 ** ((3.0 - 0.99) / 2.25), rel=1e-6)
+    assert results[0].rows[-1]["accurate_over_sdpa"] == pytest.approx(0.95)
+    # asked for the accurate class alone: the same sweep, both thresholds
+    seen.clear()
+    table2, _ = auto_calibrate.calibrate("cpu", prof, classes=[acc], timer=timer, attention=api.attention)
+    assert table2 == table and seen == [1024, 2048, 4096, 8192]
     seen.clear()
     monkeypatch.setattr(auto_table, "SHIPPED", {})
     table, results = auto_calibrate.calibrate("cpu", prof._replace(budget_s=-1.0), classes=[cls], timer=timer,
                                               attention=api.attention)
-    assert seen == [] and not results[0].measured and table[cls] is None
+    assert seen == [] and not results[0].measured and table[cls] is None and table[acc] is None
+    with pytest.raises(ValueError, match="timed in their fast class's sweep"):
+        auto_calibrate.measure_class(acc, prof, "cpu", float("inf"), timer, attention=api.attention)
 
 
 def test_auto_status_checks_the_kernel_once_per_process(fake_sm90, monkeypatch):

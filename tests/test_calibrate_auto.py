@@ -41,6 +41,35 @@ def test_ship_refuses_partial_or_foreign_files(tmp_path):
         calibrate_auto.shipped_module([bad])
 
 
+def test_ship_estimates_the_accurate_classes_of_a_fast_only_calibration(tmp_path):
+    """A calibration made before the accurate policy (fast classes and their sweep only) ships accurate
+    thresholds from the fast kernel's times scaled by ACCURATE_COST_BOUND, and says so in SOURCES."""
+    from eval import _cli
+
+    sweep = []
+    for c in auto_table.SWEPT_CLASSES:
+        for s, ratio in ((4096, 1.05), (8192, 0.9), (16384, 0.8)):
+            sweep.append(dict(cls=c.key(), S=s, work=24 * s * s, kernel_over_sdpa=ratio))
+    classes = {c.key(): 123 for c in auto_table.SWEPT_CLASSES}
+    path = tmp_path / "auto_old.json"
+    path.write_text(json.dumps(dict(meta=dict(model="NVIDIA H100 80GB HBM3 (132 SMs)", date="d", commit="c0ffee1"),
+                                    classes=classes, sweep=sweep)))
+    ns = {}
+    exec(compile(calibrate_auto.shipped_module([path]), "_auto_shipped.py", "exec"), ns)
+    table = auto_table.table_from_json(ns["TABLES"]["NVIDIA H100 80GB HBM3 (132 SMs)"])
+    assert set(table) == set(auto_table.ALL_CLASSES)
+    d128, d64 = auto_table.CallClass(128, False, False, False, False), auto_table.CallClass(64, False, False, False, False)
+    assert table[d128] == 123  # the measured fast classes as measured
+    for cls, cost in ((d128, 1.16), (d64, 1.19)):
+        assert calibrate_auto.ACCURATE_COST_BOUND[cls.head_dim] == cost
+        expect = auto_table.crossover({24 * s * s: r * cost for s, r in ((4096, 1.05), (8192, 0.9), (16384, 0.8))})
+        assert table[cls._replace(accurate=True)] == expect and expect > 24 * 8192 ** 2  # later than the fast crossover
+    assert "estimated" in ns["SOURCES"]["NVIDIA H100 80GB HBM3 (132 SMs)"]
+    path.write_text(json.dumps(dict(meta=dict(model="m", date="d", commit="c"), classes=classes, sweep=sweep[3:])))
+    with pytest.raises(_cli.InputError, match="no sweep of d128_full|no sweep of d64_full"):
+        calibrate_auto.shipped_module([path])
+
+
 def test_results_are_named_by_gpu():
     """Regression: one results file for every GPU let an H100 run overwrite the H200's."""
     assert calibrate_auto.gpu_slug("NVIDIA H200") == "h200"

@@ -1,11 +1,12 @@
 """Measure an "auto" table on the GPU at hand (see ``auto_table`` for what a table is).
 
-Per call class, the 8-bit kernel and the SDPA call "auto" would run instead are timed side by
-side through :func:`sage_diffusers.attention` itself (``mode="int8"`` against ``mode="sdpa"``,
+Per call class, the 8-bit kernel (both policies: ``int8_precision="fast"`` and ``"accurate"``)
+and the SDPA call "auto" would run instead are timed side by side through
+:func:`sage_diffusers.attention` itself (``mode="int8"`` against ``mode="sdpa"``,
 with the class's mask, grouped-query heads, causal flag and ragged lengths, so host work and
 SDPA's backend choice are what a user's call gets), by ``_timing.compare_ms``: methods
 interleaved over rounds, each round's sample the median of per-call times with L2 flushed. Lengths
-run from short to long and a class stops once the kernel wins at two lengths in a row. The
+run from short to long and a class stops once both policies win at two lengths in a row. The
 caller passes ``attention`` in: the API runs the first-use calibration, so this module does not
 import the API.
 
@@ -45,11 +46,17 @@ FIRST_USE = Profile((1024, 2048, 4096, 8192, 16384), rounds=2, budget_s=90.0)
 
 
 class ClassResult(NamedTuple):
-    cls: CallClass
-    points: dict  # {work: kernel ms / SDPA ms}
+    cls: CallClass  # a swept (fast) class; its accurate twin is cls._replace(accurate=True)
+    points: dict  # {work: fast kernel ms / SDPA ms}
     rows: list  # one dict per measured length
     threshold: Optional[int]
     measured: bool  # False: out of budget, conservative rule
+    accurate_points: dict  # {work: accurate kernel ms / SDPA ms}
+    accurate_threshold: Optional[int]
+
+    def thresholds(self) -> dict:
+        """{class: threshold} for the class and its accurate twin."""
+        return {self.cls: self.threshold, self.cls._replace(accurate=True): self.accurate_threshold}
 
 
 def inputs(cls: CallClass, length: int, device, seed: int = 0):
@@ -72,63 +79,70 @@ def inputs(cls: CallClass, length: int, device, seed: int = 0):
 
 
 def _methods(cls: CallClass, attention: Callable) -> dict[str, Callable]:
-    def run(mode):
-        return lambda q, k, v, m: attention(q, k, v, key_mask=m, is_causal=cls.causal, mode=mode)
+    def run(mode, precision="fast"):  # the policy pinned: SAGE_DIFFUSERS_INT8_PRECISION does not leak in
+        return lambda q, k, v, m: attention(q, k, v, key_mask=m, is_causal=cls.causal, mode=mode,
+                                            int8_precision=precision)
 
-    return {"kernel": run("int8"), "sdpa": run("sdpa")}
+    return {"kernel": run("int8"), "kernel_accurate": run("int8", "accurate"), "sdpa": run("sdpa")}
 
 
 def measure_class(cls: CallClass, profile: Profile, device, deadline: float,
                   timer: Optional[Callable] = None, margin: float = auto_table.PREFER_SDPA_WITHIN, *,
                   attention: Callable) -> ClassResult:
-    """Time one class over the profile's lengths, shortest first; stop after two lengths in a row
-    where the kernel wins (longer calls only amortize its fixed cost further, and SDPA's slow paths,
-    masked or causal with a mask, cost seconds per call at long lengths), or at the deadline (then
-    unmeasured: the conservative rule)."""
+    """Time one swept class (``cls.accurate`` False) over the profile's lengths, shortest first;
+    stop after two lengths in a row where both policies win (longer calls only amortize the
+    kernel's fixed cost further, and SDPA's slow paths, masked or causal with a mask, cost seconds
+    per call at long lengths), or at the deadline (then unmeasured: the conservative rule)."""
     from ._timing import compare_ms, spread
 
+    if cls.accurate:
+        raise ValueError(f"{cls.key()}: accurate classes are timed in their fast class's sweep ({cls.fast().key()})")
     timer = timer or compare_ms
     methods = _methods(cls, attention)
-    points, rows, kernel_wins = {}, [], 0
+    points, accurate_points, rows, both_win = {}, {}, [], 0
     for length in sorted(profile.lengths):
         if time.monotonic() > deadline:
-            return ClassResult(cls, points, rows, None, False)
+            return ClassResult(cls, points, rows, None, False, accurate_points, None)
         args = inputs(cls, length, device)
         t = timer(methods, lambda: args, profile.rounds)
-        ks, ss = spread(t["kernel"]), spread(t["sdpa"])
+        ks, ka, ss = spread(t["kernel"]), spread(t["kernel_accurate"]), spread(t["sdpa"])
         q = args[0]
         work = auto_table.call_work(q.shape[0], q.shape[1], q.shape[2], args[1].shape[2])
-        ratio = ks["median"] / ss["median"]
-        points[work] = ratio
+        points[work] = ratio = ks["median"] / ss["median"]
+        accurate_points[work] = ratio_acc = ka["median"] / ss["median"]
         rows.append(dict(cls=cls.key(), S=q.shape[2], Hq=q.shape[1], Hkv=args[1].shape[1], work=work,
-                         kernel=dict(ks, rounds=t["kernel"]), sdpa=dict(ss, rounds=t["sdpa"]),
-                         kernel_over_sdpa=ratio))
+                         kernel=dict(ks, rounds=t["kernel"]), kernel_accurate=dict(ka, rounds=t["kernel_accurate"]),
+                         sdpa=dict(ss, rounds=t["sdpa"]), kernel_over_sdpa=ratio, accurate_over_sdpa=ratio_acc))
         args = q = None  # free this length's inputs before the next
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        kernel_wins = kernel_wins + 1 if ratio < 1 - margin else 0
-        if kernel_wins >= 2:
+        both_win = both_win + 1 if max(ratio, ratio_acc) < 1 - margin else 0
+        if both_win >= 2:
             break
-    return ClassResult(cls, points, rows, auto_table.crossover(points, margin), True)
+    return ClassResult(cls, points, rows, auto_table.crossover(points, margin), True, accurate_points,
+                       auto_table.crossover(accurate_points, margin))
 
 
-def calibrate(device, profile: Profile = FULL, classes=auto_table.ALL_CLASSES,
+def calibrate(device, profile: Profile = FULL, classes=auto_table.SWEPT_CLASSES,
               timer: Optional[Callable] = None, on_class: Optional[Callable[[ClassResult], None]] = None,
               margin: float = auto_table.PREFER_SDPA_WITHIN, *,
               attention: Callable) -> tuple[dict, list[ClassResult]]:
     """Measure ``classes`` on ``device``; returns (table, per-class results).
 
-    ``attention`` is :func:`sage_diffusers.attention` (what is timed, with ``mode="int8"`` and
-    ``mode="sdpa"``). Classes not measured within ``profile.budget_s`` take the conservative
-    rule's threshold.
+    ``classes``: any classes; each is timed in its fast class's sweep, and the table holds both
+    policies' thresholds of every class swept. ``attention`` is :func:`sage_diffusers.attention`
+    (what is timed, with ``mode="int8"`` and ``mode="sdpa"``). Classes not measured within
+    ``profile.budget_s`` take the conservative rule's thresholds.
     """
     deadline = time.monotonic() + profile.budget_s
     conservative = auto_table.conservative_table()
     table, results = {}, []
+    swept = list(dict.fromkeys(c.fast() for c in classes))
     with torch.no_grad():
-        for cls in classes:
+        for cls in swept:
             res = measure_class(cls, profile, device, deadline, timer, margin, attention=attention)
-            table[cls] = res.threshold if res.measured else conservative.get(cls)
+            for c, threshold in res.thresholds().items():
+                table[c] = threshold if res.measured else conservative.get(c)
             results.append(res)
             if on_class is not None:
                 on_class(res)

@@ -7,7 +7,9 @@ and SDPA changes backend with the call's flags: with a key mask it leaves cuDNN 
 backend 2-3x slower, with grouped-query heads it may leave cuDNN, and cuDNN pads lengths that are
 not multiples of 128. So the decision is taken per call class, with timings of that class:
 
-- :class:`CallClass` = (head dim, causal, key-masked, grouped-query, ragged);
+- :class:`CallClass` = (head dim, causal, key-masked, grouped-query, ragged, 8-bit precision): the
+  accurate policy (``int8_precision="accurate"``) is a slower kernel, so it has its own thresholds,
+  measured in the same sweep as the fast policy's;
 - per class, a threshold on the call's work ``B * Hq * Sq * Skv`` (score elements): the kernel
   runs at or above it, SDPA below; ``None``: SDPA at every size measured.
 
@@ -42,7 +44,7 @@ from . import _auto_shipped
 
 logger = logging.getLogger("sage_diffusers")
 
-SCHEMA = 2  # version of the calibration cache files
+SCHEMA = 3  # version of the calibration cache files (3: the accurate policy's classes)
 CACHE_FOLDER = "auto"  # under the JIT cache root
 ALIGN = 128  # lengths that are multiples of this are "aligned" for SDPA's cuDNN backend
 AUTO_TOLERANCE = 1.03  # the goal: auto's time <= this x min(kernel, SDPA) at every checked call
@@ -61,29 +63,40 @@ class CallClass(NamedTuple):
     masked: bool  # a key-padding mask: SDPA leaves cuDNN / flash for a slower backend
     gqa: bool  # Hq != Hkv
     ragged: bool  # Sq or Skv not a multiple of ALIGN: cuDNN pads
+    accurate: bool = False  # int8_precision="accurate": 16-bit P~.V, 0-19 % more time per call
 
     def key(self) -> str:
-        """e.g. "d128_causal_mask_gqa_ragged", "d64_full"."""
+        """e.g. "d128_causal_mask_gqa_ragged", "d64_full", "d64_full_accurate"."""
         return (f"d{self.head_dim}_{'causal' if self.causal else 'full'}" + ("_mask" if self.masked else "")
-                + ("_gqa" if self.gqa else "") + ("_ragged" if self.ragged else ""))
+                + ("_gqa" if self.gqa else "") + ("_ragged" if self.ragged else "")
+                + ("_accurate" if self.accurate else ""))
 
     @classmethod
     def parse(cls, key: str) -> "CallClass":
-        m = re.fullmatch(r"d(\d+)_(full|causal)(_mask)?(_gqa)?(_ragged)?", str(key))
+        m = re.fullmatch(r"d(\d+)_(full|causal)(_mask)?(_gqa)?(_ragged)?(_accurate)?", str(key))
         if m is None:
             raise ValueError(f"bad call class {key!r} (expected e.g. 'd128_full' or 'd64_causal_mask_gqa_ragged')")
-        return cls(int(m.group(1)), m.group(2) == "causal", bool(m.group(3)), bool(m.group(4)), bool(m.group(5)))
+        return cls(int(m.group(1)), m.group(2) == "causal", bool(m.group(3)), bool(m.group(4)), bool(m.group(5)),
+                   bool(m.group(6)))
+
+    def fast(self) -> "CallClass":
+        """The class whose calls (inputs and SDPA call) a calibration times for this one."""
+        return self._replace(accurate=False)
 
 
 HEAD_DIMS = (64, 128)
-ALL_CLASSES = tuple(CallClass(d, c, m, g, r) for d in HEAD_DIMS for c in (False, True) for m in (False, True)
-                    for g in (False, True) for r in (False, True))
+# The classes a calibration sweeps (fast policy); each sweep times the accurate policy too.
+SWEPT_CLASSES = tuple(CallClass(d, c, m, g, r) for d in HEAD_DIMS for c in (False, True) for m in (False, True)
+                      for g in (False, True) for r in (False, True))
+ALL_CLASSES = SWEPT_CLASSES + tuple(c._replace(accurate=True) for c in SWEPT_CLASSES)
 # {class: minimum work (B * Hq * Sq * Skv) from which the kernel runs, or None: SDPA at every size}
 Table = Mapping[CallClass, Optional[int]]
 
 
-def call_class(head_dim: int, causal: bool, masked: bool, hq: int, hkv: int, sq: int, skv: int) -> CallClass:
-    return CallClass(head_dim, bool(causal), bool(masked), hq != hkv, sq % ALIGN != 0 or skv % ALIGN != 0)
+def call_class(head_dim: int, causal: bool, masked: bool, hq: int, hkv: int, sq: int, skv: int,
+               accurate: bool = False) -> CallClass:
+    return CallClass(head_dim, bool(causal), bool(masked), hq != hkv, sq % ALIGN != 0 or skv % ALIGN != 0,
+                     bool(accurate))
 
 
 def call_work(b: int, hq: int, sq: int, skv: int) -> int:
