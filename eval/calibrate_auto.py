@@ -368,9 +368,10 @@ def main(argv=None) -> None:
 
         def show(res):  # one line and the partial results per class: a run cut short keeps what it measured
             done.append(res)
-            print(f"{res.cls.key()}: {res.threshold} {[(r['S'], round(r['kernel_over_sdpa'], 3)) for r in res.rows]}",
+            print(f"{res.cls.key()}: {res.threshold}, accurate {res.accurate_threshold} "
+                  f"{[(r['S'], round(r['kernel_over_sdpa'], 3), round(r['accurate_over_sdpa'], 3)) for r in res.rows]}",
                   flush=True)
-            write(args.out_dir, meta, done, {r.cls: r.threshold for r in done}, [], None)
+            write(args.out_dir, meta, done, {c: t for r in done for c, t in r.thresholds().items()}, [], None)
 
         todo = [c for c in auto_table.SWEPT_CLASSES if c not in base or c._replace(accurate=True) not in base]
         table, results = auto_calibrate.calibrate(torch.device("cuda"), auto_calibrate.FULL._replace(rounds=args.rounds),
