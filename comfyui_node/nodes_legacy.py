@@ -28,12 +28,19 @@ class SageDiffusersAttentionLegacy:
                 "full_precision_first_steps": ("INT", {**steps, "tooltip": t["full_precision_first_steps"]}),
                 "full_precision_last_steps": ("INT", {**steps, "tooltip": t["full_precision_last_steps"]}),
                 "blocks": ("STRING", {"default": "", "multiline": False, "tooltip": t["blocks"]}),
-            }
+            },
+            # optional and last: prompts and workflows saved before it existed still validate and load
+            "optional": {
+                "int8_precision": (spec.PRECISION_OPTIONS, {"default": spec.PRECISION_DEFAULT,
+                                                            "tooltip": t["int8_precision"]}),
+            },
         }
 
     @classmethod
     def VALIDATE_INPUTS(cls, blocks):  # noqa: N802 (ComfyUI's name); only `blocks` so min/max/combo checks stay ComfyUI's
         return validate_blocks(blocks)
 
-    def patch(self, model, mode, full_precision_first_steps, full_precision_last_steps, blocks):
-        return (patch_model(model, mode, full_precision_first_steps, full_precision_last_steps, blocks),)
+    def patch(self, model, mode, full_precision_first_steps, full_precision_last_steps, blocks,
+              int8_precision=spec.PRECISION_DEFAULT):
+        return (patch_model(model, mode, full_precision_first_steps, full_precision_last_steps, blocks,
+                            int8_precision),)

@@ -30,6 +30,9 @@ class SageDiffusersAttention(io.ComfyNode):
                 io.Int.Input("full_precision_last_steps", default=0, min=0, max=spec.MAX_STEPS, step=1,
                              tooltip=t["full_precision_last_steps"]),
                 io.String.Input("blocks", default="", multiline=False, tooltip=t["blocks"]),
+                # optional and last: prompts and workflows saved before it existed still validate and load
+                io.Combo.Input("int8_precision", options=spec.PRECISION_OPTIONS, default=spec.PRECISION_DEFAULT,
+                               optional=True, tooltip=t["int8_precision"]),
             ],
             outputs=[io.Model.Output(tooltip="The patched clone.")],
         )
@@ -40,8 +43,10 @@ class SageDiffusersAttention(io.ComfyNode):
         return validate_blocks(blocks)
 
     @classmethod
-    def execute(cls, model, mode, full_precision_first_steps, full_precision_last_steps, blocks) -> io.NodeOutput:
-        return io.NodeOutput(patch_model(model, mode, full_precision_first_steps, full_precision_last_steps, blocks))
+    def execute(cls, model, mode, full_precision_first_steps, full_precision_last_steps, blocks,
+                int8_precision=spec.PRECISION_DEFAULT) -> io.NodeOutput:
+        return io.NodeOutput(patch_model(model, mode, full_precision_first_steps, full_precision_last_steps, blocks,
+                                         int8_precision))
 
 
 class SageDiffusersExtension(ComfyExtension):

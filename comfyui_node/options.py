@@ -5,6 +5,7 @@ This module must not import ComfyUI: CI tests it without ComfyUI installed.
 from __future__ import annotations
 
 import enum
+from typing import Optional
 
 from sage_diffusers.options import Mode, ParsedEnum
 
@@ -32,6 +33,24 @@ class NodeMode(ParsedEnum):
         if self is NodeMode.OFF:
             raise ValueError("mode 'off' does not call sage_diffusers")
         return Mode(self.value)
+
+
+class NodePrecision(ParsedEnum):
+    """The 8-bit path's P~.V product, as the node offers it: DEFAULT follows
+    ``SAGE_DIFFUSERS_INT8_PRECISION`` (itself "fast" unless set), FAST and ACCURATE pick
+    ``sage_diffusers.attention``'s ``int8_precision`` for this model."""
+
+    DEFAULT = "default"
+    FAST = "fast"
+    ACCURATE = "accurate"
+
+    @classmethod
+    def option_name(cls) -> str:
+        return "int8_precision"
+
+    def api_precision(self) -> Optional[str]:
+        """``int8_precision`` for ``sage_diffusers.attention`` (None: its default)."""
+        return None if self is NodePrecision.DEFAULT else self.value
 
 
 class Route(str, enum.Enum):

@@ -33,7 +33,7 @@ from sage_diffusers.options import Mode
 from .blocks import BlockCounter, BlockSelection, parse_blocks
 from .layout import from_api, to_api
 from .masks import KeyMask, to_key_mask
-from .options import NodeMode, Reason, Route
+from .options import NodeMode, NodePrecision, Reason, Route
 from .ran import what_ran
 from .stats import GLOBAL_STATS, LOG_PREFIX, AttentionStats
 from .steps import StepInfo, StepPolicy, step_from_transformer_options
@@ -55,19 +55,21 @@ class OverrideConfig:
     mode: NodeMode = NodeMode.AUTO
     policy: StepPolicy = StepPolicy()
     blocks: BlockSelection = BlockSelection()
+    precision: NodePrecision = NodePrecision.DEFAULT
 
     def __str__(self) -> str:
         return (f"mode={self.mode.value}, full-precision steps first={self.policy.first} "
-                f"last={self.policy.last}, blocks={self.blocks}")
+                f"last={self.policy.last}, blocks={self.blocks}, int8_precision={self.precision.value}")
 
 
 def make_config(mode, full_precision_first_steps: int = 0, full_precision_last_steps: int = 0,
-                blocks: str = "") -> OverrideConfig:
+                blocks: str = "", int8_precision="default") -> OverrideConfig:
     """Parse the node's inputs; raises ``ValueError`` naming the bad input."""
     return OverrideConfig(
         mode=NodeMode.parse(mode),
         policy=StepPolicy(int(full_precision_first_steps), int(full_precision_last_steps)),
         blocks=parse_blocks(blocks),
+        precision=NodePrecision.parse(int8_precision),
     )
 
 
@@ -196,7 +198,8 @@ class SageAttentionOverride:
         before = sage_diffusers.fallback_stats()
         try:
             out = sage_diffusers.attention(qa, ka, va, key_mask=key_mask.mask, scale=kwargs.get(SCALE_KEY),
-                                           layout=inputs.layout, mode=mode)
+                                           layout=inputs.layout, mode=mode,
+                                           int8_precision=self.config.precision.api_precision())
         except ValueError as exc:
             return self._to_comfy(original_func, call, Reason.API_REJECTED, str(exc))
         after = sage_diffusers.fallback_stats()

@@ -16,7 +16,7 @@ WRAPPER_KEY = "sage_diffusers"
 
 
 def patch_model(model, mode="auto", full_precision_first_steps: int = 0, full_precision_last_steps: int = 0,
-                blocks: str = ""):
+                blocks: str = "", int8_precision: str = "default"):
     """Return a clone of ``model`` whose attention goes through sage_diffusers.
 
     Parameters
@@ -26,13 +26,15 @@ def patch_model(model, mode="auto", full_precision_first_steps: int = 0, full_pr
     full_precision_first_steps, full_precision_last_steps : sampling steps at the start and end
         that keep ComfyUI's own attention.
     blocks : transformer-block selection such as "0-3,10"; empty selects all.
+    int8_precision : "default" (``SAGE_DIFFUSERS_INT8_PRECISION``), "fast" or "accurate": the 8-bit
+        algorithm's P~.V product (``sage_diffusers.attention``'s ``int8_precision``).
 
     Raises
     ------
     ValueError
         On an invalid option, before anything is cloned.
     """
-    config = make_config(mode, full_precision_first_steps, full_precision_last_steps, blocks)
+    config = make_config(mode, full_precision_first_steps, full_precision_last_steps, blocks, int8_precision)
     _warn_if_comfyui_lacks_override()
     patched = model.clone()
     options = patched.model_options.setdefault("transformer_options", {})

@@ -350,6 +350,23 @@ def test_override_low_bit_within_bound(mode, min_cos, max_rel_l1, skip_reshape, 
     assert not torch.allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_override_passes_the_nodes_int8_precision():
+    """The node's int8_precision reaches sage_diffusers.attention: "accurate" and "fast" give what the API
+    gives for them, and "default" follows SAGE_DIFFUSERS_INT8_PRECISION (read at import: fast here)."""
+    from sage_diffusers import _dispatch
+
+    b, h, sq, d = 1, 2, 70, 64
+    q, k, v = make_qkv(b, h, sq, sq, d, True, dtype=torch.bfloat16, seed=3)
+    direct = {p: sage_diffusers.attention(q, k, v, mode="int8", int8_precision=p) for p in ("fast", "accurate")}
+    assert not torch.equal(direct["fast"], direct["accurate"])
+    direct["default"] = direct[_dispatch.DEFAULT_INT8_PRECISION.value]
+    for precision, want in direct.items():
+        ov = SageAttentionOverride(make_config("int8", int8_precision=precision))
+        got = _call(ov, q, k, v, h, skip_reshape=True, skip_output_reshape=True)
+        assert torch.equal(got, want), precision
+        assert f"int8_precision={precision}" in str(ov)
+
+
 def test_override_counts_api_fallbacks():
     q, k, v = make_qkv(1, 2, 20, 20, 32, False)  # head dim 32: sage_diffusers falls back to SDPA
     ov = override_for("int8")
@@ -514,6 +531,7 @@ def test_patch_model_twice_replaces_ours_and_keeps_earlier():
 
 @pytest.mark.parametrize("kwargs, fragment", [
     ({"blocks": "1-"}, "blocks"), ({"mode": "fast"}, "mode"), ({"full_precision_first_steps": -1}, "first"),
+    ({"int8_precision": "fp8"}, "int8_precision"),
 ])
 def test_patch_model_rejects_bad_options_before_cloning(kwargs, fragment):
     class NoClone(FakeModelPatcher):
@@ -525,6 +543,21 @@ def test_patch_model_rejects_bad_options_before_cloning(kwargs, fragment):
 
 
 # --- the package as ComfyUI sees it without comfy_api -------------------------------------------
+
+def test_a_prompt_saved_before_int8_precision_still_runs():
+    """int8_precision is optional: a node call without it (API prompts and workflows made before it
+    existed) patches with the default precision, which follows SAGE_DIFFUSERS_INT8_PRECISION."""
+    from comfyui_node.nodes_legacy import SageDiffusersAttentionLegacy
+    from comfyui_node.options import NodePrecision
+
+    types = SageDiffusersAttentionLegacy.INPUT_TYPES()
+    assert "int8_precision" not in types["required"] and "int8_precision" in types["optional"]
+    (patched,) = SageDiffusersAttentionLegacy().patch(FakeModelPatcher(), "int8", 0, 0, "")
+    ov = patched.model_options["transformer_options"]["optimized_attention_override"]
+    assert ov.config.precision is NodePrecision.DEFAULT and ov.config.precision.api_precision() is None
+    (patched,) = SageDiffusersAttentionLegacy().patch(FakeModelPatcher(), "int8", 0, 0, "", "accurate")
+    assert patched.model_options["transformer_options"]["optimized_attention_override"].config.precision.api_precision() == "accurate"
+
 
 def test_package_exports_legacy_node_without_comfyui():
     assert comfyui_node.HAS_V3 is False  # comfy_api is not importable in CI

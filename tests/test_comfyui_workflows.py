@@ -61,9 +61,10 @@ def test_committed_files_match_the_generator():
 
 def test_node_schema_snapshot_matches_our_node():
     snap = NODES[node_spec.NODE_ID]
-    ours = SageDiffusersAttentionLegacy.INPUT_TYPES()["required"]
-    assert list(snap["required"]) == list(ours)
-    for name, (typ, opts) in snap["required"].items():
+    types = SageDiffusersAttentionLegacy.INPUT_TYPES()
+    assert [list(snap[sec]) for sec in ("required", "optional")] == [list(types.get(sec, {})) for sec in ("required", "optional")]
+    ours = {**types["required"], **types.get("optional", {})}
+    for name, (typ, opts) in {**snap["required"], **snap["optional"]}.items():
         mine_type, mine_opts = ours[name]
         if typ == "COMBO":
             assert opts["options"] == mine_type and opts["default"] == mine_opts["default"]

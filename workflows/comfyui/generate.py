@@ -32,9 +32,10 @@ FILE_INPUTS = {
 NEG = "blurry, low quality, distorted, watermark"
 
 
-def sage(model, mode="auto", first=0, last=0, blocks=""):
+def sage(model, mode="auto", first=0, last=0, blocks="", int8_precision="default"):
     return {"class_type": NODE, "inputs": {"model": model, "mode": mode, "full_precision_first_steps": first,
-                                           "full_precision_last_steps": last, "blocks": blocks}}
+                                           "full_precision_last_steps": last, "blocks": blocks,
+                                           "int8_precision": int8_precision}}
 
 
 def n(class_type, **inputs):
