@@ -90,3 +90,23 @@ def test_the_environment_sets_the_default_once_at_import():
                          timeout=300, cwd=root)
     assert res.returncode != 0 and "SAGE_DIFFUSERS_INT8_PRECISION" in res.stderr
 
+
+
+@pytest.mark.parametrize("mode", ["int8", "auto"])
+def test_each_precision_compiles_fullgraph(mode):
+    """int8_precision is a host argument of the plan: torch.compile(fullgraph=True) traces both settings
+    (masked, so the native key-padding path) and gives the eager result."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 70, 64, generator=g).bfloat16() for _ in range(3))
+    mask = torch.ones(1, 70, dtype=torch.bool)
+    mask[:, 60:] = False
+    try:
+        for precision in ("fast", "accurate"):
+            def fn(q, k, v, m, p=precision):
+                return sd.attention(q, k, v, key_mask=m, mode=mode, int8_precision=p)
+
+            compiled = torch.compile(fn, fullgraph=True, backend="eager")
+            assert torch.equal(compiled(q, k, v, mask), fn(q, k, v, mask)), precision
+    finally:
+        torch._dynamo.reset()
