@@ -269,7 +269,7 @@ def estimated_accurate(path: Path, data: dict) -> dict:
             raise _cli.InputError(f"calibration {path}: sweep of {cls.key()}: {exc!r}") from None
         if not points:
             raise _cli.InputError(f"calibration {path}: no sweep of {cls.key()} to estimate its accurate class from")
-        out[cls._replace(accurate=True)] = auto_table.crossover(points)
+        out[cls.as_accurate()] = auto_table.crossover(points)
     return out
 
 
@@ -373,7 +373,7 @@ def main(argv=None) -> None:
                   flush=True)
             write(args.out_dir, meta, done, {c: t for r in done for c, t in r.thresholds().items()}, [], None)
 
-        todo = [c for c in auto_table.SWEPT_CLASSES if c not in base or c._replace(accurate=True) not in base]
+        todo = [c for c in auto_table.SWEPT_CLASSES if c not in base or c.as_accurate() not in base]
         table, results = auto_calibrate.calibrate(torch.device("cuda"), auto_calibrate.FULL._replace(rounds=args.rounds),
                                                   classes=todo, on_class=show, attention=sd.attention)
         table = {**base, **table}

@@ -164,12 +164,16 @@ def _heads(s, gqa):
     return b, hq, (hq // 2 if gqa else hq)
 
 
-@pytest.mark.parametrize("s,d,causal,dtype,layout,masked,gqa", _cases())
-def test_forward_vs_reference_and_sdpa(s, d, causal, dtype, layout, masked, gqa):
+def grid_inputs(s, d, dtype, layout, masked, gqa):
+    """(q, k, v, key_mask or None, scale) of one ``_cases()`` case."""
     b, hq, hkv = _heads(s, gqa)
     q, k, v = make_qkv(b, hq, hkv, s, s, d, DTYPES[dtype], layout, seed=s + d)
-    mask = make_mask(b, s) if masked else None
-    scale = 1.0 / math.sqrt(d)
+    return q, k, v, (make_mask(b, s) if masked else None), 1.0 / math.sqrt(d)
+
+
+@pytest.mark.parametrize("s,d,causal,dtype,layout,masked,gqa", _cases())
+def test_forward_vs_reference_and_sdpa(s, d, causal, dtype, layout, masked, gqa):
+    q, k, v, mask, scale = grid_inputs(s, d, dtype, layout, masked, gqa)
     out, lse = int8_sm90.attention_int8_sm90(q, k, v, key_mask=mask, is_causal=causal, scale=scale,
                                              return_lse=True)
     assert out.dtype == q.dtype and out.shape == q.shape and out.stride() == torch.empty_like(q).stride()

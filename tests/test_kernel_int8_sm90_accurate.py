@@ -16,7 +16,7 @@ from sage_diffusers.kernels._contract import nonfinite_first_keys
 from sage_diffusers.options import Int8Precision
 from sage_diffusers.reference import cosine, relative_l1, sage8_quantize, sage8_reference
 from _util import int8_code_step_allowance, int8_lse_error
-from test_kernel_int8_sm90 import (DTYPES, REALISTIC_CASES, _cases, _heads, _realistic_params, _sharp, make_mask,
+from test_kernel_int8_sm90 import (DTYPES, REALISTIC_CASES, _cases, _realistic_params, _sharp, grid_inputs,
                                    make_qkv, realistic_inputs, sdpa_fp32)
 
 _OK, _WHY = int8_sm90.is_available()
@@ -38,10 +38,7 @@ def run(q, k, v, **kw):
 
 @pytest.mark.parametrize("s,d,causal,dtype,layout,masked,gqa", _cases())
 def test_forward_vs_reference_and_sdpa(s, d, causal, dtype, layout, masked, gqa):
-    b, hq, hkv = _heads(s, gqa)
-    q, k, v = make_qkv(b, hq, hkv, s, s, d, DTYPES[dtype], layout, seed=s + d)
-    mask = make_mask(b, s) if masked else None
-    scale = 1.0 / math.sqrt(d)
+    q, k, v, mask, scale = grid_inputs(s, d, dtype, layout, masked, gqa)
     out, lse = run(q, k, v, key_mask=mask, is_causal=causal, scale=scale, return_lse=True)
     assert out.dtype == q.dtype and out.shape == q.shape and out.stride() == torch.empty_like(q).stride()
     ref, ref_lse = ref16(q, k, v, key_mask=mask, is_causal=causal, scale=scale, return_lse=True)

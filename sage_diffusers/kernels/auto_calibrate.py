@@ -46,7 +46,7 @@ FIRST_USE = Profile((1024, 2048, 4096, 8192, 16384), rounds=2, budget_s=90.0)
 
 
 class ClassResult(NamedTuple):
-    cls: CallClass  # a swept (fast) class; its accurate twin is cls._replace(accurate=True)
+    cls: CallClass  # a swept (fast) class; its accurate twin is cls.as_accurate()
     points: dict  # {work: fast kernel ms / SDPA ms}
     rows: list  # one dict per measured length
     threshold: Optional[int]
@@ -56,7 +56,7 @@ class ClassResult(NamedTuple):
 
     def thresholds(self) -> dict:
         """{class: threshold} for the class and its accurate twin."""
-        return {self.cls: self.threshold, self.cls._replace(accurate=True): self.accurate_threshold}
+        return {self.cls: self.threshold, self.cls.as_accurate(): self.accurate_threshold}
 
 
 def inputs(cls: CallClass, length: int, device, seed: int = 0):

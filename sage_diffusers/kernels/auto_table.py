@@ -83,12 +83,16 @@ class CallClass(NamedTuple):
         """The class whose calls (inputs and SDPA call) a calibration times for this one."""
         return self._replace(accurate=False)
 
+    def as_accurate(self) -> "CallClass":
+        """The same calls with the accurate policy: timed in this class's sweep."""
+        return self._replace(accurate=True)
+
 
 HEAD_DIMS = (64, 128)
 # The classes a calibration sweeps (fast policy); each sweep times the accurate policy too.
 SWEPT_CLASSES = tuple(CallClass(d, c, m, g, r) for d in HEAD_DIMS for c in (False, True) for m in (False, True)
                       for g in (False, True) for r in (False, True))
-ALL_CLASSES = SWEPT_CLASSES + tuple(c._replace(accurate=True) for c in SWEPT_CLASSES)
+ALL_CLASSES = SWEPT_CLASSES + tuple(c.as_accurate() for c in SWEPT_CLASSES)
 # {class: minimum work (B * Hq * Sq * Skv) from which the kernel runs, or None: SDPA at every size}
 Table = Mapping[CallClass, Optional[int]]
 
