@@ -371,7 +371,7 @@ def main(argv=None) -> None:
             print(f"{res.cls.key()}: {res.threshold}, accurate {res.accurate_threshold} "
                   f"{[(r['S'], round(r['kernel_over_sdpa'], 3), round(r['accurate_over_sdpa'], 3)) for r in res.rows]}",
                   flush=True)
-            write(args.out_dir, meta, done, {c: t for r in done for c, t in r.thresholds().items()}, [], None)
+            write(args.out_dir, meta, done, {**base, **{c: t for r in done for c, t in r.thresholds().items()}}, [], None)
 
         todo = [c for c in auto_table.SWEPT_CLASSES if c not in base or c.as_accurate() not in base]
         table, results = auto_calibrate.calibrate(torch.device("cuda"), auto_calibrate.FULL._replace(rounds=args.rounds),
