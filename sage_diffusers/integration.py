@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from sage_diffusers import _masks
-from sage_diffusers.options import Mode
+from sage_diffusers.options import Int8Precision, Mode
 from sage_diffusers.policy import FixedPolicy, Policy, PolicyState
 from sage_diffusers.processors import PROCESSOR_FOR, SageProcessorMixin
 from sage_diffusers.processors.backend import BACKEND_NAMES, register_backend, sage_attention_backend
@@ -189,6 +189,7 @@ def enable(
     policy: Policy | None = None,
     *,
     num_steps: int | None = None,
+    int8_precision: Int8Precision | str | None = None,
 ) -> PolicyState:
     """Replace the supported attention processors so their core attention runs through ``sage_diffusers``.
 
@@ -205,6 +206,10 @@ def enable(
         returned state>`` gives the same schedule.
     num_steps : int or None
         Number of denoising steps, for policies with trailing steps when no pipeline is given.
+    int8_precision : Int8Precision or str or None
+        The 8-bit algorithm's P~.V product wherever these processors run it (``mode="int8"``, or "auto"
+        choosing it): "fast" (FP8) or "accurate" (16-bit, about a third of the error for 0-19 % more time per
+        call); None: the process default (``SAGE_DIFFUSERS_INT8_PRECISION``). Context parallelism keeps it.
 
     Returns
     -------
@@ -215,7 +220,7 @@ def enable(
     ------
     ValueError
         If a model has no supported attention processor (the message says what to do instead), or ``mode`` is not
-        a ``Mode``.
+        a ``Mode``, or ``int8_precision`` not an ``Int8Precision``.
 
     Notes
     -----
@@ -223,7 +228,8 @@ def enable(
     restores the original processor objects. Enable before ``torch.compile``.
     """
     models = _transformers_of(pipe_or_model)
-    state = PolicyState(policy if policy is not None else FixedPolicy(Mode.parse(mode)), num_steps=num_steps)
+    state = PolicyState(policy if policy is not None else FixedPolicy(Mode.parse(mode)), num_steps=num_steps,
+                        int8_precision=int8_precision)
     is_pipeline = not isinstance(pipe_or_model, torch.nn.Module)
     register_backend()
     disable(pipe_or_model)
@@ -290,12 +296,12 @@ def disable(pipe_or_model: Any) -> None:
         if isinstance(vars(model).get("fuse_qkv_projections"), _FuseGuard):
             del model.fuse_qkv_projections
         delattr(model, _RECORD)
-    # The policy backend's slot for the mode of the current call. Eagerly each processor call clears it,
-    # but after a compiled policy run dynamo can leave its last value there (seen with torch 2.13 when
-    # the mode is a torch.cond branch): clear it here so nothing outside a processor call reads it.
+    # The policy backend's modes of the current calls: each processor call pops what it pushed, but a run
+    # interrupted inside a compiled graph can leave entries behind; clear them so nothing outside a processor
+    # call reads them.
     from .processors.backend import ACTIVE
 
-    ACTIVE.choice = None
+    ACTIVE.clear()
 
 
 def is_enabled(pipe_or_model: Any) -> bool:

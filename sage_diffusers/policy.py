@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
-from sage_diffusers.options import Mode
+from sage_diffusers.options import Int8Precision, Mode
 
 # Integer code of each mode in the tensor form of the policies (index into ALL_MODES).
 ALL_MODES: tuple[Mode, ...] = tuple(Mode)
@@ -213,10 +213,18 @@ class PolicyState:
         Chooses the modes.
     num_steps : int or None
         Number of denoising steps, when known up front (a watched pipeline reports its own).
+    int8_precision : Int8Precision or str or None
+        ``sage_diffusers.attention``'s ``int8_precision`` for every call of these processors: the 8-bit
+        algorithm's P~.V product, "fast" (FP8) or "accurate" (16-bit); None: the process default
+        (``SAGE_DIFFUSERS_INT8_PRECISION``).
     """
 
-    def __init__(self, policy: Policy, num_steps: int | None = None) -> None:
+    int8_precision: Int8Precision | None = None  # a state pickled before the option existed: the default
+
+    def __init__(self, policy: Policy, num_steps: int | None = None,
+                 int8_precision: Int8Precision | str | None = None) -> None:
         self.policy = policy
+        self.int8_precision = None if int8_precision is None else Int8Precision.parse(int8_precision)
         self._step = _state_tensor(0, torch.int64)
         self._num_steps = _state_tensor(UNKNOWN_STEPS if num_steps is None else int(num_steps), torch.int64)
         self._last_timestep = _state_tensor(math.nan, torch.float64)

@@ -16,6 +16,7 @@ ring / Ulysses functions.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -34,7 +35,7 @@ sys.path.insert(0, str(ROOT / "workflows" / "diffusers"))
 import _sage_tiny  # noqa: E402
 from _sage_tiny import Family  # noqa: E402
 
-from sage_diffusers.options import Mode  # noqa: E402
+from sage_diffusers.options import Int8Precision, Mode  # noqa: E402
 from sage_diffusers.processors.context_parallel import (  # noqa: E402
     context_parallel_attention,
     context_parallel_plan,
@@ -342,3 +343,34 @@ def test_bench_arguments_and_tiny_single_process_report(tmp_path, monkeypatch):
 
 if __name__ == "__main__":
     _worker_main(sys.argv[1], json.loads(sys.argv[2]))
+
+
+def test_backends_keep_their_int8_precision_under_context_parallelism():
+    """A pinned-precision backend reaches the shares' calls through the context-parallel path (one rank here:
+    no collective), and diffusers' forward_op convention takes it bound like the mode."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    from sage_diffusers import api
+    from sage_diffusers.processors.backend import backend_name, register_backend
+    from sage_diffusers.processors.context_parallel import sage_forward_op
+
+    register_backend()
+    q, k, v = _qkv()
+    seen, original = [], api.attention
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("int8_precision"))
+        return original(*args, **kwargs)
+
+    api.attention = recording
+    try:
+        for precision in ("fast", "accurate"):
+            backend = _AttentionBackendRegistry._backends[AttentionBackendName(backend_name(Mode.INT8, precision))]
+            cp = backend(q, k, v, _parallel_config=_fake_config(1, 1))
+            local = backend(q, k, v)
+            op = functools.partial(sage_forward_op, mode=Mode.INT8, int8_precision=precision)(None, q, k, v)
+            torch.testing.assert_close(cp, local, rtol=0, atol=0)
+            torch.testing.assert_close(op, local, rtol=0, atol=0)
+    finally:
+        api.attention = original
+    assert [Int8Precision.parse(p).value for p in seen] == ["fast"] * 3 + ["accurate"] * 3

@@ -33,8 +33,8 @@ from _sage_tiny import Family  # noqa: E402
 
 import sage_diffusers  # noqa: E402
 from sage_diffusers import api, integration  # noqa: E402
-from sage_diffusers.options import Mode  # noqa: E402
-from sage_diffusers.policy import FixedPolicy, PolicyState  # noqa: E402
+from sage_diffusers.options import Int8Precision, Mode  # noqa: E402
+from sage_diffusers.policy import FixedPolicy, LayerRule, PolicyState, StepLayerPolicy  # noqa: E402
 from sage_diffusers.processors import PROCESSOR_FOR, SageProcessorMixin  # noqa: E402
 from sage_diffusers.processors.backend import _sage_backend  # noqa: E402
 from sage_diffusers.reference.metrics import cosine  # noqa: E402
@@ -482,6 +482,91 @@ def test_enabled_processor_honours_set_attention_backend_override():
     assert calls == {Mode.INT8: _num_sage_layers(Family.FLUX)}
 
 
+@contextlib.contextmanager
+def record_int8_precisions():
+    """While open, the ``int8_precision`` of every ``sage_diffusers.attention`` call, in call order."""
+    seen: list = []
+    original = api.attention
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("int8_precision"))
+        return original(*args, **kwargs)
+
+    api.attention = recording  # the processors look it up on the api module at call time
+    try:
+        yield seen
+    finally:
+        api.attention = original
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.value)
+def test_enable_carries_the_int8_precision_to_every_call(family):
+    """``enable(..., int8_precision=...)`` reaches every call (processors and dispatcher backends) and the result."""
+    model = _model(family)
+    inputs, _ = _reference(family)
+    outs = {}
+    for precision in Int8Precision:
+        integration.enable(model, mode="int8", int8_precision=precision.value)
+        with record_int8_precisions() as seen:
+            outs[precision] = _forward(model, inputs)
+        assert seen == [precision] * _num_sage_layers(family)
+    assert not torch.equal(outs[Int8Precision.FAST], outs[Int8Precision.ACCURATE])  # it changes the computation
+    integration.enable(model, mode="int8")
+    with record_int8_precisions() as seen:
+        _forward(model, inputs)
+    assert seen == [None] * _num_sage_layers(family)  # unset: the process default decides inside the API
+
+
+def test_int8_precision_follows_policies_and_backends_chosen_by_name():
+    model = _model(Family.FLUX)
+    inputs, _ = _reference(Family.FLUX)
+    n = _num_sage_layers(Family.FLUX)
+    # Two modes: the processors go through the policy backend, which reads the mode of the call they make.
+    policy = StepLayerPolicy(default=Mode.INT8, first_steps=0, last_steps=0,
+                             layer_rules=(LayerRule(range(0, 1), Mode.SDPA),))
+    integration.enable(model, policy=policy, int8_precision="accurate")
+    with record_attention_calls() as calls, record_int8_precisions() as seen:
+        _forward(model, inputs)
+    assert calls == {Mode.SDPA: 1, Mode.INT8: n - 1}
+    assert seen == [Int8Precision.ACCURATE] * n
+    integration.disable(model)
+    integration.register_backend()
+    for name, expected in [("sage_diffusers_int8_accurate", Int8Precision.ACCURATE),
+                           ("sage_diffusers_auto_fast", Int8Precision.FAST), ("sage_diffusers_int8", None)]:
+        model.set_attention_backend(name)  # diffusers' own processors, our backend by name
+        with record_int8_precisions() as seen:
+            _forward(model, inputs)
+        assert seen == [expected] * n, name
+    model.reset_attention_backend()
+
+
+def test_policy_backend_modes_are_per_thread():
+    import threading
+
+    from sage_diffusers.processors.backend import ACTIVE
+
+    ACTIVE.push(Mode.INT8)
+    try:
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(ACTIVE.top()))
+        thread.start()
+        thread.join()
+        assert seen == [None] and ACTIVE.top() is Mode.INT8
+    finally:
+        ACTIVE.pop()
+    assert ACTIVE.top() is None
+
+
+def test_enable_refuses_an_unknown_int8_precision_before_touching_the_model():
+    model = _model(Family.SD35)
+    before = dict(model.attn_processors)
+    with pytest.raises(ValueError, match="int8_precision"):
+        integration.enable(model, mode="int8", int8_precision="exact")
+    assert model.attn_processors == before
+    with pytest.raises(ValueError, match="int8_precision"):
+        sage_diffusers.processors.SageAttnProcessor(mode="int8", int8_precision=8)
+
+
 # ---- torch.compile ------------------------------------------------------------------------------------------
 
 
@@ -508,6 +593,28 @@ def test_torch_compile_traces_enabled_processors_without_graph_breaks(family):
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
 
 
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile unavailable")
+def test_torch_compile_runs_each_layers_policy_mode_and_pinned_precision_through_the_policy_backend():
+    """Compiled, every layer must run its own mode: the policy backend once read layer 0's mode in every layer
+    (layer 0 is SDPA here, the others int8, so that ran SDPA throughout)."""
+    import torch._dynamo
+
+    model = _model(Family.FLUX)
+    inputs, _ = _reference(Family.FLUX)
+    policy = StepLayerPolicy(default=Mode.INT8, first_steps=0, last_steps=0,
+                             layer_rules=(LayerRule(range(0, 1), Mode.SDPA),))
+    integration.enable(model, policy=policy, int8_precision="accurate")
+    eager = _forward(model, inputs)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        with torch.no_grad():
+            out = compiled(**inputs, return_dict=False)[0]
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out, eager, rtol=0, atol=1e-6)
+
 def test_mode_counter_helper_counts_by_mode():
     """The counting helper the tests rely on must itself see calls and modes."""
     q = torch.randn(1, 2, 16, 64)
@@ -525,8 +632,10 @@ def test_backend_registration_changes_no_default_and_names_stand_apart():
     members = integration.register_backend()
     integration.enable(_model(Family.FLUX), mode="int8")
     assert _AttentionBackendRegistry._active_backend is active  # an untouched model keeps diffusers' default
-    ours = {m.value for m in members.values()} | {"sage_diffusers_policy"}
-    assert ours == {f"sage_diffusers_{m}" for m in ("auto", "fp4", "int8", "sdpa", "policy")}
+    assert {m.value for m in members.values()} == {f"sage_diffusers_{m}" for m in ("auto", "fp4", "int8", "sdpa")}
+    pinned = {f"sage_diffusers_{m}_{p}" for m in ("auto", "int8", "policy") for p in ("fast", "accurate")}
+    ours = {m.value for m in members.values()} | {"sage_diffusers_policy"} | pinned
+    assert ours <= {m.value for m in AttentionBackendName}
     theirs = {m.value for m in AttentionBackendName} - ours
     assert any(name.startswith("sage") for name in theirs)  # diffusers' own sage* backends exist...
     assert not any(name.startswith("sage_diffusers") for name in theirs)  # ...and never share our prefix

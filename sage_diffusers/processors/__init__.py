@@ -36,7 +36,7 @@ except ModuleNotFoundError as exc:
         "sage_diffusers.processors) needs diffusers: pip install 'sage-diffusers[diffusers]'",
         name="diffusers",
     ) from exc
-from sage_diffusers.options import Mode
+from sage_diffusers.options import Int8Precision, Mode
 from sage_diffusers.policy import Policy, PolicyState
 from sage_diffusers.processors import _diffusers_compat as compat
 from sage_diffusers.processors._core import SageProcessorMixin
@@ -180,7 +180,7 @@ class SageAttnProcessor(SageProcessorMixin):
     HunyuanVideo 1.5, QwenImage) cannot be told apart from the module: their calls raise ``ValueError`` naming
     the module; use ``sage_diffusers.enable(model, ...)`` or the family's processor there.
 
-    Parameters are those of ``SageProcessorMixin``: ``mode``, ``policy``, ``layer``, ``state``.
+    Parameters are those of ``SageProcessorMixin``: ``mode``, ``policy``, ``layer``, ``state``, ``int8_precision``.
     """
 
     def __init__(
@@ -190,8 +190,9 @@ class SageAttnProcessor(SageProcessorMixin):
         *,
         layer: int | None = None,
         state: PolicyState | None = None,
+        int8_precision: Int8Precision | str | None = None,
     ) -> None:
-        super().__init__(mode, policy, layer=layer, state=state)
+        super().__init__(mode, policy, layer=layer, state=state, int8_precision=int8_precision)
         self._delegates: dict[type, SageProcessorMixin] = {}
 
     def __setstate__(self, state: dict[str, Any]) -> None:

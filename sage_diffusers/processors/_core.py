@@ -19,7 +19,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from sage_diffusers import api
-from sage_diffusers.options import Layout, Mode
+from sage_diffusers.options import Int8Precision, Layout, Mode
 from sage_diffusers.policy import ALL_MODES, MODE_CODE, FixedPolicy, Policy, PolicyState
 
 
@@ -48,8 +48,11 @@ class SageProcessorMixin:
         Index of this attention module in its model (the policy's layer rules use it); None: numbered in the
         order the modules first call this processor.
     state : PolicyState or None
-        A state shared with other processors (``sage_diffusers.enable`` passes one); overrides ``mode`` and
-        ``policy``.
+        A state shared with other processors (``sage_diffusers.enable`` passes one); overrides ``mode``,
+        ``policy`` and ``int8_precision``.
+    int8_precision : Int8Precision or str or None
+        The 8-bit algorithm's P~.V product for this processor's calls, "fast" or "accurate"
+        (``sage_diffusers.attention``'s ``int8_precision``); None: the process default.
     """
 
     def __init__(
@@ -59,13 +62,15 @@ class SageProcessorMixin:
         *,
         layer: int | None = None,
         state: PolicyState | None = None,
+        int8_precision: Int8Precision | str | None = None,
     ) -> None:
         if isinstance(mode, PolicyState):  # a common slip: the state passed positionally
             raise TypeError("pass a shared PolicyState as state=..., not as the mode")
         if layer is not None and (not isinstance(layer, int) or layer < 0):
             raise ValueError(f"layer must be an int >= 0 or None, got {layer!r}")
         if state is None:
-            state = PolicyState(policy if policy is not None else FixedPolicy(Mode.parse(mode)))
+            state = PolicyState(policy if policy is not None else FixedPolicy(Mode.parse(mode)),
+                                int8_precision=int8_precision)
         self.state = state
         self.layer = layer
         self._layers_seen: dict[int, int] = {}  # id(attention module) -> layer, when ``layer`` is None
@@ -93,6 +98,11 @@ class SageProcessorMixin:
         return PolicyChoice(code, self.state.modes())
 
     @property
+    def int8_precision(self) -> Int8Precision | None:
+        """The 8-bit precision of this processor's calls (None: the process default)."""
+        return self.state.int8_precision
+
+    @property
     def mode(self) -> Mode:
         """The mode this processor (or layer ``self.layer``) attends with at the current step."""
         if self._fixed is not None:
@@ -101,6 +111,8 @@ class SageProcessorMixin:
 
     def extra_repr(self) -> str:
         what = f"mode={self._fixed.value}" if self._fixed is not None else f"policy={self.state.policy!r}"
+        if self.int8_precision is not None:
+            what += f", int8_precision={self.int8_precision.value}"
         return what if self.layer is None else f"{what}, layer={self.layer}"
 
     def __repr__(self) -> str:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from sage_diffusers._masks import classify_in_scope
-from sage_diffusers.options import Layout
+from sage_diffusers.options import Int8Precision, Layout
 from sage_diffusers.processors._core import Choice, attend
 
 
@@ -76,6 +76,7 @@ def dispatcher_call(
     *,
     mode: Choice,
     run: Callable[..., Any] | None = None,
+    int8_precision: Int8Precision | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One attention call in diffusers' backend convention, on this rank's tensors or through ``run``.
 
@@ -91,9 +92,11 @@ def dispatcher_call(
     mode : Mode or PolicyChoice
         Precision mode of the call.
     run : callable or None
-        ``run(query, key, value, *, mode, key_mask, is_causal, scale, return_lse[, attn_mask])`` computes
-        the attention over the keys (context parallelism passes its ring / Ulysses function); None:
+        ``run(query, key, value, *, mode, key_mask, is_causal, scale, return_lse, int8_precision[, attn_mask])``
+        computes the attention over the keys (context parallelism passes its ring / Ulysses function); None:
         :func:`~sage_diffusers.processors._core.attend` on the local tensors.
+    int8_precision : Int8Precision or None
+        ``sage_diffusers.attention``'s ``int8_precision`` (None: the process default).
 
     Returns
     -------
@@ -109,7 +112,7 @@ def dispatcher_call(
         )
     b, sq, hq, _ = query.shape
     key_mask, row_keep, other = _factorize_mask(attn_mask, b, hq, sq, key.shape[1])
-    extra: dict[str, Any] = dict(is_causal=is_causal, scale=scale, return_lse=return_lse)
+    extra: dict[str, Any] = dict(is_causal=is_causal, scale=scale, return_lse=return_lse, int8_precision=int8_precision)
     if other is not None:
         extra["attn_mask"] = other  # not key padding: the API runs it through SDPA and counts why
     if run is not None:

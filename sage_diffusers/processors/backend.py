@@ -52,11 +52,12 @@ registration, so it cannot name these backends. Processors that call SDPA direct
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import torch
 
-from sage_diffusers.options import Mode
+from sage_diffusers.options import Int8Precision, Mode
 from sage_diffusers.processors import _diffusers_compat as compat
 from sage_diffusers.processors._core import Choice
 from sage_diffusers.processors._dispatcher_call import dispatcher_call
@@ -66,19 +67,68 @@ from sage_diffusers.processors.context_parallel import context_parallel_attentio
 BACKEND_NAMES: dict[Mode, str] = {mode: f"sage_diffusers_{mode.value}" for mode in Mode}
 # The backend policy-driven processors select; the mode comes from the call they are making (``ACTIVE``).
 POLICY_BACKEND_NAME = "sage_diffusers_policy"
+# Backends that can run the 8-bit algorithm (None: the policy backend) also come with the precision pinned,
+# "sage_diffusers_int8_accurate" and so on: the plain name follows SAGE_DIFFUSERS_INT8_PRECISION, as
+# ``sd.attention`` without ``int8_precision`` does.
+_PRECISION_MODES: tuple[Mode | None, ...] = (Mode.AUTO, Mode.INT8, None)
 
 
-class _ActiveCall:
-    """The mode of the dispatcher call a policy-driven processor is making (set around diffusers' ``__call__``).
+def backend_name(mode: Mode | None, int8_precision: Int8Precision | str | None = None) -> str:
+    """The registered name of the backend that runs ``mode`` (None: the policy backend) with ``int8_precision``.
 
-    A plain module-level object: dynamo traces its attribute writes as side effects, so the slot works inside a
-    compiled graph as well.
+    ``int8_precision`` None (or a mode that never runs the 8-bit algorithm): the plain name, whose 8-bit
+    precision is the process default; else ``"<plain name>_fast"`` or ``"<plain name>_accurate"``.
+    """
+    plain = POLICY_BACKEND_NAME if mode is None else BACKEND_NAMES[mode]
+    if int8_precision is None or mode not in _PRECISION_MODES:
+        return plain
+    return f"{plain}_{Int8Precision.parse(int8_precision).value}"
+
+
+class _ActiveCalls:
+    """The modes of the dispatcher calls policy-driven processors are making (pushed around diffusers'
+    ``__call__``, read by the policy backend), innermost last.
+
+    Eagerly a stack per thread, so that pipelines run from several threads never read each other's mode. While
+    dynamo traces, a module-level list: one attribute slot that every layer overwrote read back the first
+    layer's mode in a compiled graph (every layer then ran layer 0's mode), whereas list pushes and pops are
+    traced in order. Where a graph break separates a traced push from an eager read, the read falls back to
+    that list.
     """
 
-    choice: Choice | None = None
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._traced: list[Choice] = []
+
+    def _eager(self) -> list[Choice]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _stack(self) -> list[Choice]:
+        if torch.compiler.is_compiling():
+            return self._traced
+        eager = self._eager()
+        return eager if eager or not self._traced else self._traced
+
+    def push(self, choice: Choice) -> None:
+        (self._traced if torch.compiler.is_compiling() else self._eager()).append(choice)
+
+    def pop(self) -> None:
+        self._stack().pop()
+
+    def top(self) -> Choice | None:
+        stack = self._stack()
+        return stack[-1] if stack else None
+
+    def clear(self) -> None:
+        """Forget every pushed mode (this thread's and the traced list)."""
+        self._eager().clear()
+        self._traced.clear()
 
 
-ACTIVE = _ActiveCall()
+ACTIVE = _ActiveCalls()
 
 
 def _sage_backend(
@@ -94,13 +144,14 @@ def _sage_backend(
     _parallel_config: Any,
     *,
     mode: Choice,
+    int8_precision: Int8Precision | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     run = None
     if getattr(_parallel_config, "context_parallel_config", None) is not None:
         # Ring / Ulysses over the ranks; the key mask travels with the keys (other masks are refused there).
         run = functools.partial(context_parallel_attention, parallel_config=_parallel_config)
     return dispatcher_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                           mode=mode, run=run)
+                           mode=mode, run=run, int8_precision=int8_precision)
 
 
 def sage_attention_backend(
@@ -152,7 +203,7 @@ def sage_attention_backend(
 
 
 def _active_choice() -> Choice:
-    choice = ACTIVE.choice
+    choice = ACTIVE.top()
     if choice is None:
         fixed = ", ".join(repr(BACKEND_NAMES[m]) for m in Mode)
         raise ValueError(
@@ -163,16 +214,18 @@ def _active_choice() -> Choice:
 
 
 class _ModeBackend:
-    """``sage_attention_backend`` with another mode (or the active policy choice), under the same signature.
+    """``sage_attention_backend`` with another mode (or the active policy choice) and an 8-bit precision
+    (None: the process default), under the same signature.
 
     A class, not a closure: registered functions stay picklable and ``inspect.signature`` (which the registry reads
     to filter the dispatcher's kwargs) sees ``sage_attention_backend``'s exact parameters via ``__wrapped__``.
     """
 
-    def __init__(self, mode: Mode | None) -> None:
+    def __init__(self, mode: Mode | None, int8_precision: Int8Precision | None = None) -> None:
         self.mode = mode
+        self.int8_precision = int8_precision
         functools.update_wrapper(self, sage_attention_backend)
-        name = POLICY_BACKEND_NAME if mode is None else BACKEND_NAMES[mode]
+        name = backend_name(mode, int8_precision)
         self.__name__ = self.__qualname__ = f"sage_attention_backend_{name}"
         self.__doc__ = f"``sage_attention_backend`` registered as {name!r}."
 
@@ -192,13 +245,14 @@ class _ModeBackend:
         mode = _active_choice() if self.mode is None else self.mode
         return _sage_backend(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, _parallel_config,
-            mode=mode,
+            mode=mode, int8_precision=self.int8_precision,
         )
 
 
-# Mode (None: the policy backend) -> registered AttentionBackendName member; filled once by register_backend().
-# A plain dict (not a cached function) so that torch.compile can read it inside a traced processor.
-_MEMBERS: dict[Mode | None, Any] = {}
+# (Mode (None: the policy backend), Int8Precision or None) -> registered AttentionBackendName member; filled once
+# by register_backend(). A plain dict (not a cached function) so that torch.compile can read it inside a traced
+# processor.
+_MEMBERS: dict[tuple[Mode | None, Int8Precision | None], Any] = {}
 
 
 def register_backend() -> dict[Mode, Any]:
@@ -207,14 +261,16 @@ def register_backend() -> dict[Mode, Any]:
     Returns
     -------
     dict of Mode to AttentionBackendName
-        The registered backend member of each mode; empty, with one logged warning, where the installed diffusers
-        lacks the private hooks this needs (the warning names its version and what still works).
+        The registered backend member of each mode (its plain name: the process's default 8-bit precision;
+        ``backend_name`` gives the names with the precision pinned); empty, with one logged warning, where the
+        installed diffusers lacks the private hooks this needs (the warning names its version and what still
+        works).
     """
     try:
         _register()
     except compat.DiffusersCompatError as exc:
         compat.warn_once(str(exc))
-    return {mode: member for mode, member in _MEMBERS.items() if mode is not None}
+    return {mode: member for (mode, precision), member in _MEMBERS.items() if mode is not None and precision is None}
 
 
 def _register() -> None:
@@ -222,16 +278,21 @@ def _register() -> None:
     if _MEMBERS:
         return
     constraints = compat.backend_constraints()
-    names: dict[Mode | None, str] = {**BACKEND_NAMES, None: POLICY_BACKEND_NAME}
-    members = {mode: compat.add_backend_name(value.upper(), value) for mode, value in names.items()}
-    for mode, member in members.items():
-        function = sage_attention_backend if mode is Mode.AUTO else _ModeBackend(mode)
+    keys = [(mode, None) for mode in (*Mode, None)]
+    keys += [(mode, precision) for mode in _PRECISION_MODES for precision in Int8Precision]
+    members = {}
+    for mode, precision in keys:
+        name = backend_name(mode, precision)
+        members[mode, precision] = member = compat.add_backend_name(name.upper(), name)
+        plain_auto = mode is Mode.AUTO and precision is None
+        function = sage_attention_backend if plain_auto else _ModeBackend(mode, precision)
         compat.register_backend_function(member, function, constraints)
     _MEMBERS.update(members)
 
 
-def backend_member(mode: Mode | None) -> Any:
-    """The ``AttentionBackendName`` member that runs ``mode`` (None: the policy backend); registers on first use.
+def backend_member(mode: Mode | None, int8_precision: Int8Precision | None = None) -> Any:
+    """The ``AttentionBackendName`` member that runs ``mode`` (None: the policy backend) with ``int8_precision``
+    (None: the process default); registers on first use.
 
     Raises
     ------
@@ -240,10 +301,10 @@ def backend_member(mode: Mode | None) -> Any:
     """
     if not _MEMBERS:
         _register()
-    return _MEMBERS[mode]
+    return _MEMBERS[mode, int8_precision if mode in _PRECISION_MODES else None]
 
 
 __all__ = [
-    "ACTIVE", "BACKEND_NAMES", "POLICY_BACKEND_NAME", "backend_member", "register_backend",
+    "ACTIVE", "BACKEND_NAMES", "POLICY_BACKEND_NAME", "backend_member", "backend_name", "register_backend",
     "sage_attention_backend",
 ]

@@ -78,7 +78,8 @@ class SageCogVideoXAttnProcessor(SageProcessorMixin, CogVideoXAttnProcessor2_0):
             if not attn.is_cross_attention:
                 key[:, :, text_seq_length:] = apply_rotary_emb(key[:, :, text_seq_length:], image_rotary_emb)
 
-        hidden_states = attend(query, key, value, mode=self.choice(attn), layout=Layout.BHSD, attn_mask=attention_mask)
+        hidden_states = attend(query, key, value, mode=self.choice(attn), layout=Layout.BHSD, attn_mask=attention_mask,
+                               int8_precision=self.int8_precision)
         hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
 
         hidden_states = attn.to_out[0](hidden_states)  # linear

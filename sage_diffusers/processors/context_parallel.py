@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from sage_diffusers.options import Layout, Mode
+from sage_diffusers.options import Int8Precision, Layout, Mode
 from sage_diffusers.processors import _diffusers_compat as compat
 from sage_diffusers.processors._core import Choice, attend
 from sage_diffusers.processors._dispatcher_call import dispatcher_call
@@ -154,10 +154,11 @@ def _sequence_to_heads(x: torch.Tensor, world: int, group: Any) -> torch.Tensor:
 
 def _share_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, scale: float | None,
-    mode: Choice,
+    mode: Choice, int8_precision: Int8Precision | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One call over one key share: out (B, Sq, Hq, D) like q, lse float32 (B, Sq, Hq)."""
-    out, lse = attend(q, k, v, mode=mode, layout=Layout.BSHD, key_mask=key_mask, scale=scale, return_lse=True)
+    out, lse = attend(q, k, v, mode=mode, layout=Layout.BSHD, key_mask=key_mask, scale=scale, return_lse=True,
+                      int8_precision=int8_precision)
     return out, lse.transpose(1, 2)
 
 
@@ -201,6 +202,7 @@ def context_parallel_attention(
     is_causal: bool = False,
     scale: float | None = None,
     return_lse: bool = False,
+    int8_precision: Int8Precision | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's query shard over the keys of all context-parallel ranks.
 
@@ -222,6 +224,8 @@ def context_parallel_attention(
         Softmax scale, default 1/sqrt(D).
     return_lse : bool
         Also return the float32 lse over all keys, (B, Hq, Sq_local) like ``sage_diffusers.attention``.
+    int8_precision : Int8Precision or None
+        ``sage_diffusers.attention``'s ``int8_precision`` of every share's call (None: the process default).
 
     Returns
     -------
@@ -249,11 +253,11 @@ def context_parallel_attention(
         for j in range(r):
             share = slice(j * n, (j + 1) * n)
             o, l = _share_attention(q, k_all[:, share], v_all[:, share],
-                                    None if km_all is None else km_all[:, share], scale, mode)
+                                    None if km_all is None else km_all[:, share], scale, mode, int8_precision)
             out, lse = (o.float(), l) if out is None else merge_attention_pair(out, lse, o, l)
         out = out.to(query.dtype)
     else:
-        out, lse = _share_attention(q, k, v, km, scale, mode)
+        out, lse = _share_attention(q, k, v, km, scale, mode, int8_precision)
     if u > 1:
         group = compat.cp_mesh(cp, "_ulysses_mesh").get_group()
         out = _sequence_to_heads(out, u, group)
@@ -280,15 +284,17 @@ def sage_forward_op(
     _parallel_config: Any = None,
     *,
     mode: Choice = Mode.AUTO,
+    int8_precision: Int8Precision | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """One local attention call in diffusers' ``forward_op`` convention (bind ``mode`` with functools.partial).
+    """One local attention call in diffusers' ``forward_op`` convention (bind ``mode`` and ``int8_precision``, the
+    8-bit precision, None: the process default, with functools.partial).
 
     (B, S, H, D) inputs; returns out (B, Sq, Hq, D) and, with ``return_lse``, lse float32 (B, Sq, Hq). Nothing is
     saved on ``ctx``: the op is inference-only (``sage_backward_op`` raises). Masks mean what they mean to our
     backend; diffusers' ring reuses one mask for every key share, so use it unmasked there.
     """
     return dispatcher_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                           mode=mode)
+                           mode=mode, int8_precision=int8_precision)
 
 
 def sage_backward_op(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

@@ -68,7 +68,8 @@ class _DispatchedSageMixin(SageProcessorMixin):
     def _attention_backend(self) -> Any:
         if self._backend_override is not None:
             return self._backend_override
-        return backend_member(self._fixed)  # None (a policy): the backend that reads ACTIVE
+        # None (a policy): the backend that reads ACTIVE
+        return backend_member(self._fixed, self.int8_precision)
 
     @_attention_backend.setter
     def _attention_backend(self, backend: Any) -> None:
@@ -96,11 +97,11 @@ class _DispatchedSageMixin(SageProcessorMixin):
         call = super(_DispatchedSageMixin, self).__call__
         if self._fixed is not None or self._backend_override is not None:
             return call(attn, *args, **kwargs)
-        ACTIVE.choice = self.choice(attn)
+        ACTIVE.push(self.choice(attn))
         try:
             return call(attn, *args, **kwargs)
         finally:
-            ACTIVE.choice = None
+            ACTIVE.pop()
 
 
 def _mixin_doc(base: type, note: str = "") -> str:

@@ -93,6 +93,7 @@ class SageMochiAttnProcessor(SageProcessorMixin, MochiAttnProcessor2_0):
             torch.cat([value, encoder_value], dim=1),
             mode=self.choice(attn),
             layout=Layout.BSHD,
+            int8_precision=self.int8_precision,
             key_mask=key_mask,
         ).flatten(2, 3)  # (B, Sv + St, H*D)
 

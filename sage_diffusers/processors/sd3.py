@@ -81,7 +81,8 @@ class SageJointAttnProcessor(SageProcessorMixin, JointAttnProcessor2_0):
             key = torch.cat([key, encoder_key], dim=2)
             value = torch.cat([value, encoder_value], dim=2)
 
-        hidden_states = attend(query, key, value, mode=self.choice(attn), layout=Layout.BHSD)
+        hidden_states = attend(query, key, value, mode=self.choice(attn), layout=Layout.BHSD,
+                               int8_precision=self.int8_precision)
         hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
         hidden_states = hidden_states.to(query.dtype)
 
