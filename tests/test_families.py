@@ -132,6 +132,33 @@ def test_low_bit_modes_stay_within_their_error_without_fallback(family, mode, mo
     assert cosine(out, ref) >= OUTPUT_COSINE_MIN[mode] and not torch.equal(out, ref)
 
 
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile unavailable")
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.value)
+def test_compiled_layer_policy_runs_each_layers_mode(family):
+    """A policy whose modes differ by layer: compiled equals eager (the policy backend once gave every layer the
+    first layer's mode under torch.compile)."""
+    import torch._dynamo
+
+    from sage_diffusers.policy import LayerRule, StepLayerPolicy
+
+    model = _model(family)
+    inputs, _ = _reference(family)
+    policy = StepLayerPolicy(default=Mode.SDPA, first_steps=0, last_steps=0,
+                             layer_rules=(LayerRule(range(0, 1), Mode.INT8),))
+    integration.enable(model, policy=policy)
+    eager = _forward(model, inputs)
+    torch._dynamo.reset()
+    try:
+        # HunyuanVideo 1.5's own forward branches on a tensor (diffusers' code): graph breaks, allowed there.
+        fullgraph = family is not Family.HUNYUANVIDEO15
+        compiled = torch.compile(model, backend="eager", fullgraph=fullgraph)
+        with torch.no_grad():
+            out = compiled(**inputs, return_dict=False)[0]
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out, eager, rtol=0, atol=1e-6)
+
+
 def test_wan22_pipeline_enables_both_transformers_and_one_policy_spans_them(monkeypatch):
     pipe = _sage_tiny.tiny_pipeline(Family.WAN22)
     pipe.set_progress_bar_config(disable=True)
