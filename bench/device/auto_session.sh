@@ -16,18 +16,18 @@ BASE=(); [ -f /tmp/auto_cal.json ] && BASE=(--base /tmp/auto_cal.json)
   "${BASE[@]}" --out-dir "$OUT" > "$OUT/calibrate.log" 2>&1
   echo "calibrate rc=$? after $(( $(date +%s) - S )) s"; tail -20 "$OUT/calibrate.log"
   for f in "$OUT"/auto_*.json; do case "$f" in *_check.json) ;; *) cp "$f" /tmp/auto_cal.json ;; esac; done; }
-LEFT=$(( 575 - ($(date +%s) - S) ))
+TOTAL=${BUDGET_S:-590}  # the call's time limit, less a margin
+LEFT=$(( TOTAL - 15 - ($(date +%s) - S) ))
 SAGE_DIFFUSERS_AUTO_CALIBRATE=0 timeout -k 10 "$LEFT" python3 -m eval.calibrate_auto --check-only --rounds "${CHECK_ROUNDS:-5}" --out-dir "$OUT" > "$OUT/check.log" 2>&1
 echo "check rc=$? after $(( $(date +%s) - S )) s"; tail -8 "$OUT/check.log"
 python3 bench/device/profile_auto_host.py > "$OUT/profile_auto_host.log" 2>&1; grep -E "function calls|== mode" "$OUT/profile_auto_host.log"
 if [ -n "${TESTS:-}" ]; then
-  LEFT=$(( 590 - ($(date +%s) - S) ))
-  timeout -k 5 120 python3 -m sage_diffusers selftest --force > "$OUT/selftest.log" 2>&1
+    timeout -k 5 120 python3 -m sage_diffusers selftest --force > "$OUT/selftest.log" 2>&1
   echo "selftest rc=$?"; tail -25 "$OUT/selftest.log"
   timeout -k 5 60 python3 -m sage_diffusers doctor > "$OUT/doctor.log" 2>&1; echo "doctor rc=$?"
   timeout -k 5 60 bash bench/device/session.sh pytest tests/test_kernel_int8_sm90.py tests/test_kernel_fp4.py \
     -k "realistic or sharp" -p no:cacheprovider
-  LEFT=$(( ${DEADLINE_S:-590} - ($(date +%s) - S) ))
+  LEFT=$(( TOTAL - ($(date +%s) - S) ))
   timeout -k 5 "$LEFT" bash bench/device/session.sh pytest ${GPU_TESTS:-tests/test_api_gpu.py tests/test_compile_paths.py} \
     -p no:cacheprovider -x
   echo "tests after $(( $(date +%s) - S )) s"
