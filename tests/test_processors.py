@@ -538,6 +538,15 @@ def test_int8_precision_follows_policies_and_backends_chosen_by_name():
             _forward(model, inputs)
         assert seen == [expected] * n, name
     model.reset_attention_backend()
+    # One processor for the whole model: its family delegates share its state, hence its precision.
+    original = dict(model.attn_processors)
+    model.set_attn_processor(sage_diffusers.processors.SageAttnProcessor(mode="int8", int8_precision="accurate"))
+    try:
+        with record_int8_precisions() as seen:
+            _forward(model, inputs)
+    finally:
+        model.set_attn_processor(original)  # the model is shared with the other tests
+    assert seen == [Int8Precision.ACCURATE] * n
 
 
 def test_policy_backend_modes_are_per_thread():
