@@ -209,3 +209,18 @@ def int8_code_step_allowance(q, k, v, scale, key_mask=None):
     qz = sage8_quantize(q, k, v, key_mask=key_mask)
     sk_max = qz["sk"].amax(dim=-1).repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, Hq)
     return 127.0 * qz["sq"] * sk_max[..., None] * scale
+
+
+def compiled_forward(model, inputs: dict, fullgraph: bool = True):
+    """``model(**inputs)[0]`` under ``torch.compile`` with the "eager" backend (dynamo tracing is what the
+    processors affect; inductor's code generation would take minutes per tiny model on CPU), no grad, with
+    dynamo's caches reset before and after."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="eager", fullgraph=fullgraph)
+        with torch.no_grad():
+            return compiled(**inputs, return_dict=False)[0]
+    finally:
+        torch._dynamo.reset()

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflows" / "diff
 
 import _sage_tiny  # noqa: E402
 from _sage_tiny import Family  # noqa: E402
+from _util import compiled_forward  # noqa: E402
 
 import sage_diffusers  # noqa: E402
 from sage_diffusers import integration  # noqa: E402
@@ -137,8 +138,6 @@ def test_low_bit_modes_stay_within_their_error_without_fallback(family, mode, mo
 def test_compiled_layer_policy_runs_each_layers_mode(family):
     """A policy whose modes differ by layer: compiled equals eager (the policy backend once gave every layer the
     first layer's mode under torch.compile)."""
-    import torch._dynamo
-
     from sage_diffusers.policy import LayerRule, StepLayerPolicy
 
     model = _model(family)
@@ -146,17 +145,9 @@ def test_compiled_layer_policy_runs_each_layers_mode(family):
     policy = StepLayerPolicy(default=Mode.SDPA, first_steps=0, last_steps=0,
                              layer_rules=(LayerRule(range(0, 1), Mode.INT8),))
     integration.enable(model, policy=policy)
-    eager = _forward(model, inputs)
-    torch._dynamo.reset()
-    try:
-        # HunyuanVideo 1.5's own forward branches on a tensor (diffusers' code): graph breaks, allowed there.
-        fullgraph = family is not Family.HUNYUANVIDEO15
-        compiled = torch.compile(model, backend="eager", fullgraph=fullgraph)
-        with torch.no_grad():
-            out = compiled(**inputs, return_dict=False)[0]
-    finally:
-        torch._dynamo.reset()
-    torch.testing.assert_close(out, eager, rtol=0, atol=1e-6)
+    # HunyuanVideo 1.5's own forward branches on a tensor (diffusers' code): graph breaks, allowed there.
+    out = compiled_forward(model, inputs, fullgraph=family is not Family.HUNYUANVIDEO15)
+    torch.testing.assert_close(out, _forward(model, inputs), rtol=0, atol=1e-6)
 
 
 def test_wan22_pipeline_enables_both_transformers_and_one_policy_spans_them(monkeypatch):

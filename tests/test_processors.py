@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflows" / "diff
 import _sage_tiny  # noqa: E402
 from _sage_cli import record_attention_calls  # noqa: E402
 from _sage_tiny import Family  # noqa: E402
+from _util import compiled_forward  # noqa: E402
 
 import sage_diffusers  # noqa: E402
 from sage_diffusers import api, integration  # noqa: E402
@@ -587,19 +588,10 @@ def test_torch_compile_traces_enabled_processors_without_graph_breaks(family):
     The "eager" backend keeps the test fast on CPU (Dynamo tracing is what our code affects; inductor code
     generation takes 1-2 minutes per tiny model here).
     """
-    import torch._dynamo
-
     model = _model(family)
     inputs, ref = _reference(family)
     integration.enable(model, mode="sdpa")
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(model, backend="eager", fullgraph=True)
-        with torch.no_grad():
-            out = compiled(**inputs, return_dict=False)[0]
-    finally:
-        torch._dynamo.reset()
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(compiled_forward(model, inputs), ref, rtol=0, atol=1e-6)
 
 
 
@@ -607,22 +599,13 @@ def test_torch_compile_traces_enabled_processors_without_graph_breaks(family):
 def test_torch_compile_runs_each_layers_policy_mode_and_pinned_precision_through_the_policy_backend():
     """Compiled, every layer must run its own mode: the policy backend once read layer 0's mode in every layer
     (layer 0 is SDPA here, the others int8, so that ran SDPA throughout)."""
-    import torch._dynamo
-
     model = _model(Family.FLUX)
     inputs, _ = _reference(Family.FLUX)
     policy = StepLayerPolicy(default=Mode.INT8, first_steps=0, last_steps=0,
                              layer_rules=(LayerRule(range(0, 1), Mode.SDPA),))
     integration.enable(model, policy=policy, int8_precision="accurate")
-    eager = _forward(model, inputs)
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(model, backend="eager", fullgraph=True)
-        with torch.no_grad():
-            out = compiled(**inputs, return_dict=False)[0]
-    finally:
-        torch._dynamo.reset()
-    torch.testing.assert_close(out, eager, rtol=0, atol=1e-6)
+    torch.testing.assert_close(compiled_forward(model, inputs), _forward(model, inputs), rtol=0, atol=1e-6)
+
 
 def test_mode_counter_helper_counts_by_mode():
     """The counting helper the tests rely on must itself see calls and modes."""
