@@ -235,7 +235,7 @@ def test_unsupported_models_get_an_error_that_says_what_to_do():
         ("ltxvideo", ["--policy", "sage3", "--steps", "5"], "fp4=4, sdpa=16"),
         # Wan 2.2: two transformer calls per step (CFG), 4 attention calls each; Qwen-Image: true CFG likewise.
         ("wan22", ["--mode", "int8", "--steps", "1"], "int8=8"),
-        ("qwenimage", ["--mode", "int8", "--steps", "1"], "int8=4"),
+        ("qwenimage", ["--mode", "int8", "--int8-precision", "accurate", "--steps", "1"], "int8=4"),
     ],
 )
 def test_new_workflow_scripts_tiny_path(script, argv, expected, capsys):

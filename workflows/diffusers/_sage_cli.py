@@ -27,7 +27,7 @@ import _sage_tiny  # noqa: E402
 import sage_diffusers  # noqa: E402
 from sage_diffusers import integration  # noqa: E402
 from sage_diffusers._cli import enum_argument  # noqa: E402
-from sage_diffusers.options import Mode  # noqa: E402
+from sage_diffusers.options import Int8Precision, Mode  # noqa: E402
 from sage_diffusers.policy import SAGE3_POLICY, LayerRule, Policy, StepLayerPolicy  # noqa: E402
 
 
@@ -114,6 +114,10 @@ def parse_args(workflow: Workflow, argv: list[str] | None) -> argparse.Namespace
     )
     parser.add_argument("--policy", default=PolicyChoice.FIXED, **enum_argument(PolicyChoice))
     parser.add_argument(
+        "--int8-precision", default=None, help="the 8-bit path's P~.V product (default: SAGE_DIFFUSERS_INT8_PRECISION)",
+        **enum_argument(Int8Precision),
+    )
+    parser.add_argument(
         "--steps", type=int, default=None, help="denoising steps (default: the workflow's, 2 with --tiny)"
     )
     parser.add_argument("--prompt", default="A red panda reading a newspaper in a sunlit cafe, cinematic lighting")
@@ -153,7 +157,7 @@ def main(workflow: Workflow, argv: list[str] | None = None) -> int:
     args = parse_args(workflow, argv)
     pipe, kwargs = _load(workflow, args)
     policy = policy_of(args.policy)
-    integration.enable(pipe, mode=args.mode, policy=policy)
+    integration.enable(pipe, mode=args.mode, policy=policy, int8_precision=args.int8_precision)
     sage_diffusers.reset_fallback_stats()
 
     start = time.perf_counter()
