@@ -81,7 +81,8 @@ def attention(
     int8_precision : the 8-bit algorithm's P~.V product, wherever it runs (``mode="int8"``, or
         ``"auto"`` choosing it): "fast" (FP8, SageAttention2's) or "accurate" (the 16-bit input
         dtype: about a third of the error against exact attention, 0-19 % more time per call on
-        an H100; ``"auto"`` decides with this policy's timings). None: ``SAGE_DIFFUSERS_INT8_PRECISION`` (read at import; default "fast").
+        an H100; ``"auto"`` decides with this policy's timings). None:
+        ``SAGE_DIFFUSERS_INT8_PRECISION`` (read at import; default "fast").
         :class:`~sage_diffusers.options.Int8Precision`. Training calls (SageBwd) ignore it.
 
     Returns

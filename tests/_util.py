@@ -1,6 +1,7 @@
 """Small helpers shared by the tests (imported as a top-level module: tests/ is on sys.path)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -224,3 +225,22 @@ def compiled_forward(model, inputs: dict, fullgraph: bool = True):
             return compiled(**inputs, return_dict=False)[0]
     finally:
         torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def record_int8_precisions():
+    """While open, the ``int8_precision`` of every ``sage_diffusers.attention`` call, in call order."""
+    from sage_diffusers import api
+
+    seen: list = []
+    original = api.attention
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("int8_precision"))
+        return original(*args, **kwargs)
+
+    api.attention = recording  # the processors and backends look it up on the api module at call time
+    try:
+        yield seen
+    finally:
+        api.attention = original

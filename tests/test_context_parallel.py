@@ -350,20 +350,13 @@ def test_backends_keep_their_int8_precision_under_context_parallelism():
     no collective), and diffusers' forward_op convention takes it bound like the mode."""
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
-    from sage_diffusers import api
+    from _util import record_int8_precisions
     from sage_diffusers.processors.backend import backend_name, register_backend
     from sage_diffusers.processors.context_parallel import sage_forward_op
 
     register_backend()
     q, k, v = _qkv()
-    seen, original = [], api.attention
-
-    def recording(*args, **kwargs):
-        seen.append(kwargs.get("int8_precision"))
-        return original(*args, **kwargs)
-
-    api.attention = recording
-    try:
+    with record_int8_precisions() as seen:
         for precision in ("fast", "accurate"):
             backend = _AttentionBackendRegistry._backends[AttentionBackendName(backend_name(Mode.INT8, precision))]
             cp = backend(q, k, v, _parallel_config=_fake_config(1, 1))
@@ -371,6 +364,4 @@ def test_backends_keep_their_int8_precision_under_context_parallelism():
             op = functools.partial(sage_forward_op, mode=Mode.INT8, int8_precision=precision)(None, q, k, v)
             torch.testing.assert_close(cp, local, rtol=0, atol=0)
             torch.testing.assert_close(op, local, rtol=0, atol=0)
-    finally:
-        api.attention = original
     assert [Int8Precision.parse(p).value for p in seen] == ["fast"] * 3 + ["accurate"] * 3

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflows" / "diff
 import _sage_tiny  # noqa: E402
 from _sage_cli import record_attention_calls  # noqa: E402
 from _sage_tiny import Family  # noqa: E402
-from _util import compiled_forward  # noqa: E402
+from _util import compiled_forward, record_int8_precisions  # noqa: E402
 
 import sage_diffusers  # noqa: E402
 from sage_diffusers import api, integration  # noqa: E402
@@ -481,23 +481,6 @@ def test_enabled_processor_honours_set_attention_backend_override():
     with record_attention_calls() as calls:
         _forward(model, inputs)
     assert calls == {Mode.INT8: _num_sage_layers(Family.FLUX)}
-
-
-@contextlib.contextmanager
-def record_int8_precisions():
-    """While open, the ``int8_precision`` of every ``sage_diffusers.attention`` call, in call order."""
-    seen: list = []
-    original = api.attention
-
-    def recording(*args, **kwargs):
-        seen.append(kwargs.get("int8_precision"))
-        return original(*args, **kwargs)
-
-    api.attention = recording  # the processors look it up on the api module at call time
-    try:
-        yield seen
-    finally:
-        api.attention = original
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.value)
