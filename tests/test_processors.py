@@ -446,6 +446,28 @@ def test_backend_masks_lse_and_gqa():
         fn(q, k[:, :, :], v, dropout_p=0.1, enable_gqa=True)
 
 
+@pytest.mark.parametrize("b, sq, skv", [(2, 24, 20), (4, 4, 4)])
+def test_backend_reads_a_float_batch_by_key_mask_like_native(b, sq, skv):
+    """Bug: a float (B, Skv) mask, which diffusers' native backend reads as per-sample key padding, went to
+    the API as SDPA's (Sq, Skv): a shape error where B != Sq and, where B == Sq, each sample's padding
+    applied to a query row instead (silently wrong). Additive 0 / -inf runs natively; a finite bias
+    through SDPA."""
+    from diffusers.models.attention_dispatch import _native_attention
+
+    q, k, v = _bshd(b, sq, 2, 64, 0), _bshd(b, skv, 2, 64, 1), _bshd(b, skv, 2, 64, 2)
+    keep = torch.arange(skv)[None, :] < torch.linspace(1, skv, b).round()[:, None]  # (B, Skv), varies by sample
+    for fill in (float("-inf"), -1e4):
+        mask = torch.zeros(b, skv).masked_fill(~keep, fill)
+        ref = _native_attention(q, k, v, attn_mask=mask)
+        sage_diffusers.reset_fallback_stats()
+        with sage_diffusers.mask_scope():
+            for mode in ("sdpa", "int8"):
+                got = _sage_backend(q, k, v, mask, 0.0, False, None, False, False, None, mode=Mode.parse(mode))
+                bound = 1e-6 if mode == "sdpa" else 0.05
+                assert (got - ref).abs().max() <= bound * max(1.0, float(ref.abs().max())), (mode, fill)
+        assert (sage_diffusers.fallback_stats() == {}) == (fill == float("-inf")), fill  # bias: SDPA, counted
+
+
 @pytest.mark.parametrize("family", [Family.FLUX, Family.HUNYUANVIDEO], ids=lambda f: f.value)
 def test_set_attention_backend_and_context_manager(family):
     from diffusers.models.attention_dispatch import attention_backend

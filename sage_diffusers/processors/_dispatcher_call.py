@@ -23,9 +23,18 @@ def _factorize_mask(
 
     Key-padding structure (see ``backend``'s module docstring) becomes ``key_mask`` plus, when some query rows see no key,
     ``row_keep`` (those rows are zeroed afterwards). Additive float masks and bool masks of any other structure are
-    returned as ``other_mask``, unchanged.
+    returned as ``other_mask``, unchanged but for a (B, Skv) float mask, which becomes (B, 1, 1, Skv) as in
+    diffusers' native backend.
     """
-    if attn_mask is None or attn_mask.dtype != torch.bool or attn_mask.ndim not in (2, 4):
+    if attn_mask is None:
+        return None, None, None
+    if attn_mask.dtype != torch.bool:
+        if attn_mask.ndim == 2 and attn_mask.shape == (batch, kv_len):
+            # diffusers' native backend reads a (B, Skv) mask of any dtype as per-sample key padding, not
+            # SDPA's (Sq, Skv); the API tells an additive one of 0 and -inf apart from a bias (mask_scope).
+            return None, None, attn_mask[:, None, None, :]
+        return None, None, attn_mask
+    if attn_mask.ndim not in (2, 4):
         return None, None, attn_mask
     if attn_mask.ndim == 2:
         if attn_mask.shape[0] in (1, batch) and attn_mask.shape[1] == kv_len:
