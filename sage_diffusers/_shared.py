@@ -126,6 +126,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_mask: Optiona
 
     - Keys that no query may see (masked for every row) get zero K and V rows first, so that
       NaN/Inf there cannot leak (SDPA's math path computes 0 * NaN).
+    - Where an ``attn_mask`` varies over the query rows, every NaN/Inf of K and V is zeroed too, so it
+      cannot reach the rows whose mask hides its key, and each row that sees a key holding one is
+      NaN (:func:`_nonfinite_seen`). The mask is already Sq x Skv there, so these passes over K and V
+      cost little. Keys hidden by causality alone keep torch SDPA's behaviour: the same passes would
+      slow every causal SDPA call (``auto`` makes many) for the sake of inputs that hold NaN.
     - Rows that see no key are 0 (some SDPA backends give NaN there).
     - A causal call never builds an Sq x Skv mask: without other masks SDPA gets ``is_causal``;
       with them, queries go in chunks, each with its own small mask and only the keys it sees.
@@ -140,6 +145,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_mask: Optiona
         keep = seen[:, None, :, None]  # (B|1, 1, Skv, 1)
         zero = torch.zeros((), dtype=k.dtype, device=k.device)
         k, v = torch.where(keep, k, zero), torch.where(keep, v, zero)
+    per_row = attn_mask is not None and attn_mask.shape[2] != 1
+    if per_row:
+        finite_k, finite_v = torch.isfinite(k), torch.isfinite(v)
+        bad_k, bad_v = ~finite_k.all(-1), ~finite_v.all(-1)  # (B, Hkv, Skv)
+        zero = torch.zeros((), dtype=k.dtype, device=k.device)
+        k, v = torch.where(finite_k, k, zero), torch.where(finite_v, v, zero)
 
     if key_mask is None and attn_mask is None:
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
@@ -158,4 +169,31 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_mask: Optiona
             out[:, :, i0:i1] = torch.where(_visible(mask).any(-1, keepdim=True), part,
                                            torch.zeros((), dtype=part.dtype, device=part.device))
     lse = exact_lse(q, k, key_mask, attn_mask, is_causal, scale) if return_lse else None
+    if per_row:
+        out, lse = _nonfinite_seen(out, lse, bad_k, bad_v, key_mask, attn_mask, is_causal)
+    return out, lse
+
+
+def _nonfinite_seen(out, lse, bad_k, bad_v, key_mask, attn_mask, is_causal: bool):
+    """NaN in the rows that see a key whose K or V :func:`sdpa` zeroed for holding a NaN/Inf.
+
+    out (B, Hq, Sq, D) and lse (B, Hq, Sq) or None, computed with those values zeroed; bad_k, bad_v
+    bool (B, Hkv, Skv). A non-finite K makes SDPA's row NaN (unless its score is -Inf); a non-finite V
+    would give +-Inf in its channels: both become a NaN row. lse: NaN where a K is. Query head h reads
+    KV head h // g. No host sync; the masks go by query chunks as in :func:`sdpa`.
+    """
+    b, hq, sq, d = out.shape
+    hkv, skv = bad_k.shape[1], bad_k.shape[2]
+    g = hq // hkv
+    sees_k = torch.zeros(b, hkv, g, sq, dtype=torch.bool, device=out.device)
+    sees_any = torch.zeros_like(sees_k)
+    bad_any = bad_k | bad_v
+    for i0, i1, kend in query_chunks(sq, skv, b * hq, is_causal):
+        vis = _visible(chunk_mask(key_mask, attn_mask, is_causal, i0, i1, kend, out.device))
+        vis = vis.expand(b, hq, i1 - i0, kend).reshape(b, hkv, g, i1 - i0, kend)
+        sees_k[..., i0:i1] = (vis & bad_k[:, :, None, None, :kend]).any(-1)
+        sees_any[..., i0:i1] = (vis & bad_any[:, :, None, None, :kend]).any(-1)
+    out = torch.where(sees_any.reshape(b, hq, sq, 1), math.nan, out)
+    if lse is not None:
+        lse = torch.where(sees_k.reshape(b, hq, sq), math.nan, lse)
     return out, lse

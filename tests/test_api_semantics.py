@@ -348,6 +348,44 @@ def test_masked_key_values_never_reach_the_output(mode, poison, causal):
     torch.testing.assert_close(dirty4, clean, rtol=0, atol=1e-6 if mode == "sdpa" else 0)
 
 
+@pytest.mark.parametrize("layout", ["causal", "rows_mask", "causal_rows_mask"])
+@pytest.mark.parametrize("poison", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_keys_hidden_from_some_rows_never_reach_those_rows(mode, poison, layout):
+    """Bug: a key hidden from only some query rows by an attn_mask kept its NaN/Inf, and SDPA computed
+    NaN + (-inf) and 0 * NaN into the rows that cannot see it: every mode leaked (the low-bit ones run
+    SDPA for per-row masks). The rows that see the key are NaN. Causality alone: the low-bit paths
+    never leak; mode "sdpa" keeps torch SDPA's behaviour there (documented), so it is not asserted."""
+    if layout == "causal" and mode == "sdpa":
+        pytest.skip("keys hidden by causality alone follow torch SDPA in mode sdpa")
+    b, hq, hkv, s = 2, 4, 2, 40  # GQA: query heads 0, 1 read KV head 0
+    q, k, v = _qkv(b=b, hq=hq, hkv=hkv, sq=s, skv=s)
+    j = 25
+    hidden = torch.zeros(s, s, dtype=torch.bool)
+    hidden[:10, j] = True  # key j hidden from rows 0..9 (besides causality)
+    causal = layout != "rows_mask"
+    mask = None if layout == "causal" else ~hidden
+    sees = ~hidden[:, j] & (torch.arange(s) >= j if causal else True)  # (Sq,): rows that see key j
+    kx, vx = k.clone(), v.clone()
+    kx[0, 0, j, 3] = poison  # batch 0, KV head 0: its query heads 0, 1
+    vx[1, 1, j, 5] = poison  # batch 1, KV head 1: its query heads 2, 3
+    before = snapshot(kx, vx)
+    out = sd.attention(q, kx, vx, mask, is_causal=causal, mode=mode)
+    for b_, a_ in zip(before, (kx, vx)):
+        torch.testing.assert_close(a_, b_, rtol=0, atol=0, equal_nan=True)  # untouched, NaN included
+    clean = sd.attention(q, k.where(torch.isfinite(kx), 0), v.where(torch.isfinite(vx), 0), mask,
+                         is_causal=causal, mode=mode)
+    for part, rest in ((out[0, :2], clean[0, :2]), (out[1, 2:], clean[1, 2:])):  # the poisoned heads
+        assert torch.isfinite(part[:, ~sees]).all()
+        if mask is not None:  # SDPA for every mode: exact, and the rows that see key j NaN
+            torch.testing.assert_close(part[:, ~sees], rest[:, ~sees], rtol=0, atol=1e-6)
+            assert part[:, sees].isnan().all()
+        else:  # natively: key j's finite entries enter K's mean and scales, as any key's do
+            assert cosine(part[:, ~sees], rest[:, ~sees]) > MIN_COS[mode]
+    torch.testing.assert_close(out[0, 2:], clean[0, 2:], rtol=0, atol=0)  # untouched heads: bit for bit
+    torch.testing.assert_close(out[1, :2], clean[1, :2], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("ref", [sage8_reference, sage3_reference])
 def test_references_ignore_masked_rows_bit_for_bit(ref):
     """Bug: the references took the K mean and the K/V scales over padded keys too."""
