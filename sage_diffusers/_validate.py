@@ -77,8 +77,12 @@ def check_key_mask(key_mask, b: int, skv: int, device) -> Optional[torch.Tensor]
     return key_mask.expand(b, skv)
 
 
-def check_attn_mask(mask, full: tuple[int, int, int, int], device) -> Optional[torch.Tensor]:
-    """Validate an SDPA mask; return it as a 4-D view broadcastable to ``full`` = (B, Hq, Sq, Skv)."""
+def check_attn_mask(mask, full: tuple[int, int, int, int], device,
+                    dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+    """Validate an SDPA mask; return it as a 4-D view broadcastable to ``full`` = (B, Hq, Sq, Skv).
+
+    ``dtype``: the query's; a float mask must have it or be float32 (torch SDPA's rule).
+    """
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
@@ -87,6 +91,9 @@ def check_attn_mask(mask, full: tuple[int, int, int, int], device) -> Optional[t
         raise ValueError(f"attn_mask: expected device {device}, got {mask.device}")
     if not (mask.dtype == torch.bool or mask.is_floating_point()):
         raise ValueError(f"attn_mask: expected bool or floating dtype, got {mask.dtype}")
+    if mask.is_floating_point() and dtype is not None and mask.dtype not in (dtype, torch.float32):
+        # torch SDPA's rule; checked here so that the answer does not depend on the path the call takes
+        raise ValueError(f"attn_mask: a float mask must be float32 or the query's dtype {dtype}, got {mask.dtype}")
     if not 1 <= mask.dim() <= 4:
         raise ValueError(f"attn_mask: expected 1 to 4 dims, got shape {tuple(mask.shape)}")
     shape4 = (1,) * (4 - mask.dim()) + tuple(mask.shape)  # SDPA broadcasting: right-aligned

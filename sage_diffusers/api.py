@@ -117,7 +117,7 @@ def attention(
     check_flag("return_lse", return_lse)
     check_flag("enable_gqa", enable_gqa)
     key_mask = check_key_mask(key_mask, b, skv, q.device)
-    attn_mask = check_attn_mask(attn_mask, (b, hq, sq, skv), q.device)
+    attn_mask = check_attn_mask(attn_mask, (b, hq, sq, skv), q.device, q.dtype)
 
     if b == 0 or hq == 0 or sq == 0 or skv == 0:
         out, lse = _dispatch.empty_result(qh, kh, vh, return_lse)

@@ -41,7 +41,8 @@ def _fallback_reason(q: torch.Tensor, d: int, dv: int, general_mask: bool) -> Op
     if mismatch is not None:
         return mismatch
     if general_mask:
-        return "attn_mask is not a key-padding mask (only bool (B, Skv) / (B, 1, 1, Skv) run natively)"
+        return ("attn_mask is not a key-padding mask (bool (B|1, 1, 1, Skv) runs natively; a float 0 / -inf or "
+                "larger key-padding mask only inside sd.mask_scope())")
     return None
 
 
@@ -66,10 +67,12 @@ def sagebwd(
     q : (B, Hq, Sq, D) for layout "BHSD", (B, Sq, Hq, D) for "BSHD"; float16, bfloat16 or float32
         (float32 is quantized directly; its 16-bit products run in bfloat16).
     k, v : (B, Hkv, Skv, D) or (B, Skv, Hkv, D); Hq a multiple of Hkv (grouped-query attention).
-    attn_mask : as torch SDPA; a key-padding mask ((B, Skv) or (B, 1, 1, Skv): bool, True = attend,
-        or float holding only 0 / -inf) runs natively, any other mask runs SDPA (forward and
-        backward) with a counted reason, and so does a float mask that requires grad (while grad
-        mode is on): SDPA differentiates it, SageBwd has no mask gradient.
+    attn_mask : as torch SDPA (a 2-D mask is (Sq, Skv)). A bool key-padding mask (B, 1, 1, Skv)
+        (True = attend) runs natively; so does a float one holding only 0 / -inf, or a larger mask
+        whose query rows are all equal, inside ``sd.mask_scope()`` (its values are read there, as
+        in ``sd.attention``). Any other mask runs SDPA (forward and backward) with a counted reason,
+        and so does a float mask that requires grad (while grad mode is on): SDPA differentiates
+        it, SageBwd has no mask gradient. Key padding as (B, Skv) goes in ``key_mask``.
     is_causal : query i sees keys j <= i (top-left aligned, as torch SDPA).
     scale : softmax scale, default 1/sqrt(D).
     key_mask : bool (B, Skv), True = attended; combined with a key-padding ``attn_mask`` by AND.
@@ -103,7 +106,7 @@ def sagebwd(
     skv, dv = kh.shape[2], vh.shape[3]
     scale_f = check_scale(scale, d)
     key_mask = check_key_mask(key_mask, b, skv, q.device)
-    attn_mask = check_attn_mask(attn_mask, (b, hq, sq, skv), q.device)
+    attn_mask = check_attn_mask(attn_mask, (b, hq, sq, skv), q.device, q.dtype)
     if needs_grad(attn_mask):  # before the key-padding check, which reads the mask on the host
         mask_keys, reason = None, "attn_mask requires grad (SageBwd computes no mask gradient)"
     else:

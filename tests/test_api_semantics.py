@@ -4,6 +4,7 @@ Each regression test's docstring names the bug it pins; the others say which wro
 they fail on. CPU, small shapes: the low-bit modes run their torch references here (the kernels
 follow the same numerics contract, tested on GPUs).
 """
+import contextlib
 import gc
 import importlib
 import math
@@ -838,6 +839,24 @@ def test_float32_mask_keeps_its_dtype_in_sdpa_mode():
     out = sd.attention(q, k, v, bias, mode="sdpa")
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias),
                                rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_float_mask_of_another_dtype_is_refused_on_every_path(mode):
+    """Bug: a bf16 0 / -inf key mask with fp16 q ran natively inside a mask_scope and raised torch's
+    RuntimeError outside one (SDPA's dtype rule): the answer depended on the path. Now a ValueError
+    on every path, where torch SDPA refuses the pair; float32 and the query's dtype are accepted."""
+    q, k, v = (t.half() for t in _qkv(sq=16, skv=16))
+    keep = torch.ones(2, 1, 1, 16, dtype=torch.bool)
+    keep[1, ..., -4:] = False
+    for dtype in (torch.bfloat16, torch.float64):
+        for scoped in (False, True):
+            with sd.mask_scope() if scoped else contextlib.nullcontext():
+                with pytest.raises(ValueError, match="float32 or the query's dtype"):
+                    sd.attention(q, k, v, torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, -math.inf),
+                                 mode=mode)
+    for dtype in (torch.float16, torch.float32):
+        sd.attention(q, k, v, torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, -math.inf), mode=mode)
 
 
 def test_fp16_output_saturates_at_its_range_instead_of_overflowing():
