@@ -741,3 +741,47 @@ def test_processors_pickle_and_work_after_loading():
     torch.testing.assert_close(_forward(loaded, inputs), ref, rtol=0, atol=1e-6)
     integration.disable(loaded)
     assert not any(isinstance(p, SageProcessorMixin) for p in loaded.attn_processors.values())
+
+
+def test_lazy_layer_numbers_never_alias_a_freed_module():
+    """Bug: a processor without ``layer`` numbered modules by id(); a module allocated where a freed one
+    lived took that one's number (a second model after the first was freed: layers [4, 5, 6, 0]), so the
+    policy's layer rules hit the wrong module. Numbers are checked against a weak reference now; once all
+    numbered modules are gone the numbering starts over, as for a new model."""
+    import gc
+
+    processor = SageProcessorMixin(policy=StepLayerPolicy(first_steps=0, last_steps=0))
+    first = [torch.nn.Linear(2, 2) for _ in range(4)]
+    assert [processor.layer_of(m) for m in first] == [0, 1, 2, 3]
+    assert [processor.layer_of(m) for m in reversed(first)] == [3, 2, 1, 0]  # stable
+    survivor = first.pop(1)
+    del first
+    gc.collect()
+    second = [torch.nn.Linear(2, 2) for _ in range(4)]  # may reuse the freed modules' ids
+    assert [processor.layer_of(m) for m in second] == [2, 3, 4, 5]  # after the survivor's 1, none taken twice
+    assert processor.layer_of(survivor) == 1
+    del survivor, second
+    gc.collect()
+    third = [torch.nn.Linear(2, 2) for _ in range(3)]
+    assert [processor.layer_of(m) for m in third] == [0, 1, 2]  # everything numbered is gone: from 0
+
+
+def test_lazy_layer_numbers_are_unique_across_threads():
+    """Two threads making a model's first calls at once take distinct numbers (the numbering is locked)."""
+    import threading
+
+    processor = SageProcessorMixin(policy=StepLayerPolicy(first_steps=0, last_steps=0))
+    modules = [torch.nn.Linear(2, 2) for _ in range(200)]
+    barrier = threading.Barrier(4)
+    got: list[int] = []
+
+    def work(part):
+        barrier.wait()
+        got.extend(processor.layer_of(m) for m in part)
+
+    threads = [threading.Thread(target=work, args=(modules[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got) == list(range(200))

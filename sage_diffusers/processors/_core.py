@@ -14,6 +14,8 @@ serves every step.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -32,6 +34,9 @@ class PolicyChoice(NamedTuple):
 
 # A call's mode: fixed (a Mode) or decided by a policy at run time.
 Choice = Mode | PolicyChoice
+
+
+_NUMBERING_LOCK = threading.Lock()
 
 
 class SageProcessorMixin:
@@ -73,7 +78,8 @@ class SageProcessorMixin:
                                 int8_precision=int8_precision)
         self.state = state
         self.layer = layer
-        self._layers_seen: dict[int, int] = {}  # id(attention module) -> layer, when ``layer`` is None
+        # id(attention module) -> (layer, weak reference to that module), when ``layer`` is None
+        self._layers_seen: dict[int, tuple[int, weakref.ref]] = {}
         modes = state.modes()
         self._fixed: Mode | None = modes[0] if len(modes) == 1 else None
 
@@ -85,10 +91,27 @@ class SageProcessorMixin:
         """Layer index of attention module ``attn`` (``self.layer`` when set, else its first-call order)."""
         if self.layer is not None:
             return self.layer
-        key = id(attn)
-        if key not in self._layers_seen:
-            self._layers_seen[key] = len(self._layers_seen)
-        return self._layers_seen[key]
+        if attn is None:
+            return 0
+        if torch.compiler.is_compiling():  # dynamo traces the bookkeeping, not the lock
+            return self._number(attn)
+        with _NUMBERING_LOCK:  # two threads' first calls must not take one number
+            return self._number(attn)
+
+    def _number(self, attn: torch.nn.Module) -> int:
+        hit = self._layers_seen.get(id(attn))
+        if hit is not None and hit[1]() is attn:
+            return hit[0]
+        # A new module, or a freed one's id reused: the freed modules' numbers go (all of them gone: the
+        # numbering starts over, as for a new model), and no live module's number is taken again.
+        seen = self._layers_seen  # in place: SageAttnProcessor's delegates share this dict
+        for key in [key for key, entry in seen.items() if entry[1]() is None]:
+            del seen[key]
+        layer = 0
+        for taken, _ in seen.values():  # a loop, not max(genexpr, default=...): dynamo traces this
+            layer = max(layer, taken + 1)
+        seen[id(attn)] = (layer, weakref.ref(attn))
+        return layer
 
     def choice(self, attn: torch.nn.Module | None = None) -> Choice:
         """The mode of the call ``attn`` is making now: a Mode, or a policy's tensor code."""
