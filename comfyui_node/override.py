@@ -195,15 +195,13 @@ class SageAttentionOverride:
         qa, ka, va = inputs.q, inputs.k, inputs.v
         if mode is Mode.SDPA and attn_precision == torch.float32 and qa.dtype != torch.float32:
             qa, ka, va = qa.float(), ka.float(), va.float()  # honour ComfyUI's upcast request
-        before = sage_diffusers.fallback_stats()
         try:
-            out = sage_diffusers.attention(qa, ka, va, key_mask=key_mask.mask, scale=kwargs.get(SCALE_KEY),
-                                           layout=inputs.layout, mode=mode,
-                                           int8_precision=self.config.precision.api_precision())
+            with sage_diffusers.recorded_fallbacks() as delta:  # this call's, not another thread's
+                out = sage_diffusers.attention(qa, ka, va, key_mask=key_mask.mask, scale=kwargs.get(SCALE_KEY),
+                                               layout=inputs.layout, mode=mode,
+                                               int8_precision=self.config.precision.api_precision())
         except ValueError as exc:
             return self._to_comfy(original_func, call, Reason.API_REJECTED, str(exc))
-        after = sage_diffusers.fallback_stats()
-        delta = {r: n - before.get(r, 0) for r, n in after.items() if n != before.get(r, 0)}
         if delta:
             self.stats.record_api_fallbacks(delta)
         self.stats.record(Route.SAGE, f"{mode.value} -> {what_ran(mode, qa.device, delta)}")

@@ -4,7 +4,7 @@ Start with :func:`attention`, a drop-in for ``torch.nn.functional.scaled_dot_pro
 that takes a ``mode`` ("auto", "fp4", "int8", "sdpa"), and :func:`fallback_stats`, which says
 which calls could not take the requested path and why.
 """
-from ._fallback import fallback_stats, reset_fallback_stats
+from ._fallback import fallback_stats, recorded_fallbacks, reset_fallback_stats
 from .api import attention, mask_scope
 from .options import FP4Format, Layout, Mode, PQuant
 from .sagebwd import sagebwd
@@ -13,7 +13,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FP4Format", "Layout", "Mode", "PQuant", "__version__", "attention", "disable", "enable",
-    "enable_context_parallel", "fallback_stats", "mask_scope", "reset_fallback_stats", "sagebwd",
+    "enable_context_parallel", "fallback_stats", "mask_scope", "recorded_fallbacks", "reset_fallback_stats",
+    "sagebwd",
 ]
 
 _LAZY = {"enable", "disable"}  # need diffusers: imported on first use, not with the package

@@ -1,14 +1,17 @@
 """Counted, logged-once record of every call that could not take the requested path."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from typing import Iterator
 
 import torch
 
 logger = logging.getLogger("sage_diffusers")
 _lock = threading.Lock()
 _counts: dict[str, int] = {}
+_thread = threading.local()  # .collectors: the dicts of this thread's open recorded_fallbacks() blocks
 
 
 def record(reason: str, ran: str = "SDPA") -> None:
@@ -32,6 +35,8 @@ def _record_while_tracing(reason: str, ran: str) -> bool:
 
 
 def _count(reason: str, ran: str) -> None:
+    for collected in getattr(_thread, "collectors", ()):
+        collected[reason] = collected.get(reason, 0) + 1
     with _lock:
         first = reason not in _counts
         _counts[reason] = _counts.get(reason, 0) + 1
@@ -53,3 +58,19 @@ def fallback_stats() -> dict[str, int]:
 def reset_fallback_stats() -> None:
     with _lock:
         _counts.clear()
+
+
+@contextlib.contextmanager
+def recorded_fallbacks() -> Iterator[dict[str, int]]:
+    """The fallbacks of this thread's calls inside the block, as ``{reason: count}``.
+
+    The dict it yields fills as the calls are made; other threads' calls do not enter it (unlike a
+    difference of two :func:`fallback_stats`). They are counted in :func:`fallback_stats` as usual.
+    """
+    collected: dict[str, int] = {}
+    outer = getattr(_thread, "collectors", ())
+    _thread.collectors = outer + (collected,)
+    try:
+        yield collected
+    finally:
+        _thread.collectors = outer

@@ -377,6 +377,48 @@ def test_override_counts_api_fallbacks():
     assert any("head dim 32" in reason for reason in snap.api_fallbacks)
 
 
+def test_override_counts_only_its_own_calls_fallbacks_across_threads():
+    """Bug: each call diffed the process-wide fallback_stats() before and after, so another thread's
+    fallbacks landed in this override's counters (40 supported calls reported as 'int8 -> SDPA' next
+    to 796 head-dim-80 fallbacks of the other override). Each call now collects its own thread's."""
+    import threading
+
+    ok = override_for("int8")  # head dim 64: supported (the torch reference on CPU), no fallback
+    bad = override_for("int8")  # head dim 32: every call falls back
+    q64, q32 = make_qkv(1, 2, 20, 20, 64, False), make_qkv(1, 2, 20, 20, 32, False)
+    barrier = threading.Barrier(2)
+
+    def run(ov, qkv, n):
+        barrier.wait()
+        for _ in range(n):
+            _call(ov, *qkv, 2)
+
+    threads = [threading.Thread(target=run, args=(ok, q64, 20)), threading.Thread(target=run, args=(bad, q32, 200))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    good, fell = ok.stats.snapshot(), bad.stats.snapshot()
+    assert good.api_fallbacks == {} and good.count(Route.SAGE, "int8 -> int8 reference") == 20
+    assert fell.count(Route.SAGE, "int8 -> SDPA") == 200 and sum(fell.api_fallbacks.values()) == 200
+
+
+def test_recorded_fallbacks_nest_and_stay_in_their_thread():
+    q, k, v = (torch.randn(1, 2, 20, 32) for _ in range(3))  # head dim 32: a fallback
+    with sage_diffusers.recorded_fallbacks() as outer:
+        sage_diffusers.attention(q, k, v, mode="int8")
+        with sage_diffusers.recorded_fallbacks() as inner:
+            sage_diffusers.attention(q, k, v, mode="int8")
+    assert sum(outer.values()) == 2 and sum(inner.values()) == 1
+    import threading
+
+    with sage_diffusers.recorded_fallbacks() as here:
+        t = threading.Thread(target=lambda: sage_diffusers.attention(q, k, v, mode="int8"))
+        t.start()
+        t.join()
+    assert here == {}
+
+
 @pytest.mark.parametrize("mask_name", ["causal_2d", "per_head", "soft_additive", "all_masked_sample"])
 def test_override_unsupported_mask_goes_to_comfy(mask_name, caplog):
     make, fragment = UNSUPPORTED_MASKS[mask_name]
