@@ -785,3 +785,37 @@ def test_lazy_layer_numbers_are_unique_across_threads():
     for t in threads:
         t.join()
     assert sorted(got) == list(range(200))
+
+
+_REGISTER_RACE = """
+import collections, sys, threading
+sys.setswitchinterval(1e-6)  # switch threads as often as possible: widens any check-then-insert window
+import time
+from sage_diffusers.processors import backend, _diffusers_compat as compat
+enum_cls, _ = compat.backend_registry()
+constraints = compat.backend_constraints
+def slow_constraints():  # every thread that got past the "registered yet?" check waits here together
+    time.sleep(0.2)
+    return constraints()
+compat.backend_constraints = slow_constraints
+barrier, results = threading.Barrier(8), []
+def go():
+    barrier.wait()
+    results.append(backend.register_backend())
+threads = [threading.Thread(target=go) for _ in range(8)]
+[t.start() for t in threads]; [t.join() for t in threads]
+assert not [n for n, c in collections.Counter(enum_cls._member_names_).items() if c > 1], "duplicate members"
+assert len({tuple(map(id, r.values())) for r in results}) == 1, "threads got different members"
+print("ok")
+"""
+
+
+def test_backend_registration_from_several_threads_adds_each_member_once():
+    """Bug: register_backend() checked and inserted without a lock; eight threads registering at once
+    added duplicate enum members (4 runs in 5) and handed threads different member objects. The child
+    holds every thread that passed the "registered yet?" check at one point, so the race is certain."""
+    import subprocess
+
+    for _ in range(2):  # registration happens once per process
+        run = subprocess.run([sys.executable, "-c", _REGISTER_RACE], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]

@@ -253,6 +253,7 @@ class _ModeBackend:
 # by register_backend(). A plain dict (not a cached function) so that torch.compile can read it inside a traced
 # processor.
 _MEMBERS: dict[tuple[Mode | None, Int8Precision | None], Any] = {}
+_REGISTER_LOCK = threading.Lock()  # first registrations from several threads: one set of enum members
 
 
 def register_backend() -> dict[Mode, Any]:
@@ -277,17 +278,20 @@ def _register() -> None:
     """Register every backend once; raises ``DiffusersCompatError`` where diffusers lacks the hooks."""
     if _MEMBERS:
         return
-    constraints = compat.backend_constraints()
-    keys = [(mode, None) for mode in (*Mode, None)]
-    keys += [(mode, precision) for mode in _PRECISION_MODES for precision in Int8Precision]
-    members = {}
-    for mode, precision in keys:
-        name = backend_name(mode, precision)
-        members[mode, precision] = member = compat.add_backend_name(name.upper(), name)
-        plain_auto = mode is Mode.AUTO and precision is None
-        function = sage_attention_backend if plain_auto else _ModeBackend(mode, precision)
-        compat.register_backend_function(member, function, constraints)
-    _MEMBERS.update(members)
+    with _REGISTER_LOCK:
+        if _MEMBERS:  # another thread registered meanwhile
+            return
+        constraints = compat.backend_constraints()
+        keys = [(mode, None) for mode in (*Mode, None)]
+        keys += [(mode, precision) for mode in _PRECISION_MODES for precision in Int8Precision]
+        members = {}
+        for mode, precision in keys:
+            name = backend_name(mode, precision)
+            members[mode, precision] = member = compat.add_backend_name(name.upper(), name)
+            plain_auto = mode is Mode.AUTO and precision is None
+            function = sage_attention_backend if plain_auto else _ModeBackend(mode, precision)
+            compat.register_backend_function(member, function, constraints)
+        _MEMBERS.update(members)
 
 
 def backend_member(mode: Mode | None, int8_precision: Int8Precision | None = None) -> Any:
