@@ -24,10 +24,12 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -275,7 +277,7 @@ def cached_verdict(key: CheckKey) -> Optional[Verdict]:
         return _parse_verdict(json.loads(path.read_text()), key)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:  # ValueError: bad JSON, bad UTF-8, or not a verdict
+    except (OSError, ValueError, RecursionError) as exc:  # bad JSON or UTF-8, nested too deep, not a verdict
         if path not in _warned:
             _warned.add(path)
             logger.warning("sage_diffusers: ignoring the self-check verdict file %s (%s); the kernel is "
@@ -302,13 +304,18 @@ def _parse_verdict(data: object, key: CheckKey) -> Verdict:
         x = data.get(name)
         if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float))):
             raise ValueError(f"{name} {x!r} is not a number")
-        numbers[name] = None if x is None else float(x)
+        try:
+            numbers[name] = None if x is None else float(x)
+        except OverflowError:  # an integer past float's range
+            raise ValueError(f"{name} is past float's range") from None
     if "key" in data and data["key"] != key.stored():
         raise ValueError(f"written for {data['key']!r}, not {key.stored()!r}")
+    # A pass is trusted, so its numbers must be real measurements inside its bounds (a cosine in
+    # [MIN_COSINE, 1], errors in [0, max]); a fail keeps whatever it measured, infinities included.
     if status == Status.PASSED.value and not (
-            numbers["cosine"] is not None and numbers["cosine"] >= MIN_COSINE
-            and numbers["rel_l1"] is not None and numbers["rel_l1"] <= MAX_REL_L1
-            and numbers["lse_error"] is not None and numbers["lse_error"] <= MAX_LSE_ERROR):
+            numbers["cosine"] is not None and MIN_COSINE <= numbers["cosine"] <= 1.0 + 1e-6  # rounding
+            and numbers["rel_l1"] is not None and 0.0 <= numbers["rel_l1"] <= MAX_REL_L1
+            and numbers["lse_error"] is not None and 0.0 <= numbers["lse_error"] <= MAX_LSE_ERROR):
         raise ValueError(f"a pass with numbers outside the bounds: {numbers}")
     return Verdict(Status(status), data["reason"], **numbers)
 
@@ -327,7 +334,7 @@ def check(key: CheckKey, backend: Backend, device: "str | torch.device", *, forc
     if verdict.cosine is not None:
         path = key.path()
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{id(verdict)}.tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # one writer per name
         tmp.write_text(json.dumps(dict(verdict.to_json(), key=key.stored()), indent=1))
         tmp.replace(path)  # atomic: a racing process reads either nothing or a whole verdict
     return verdict

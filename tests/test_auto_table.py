@@ -113,14 +113,20 @@ def test_calibration_file_round_trip(tmp_path):
     '{"schema": 3, "gpu": "NVIDIA X (7 SMs)", "kernel": "int8-old", "classes": {}}',
     '{"schema": 3, "gpu": "NVIDIA X (7 SMs)", "kernel": "int8-abc", "classes": {"d128_full": 5}}',
     '{"schema": 3, "gpu": "NVIDIA X (7 SMs)", "kernel": "int8-abc", "classes": []}',
+    '{"schema": 3.0, "gpu": "NVIDIA X (7 SMs)", "kernel": "int8-abc", "classes": {}}',
+    '{"schema": 3, "gpu": "NVIDIA X (7 SMs)", "kernel": "int8-abc", "classes": {"d128_full": 1' + "0" * 400 + '}}',
+    "[" * 100_000,  # nested past the parser's recursion limit
+    b"\x80\x81 not UTF-8",
 ])
 def test_bad_calibration_files_are_ignored_with_one_warning_naming_them(tmp_path, caplog, content):
     """Regression: cache files of valid JSON but the wrong shape (a list, null, rules: []) made every
     auto call on sm_90 raise AttributeError / RecursionError; a table of another kernel build must
-    not be used either (the calibration reruns when the kernel changes)."""
+    not be used either (the calibration reruns when the kernel changes). Bytes that are not UTF-8 and
+    JSON nested past the parser's limit raised UnicodeDecodeError / RecursionError; a threshold past
+    int64 passed and then overflowed where auto formats its reason."""
     path = auto_table.cache_path(tmp_path, "NVIDIA X (7 SMs)", "int8-abc")
     path.parent.mkdir(parents=True)
-    path.write_text(content)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with caplog.at_level(logging.WARNING, logger="sage_diffusers"):
         assert auto_table.read_cached(path, "NVIDIA X (7 SMs)", "int8-abc") is None
     assert len(caplog.records) == 1 and str(path) in caplog.text

@@ -323,6 +323,11 @@ BAD_VERDICT_FILES = {
     "pass without numbers": '{"status": "passed", "reason": "x"}',
     "pass outside its bounds": '{"status": "passed", "reason": "x", "cosine": 0.5, "rel_l1": 0.0, "lse_error": 0.0}',
     "pass with NaN": '{"status": "passed", "reason": "x", "cosine": NaN, "rel_l1": 0.0, "lse_error": 0.0}',
+    "pass with infinities": '{"status": "passed", "reason": "x", "cosine": Infinity, "rel_l1": -Infinity, '
+                            '"lse_error": -Infinity}',
+    "pass out of range": '{"status": "passed", "reason": "x", "cosine": 7.5, "rel_l1": -3, "lse_error": 0.0}',
+    "cosine past float": '{"status": "failed", "reason": "x", "cosine": 1' + "0" * 400 + '}',
+    "nested too deep": "[" * 100_000,
     "another key": '{"status": "failed", "reason": "x", "key": ["fp4", "sm_120", "580.00", "other"]}',
     "not JSON": '{"status": "passed",',
     "not UTF-8": b"\xff\xfe{}",

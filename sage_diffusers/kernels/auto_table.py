@@ -160,6 +160,10 @@ def table_to_json(table: Table) -> dict:
     return {cls.key(): table[cls] for cls in sorted(table)}
 
 
+# Thresholds count score elements (B * H * Sq * Skv), which an int64 holds; a larger one is no measurement.
+MAX_THRESHOLD = 2**63 - 1
+
+
 def table_from_json(data) -> dict[CallClass, Optional[int]]:
     """Parse ``{"d128_full": 402653184, "d64_causal_mask": null, ...}``; ValueError on anything else."""
     if not isinstance(data, Mapping):
@@ -167,8 +171,9 @@ def table_from_json(data) -> dict[CallClass, Optional[int]]:
     out: dict[CallClass, Optional[int]] = {}
     for key, value in data.items():
         cls = CallClass.parse(key)
-        if not (value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)):
-            raise ValueError(f"class {key!r}: expected a non-negative int or null, got {value!r}")
+        if not (value is None or (type(value) is int and 0 <= value <= MAX_THRESHOLD)):
+            shown = value if type(value) is not int else f"an int of {value.bit_length()} bits"
+            raise ValueError(f"class {key!r}: expected an int in [0, 2**63) or null, got {shown}")
         out[cls] = value
     return out
 
@@ -222,14 +227,17 @@ def read_cached(path: Path, model: str, kernel: str) -> Optional[dict[CallClass,
         text = Path(path).read_text()
     except FileNotFoundError:
         return None
-    except OSError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         logger.warning("sage_diffusers: ignoring auto calibration file %s: %s", path, exc)
         return None
     try:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except RecursionError:
+            raise ValueError("JSON nested too deeply") from None
         if not isinstance(data, dict):
             raise ValueError(f"expected a JSON object, got {type(data).__name__}")
-        if data.get("schema") != SCHEMA:
+        if type(data.get("schema")) is not int or data.get("schema") != SCHEMA:
             raise ValueError(f"schema {data.get('schema')!r}, expected {SCHEMA}")
         if data.get("gpu") != model or data.get("kernel") != kernel:
             raise ValueError(f"made for {data.get('gpu')!r} / {data.get('kernel')!r}, not {model!r} / {kernel!r}")
