@@ -136,7 +136,7 @@ def _choices_doc(values) -> str:
 
 def _int_at_least(minimum: int, allowed: Optional[frozenset] = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
-        if not re.fullmatch(r"[+-]?\d+", text):
+        if not re.fullmatch(r"[+-]?[0-9]+", text):  # ASCII digits: int() also takes "1_0" and other scripts
             raise ValueError("")
         value = int(text)
         if value < minimum or (allowed is not None and value not in allowed):
@@ -169,10 +169,12 @@ def parse_fp4_opt(raw: str) -> KernelOpt:
     ValueError
         Unknown names, or bits outside the options'.
     """
-    try:
-        bits = int(raw)
-    except ValueError:
-        names = [n.strip().upper() for n in raw.split("+") if n.strip()]
+    text = raw.strip()
+    if re.fullmatch(r"[0-9]+", text):  # ASCII digits only: int() also takes "1_0" and other scripts
+        bits = int(text)
+    else:
+        parts = [n.strip().upper() for n in text.split("+")]
+        names = parts if all(parts) else []  # "a++b", "+a", "a+": refused, not read as "a+b"
         if names == ["NONE"]:
             return KernelOpt(0)
         unknown = [n for n in names if n not in KernelOpt.__members__]
@@ -228,7 +230,7 @@ EXP_POLY = Variable(
     f"an integer the build compiles ({_EXP_POLY_DOC})", "per head dim, from the kernel's generator",
     "once, when `kernels.int8_sm90` is imported", "benchmark",
     "Share of the 8-bit kernel's exp2 computed by an FMA polynomial (every N-th element, `0`: "
-    "none).")
+    "none), at the head dims compiled with that share (the others keep their default).")
 INT8_PRECISION = Variable(
     "SAGE_DIFFUSERS_INT8_PRECISION", _choice(*INT8_PRECISION_VALUES), "fast", _choices_doc(INT8_PRECISION_VALUES),
     "`fast`", "once, when `sage_diffusers` is imported (its dispatch module)", "user",

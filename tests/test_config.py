@@ -145,6 +145,24 @@ def test_integers(monkeypatch):
     assert config.exp_poly() == 8
     monkeypatch.setenv("MAX_JOBS", "4")
     assert config.max_jobs() == 4
+    # Bug: int() read "1_0" as 10 and Arabic-Indic digits as numbers
+    for name, bad, read in (("SAGE_DIFFUSERS_TRITON_AUTOTUNE", "1_0", config.triton_autotune),
+                            ("MAX_JOBS", "\u0663", config.max_jobs),
+                            ("SAGE_DIFFUSERS_FP4_OPT", "1_0", config.fp4_opt),
+                            ("SAGE_DIFFUSERS_FP4_OPT", "hoist_mask++", config.fp4_opt)):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            read()
+
+
+def test_exp_poly_applies_where_its_share_is_compiled(monkeypatch):
+    """Bug: SAGE_DIFFUSERS_EXP_POLY=8 (compiled at head dim 64 only) was asked of head dim 128 too,
+    where no kernel has that share; it applies at the head dims that have it."""
+    from sage_diffusers.kernels import int8_sm90
+
+    monkeypatch.setattr(int8_sm90, "_exp_poly_override", 8)
+    assert int8_sm90.default_exp_poly_every(64) == 8
+    assert int8_sm90.default_exp_poly_every(128) == int8_sm90._DEFAULT_EXP_POLY[128]
 
 
 def test_paths_keep_their_spaces(monkeypatch, tmp_path):

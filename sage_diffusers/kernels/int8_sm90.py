@@ -149,12 +149,21 @@ _PRECISION_ID = {Int8Precision.FAST: 0, Int8Precision.ACCURATE: 1}
 def default_exp_poly_every(head_dim: int, precision: Int8Precision = Int8Precision.FAST) -> int:
     """Share of exp2 computed by the FMA polynomial (every N-th element, 0 = none). The override
     (SAGE_DIFFUSERS_EXP_POLY, :func:`set_exp_poly_every`) applies to the fast policy, the one
-    compiled with several shares; the accurate policy has one."""
+    compiled with several shares, at the head dims compiled with that share; the accurate policy
+    has one."""
     if precision is Int8Precision.ACCURATE:
         return _variants.ACCURATE_EXP_POLY[head_dim]
-    if _exp_poly_override is not None:
-        return _exp_poly_override
+    if _exp_poly_override is not None and _exp_poly_override in _compiled_exp_poly(head_dim):
+        return _exp_poly_override  # elsewhere the head dim's default: a share it has no kernel for cannot run
     return _DEFAULT_EXP_POLY[head_dim]
+
+
+def _compiled_exp_poly(head_dim: int) -> frozenset[int]:
+    """The exp2 polynomial shares this build has forward kernels for at ``head_dim``."""
+    shares = set(_variants.COMPILED_EXP_POLY.get(head_dim, ()))
+    if _BENCH:
+        shares.update(share for d, share, _, _ in _variants.BENCH_VARIANTS if d == head_dim)
+    return frozenset(shares)
 
 
 def set_exp_poly_every(n: Optional[int]) -> None:
