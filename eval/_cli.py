@@ -209,6 +209,8 @@ def read_json(path: "str | Path", what: str, keys: Iterable[str] = ()) -> dict:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise InputError(f"{what} {path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except (ValueError, RecursionError) as e:  # an integer past Python's digit limit; nesting past the parser's
+        raise InputError(f"{what} {path}: not readable JSON ({type(e).__name__}: {e})") from None
     if not isinstance(data, dict):
         raise InputError(f"{what} {path}: expected a JSON object, got {type(data).__name__}")
     missing = [k for k in keys if k not in data]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import re
 import statistics
 import subprocess
@@ -248,8 +249,11 @@ def write(out_dir: Path, meta: dict, results, table, rows, overhead) -> Path:
 def read_result(path: Path) -> dict:
     """A results JSON of this script (meta with the GPU model, classes); InputError naming the file."""
     data = _cli.read_json(path, "calibration", keys=("meta", "classes"))
-    if not isinstance(data["meta"], dict) or not isinstance(data["meta"].get("model"), str):
-        raise _cli.InputError(f"calibration {path}: 'meta' must be an object with the GPU 'model'")
+    meta = data["meta"]
+    if not (isinstance(meta, dict) and isinstance(meta.get("model"), str) and isinstance(meta.get("date"), str)
+            and (meta.get("commit") is None or isinstance(meta.get("commit"), str))):
+        raise _cli.InputError(f"calibration {path}: 'meta' must be an object with the GPU 'model', the 'date' "
+                              "and the 'commit' (a string or null) of the run")
     try:
         auto_table.table_from_json(data["classes"])
     except ValueError as exc:
@@ -265,8 +269,12 @@ def estimated_accurate(path: Path, data: dict) -> dict:
         rows = [r for r in data.get("sweep") or [] if isinstance(r, dict) and r.get("cls") == cls.key()]
         try:
             points = {int(r["work"]): float(r["kernel_over_sdpa"]) * ACCURATE_COST_BOUND[cls.head_dim] for r in rows}
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise _cli.InputError(f"calibration {path}: sweep of {cls.key()}: {exc!r}") from None
+        bad = [w for w, ratio in points.items() if not (math.isfinite(ratio) and ratio > 0)]
+        if bad:
+            raise _cli.InputError(f"calibration {path}: sweep of {cls.key()}: kernel_over_sdpa is not a positive "
+                                  f"finite ratio at work {bad[0]}")
         if not points:
             raise _cli.InputError(f"calibration {path}: no sweep of {cls.key()} to estimate its accurate class from")
         out[cls.as_accurate()] = auto_table.crossover(points)
@@ -309,10 +317,11 @@ def shipped_module(sources: list[Path]) -> str:
 
 def _commit() -> Optional[str]:
     """The commit that runs: $SAGE_DIFFUSERS_COMMIT when set (a copied tree's .git can be stale), else git."""
-    import os
+    from sage_diffusers import config
 
-    if os.environ.get("SAGE_DIFFUSERS_COMMIT"):
-        return os.environ["SAGE_DIFFUSERS_COMMIT"]
+    given = config.COMMIT.get()  # blank or unset: None, like every variable
+    if given is not None:
+        return given.strip()
     try:
         out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10)

@@ -381,6 +381,14 @@ def read_prompts(path: Optional[Path], output: Output) -> list[str]:
     return prompts
 
 
+def _finite(x: "int | float") -> bool:
+    """A score that averages: finite, and an int within float's range."""
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
 def read_scores(path: Path, output: Output, prompt: str, seed: int) -> dict[str, Any]:
     """A sample's ``<i>.json`` from an earlier run: its prompt, seed and per-sample metric values.
 
@@ -393,9 +401,10 @@ def read_scores(path: Path, output: Output, prompt: str, seed: int) -> dict[str,
     for k, v in data.items():
         if k in ("prompt", "seed"):
             continue
-        if k not in allowed or isinstance(v, bool) or not isinstance(v, (int, float)):
+        if k not in allowed or isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
             raise _cli.InputError(f"per-sample scores {path}: unexpected entry {k!r}: {v!r} (expected prompt, "
-                                  f"seed and numbers for {', '.join(allowed)}); delete it to score the sample again")
+                                  f"seed and finite numbers for {', '.join(allowed)}); delete it to score the sample "
+                                  "again")
     if data["prompt"] != prompt or data["seed"] != seed:
         raise _cli.InputError(f"per-sample scores {path}: written for seed {data['seed']!r} and prompt "
                               f"{data['prompt']!r}, but this run gives that sample seed {seed} and prompt "

@@ -38,6 +38,7 @@ from eval import (
     train_lm,
 )
 from eval.quality import dover, image_reward
+from sage_diffusers.kernels import auto_table
 
 
 def refused(main, argv, capsys) -> str:
@@ -183,6 +184,9 @@ def test_earlier_scores_of_another_seed_or_corrupt_are_refused(tmp_path, capsys,
     assert f"per-sample scores {folder / '00000.json'}: not valid JSON" in refused(reproduce.main, argv, capsys)
     (folder / "00000.json").write_text(json.dumps(dict(prompt=prompt, seed=0, clip_score="high")))
     assert "unexpected entry 'clip_score': 'high'" in refused(reproduce.main, argv, capsys)
+    for score in ("NaN", "1" + "0" * 400):  # Bug: NaN made the mean NaN; 400 digits overflowed np.mean
+        (folder / "00000.json").write_text(f'{{"prompt": {json.dumps(prompt)}, "seed": 0, "clip_score": {score}}}')
+        assert "unexpected entry 'clip_score'" in refused(reproduce.main, argv, capsys)
     (folder / "00000.json").write_text(json.dumps(dict(prompt=prompt, seed=0, clip_score=20.0)))
     (folder / "00000.png").unlink()
     assert "missing beside its scores" in refused(reproduce.main, argv, capsys)
@@ -372,9 +376,20 @@ def test_calibration_json_is_checked(tmp_path, capsys):
     assert f"calibration {bad}: not valid JSON" in refused(calibrate_auto.main, ["--ship", str(bad)], capsys)
     bad.write_text(json.dumps({"meta": {}, "classes": {}}))
     assert "'meta' must be an object with the GPU 'model'" in refused(calibrate_auto.main, ["--ship", str(bad)], capsys)
-    bad.write_text(json.dumps({"meta": {"model": "m"}, "classes": {"d9_x": 1}}))
+    bad.write_text(json.dumps({"meta": {"model": "m"}, "classes": {}}))  # Bug: KeyError 'date' at --ship
+    assert "the 'date'" in refused(calibrate_auto.main, ["--ship", str(bad)], capsys)
+    meta = {"model": "m", "date": "2026-12-07 00:21", "commit": None}
+    bad.write_text(json.dumps({"meta": meta, "classes": {"d9_x": 1}}))
     assert f"calibration {bad}: 'classes'" in refused(calibrate_auto.main, ["--ship", str(bad)], capsys)
+    bad.write_text("[" * 100_000)  # Bug: RecursionError naming no file
+    assert f"calibration {bad}: not readable JSON" in refused(calibrate_auto.main, ["--ship", str(bad)], capsys)
+    # Bug: a fast-only calibration whose sweep says "nan" shipped every estimated accurate class as None
+    fast = {c.key(): 1 << 30 for c in auto_table.ALL_CLASSES if not c.accurate}
+    sweep = [{"cls": c.key(), "work": 1 << 30, "kernel_over_sdpa": "nan"} for c in auto_table.SWEPT_CLASSES]
+    bad.write_text(json.dumps({"meta": meta, "classes": fast, "sweep": sweep}))
+    assert "not a positive finite ratio" in refused(calibrate_auto.main, ["--ship", str(bad)], capsys)
     assert "expected a positive integer" in refused(calibrate_auto.main, ["--rounds", "0"], capsys)
+    bad.write_text(json.dumps({"meta": meta, "classes": {"d9_x": 1}}))
     assert f"calibration {bad}" in refused(calibrate_auto.main, ["--base", str(bad)], capsys)
 
 
