@@ -485,6 +485,31 @@ def test_infinite_values_in_v_propagate_like_sdpa(mode, causal):
     assert torch.equal(torch.isnan(out), torch.isnan(expect))
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mode", LOW_BIT)
+def test_nonfinite_entry_of_an_attended_key_leaves_the_other_keys_alone(mode, causal, bad):
+    """Bug: a NaN / Inf entry of an attended key entered K's token mean, so its channel's mean, and
+    every key's smoothed value there, became NaN and quantized to 0: every row lost that channel
+    (cos 0.74 against exact attention, causal rows that never see the key included). The entry now
+    counts as 0 in the mean (docs/algorithms.md). A NaN entry is quantized as 0: the output is exact
+    attention with that entry at the mean of the others, within the quantization error. An Inf
+    saturates at the largest code, which changes that key's scores only: the rows that do not see
+    it (causal) are checked."""
+    q, k, v = _qkv(b=1, sq=150, skv=150)
+    j = 90
+    kx = k.clone()
+    kx[0, 1, j, :] = bad  # the whole key row: every channel's mean was hit
+    out = sd.attention(q, kx, v, is_causal=causal, mode=mode)
+    assert torch.isfinite(out).all()
+    mean = torch.where(torch.isfinite(kx[0, 1]), kx[0, 1], 0).float().sum(0) / kx.shape[2]  # (D,)
+    ke = k.clone()
+    ke[0, 1, j, :] = mean.to(k.dtype)  # smoothed: exactly 0, as the low-bit paths quantize the entries
+    exact = exact_attention(q, ke, v, is_causal=causal)[0]
+    rows = slice(None) if math.isnan(bad) else slice(0, j if causal else 0)
+    assert cosine(out[:, :, rows], exact[:, :, rows]) > MIN_COS[mode]
+
+
 # ---- 5. gradients are never silently wrong ----------------------------------------------------------
 
 

@@ -121,7 +121,7 @@ def test_tensor_scales_match_reference_cpu(dtype):
     want_v = fp4_tensor_scale(zero_masked(v.float(), key_mask))[..., 0, 0]
     assert torch.equal(got["k_scale"], want_k) and torch.equal(got["v_scale"], want_v)
     k_nan = k.clone()
-    k_nan[0, 1, 0, 2] = math.nan  # an attended NaN: channel 2's mean is NaN, ignored by the amax
+    k_nan[0, 1, 0, 2] = math.nan  # an attended NaN: taken as 0 by channel 2's mean, ignored by the amax
     k_mean = attended_mean(k_nan, key_mask)[:, :, 0]
     got = fp4.kv_tensor_scales(k_nan, k_mean, _ref_v_amax(v, key_mask), key_mask)
     want_k = fp4_tensor_scale(zero_masked(k_nan.float() - k_mean[:, :, None], key_mask))[..., 0, 0]

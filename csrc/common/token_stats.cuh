@@ -5,7 +5,8 @@
 //   1. the keys of one (b, kv head) are cut into n_split chunks of split_len tokens, one thread
 //      block each (stats_split picks them); inside a block each thread sums the 8 channels it
 //      owns over every kRowsPerPass-th token, in token order; a masked key adds +0 (selected,
-//      never multiplied: a NaN or Inf there vanishes);
+//      never multiplied: a NaN or Inf there vanishes), and so does a NaN / Inf element of an
+//      attended key;
 //   2. the block's kRowsPerPass partial rows are added in row order (shared memory);
 //   3. the last block of the (b, kv head) to finish (an atomic ticket, no float atomics) adds the
 //      chunks' partials in chunk order and divides by the number of attended keys (an exact
@@ -32,12 +33,13 @@ __device__ __forceinline__ bool key_attended(const P& p, int b, int key) {
 }
 
 // One token row into the k sum and the finite v absmax. A masked row adds +0 and 0 (selected,
-// not multiplied: NaN / Inf there vanish).
+// not multiplied: NaN / Inf there vanish); an attended key's NaN / Inf element adds 0 too, so it
+// cannot make its channel's mean, and with it every key's smoothed value there, NaN.
 __device__ __forceinline__ void add_stats_row(float (&sum)[8], float (&amax)[8], const float (&kx)[8],
                                               const float (&vx)[8], bool on) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    sum[i] += on ? kx[i] : 0.f;
+    sum[i] += on ? finite_or_zero(kx[i]) : 0.f;
     amax[i] = fmaxf(amax[i], on ? finite_abs(vx[i]) : 0.f);
   }
 }

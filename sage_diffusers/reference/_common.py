@@ -43,10 +43,13 @@ def zero_masked(x: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tens
 def attended_mean(x: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
     """Token mean of x (B, H, S, D) over attended keys only: float32 (B, H, 1, D).
 
-    The sum runs over ``zero_masked(x)`` (masked rows contribute exactly 0) and is divided by the
-    number of attended keys of the batch row (1 where there is none, giving a zero mean).
+    The sum runs over ``zero_masked(x)`` (masked rows contribute exactly 0), with each NaN / Inf
+    element of an attended key taken as 0 (so one cannot make its channel's mean, and every key's
+    smoothed value there, NaN), and is divided by the number of attended keys of the batch row (1
+    where there is none, giving a zero mean).
     """
     x0 = zero_masked(x.float(), key_mask)
+    x0 = torch.where(torch.isfinite(x0), x0, 0.0)
     if key_mask is None:
         count = torch.full((1, 1, 1, 1), float(x.shape[2]), device=x.device)
     else:
