@@ -60,6 +60,17 @@ def needs_grad(*tensors: Optional[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def has_tangent(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether an input carries a forward-mode AD tangent (``torch.autograd.forward_ad`` dual tensors,
+    ``torch.func.jvp``): the low-bit paths have no forward derivative, and differentiating their
+    rounding would give silently wrong tangents. Not checked while dynamo traces."""
+    if torch.compiler.is_compiling():
+        return False
+    from torch.autograd import forward_ad
+
+    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
 def _unsupported(mode: Mode, q, k, v, attn_mask, dropout: float) -> Optional[str]:
     """Why the low-bit modes cannot take this call (it runs SDPA), or None."""
     float_mask = attn_mask if attn_mask is not None and attn_mask.is_floating_point() else None
@@ -68,6 +79,8 @@ def _unsupported(mode: Mode, q, k, v, attn_mask, dropout: float) -> Optional[str
         return mismatch
     if dropout > 0.0:
         return "dropout"
+    if has_tangent(q, k, v, float_mask):
+        return "forward-mode AD"  # SDPA's own forward derivative, or torch's error where it has none
     if needs_grad(q, k, v, float_mask) and (backends.trainable_for(mode) is None or needs_grad(float_mask)):
         return "backward"  # the trainable backend (SageBwd) computes no gradient for a mask
     return None

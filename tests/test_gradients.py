@@ -10,6 +10,7 @@ The Triton kernels' part runs on the CPU in Triton's interpreter: ``test_kernel_
 runs this file again in a child process with ``TRITON_INTERPRET=1`` (set before triton is imported,
 as in tests/test_sagebwd_triton.py) and only the tests named ``*triton*``, on small shapes.
 """
+import contextlib
 import math
 import os
 import subprocess
@@ -416,3 +417,42 @@ def test_triton_autograd_function_lse_and_double_backward():
     _assert_close_to_exact(tuple(g.cpu() for g in got), tuple(w.cpu() for w in want))
     with pytest.raises(RuntimeError, match=r'sage_diffusers SageBwd .*mode="sdpa"'):
         _penalty_second_derivative(lambda a, b, c: fn(a, b, c)[0], q, k, v)
+
+
+def _forward_ad(kind, fn, q, t):
+    """fn's output and tangent at q along t, by torch.func.jvp or by forward_ad dual tensors."""
+    if kind == "jvp":
+        return torch.func.jvp(fn, (q,), (t,))
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        primal, tangent = fwAD.unpack_dual(fn(fwAD.make_dual(q, t)))
+        return primal.clone(), tangent.clone()
+
+
+@pytest.mark.parametrize("math_backend", [False, True], ids=["default", "math"])
+@pytest.mark.parametrize("kind", ["jvp", "forward_ad"])
+@pytest.mark.parametrize("mode", ["int8", "fp4", "auto"])
+def test_forward_mode_ad_takes_sdpas_path(mode, kind, math_backend):
+    """Bug: forward-mode AD (torch.func.jvp, forward_ad dual tensors) sets no requires_grad, so the call
+    took the inference references and forward AD differentiated their rounding: tangents at cos 0.06
+    (int8) / 0.14 (fp4) against the exact ones, silently. Such calls run SDPA now (counted), which gives
+    its tangent (the math backend has one) or torch's own error (CPU flash has none), as mode "sdpa"."""
+    q, k, v = dit_qkv(1, 2, 2, 70, 70, 64, seed=3)
+    t = torch.randn(q.shape, generator=torch.Generator().manual_seed(4))
+
+    def run(m):
+        try:
+            with sdpa_kernel(SDPBackend.MATH) if math_backend else contextlib.nullcontext():
+                return _forward_ad(kind, lambda q_: sd.attention(q_, k, v, mode=m), q, t)
+        except NotImplementedError as exc:
+            return type(exc)
+
+    sd.reset_fallback_stats()
+    got, want = run(mode), run("sdpa")
+    if isinstance(want, type):
+        assert got is want
+    else:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if mode != "auto":  # auto runs SDPA on CPU anyway
+        assert sd.fallback_stats().get(f"{mode}: forward-mode AD", 0) >= 1
