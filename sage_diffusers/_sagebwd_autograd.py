@@ -13,6 +13,7 @@ import torch
 from . import _fallback, config
 from ._shared import check_scale, exact_lse
 from .reference import sagebwd as ref
+from .reference.online_softmax import nonfinite_v
 from .reference.sagebwd import DoVPrecision, SageBwdState, ScorePrecision
 
 DOUBLE_BACKWARD_ERROR = (
@@ -103,6 +104,27 @@ class SageBwdFunction(torch.autograd.Function):
                 dv.to(tv) if need_v else None, None, None, None, None, None, None, None)
 
 
+def apply_sagebwd(q, k, v, key_mask, is_causal: bool, scale: float, dov: DoVPrecision, impl: Impl,
+                  return_lse: bool, scores: ScorePrecision):
+    """:class:`SageBwdFunction` on V with its NaN / Inf entries as 0, put back afterwards into the
+    output rows that see their keys with exact attention's values (``nonfinite_v``: +-Inf, or NaN
+    where both signs or a NaN meet), as the inference paths do. Inside the function a key hidden from
+    a row, by causality or the mask, cannot reach that row as 0 * NaN, in the forward or in the
+    backward's dO.V^T; the put-back values are constants to autograd.
+
+    Returns out, or (out, lse) with ``return_lse``.
+    """
+    v0 = torch.where(torch.isfinite(v), v, torch.zeros((), dtype=v.dtype, device=v.device))
+    result = SageBwdFunction.apply(q, k, v0, key_mask, is_causal, scale, dov, impl, return_lse, scores)
+    out = result[0] if return_lse else result
+    hit, value = nonfinite_v(v if key_mask is None else v.masked_fill(~key_mask[:, None, :, None], 0),
+                             key_mask, is_causal, q.shape[2])  # (B, Hkv, Sq or 1, D)
+    g = q.shape[1] // v.shape[1]
+    hit, value = hit.repeat_interleave(g, 1), value.repeat_interleave(g, 1)  # query head h reads KV head h // g
+    out = torch.where(hit, value.to(out.dtype), out)
+    return (out, result[1]) if return_lse else out
+
+
 def default_scores() -> ScorePrecision:
     """The scores' precision when the caller names none: ``SAGE_DIFFUSERS_SAGEBWD_SCORES`` (read at
     each call), FP16 when unset: 16-bit scores keep sharp heads' gradients accurate and measured as
@@ -125,5 +147,5 @@ def attention_sagebwd(q, k, v, *, key_mask=None, is_causal=False, scale=None, re
     args = (q, k, v, key_mask, bool(is_causal), sm_scale, DoVPrecision.FP16, impl)
     scores = default_scores()
     if return_lse:
-        return SageBwdFunction.apply(*args, True, scores)
-    return SageBwdFunction.apply(*args, False, scores), None
+        return apply_sagebwd(*args, True, scores)
+    return apply_sagebwd(*args, False, scores), None

@@ -23,7 +23,8 @@ import torch
 from . import _fallback, backends
 from ._dispatch import needs_grad
 from ._masks import _native_key_mask
-from ._sagebwd_autograd import DOUBLE_BACKWARD_ERROR, Impl, SageBwdFunction, default_impl, default_scores
+from ._sagebwd_autograd import (DOUBLE_BACKWARD_ERROR, Impl, SageBwdFunction, apply_sagebwd, default_impl,
+                                default_scores)
 from ._shared import check_scale, sdpa
 from ._validate import check_attn_mask, check_key_mask, operand_mismatch, to_bhsd
 from .options import Layout
@@ -118,6 +119,6 @@ def sagebwd(
                       return_lse=False)
     else:
         impl = default_impl(q.device) if impl is None else impl
-        out = SageBwdFunction.apply(qh, kh, vh, mask_keys, bool(is_causal), scale_f, dov, impl, False, scores)
+        out = apply_sagebwd(qh, kh, vh, mask_keys, bool(is_causal), scale_f, dov, impl, False, scores)
     out = out.to(q.dtype)
     return out.transpose(1, 2) if layout is Layout.BSHD else out

@@ -174,6 +174,31 @@ def test_masked_keys_never_matter():
     assert torch.all(b[2][:, :, ~key_mask[0]][0] == 0) and torch.all(b[3][1] == 0)
 
 
+@pytest.mark.parametrize("scores", ["fp16", "int8"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_nonfinite_v_reaches_exactly_the_rows_that_see_its_key(causal, scores):
+    """Bug: SageBwd's forward multiplied a causally hidden key's weight 0 by its NaN V (every row NaN,
+    where the inference path gives only the rows that see the key), and scores="int8" quantized the
+    NaN to 0 (the rows that see it finite). Now as exact attention and the inference path: +-Inf / NaN
+    in their channels of the rows that see the key, the other rows and the gradients finite."""
+    q = torch.randn(1, 2, 96, 64, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_()
+    k, v = (torch.randn(1, 2, 96, 64, generator=torch.Generator().manual_seed(s)).bfloat16() for s in (2, 3))
+    v[:, 0, 90] = float("nan")
+    v[:, 1, 50, 3] = float("inf")
+    before = v.clone()
+    out = sd.sagebwd(q, k, v, is_causal=causal, scores=scores)
+    torch.testing.assert_close(v, before, rtol=0, atol=0, equal_nan=True)
+    rows = torch.arange(96)
+    sees = (lambda j: rows >= j) if causal else (lambda j: torch.ones(96, dtype=torch.bool))
+    assert torch.equal(out[0, 0].isnan().all(-1), sees(90)) and torch.isfinite(out[0, 0, ~sees(90)]).all()
+    assert torch.equal(out[0, 1, :, 3].isposinf(), sees(50)) and torch.isfinite(out[0, 1, :, [0, 1, 2, 4]]).all()
+    with torch.no_grad():  # the inference path: the same non-finite pattern
+        plain = sd.attention(q, k, v, is_causal=causal, mode="int8")
+    assert torch.equal(out.isnan(), plain.isnan()) and torch.equal(out.isinf(), plain.isinf())
+    out.nan_to_num(0.0, 0.0, 0.0).square().sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
 def test_requires_grad_mix_and_inputs_untouched():
     q, k, v, do = make_inputs(1, 2, 1, 65, 65, 64)
     full = sage_grads(q, k, v, do)

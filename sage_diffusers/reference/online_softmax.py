@@ -98,16 +98,17 @@ def nonfinite_v(
     v : (B, H, Skv, D) with masked rows already 0.
     Returns hit bool and value float32, both (B, H, Sq or 1, D).
     """
-    kinds = torch.stack((v == math.inf, v == -math.inf, torch.isnan(v)))  # (3, B, H, Skv, D)
-    if key_mask is not None:
-        kinds = kinds & key_mask[None, :, None, :, None]
-    if is_causal:
-        seen = kinds.cumsum(3)  # (3, B, H, Skv, D): counts over keys 0..j
-        last = torch.arange(sq, device=v.device).clamp_max(v.shape[2] - 1)  # row i sees keys <= i
-        seen = seen.index_select(3, last) > 0  # (3, B, H, Sq, D)
-    else:
-        seen = kinds.any(3, keepdim=True)  # (3, B, H, 1, D)
-    pos, neg, nan = seen.unbind(0)
+    seen = []
+    for kind in (v == math.inf, v == -math.inf, torch.isnan(v)):  # each (B, H, Skv, D)
+        if key_mask is not None:
+            kind = kind & key_mask[:, None, :, None]
+        if is_causal:  # row i sees keys <= i: the first key of each kind and channel decides
+            none = max(sq, v.shape[2])  # beyond every row
+            first = torch.where(kind.any(2), kind.to(torch.uint8).argmax(2), none)  # (B, H, D)
+            seen.append(torch.arange(sq, device=v.device)[:, None] >= first[:, :, None, :])  # (B, H, Sq, D)
+        else:
+            seen.append(kind.any(2, keepdim=True))  # (B, H, 1, D)
+    pos, neg, nan = seen
     value = torch.where(nan | (pos & neg), math.nan, torch.where(pos, math.inf, -math.inf))
     return pos | neg | nan, value.float()
 
