@@ -141,11 +141,23 @@ def output_file(text: str) -> Path:
 
 
 def output_dir(text: str) -> Path:
-    """A folder the script creates or fills (refused when a file is in the way)."""
+    """A folder the script creates or fills: created here, so that a file in the way or a place that
+    cannot hold it is refused before any work, naming the folder."""
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: cannot create this folder ({exc.strerror or exc})") from None
     return path
+
+
+def device_argument(text: str) -> str:
+    """argparse type: a torch device string that exists on this machine (the package's rule)."""
+    from sage_diffusers._cli import device_argument as check
+
+    return check(text)
 
 
 def name_equals_path(names: Iterable[str]) -> Callable[[str], tuple[str, Path]]:

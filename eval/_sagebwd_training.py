@@ -227,4 +227,8 @@ def replot() -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description="Redraw the SageBwd training plots and report from their JSON results "
+                            "(eval/results/sagebwd_*.json).").parse_args()
     replot()

@@ -52,6 +52,7 @@ try:
     from eval import _cli
 except ImportError:  # run as a script: eval/ is sys.path[0]
     import _cli
+from sage_diffusers._cli import enum_argument
 from sage_diffusers.options import FP4Format, PQuant
 from sage_diffusers.reference import (
     cosine,
@@ -598,7 +599,7 @@ def run(suite: Suite, out: Path, *, small: bool = False, device: str = "cpu", in
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--suite", type=Suite, choices=list(Suite), required=True)
+    ap.add_argument("--suite", required=True, **enum_argument(Suite))
     ap.add_argument("--small", action="store_true", help="small shapes (CI, a few seconds)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--inputs", type=_cli.existing_path, nargs="*", default=[],

@@ -469,19 +469,27 @@ def main(argv: list[str] | None = None) -> None:
                     help="forward + backward with a key-padding mask against the kept keys alone (--methods: "
                          "SageBwd methods; default sagebwd,sagebwd_scores_int8)")
     args = ap.parse_args(argv)
+
+    def needs_cuda():  # after the arguments' own checks, before the first CUDA call
+        if not torch.cuda.is_available():
+            sys.exit("needs a CUDA device (--sass alone runs without one)")
+
     if args.mask_cost:
         methods = (args.methods or "sagebwd,sagebwd_scores_int8").split(",")
         if not all(m.startswith("sagebwd") for m in methods):
             ap.error("--mask-cost times SageBwd methods only")
+        needs_cuda()
         mask_cost(Path(args.out or RESULTS / f"sagebwd_mask_cost_{gpu_slug(torch.cuda.get_device_name())}"), methods,
                   args.shapes or MASK_COST_SHAPES, args.rounds or 3, args.target_ms)
         return
     if args.realistic:
+        needs_cuda()
         realistic_accuracy(Path(args.out or RESULTS / f"sagebwd_realistic_{gpu_slug(torch.cuda.get_device_name())}"))
         return
     if args.sass:
         sass_report(Path(args.out or RESULTS / "sagebwd_sass_sm90.md"))
         return
+    needs_cuda()
     t0 = time.time()
     if args.compare:
         shapes, causal_shapes = COMPARE_SHAPES, ([s for s in COMPARE_SHAPES if s[2] == 16384] if args.causal else [])

@@ -237,7 +237,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--layers", type=_cli.int_set, default=None,
                     help="attention-module indices to keep, comma separated")
     ap.add_argument("--name", default=None, help="model name in the metadata")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", type=_cli.device_argument, default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=_cli.nonnegative_int, default=0)
     ap.add_argument("--out", type=_cli.output_dir, required=True)
     args = ap.parse_args(argv)

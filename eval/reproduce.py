@@ -784,7 +784,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="samples per model and attention (image models with FID: at least 2)")
     ap.add_argument("--seed", type=_cli.nonnegative_int, default=0)
     ap.add_argument("--tiny", action="store_true", help="tiny random pipelines and scorers, offline, CPU")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", type=_cli.device_argument, default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--weights", action="append", default=[], metavar="NAME=PATH",
                     type=_cli.name_equals_path(WEIGHT_NAMES),
                     help="local weights, repeatable; NAME: " + ", ".join(WEIGHT_NAMES))

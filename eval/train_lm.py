@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=_cli.nonnegative_int, default=0)
     ap.add_argument("--val-batches", type=_cli.positive_int, default=20)
     ap.add_argument("--max-bytes", type=_cli.positive_int, default=8_000_000)
-    ap.add_argument("--device", default="cpu", help="cpu, or cuda (SageBwd's torch reference runs there too)")
+    ap.add_argument("--device", type=_cli.device_argument, default="cpu", help="cpu, or cuda (SageBwd's torch reference runs there too)")
     ap.add_argument("--impl", choices=tuple(common.SAGEBWD_IMPL), default="reference")
     ap.add_argument("--no-write", action="store_true", help="print only")
     cfg = ap.parse_args(argv)

@@ -393,6 +393,22 @@ def test_calibration_json_is_checked(tmp_path, capsys):
     assert f"calibration {bad}" in refused(calibrate_auto.main, ["--base", str(bad)], capsys)
 
 
+def test_output_folders_and_devices_are_checked_before_any_work(tmp_path, capsys):
+    """Bug: an --out that cannot be created (under /proc) failed with FileNotFoundError after the work,
+    --device foo with a RuntimeError traceback, --suite showed Suite.SYNTHETIC and no choices."""
+    import argparse
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot create this folder"):
+        _cli.output_dir(str(blocked / "sub"))  # a file where a parent folder should be
+    assert _cli.output_dir(str(tmp_path / "a" / "b")).is_dir()
+    with pytest.raises(argparse.ArgumentTypeError, match="not a torch device"):
+        _cli.device_argument("foo")
+    assert "invalid choice 'bogus' (choose from synthetic, captured)" in refused(
+        accuracy.main, ["--suite", "bogus", "--out", str(tmp_path)], capsys)
+
+
 def test_earlier_e2e_report_is_checked(tmp_path):
     """Bug: a damaged earlier report failed the merge after the whole benchmark had run."""
     path = tmp_path / "e2e.json"

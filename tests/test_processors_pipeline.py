@@ -80,6 +80,18 @@ def test_workflow_script_tiny_path(script, capsys):
     assert "finite=True" in printed and "fallback" not in printed
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--tiny", "--steps", "0"], "--steps: expected a positive integer"),  # Bug: ran 2 steps, exit 0
+    (["--tiny", "--steps", "-1"], "--steps: expected a positive integer"),  # Bug: a diffusers traceback
+    (["--tiny", "--device", "foo"], "--device: not a torch device"),  # Bug: accepted, exit 0
+])
+def test_workflow_script_arguments_are_checked(argv, message, capsys):
+    workflow = runpy.run_path(str(WORKFLOWS / "flux.py"), run_name="workflow_under_test")["WORKFLOW"]
+    with pytest.raises(SystemExit) as exc:
+        _sage_cli.main(workflow, argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 # ---- bf16: per-layer comparison with negative controls ------------------------------------------------
 # End to end in bf16 the tiny transformers barely depend on attention: measured on Flux, zeroing every
 # attention output still leaves the transformer-output cosine at 0.99975 (the fp4 bound is 0.999), so an

@@ -290,8 +290,11 @@ def main() -> None:
     parser.add_argument("--object-info", type=Path, help="full object-info dump from a real ComfyUI")
     args = parser.parse_args()
     if args.object_info is not None:
-        SCHEMAS.write_text(json.dumps(schemas_from_object_info(json.loads(args.object_info.read_text())), indent=1)
-                           + "\n")
+        try:
+            schemas = schemas_from_object_info(json.loads(args.object_info.read_text()))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            parser.error(f"--object-info {args.object_info}: not a ComfyUI object-info dump ({type(exc).__name__}: {exc})")
+        SCHEMAS.write_text(json.dumps(schemas, indent=1) + "\n")
     for name, text in render().items():
         (HERE / name).write_text(text)
         print("wrote", HERE / name)

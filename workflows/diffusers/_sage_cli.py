@@ -26,7 +26,7 @@ import _sage_tiny  # noqa: E402
 
 import sage_diffusers  # noqa: E402
 from sage_diffusers import integration  # noqa: E402
-from sage_diffusers._cli import enum_argument  # noqa: E402
+from sage_diffusers._cli import device_argument, enum_argument, positive_int  # noqa: E402
 from sage_diffusers.options import Int8Precision, Mode  # noqa: E402
 from sage_diffusers.policy import SAGE3_POLICY, LayerRule, Policy, StepLayerPolicy  # noqa: E402
 
@@ -118,11 +118,11 @@ def parse_args(workflow: Workflow, argv: list[str] | None) -> argparse.Namespace
         **enum_argument(Int8Precision),
     )
     parser.add_argument(
-        "--steps", type=int, default=None, help="denoising steps (default: the workflow's, 2 with --tiny)"
+        "--steps", type=positive_int, default=None, help="denoising steps (default: the workflow's, 2 with --tiny)"
     )
     parser.add_argument("--prompt", default="A red panda reading a newspaper in a sunlit cafe, cinematic lighting")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device_argument, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=None, help="output file (default: <family>.png / .mp4)")
     return parser.parse_args(argv)
 
