@@ -10,6 +10,27 @@ import torch
 from .options import Layout
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda")  # the devices this package runs on that torch.autocast knows
+
+
+def autocast_like_sdpa(q, k, v, attn_mask):
+    """q, k, v and a float ``attn_mask`` as torch SDPA takes them inside ``torch.autocast``: floating
+    tensors other than float64 cast to the autocast dtype of their device (SDPA is one of autocast's
+    lower-precision ops), so autocast code that may call SDPA with q, k, v of mixed dtypes (a rotary
+    embedding left in float32, say) may call this too. Unchanged outside autocast."""
+    if not isinstance(q, torch.Tensor) or q.device.type not in _AUTOCAST_DEVICES:  # meta, fake: no autocast
+        return q, k, v, attn_mask
+    if not torch.is_autocast_enabled(q.device.type):
+        return q, k, v, attn_mask
+    dtype = torch.get_autocast_dtype(q.device.type)
+
+    def cast(t):
+        eligible = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if eligible else t
+
+    return cast(q), cast(k), cast(v), cast(attn_mask)
+
+
 def to_bhsd(q, k, v, layout: Layout):
     """q, k, v checked against each other and seen as BHSD views (a transpose for "BSHD")."""
     for name, t in (("q", q), ("k", k), ("v", v)):

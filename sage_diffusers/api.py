@@ -29,7 +29,7 @@ import torch
 from . import _dispatch
 from ._masks import mask_scope
 from ._shared import check_scale, to_output_dtype
-from ._validate import check_attn_mask, check_dropout, check_flag, check_key_mask, to_bhsd
+from ._validate import autocast_like_sdpa, check_attn_mask, check_dropout, check_flag, check_key_mask, to_bhsd
 from .options import Int8Precision, Layout, Mode
 
 __all__ = ["attention", "mask_scope"]
@@ -97,6 +97,8 @@ def attention(
       the torch reference elsewhere); "fp4" and "auto" run SDPA, counted with reason "backward".
     - float32 inputs of the low-bit modes are rounded to bfloat16 first (kernels and references
       alike); the output is float32 again.
+    - Inside ``torch.autocast`` the inputs (and a float mask) are cast to its dtype first, as
+      torch SDPA's are: the output has that dtype.
     - Masked keys never influence the result, whatever their values (NaN and Inf included), on
       every path; a non-finite value in one query row affects that row only.
     - Empty inputs (B, Sq or Skv = 0) give empty outputs, or zeros with lse -inf when Skv = 0.
@@ -108,6 +110,7 @@ def attention(
     layout = Layout.parse(layout)
     mode = Mode.parse(mode)
     precision = _dispatch.DEFAULT_INT8_PRECISION if int8_precision is None else Int8Precision.parse(int8_precision)
+    q, k, v, attn_mask = autocast_like_sdpa(q, k, v, attn_mask)
     qh, kh, vh = to_bhsd(q, k, v, layout)
     b, hq, sq, d = qh.shape
     skv = kh.shape[2]

@@ -26,7 +26,7 @@ from ._masks import _native_key_mask
 from ._sagebwd_autograd import (DOUBLE_BACKWARD_ERROR, Impl, SageBwdFunction, apply_sagebwd, default_impl,
                                 default_scores)
 from ._shared import check_scale, sdpa
-from ._validate import check_attn_mask, check_key_mask, operand_mismatch, to_bhsd
+from ._validate import autocast_like_sdpa, check_attn_mask, check_key_mask, operand_mismatch, to_bhsd
 from .options import Layout
 from .reference.sagebwd import DoVPrecision, ScorePrecision
 
@@ -102,6 +102,7 @@ def sagebwd(
     layout = Layout.parse(layout)
     dov = DoVPrecision.parse(dov)
     scores = default_scores() if scores is None else ScorePrecision.parse(scores)
+    q, k, v, attn_mask = autocast_like_sdpa(q, k, v, attn_mask)
     qh, kh, vh = to_bhsd(q, k, v, layout)
     b, hq, sq, d = qh.shape
     skv, dv = kh.shape[2], vh.shape[3]

@@ -867,6 +867,25 @@ def test_float32_mask_keeps_its_dtype_in_sdpa_mode():
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
+def test_autocast_casts_the_inputs_like_sdpa(mode):
+    """Bug: inside torch.autocast, q, k, v of mixed dtypes (a rotary embedding left in float32) raised
+    "q, k, v must share a dtype" where torch SDPA casts them to the autocast dtype, and float32 inputs
+    gave a float32 output where SDPA's is bfloat16. Now cast as SDPA does, float mask included."""
+    q, k, v = _qkv(sq=40, skv=40)
+    bias = torch.zeros(2, 1, 1, 40)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = sd.attention(q, k.bfloat16(), v, bias, mode=mode)
+        if mode == "sdpa":
+            torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k.bfloat16(), v, attn_mask=bias),
+                                       rtol=0, atol=0)
+        qg = q.clone().requires_grad_()
+        sd.attention(qg, k, v, mode=mode).float().sum().backward()
+    assert out.dtype == torch.bfloat16 and qg.grad.dtype == torch.float32
+    torch.testing.assert_close(out, sd.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), bias.bfloat16(), mode=mode),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_float_mask_of_another_dtype_is_refused_on_every_path(mode):
     """Bug: a bf16 0 / -inf key mask with fp16 q ran natively inside a mask_scope and raised torch's
     RuntimeError outside one (SDPA's dtype rule): the answer depended on the path. Now a ValueError
