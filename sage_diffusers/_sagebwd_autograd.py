@@ -117,8 +117,7 @@ def apply_sagebwd(q, k, v, key_mask, is_causal: bool, scale: float, dov: DoVPrec
     v0 = torch.where(torch.isfinite(v), v, torch.zeros((), dtype=v.dtype, device=v.device))
     result = SageBwdFunction.apply(q, k, v0, key_mask, is_causal, scale, dov, impl, return_lse, scores)
     out = result[0] if return_lse else result
-    hit, value = nonfinite_v(v if key_mask is None else v.masked_fill(~key_mask[:, None, :, None], 0),
-                             key_mask, is_causal, q.shape[2])  # (B, Hkv, Sq or 1, D)
+    hit, value = nonfinite_v(v, key_mask, is_causal, q.shape[2])  # (B, Hkv, Sq or 1, D); skips masked keys
     g = q.shape[1] // v.shape[1]
     hit, value = hit.repeat_interleave(g, 1), value.repeat_interleave(g, 1)  # query head h reads KV head h // g
     out = torch.where(hit, value.to(out.dtype), out)
