@@ -90,6 +90,24 @@ def test_gpu_modes_match_their_reference(mode, layout):
         f"{algo} reference ({relative_l1(out.float(), ref):.5f}): SDPA ran, or the kernel is not its algorithm")
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mode", ["int8", "fp4"])
+def test_nonfinite_entry_of_an_attended_key_matches_the_reference(mode, causal, bad):
+    """The kernels' pre-pass takes a NaN / Inf entry of an attended key as 0 in K's token mean, as the
+    references do (token_stats.cuh finite_or_zero): before, the whole row of NaN made every channel's
+    mean NaN and every row's attention uniform. The kernel must meet its reference on the same input."""
+    (q, k, v), _ = _inputs("BHSD", b=1, hq=4, hkv=4, s=1023, d=128)
+    k = k.clone()
+    k[0, 1, 600, :] = bad  # a whole key row: every channel's mean sees it
+    out = sd.attention(q, k, v, is_causal=causal, mode=mode)
+    assert sd.fallback_stats() == {}, sd.fallback_stats()
+    ref_fn = sage8_reference if mode == "int8" else sage3_reference
+    ref = ref_fn(q.float(), k.float(), v.float(), is_causal=causal)
+    assert torch.isfinite(out).all() and torch.isfinite(ref).all()
+    assert _matches(out, ref), (cosine(out, ref), relative_l1(out, ref))
+
+
 def _long_hd128_inputs(s=16384):
     return dit_qkv(1, 4, 4, s, s, 128, seed=1, dtype=torch.bfloat16, device="cuda")
 
