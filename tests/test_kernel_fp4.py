@@ -622,6 +622,47 @@ def test_attention_options_direct_and_scale(emu):
     assert c >= 0.9995, c
 
 
+def test_last_dim_strided_inputs_are_taken_cpu(monkeypatch):
+    """The backend contract takes any strides (a kernel copies what it cannot read). attention_fp4
+    refused a last dim that is not contiguous with ValueError, so sd.attention(mode="fp4") (and
+    "auto" on sm_120) raised on such views instead of running. The op now gets the views as given
+    (its implementation passes them through kernel_views, which copies them)."""
+    from sage_diffusers.kernels._contract import kernel_views
+
+    seen = {}
+
+    def fake_call_op(op, impl, q, k, v, *rest):
+        seen["qkv"] = (q, k, v)
+        return torch.empty_like(q), q.new_empty((0,), dtype=torch.float32)
+
+    monkeypatch.setattr(fp4, "call_op", fake_call_op)
+    # (B, H, S, D) views of (B, H, D, S) memory: a channels-first projection's layout, last-dim stride S
+    q, k, v = (torch.randn(1, 2, 64, s, dtype=torch.bfloat16).transpose(-1, -2) for s in (16, 24, 24))
+    out, lse = fp4.attention_fp4(q, k, v)
+    assert out.shape == q.shape and lse is None
+    assert all(a is b for a, b in zip(seen["qkv"], (q, k, v)))
+    assert all(x.is_contiguous() and torch.equal(x, y) for x, y in zip(kernel_views(q, k, v), (q, k, v)))
+
+
+@gpu
+@pytest.mark.parametrize("emu", EMUS)
+def test_last_dim_strided_inputs_match_contiguous(emu):
+    """q, k, v whose last dim is not contiguous (copied before the launch) give bit for bit the
+    output of their contiguous copies, through the backend and through sd.attention(mode="fp4")."""
+    import sage_diffusers as sd
+
+    q, k, v = _inputs(1, 4, 2, 300, 333, 64, torch.bfloat16, "bhsd", seed=5)
+    strided = [x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in (q, k, v)]
+    assert all(x.stride(-1) != 1 for x in strided)
+    want, want_lse = fp4.attention_fp4(q, k, v, return_lse=True, emu=emu)
+    got, got_lse = fp4.attention_fp4(*strided, return_lse=True, emu=emu)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    if emu == EMUS[0]:
+        sd.reset_fallback_stats()
+        out = sd.attention(*strided, mode="fp4")
+        assert not sd.fallback_stats() and torch.equal(out, fp4.attention_fp4(q, k, v)[0])
+
+
 @gpu
 def test_attention_rejects_unsupported():
     q, k, v = _inputs(1, 2, 2, 16, 16, 96, torch.float16, "bhsd", seed=0)

@@ -459,8 +459,8 @@ def attention_fp4(
 
     Parameters
     ----------
-    q : (B, Hq, Sq, D) fp16/bf16, any strides with a contiguous last dim (BSHD callers pass
-        ``x.transpose(1, 2)``). D in {64, 128}.
+    q : (B, Hq, Sq, D) fp16/bf16, any strides (BSHD callers pass ``x.transpose(1, 2)``; views the
+        kernel cannot read, a non-contiguous last dim or unaligned rows, are copied first). D in {64, 128}.
     k, v : (B, Hkv, Skv, D), Hq % Hkv == 0 (GQA).
     key_mask : None or bool (B, Skv) (or (B, 1, 1, Skv)), True = attend.
     is_causal : top-left aligned like torch SDPA: query i sees keys j <= i.
@@ -481,7 +481,8 @@ def attention_fp4(
     fmt_code = _FMT_CODE[FP4Format.parse(fmt)]
     p_code = _P_QUANT_CODE[PQuant.parse(p_quant)]
     emu_code = EmuGemm.CODE[_emu_name(emu)]
-    check_qkv(q, k, v, HEAD_DIMS, unit_last_stride=True)
+    # any strides, as the backend contract says: _fp4_attention_impl copies what the kernel cannot read
+    check_qkv(q, k, v, HEAD_DIMS)
     key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = call_op(torch.ops.sage_diffusers.fp4_attention, _fp4_attention_impl,
