@@ -32,6 +32,27 @@ def test_bad_inputs_raise(args, match):
         check_qkv(*args, head_dims=(64, 128))
 
 
+def test_inputs_and_key_mask_on_other_devices_are_refused_naming_them():
+    """A kernel launches on q's device and reads k, v and the key mask there: the backends' own entry
+    points (attention_int8_sm90, attention_fp4, which direct callers reach without sd.attention's
+    checks) refuse tensors on another device with a ValueError naming both, before any launch
+    (attention_fp4's binding checked neither v's nor the mask's device)."""
+    from sage_diffusers.kernels import fp4, int8_sm90
+
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"q, k, v must share a device, got cpu, meta, cpu"):
+        check_qkv(q, k.to("meta"), v, head_dims=(64, 128))
+    mask = torch.ones(2, 7, dtype=torch.bool, device="meta")
+    assert normalize_key_mask(mask, 2, 7) is not None  # no device asked for: not checked
+    with pytest.raises(ValueError, match=r"^key_mask: expected device cpu, got meta$"):
+        normalize_key_mask(mask, 2, 7, q.device)
+    for backend in (int8_sm90.attention_int8_sm90, fp4.attention_fp4):
+        with pytest.raises(ValueError, match="share a device"):
+            backend(q, k, v.to("meta"))
+        with pytest.raises(ValueError, match="key_mask: expected device cpu, got meta"):
+            backend(q, k, v, key_mask=mask)
+
+
 def test_unit_last_stride_is_checked_only_when_asked():
     q, k, v = _qkv()
     q = torch.zeros(2, 4, 64, 5, dtype=torch.bfloat16).transpose(-1, -2)  # last dim strided

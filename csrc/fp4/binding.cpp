@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
+#include <utility>
+
 #include "../common/launch_context.h"
 #include "../common/token_stats.h"
 #include "fp4_api.h"
@@ -47,17 +49,26 @@ void check_bhsd_16b(const torch::Tensor& t, const char* name) {
               name, ": rows must be 16-byte aligned");
 }
 
-void check_f32(const torch::Tensor& t, torch::IntArrayRef sizes, const char* name) {
+// Every tensor a launch reads must live on the device it launches on (the inputs'): a pointer into
+// another GPU's memory is an illegal access there, or a silent peer read.
+void check_device(const torch::Tensor& t, const torch::Device& device, const char* name) {
+  TORCH_CHECK(t.device() == device, name, " is on ", t.device(), ", the launch on ", device);
+}
+
+void check_f32(const torch::Tensor& t, torch::IntArrayRef sizes, const char* name, const torch::Device& device) {
   TORCH_CHECK(t.is_cuda() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.sizes() == sizes, name,
               ": expected a contiguous float32 CUDA tensor of shape ", sizes, ", got ", t.scalar_type(), " ",
               t.sizes());
+  check_device(t, device, name);
 }
 
-const uint8_t* key_mask_ptr(const c10::optional<torch::Tensor>& key_mask, int64_t B, int64_t skv) {
+const uint8_t* key_mask_ptr(const c10::optional<torch::Tensor>& key_mask, int64_t B, int64_t skv,
+                            const torch::Device& device) {
   if (!key_mask.has_value()) return nullptr;
   const auto& m = *key_mask;
   TORCH_CHECK(m.scalar_type() == torch::kBool && m.is_contiguous() && m.dim() == 2 && m.size(0) == B && m.size(1) == skv,
               "key_mask: contiguous bool (B, Skv)");
+  check_device(m, device, "key_mask");
   return reinterpret_cast<const uint8_t*>(m.data_ptr<bool>());
 }
 
@@ -69,6 +80,7 @@ std::vector<torch::Tensor> kv_stats(const torch::Tensor& k, const torch::Tensor&
   check_bhsd_16b(v, "v");
   const sage_common::LaunchContext ctx(k);
   TORCH_CHECK(v.sizes() == k.sizes() && v.scalar_type() == k.scalar_type(), "v: shape and dtype of k");
+  check_device(v, k.device(), "v");
   const auto B = k.size(0), H = k.size(1), S = k.size(2), D = k.size(3);
   TORCH_CHECK(D == 64 || D == 128, "kv_stats: head dims 64 and 128, got ", D);
   TORCH_CHECK(S >= 1 && S < (int64_t(1) << 30), "kv_stats: 1 <= Skv < 2^30, got ", S);
@@ -84,7 +96,7 @@ std::vector<torch::Tensor> kv_stats(const torch::Tensor& k, const torch::Tensor&
   p.v = v.data_ptr();
   p.k_sb = k.stride(0); p.k_sh = k.stride(1); p.k_ss = k.stride(2);
   p.v_sb = v.stride(0); p.v_sh = v.stride(1); p.v_ss = v.stride(2);
-  p.key_mask = key_mask_ptr(key_mask, B, S);
+  p.key_mask = key_mask_ptr(key_mask, B, S, k.device());
   p.B = B; p.Hkv = H; p.Skv = S; p.D = D;
   p.n_split = static_cast<int>(split.n_split);
   p.split_len = static_cast<int>(split.split_len);
@@ -110,13 +122,14 @@ std::vector<torch::Tensor> quantize_kv(const torch::Tensor& k, const torch::Tens
   const sage_common::LaunchContext ctx(k);
   TORCH_CHECK(v.is_cuda() && v.dim() == 4 && v.stride(3) == 1 && v.sizes() == k.sizes(), "v: shape of k, last dim contiguous");
   TORCH_CHECK(v.scalar_type() == k.scalar_type(), "k and v dtypes differ");
+  check_device(v, k.device(), "v");
   const auto B = k.size(0), H = k.size(1), S = k.size(2), D = k.size(3);
   TORCH_CHECK(D % blk == 0, "head dim must be a multiple of ", blk, ", got ", D);
   TORCH_CHECK(skv_pad % 128 == 0 && skv_pad >= S, "skv_pad must be a multiple of 128 >= Skv");
-  check_f32(k_mean, {B, H, D}, "k_mean");
-  check_f32(k_scale, {B, H}, "k_scale");
-  check_f32(v_scale, {B, H}, "v_scale");
-  const uint8_t* mask = key_mask_ptr(key_mask, B, S);
+  check_f32(k_mean, {B, H, D}, "k_mean", k.device());
+  check_f32(k_scale, {B, H}, "k_scale", k.device());
+  check_f32(v_scale, {B, H}, "v_scale", k.device());
+  const uint8_t* mask = key_mask_ptr(key_mask, B, S, k.device());
   auto u8 = k.options().dtype(torch::kUInt8);
   auto kq = torch::empty({B, H, skv_pad, D / 2}, u8);
   auto ksf = torch::empty({B, H, skv_pad, D / blk}, u8);
@@ -165,11 +178,15 @@ std::vector<torch::Tensor> attention_fwd(const torch::Tensor& q, const torch::Te
   // EmuGemm (fp4_api.h): 0 mma.sync, 1 wgmma (emulated build only).
   TORCH_CHECK(emu_gemm == 0 || (emu_gemm == 1 && SAGE_FP4_WGMMA),
               "emu_gemm: 0 mma.sync, 1 wgmma (emulated atom on sm_90a only), got ", emu_gemm);
-  const uint8_t* mask_ptr = key_mask_ptr(key_mask, B, skv);
-  check_f32(k_mean, {B, Hkv, D}, "k_mean");
-  check_f32(q_scale, {B, Hq}, "q_scale");
-  check_f32(k_scale, {B, Hkv}, "k_scale");
-  check_f32(v_scale, {B, Hkv}, "v_scale");
+  for (const auto& [t, name] : {std::pair<const torch::Tensor*, const char*>{&kq, "kq"}, {&ksf, "ksf"}, {&vq, "vq"},
+                                 {&vsf, "vsf"}, {&v_first, "v_first"}}) {
+    check_device(*t, q.device(), name);
+  }
+  const uint8_t* mask_ptr = key_mask_ptr(key_mask, B, skv, q.device());
+  check_f32(k_mean, {B, Hkv, D}, "k_mean", q.device());
+  check_f32(q_scale, {B, Hq}, "q_scale", q.device());
+  check_f32(k_scale, {B, Hkv}, "k_scale", q.device());
+  check_f32(v_scale, {B, Hkv}, "v_scale", q.device());
   TORCH_CHECK(v_first.is_cuda() && v_first.scalar_type() == torch::kInt32 && v_first.is_contiguous() &&
                   v_first.sizes() == torch::IntArrayRef({B, Hkv, static_cast<int64_t>(sage_fp4::NonFinite::kCount), D}),
               "v_first: contiguous int32 (B, Hkv, 3, D) from quantize_kv");

@@ -34,12 +34,14 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims: Sequ
               unit_last_stride: bool = False) -> None:
     """Raise ValueError unless q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D) suit a kernel.
 
-    fp16/bf16 shared by all three, D in ``head_dims``, Hq % Hkv == 0, non-empty sequences and,
-    with ``unit_last_stride``, a contiguous last dim.
+    fp16/bf16 shared by all three, one device, D in ``head_dims``, Hq % Hkv == 0, non-empty
+    sequences and, with ``unit_last_stride``, a contiguous last dim.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"expected 4-D (B, H, S, D) q/k/v, got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
+    if not (q.device == k.device == v.device):  # a kernel launches on q's device and reads all three there
+        raise ValueError(f"q, k, v must share a device, got {q.device}, {k.device}, {v.device}")
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q/k/v must share dtype float16 or bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[-1] not in head_dims:
@@ -54,10 +56,14 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims: Sequ
         raise ValueError("q/k/v need a contiguous last dim")
 
 
-def normalize_key_mask(key_mask: Optional[torch.Tensor], b: int, skv: int) -> Optional[torch.Tensor]:
-    """None, or a contiguous bool (B, Skv) from a (B, Skv) or (B, 1, 1, Skv) bool mask."""
+def normalize_key_mask(key_mask: Optional[torch.Tensor], b: int, skv: int,
+                       device: Optional[torch.device] = None) -> Optional[torch.Tensor]:
+    """None, or a contiguous bool (B, Skv) from a (B, Skv) or (B, 1, 1, Skv) bool mask; on ``device``
+    (the inputs') when given."""
     if key_mask is None:
         return None
+    if device is not None and key_mask.device != device:
+        raise ValueError(f"key_mask: expected device {device}, got {key_mask.device}")
     if key_mask.dim() == 4 and key_mask.shape[1] == 1 and key_mask.shape[2] == 1:
         key_mask = key_mask.reshape(key_mask.shape[0], key_mask.shape[3])
     if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (b, skv):

@@ -298,7 +298,7 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor] 
     """
     ext = build(atom)
     kk, vv = kernel_views(k, v)
-    k_mean, v_amax = ext.kv_stats(kk, vv, normalize_key_mask(key_mask, k.shape[0], k.shape[2]))
+    k_mean, v_amax = ext.kv_stats(kk, vv, normalize_key_mask(key_mask, k.shape[0], k.shape[2], k.device))
     return {"k_mean": k_mean, "v_amax": v_amax}
 
 
@@ -360,7 +360,7 @@ def prepass(k: torch.Tensor, v: torch.Tensor, k_mean: Optional[torch.Tensor] = N
     fmt = FP4Format.parse(fmt)
     ext = build(atom)
     kk, vv = kernel_views(k, v)
-    key_mask = normalize_key_mask(key_mask, k.shape[0], k.shape[2])
+    key_mask = normalize_key_mask(key_mask, k.shape[0], k.shape[2], k.device)
     stats = kv_stats(kk, vv, key_mask, atom) if k_mean is None or k_scale is None or v_scale is None else None
     k_mean = (stats["k_mean"] if k_mean is None else k_mean).float().contiguous()
     if k_scale is None or v_scale is None:
@@ -483,7 +483,7 @@ def attention_fp4(
     emu_code = EmuGemm.CODE[_emu_name(emu)]
     # any strides, as the backend contract says: _fp4_attention_impl copies what the kernel cannot read
     check_qkv(q, k, v, HEAD_DIMS)
-    key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2])
+    key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2], q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = call_op(torch.ops.sage_diffusers.fp4_attention, _fp4_attention_impl,
                        q, k, v, key_mask, bool(is_causal), scale, bool(return_lse), p_code, fmt_code, emu_code)

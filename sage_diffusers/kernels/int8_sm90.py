@@ -250,7 +250,7 @@ def attention_int8_sm90(
     lse : float32 (B, Hq, Sq) (-inf for fully masked rows) or None.
     """
     check_qkv(q, k, v, HEAD_DIMS)
-    key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2])
+    key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2], q.device)
     precision = Int8Precision.parse(precision)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -331,7 +331,7 @@ def prepass(q, k, v, key_mask=None, scale=None, kv_block: int = BLOCK_KV, v16: b
                          f"(SAGE_DIFFUSERS_SM90_BENCH=1) at head dim 128 only; got head dim {q.shape[-1]}, "
                          f"benchmark build {_BENCH}")
     check_qkv(q, k, v, HEAD_DIMS)
-    key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2])
+    key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2], q.device)
     d, sq_len, skv = q.shape[-1], q.shape[2], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     qq, kk, vv = kernel_views(q, k, v)
