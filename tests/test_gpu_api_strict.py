@@ -162,3 +162,43 @@ def test_launch_follows_the_current_stream(mode):
     torch.cuda.synchronize()
     assert relative_l1(sd.attention(stale_q, k, v, mode=mode), want) > 0.1, "stale and fresh Q must give different answers"
     torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("mode", ["int8", "fp4", "auto", "sagebwd"])
+def test_inputs_on_a_gpu_that_is_not_the_current_one(mode):
+    """Inputs on cuda:1 while cuda:0 is current (diffusers' device_map, a ComfyUI model on a second
+    GPU): every path launches on cuda:1 and gives what it gives with cuda:1 current. The CUDA
+    extensions guard their launches (common/launch_context.h); SageBwd's Triton kernels (mode "int8"
+    on sm_80 to sm_89, and every gradient call) launched on the current device: "Pointer argument
+    cannot be accessed from Triton", or a launch on the wrong GPU."""
+    if mode in ("int8", "fp4"):
+        from sage_diffusers import backends
+        from sage_diffusers.options import Mode
+
+        backend, why = backends.backend_for(Mode(mode), torch.cuda.get_device_capability(1))
+        if backend is None:
+            pytest.skip(f"no {mode} kernel here: {why}")
+    dev = torch.device("cuda", 1)
+    q, k, v = (t.to(dev) for t in _qkv())
+    mask = key_padding_mask(2, k.shape[2], seed=3, device=dev)
+
+    def call():
+        if mode == "sagebwd":
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = sd.sagebwd(*leaves, key_mask=mask, is_causal=True)
+            out.float().square().sum().backward()
+            return [out.detach()] + [t.grad for t in leaves]
+        return list(sd.attention(q, k, v, key_mask=mask, mode=mode, return_lse=True))
+
+    with torch.cuda.device(0):
+        got = call()
+    torch.cuda.synchronize(dev)
+    if mode != "auto":
+        assert sd.fallback_stats() == {}, sd.fallback_stats()
+    with torch.cuda.device(1):
+        want = call()
+    torch.cuda.synchronize(dev)
+    for g, w in zip(got, want):
+        assert g.device == dev
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

@@ -401,3 +401,47 @@ def test_backward_kernel_default_per_head_dim(monkeypatch):
         torch.use_deterministic_algorithms(was)
     monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_BWD", "split")
     assert choose(64) is kinds.SPLIT and choose(128) is kinds.SPLIT
+
+
+@pytest.mark.skipif(triton is None, reason="triton not importable")
+def test_every_launch_runs_on_the_inputs_device(monkeypatch):
+    """A Triton launch runs on the current CUDA device, with its current stream, not on the device of
+    the tensors it is handed: inputs on cuda:1 while cuda:0 was current (a pipeline spread over GPUs)
+    were refused ("Pointer argument cannot be accessed from Triton") or launched on the wrong GPU.
+    Every launch of the forward and of both backward variants must sit inside
+    torch.cuda.device_of(an input). CPU: stand-in kernels record the guard around each launch; the
+    two-GPU run is test_gpu_api_strict.py::test_inputs_on_a_gpu_that_is_not_the_current_one."""
+    tri = kernels()
+    open_guards, launches = [], []
+
+    class Guard:  # torch.cuda.device_of, recorded
+        def __init__(self, obj):
+            self.device = obj.device
+
+        def __enter__(self):
+            open_guards.append(self.device)
+
+        def __exit__(self, *exc):
+            open_guards.pop()
+
+    class Kernel:  # kernel[grid](*args): records the guard open at the launch
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, tuple(open_guards)))
+
+    names = ("_quant_kernel", "_fwd_kernel", "_bwd_prep_kernel", "_bwd_dkdv_kernel", "_bwd_fused_kernel",
+             "_bwd_dq_kernel")
+    for name in names:
+        monkeypatch.setattr(tri, name, Kernel(name))
+    monkeypatch.setattr(torch.cuda, "device_of", Guard)
+    q, k, v = (torch.randn(1, 2, 80, 64, dtype=torch.bfloat16) for _ in range(3))
+    mask = torch.ones(1, 80, dtype=torch.bool)
+    for bwd in ("split", "fused"):
+        monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_BWD", bwd)
+        state = tri._forward_impl(q, k, v, mask, False, None, ref.PVPrecision.FP16)
+        tri._backward_impl(torch.randn_like(q), state, mask, False, None, ref.DoVPrecision.FP16)
+    assert {name for name, _ in launches} == set(names)
+    unguarded = [name for name, guards in launches if not guards or guards[-1] != q.device]
+    assert not unguarded, f"launched outside the inputs' device guard: {unguarded}"

@@ -46,6 +46,7 @@ of ``mode="int8"``: :func:`attention_int8_triton` follows the kernels' backend c
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -890,6 +891,24 @@ if triton is not None:
         tl.store(dq_ptr + q_off, dq, mask=inq[:, None])
 
 
+def _on_input_device(fn):
+    """``fn(x, ...)`` with x's CUDA device current (a no-op for CPU tensors: the interpreter).
+
+    A Triton launch runs on the current device, with that device's current stream, not on the device
+    of the tensors it is handed: inputs on cuda:1 while cuda:0 is current (a pipeline spread over
+    GPUs, ``device_map``, a ComfyUI model on a second GPU) were refused ("Pointer argument cannot be
+    accessed from Triton") or launched on the wrong GPU, on a stream that does not follow the work
+    queued for them. Every function below that launches a kernel is wrapped in it.
+    """
+
+    @functools.wraps(fn)
+    def on_device(x, *args, **kwargs):
+        with torch.cuda.device_of(x):
+            return fn(x, *args, **kwargs)
+
+    return on_device
+
+
 # The token stride of the transposed int8 copies, rounded up: a row of an odd length would start
 # unaligned, and the kernels' loads along it would not vectorize (Triton specializes an integer
 # argument divisible by 16). Measured on an H100: unmasked forward + backward at 15565 keys took
@@ -941,6 +960,7 @@ def key_extent(key_mask: Optional[torch.Tensor], device) -> torch.Tensor:
     return torch.stack(ext, dim=1).to(torch.int32).contiguous()
 
 
+@_on_input_device
 def quantize_blocks(x: torch.Tensor, block: int, mean: Optional[torch.Tensor] = None,
                     key_mask: Optional[torch.Tensor] = None, transposed: bool = False):
     """Per-block INT8 of x (B, H, S, D): (int8 (B, H, S, D) contiguous, float32 (B, H, ceil(S/block)))
@@ -972,6 +992,7 @@ def _no_alias(x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@_on_input_device
 def _forward_impl(q, k, v, key_mask, is_causal: bool, scale: Optional[float], pv: PVPrecision,
                   scores: ScorePrecision = ScorePrecision.INT8) -> SageBwdState:
     b, hq, sq_len, d = q.shape
@@ -1018,6 +1039,7 @@ class BackwardRows(NamedTuple):
     sdo: torch.Tensor  # float32 (B, Hq, ceil(Sq / BLOCK_Q)): their block scales (with dov_int8; else sdos)
 
 
+@_on_input_device
 def backward_rows(do: torch.Tensor, state: SageBwdState, dov_int8: bool) -> BackwardRows:
     """The backward's pre-pass over dO (B, Hq, Sq, D), any strides, and ``state`` (non-empty)."""
     b, hq, sq_len, d = state.q8.shape
@@ -1037,6 +1059,7 @@ def backward_rows(do: torch.Tensor, state: SageBwdState, dov_int8: bool) -> Back
     return BackwardRows(delta, mb, inv_l, dos8t, sdos, do8, sdo)
 
 
+@_on_input_device
 def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Optional[float], dov: DoVPrecision,
                    dlse: Optional[torch.Tensor] = None, k_mean: Optional[torch.Tensor] = None,
                    scores: ScorePrecision = ScorePrecision.INT8):
