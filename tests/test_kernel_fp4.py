@@ -664,6 +664,27 @@ def test_last_dim_strided_inputs_match_contiguous(emu):
 
 
 @gpu
+@pytest.mark.parametrize("emu", EMUS)
+def test_batch_times_kv_heads_beyond_the_grid_limit_runs_in_pieces(emu):
+    """The wgmma variant decodes K / V over a (key tiles, B * Hkv) grid, the forward runs (row blocks,
+    Hq, B): SVD's temporal attention at 1024 x 576 (B = 2 x 9216 latent pixels, 5 heads of 64: B * Hkv
+    = 92160) failed its launch. Such calls run in pieces within every limit, each piece what a call
+    of its own gives (key mask and LSE sliced with it)."""
+    from sage_diffusers.kernels._contract import MAX_GRID_YZ, call_chunks
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, h = 13108, 5  # B * Hkv = 65540
+    q, k, v = (torch.randn(b, h, 25, 64, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
+    mask = torch.rand(b, 25, device="cuda", generator=gen) > 0.2
+    out, lse = fp4.attention_fp4(q, k, v, key_mask=mask, return_lse=True, emu=emu)
+    chunks = call_chunks(b, h, h, max_b=MAX_GRID_YZ, max_hq=MAX_GRID_YZ, max_b_hkv=MAX_GRID_YZ)
+    assert chunks is not None and len(chunks) == 2
+    for rows, _ in chunks:
+        want, want_lse = fp4.attention_fp4(q[rows], k[rows], v[rows], key_mask=mask[rows], return_lse=True, emu=emu)
+        assert torch.equal(out[rows], want) and torch.equal(lse[rows], want_lse)
+
+
+@gpu
 def test_attention_rejects_unsupported():
     q, k, v = _inputs(1, 2, 2, 16, 16, 96, torch.float16, "bhsd", seed=0)
     with pytest.raises(ValueError):

@@ -313,6 +313,24 @@ def test_bshd_output_layout():
     assert out.transpose(1, 2).is_contiguous() and lse is not None and lse.is_contiguous()
 
 
+def test_batch_beyond_the_grid_limit_runs_in_pieces():
+    """The forward's grid is (row blocks, Hq, B): B > 65535 (SVD's temporal attention for a few videos
+    at once: B = videos x 2 x latent pixels, 25 frames) failed its launch ("invalid argument"). It runs
+    in pieces of at most 65535 batch rows, each what a call of its own piece gives (key mask and LSE
+    sliced with it), a BSHD caller's layout kept."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b = 65535 + 3
+    q, k, v = (torch.randn(b, 25, 2, 64, device="cuda", generator=gen).to(torch.bfloat16).transpose(1, 2)
+               for _ in range(3))
+    mask = torch.rand(b, 25, device="cuda", generator=gen) > 0.2
+    out, lse = int8_sm90.attention_int8_sm90(q, k, v, key_mask=mask, return_lse=True)
+    assert out.stride() == q.stride()
+    for rows in (slice(0, 65535), slice(65535, b)):
+        want, want_lse = int8_sm90.attention_int8_sm90(q[rows], k[rows], v[rows], key_mask=mask[rows],
+                                                       return_lse=True)
+        assert torch.equal(out[rows], want) and torch.equal(lse[rows], want_lse)
+
+
 def test_rejects_bad_arguments():
     q, k, v = make_qkv(1, 3, 2, 16, 16, 64, torch.bfloat16)
     with pytest.raises(ValueError):

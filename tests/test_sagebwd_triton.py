@@ -445,3 +445,73 @@ def test_every_launch_runs_on_the_inputs_device(monkeypatch):
     assert {name for name, _ in launches} == set(names)
     unguarded = [name for name, guards in launches if not guards or guards[-1] != q.device]
     assert not unguarded, f"launched outside the inputs' device guard: {unguarded}"
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grid_limit", [4, 2], ids=["whole-rows", "kv-head-groups"])
+def test_calls_in_pieces_give_the_whole_calls_bits(device, grid_limit, monkeypatch):
+    """A call beyond the kernels' launch limits (B * H programs on the grid's y axis, int32 offsets)
+    runs in pieces of (batch rows, kv heads) (launch_chunks; SVD's temporal attention, B * H = 92160,
+    failed its launch before). With the grid limit lowered so that these inputs are split, by whole
+    batch rows (4: one row's 4 query heads) or by kv-head groups (2), the pieces give the whole
+    call's result: the inference forward with its LSE, and SageBwd's output and gradients (the
+    deterministic split backward). Bit for bit in the interpreter; on a GPU torch's K-mean sum may
+    split by the launch's size (its last bits, then a rare INT8 code at a rounding tie)."""
+    from sage_diffusers import _sagebwd_autograd as sba
+
+    tri = kernels()
+    monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_BWD", "split")
+    q, k, v, do, mask = inputs(3, 4, 2, 70, 90, 64, torch.bfloat16, device, True)
+
+    def run():
+        out, lse = tri.attention_int8_triton(q, k, v, key_mask=mask, return_lse=True)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        train = sba.apply_sagebwd(*leaves, mask, True, 0.125, ref.DoVPrecision.FP16, sba.Impl.TRITON, False,
+                                  ref.ScorePrecision.INT8)
+        train.backward(do)
+        return out, lse, train.detach(), *(t.grad for t in leaves)
+
+    assert tri.launch_chunks(q, k) is None
+    whole = run()
+    monkeypatch.setattr(tri, "MAX_GRID_YZ", grid_limit)
+    assert len(tri.launch_chunks(q, k)) == (3 if grid_limit == 4 else 6)
+    pieces = run()
+    for name, got, want in zip(("out", "lse", "train", "dq", "dk", "dv"), pieces, whole):
+        if name == "lse":
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        elif device == "cpu":
+            assert torch.equal(got, want), name
+        else:
+            assert cosine(got.float(), want.float()) > 0.99999 and relative_l1(got.float(), want.float()) < 1e-3, name
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+def test_batch_times_heads_beyond_the_grid_limit_runs_in_pieces(device):
+    """At the real limit (a GPU only: the interpreter would run 65540 programs one by one): SVD's
+    temporal attention (B = 2 x latent pixels, 5 heads of 64; B * H = 92160 at 1024 x 576) put more
+    than 65535 programs on the grid's y axis and failed its launch ("invalid argument"). It runs in
+    pieces, each what a call of its own gives, in inference and with gradients."""
+    if device == "cpu":
+        pytest.skip("65540 programs: too slow in the interpreter")
+    from sage_diffusers import _sagebwd_autograd as sba
+
+    tri = kernels()
+    gen = torch.Generator(device=device).manual_seed(0)
+    b, h = 13108, 5  # B * H = 65540
+    q, k, v = (torch.randn(b, h, 25, 64, device=device, generator=gen).to(torch.bfloat16) for _ in range(3))
+    chunks = tri.launch_chunks(q, k)
+    assert chunks is not None and len(chunks) == 2
+    out, lse = tri.attention_int8_triton(q, k, v, return_lse=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    train = sba.apply_sagebwd(*leaves, None, False, 0.125, ref.DoVPrecision.FP16, sba.Impl.TRITON, False,
+                              ref.ScorePrecision.INT8)
+    train.float().sum().backward()
+    for rows, _ in chunks:
+        want, want_lse = tri.attention_int8_triton(q[rows], k[rows], v[rows], return_lse=True)
+        assert torch.equal(out[rows], want) and torch.equal(lse[rows], want_lse)
+        part = sba.apply_sagebwd(q[rows], k[rows], v[rows], None, False, 0.125, ref.DoVPrecision.FP16,
+                                 sba.Impl.TRITON, False, ref.ScorePrecision.INT8)
+        assert torch.equal(train[rows].detach(), part)
+    assert all(torch.isfinite(t.grad).all() for t in leaves)

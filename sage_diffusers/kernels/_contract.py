@@ -89,6 +89,84 @@ def in_layout_of(out: torch.Tensor, q: torch.Tensor, qq: torch.Tensor) -> torch.
     return out if qq is q else torch.empty_like(q).copy_(out)
 
 
+# CUDA's grid limits: gridDim.y and gridDim.z at most 65535 (gridDim.x 2^31 - 1). The launches put
+# per-call extents there: the 8-bit and FP4 forwards (row blocks, Hq, B), the FP4 wgmma pre-pass
+# (key tiles, B * Hkv), SageBwd's Triton kernels (row blocks, B * H). A call beyond them (SVD's
+# temporal attention at 1024 x 576: B = 2 * 9216 latent pixels, 5 heads of 64, so B * H = 92160)
+# failed its launch ("invalid argument"); it runs in pieces instead (call_chunks).
+MAX_GRID_YZ = 65535
+# The largest offset, in elements, that int32 index math reaches safely (SageBwd's Triton kernels
+# multiply int32 program ids, sizes and strides).
+MAX_INT32_ELEMENTS = 2**31 - 1
+
+
+def call_chunks(b: int, hq: int, hkv: int, *, max_b: Optional[int] = None, max_hq: Optional[int] = None,
+                max_b_hq: Optional[int] = None, max_b_hkv: Optional[int] = None,
+                elements_per_kv_head: int = 0, max_elements: Optional[int] = None) -> Optional[list[tuple[slice, slice]]]:
+    """None when one launch of a (B, Hq, Hkv) call keeps a kernel's limits, else the pieces to launch
+    one after the other: (batch rows, kv heads) slices, each piece within every limit given,
+
+        n_b <= max_b, n_hq <= max_hq, n_b * n_hq <= max_b_hq, n_b * n_hkv <= max_b_hkv,
+        n_b * n_hkv * elements_per_kv_head <= max_elements    (n_hq = n_hkv * Hq / Hkv).
+
+    Whole batch rows where one row fits, else one row at a time in groups of kv heads (with their
+    query heads). Both algorithms compute each (batch row, kv head) on its own (K's mean, every
+    scale and the key mask are per row and head), so the pieces compute the call's algorithm; only
+    the float summation order of K's mean may differ from one launch's (the reductions split their
+    sums by the launch's size: common/token_stats.h stats_split, torch's sum).
+
+    Raises ValueError where one kv head of one row exceeds a limit (no piece can be launched).
+    """
+    if ((max_b is None or b <= max_b) and (max_hq is None or hq <= max_hq) and (max_b_hq is None or b * hq <= max_b_hq)
+            and (max_b_hkv is None or b * hkv <= max_b_hkv)
+            and (max_elements is None or b * hkv * elements_per_kv_head <= max_elements)):
+        return None  # the common case: one launch (checked first: host time per call)
+    g = hq // hkv
+    unlimited = b * hq + 1
+
+    def fit(limit: Optional[int], per: int) -> int:  # how many units of ``per`` fit under ``limit``
+        return unlimited if limit is None else limit // max(per, 1)
+
+    # the most batch rows one piece may hold with all their heads (0: not even one row)
+    rows = 0 if hq > fit(max_hq, 1) else min(fit(max_b, 1), fit(max_b_hq, hq), fit(max_b_hkv, hkv),
+                                             fit(max_elements, hkv * elements_per_kv_head))
+    heads = hkv
+    if rows < 1:  # one row at a time, its kv heads in groups
+        rows = 1
+        heads = min(hkv, fit(max_hq, g), fit(max_b_hq, g), fit(max_b_hkv, 1), fit(max_elements, elements_per_kv_head))
+        if heads < 1:
+            raise ValueError(f"one key/value head with its {g} query heads exceeds this kernel's launch limits "
+                             f"(grid {MAX_GRID_YZ}, {max_elements} elements of {elements_per_kv_head} per head)")
+    return [(slice(b0, min(b0 + rows, b)), slice(h0, min(h0 + heads, hkv)))
+            for b0 in range(0, b, rows) for h0 in range(0, hkv, heads)]
+
+
+def run_in_chunks(fn: Callable, chunks: list[tuple[slice, slice]], q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, key_mask: Optional[torch.Tensor], return_lse: bool):
+    """``fn(q, k, v, key_mask) -> (out, lse | None)`` over each piece of ``chunks`` (:func:`call_chunks`),
+    assembled into one out like q (its memory layout too) and one float32 lse (B, Hq, Sq) (or None).
+    Works under autograd (the pieces' outputs are written into the whole by slices)."""
+    g = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32) if return_lse else None
+    for rows, kv_heads in chunks:
+        heads = slice(kv_heads.start * g, kv_heads.stop * g)
+        part, part_lse = fn(q[rows, heads], k[rows, kv_heads], v[rows, kv_heads],
+                            None if key_mask is None else key_mask[rows])
+        out[rows, heads] = part
+        if lse is not None:
+            lse[rows, heads] = part_lse
+    return out, lse
+
+
+def span(x: torch.Tensor) -> int:
+    """Elements from x's first element to its last one, +1 (its storage footprint; 0 when empty):
+    the largest offset strided index math computes from its data pointer."""
+    if x.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
+
+
 # V's non-finite elements as both kernels' pre-passes record them (csrc/sm90_int8/numerics.hpp,
 # csrc/fp4/fp4_api.h): int32 (B, Hkv, 3, D), per channel the first attended key whose value is
 # +Inf, -Inf, NaN (in that order), NO_KEY where there is none. The epilogues write them over the

@@ -74,7 +74,8 @@ from ..reference.quant import fp4_tensor_scale
 from ..reference.sage3 import Q_SMOOTH_BLOCK  # query rows per smoothing mean: one CTA tile of the kernel
 from . import _jit
 from ._fp4_variants import BENCH_VARIANTS, DEFAULT_KERNEL_OPT, KernelOpt
-from ._contract import call_op, check_qkv, fake_out_lse, in_layout_of, kernel_views, normalize_key_mask
+from ._contract import (MAX_GRID_YZ, call_chunks, call_op, check_qkv, fake_out_lse, in_layout_of, kernel_views,
+                        normalize_key_mask, run_in_chunks)
 
 __all__ = ["attention_fp4", "prepass", "key_positions", "atom_gemm", "is_available", "build",
            "tensor_scale", "kv_stats", "kv_tensor_scales", "q_tensor_scale",
@@ -485,9 +486,17 @@ def attention_fp4(
     check_qkv(q, k, v, HEAD_DIMS)
     key_mask = normalize_key_mask(key_mask, q.shape[0], k.shape[2], q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, lse = call_op(torch.ops.sage_diffusers.fp4_attention, _fp4_attention_impl,
-                       q, k, v, key_mask, bool(is_causal), scale, bool(return_lse), p_code, fmt_code, emu_code)
-    return out, (lse if return_lse else None)
+    flags = (bool(is_causal), scale, bool(return_lse), p_code, fmt_code, emu_code)
+
+    def launch(q, k, v, key_mask):
+        out, lse = call_op(torch.ops.sage_diffusers.fp4_attention, _fp4_attention_impl, q, k, v, key_mask, *flags)
+        return out, (lse if return_lse else None)
+
+    # grids (row blocks, Hq, B) and, wgmma's K / V decode, (key tiles, B * Hkv): a call beyond them
+    # runs in pieces (_contract.MAX_GRID_YZ)
+    chunks = call_chunks(q.shape[0], q.shape[1], k.shape[1], max_b=MAX_GRID_YZ, max_hq=MAX_GRID_YZ,
+                         max_b_hkv=MAX_GRID_YZ)
+    return launch(q, k, v, key_mask) if chunks is None else run_in_chunks(launch, chunks, q, k, v, key_mask, return_lse)
 
 
 # ---- self test (sage_diffusers.selftest runs it) -------------------------------------------------

@@ -38,7 +38,8 @@ from .. import config
 from ..options import Int8Precision
 from . import _jit
 from . import _sm90_int8_variants as _variants
-from ._contract import call_op, check_qkv, fake_out_lse, in_layout_of, kernel_views, normalize_key_mask
+from ._contract import (MAX_GRID_YZ, call_chunks, call_op, check_qkv, fake_out_lse, in_layout_of, kernel_views,
+                        normalize_key_mask, run_in_chunks)
 
 __all__ = ["attention_int8_sm90", "prepass", "is_available", "build", "compile_check",
            "HEAD_DIMS", "default_exp_poly_every", "set_exp_poly_every", "has_variant"]
@@ -254,10 +255,15 @@ def attention_int8_sm90(
     precision = Int8Precision.parse(precision)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    out, lse = call_op(torch.ops.sage_diffusers.int8_attention_sm90, _int8_attention_impl,
-                       q, k, v, key_mask, bool(is_causal), scale, bool(return_lse),
-                       default_exp_poly_every(d, precision), _PRECISION_ID[precision])
-    return out, (lse if return_lse else None)
+    flags = (bool(is_causal), scale, bool(return_lse), default_exp_poly_every(d, precision), _PRECISION_ID[precision])
+
+    def launch(q, k, v, key_mask):
+        out, lse = call_op(torch.ops.sage_diffusers.int8_attention_sm90, _int8_attention_impl, q, k, v, key_mask, *flags)
+        return out, (lse if return_lse else None)
+
+    # the forward's grid is (row blocks, Hq, B): a larger batch runs in pieces (_contract.MAX_GRID_YZ)
+    chunks = call_chunks(q.shape[0], q.shape[1], k.shape[1], max_b=MAX_GRID_YZ, max_hq=MAX_GRID_YZ)
+    return launch(q, k, v, key_mask) if chunks is None else run_in_chunks(launch, chunks, q, k, v, key_mask, return_lse)
 
 
 # ---- pre-pass, decoded (tests) -------------------------------------------------------------------

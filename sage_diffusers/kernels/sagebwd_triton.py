@@ -56,6 +56,7 @@ from .. import config
 from ..reference import sagebwd as ref
 from ..reference.online_softmax import LOG2E
 from ..reference.sagebwd import BLOCK_KV, BLOCK_Q, DoVPrecision, PVPrecision, SageBwdState, ScorePrecision
+from ._contract import MAX_GRID_YZ, MAX_INT32_ELEMENTS, call_chunks, run_in_chunks, span
 
 # The backward kernels tile dS by whole quantization tiles: one block size for queries and keys.
 assert BLOCK_Q == BLOCK_KV
@@ -935,6 +936,27 @@ def _transposed(x8: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def launch_chunks(q: torch.Tensor, k: torch.Tensor) -> Optional[list[tuple[slice, slice]]]:
+    """None, or the pieces (_contract.call_chunks) a call of q (B, Hq, Sq, D), k (B, Hkv, Skv, D) must
+    run in: every launch's grid is (row blocks, B * H), at most MAX_GRID_YZ programs on its y axis,
+    and the kernels index with int32 offsets (program ids times int32 sizes), so no tensor of a piece
+    may hold more than MAX_INT32_ELEMENTS elements: per kv head of a row, its query heads' Q, O, dQ,
+    dO codes and their transposed copies (token stride token_stride(Sq)), its K, V, dK, dV and
+    transposed copies (token_stride(Skv)). Beyond them a launch failed ("invalid argument") or wrote
+    out of bounds."""
+    b, hq, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    per_kv_head = d * max(hq // hkv * token_stride(sq), token_stride(skv))
+    return call_chunks(b, hq, hkv, max_b_hq=MAX_GRID_YZ, elements_per_kv_head=per_kv_head,
+                       max_elements=MAX_INT32_ELEMENTS)
+
+
+def _int32_indexable(x: torch.Tensor) -> torch.Tensor:
+    """x, or a contiguous copy where its strided footprint (a view into a larger buffer: a fused QKV
+    projection's) reaches past int32 offsets, which the kernels' strided loads compute."""
+    return x.contiguous() if span(x) > MAX_INT32_ELEMENTS else x
+
+
 def _mask_arg(key_mask: Optional[torch.Tensor], device) -> tuple[torch.Tensor, bool]:
     """int8 (B, Skv) view of the bool key mask, or a 1-element dummy."""
     if key_mask is None:
@@ -971,6 +993,7 @@ def quantize_blocks(x: torch.Tensor, block: int, mean: Optional[torch.Tensor] = 
     both before the block absmax.
     """
     b, h, s, d = x.shape
+    x = _int32_indexable(x)
     nb = triton.cdiv(s, block)
     q = torch.empty((b, h, s, d), dtype=torch.int8, device=x.device)
     qt = _empty_transposed(b, h, d, s, x.device) if transposed else q
@@ -1043,6 +1066,7 @@ class BackwardRows(NamedTuple):
 def backward_rows(do: torch.Tensor, state: SageBwdState, dov_int8: bool) -> BackwardRows:
     """The backward's pre-pass over dO (B, Hq, Sq, D), any strides, and ``state`` (non-empty)."""
     b, hq, sq_len, d = state.q8.shape
+    do = _int32_indexable(do)
     dev = do.device
     rows = dict(dtype=torch.float32, device=dev)
     delta, mb, inv_l = (torch.empty((b, hq, sq_len), **rows) for _ in range(3))
@@ -1193,8 +1217,13 @@ def attention_int8_triton(q, k, v, *, key_mask=None, is_causal=False, scale=None
     both policies are this 16-bit P~.V, the accurate one's product (these GPUs have no FP8 MMA).
 
     Returns (out like q, natural-log lse float32 (B, Hq, Sq) with the smoothing shift added back,
-    or None).
+    or None). A call beyond the kernels' launch limits runs in pieces (:func:`launch_chunks`).
     """
+    chunks = launch_chunks(q, k)
+    if chunks is not None:
+        return run_in_chunks(lambda q_, k_, v_, m_: attention_int8_triton(
+            q_, k_, v_, key_mask=m_, is_causal=is_causal, scale=scale, return_lse=return_lse, pv=pv),
+            chunks, q, k, v, key_mask, return_lse)
     state = sagebwd_forward(q, k, v, key_mask, is_causal, scale, pv)
     if not return_lse:
         return state.out, None
