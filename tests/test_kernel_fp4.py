@@ -644,6 +644,28 @@ def test_last_dim_strided_inputs_are_taken_cpu(monkeypatch):
     assert all(x.is_contiguous() and torch.equal(x, y) for x, y in zip(kernel_views(q, k, v), (q, k, v)))
 
 
+def test_the_build_is_for_the_inputs_gpu_cpu(monkeypatch):
+    """The extension a call runs is built for the arch of q's GPU, where the binding launches, not for
+    the current device's: on a machine with an sm_90 and an sm_120 GPU, inputs on the sm_120 one while
+    the sm_90 one was current ran the sm_90a build there ("no kernel image is available"). CPU: a
+    stand-in capability lookup (current device sm_90, the inputs' sm_120) and build."""
+    class Built(Exception):
+        pass
+
+    def capability(device=None):
+        return (12, 0) if device is not None and torch.device(device).type == "meta" else (9, 0)
+
+    def build(atom=None, arch=None, verbose=False):
+        raise Built(arch)
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(fp4, "build", build)
+    q = torch.empty(1, 2, 16, 64, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(Built) as built:
+        fp4._fp4_attention_impl(q, q, q, None, False, 0.125, False, 0, 0, fp4.EmuGemm.CODE[fp4.EmuGemm.AUTO])
+    assert built.value.args == ("120a",)
+
+
 @gpu
 @pytest.mark.parametrize("emu", EMUS)
 def test_last_dim_strided_inputs_match_contiguous(emu):

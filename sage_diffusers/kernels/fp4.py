@@ -421,7 +421,9 @@ def _fp4_attention_impl(
     fmt: int,
     emu: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    ext = build()
+    # the build for q's GPU, where the binding launches: with GPUs of two archs (sm_90 and sm_120) the
+    # current device's build ran cubins that are not for q's ("no kernel image is available")
+    ext = build(arch=_device_arch(q.device))
     if emu == EmuGemm.CODE[EmuGemm.AUTO]:
         emu = EmuGemm.CODE[EmuGemm.WGMMA if getattr(ext, "wgmma", False) else EmuGemm.MMA]
     if emu == EmuGemm.CODE[EmuGemm.WGMMA] and not getattr(ext, "wgmma", False):
