@@ -12,7 +12,6 @@ import torch
 
 import sage_diffusers as sd
 from inputs import dit_qkv, exact_attention
-from sage_diffusers.kernels import auto_table
 from sage_diffusers.reference import cosine, relative_l1, sage3_reference, sage8_reference
 
 from _util import assert_unchanged, snapshot

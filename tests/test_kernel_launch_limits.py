@@ -149,7 +149,6 @@ def test_triton_inference_beyond_its_limits_runs_in_pieces(monkeypatch, shape):
 def test_sagebwd_training_beyond_the_triton_limits_runs_in_pieces(monkeypatch):
     pytest.importorskip("triton")
     from sage_diffusers import _sagebwd_autograd as sba
-    from sage_diffusers.kernels import sagebwd_triton as tri
 
     calls = []
 
