@@ -37,6 +37,7 @@ the doctor and ``python -m sage_diffusers build`` all read it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -317,14 +318,26 @@ def backend_for(mode: Mode, capability: tuple[int, int]) -> tuple[Optional[Backe
         module = spec.module()
     except ImportError as exc:
         return None, f"kernel module missing ({exc})"
-    ok, why = module.is_available()
-    if not ok:
-        return None, why
-    try:
-        module.build()  # JIT on first use; a failed build becomes a fallback reason, not a crash
-    except Exception as exc:  # compiler missing, headers missing, ...: report and fall back
-        return None, f"build failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    # the modules check and build for the current device: make it one of ``capability`` (a machine
+    # with GPUs of two archs otherwise cached the other arch's answer for this one)
+    index = _device_of_capability(capability)
+    with torch.cuda.device(index) if index is not None else contextlib.nullcontext():
+        ok, why = module.is_available()
+        if not ok:
+            return None, why
+        try:
+            module.build()  # JIT on first use; a failed build becomes a fallback reason, not a crash
+        except Exception as exc:  # compiler missing, headers missing, ...: report and fall back
+            return None, f"build failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return getattr(module, spec.function), ""
+
+
+def _device_of_capability(capability: tuple[int, int]) -> Optional[int]:
+    """The index of the first visible CUDA device of ``capability``, or None (no such device)."""
+    if not torch.cuda.is_available():
+        return None
+    return next((i for i in range(torch.cuda.device_count())
+                 if torch.cuda.get_device_capability(i) == tuple(capability)), None)
 
 
 def build_all() -> int:

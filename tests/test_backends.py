@@ -2,6 +2,7 @@
 doctor and the docs read about each backend, stated once."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,45 @@ def test_the_references_follow_the_contract():
         out, lse = backends.reference_for(mode)(q, q, q, key_mask=None, is_causal=False, scale=0.125,
                                                 return_lse=False)
         assert out.shape == q.shape and lse is None
+
+
+def test_a_kernel_is_checked_and_built_on_a_device_of_the_arch_it_is_asked_for(monkeypatch):
+    """Bug: backend_for (cached per arch) asked the module about the current device: on a machine with
+    an sm_120 GPU current and an sm_90 GPU holding the model, the sm_90 answer was the sm_120 one
+    ("needs compute capability 9.0"), an SDPA fallback kept for the whole process."""
+    caps = {0: (12, 0), 1: (9, 0)}
+    current = [0]
+
+    class OnDevice:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            self.prev, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: caps[current[0] if i is None else i])
+    monkeypatch.setattr(torch.cuda, "device", OnDevice)
+    seen = []
+
+    class Module:
+        @staticmethod
+        def is_available():
+            seen.append(("available", caps[current[0]]))
+            return True, ""
+
+        @staticmethod
+        def build():
+            seen.append(("build", caps[current[0]]))
+
+        kernel = object()
+
+    spec = dataclasses.replace(backends.kernel_for(Mode.INT8, 90), module=lambda: Module, function="kernel")
+    monkeypatch.setattr(backends, "kernel_for", lambda mode, cap: spec)
+    backend, why = backends.backend_for.__wrapped__(Mode.INT8, (9, 0))
+    assert (backend, why) == (Module.kernel, "")
+    assert seen == [("available", (9, 0)), ("build", (9, 0))] and current[0] == 0
