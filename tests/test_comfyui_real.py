@@ -14,10 +14,16 @@ and one headless server (`main.py --cpu`) for the end-to-end pass. The tiny mode
 SD3 MMDiT (depth 2: hidden 128, 2 heads of 64, plus an MMDiT-X self-attention in block 0, so 3
 attention calls per forward), weights initialised here with a fixed seed.
 
-Environment quirk handled here: with CPU torch, PyPI's torchvision wheel cannot load its C ops
-and its import fails on registering fake kernels for torchvision::nms/qnms; ComfyUI imports
-torchvision at start. The children then declare those two op schemas before importing anything
-(SAGE_COMFY_TORCHVISION_SHIM=1). It only affects torchvision, which nothing here uses.
+Environment quirks handled here, both of a CPU torch next to PyPI's (CUDA-built) torchvision and
+torchaudio wheels, whose C extensions need CUDA torch libraries:
+- torchvision's import fails on registering fake kernels for torchvision::nms/qnms; ComfyUI imports
+  torchvision at start. The children declare those two op schemas before importing anything
+  (SAGE_COMFY_TORCHVISION_SHIM=1).
+- torchaudio's import fails loading its extension (libc10_cuda.so); current ComfyUI imports
+  torchaudio from comfy/sd.py. The children import torchaudio without its C extension, as
+  torchaudio does where the library files are absent (SAGE_COMFY_TORCHAUDIO_SHIM=1); its Python
+  functions still work.
+Both only affect packages that nothing here uses.
 """
 from __future__ import annotations
 
@@ -51,16 +57,28 @@ BLOCKS_PER_FORWARD = 2  # the node reads block 0's two calls from the model (x_b
 
 # --- child-process side (imports ComfyUI) ------------------------------------------------------
 
+# Run first in every child and in the server launcher (see the module docstring).
+_SHIMS = """
+import importlib.util, os, sys, torch
+if os.environ.get("SAGE_COMFY_TORCHVISION_SHIM") == "1":
+    lib = torch.library.Library("torchvision", "DEF")
+    lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+if os.environ.get("SAGE_COMFY_TORCHAUDIO_SHIM") == "1":
+    spec = importlib.util.find_spec("torchaudio")
+    path = os.path.join(spec.submodule_search_locations[0], "_extension", "utils.py")
+    uspec = importlib.util.spec_from_file_location("torchaudio._extension.utils", path)
+    utils = importlib.util.module_from_spec(uspec)
+    uspec.loader.exec_module(utils)
+    utils._load_lib = lambda lib: False  # as if the extension's files were absent
+    sys.modules["torchaudio._extension.utils"] = utils
+"""
+
 
 def _bootstrap(base_dir: "str | None" = None, node_dir: "str | None" = None):
     """Import ComfyUI from COMFYUI_PATH on CPU, load its built-in extra nodes and this node."""
-    import torch
-
-    if os.environ.get("SAGE_COMFY_TORCHVISION_SHIM") == "1":
-        lib = torch.library.Library("torchvision", "DEF")
-        lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        _bootstrap.torchvision_lib = lib  # keep the definitions alive
+    _bootstrap.shims = {}  # holds the torchvision op library: the definitions live as long as it does
+    exec(_SHIMS, _bootstrap.shims)  # noqa: S102 (this file's own code, shared with the server launcher)
     sys.path.insert(0, COMFYUI_PATH)
     import comfy.cli_args
 
@@ -315,8 +333,9 @@ def cmd_validate(base_dir: str, *workflow_paths: str) -> None:
 def _child_env() -> dict:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
-    probe = subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True, text=True)
-    env["SAGE_COMFY_TORCHVISION_SHIM"] = "0" if probe.returncode == 0 else "1"
+    for package in ("torchvision", "torchaudio"):
+        probe = subprocess.run([sys.executable, "-c", f"import {package}"], capture_output=True, text=True)
+        env[f"SAGE_COMFY_{package.upper()}_SHIM"] = "0" if probe.returncode == 0 else "1"
     return env
 
 
@@ -528,11 +547,8 @@ def test_headless_server_end_to_end(checkpoint, tmp_path):
     (base / "custom_nodes" / "sage_test_conditioning.py").write_text(_TEST_COND_NODE)
     launcher = tmp_path / "launch.py"
     launcher.write_text(
-        "import os, runpy, sys, torch\n"
-        "if os.environ.get('SAGE_COMFY_TORCHVISION_SHIM') == '1':\n"
-        "    lib = torch.library.Library('torchvision', 'DEF')\n"
-        "    lib.define('nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor')\n"
-        "    lib.define('qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor')\n"
+        _SHIMS
+        + "import runpy\n"
         "main = sys.argv[1]; sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(main))\n"
         "runpy.run_path(main, run_name='__main__')\n"
     )
