@@ -7,11 +7,14 @@ runs them. The block of a call is found, in this order:
 1. from ComfyUI itself: current releases (0.38.x) put ``block_index`` (within its kind),
    ``block_type`` ("double" / "single") and ``total_blocks`` (blocks of that kind) into
    ``transformer_options`` before each block;
-2. from the model's structure read at patch time (:mod:`comfyui_node.model_layout`), for models
-   whose blocks make more than one call: SD3.5 MMDiT-X blocks (``x_block_self_attn``: joint then
-   self attention), Wan (self then cross attention; i2v adds an image cross-attention), LTX-Video
-   (self then cross attention);
-3. otherwise from the call order, one call per block (Flux, SD3, Mochi on 0.3.x).
+2. from the call stack: the block (of the model's block list, read at patch time) whose forward
+   made the call (:class:`comfyui_node.model_layout.BlockFrames`), for MMDiT (SD3, SD3.5), Wan and
+   LTX-Video / LTX-2, whatever number of calls a block makes in this forward pass;
+3. from the model's structure read at patch time (:mod:`comfyui_node.model_layout`) and the call
+   order, for models whose blocks make a fixed number of calls other than one: SD3.5 MMDiT-X
+   blocks (``x_block_self_attn``: joint then self attention), Wan (self then cross attention; i2v
+   adds an image cross-attention), LTX-Video (self then cross attention);
+4. otherwise from the call order, one call per block (Mochi on 0.3.x).
 
 This module must not import ComfyUI.
 """
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 # One item: a non-negative integer or an inclusive range "a-b"; spaces allowed around tokens.
 _ITEM = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
@@ -105,9 +108,12 @@ class BlockCounter:
     ----------
     calls_per_block : attention calls each block makes, in order (from the model's structure),
         or None when unknown (one call per block is assumed).
+    locate : returns the block the current call is made from, or None (see the module doc, 2.).
     """
 
-    def __init__(self, calls_per_block: Optional[Sequence[int]] = None):
+    def __init__(self, calls_per_block: Optional[Sequence[int]] = None,
+                 locate: Optional[Callable[[], Optional[int]]] = None):
+        self._locate = locate
         self._call_to_block: list = []
         for block, calls in enumerate(calls_per_block or ()):
             self._call_to_block.extend([block] * calls)
@@ -121,6 +127,10 @@ class BlockCounter:
         real = self._from_options(transformer_options)
         if real is not None:
             return real
+        if self._locate is not None:
+            caller = self._locate()
+            if caller is not None:
+                return caller
         if call < len(self._call_to_block):
             return self._call_to_block[call]
         last = self._call_to_block[-1] if self._call_to_block else -1

@@ -1,15 +1,26 @@
-"""How many attention calls each transformer block of a ComfyUI diffusion model makes.
+"""Which transformer block of a ComfyUI diffusion model an attention call comes from.
 
-Read once at patch time from the model's modules (attribute names of ComfyUI's own classes), so
-the node can count blocks on ComfyUI versions that do not put ``block_index`` into
-``transformer_options``. Only models whose blocks make a number of calls other than one are
-described; for every other model :func:`calls_per_block` returns None and the call order is the
-block order. This module must not import ComfyUI.
+For models (or ComfyUI versions) that do not put ``block_index`` into ``transformer_options``:
+
+- :class:`BlockFrames` finds the block whose ``forward`` made the call on the call stack. That is
+  exact however many calls a block makes in a given forward pass: LTX-2 blocks make 2 to 6 (audio
+  stream, audio/video cross attention), LTX-Video's guide mask splits a self-attention into up to
+  3 calls, STG and skip-layer guidance skip calls or whole blocks;
+- :func:`calls_per_block` is the fallback for calls made outside any block: attention calls per
+  block read once at patch time from the model's modules (attribute names of ComfyUI's own
+  classes), counted in call order. Only models whose blocks make a fixed number of calls other
+  than one are described; for every other model it returns None and the call order is the block
+  order.
+
+This module must not import ComfyUI.
 """
 from __future__ import annotations
 
 import enum
-from typing import Optional
+import sys
+from typing import Optional, Sequence
+
+import torch
 
 
 class AttentionCalls(enum.IntEnum):
@@ -54,7 +65,66 @@ def calls_per_block(diffusion_model) -> Optional[tuple]:
     transformer_blocks = getattr(diffusion_model, "transformer_blocks", None)
     if transformer_blocks is not None and hasattr(diffusion_model, "patchify_proj"):
         # comfy/ldm/lightricks/model.py: LTXVModel (QwenImage also has transformer_blocks, one joint call each).
+        # LTX-2 (av_model.py, LTXAVModel) blocks make 2 to 6 calls depending on the inputs: no fixed layout.
+        if any(getattr(b, "audio_attn1", None) is not None for b in transformer_blocks):
+            return None
         if all(getattr(b, "attn1", None) is not None and getattr(b, "attn2", None) is not None
                for b in transformer_blocks):
             return tuple(int(AttentionCalls.LTXV) for _ in transformer_blocks) or None
     return None
+
+
+class BlockFrames:
+    """Finds the transformer block an attention call is made from: the nearest frame on the call
+    stack that runs the ``forward`` of one of ``blocks`` (index = position in ``blocks``).
+
+    Parameters
+    ----------
+    blocks : the model's transformer blocks in the order a forward pass runs them (``nn.Module``s).
+    """
+
+    MAX_DEPTH = 48  # frames searched: override -> ComfyUI's wrapper -> attention module -> block
+
+    def __init__(self, blocks: Sequence):
+        self._blocks = tuple(blocks)  # held, so that the ids below stay theirs
+        self._index = {id(block): i for i, block in enumerate(self._blocks)}
+        codes = (getattr(getattr(type(block), "forward", None), "__code__", None) for block in self._blocks)
+        self._codes = frozenset(code for code in codes if code is not None)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def block_of_caller(self) -> Optional[int]:
+        """The block whose forward is running below this call, or None when the call is outside them."""
+        frame = sys._getframe(1)
+        for _ in range(self.MAX_DEPTH):
+            if frame is None:
+                return None
+            if frame.f_code in self._codes:  # compare code objects first: reading f_locals costs more
+                index = self._index.get(id(frame.f_locals.get("self")))
+                if index is not None:
+                    return index
+            frame = frame.f_back
+        return None
+
+
+def block_frames(diffusion_model) -> Optional[BlockFrames]:
+    """A :class:`BlockFrames` for the models :func:`calls_per_block` describes (and LTX-2), else None.
+
+    Only ``nn.Module`` blocks are used (their ``forward`` is what runs); models that put
+    ``block_index`` into ``transformer_options`` do not need this, since ComfyUI's own index wins.
+    """
+    blocks = None
+    if getattr(diffusion_model, "joint_blocks", None) is not None:  # MMDiT (SD3, SD3.5)
+        blocks = diffusion_model.joint_blocks
+    elif (getattr(diffusion_model, "blocks", None) is not None and hasattr(diffusion_model, "patch_embedding")
+          and hasattr(diffusion_model, "text_embedding") and getattr(diffusion_model, "vace_blocks", None) is None):
+        blocks = diffusion_model.blocks  # Wan (VACE interleaves blocks of its own: left to the call order)
+    elif getattr(diffusion_model, "transformer_blocks", None) is not None and hasattr(diffusion_model, "patchify_proj"):
+        blocks = diffusion_model.transformer_blocks  # LTX-Video, LTX-2
+    if blocks is None:
+        return None
+    blocks = list(blocks) if isinstance(blocks, torch.nn.ModuleList) else []
+    if not blocks or not all(isinstance(b, torch.nn.Module) for b in blocks):
+        return None
+    return BlockFrames(blocks)

@@ -33,6 +33,7 @@ from sage_diffusers.options import Mode
 from .blocks import BlockCounter, BlockSelection, parse_blocks
 from .layout import from_api, to_api
 from .masks import KeyMask, to_key_mask
+from .model_layout import BlockFrames
 from .options import NodeMode, NodePrecision, Reason, Route
 from .ran import what_ran
 from .stats import GLOBAL_STATS, LOG_PREFIX, AttentionStats
@@ -83,10 +84,10 @@ class _ForwardState:
 
     __slots__ = ("sigmas_ref", "calls", "blocks", "_step", "_step_done", "_masks")
 
-    def __init__(self, sigmas_ref, calls_per_block: Optional[tuple] = None):
+    def __init__(self, sigmas_ref, calls_per_block: Optional[tuple] = None, locate=None):
         self.sigmas_ref = sigmas_ref
         self.calls = 0
-        self.blocks = BlockCounter(calls_per_block)
+        self.blocks = BlockCounter(calls_per_block, locate)
         self._step: Optional[StepInfo] = None
         self._step_done = False
         self._masks: dict = {}
@@ -121,14 +122,18 @@ class SageAttentionOverride:
     stats : counters; by default a fresh one feeding :data:`GLOBAL_STATS`.
     calls_per_block : attention calls per transformer block of the patched model, read from its
         structure (:func:`comfyui_node.model_layout.calls_per_block`); None: one per block.
+    block_frames : the patched model's blocks (:func:`comfyui_node.model_layout.block_frames`):
+        a call made from one of them belongs to it, before any counting; None: counting only.
     """
 
     def __init__(self, config: OverrideConfig, previous: Optional[Callable] = None,
-                 stats: Optional[AttentionStats] = None, calls_per_block: Optional[tuple] = None):
+                 stats: Optional[AttentionStats] = None, calls_per_block: Optional[tuple] = None,
+                 block_frames: Optional[BlockFrames] = None):
         self.config = config
         self.previous = previous
         self.stats = stats if stats is not None else AttentionStats(parent=GLOBAL_STATS)
         self.calls_per_block = tuple(calls_per_block) if calls_per_block else None
+        self.block_frames = block_frames
 
     def __deepcopy__(self, memo):
         # ModelPatcher.clone() deep-copies model_options; every clone must share these counters.
@@ -208,12 +213,13 @@ class SageAttentionOverride:
         return from_api(out.to(q.dtype), inputs.layout, bool(skip_output_reshape))
 
     def _forward_state(self, transformer_options) -> _ForwardState:
+        locate = self.block_frames.block_of_caller if self.block_frames is not None else None
         if not isinstance(transformer_options, dict):
-            return _ForwardState(None, self.calls_per_block)
+            return _ForwardState(None, self.calls_per_block, locate)
         sigmas = transformer_options.get("sigmas")
         state = transformer_options.get(FORWARD_STATE_KEY)
         if not isinstance(state, _ForwardState) or state.sigmas_ref is not sigmas:
-            state = _ForwardState(sigmas, self.calls_per_block)
+            state = _ForwardState(sigmas, self.calls_per_block, locate)
             transformer_options[FORWARD_STATE_KEY] = state
             self.stats.new_forward()
         return state

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from .model_layout import calls_per_block
+from .model_layout import block_frames, calls_per_block
 from .override import OVERRIDE_KEY, SageAttentionOverride, make_config, make_sampling_summary_wrapper
 from .stats import LOG_PREFIX
 
@@ -41,8 +41,10 @@ def patch_model(model, mode="auto", full_precision_first_steps: int = 0, full_pr
     previous = options.get(OVERRIDE_KEY)
     if isinstance(previous, SageAttentionOverride):
         previous = previous.previous  # applying the node twice replaces ours, keeps what was below
-    layout = calls_per_block(_diffusion_model(patched))
-    override = SageAttentionOverride(config, previous=previous, calls_per_block=layout)
+    diffusion_model = _diffusion_model(patched)
+    layout = calls_per_block(diffusion_model)
+    override = SageAttentionOverride(config, previous=previous, calls_per_block=layout,
+                                     block_frames=block_frames(diffusion_model))
     options[OVERRIDE_KEY] = override
     _add_summary_wrapper(patched, override)
     logger.info("%s patched model: %s%s%s", LOG_PREFIX, config,

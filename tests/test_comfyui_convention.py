@@ -314,6 +314,8 @@ def _wan(i2v, vace=False):
     (_wan(True), (3, 3, 3)),
     (_wan(True, vace=True), None),
     (_Mod(patchify_proj=object(), transformer_blocks=[_Mod(attn1=1, attn2=2)] * 2), (2, 2)),  # LTX-Video
+    # LTX-2: 2 to 6 calls per block depending on the inputs, no fixed layout
+    (_Mod(patchify_proj=object(), transformer_blocks=[_Mod(attn1=1, attn2=2, audio_attn1=3)] * 2), None),
     (_Mod(transformer_blocks=[_Mod(attn=1)] * 2), None),  # QwenImage: one joint call per block
     (_Mod(double_blocks=[1], single_blocks=[2]), None),
     (None, None),
@@ -347,6 +349,80 @@ def test_patch_reads_layout_and_selects_whole_blocks(model, calls, selected):
     snap = ov.stats.snapshot()
     assert snap.count(Route.SAGE) == selected and snap.count(Route.COMFY) == calls - selected
     assert snap.max_blocks_per_forward == 3
+
+
+class _CallingBlock(torch.nn.Module):
+    """A transformer block of a model that does not put block_index into transformer_options:
+    its forward makes ``calls[i]`` attention calls in forward pass ``i`` (nested a level down, as
+    models call attention from an attention submodule)."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = list(calls)
+        self.attn1 = self.attn2 = torch.nn.Identity()
+
+    def _attention(self, options):
+        q, k, v = qkv(1, 2, 2, 8, 8, 16, False)
+        call(q, k, v, 2, options=options, boxed=False)
+
+    def forward(self, options, forward_index):
+        for _ in range(self.calls[forward_index]):
+            self._attention(options)
+
+
+class _LTXLike(torch.nn.Module):
+    """LTX-Video / LTX-2 structure as calls_per_block reads it (patchify_proj, blocks with attn1/attn2)."""
+
+    def __init__(self, calls_per_forward, audio=False):
+        super().__init__()
+        self.patchify_proj = torch.nn.Identity()
+        self.transformer_blocks = torch.nn.ModuleList(_CallingBlock(calls) for calls in calls_per_forward)
+        if audio:  # LTX-2 (LTXAVModel): audio self/cross attention and audio-video cross attention too
+            for block in self.transformer_blocks:
+                block.audio_attn1 = block.audio_attn2 = torch.nn.Identity()
+                block.audio_to_video_attn = block.video_to_audio_attn = torch.nn.Identity()
+
+    def forward(self, options, forward_index=0):
+        for block in self.transformer_blocks:
+            block(options, forward_index)
+
+
+@pytest.mark.parametrize("case, calls_per_forward, audio", [
+    # LTX-2 with audio: 6 calls per block (video self/text, audio self/text, audio->video, video->audio)
+    ("ltx2 audio+video", [[6], [6], [6]], True),
+    # LTX-2 video-only (empty audio latent): 2 calls per block
+    ("ltx2 video only", [[2], [2], [2]], True),
+    # LTX-Video with a guide attention mask: self-attention split into 3 calls, then text cross-attention
+    ("ltxv guide mask", [[4], [4], [4]], False),
+    # LTX-Video STG pass skipping block 0's self-attention, block 1 skipped whole (skip-layer patch)
+    ("ltxv stg / skipped block", [[1], [0], [2]], False),
+])
+def test_blocks_of_models_without_block_index_follow_the_calling_block(case, calls_per_forward, audio):
+    """The block a call belongs to is the block whose forward made it, however many calls each block
+    makes in this forward pass; counting calls against a fixed per-block layout selects the wrong ones."""
+    model = _LTXLike(calls_per_forward, audio)
+    patched = patch_model(FakeModelPatcher(model), "sdpa", blocks="2")
+    ov = patched.model_options["transformer_options"][OVERRIDE_KEY]
+    model({OVERRIDE_KEY: ov, "sigmas": torch.tensor([1.0])})
+    snap = ov.stats.snapshot()
+    want = calls_per_forward[2][0]
+    assert snap.count(Route.SAGE) == want, (case, snap.calls)
+    assert snap.count(Route.COMFY, Reason.BLOCK_NOT_SELECTED.value) == snap.total - want, (case, snap.calls)
+    assert snap.max_blocks_per_forward == 3, case
+
+
+def test_calls_outside_any_block_keep_the_structure_count():
+    # A call that is not made from one of the model's blocks (here: from the test itself) falls back
+    # to the call order over the structure read at patch time.
+    model = _LTXLike([[2], [2]])
+    patched = patch_model(FakeModelPatcher(model), "sdpa", blocks="1")
+    ov = patched.model_options["transformer_options"][OVERRIDE_KEY]
+    options = {OVERRIDE_KEY: ov, "sigmas": torch.tensor([1.0])}
+    q, k, v = qkv(1, 2, 2, 8, 8, 16, False)
+    for _ in range(4):
+        call(q, k, v, 2, options=options, boxed=False)
+    snap = ov.stats.snapshot()
+    assert snap.count(Route.SAGE) == 2 and snap.max_blocks_per_forward == 2
 
 
 # --- what ran --------------------------------------------------------------------------------

@@ -238,10 +238,11 @@ def cmd_layouts(out_path: str) -> None:
     _bootstrap()
     import torch
     import comfy.ops
+    from comfy.ldm.lightricks.av_model import LTXAVModel
     from comfy.ldm.lightricks.model import LTXVModel
     from comfy.ldm.modules.diffusionmodules.mmdit import MMDiT
     from comfy.ldm.wan.model import WanModel
-    from comfyui_node.model_layout import calls_per_block
+    from comfyui_node.model_layout import block_frames, calls_per_block
     from comfyui_node.override import SageAttentionOverride, make_config
 
     ops = comfy.ops.disable_weight_init
@@ -257,8 +258,10 @@ def cmd_layouts(out_path: str) -> None:
         return model, lambda m, options: m(rand_x["wan"], torch.tensor([0.5]), rand_ctx["wan"], clip_fea=clip,
                                            transformer_options=options)
 
-    rand_x = {"mmdit": rand(1, 16, 16, 16), "wan": rand(1, 4, 2, 8, 8), "ltxv": rand(1, 16, 2, 4, 4)}
-    rand_ctx = {"mmdit": rand(1, 8, CONTEXT_DIM), "wan": rand(1, 8, 32), "ltxv": rand(1, 8, 32)}
+    rand_x = {"mmdit": rand(1, 16, 16, 16), "wan": rand(1, 4, 2, 8, 8), "ltxv": rand(1, 16, 2, 4, 4),
+              "ltx2_audio": rand(1, 8, 5, 16)}  # LTX-2 audio latent: 8 channels x 16 frequency bins
+    rand_ctx = {"mmdit": rand(1, 8, CONTEXT_DIM), "wan": rand(1, 8, 32), "ltxv": rand(1, 8, 32),
+                "ltx2": rand(1, 8, 64)}  # video then audio caption features, 32 each
     rand_y = rand(1, POOLED_DIM)
     text_mask = torch.ones(1, 8, dtype=torch.long)
     text_mask[0, 6:] = 0  # LTX-Video: two padded text tokens, turned into an additive mask by the model
@@ -277,22 +280,36 @@ def cmd_layouts(out_path: str) -> None:
                       caption_channels=32, num_layers=3, operations=ops),
             lambda m, options: m(rand_x["ltxv"], torch.tensor([0.5]), rand_ctx["ltxv"], text_mask,
                                  transformer_options=options)),
+        # LTX-2: each block runs video self/text, audio self/text, audio->video and video->audio attention
+        "ltx2_av": (
+            LTXAVModel(in_channels=16, audio_in_channels=128, cross_attention_dim=128, audio_cross_attention_dim=64,
+                       attention_head_dim=64, audio_attention_head_dim=32, num_attention_heads=2,
+                       audio_num_attention_heads=2, caption_channels=32, num_layers=3, operations=ops),
+            lambda m, options: m([rand_x["ltxv"], rand_x["ltx2_audio"]], torch.tensor([0.5]), rand_ctx["ltx2"],
+                                 transformer_options=options)),
     }
     report = {}
     for name, (model, forward) in cases.items():
         _seeded(model)
         layout = calls_per_block(model)
-        with torch.no_grad():
+        with torch.inference_mode():  # as ComfyUI's executor runs nodes
             want = forward(model, {})
-            ov = SageAttentionOverride(make_config("sdpa"), calls_per_block=layout)
+            ov = SageAttentionOverride(make_config("sdpa"), calls_per_block=layout, block_frames=block_frames(model))
             got = forward(model, {"optimized_attention_override": ov})
+            block1 = SageAttentionOverride(make_config("sdpa", blocks="1"), calls_per_block=layout,
+                                           block_frames=block_frames(model))
+            forward(model, {"optimized_attention_override": block1})
+        if isinstance(want, (list, tuple)):  # LTX-2: video and audio outputs
+            got, want = torch.cat([t.flatten() for t in got]), torch.cat([t.flatten() for t in want])
         snap = ov.stats.snapshot()
+        snap1 = block1.stats.snapshot()
         blocks = getattr(model, "joint_blocks", None) or getattr(model, "blocks", None) or model.transformer_blocks
         report[name] = {
             "layout": list(layout) if layout else None, "blocks": len(blocks),
             "calls": {f"{r.value}|{d}": n for (r, d), n in snap.calls.items()},
             "max_calls_per_forward": snap.max_calls_per_forward, "max_blocks_per_forward": snap.max_blocks_per_forward,
             "max_abs_diff": float((got - want).abs().max()), "max_abs": float(want.abs().max()),
+            "block_1_calls": {f"{r.value}|{d}": n for (r, d), n in snap1.calls.items()},
         }
     Path(out_path).write_text(json.dumps(report, indent=1))
 
@@ -399,19 +416,25 @@ def test_node_patches_real_model_and_ksampler_uses_it(checkpoint, tmp_path):
 
 
 def test_block_layouts_match_real_models(tmp_path):
-    """SD3.5-medium-like MMDiT-X, Wan t2v/i2v and LTX-Video built from ComfyUI's classes: the calls
-    per block the node reads from the model are the calls one forward makes, and sdpa mode
-    through the node matches ComfyUI's own attention (LTX-Video's text mask included)."""
+    """SD3.5-medium-like MMDiT-X, Wan t2v/i2v, LTX-Video and LTX-2 built from ComfyUI's classes: the
+    calls per block the node reads from the model are the calls one forward makes, sdpa mode
+    through the node matches ComfyUI's own attention (LTX-Video's text mask included), and
+    ``blocks = "1"`` takes exactly block 1's calls (LTX-2: 6 per block, no fixed layout to read)."""
     out = tmp_path / "layouts.json"
     _child("layouts", str(out))
     report = json.loads(out.read_text())
-    expected = {"sd35_medium_like": [2, 2, 1], "wan_t2v": [2, 2, 2], "wan_i2v": [3, 3, 3], "ltxv": [2, 2, 2]}
-    for name, layout in expected.items():
+    expected = {"sd35_medium_like": ([2, 2, 1], 2), "wan_t2v": ([2, 2, 2], 2), "wan_i2v": ([3, 3, 3], 3),
+                "ltxv": ([2, 2, 2], 2), "ltx2_av": (None, 6)}
+    for name, (layout, per_block) in expected.items():
         run = report[name]
+        calls = sum(layout) if layout else per_block * run["blocks"]
         assert run["layout"] == layout, (name, run)
-        assert run["max_calls_per_forward"] == sum(layout) and run["max_blocks_per_forward"] == run["blocks"], (name, run)
-        assert run["calls"] == {"sage_diffusers|sdpa -> SDPA": sum(layout)}, (name, run)
+        assert run["max_calls_per_forward"] == calls and run["max_blocks_per_forward"] == run["blocks"], (name, run)
+        assert run["calls"] == {"sage_diffusers|sdpa -> SDPA": calls}, (name, run)
         assert run["max_abs_diff"] <= 1e-4 * max(1.0, run["max_abs"]), (name, run)
+        block_1 = (layout[1] if layout else per_block)
+        assert run["block_1_calls"] == {"sage_diffusers|sdpa -> SDPA": block_1,
+                                        "comfyui|attention call not in the selected blocks": calls - block_1}, (name, run)
 
 
 def test_installed_package_and_custom_nodes_link_are_one_module(tmp_path):
