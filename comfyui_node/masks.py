@@ -4,7 +4,9 @@ ComfyUI's default attention (``attention_pytorch`` in comfy/ldm/modules/attentio
 SDPA semantics after adding missing leading dims: 2-D masks are (Sq, Skv), 3-D are (B, Sq, Skv),
 4-D are (B, H, Sq, Skv), each dim broadcasting from 1. Bool masks mean True = attend; float masks
 are added to the scores. Models use the key-padding special case: HunyuanVideo passes an additive
-(1, 1, Skv) text mask (0 or -finfo.max) and a (B, 1, Sq, Skv) refiner mask whose rows repeat.
+(1, 1, Skv) text mask (0 or -finfo.max), QwenImage a (B, 1, Skv) one with each sample's text
+padding. HunyuanVideo's token refiner adds its (B, 1, S, S) text mask to its transpose, so padded
+query rows see no key: not a key mask, its two short calls stay with ComfyUI.
 
 Only masks that are the same for every head and every query row can be expressed as a
 (B, Skv) key mask; everything else is reported unsupported and the caller hands the call back

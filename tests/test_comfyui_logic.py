@@ -181,9 +181,17 @@ def _as_sdpa4(mask):
     return mask[None, None] if mask.dim() == 2 else mask[:, None] if mask.dim() == 3 else mask
 
 
-def _hunyuan_refiner_mask():
+def _rows_repeated_mask():
     additive = (_key_pad().float() - 1) * torch.finfo(torch.float32).max  # (B, Skv): 0 or -max
     return additive.view(B, 1, 1, SKV).repeat(1, 1, SQ, 1)  # (B, 1, Sq, Skv), rows repeated
+
+
+def _hunyuan_refiner_mask():
+    # comfy/ldm/hunyuan_video/model.py IndividualTokenRefiner (0.3.64 to 0.33): the text tokens attend
+    # among themselves, so Sq = Skv, and the mask also hides every key from the padded query rows.
+    additive = (_key_pad().float() - 1) * torch.finfo(torch.float32).max
+    m = additive.view(B, 1, 1, SKV).repeat(1, 1, SKV, 1)
+    return m + m.transpose(2, 3)
 
 
 SUPPORTED_MASKS = {
@@ -191,7 +199,7 @@ SUPPORTED_MASKS = {
     "bool_B11S": lambda: _key_pad()[:, None, None, :],
     "bool_1S_2d": lambda: torch.ones(1, SKV, dtype=torch.bool).index_fill_(1, torch.tensor([3, 4]), False),
     "additive_11S_hunyuan": lambda: torch.zeros(1, 1, SKV).index_fill_(2, torch.arange(30, SKV), NEG),
-    "additive_refiner_B1SS": _hunyuan_refiner_mask,
+    "additive_rows_repeated_B1SS": _rows_repeated_mask,
     "additive_neg_inf_BSS": lambda: torch.zeros(B, SQ, SKV).masked_fill(~_key_pad()[:, None, :], float("-inf")),
     "bool_BHSS_same_heads": lambda: _key_pad()[:, None, None, :].expand(B, H, SQ, SKV).clone(),
 }
@@ -205,6 +213,10 @@ UNSUPPORTED_MASKS = {
     "wrong_shape": (lambda: torch.ones(B, 1, SKV + 1, dtype=torch.bool), "broadcast"),
     "int_dtype": (lambda: torch.ones(B, 1, SKV, dtype=torch.int32), "dtype"),
     "5d": (lambda: torch.ones(1, B, 1, 1, SKV, dtype=torch.bool), "5-D"),
+}
+UNSUPPORTED_SQUARE_MASKS = {  # self-attention masks, Sq = Skv
+    # HunyuanVideo's token refiner: padded query rows see no key; stays with ComfyUI (2 short text calls)
+    "hunyuan_refiner": (_hunyuan_refiner_mask, "query rows"),
 }
 
 
@@ -225,6 +237,13 @@ def test_mask_conversion_is_equivalent_under_sdpa(name):
 def test_mask_conversion_reports_unsupported(name):
     make, fragment = UNSUPPORTED_MASKS[name]
     res = to_key_mask(make(), B, H, SQ, SKV)
+    assert res.mask is None and fragment in res.unsupported
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED_SQUARE_MASKS))
+def test_square_mask_conversion_reports_unsupported(name):
+    make, fragment = UNSUPPORTED_SQUARE_MASKS[name]
+    res = to_key_mask(make(), B, H, SKV, SKV)
     assert res.mask is None and fragment in res.unsupported
 
 
@@ -280,7 +299,7 @@ def _call(override, q, k, v, heads, options=None, **kw):
 
 
 CONVENTIONS = [(False, False), (True, False), (True, True), (False, True)]
-MASK_CASES = [None, "bool_B1S", "additive_11S_hunyuan", "additive_refiner_B1SS"]
+MASK_CASES = [None, "bool_B1S", "additive_11S_hunyuan", "additive_rows_repeated_B1SS"]
 
 
 @pytest.mark.parametrize("skip_reshape, skip_output_reshape", CONVENTIONS)
