@@ -100,8 +100,9 @@ class BlockFrames:
         for _ in range(self.MAX_DEPTH):
             if frame is None:
                 return None
-            if frame.f_code in self._codes:  # compare code objects first: reading f_locals costs more
-                index = self._index.get(id(frame.f_locals.get("self")))
+            code = frame.f_code
+            if code in self._codes:  # compare code objects first: reading f_locals costs more
+                index = self._index.get(id(frame.f_locals.get(code.co_varnames[0])))  # forward's first argument
                 if index is not None:
                     return index
             frame = frame.f_back

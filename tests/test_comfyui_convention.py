@@ -411,6 +411,20 @@ def test_blocks_of_models_without_block_index_follow_the_calling_block(case, cal
     assert snap.max_blocks_per_forward == 3, case
 
 
+def test_block_frames_finds_the_block_by_forwards_first_argument():
+    from comfyui_node.model_layout import BlockFrames
+
+    class Block(torch.nn.Module):
+        def forward(blk, locate):  # noqa: N805 (the first argument need not be called self)
+            return (lambda: locate())()
+
+    blocks = torch.nn.ModuleList(Block() for _ in range(3))
+    frames = BlockFrames(blocks)
+    assert [b(frames.block_of_caller) for b in blocks] == [0, 1, 2]
+    assert frames.block_of_caller() is None  # not inside a block
+    assert Block()(frames.block_of_caller) is None  # a block of another model
+
+
 def test_calls_outside_any_block_keep_the_structure_count():
     # A call that is not made from one of the model's blocks (here: from the test itself) falls back
     # to the call order over the structure read at patch time.
