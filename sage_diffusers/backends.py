@@ -333,8 +333,9 @@ def backend_for(mode: Mode, capability: tuple[int, int]) -> tuple[Optional[Backe
 
 
 def _device_of_capability(capability: tuple[int, int]) -> Optional[int]:
-    """The index of the first visible CUDA device of ``capability``, or None (no such device)."""
-    if not torch.cuda.is_available():
+    """The index of the first visible CUDA device of ``capability``, or None where the current device
+    is of it (the common case: nothing to switch) or no device is."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() == tuple(capability):
         return None
     return next((i for i in range(torch.cuda.device_count())
                  if torch.cuda.get_device_capability(i) == tuple(capability)), None)
