@@ -480,6 +480,52 @@ def test_block_selection_by_call_order_and_reset_per_forward():
     assert snap.forwards == 2 and snap.max_calls_per_forward == 5
 
 
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32)
+
+    def forward(self, x, transformer_options):
+        return x + comfy_attention(self.proj(x), x, x, 2, transformer_options=transformer_options)
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self, n=5):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(n))
+
+    def forward(self, x, transformer_options):
+        for block in self.blocks:
+            x = block(x, transformer_options)
+        return x
+
+
+@pytest.mark.parametrize("frames", [False, True], ids=["call-order", "block-frames"])
+@pytest.mark.parametrize("compiled", ["model", "each-block"])
+def test_block_selection_under_torch_compile_matches_eager(compiled, frames):
+    """ComfyUI's TorchCompileModel compiles the model (or its blocks) with the override inside: the
+    block of each call, found by counting or on the call stack, must not be fixed at trace time."""
+    from comfyui_node.model_layout import BlockFrames
+
+    torch._dynamo.reset()
+    model = _Blocks()
+    ov = SageAttentionOverride(make_config("sdpa", 0, 0, "1,3"),
+                               block_frames=BlockFrames(list(model.blocks)) if frames else None)
+    if compiled == "model":
+        run = torch.compile(model, backend="eager")
+    else:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, backend="eager")
+        run = model
+    x = torch.randn(1, 8, 32)
+    for step in range(3):
+        run(x, {"optimized_attention_override": ov, "sigmas": torch.tensor([1.0 - step / 10])})
+    snap = ov.stats.snapshot()
+    assert snap.forwards == 3
+    assert snap.count(Route.SAGE) == 6 and snap.count(Route.COMFY, Reason.BLOCK_NOT_SELECTED.value) == 9
+    assert len(ORIGINAL_CALLS) == 9
+
+
 def test_forward_state_renews_when_sigmas_change_in_a_reused_dict():
     ov = override_for("sdpa", blocks="0")
     q, k, v = make_qkv(1, 2, 8, 8, 16, False)
