@@ -94,12 +94,18 @@ def _direct_checks(world: int) -> dict:
 
     import torch.distributed as dist
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
-    from diffusers.models.attention_dispatch import _templated_context_parallel_attention
+    from diffusers.models.attention_dispatch import (
+        AttentionBackendName,
+        _AttentionBackendRegistry,
+        _templated_context_parallel_attention,
+    )
     from torch.distributed.device_mesh import init_device_mesh
 
     import sage_diffusers as sd
+    from sage_diffusers.processors.backend import backend_name, register_backend
     from sage_diffusers.processors.context_parallel import sage_backward_op, sage_forward_op
 
+    register_backend()
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(3)  # the same global tensors on every rank
     b, s, hq, hkv, d = 2, 64 * world, 4, 2, 64
@@ -132,6 +138,14 @@ def _direct_checks(world: int) -> dict:
                                                        _parallel_config=pc)
         ours = context_parallel_attention(qe, ke, ve, mode=Mode.SDPA, parallel_config=pc)
         results[f"templated-r{ring}u{uly}"] = dict(cp=float((theirs - ours).abs().max()))
+        # The backend with a (B, H, 1, Skv) mask (per-head copies of the key padding, as LTX-Video's processor
+        # builds it): batch row 1's shard on rank 0 is all padding, which must not read as "these rows see no key".
+        heads_mask = key_mask[:, None, None, :].expand(b, hkv, 1, s)
+        backend = _AttentionBackendRegistry._backends[AttentionBackendName(backend_name(Mode.SDPA))]
+        with sd.mask_scope():
+            want = backend(q[..., :hkv, :], k, v, attn_mask=heads_mask)[:, shard]
+            got = backend(qe, ke, ve, attn_mask=heads_mask[..., shard].contiguous(), _parallel_config=pc)
+        results[f"headsmask-r{ring}u{uly}"] = dict(cp=float((got - want).abs().max()))
     return results
 
 
@@ -236,11 +250,12 @@ def test_ring_and_ulysses_together_on_four_ranks(world4, family, cp_name, mode):
 
 
 def test_direct_path_and_diffusers_templated_functions(world2, world4):
-    """Random GQA Q/K/V with a key mask (one rank's shard all padding for a row) vs one local call."""
+    """Random GQA Q/K/V with a key mask (one rank's shard all padding for a row) vs one local call; the backend
+    with a per-head (B, H, 1, Skv) key mask."""
     metrics = {**world2[1], **world4[1]}
     assert len([k for k in metrics if k.startswith("direct")]) == 2 * len(MODES) + 2
     for name, m in metrics.items():
-        if name.startswith("templated") or name.endswith("-sdpa"):
+        if name.startswith(("templated", "headsmask")) or name.endswith("-sdpa"):
             assert m["cp"] < 1e-5 and m.get("cp_lse", 0.0) < 1e-4, (name, m)
         else:  # ring shares quantize on their own: as accurate as one call, not equal to it
             assert m["single"] > 1e-3, (name, m)  # the low-bit path ran

@@ -54,6 +54,11 @@ def _factorize_mask(
         if factors is None:
             return None, None, attn_mask
         keys, rows = factors
+    if mq == 1:
+        # No query structure ((B, H, 1, Skv), e.g. LTX-Video's per-head copies): only a head can see no key.
+        # A sample none of whose heads sees one of these keys is left to the key mask, which gives it 0 if no
+        # key is visible anywhere; under context parallelism these are one rank's keys, the others may hold some.
+        rows = rows | ~keys.any(dim=-1)[:, None, None]
     row_keep = rows.transpose(1, 2)[..., None]  # (B, Sq, H, 1) like the BSHD output
     return keys.expand(batch, kv_len), row_keep, None
 
