@@ -2,9 +2,9 @@
 
 Workers are separate processes started like torchrun does (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free
 MASTER_PORT; this file is their entry point). Each builds the same tiny random transformer (Flux, Wan 2.1,
-HunyuanVideo with its padded-text key mask), runs ``sage_diffusers.enable(model, mode=...)`` then
-``enable_context_parallel`` (diffusers' ``enable_parallelism`` with the model's plan; ours for HunyuanVideo) and
-one forward; rank 0 saves the gathered output. The test compares it with the single-process output of the same
+HunyuanVideo with its padded-text key mask, LTX-Video with its padded-text bias), runs
+``sage_diffusers.enable(model, mode=...)`` then ``enable_context_parallel`` (diffusers' ``enable_parallelism``
+with the model's plan; ours for HunyuanVideo) and one forward; rank 0 saves the gathered output. The test compares it with the single-process output of the same
 mode and with exact attention (single-process SDPA): the CP run must be as accurate as the single-process run.
 
 Every collective our path uses (functional all_gather and all_to_all_single) has a gloo implementation, and
@@ -43,7 +43,7 @@ from sage_diffusers.processors.context_parallel import (  # noqa: E402
 )
 from sage_diffusers.reference.metrics import cosine, relative_l1  # noqa: E402
 
-FAMILIES = (Family.FLUX, Family.WAN21, Family.HUNYUANVIDEO)
+FAMILIES = (Family.FLUX, Family.WAN21, Family.HUNYUANVIDEO, Family.LTXVIDEO)
 MODES = (Mode.SDPA, Mode.INT8, Mode.FP4)
 # name -> (ring_degree, ulysses_degree)
 CP_CONFIGS = {"ring2": (2, 1), "ulysses2": (1, 2), "ring2xulysses2": (2, 2)}
@@ -61,15 +61,18 @@ WORKER_TIMEOUT_S = 420
 
 
 def _inputs(family: Family, model: torch.nn.Module) -> dict:
-    """The family's tiny inputs with TEXT_LEN text tokens (HunyuanVideo: sample 0 has 6 padded ones, so rank 0's
-    text shard holds padding too and a mask split like the joint sequence instead of like the keys is wrong)."""
+    """The family's tiny inputs with TEXT_LEN text tokens (HunyuanVideo and LTX-Video: sample 0 has 6 padded ones,
+    so rank 0's text shard holds padding too and a mask split like the joint sequence instead of like the keys is
+    wrong)."""
     inputs = _sage_tiny.tiny_inputs(family, model)
     g = torch.Generator().manual_seed(7)
     batch = inputs["encoder_hidden_states"].shape[0]
     inputs["encoder_hidden_states"] = torch.randn(batch, TEXT_LEN, _sage_tiny.TEXT_DIM, generator=g)
     if family is Family.FLUX:
         inputs["txt_ids"] = torch.zeros(TEXT_LEN, 3)
-    if family is Family.HUNYUANVIDEO:
+    if family in (Family.HUNYUANVIDEO, Family.LTXVIDEO):
+        # LTX-Video: the cross-attention keys are the text tokens alone, so rank 1's key shard of sample 0 is
+        # all padding (its bias -10000 on every local key, which alone would read as "no mask").
         inputs["encoder_attention_mask"] = _sage_tiny.text_mask(batch, TEXT_LEN, [2, TEXT_LEN]).long()
     return inputs
 
@@ -104,6 +107,7 @@ def _direct_checks(world: int) -> dict:
     import sage_diffusers as sd
     from sage_diffusers.processors.backend import backend_name, register_backend
     from sage_diffusers.processors.context_parallel import sage_backward_op, sage_forward_op
+    from sage_diffusers.processors.dispatched import padding_bias_to_keep
 
     register_backend()
     rank = dist.get_rank()
@@ -146,6 +150,18 @@ def _direct_checks(world: int) -> dict:
             want = backend(q[..., :hkv, :], k, v, attn_mask=heads_mask)[:, shard]
             got = backend(qe, ke, ve, attn_mask=heads_mask[..., shard].contiguous(), _parallel_config=pc)
         results[f"headsmask-r{ring}u{uly}"] = dict(cp=float((got - want).abs().max()))
+        # LTX-Video's additive text-padding bias -> bool keep-mask on each rank's text shard (rank 0's is checked):
+        # sample 0 has padding only in rank 0's shard, sample 1 no text at all (SDPA attends uniformly: keep all).
+        text = 4 * world
+        keep = torch.ones(2, 1, text, dtype=torch.bool)
+        keep[0, :, : text // world] = False
+        keep[1] = False
+        bias = (1 - keep.float()) * -10000.0
+        tshard = slice(rank * text // world, (rank + 1) * text // world)
+        with sd.mask_scope():
+            want = padding_bias_to_keep(bias)[..., tshard]
+            got = padding_bias_to_keep(bias[..., tshard].clone(), pc)
+        results[f"bias-r{ring}u{uly}"] = dict(cp=float((got != want).sum()))
     return results
 
 
@@ -251,11 +267,13 @@ def test_ring_and_ulysses_together_on_four_ranks(world4, family, cp_name, mode):
 
 def test_direct_path_and_diffusers_templated_functions(world2, world4):
     """Random GQA Q/K/V with a key mask (one rank's shard all padding for a row) vs one local call; the backend
-    with a per-head (B, H, 1, Skv) key mask."""
+    with a per-head (B, H, 1, Skv) key mask; LTX-Video's padding bias read on each rank's text shard."""
     metrics = {**world2[1], **world4[1]}
     assert len([k for k in metrics if k.startswith("direct")]) == 2 * len(MODES) + 2
     for name, m in metrics.items():
-        if name.startswith(("templated", "headsmask")) or name.endswith("-sdpa"):
+        if name.startswith("bias"):  # the keep-mask of each rank's shard, as the single process reads it
+            assert m["cp"] == 0, (name, m)
+        elif name.startswith(("templated", "headsmask")) or name.endswith("-sdpa"):
             assert m["cp"] < 1e-5 and m.get("cp_lse", 0.0) < 1e-4, (name, m)
         else:  # ring shares quantize on their own: as accurate as one call, not equal to it
             assert m["single"] > 1e-3, (name, m)  # the low-bit path ran

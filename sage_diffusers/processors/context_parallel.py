@@ -130,6 +130,18 @@ def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _wait(funcol.all_to_all_single(x.contiguous(), None, None, group))
 
 
+def any_across_ranks(x: torch.Tensor, parallel_config: Any) -> torch.Tensor:
+    """Bool ``x`` or-ed over every context-parallel rank (the flattened ring x Ulysses mesh), same shape.
+
+    For a decision that must see the whole sequence while each rank holds one shard of it (e.g. whether a row
+    has a kept key on any rank); every rank must call it, with the same shape.
+    """
+    from torch.distributed import _functional_collectives as funcol
+
+    group = compat.cp_mesh(parallel_config.context_parallel_config, "_flattened_mesh").get_group()
+    return _wait(funcol.all_reduce(x.to(torch.int32).contiguous(), "max", group)).to(torch.bool)
+
+
 def _heads_to_sequence(x: torch.Tensor, world: int, group: Any) -> torch.Tensor:
     """Ulysses forward exchange: (B, S_loc, H, ...) -> (B, world * S_loc, H / world, ...), sequence in rank order."""
     b, s, h = x.shape[:3]
@@ -421,6 +433,6 @@ def enable_context_parallel(transformer: torch.nn.Module, config: Any, cp_plan: 
 
 
 __all__ = [
-    "context_parallel_attention", "context_parallel_plan", "enable_context_parallel", "local_joint_key_mask",
-    "merge_attention_pair", "merge_attention_shares", "sage_backward_op", "sage_forward_op",
+    "any_across_ranks", "context_parallel_attention", "context_parallel_plan", "enable_context_parallel",
+    "local_joint_key_mask", "merge_attention_pair", "merge_attention_shares", "sage_backward_op", "sage_forward_op",
 ]

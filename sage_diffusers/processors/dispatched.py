@@ -27,6 +27,7 @@ from sage_diffusers._masks import classify_in_scope
 from sage_diffusers.processors._core import SageProcessorMixin
 from sage_diffusers.processors._diffusers_compat import diffusers_class
 from sage_diffusers.processors.backend import ACTIVE, backend_member
+from sage_diffusers.processors.context_parallel import any_across_ranks
 
 # A class this diffusers lacks is a stand-in: its sage processor still exists but cannot be constructed, and
 # ``sage_diffusers.processors`` leaves that family out.
@@ -147,21 +148,29 @@ class SageFlux2KVParallelSelfAttnProcessor(_DispatchedSageMixin, Flux2KVParallel
     __doc__ = _mixin_doc(Flux2KVParallelSelfAttnProcessor)
 
 
-def padding_bias_to_keep(bias: torch.Tensor) -> torch.Tensor:
+def padding_bias_to_keep(bias: torch.Tensor, parallel_config: Any = None) -> torch.Tensor:
     """The bool keep-mask an additive padding bias encodes (0 = keep, <= -10000 = drop), same shape.
 
     A row whose keys are all dropped keeps them all: with one bias on every key, SDPA attends uniformly, which
-    is the unmasked result. A bias with other values (a real bias, not padding) is returned unchanged; under
-    ``torch.compile`` that is an asynchronous assert instead. Eagerly the check reads the bias on the host (a
-    sync), once per bias tensor within a ``sage_diffusers.mask_scope`` (the integration opens one per transformer
-    forward, which hands the same bias to every block); outside a scope nothing is read and the bias stays a bias.
+    is the unmasked result. Under context parallelism (``parallel_config`` with a ``context_parallel_config``)
+    ``bias`` is this rank's shard of the keys, so "all dropped" is decided over every rank's shard (one
+    collective): a shard that holds only padding is not a row without keys. A bias with other values (a real
+    bias, not padding) is returned unchanged; under ``torch.compile`` that is an asynchronous assert instead.
+    Eagerly the check reads the bias on the host (a sync), once per bias tensor within a
+    ``sage_diffusers.mask_scope`` (the integration opens one per transformer forward, which hands the same bias
+    to every block); outside a scope nothing is read and the bias stays a bias.
     """
     if torch.compiler.is_compiling():
         keep, padding = _keep_and_padding(bias)
         torch._assert_async(padding.all(), "sage_diffusers: LTX attention bias is not a padding mask")
-        return keep | ~keep.any(dim=-1, keepdim=True)
-    keep = classify_in_scope(bias, _padding_keep_of)
-    return bias if keep is None else keep
+    else:
+        keep = classify_in_scope(bias, _padding_keep_of)
+        if keep is None:
+            return bias
+    any_kept = keep.any(dim=-1, keepdim=True)
+    if getattr(parallel_config, "context_parallel_config", None) is not None:
+        any_kept = any_across_ranks(any_kept, parallel_config)
+    return keep | ~any_kept
 
 
 def _keep_and_padding(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,9 +179,10 @@ def _keep_and_padding(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _padding_keep_of(bias: torch.Tensor) -> torch.Tensor | None:
-    """The keep-mask of :func:`padding_bias_to_keep`, or None when ``bias`` is not padding (one host sync)."""
+    """``bias == 0`` (before :func:`padding_bias_to_keep` keeps rows without a kept key whole), or None when
+    ``bias`` is not padding (one host sync)."""
     keep, padding = _keep_and_padding(bias)
-    return keep | ~keep.any(dim=-1, keepdim=True) if bool(padding.all()) else None
+    return keep if bool(padding.all()) else None
 
 
 
@@ -191,5 +201,6 @@ class SageLTXVideoAttnProcessor(_DispatchedSageMixin, LTXVideoAttnProcessor):
         image_rotary_emb: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if attention_mask is not None and attention_mask.is_floating_point():
-            attention_mask = padding_bias_to_keep(attention_mask)  # (B, 1, St) bias -> bool, diffusers' shape
+            # (B, 1, St) bias -> bool, diffusers' shape; under context parallelism St is this rank's text shard
+            attention_mask = padding_bias_to_keep(attention_mask, self._parallel_config)
         return self._dispatch(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
