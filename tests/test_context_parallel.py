@@ -162,6 +162,13 @@ def _direct_checks(world: int) -> dict:
             want = padding_bias_to_keep(bias)[..., tshard]
             got = padding_bias_to_keep(bias[..., tshard].clone(), pc)
         results[f"bias-r{ring}u{uly}"] = dict(cp=float((got != want).sum()))
+        # A bias that is padding on rank 0's shard only (a real bias elsewhere): every rank must take the same
+        # branch (one collective each; a rank that skipped it left the others waiting) and keep its bias.
+        mixed = bias.clone()
+        mixed[..., text // world:] = -0.5
+        with sd.mask_scope():
+            got = padding_bias_to_keep(mixed[..., tshard].clone(), pc)
+        results[f"bias-mixed-r{ring}u{uly}"] = dict(cp=float(not torch.equal(got, mixed[..., tshard])))
     return results
 
 

@@ -152,25 +152,33 @@ def padding_bias_to_keep(bias: torch.Tensor, parallel_config: Any = None) -> tor
     """The bool keep-mask an additive padding bias encodes (0 = keep, <= -10000 = drop), same shape.
 
     A row whose keys are all dropped keeps them all: with one bias on every key, SDPA attends uniformly, which
-    is the unmasked result. Under context parallelism (``parallel_config`` with a ``context_parallel_config``)
-    ``bias`` is this rank's shard of the keys, so "all dropped" is decided over every rank's shard (one
-    collective): a shard that holds only padding is not a row without keys. A bias with other values (a real
-    bias, not padding) is returned unchanged; under ``torch.compile`` that is an asynchronous assert instead.
-    Eagerly the check reads the bias on the host (a sync), once per bias tensor within a
-    ``sage_diffusers.mask_scope`` (the integration opens one per transformer forward, which hands the same bias
-    to every block); outside a scope nothing is read and the bias stays a bias.
+    is the unmasked result. A bias with other values (a real bias, not padding) is returned unchanged; under
+    ``torch.compile`` that is an asynchronous assert instead. Eagerly the check reads the
+    bias on the host (a sync), once per bias tensor within a ``sage_diffusers.mask_scope`` (the integration
+    opens one per transformer forward, which hands the same bias to every block); outside a scope nothing is
+    read and the bias stays a bias.
+
+    Under context parallelism (``parallel_config`` with a ``context_parallel_config``) ``bias`` is this rank's
+    shard of the keys, so both questions are answered over every rank's shard by one collective that every
+    rank makes: whether a row keeps a key (a shard holding only padding is not a row without keys), and
+    whether the bias is padding everywhere (so that all ranks return the same kind of mask). That reads the
+    bias on the host once per call (nothing is kept between calls).
     """
-    if torch.compiler.is_compiling():
+    cp = getattr(parallel_config, "context_parallel_config", None) is not None
+    if torch.compiler.is_compiling():  # no host read while tracing
         keep, padding = _keep_and_padding(bias)
         torch._assert_async(padding.all(), "sage_diffusers: LTX attention bias is not a padding mask")
-    else:
-        keep = classify_in_scope(bias, _padding_keep_of)
-        if keep is None:
+        any_kept = keep.any(dim=-1, keepdim=True)
+        return keep | ~(any_across_ranks(any_kept, parallel_config) if cp else any_kept)
+    if cp:
+        keep, padding = _keep_and_padding(bias)
+        any_kept = keep.any(dim=-1, keepdim=True)
+        flags = any_across_ranks(torch.cat([~padding.all().reshape(1), any_kept.flatten()]), parallel_config)
+        if bool(flags[0]):  # a real bias on some rank: every rank keeps its bias
             return bias
-    any_kept = keep.any(dim=-1, keepdim=True)
-    if getattr(parallel_config, "context_parallel_config", None) is not None:
-        any_kept = any_across_ranks(any_kept, parallel_config)
-    return keep | ~any_kept
+        return keep | ~flags[1:].reshape(any_kept.shape)
+    keep = classify_in_scope(bias, _padding_keep_of)
+    return bias if keep is None else keep
 
 
 def _keep_and_padding(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,10 +187,10 @@ def _keep_and_padding(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _padding_keep_of(bias: torch.Tensor) -> torch.Tensor | None:
-    """``bias == 0`` (before :func:`padding_bias_to_keep` keeps rows without a kept key whole), or None when
-    ``bias`` is not padding (one host sync)."""
+    """The keep-mask of :func:`padding_bias_to_keep` without context parallelism, or None when ``bias`` is not
+    padding (one host sync)."""
     keep, padding = _keep_and_padding(bias)
-    return keep if bool(padding.all()) else None
+    return keep | ~keep.any(dim=-1, keepdim=True) if bool(padding.all()) else None
 
 
 
