@@ -96,3 +96,14 @@ def test_flushed_calls_are_timed_one_by_one_on_the_gpu():
     both = _timing.compare_ms({"mm": lambda a: a @ a, "add": lambda a: a + a}, lambda: (x,), 3, target_ms=2.0)
     assert set(both) == {"mm", "add"} and all(len(v) == 3 for v in both.values())
     assert _timing.spread(both["mm"])["median"] > _timing.spread(both["add"])["median"]
+
+
+def test_call_spread_percentiles_and_cpu_refusal(monkeypatch, capsys):
+    from bench import int8_call_spread as spread
+
+    assert spread.percentiles([5.0, 1.0, 3.0, 2.0, 4.0]) == {0: 1.0, 10: 1.0, 50: 3.0, 90: 5.0, 100: 5.0}
+    assert spread.percentiles([2.0], (50,)) == {50: 2.0}
+    with pytest.raises(ValueError):
+        spread.percentiles([])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert spread.main(["--rounds", "1"]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err
