@@ -115,24 +115,21 @@ def apply_sagebwd(q, k, v, key_mask, is_causal: bool, scale: float, dov: DoVPrec
     Returns out, or (out, lse) with ``return_lse``.
     """
     v0 = torch.where(torch.isfinite(v), v, torch.zeros((), dtype=v.dtype, device=v.device))
-    # the Triton kernels' launch limits (grid, int32 offsets): a larger call runs in pieces
-    triton_module = _impl_module(impl) if impl is Impl.TRITON else None
-    chunks = triton_module.launch_chunks(q, k) if triton_module is not None else None
-    if chunks is None:
-        result = SageBwdFunction.apply(q, k, v0, key_mask, is_causal, scale, dov, impl, return_lse, scores)
-    else:
-        def piece(q, k, v, key_mask):
-            part = SageBwdFunction.apply(q, k, v, key_mask, is_causal, scale, dov, impl, return_lse, scores)
-            return part if return_lse else (part, None)
 
-        out, lse = triton_module.run_in_chunks(piece, chunks, q, k, v0, key_mask, return_lse)
-        result = (out, lse) if return_lse else out
-    out = result[0] if return_lse else result
+    def run(q, k, v, key_mask):  # -> (out, lse or None)
+        result = SageBwdFunction.apply(q, k, v, key_mask, is_causal, scale, dov, impl, return_lse, scores)
+        return result if return_lse else (result, None)
+
+    if impl is Impl.TRITON:  # the Triton kernels' launch limits (grid, int32 offsets): a larger call runs in pieces
+        triton_module = _impl_module(impl)
+        out, lse = triton_module.run_in_chunks(run, triton_module.launch_chunks(q, k), q, k, v0, key_mask, return_lse)
+    else:
+        out, lse = run(q, k, v0, key_mask)
     hit, value = nonfinite_v(v, key_mask, is_causal, q.shape[2])  # (B, Hkv, Sq or 1, D); skips masked keys
     g = q.shape[1] // v.shape[1]
     hit, value = hit.repeat_interleave(g, 1), value.repeat_interleave(g, 1)  # query head h reads KV head h // g
     out = torch.where(hit, value.to(out.dtype), out)
-    return (out, result[1]) if return_lse else out
+    return (out, lse) if return_lse else out
 
 
 def default_scores() -> ScorePrecision:

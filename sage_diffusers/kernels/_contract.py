@@ -141,11 +141,14 @@ def call_chunks(b: int, hq: int, hkv: int, *, max_b: Optional[int] = None, max_h
             for b0 in range(0, b, rows) for h0 in range(0, hkv, heads)]
 
 
-def run_in_chunks(fn: Callable, chunks: list[tuple[slice, slice]], q: torch.Tensor, k: torch.Tensor,
+def run_in_chunks(fn: Callable, chunks: Optional[list[tuple[slice, slice]]], q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, key_mask: Optional[torch.Tensor], return_lse: bool):
     """``fn(q, k, v, key_mask) -> (out, lse | None)`` over each piece of ``chunks`` (:func:`call_chunks`),
-    assembled into one out like q (its memory layout too) and one float32 lse (B, Hq, Sq) (or None).
-    Works under autograd (the pieces' outputs are written into the whole by slices)."""
+    assembled into one out like q (its memory layout too) and one float32 lse (B, Hq, Sq) (or None);
+    ``chunks`` None: one call of ``fn`` on the whole. Works under autograd (the pieces' outputs are
+    written into the whole by slices)."""
+    if chunks is None:
+        return fn(q, k, v, key_mask)
     g = q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32) if return_lse else None

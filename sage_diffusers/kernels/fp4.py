@@ -498,7 +498,7 @@ def attention_fp4(
     # runs in pieces (_contract.MAX_GRID_YZ)
     chunks = call_chunks(q.shape[0], q.shape[1], k.shape[1], max_b=MAX_GRID_YZ, max_hq=MAX_GRID_YZ,
                          max_b_hkv=MAX_GRID_YZ)
-    return launch(q, k, v, key_mask) if chunks is None else run_in_chunks(launch, chunks, q, k, v, key_mask, return_lse)
+    return run_in_chunks(launch, chunks, q, k, v, key_mask, return_lse)
 
 
 # ---- self test (sage_diffusers.selftest runs it) -------------------------------------------------

@@ -263,7 +263,7 @@ def attention_int8_sm90(
 
     # the forward's grid is (row blocks, Hq, B): a larger batch runs in pieces (_contract.MAX_GRID_YZ)
     chunks = call_chunks(q.shape[0], q.shape[1], k.shape[1], max_b=MAX_GRID_YZ, max_hq=MAX_GRID_YZ)
-    return launch(q, k, v, key_mask) if chunks is None else run_in_chunks(launch, chunks, q, k, v, key_mask, return_lse)
+    return run_in_chunks(launch, chunks, q, k, v, key_mask, return_lse)
 
 
 # ---- pre-pass, decoded (tests) -------------------------------------------------------------------

@@ -1220,7 +1220,7 @@ def attention_int8_triton(q, k, v, *, key_mask=None, is_causal=False, scale=None
     or None). A call beyond the kernels' launch limits runs in pieces (:func:`launch_chunks`).
     """
     chunks = launch_chunks(q, k)
-    if chunks is not None:
+    if chunks is not None:  # each piece within the limits: one launch each
         return run_in_chunks(lambda q_, k_, v_, m_: attention_int8_triton(
             q_, k_, v_, key_mask=m_, is_causal=is_causal, scale=scale, return_lse=return_lse, pv=pv),
             chunks, q, k, v, key_mask, return_lse)
