@@ -33,6 +33,28 @@ class AttentionCalls(enum.IntEnum):
     LTXV = 2  # LTX-Video block: attn1 (self), then attn2 (text cross-attention, masked)
 
 
+class _Family(enum.Enum):
+    """The model families whose blocks this module knows, told apart by ComfyUI's attribute names."""
+
+    MMDIT = "mmdit"  # comfy/ldm/modules/diffusionmodules/mmdit.py: SD3, SD3.5
+    WAN = "wan"  # comfy/ldm/wan/model.py: WanModel and its variants, VACE excluded
+    LTX = "ltx"  # comfy/ldm/lightricks: LTXVModel, LTX-2's LTXAVModel
+
+
+def _family_blocks(diffusion_model) -> Optional[tuple]:
+    """(family, its transformer blocks in forward order) for the families of :class:`_Family`, else None."""
+    if getattr(diffusion_model, "joint_blocks", None) is not None:
+        return _Family.MMDIT, diffusion_model.joint_blocks
+    blocks = getattr(diffusion_model, "blocks", None)
+    if blocks is not None and hasattr(diffusion_model, "patch_embedding") and hasattr(diffusion_model, "text_embedding"):
+        # VACE interleaves extra blocks whose calls neither the layout nor the block list describes
+        return None if getattr(diffusion_model, "vace_blocks", None) is not None else (_Family.WAN, blocks)
+    # QwenImage also has transformer_blocks (one joint call each), but no patchify_proj
+    if getattr(diffusion_model, "transformer_blocks", None) is not None and hasattr(diffusion_model, "patchify_proj"):
+        return _Family.LTX, diffusion_model.transformer_blocks
+    return None
+
+
 def calls_per_block(diffusion_model) -> Optional[tuple]:
     """Attention calls of each block in forward order, or None when one per block (or unknown).
 
@@ -44,17 +66,15 @@ def calls_per_block(diffusion_model) -> Optional[tuple]:
     -------
     tuple of ints (one per block), or None.
     """
-    joint_blocks = getattr(diffusion_model, "joint_blocks", None)
-    if joint_blocks is not None:  # comfy/ldm/modules/diffusionmodules/mmdit.py: MMDiT
+    found = _family_blocks(diffusion_model)
+    if found is None:
+        return None
+    family, blocks = found
+    if family is _Family.MMDIT:
         layout = tuple(AttentionCalls.MMDIT_X if getattr(getattr(b, "x_block", None), "x_block_self_attn", False)
-                       else AttentionCalls.ONE for b in joint_blocks)
+                       else AttentionCalls.ONE for b in blocks)
         return tuple(int(n) for n in layout) if any(n != AttentionCalls.ONE for n in layout) else None
-    blocks = getattr(diffusion_model, "blocks", None)
-    if blocks is not None and hasattr(diffusion_model, "patch_embedding") and hasattr(diffusion_model, "text_embedding"):
-        # comfy/ldm/wan/model.py: WanModel and its variants. VACE interleaves extra blocks whose
-        # calls this layout does not describe, so it stays unknown.
-        if getattr(diffusion_model, "vace_blocks", None) is not None:
-            return None
+    if family is _Family.WAN:
         layout = []
         for block in blocks:
             cross = getattr(block, "cross_attn", None)
@@ -62,15 +82,11 @@ def calls_per_block(diffusion_model) -> Optional[tuple]:
                 return None
             layout.append(AttentionCalls.WAN_I2V if hasattr(cross, "k_img") else AttentionCalls.WAN_T2V)
         return tuple(int(n) for n in layout) or None
-    transformer_blocks = getattr(diffusion_model, "transformer_blocks", None)
-    if transformer_blocks is not None and hasattr(diffusion_model, "patchify_proj"):
-        # comfy/ldm/lightricks/model.py: LTXVModel (QwenImage also has transformer_blocks, one joint call each).
-        # LTX-2 (av_model.py, LTXAVModel) blocks make 2 to 6 calls depending on the inputs: no fixed layout.
-        if any(getattr(b, "audio_attn1", None) is not None for b in transformer_blocks):
-            return None
-        if all(getattr(b, "attn1", None) is not None and getattr(b, "attn2", None) is not None
-               for b in transformer_blocks):
-            return tuple(int(AttentionCalls.LTXV) for _ in transformer_blocks) or None
+    # LTX-2 (av_model.py, LTXAVModel) blocks make 2 to 6 calls depending on the inputs: no fixed layout.
+    if any(getattr(b, "audio_attn1", None) is not None for b in blocks):
+        return None
+    if all(getattr(b, "attn1", None) is not None and getattr(b, "attn2", None) is not None for b in blocks):
+        return tuple(int(AttentionCalls.LTXV) for _ in blocks) or None
     return None
 
 
@@ -115,16 +131,10 @@ def block_frames(diffusion_model) -> Optional[BlockFrames]:
     Only ``nn.Module`` blocks are used (their ``forward`` is what runs); models that put
     ``block_index`` into ``transformer_options`` do not need this, since ComfyUI's own index wins.
     """
-    blocks = None
-    if getattr(diffusion_model, "joint_blocks", None) is not None:  # MMDiT (SD3, SD3.5)
-        blocks = diffusion_model.joint_blocks
-    elif (getattr(diffusion_model, "blocks", None) is not None and hasattr(diffusion_model, "patch_embedding")
-          and hasattr(diffusion_model, "text_embedding") and getattr(diffusion_model, "vace_blocks", None) is None):
-        blocks = diffusion_model.blocks  # Wan (VACE interleaves blocks of its own: left to the call order)
-    elif getattr(diffusion_model, "transformer_blocks", None) is not None and hasattr(diffusion_model, "patchify_proj"):
-        blocks = diffusion_model.transformer_blocks  # LTX-Video, LTX-2
-    if blocks is None:
+    found = _family_blocks(diffusion_model)
+    if found is None:
         return None
+    blocks = found[1]
     blocks = list(blocks) if isinstance(blocks, torch.nn.ModuleList) else []
     if not blocks or not all(isinstance(b, torch.nn.Module) for b in blocks):
         return None
