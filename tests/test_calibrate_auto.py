@@ -93,12 +93,15 @@ def test_report_flags_calls_over_the_goal(tmp_path):
         return dict(min=ms, median=ms, max=ms, rounds=[ms])
 
     p = calibrate_auto.GRID[0]
-    rows = [dict(point=p._asdict(), kernel=stat(1.0), sdpa=stat(2.0), auto=stat(1.1), auto_ran="kernel",
-                 auto_over_best=1.1, meets_goal=False)]
+    rows = [dict(point=p._asdict(), kernel=stat(1.0), sdpa=stat(2.0), auto=stat(1.1), again=stat(1.04),
+                 auto_ran="kernel", auto_over_best=1.1, again_over_best=1.04, meets_goal=False),
+            dict(point=p._asdict(), kernel=stat(1.0), sdpa=stat(2.0), auto=stat(1.0), auto_ran="kernel",
+                 auto_over_best=1.0, meets_goal=True)]  # a row of a report from before the "again" column
     meta = dict(gpu="NVIDIA H100 80GB HBM3", model="m", torch="t", date="d", commit=None, rounds=1)
     calibrate_auto.write(tmp_path, meta, [], None, rows, dict(int8=50.0, auto=52.0, auto_minus_int8=2.0))
     md = (tmp_path / "auto_h100_check.md").read_text()
-    assert "**1 of 1 calls over the goal.**" in md and "**over**" in md and "adds 2.0 µs" in md
+    assert "**1 of 2 calls over the goal.**" in md and "**over**" in md and "adds 2.0 µs" in md
+    assert "| 1.100 **over** | 1.040 |" in md and "| 1.000 | - |" in md
 
 
 # ---- bench_kernels: the same timer, the acceptance column -------------------------------------------
@@ -173,3 +176,4 @@ def test_calibration_and_check_run_on_the_gpu(tmp_path):
                for r in results for row in r.rows)
     rows = calibrate_auto.check([calibrate_auto.Point(2, 8, 8, 1100, 1100, 128, keep=0.7, layout="bshd")], 2)
     assert rows[0]["auto"]["median"] > 0 and rows[0]["auto_ran"] in ("kernel", "sdpa")
+    assert rows[0]["again"]["median"] > 0 and rows[0]["again_over_best"] > 0
