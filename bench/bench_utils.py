@@ -17,6 +17,7 @@ interleaved(methods, args_of, rounds) -> {name: [ms per round]}
 """
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 from pathlib import Path
@@ -118,7 +119,11 @@ def interleaved(methods: dict, args_of: Callable[[], tuple], rounds: int, target
 
 
 def git_head() -> str:
-    """The commit of the repository this script runs from, '+dirty' when tracked files have changes."""
+    """The commit of the repository this script runs from, '+dirty' when tracked files have changes;
+    $SAGE_DIFFUSERS_COMMIT when set (a copied tree's .git can be stale, as on the lent GPU machines)."""
+    given = os.environ.get("SAGE_DIFFUSERS_COMMIT", "").strip()
+    if given:
+        return given
     root = Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,

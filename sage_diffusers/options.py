@@ -50,7 +50,7 @@ class Int8Precision(ParsedEnum):
 
     FAST (the default) multiplies P~ and V in FP8 E4M3, as SageAttention2's Hopper kernel does;
     ACCURATE multiplies them in the 16-bit input dtype with FP32 accumulation: about a third of the
-    error against exact attention (rel-L1 0.012 against 0.038 on the benchmark inputs) for 0-19 %
+    error against exact attention (rel-L1 0.012 against 0.038 on the benchmark inputs) for 0-20 %
     more time per call on an H100 (eval/results/kernels_h100.md). ``mode="auto"`` decides with the
     timings of the policy that would run (kernels/auto_table.py).
     """
