@@ -7,12 +7,14 @@ the dispatcher runs for calls that need gradients. Below the registry, the dispa
 from __future__ import annotations
 
 import enum
+import math
 
 import torch
 
 from . import _fallback, config
 from ._shared import check_scale, exact_lse
 from .reference import sagebwd as ref
+from .reference._common import nonfinite_rows
 from .reference.online_softmax import nonfinite_v
 from .reference.sagebwd import DoVPrecision, SageBwdState, ScorePrecision
 
@@ -112,8 +114,15 @@ def apply_sagebwd(q, k, v, key_mask, is_causal: bool, scale: float, dov: DoVPrec
     a row, by causality or the mask, cannot reach that row as 0 * NaN, in the forward or in the
     backward's dO.V^T; the put-back values are constants to autograd.
 
+    Query rows holding NaN / Inf run as rows of zeros, and their output (and LSE) is NaN where they
+    see a key, as in exact attention and the inference paths: inside the function their NaN would
+    reach the other rows of their dS tiles through the tile's INT8 scale (their dQ), and INT8 scores
+    would quantize it to 0 (a finite output row).
+
     Returns out, or (out, lse) with ``return_lse``.
     """
+    bad_q = nonfinite_rows(q)  # (B, Hq, Sq, 1)
+    q0 = torch.where(bad_q, torch.zeros((), dtype=q.dtype, device=q.device), q)
     v0 = torch.where(torch.isfinite(v), v, torch.zeros((), dtype=v.dtype, device=v.device))
 
     def run(q, k, v, key_mask):  # -> (out, lse or None)
@@ -122,14 +131,28 @@ def apply_sagebwd(q, k, v, key_mask, is_causal: bool, scale: float, dov: DoVPrec
 
     if impl is Impl.TRITON:  # the Triton kernels' launch limits (grid, int32 offsets): a larger call runs in pieces
         triton_module = _impl_module(impl)
-        out, lse = triton_module.run_in_chunks(run, triton_module.launch_chunks(q, k), q, k, v0, key_mask, return_lse)
+        out, lse = triton_module.run_in_chunks(run, triton_module.launch_chunks(q, k), q0, k, v0, key_mask, return_lse)
     else:
-        out, lse = run(q, k, v0, key_mask)
+        out, lse = run(q0, k, v0, key_mask)
     hit, value = nonfinite_v(v, key_mask, is_causal, q.shape[2])  # (B, Hkv, Sq or 1, D); skips masked keys
     g = q.shape[1] // v.shape[1]
     hit, value = hit.repeat_interleave(g, 1), value.repeat_interleave(g, 1)  # query head h reads KV head h // g
     out = torch.where(hit, value.to(out.dtype), out)
+    bad_q = bad_q & rows_with_a_key(key_mask, is_causal, q.shape[2], k.shape[2], q.device)  # rows without one stay 0
+    out = torch.where(bad_q, torch.full((), math.nan, dtype=out.dtype, device=out.device), out)
+    if lse is not None:
+        lse = torch.where(bad_q.squeeze(-1), torch.full((), math.nan, device=lse.device), lse)
     return (out, lse) if return_lse else out
+
+
+def rows_with_a_key(key_mask, is_causal: bool, sq: int, skv: int, device) -> torch.Tensor:
+    """bool (B or 1, 1, Sq, 1): the query rows that see at least one key (key_mask bool (B, Skv) or
+    None; causal top-left aligned: row i sees the keys j <= i), without an Sq x Skv mask."""
+    keys = torch.ones((1, skv), dtype=torch.bool, device=device) if key_mask is None else key_mask  # (B|1, Skv)
+    if not is_causal:
+        return keys.any(-1)[:, None, None, None]
+    first = torch.where(keys.any(-1), keys.to(torch.uint8).argmax(-1), sq)  # (B|1,): the first visible key
+    return (torch.arange(sq, device=device) >= first[:, None])[:, None, :, None]
 
 
 def default_scores() -> ScorePrecision:

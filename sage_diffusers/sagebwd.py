@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from . import _fallback, backends
-from ._dispatch import needs_grad
+from ._dispatch import empty_result, needs_grad
 from ._masks import _native_key_mask
 from ._sagebwd_autograd import (DOUBLE_BACKWARD_ERROR, Impl, SageBwdFunction, apply_sagebwd, default_impl,
                                 default_scores)
@@ -114,7 +114,9 @@ def sagebwd(
     else:
         mask_keys, native = _native_key_mask(attn_mask, key_mask, b, skv)
         reason = _fallback_reason(q, d, dv, not native)
-    if reason is not None:
+    if b == 0 or hq == 0 or sq == 0 or skv == 0:  # as sd.attention: no heads would divide by zero below
+        out, _ = empty_result(qh, kh, vh, False)
+    elif reason is not None:
         _fallback.record(f"sagebwd: {reason}")
         out, _ = sdpa(qh, kh, vh, key_mask=key_mask, attn_mask=attn_mask, is_causal=bool(is_causal), scale=scale_f,
                       return_lse=False)

@@ -380,7 +380,12 @@ def sagebwd_backward(
     sk_tok = _per_token(expand_heads(state.sk, hq), BLOCK_KV, skv)  # (B, Hq, Skv)
     k8 = expand_heads(state.k8, hq)  # (B, Hq, Skv, D)
     if scores is ScorePrecision.FP16:
-        s2 = scores16_log2(state.qc, expand_heads(state.kc, hq), sm_scale * LOG2E)  # (B, Hq, Sq, Skv)
+        # In the forward's key tiles: float32 sums of 16-bit products depend on their order, and a
+        # score recomputed above the forward's row max m makes P~ = exp2(s - m) exceed 1 (inf and
+        # then NaN gradients at |s| ~ 2**30: fp16 operands x1e4).
+        kc = expand_heads(state.kc, hq)  # (B, Hq, Skv, D)
+        s2 = torch.cat([scores16_log2(state.qc, kc[:, :, j0:j0 + BLOCK_KV], sm_scale * LOG2E)
+                        for j0 in range(0, skv, BLOCK_KV)], dim=-1)  # (B, Hq, Sq, Skv)
     else:
         s2 = scores_log2(state.q8, sq_tok, k8, sk_tok, sm_scale * LOG2E)
     vis = visible_keys(0, skv, sq_len, key_mask, is_causal, do.device)
