@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -39,8 +40,33 @@ def _native_key_mask(attn_mask, key_mask, b: int, skv: int) -> tuple[Optional[to
     return key_mask & derived, True
 
 
-# The classifications of the innermost open mask_scope of this thread / task: {key: (owner, result)}.
-_SCOPE: "contextvars.ContextVar[Optional[dict]]" = contextvars.ContextVar("sage_diffusers_mask_scope", default=None)
+class _ScopeMemo(dict):
+    """One scope's classifications, ``{key: (weak reference to the mask's owner, result)}``.
+
+    Held weakly: HunyuanVideo 1.5 and Chroma build a new (B, 1, N, N) mask in every block, and a
+    forward's scope holding each strongly kept all of them alive at once (blocks x one mask, where
+    the model's own forward needs one). An entry goes when its mask is freed; an ``id`` reused
+    meanwhile finds no live owner and misses.
+    """
+
+    def remember(self, key, owner: torch.Tensor, result) -> None:
+        memo = weakref.ref(self)
+
+        def forget(ref: weakref.ref) -> None:  # the owner was freed: drop its entry unless replaced
+            held = memo()
+            if held is not None and dict.get(held, key, (None,))[0] is ref:
+                dict.pop(held, key, None)
+
+        self[key] = (weakref.ref(owner, forget), result)
+
+    def recall(self, key, owner: torch.Tensor):
+        """(True, result) where ``key`` was remembered for this very ``owner``, else (False, None)."""
+        hit = self.get(key)
+        return (True, hit[1]) if hit is not None and hit[0]() is owner else (False, None)
+
+
+# The classifications of the innermost open mask_scope of this thread / task: a :class:`_ScopeMemo`.
+_SCOPE: "contextvars.ContextVar[Optional[_ScopeMemo]]" = contextvars.ContextVar("sage_diffusers_mask_scope", default=None)
 
 
 @contextlib.contextmanager
@@ -57,7 +83,7 @@ def mask_scope():
     if torch.compiler.is_compiling() or _SCOPE.get() is not None:  # compiled code reads no mask anyway
         yield
         return
-    token = _SCOPE.set({})
+    token = _SCOPE.set(_ScopeMemo())
     try:
         yield
     finally:
@@ -70,7 +96,7 @@ def open_mask_scope() -> Optional[contextvars.Token]:
     open already, or torch.compile is tracing)."""
     if torch.compiler.is_compiling() or _SCOPE.get() is not None:
         return None
-    return _SCOPE.set({})
+    return _SCOPE.set(_ScopeMemo())
 
 
 def close_mask_scope(token: Optional[contextvars.Token]) -> None:
@@ -95,8 +121,8 @@ def classify_in_scope(mask: torch.Tensor, compute: Callable[[torch.Tensor], obje
     :func:`mask_scope`; None outside a scope and wherever values cannot be read (:func:`_cannot_read`).
 
     The answer is keyed on the tensor that owns the memory (``mask._base`` for a view), held
-    strongly until the scope ends (so its ``id`` cannot be reused meanwhile), and on the view's
-    geometry. ``compute`` must not return a view of ``mask``.
+    weakly (:class:`_ScopeMemo`: the answer goes with the mask; a reused ``id`` misses), and on the
+    view's geometry. ``compute`` must not return a view of ``mask``.
     """
     if _cannot_read(mask):  # first: dynamo cannot trace ContextVar.get
         return None
@@ -105,11 +131,11 @@ def classify_in_scope(mask: torch.Tensor, compute: Callable[[torch.Tensor], obje
         return None
     owner = mask._base if mask._base is not None else mask
     key = (id(owner), compute, mask.storage_offset(), tuple(mask.shape), tuple(mask.stride()), mask.dtype)
-    hit = memo.get(key)
-    if hit is not None and hit[0] is owner:
-        return hit[1]
+    found, result = memo.recall(key, owner)
+    if found:
+        return result
     result = compute(mask)
-    memo[key] = (owner, result)
+    memo.remember(key, owner, result)
     return result
 
 

@@ -62,7 +62,7 @@ _SCOPES = threading.local()
 
 def _open_scope(module: torch.nn.Module, args: Any) -> None:
     """Forward pre-hook: a mask_scope for the forward, so the masks the model builds once are classified
-    once (not once per block) and the answers die with the forward."""
+    once (not once per block) and the answers die with the forward (or with their mask)."""
     if torch.compiler.is_compiling():  # compiled code reads no mask values
         return
     stack = _SCOPES.__dict__.setdefault("tokens", [])
@@ -264,6 +264,12 @@ def enable(
             model.fuse_qkv_projections = _FuseGuard(model)
         scope_hooks = [model.register_forward_pre_hook(_open_scope),
                        model.register_forward_hook(_close_scope, always_call=True)]
+        # Each attention module opens one too, which inside the model's forward is a no-op (the model's scope is
+        # open): a module run outside that forward, as torch.utils.checkpoint recomputes a block during backward,
+        # must classify its masks as the forward did, or the recomputation takes another path (CheckpointError).
+        for module, _, _ in replaced:
+            scope_hooks += [module.register_forward_pre_hook(_open_scope),
+                            module.register_forward_hook(_close_scope, always_call=True)]
         record = _Record(replaced, hook, state, watched, scope_hooks)
         _retarget_saved_processors(model, record, to_sage=True)
         setattr(model, _RECORD, record)
