@@ -24,6 +24,7 @@ For dispatcher-based models the registered backends also work without ``enable``
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -248,6 +249,14 @@ def enable(
                 "enable() to run them through sage_diffusers",
                 sorted(fused),
             )
+        # Processors without a sage counterpart (IP-adapter ones, user subclasses, ...) keep diffusers' attention:
+        # said once here, since their calls never reach the dispatcher that logs and counts fallbacks.
+        kept = collections.Counter(type(m.processor).__name__ for m in model.modules()
+                                   if getattr(m, "processor", None) is not None
+                                   and type(m.processor) not in PROCESSOR_FOR and not _is_fused(m.processor))
+        if kept:
+            logger.info("sage_diffusers: %s: attention processors kept as they are (no sage counterpart): %s",
+                        type(model).__name__, ", ".join(f"{n} x{c}" for n, c in sorted(kept.items())))
         targets.append((model, found))
 
     for index, (model, found) in enumerate(targets):

@@ -172,3 +172,19 @@ def test_enable_disable_leaves_no_hooks_on_attention_modules():
     assert _masks._SCOPE.get() is None and not getattr(integration._SCOPES, "tokens", [])
     with api.mask_scope():  # a user's scope holds its masks weakly too
         assert isinstance(_masks._SCOPE.get(), _masks._ScopeMemo)
+
+
+def test_enable_names_the_processors_it_keeps(caplog):
+    """A processor without a sage counterpart (here a user's subclass) keeps diffusers' attention, and enable says
+    so once: its calls never reach the dispatcher that logs and counts fallbacks."""
+    model = _sage_tiny.tiny_transformer(Family.CHROMA)
+    module = next(m for m in model.modules() if getattr(m, "processor", None) is not None)
+    custom = type("MyProcessor", (type(module.processor),), {})()
+    module.processor = custom
+    with caplog.at_level("INFO", logger="sage_diffusers"):
+        integration.enable(model, mode="sdpa")
+    try:
+        assert module.processor is custom
+        assert any("MyProcessor x1" in r.getMessage() for r in caplog.records)
+    finally:
+        integration.disable(model)
