@@ -15,7 +15,7 @@ def check_bhsd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, 
     if k.shape[0] != b or v.shape[0] != b or k.shape[:3] != v.shape[:3] or k.shape[3] != d:
         raise ValueError(f"incompatible shapes q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}")
     hkv = k.shape[1]
-    if hq % hkv:
+    if (hq % hkv if hkv else hq):  # no key/value head: only zero query heads fit (no ZeroDivisionError)
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     return b, hq, hkv, sq, k.shape[2], d
 

@@ -17,6 +17,7 @@ the rows that see them).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -116,6 +117,10 @@ def sage3_reference(
     p_quant = PQuant.parse(p_quant)
     b, hq, _, sq_len, skv, d = check_bhsd(q, k, v)
     scale = default_scale(scale, d)
+    if 0 in (b, hq, sq_len, skv):  # nothing to quantize (the amaxes need elements): no visible key
+        out = torch.zeros(b, hq, sq_len, d, dtype=torch.float32, device=q.device)
+        lse = torch.full((b, hq, sq_len), -math.inf, dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
 
     k_mean = attended_mean(k, key_mask) if smooth_k else torch.zeros_like(k[:, :, :1], dtype=torch.float32)
     ks = zero_masked(k.float() - k_mean, key_mask)  # (B, Hkv, Skv, D)
