@@ -8,8 +8,10 @@ runs them. The block of a call is found, in this order:
    ``block_type`` ("double" / "single") and ``total_blocks`` (blocks of that kind) into
    ``transformer_options`` before each block;
 2. from the call stack: the block (of the model's block list, read at patch time) whose forward
-   made the call (:class:`comfyui_node.model_layout.BlockFrames`), for MMDiT (SD3, SD3.5), Wan and
-   LTX-Video / LTX-2, whatever number of calls a block makes in this forward pass;
+   made the call (:class:`comfyui_node.model_layout.BlockFrames`), for MMDiT (SD3, SD3.5), Wan,
+   LTX-Video / LTX-2 and HunyuanVideo, whatever number of calls a block makes in this forward pass;
+   a call from HunyuanVideo's token refiner (before the double blocks) belongs to no block
+   (``OUTSIDE_BLOCKS``, -1): only an empty / "all" selection replaces it;
 3. from the model's structure read at patch time (:mod:`comfyui_node.model_layout`) and the call
    order, for models whose blocks make a fixed number of calls other than one: SD3.5 MMDiT-X
    blocks (``x_block_self_attn``: joint then self attention), Wan (self then cross attention; i2v
@@ -88,8 +90,15 @@ def parse_blocks(text: str) -> BlockSelection:
     return BlockSelection(frozenset(indices))
 
 
-def validate_blocks(text: str) -> "bool | str":
-    """ComfyUI-style validation: True, or the error message to show in the UI."""
+def validate_blocks(text: "str | None") -> "bool | str":
+    """ComfyUI-style validation: True, or the error message to show in the UI.
+
+    ComfyUI validates a prompt before running anything, so an input fed by a link (e.g. a String
+    node) reaches the validation function as None: its value is checked when the node runs
+    (:func:`comfyui_node.patch.patch_model` raises ``ValueError`` on a bad one).
+    """
+    if text is None:
+        return True
     try:
         parse_blocks(text)
     except ValueError as exc:

@@ -31,6 +31,6 @@ TOOLTIPS = {
               "blocks first, then single-stream blocks (Flux). Blocks with several attention calls "
               "(SD3.5 MMDiT-X, Wan, LTX-Video) count as one block.",
     "int8_precision": "The 8-bit algorithm's P~.V product (mode int8, or auto choosing it): fast (FP8) or "
-                      "accurate (16-bit: about a third of the error, 0-19 % more attention time on an "
+                      "accurate (16-bit: about a third of the error, 0-20 % more attention time on an "
                       "H100); default follows SAGE_DIFFUSERS_INT8_PRECISION (fast unless set).",
 }

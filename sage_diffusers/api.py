@@ -80,7 +80,7 @@ def attention(
     return_lse : also return the natural-log log-sum-exp of the scaled scores, float32 (B, Hq, Sq).
     int8_precision : the 8-bit algorithm's P~.V product, wherever it runs (``mode="int8"``, or
         ``"auto"`` choosing it): "fast" (FP8, SageAttention2's) or "accurate" (the 16-bit input
-        dtype: about a third of the error against exact attention, 0-19 % more time per call on
+        dtype: about a third of the error against exact attention, 0-20 % more time per call on
         an H100; ``"auto"`` decides with this policy's timings). None:
         ``SAGE_DIFFUSERS_INT8_PRECISION`` (read at import; default "fast").
         :class:`~sage_diffusers.options.Int8Precision`. Training calls (SageBwd) ignore it.

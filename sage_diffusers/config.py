@@ -236,7 +236,7 @@ INT8_PRECISION = Variable(
     "`fast`", "once, when `sage_diffusers` is imported (its dispatch module)", "user",
     "The 8-bit path's P~.V product where `sd.attention` gets no `int8_precision` (the diffusers and "
     "ComfyUI integrations where they are not given one): `fast` (FP8) or `accurate` (16-bit: about a third of the error, "
-    "0-19 % more time per call on an H100).")
+    "0-20 % more time per call on an H100).")
 FP4_ATOM = Variable(
     "SAGE_DIFFUSERS_FP4_ATOM", _choice(*FP4_ATOM_VALUES), None, _choices_doc(FP4_ATOM_VALUES),
     "`native` on sm_120/121, `emulated` on sm_90", "at each FP4 build", "debug",

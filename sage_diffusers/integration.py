@@ -209,7 +209,7 @@ def enable(
         Number of denoising steps, for policies with trailing steps when no pipeline is given.
     int8_precision : Int8Precision or str or None
         The 8-bit algorithm's P~.V product wherever these processors run it (``mode="int8"``, or "auto"
-        choosing it): "fast" (FP8) or "accurate" (16-bit, about a third of the error for 0-19 % more time per
+        choosing it): "fast" (FP8) or "accurate" (16-bit, about a third of the error for 0-20 % more time per
         call); None: the process default (``SAGE_DIFFUSERS_INT8_PRECISION``). Context parallelism keeps it.
 
     Returns

@@ -63,7 +63,7 @@ class CallClass(NamedTuple):
     masked: bool  # a key-padding mask: SDPA leaves cuDNN / flash for a slower backend
     gqa: bool  # Hq != Hkv
     ragged: bool  # Sq or Skv not a multiple of ALIGN: cuDNN pads
-    accurate: bool = False  # int8_precision="accurate": 16-bit P~.V, 0-19 % more time per call
+    accurate: bool = False  # int8_precision="accurate": 16-bit P~.V, 0-20 % more time per call
 
     def key(self) -> str:
         """e.g. "d128_causal_mask_gqa_ragged", "d64_full", "d64_full_accurate"."""
