@@ -17,7 +17,7 @@ import torch
 
 from . import _fallback, backends, config
 from ._masks import _native_key_mask
-from ._shared import sdpa
+from ._shared import in_output_layout, sdpa
 from ._validate import operand_mismatch
 from .backends import Backend, Route
 from .options import Int8Precision, Mode
@@ -400,4 +400,5 @@ def run(chosen: Plan, q, k, v, *, native_mask, key_mask, attn_mask, dropout: flo
     if chosen.path is Route.SDPA:
         return sdpa(q, k, v, key_mask=key_mask, attn_mask=attn_mask, dropout_p=dropout, is_causal=is_causal,
                     scale=scale, return_lse=return_lse)
-    return run_low_bit(chosen, q, k, v, native_mask, is_causal, scale, return_lse, precision)
+    out, lse = run_low_bit(chosen, q, k, v, native_mask, is_causal, scale, return_lse, precision)
+    return in_output_layout(out, q), lse  # SDPA's layout for q (the references compute contiguous BHSD)

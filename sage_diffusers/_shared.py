@@ -38,7 +38,9 @@ def check_scale(scale, d: int) -> float:
         value = float(scale)
     except (TypeError, ValueError):
         raise ValueError(f"scale: expected a finite float, got {scale!r}") from None
-    if not math.isfinite(value):
+    # comparisons, not math.isfinite: under torch.compile(dynamic=True) the default 1/sqrt(D) that the
+    # dispatcher hands on to SageBwd is a SymFloat, which math.isfinite cannot trace (graph break)
+    if not -math.inf < value < math.inf:
         raise ValueError(f"scale: expected a finite float, got {value}")
     return value
 
@@ -100,6 +102,48 @@ def exact_lse(q, k, key_mask, attn_mask, is_causal: bool, scale: float) -> torch
     return lse
 
 
+def new_output(q: torch.Tensor, dv: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """An uninitialized (B, Hq, Sq, dv) output (``dtype``, default q's) in the memory layout that
+    torch SDPA gives its output for ``q``.
+
+    torch SDPA's fused CPU and GPU kernels return ``torch.empty_like(q)``'s layout: a query in BSHD
+    memory (``x.transpose(1, 2)`` of a (B, S, H, D) tensor, a packed-QKV view) gives an output in BSHD
+    memory, which a BSHD caller can ``.view(B, S, H * D)``. With a value head dim that differs from the
+    query's, torch runs its math path, whose output is contiguous (B, Hq, Sq, dv).
+    """
+    dtype = q.dtype if dtype is None else dtype
+    if dv == q.shape[3]:
+        return torch.empty_like(q, dtype=dtype)
+    return q.new_empty((q.shape[0], q.shape[1], q.shape[2], dv), dtype=dtype)
+
+
+def in_output_layout(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``out`` (B, Hq, Sq, dv), computed for ``q``, in :func:`new_output`'s memory layout: itself where
+    it has it already (SDPA's own output, the kernels' ``empty_like(q)`` outputs), else a copy (the torch
+    references and SageBwd compute contiguous (B, Hq, Sq, D), which a BSHD caller got as a view that
+    ``.view(B, S, H * D)`` refused)."""
+    if out.shape[3] != q.shape[3] or _same_layout(out, q):  # dense q: no allocation to tell
+        return out
+    like = new_output(q, out.shape[3], out.dtype)
+    return out if _same_layout(out, like) else like.copy_(out)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b (one shape) lie in memory alike: equal strides wherever a dim holds more than one element."""
+    return all(n == 1 or x == y for n, x, y in zip(a.shape, a.stride(), b.stride()))
+
+
+def _where_in_layout(cond: torch.Tensor, out: torch.Tensor, value: float) -> torch.Tensor:
+    """``torch.where(cond, out, value)`` in out's memory layout, BHSD or BSHD (SDPA's output for q).
+
+    cond: bool (B|1, Hq|1, Sq, 1). where() lays its result out after its operands, the condition's
+    (the mask's) layout first, and made a BSHD output BHSD.
+    """
+    if out.shape[1] > 1 and out.shape[2] > 1 and out.stride(1) < out.stride(2):  # BSHD memory
+        return torch.where(cond.transpose(1, 2).contiguous(), out.transpose(1, 2), value).transpose(1, 2)
+    return torch.where(cond, out, value)
+
+
 def _visible(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask > -math.inf
 
@@ -137,7 +181,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_mask: Optiona
     """
     b, hq, sq, _ = q.shape
     skv = k.shape[2]
-    gqa = hq != k.shape[1]
+    # A branch, not `hq != k.shape[1]`: under torch.compile(dynamic=True) that is a SymBool, which SDPA refuses
+    gqa = True if hq != k.shape[1] else False  # noqa: SIM210
     if key_mask is not None or attn_mask is not None:
         seen = key_mask if key_mask is not None else torch.ones((), dtype=torch.bool, device=q.device)
         if attn_mask is not None:
@@ -159,9 +204,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_mask: Optiona
         mask = chunk_mask(key_mask, attn_mask, False, 0, sq, skv, q.device)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                              enable_gqa=gqa)
-        out = torch.where(_visible(mask).any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype, device=out.device))
+        out = _where_in_layout(_visible(mask).any(-1, keepdim=True), out, 0.0)
     else:
-        out = q.new_empty(b, hq, sq, v.shape[3])
+        out = new_output(q, v.shape[3])
         for i0, i1, kend in query_chunks(sq, skv, b * hq, True):
             mask = chunk_mask(key_mask, attn_mask, True, i0, i1, kend, q.device)
             part = F.scaled_dot_product_attention(q[:, :, i0:i1], k[:, :, :kend], v[:, :, :kend], attn_mask=mask,
@@ -193,7 +238,7 @@ def _nonfinite_seen(out, lse, bad_k, bad_v, key_mask, attn_mask, is_causal: bool
         vis = vis.expand(b, hq, i1 - i0, kend).reshape(b, hkv, g, i1 - i0, kend)
         sees_k[..., i0:i1] = (vis & bad_k[:, :, None, None, :kend]).any(-1)
         sees_any[..., i0:i1] = (vis & bad_any[:, :, None, None, :kend]).any(-1)
-    out = torch.where(sees_any.reshape(b, hq, sq, 1), math.nan, out)
+    out = _where_in_layout(~sees_any.reshape(b, hq, sq, 1), out, math.nan)
     if lse is not None:
         lse = torch.where(sees_k.reshape(b, hq, sq), math.nan, lse)
     return out, lse
