@@ -275,6 +275,33 @@ def test_no_visible_key_rows_and_nan_in_masked_rows(device, variant, window):
 
 @needs_device
 @pytest.mark.parametrize("device", DEVICES)
+def test_recomputed_scores_above_the_row_max_stay_bounded(device, variant):
+    """The backward recomputes S, and on a GPU its float32 sums need not repeat the forward's bits
+    (another tile order, the transposed product): a score then exceeds the saved row max m, by tens
+    of log2 units on x1e4 operands. Modelled here by a state whose 16-bit Q differs from the one the
+    forward scored by 2**-5 of each element (random sign), on a sharp head (x20): P~ = exp2(s - m) is
+    clamped at 1 in the kernels and the reference alike, so the gradients stay bounded (dV 0.9x the
+    unperturbed one's largest element, cos 0.92; dQ, dK 2-3x); unclamped, each grew 12-13x (dV cos 0.49)."""
+    tri = kernels()
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(1, 2, 64, 32, generator=g) * 20).bfloat16().to(device)
+    k = (torch.randn(1, 2, 96, 32, generator=g) + 2 * torch.randn(32, generator=g)).bfloat16().to(device)
+    v = torch.randn(1, 2, 96, 32, generator=g).bfloat16().to(device)
+    do = torch.randn(1, 2, 64, 32, generator=g).bfloat16().to(device)
+    st = ref.sagebwd_forward(q, k, v, None, False, None, "fp16", "fp16")
+    exact = ref.sagebwd_backward(do, st, scores="fp16")
+    sign = torch.randint(0, 2, st.qc.shape, generator=g).to(device) * 2 - 1
+    off = st._replace(qc=(st.qc.float() * (1 + 2 ** -5 * sign)).to(st.qc.dtype))
+    want = ref.sagebwd_backward(do, off, scores="fp16")
+    got = tri.sagebwd_backward(do, off, scores="fp16")
+    for name, a, w, e, bound in zip(("dq", "dk", "dv"), got, want, exact, (6, 6, 1.5)):
+        assert cosine(a, w) > 0.9999, (name, cosine(a, w))
+        assert w.abs().max() < bound * e.abs().max(), (name, w.abs().max() / e.abs().max())
+    assert cosine(want[2], exact[2]) > 0.85
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
 def test_fp16_output_saturates_instead_of_overflowing(device):
     """V at fp16's largest value: exact attention gives 65504 everywhere, but P~'s INT8 codes round
     up in some rows and the quantized sum exceeds 65520 there, which a plain cast makes inf. The

@@ -234,6 +234,14 @@ if triton is not None:
         return tl.dot(a, b, out_dtype=tl.float32)
 
     @triton.jit
+    def _p_tilde(s_minus_m):
+        """The backward's P~ = exp2(s - m), s - m clamped at 0 (NaN kept): the recomputed score can
+        exceed the forward's row max m by float32 rounding (another tile order, the transposed
+        product), by up to tens of log2 units where |s| ~ 2**24 and more; unclamped, P~ then
+        exceeds 1 and dS's tile scale with it (the reference clamps alike)."""
+        return tl.exp2(tl.where(s_minus_m > 0.0, 0.0, s_minus_m))
+
+    @triton.jit
     def _quant_block(x):
         """Per-block INT8 of a float32 block (rows, D): (codes int8, scale = absmax / 127), IEEE division."""
         scale = tl.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 127.0)
@@ -665,7 +673,7 @@ if triton is not None:
                 q8 = tl.load(q8_ptr + q_off, mask=inq[:, None], other=0)
                 st = _i2f(tl.dot(k8, tl.trans(q8), out_dtype=tl.int32)) * (sq * qk_scale) * sk_row[:, None]
             mb = tl.load(mb_ptr + bh * SQ + qs, mask=inq, other=float("inf"))
-            pt = tl.exp2(st - mb[None, :])  # P~^T in [0, 1]
+            pt = _p_tilde(st - mb[None, :])  # P~^T in [0, 1]
             pt = _keep_where(pt, 0.0, qs[None, :], keys[:, None], mask_ptr, b, SKV, test_keys, HAS_MASK, IS_CAUSAL, EDGE)
             p8t = _f2i8(pt * 127.0)
             if not DV_LAST:
@@ -825,7 +833,7 @@ if triton is not None:
             else:
                 k8 = _load_tile(k8_ptr + kv_off, keys, SKV, True, EDGE)
                 s = _i2f(tl.dot(q8, tl.trans(k8), out_dtype=tl.int32)) * row_qk[:, None] * sk
-            pt = tl.exp2(s - mb[:, None])
+            pt = _p_tilde(s - mb[:, None])  # P~ in [0, 1]
             pt = _keep_where(pt, 0.0, qs[:, None], keys[None, :], mask_ptr, b, SKV,
                              _tile_needs_mask(start_n, SUB, dense_lo, dense_hi), HAS_MASK, IS_CAUSAL, EDGE)
             p = pt * inv_l[:, None]  # P * DS_PRESCALE (the factor is in inv_l)

@@ -394,7 +394,9 @@ def sagebwd_backward(
     lse_safe = torch.where(live, state.lse2[..., None], zero)  # (B, Hq, Sq, 1)
     m_safe = torch.where(live, state.m2[..., None], zero)
     keep = live if vis is None else live & vis
-    p_tilde = torch.where(keep, torch.exp2(s2 - m_safe), zero)  # (B, Hq, Sq, Skv), in [0, 1]
+    # s2 - m clamped at 0 (NaN kept), as the kernels do: their recomputed score may exceed m by
+    # float32 rounding; here s2 repeats the forward's sums, so the clamp changes nothing.
+    p_tilde = torch.where(keep, torch.exp2((s2 - m_safe).clamp_max(0)), zero)  # (B, Hq, Sq, Skv), in [0, 1]
     inv_l = torch.exp2(m_safe - lse_safe)  # (B, Hq, Sq, 1), 1 / row sum of P~
     p = p_tilde * inv_l  # (B, Hq, Sq, Skv), the softmax; one exp2 per score, as in the kernels
 
