@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from . import _fallback, config
+from . import _fallback, _sagebwd_ops, config
 from ._shared import check_scale, exact_lse
 from .reference import sagebwd as ref
 from .reference._common import nonfinite_rows
@@ -35,11 +35,12 @@ class Impl(enum.Enum):
 
 
 def _impl_module(impl: Impl):
+    """The implementation's passes, as torch ops (opaque to torch.compile)."""
     if impl is Impl.TRITON:
         from .kernels import sagebwd_triton
 
         return sagebwd_triton
-    return ref
+    return _sagebwd_ops.REFERENCE
 
 
 def default_impl(device: torch.device) -> Impl:

@@ -136,6 +136,31 @@ def test_torch_compile_with_dynamic_shapes(case):
             assert torch.isfinite(q.grad).all()
 
 
+def test_sagebwd_reference_runs_as_opaque_ops_under_compile():
+    """Bug: on torch 2.11, torch.compile(dynamic=True) of a CPU training call with mode="int8" failed
+    an internal dynamo assertion (fullgraph or not): inside SageBwd's autograd function it traced the
+    torch reference's loops over key tiles and specialised their symbolic lengths. The reference's
+    passes are torch ops now, like the Triton kernels': the compiled graph holds the op itself."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def fn(q, k, v):
+        return sd.attention(q, k, v, layout="BSHD", mode="int8", is_causal=True)
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, S, H, D, generator=g, requires_grad=True)
+    k, v = (torch.randn(B, S, H, D, generator=g) for _ in range(2))
+    out = torch.compile(fn, fullgraph=True, backend=backend, dynamic=True)(q, k, v)
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+    code = [str(m.graph) for gm in graphs for m in gm.modules() if isinstance(getattr(m, "graph", None), torch.fx.Graph)]
+    assert any("sagebwd_reference_fwd" in c for c in code), code
+
+
 @pytest.mark.parametrize("scale", [math.inf, -math.inf, math.nan])
 def test_non_finite_scales_are_still_refused(scale):
     """The scale check's comparisons (traceable with symbolic shapes) refuse what math.isfinite refused."""

@@ -53,6 +53,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import config
+from .._sagebwd_ops import define, no_alias
 from ..reference import sagebwd as ref
 from ..reference.online_softmax import LOG2E
 from ..reference.sagebwd import BLOCK_KV, BLOCK_Q, DoVPrecision, PVPrecision, SageBwdState, ScorePrecision
@@ -1016,13 +1017,6 @@ def quantize_blocks(x: torch.Tensor, block: int, mean: Optional[torch.Tensor] = 
     return (q, scale, qt) if transposed else (q, scale)
 
 
-def _no_alias(x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
-    """x, or a copy where it shares memory with one of ``inputs`` (a custom op's outputs never alias its inputs)."""
-    if x.numel() and any(x.data_ptr() == t.data_ptr() for t in inputs):
-        return x.clone()
-    return x
-
-
 @_on_input_device
 def _forward_impl(q, k, v, key_mask, is_causal: bool, scale: Optional[float], pv: PVPrecision,
                   scores: ScorePrecision = ScorePrecision.INT8) -> SageBwdState:
@@ -1033,8 +1027,8 @@ def _forward_impl(q, k, v, key_mask, is_causal: bool, scale: Optional[float], pv
     k8, sk = quantize_blocks(k, BLOCK_KV, mean=ref.key_mean(k, key_mask), key_mask=key_mask)
     # V^ and its transposed copy (the P~.V operand, K-major) from one pass
     v8, sv, v8t = quantize_blocks(v, BLOCK_KV, key_mask=key_mask, transposed=True)
-    vc = _no_alias(ref.masked_v(v, key_mask).to(ref.compute_dtype(v.dtype)).contiguous(), v)
-    qc, kc = (_no_alias(x, q, k) for x in ref.score_operands(q, k, key_mask, scores))  # empty for INT8 scores
+    vc = no_alias(ref.masked_v(v, key_mask).to(ref.compute_dtype(v.dtype)).contiguous(), v)
+    qc, kc = (no_alias(x, q, k) for x in ref.score_operands(q, k, key_mask, scores))  # empty for INT8 scores
     qk16 = scores is ScorePrecision.FP16
     out = torch.empty((b, hq, sq_len, d), dtype=q.dtype, device=q.device)
     m2 = torch.empty((b, hq, sq_len), dtype=torch.float32, device=q.device)
@@ -1152,67 +1146,7 @@ def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Op
 
 # One torch op per pass (opaque to torch.compile, with shape-only fake implementations), so the
 # autograd function and compiled graphs never trace into Triton launches.
-_State = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-               torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-@torch.library.custom_op("sage_diffusers::sagebwd_triton_fwd", mutates_args=())
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
-            is_causal: bool, scale: float, pv: str, scores: str = "int8") -> _State:
-    return tuple(_forward_impl(q, k, v, key_mask, is_causal, scale, PVPrecision(pv), ScorePrecision(scores)))
-
-
-@_fwd_op.register_fake
-def _(q, k, v, key_mask, is_causal, scale, pv, scores="int8"):
-    b, hq, sq_len, d = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
-    i8 = dict(dtype=torch.int8)
-    nq, nk = -(-sq_len // BLOCK_Q), -(-skv // BLOCK_KV)
-    cdt = ref.compute_dtype(q.dtype)
-    qk16 = ScorePrecision(scores) is ScorePrecision.FP16
-    return (q.new_empty(q.shape, **i8), q.new_empty((b, hq, nq), dtype=torch.float32),
-            k.new_empty(k.shape, **i8), k.new_empty((b, hkv, nk), dtype=torch.float32),
-            v.new_empty(v.shape, **i8), v.new_empty((b, hkv, nk), dtype=torch.float32),
-            v.new_empty(v.shape, dtype=ref.compute_dtype(v.dtype)), q.new_empty(q.shape),
-            q.new_empty((b, hq, sq_len), dtype=torch.float32), q.new_empty((b, hq, sq_len), dtype=torch.float32),
-            q.new_empty(q.shape if qk16 else (0,), dtype=cdt), k.new_empty(k.shape if qk16 else (0,), dtype=cdt))
-
-
-@torch.library.custom_op("sage_diffusers::sagebwd_triton_bwd", mutates_args=())
-def _bwd_op(do: torch.Tensor, q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk: torch.Tensor,
-            v8: torch.Tensor, sv: torch.Tensor, vc: torch.Tensor, out: torch.Tensor, m2: torch.Tensor,
-            lse2: torch.Tensor, qc: torch.Tensor, kc: torch.Tensor, key_mask: Optional[torch.Tensor],
-            is_causal: bool, scale: float, dov: str, dlse: Optional[torch.Tensor] = None,
-            k_mean: Optional[torch.Tensor] = None,
-            scores: str = "int8") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    state = SageBwdState(q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc)
-    return _backward_impl(do, state, key_mask, is_causal, scale, DoVPrecision(dov), dlse, k_mean,
-                          ScorePrecision(scores))
-
-
-@_bwd_op.register_fake
-def _(do, q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc, key_mask, is_causal, scale, dov, dlse=None, k_mean=None,
-      scores="int8"):
-    return (do.new_empty(q8.shape, dtype=torch.float32), do.new_empty(k8.shape, dtype=torch.float32),
-            do.new_empty(k8.shape, dtype=torch.float32))
-
-
-def sagebwd_forward(q, k, v, key_mask=None, is_causal=False, scale=None,
-                    pv: "str | PVPrecision" = PVPrecision.INT8,
-                    scores: "str | ScorePrecision" = ScorePrecision.INT8) -> SageBwdState:
-    """Same contract as :func:`sage_diffusers.reference.sagebwd.sagebwd_forward` (the torch op)."""
-    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return SageBwdState(*_fwd_op(q, k, v, key_mask, bool(is_causal), sm_scale, PVPrecision.parse(pv).value,
-                                 ScorePrecision.parse(scores).value))
-
-
-def sagebwd_backward(do, state: SageBwdState, key_mask=None, is_causal=False, scale=None,
-                     dov: "str | DoVPrecision" = DoVPrecision.FP16, dlse=None, k_mean=None,
-                     scores: "str | ScorePrecision" = ScorePrecision.INT8):
-    """Same contract as :func:`sage_diffusers.reference.sagebwd.sagebwd_backward` (the torch op)."""
-    sm_scale = 1.0 / math.sqrt(state.q8.shape[-1]) if scale is None else float(scale)
-    return _bwd_op(do, *state, key_mask, bool(is_causal), sm_scale, DoVPrecision.parse(dov).value, dlse, k_mean,
-                   ScorePrecision.parse(scores).value)
+sagebwd_forward, sagebwd_backward = define("sagebwd_triton", _forward_impl, _backward_impl)
 
 
 def attention_int8_triton(q, k, v, *, key_mask=None, is_causal=False, scale=None, return_lse=False,

@@ -1,0 +1,106 @@
+"""SageBwd's two passes as torch ops, one pair per implementation.
+
+Each pair (:func:`define`) is opaque to torch.compile, with shape-only fake implementations, so the
+autograd function and compiled graphs never trace into Triton launches or into the torch
+reference's Python loops over key tiles (torch 2.11's dynamo specialises their symbolic lengths
+inside the autograd function and then fails an internal assertion, fullgraph or not).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from .reference import sagebwd as ref
+from .reference.sagebwd import BLOCK_KV, BLOCK_Q, DoVPrecision, PVPrecision, SageBwdState, ScorePrecision
+
+_State = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+               torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def no_alias(x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """x, or a copy where it shares memory with one of ``inputs`` (a custom op's outputs never alias its inputs)."""
+    if x.numel() and any(t is not None and t.numel() and x.data_ptr() == t.data_ptr() for t in inputs):
+        return x.clone()
+    return x
+
+
+class Passes(NamedTuple):
+    """An implementation's forward and backward, with the reference's contract
+    (:func:`sage_diffusers.reference.sagebwd.sagebwd_forward` / ``sagebwd_backward``)."""
+
+    sagebwd_forward: Callable[..., SageBwdState]
+    sagebwd_backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def define(name: str, forward: Callable[..., SageBwdState], backward: Callable) -> Passes:
+    """Register ``sage_diffusers::{name}_fwd`` and ``_bwd`` over ``forward(q, k, v, key_mask,
+    is_causal, scale, pv, scores)`` and ``backward(do, state, key_mask, is_causal, scale, dov, dlse,
+    k_mean, scores)`` (enums, float scale); returns callables with the reference's contract."""
+
+    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
+            is_causal: bool, scale: float, pv: str, scores: str = "int8") -> _State:
+        state = forward(q, k, v, key_mask, is_causal, scale, PVPrecision(pv), ScorePrecision(scores))
+        return tuple(no_alias(t, q, k, v, key_mask) for t in state)
+
+    def fwd_fake(q, k, v, key_mask, is_causal, scale, pv, scores="int8"):
+        b, hq, sq_len, _ = q.shape
+        hkv, skv = k.shape[1], k.shape[2]
+        i8 = dict(dtype=torch.int8)
+        nq, nk = -(-sq_len // BLOCK_Q), -(-skv // BLOCK_KV)
+        cdt = ref.compute_dtype(q.dtype)
+        qk16 = ScorePrecision(scores) is ScorePrecision.FP16
+        return (q.new_empty(q.shape, **i8), q.new_empty((b, hq, nq), dtype=torch.float32),
+                k.new_empty(k.shape, **i8), k.new_empty((b, hkv, nk), dtype=torch.float32),
+                v.new_empty(v.shape, **i8), v.new_empty((b, hkv, nk), dtype=torch.float32),
+                v.new_empty(v.shape, dtype=ref.compute_dtype(v.dtype)), q.new_empty(q.shape),
+                q.new_empty((b, hq, sq_len), dtype=torch.float32), q.new_empty((b, hq, sq_len), dtype=torch.float32),
+                q.new_empty(q.shape if qk16 else (0,), dtype=cdt), k.new_empty(k.shape if qk16 else (0,), dtype=cdt))
+
+    def bwd(do: torch.Tensor, q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk: torch.Tensor,
+            v8: torch.Tensor, sv: torch.Tensor, vc: torch.Tensor, out: torch.Tensor, m2: torch.Tensor,
+            lse2: torch.Tensor, qc: torch.Tensor, kc: torch.Tensor, key_mask: Optional[torch.Tensor],
+            is_causal: bool, scale: float, dov: str, dlse: Optional[torch.Tensor] = None,
+            k_mean: Optional[torch.Tensor] = None,
+            scores: str = "int8") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        state = SageBwdState(q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc)
+        grads = backward(do, state, key_mask, is_causal, scale, DoVPrecision(dov), dlse, k_mean, ScorePrecision(scores))
+        return tuple(no_alias(g, do, *state, key_mask, dlse, k_mean) for g in grads)
+
+    def bwd_fake(do, q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc, key_mask, is_causal, scale, dov,
+                 dlse=None, k_mean=None, scores="int8"):
+        return (do.new_empty(q8.shape, dtype=torch.float32), do.new_empty(k8.shape, dtype=torch.float32),
+                do.new_empty(k8.shape, dtype=torch.float32))
+
+    fwd_op = torch.library.custom_op(f"sage_diffusers::{name}_fwd", fwd, mutates_args=())
+    fwd_op.register_fake(fwd_fake)
+    bwd_op = torch.library.custom_op(f"sage_diffusers::{name}_bwd", bwd, mutates_args=())
+    bwd_op.register_fake(bwd_fake)
+
+    def sagebwd_forward(q, k, v, key_mask=None, is_causal=False, scale=None,
+                        pv: "str | PVPrecision" = PVPrecision.INT8,
+                        scores: "str | ScorePrecision" = ScorePrecision.INT8) -> SageBwdState:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        return SageBwdState(*fwd_op(q, k, v, key_mask, bool(is_causal), sm_scale, PVPrecision.parse(pv).value,
+                                    ScorePrecision.parse(scores).value))
+
+    def sagebwd_backward(do, state: SageBwdState, key_mask=None, is_causal=False, scale=None,
+                         dov: "str | DoVPrecision" = DoVPrecision.FP16, dlse=None, k_mean=None,
+                         scores: "str | ScorePrecision" = ScorePrecision.INT8):
+        sm_scale = 1.0 / math.sqrt(state.q8.shape[-1]) if scale is None else float(scale)
+        return bwd_op(do, *state, key_mask, bool(is_causal), sm_scale, DoVPrecision.parse(dov).value, dlse, k_mean,
+                      ScorePrecision.parse(scores).value)
+
+    return Passes(sagebwd_forward, sagebwd_backward)
+
+
+def _reference_forward(q, k, v, key_mask, is_causal, scale, pv, scores):
+    return ref.sagebwd_forward(q, k, v, key_mask, is_causal, scale, pv, scores)
+
+
+def _reference_backward(do, state, key_mask, is_causal, scale, dov, dlse, k_mean, scores):
+    return ref.sagebwd_backward(do, state, key_mask, is_causal, scale, dov, dlse, k_mean, scores)
+
+
+REFERENCE = define("sagebwd_reference", _reference_forward, _reference_backward)
