@@ -92,15 +92,30 @@ def grads_table(case, dtype, shape) -> list[str]:
     st = {"triton": tri.sagebwd_forward(q, k, v, None, False, None, "fp16", "fp16"),
           "reference": ref.sagebwd_forward(q, k, v, None, False, None, "fp16", "fp16")}
     bwd = {"triton": tri.sagebwd_backward, "reference": ref.sagebwd_backward}
+    # the output both states should round: float64 P V with the reference state's LSE
+    g = hq // hkv
+    kc, vc = (t.repeat_interleave(g, 1).double() for t in (st["reference"].kc, st["reference"].vc))
+    s = (st["reference"].qc.double() @ kc.transpose(-1, -2)) * (LOG2E / math.sqrt(d))
+    o64 = torch.exp2(s - st["reference"].lse2.double()[..., None]) @ vc
+    ulp = torch.exp2(torch.floor(torch.log2(o64.abs().clamp_min(1e-30))) - 7)  # bfloat16's spacing at o64
+    delta64 = (do.double() * o64).sum(-1)
+    st["triton, float32 inputs (out not rounded)"] = tri.sagebwd_forward(q.float(), k.float(), v.float(), None, False,
+                                                                        None, "fp16", "fp16")
+    st["triton, out of the reference"] = st["triton"]._replace(out=st["reference"].out)
+    st["triton, out = float64 P V rounded"] = st["triton"]._replace(out=o64.to(dtype))
     rows = []
     for fs, state in st.items():
+        err = (state.out.double() - o64).abs() / ulp
+        derr = ((do.double() * state.out.double()).sum(-1) - delta64).abs()
         for bs, fn in bwd.items():
-            g = fn(do, state, None, False, None, "fp16", scores="fp16")
-            rows.append(f"| {case.name} | {fs} | {bs} | " + " | ".join(f"{cosine(a, w):.5f}" for a, w in zip(g, want)) + " |")
+            gr = fn(do, state, None, False, None, "fp16", scores="fp16")
+            rows.append(f"| {case.name} | {fs} | {err.max().item():.3f} / {(err > 0.5001).double().mean().item():.5f} | "
+                        f"{derr.max().item():.4g} | {bs} | " + " | ".join(f"{cosine(a, w):.5f}" for a, w in zip(gr, want)) + " |")
     return rows
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a check under TRITON_INTERPRET=1
+GRAD_SHAPE = (2, 4, 2, 1000, 1000, 128) if DEVICE == "cuda" else (1, 2, 1, 256, 256, 128)
 
 
 def main() -> None:
@@ -109,7 +124,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU, Triton interpreter"
-    d, sq, skv = 128, 1000, 1000
+    d, sq, skv = 128, GRAD_SHAPE[3], GRAD_SHAPE[4]
     qk_scale = LOG2E / math.sqrt(d)
     lines = [f"# SageBwd's score recompute on the GPU ({gpu})", "",
              f"torch {torch.__version__}, triton {triton.__version__}; `python bench/sagebwd_recompute_bits.py`. "
@@ -123,11 +138,12 @@ def main() -> None:
             continue
         q, k, _, _ = realistic.case_inputs(case, 1, 1, 1, sq, skv, d, seed=5, dtype=torch.bfloat16, device=DEVICE)
         lines += score_table(case.name, q[0, 0].contiguous(), k[0, 0].contiguous(), qk_scale)
-    lines += ["", "Gradients (cos against float32 attention), 2x4/2x1000x1000x128 bfloat16, 16-bit scores:", "",
-              "| inputs | forward state | backward | dQ | dK | dV |", "|---|---|---|---|---|---|"]
+    lines += ["", f"Gradients (cos against float32 attention), {GRAD_SHAPE} bfloat16, 16-bit scores:", "",
+              "| inputs | forward state | out's error in bf16 ulps: max / share > 0.5 | max abs error of delta = rowsum(dO o out) | backward | dQ | dK | dV |",
+              "|---|---|---|---|---|---|---|---|"]
     for case in realistic.CASES:
         if case.name in ("sharp head x400", "x1e4 operands, heavy tails"):
-            lines += grads_table(case, torch.bfloat16, (2, 4, 2, 1000, 1000, 128))
+            lines += grads_table(case, torch.bfloat16, GRAD_SHAPE)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -416,6 +416,111 @@ def run(args) -> list[dict]:
     return rows
 
 
+# Key-padding layouts of real pipelines' joint attention: (label, B, H, S, D, where the text block
+# sits, its length T, how many of its tokens are kept), or ("trailing", keep share) for plain padding.
+MASK_COST_CASES = [
+    ("Flux 1024^2: 512 text tokens first, 77 kept", 1, 24, 4608, 128, "front", 512, 77),
+    ("SD3.5 1024^2: 333 text tokens last, 154 kept", 1, 38, 4429, 64, "back", 333, 154),
+    ("CogVideoX-5B: 226 text tokens first, 50 kept", 1, 48, 17776, 64, "front", 226, 50),
+    ("HunyuanVideo-like: 256 text tokens last, 40 kept", 1, 24, 16384, 128, "back", 256, 40),
+    ("16K tokens, the last quarter padding", 1, 24, 16384, 128, "trailing", 0.75, None),
+]
+
+
+def mask_of(s: int, where: str, t, kept) -> torch.Tensor:
+    """bool (S,), True = attended, for one :data:`MASK_COST_CASES` layout."""
+    keep = torch.ones(s, dtype=torch.bool)
+    if where == "trailing":
+        keep[int(round(t * s)):] = False
+    elif where == "front":
+        keep[kept:t] = False
+    else:
+        keep[s - t + kept:] = False
+    return keep
+
+
+def mask_cost(args) -> list[dict]:
+    """--mask-cost: the 8-bit call (pre-pass included) with a key-padding mask against the same call
+    on the kept keys alone (K and V compacted, no mask): the mask's own cost, which issue 38 bounds
+    at 5 %. Beside them cuDNN BF16 on the kept keys (the best a pipeline that drops padding could
+    run) and torch SDPA with the boolean mask (what a masked call runs without this package)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from sage_diffusers.kernels import int8_sm90
+
+    rows = []
+    for label, b, h, s, d, where, t, kept in MASK_COST_CASES:
+        q, k, v = make_inputs(b, h, s, d)
+        keep = mask_of(s, where, t, kept).cuda()
+        key_mask = keep[None].expand(b, s).contiguous()
+        kc, vc = (x[:, :, keep].contiguous() for x in (k, v))
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            ref = F.scaled_dot_product_attention(q.float(), kc.float(), vc.float())
+
+        def ours(kk, vv, km):
+            return int8_sm90.attention_int8_sm90(q, kk, vv, key_mask=km, is_causal=False, scale=None,
+                                                 return_lse=False)[0]
+
+        def cudnn_kept():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, kc, vc)
+
+        fns = {"ours masked": lambda: ours(k, v, key_mask), "ours kept only": lambda: ours(kc, vc, None),
+               "cuDNN BF16 kept only": cudnn_kept,
+               "SDPA masked": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep[None, None, None, :])}
+        acc, errors = {}, {}
+        for n, fn in list(fns.items()):
+            try:
+                out = fn().float()
+                acc[n] = dict(cos=cosine(out, ref), rel_l1=relative_l1(out, ref))
+            except Exception as exc:  # noqa: BLE001 - reported in the table, the others still timed
+                errors[n] = f"{type(exc).__name__}: {exc}"
+                fns.pop(n)
+        per_round, timing_errors = time_methods(fns, (), args.rounds, args.target_ms)
+        errors.update(timing_errors)
+        row = dict(case=label, shape=f"{b}x{h}x{s}x{d}", kept=int(keep.sum()), errors=errors,
+                   ms={n: dict(min=min(ts), median=statistics.median(ts), max=max(ts)) for n, ts in per_round.items()},
+                   accuracy=acc)
+        med = {n: v["median"] for n, v in row["ms"].items()}
+        if "ours masked" in med and "ours kept only" in med:
+            row["cost"] = med["ours masked"] / med["ours kept only"] - 1.0
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        q = k = v = kc = vc = ref = None
+        torch.cuda.empty_cache()
+    return rows
+
+
+def write_mask_cost(rows: list[dict], out_dir: Path, meta: dict) -> None:
+    names = ("ours masked", "ours kept only", "cuDNN BF16 kept only", "SDPA masked")
+    lines = [f"# 8-bit key-padding mask cost ({meta['device']})", "",
+             f"Run of commit {meta['commit']}, {meta['date']}; torch {meta['torch']}; `python eval/bench_kernels.py "
+             f"--mask-cost`, {meta['rounds']} interleaved rounds ({meta['timer']}). bf16 inputs of "
+             "eval/bench_kernels.py, BHSD, fast policy, pre-pass included. `ours masked`: the call with the "
+             "key-padding mask over all S keys; `ours kept only`: the same call on the kept keys alone (K and V "
+             "compacted, no mask); cost = their median ratio - 1. cuDNN BF16 on the kept keys and torch SDPA with "
+             "the boolean mask (its default backend) for scale. Times in ms, median [min-max]; accuracy cos / "
+             "rel-L1 against float32 attention over the kept keys.", "",
+             "| case | shape | kept keys | " + " | ".join(names) + " | mask cost | ours masked vs cuDNN kept only |",
+             "|---|---|---|" + "---|" * len(names) + "---|---|"]
+    for r in rows:
+        cells = []
+        for n in names:
+            t, a = r["ms"].get(n), r["accuracy"].get(n)
+            cells.append("failed" if t is None or a is None else f"{t['median']:.3f} [{t['min']:.3f}-{t['max']:.3f}] "
+                         f"({a['cos']:.5f} / {a['rel_l1']:.4f})")
+        ratio = (r["ms"]["cuDNN BF16 kept only"]["median"] / r["ms"]["ours masked"]["median"]
+                 if {"cuDNN BF16 kept only", "ours masked"} <= r["ms"].keys() else None)
+        lines.append(f"| {r['case']} | {r['shape']} | {r['kept']} | " + " | ".join(cells) + " | "
+                     + (f"{100 * r['cost']:+.1f} %" if "cost" in r else "-") + " | "
+                     + (f"{ratio:.2f}x" if ratio else "-") + " |")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"kernels_mask_cost_{gpu_slug(meta['device'])}"
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print("wrote", stem.with_suffix(".md"))
+
+
 def write_outputs(rows, out_dir: Path, meta: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     accept = auto_acceptance(rows)  # also marks the auto rows
@@ -494,6 +599,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--target-ms", type=_cli.positive_float, default=TARGET_MS,
                         help=f"about this long a sample per method and round (default {TARGET_MS:g})")
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--mask-cost", action="store_true",
+                        help="the key-padding mask's cost: kernels_mask_cost_<gpu>.{md,json} (MASK_COST_CASES)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
@@ -501,6 +608,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                 date=time.strftime("%Y-%m-%d %H:%M"), quick=args.quick, rounds=args.rounds,
                 timer=f"the median of per-call times with L2 flushed (_timing.compare_ms, about "
                       f"{args.target_ms:g} ms of calls)")
+    if args.mask_cost:
+        from bench.bench_utils import git_head
+
+        write_mask_cost(mask_cost(args), args.out_dir, dict(meta, commit=git_head()))
+        return
     rows = run(args)
     write_outputs(rows, args.out_dir, meta)
     for a in auto_acceptance(rows):
