@@ -222,6 +222,35 @@ def test_forward_unequal_lengths(sq, skv, causal):
     assert cosine(out, ref) >= 0.9999 and relative_l1(out, ref) <= 0.01
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_runs_of_masked_key_tiles(d, causal):
+    """The kernel skips the first run of wholly masked key tiles (kernel_fwd.cuh masked_run): text
+    padding inside a joint sequence (Flux, QwenImage, Chroma: 512 text tokens first, 77 kept),
+    leading padding, a second run after the first (scored as before, masked), a run that ends at
+    the last tile a causal block sees, and one key tile alone (its run starts and ends in it)."""
+    skv = 1500
+    mask = torch.ones(5, skv, dtype=torch.bool)
+    mask[0, 77:512] = False  # text first: tiles 1-3 wholly masked, tile 0 partly
+    mask[1, :700] = False  # leading padding: tiles 0-4
+    mask[2, 50:300] = False  # two runs: tile 1 (after the partial tile 0) ...
+    mask[2, 640:1030] = False  # ... and tiles 5-7, scored and masked
+    mask[3, 128:256] = False  # one tile alone
+    mask[4, 200:1500] = False  # trailing: a run cut by the last attended key
+    mask[4, 1400] = True
+    mask = mask.cuda()
+    q, k, v = make_qkv(5, 2, 1, skv, skv, d, torch.bfloat16, seed=7)
+    out, lse = int8_sm90.attention_int8_sm90(q, k, v, key_mask=mask, is_causal=causal, return_lse=True)
+    ref, ref_lse = ref8(q, k, v, key_mask=mask, is_causal=causal, return_lse=True)
+    for i in range(5):
+        rows = torch.isfinite(ref_lse[i, 0])
+        assert torch.equal(torch.isfinite(lse[i, 0]), rows), i
+        assert torch.equal(out[i, :, ~rows], torch.zeros_like(out[i, :, ~rows])), i
+        cos, rl1 = cosine(out[i, :, rows], ref[i, :, rows]), relative_l1(out[i, :, rows], ref[i, :, rows])
+        assert cos >= 0.9999 and rl1 <= 0.01, f"batch {i}: cos {cos:.6f}, rel-L1 {rl1:.5f}"
+    assert_lse_near_reference(lse, ref_lse, d)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_fully_masked_rows_are_zero(d):
     q, k, v = make_qkv(2, 2, 2, 200, 300, d, torch.float16)

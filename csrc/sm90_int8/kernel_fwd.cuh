@@ -112,8 +112,41 @@ constexpr int kBarSchedFirst = 1;
 struct FwdWork {
   int m_block, h, b, hk;
   int kv_len;   // keys of batch b that may be attended (key mask: the last attended one + 1)
-  int n_tiles;  // key tiles of the loop; causal: those holding a key j <= i < (m_block+1)*kBlockM
+  int n_tiles;  // key tiles of the loop; causal: those holding a key j <= i < (m_block+1)*kBlockM,
+                // less the skipped run
+  int skip_lo, skip_n;  // the loop skips key tiles [skip_lo, skip_lo + skip_n), all masked
+  // Key tile of loop step i (the producer's copies, the consumers' K scales and mask words).
+  __device__ __forceinline__ int key_tile(int i) const { return i < skip_lo ? i : i + skip_n; }
 };
+
+// The first run of wholly masked key tiles among tiles [0, n), as [lo, lo + len) (len 0: none):
+// text padding inside a joint sequence (Flux, QwenImage, Chroma put the text first), which the
+// loop then skips instead of scoring every key as -inf. A skipped tile changes no row's max, sum
+// or O. Each warp scans 32 tiles per step with a ballot, so every thread gets the same answer;
+// kWords mask words per tile (bits: tile t's at kWords * t).
+template <int kWords>
+__device__ __forceinline__ void masked_run(const uint32_t* bits, int n, int& lo, int& len) {
+  const int lane = threadIdx.x & 31;
+  lo = n;
+  int hi = n;
+  for (int base = 0; base < n && hi == n; base += 32) {
+    const int t = base + lane;
+    uint32_t any = 0;
+    if (t < n) {
+#pragma unroll
+      for (int i = 0; i < kWords; ++i) any |= __ldg(bits + kWords * t + i);
+    }
+    const unsigned empty = __ballot_sync(0xffffffffu, t < n && any == 0);
+    unsigned kept = ~empty;  // lanes past n count as kept: they end a run at n
+    if (lo == n) {
+      if (empty == 0) continue;
+      lo = base + __ffs(empty) - 1;
+      kept &= ~0u << (lo - base);  // the kept tiles after the run's first
+    }
+    if (kept != 0) hi = min(n, base + __ffs(kept) - 1);
+  }
+  len = hi - lo;
+}
 
 // kKeys: keys per tile (TileConfig; 192 with long_tile).
 template <bool kCausal, int kBlockM, int kKeys = kBlockKV>
@@ -129,6 +162,13 @@ __device__ __forceinline__ FwdWork make_work(const FwdParams& p, int m_block, in
     // the tiles up to the block's last row; at kBlockM = kKeys spelled as before (same SASS)
     const int last = kBlockM == kKeys ? m_block + 1 : ((m_block + 1) * kBlockM + kKeys - 1) / kKeys;
     w.n_tiles = min(w.n_tiles, last);
+  }
+  w.skip_lo = w.n_tiles;
+  w.skip_n = 0;
+  if (p.mask_bits != nullptr) {
+    masked_run<kKeys / 32>(p.mask_bits + static_cast<int64_t>(b) * (kKeys / 32) * ((p.Skv + kKeys - 1) / kKeys),
+                           w.n_tiles, w.skip_lo, w.skip_n);
+    w.n_tiles -= w.skip_n;
   }
   return w;
 }
@@ -203,7 +243,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
                                        kQTilesPerCTA * wk.m_block) * C::kQTileBytes;
       // p.n_kv_tiles K blocks (kKBlock keys each) per (b, kv head): kScaleBlocks per tile
       producer_loop<D>(sp, q_src, p.k_img + bhk * p.n_kv_tiles * C::kKBlockBytes,
-                       p.vt_img + bhk * p.n_kv_tiles * C::kVBlockBytes, wk.n_tiles);
+                       p.vt_img + bhk * p.n_kv_tiles * C::kVBlockBytes, wk.n_tiles, wk.skip_lo, wk.skip_n);
       clock.mark(ProducerPhase::kLastCopy);
     }
     return;
@@ -422,8 +462,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     // Plain order: S_t, softmax_t, O += P_t V_t, each retired before the next.
     for (int t = 0; t < n_tiles; ++t) {
       const int s = stage_of(t);
-      const auto sk_t = tile_scales(t);
-      const Mask mk = tile_mask(t);
+      const auto sk_t = tile_scales(wk.key_tile(t));
+      const Mask mk = tile_mask(wk.key_tile(t));
       seed_scores();
       Barrier::wait(&sp.full[s], parity_of(t));
       qk_issue(s);
@@ -469,8 +509,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     auto turn_begin = [&] { sched.begin(); };
     auto turn_end = [&](bool last) { sched.end(last); };
     {
-      const auto sk_t = tile_scales(0);
-      const Mask mk = tile_mask(0);
+      const auto sk_t = tile_scales(wk.key_tile(0));
+      const Mask mk = tile_mask(wk.key_tile(0));
       seed_scores();
       Barrier::wait(&sp.full[stage_of(0)], parity_of(0));
       turn_begin();
@@ -484,8 +524,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     }
     auto body = [&](int t, uint32_t (&p_prev)[C::kPRegs], uint32_t (&p_next)[C::kPRegs]) {
       const int s = stage_of(t), s_prev = stage_of(t - 1);
-      const auto sk_t = tile_scales(t);
-      const Mask mk = tile_mask(t);
+      const auto sk_t = tile_scales(wk.key_tile(t));
+      const Mask mk = tile_mask(wk.key_tile(t));
       seed_scores();
       Barrier::wait(&sp.full[s], parity_of(t));
       turn_begin();

@@ -122,7 +122,8 @@ __device__ __forceinline__ void ring_slot(int tile, int& stage, int& n) {
 // each for K and V^T all the same (k_src / v_src advance by whole tiles).
 template <int D, int kWGs, int kSumCols, int kKeys, class VElem>
 __device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs, kSumCols, kKeys, VElem>& sp, const int8_t* q_src,
-                                              const int8_t* k_src, const uint8_t* v_src, int n_tiles) {
+                                              const int8_t* k_src, const uint8_t* v_src, int n_tiles,
+                                              int skip_lo, int skip_n) {
   using C = TileConfig<D, kWGs, kSumCols, kKeys, VElem>;  // kSmemQ: the Q tiles of every consumer warpgroup
   using sage_common::sm90::bulk_copy_g2s;
   Barrier::arrive_and_expect_tx(sp.q_full, C::kSmemQ);
@@ -132,11 +133,12 @@ __device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs, kSumCols, 
     ring_slot<D, kWGs, kSumCols, kKeys, VElem>(t, s, n);
     if (n > 0) Barrier::wait(&sp.empty[s], (n - 1) & 1);
     Barrier::arrive_and_expect_tx(&sp.full[s], C::kKTileBytes + C::kVTileBytes);
-    bulk_copy_g2s(k_src + static_cast<int64_t>(t) * C::kKTileBytes, &sp.full[s],
+    const int kt = t < skip_lo ? t : t + skip_n;  // FwdWork::key_tile: the run of masked tiles skipped
+    bulk_copy_g2s(k_src + static_cast<int64_t>(kt) * C::kKTileBytes, &sp.full[s],
                   sp.k + s * C::kKTileBytes, C::kKTileBytes);
 #pragma unroll
     for (int j = 0; j < C::kVCopies; ++j) {  // long_tile with ones rows: one copy per chunk, before its ones rows
-      bulk_copy_g2s(v_src + static_cast<int64_t>(t) * C::kVTileBytes + j * C::kVCopyBytes, &sp.full[s],
+      bulk_copy_g2s(v_src + static_cast<int64_t>(kt) * C::kVTileBytes + j * C::kVCopyBytes, &sp.full[s],
                     sp.v + s * C::kVStageBytes + j * C::kVChunkBytes, C::kVCopyBytes);
     }
   }
