@@ -8,7 +8,8 @@ gives per tree and shape the median over rounds with min-max, and B / A.
     python bench/int8_tree_ab.py --a OLD_TREE --b . --rounds 5 [--out eval/results/x.md]
     python bench/int8_tree_ab.py --child TREE          # one process's timings as JSON (internal)
 
-Each tree builds into its own JIT cache (TREE/build/jit_ab). The inputs are eval/bench_kernels.py's.
+Each tree builds its csrc/ into its own JIT cache (TREE/build/jit_ab; a tree holds sage_diffusers/ and
+csrc/, e.g. ``git archive COMMIT sage_diffusers csrc``). The inputs are eval/bench_kernels.py's.
 """
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def main() -> None:
     t0 = time.time()
     for r in range(args.rounds):
         for name in (("A", "B") if r % 2 == 0 else ("B", "A")):
-            env = dict(os.environ, SAGE_DIFFUSERS_CACHE=str(trees[name] / "build" / "jit_ab"))
+            env = dict(os.environ, SAGE_DIFFUSERS_CACHE=str(trees[name] / "build" / "jit_ab"),
+                       SAGE_DIFFUSERS_CSRC=str(trees[name] / "csrc"))
             res = subprocess.run([sys.executable, __file__, "--child", str(trees[name]), "--target-ms",
                                   str(args.target_ms)], env=env, capture_output=True, text=True, check=True)
             got = json.loads(next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))[7:])
