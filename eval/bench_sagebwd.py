@@ -253,7 +253,10 @@ def tuned_configs() -> dict:
 
 
 MASK_COST_SHAPES = [(1, 24, 16384, 128), (1, 48, 16384, 64), (1, 24, 4096, 128)]
-MASK_COST_KEEP = (0.5, 0.75, 0.95)
+# trailing padding keeping this share of the keys, or "text-first": 512 text tokens first, 77 kept
+# (Flux's, QwenImage's, Chroma's joint layout: whole key tiles masked inside the attended extent)
+MASK_COST_KEEP = (0.5, 0.75, 0.95, "text-first")
+TEXT_FIRST = (512, 77)
 
 
 def mask_cost(out: Path, methods: list, shapes: list, rounds: int, target_ms: float) -> None:
@@ -266,22 +269,26 @@ def mask_cost(out: Path, methods: list, shapes: list, rounds: int, target_ms: fl
     for b, h, s, d in shapes:
         q, k, v, do = make_inputs(b, h, s, d)
         for keep in MASK_COST_KEEP:
-            kept = int(round(keep * s))
             mask = torch.zeros(b, s, dtype=torch.bool, device="cuda")
-            mask[:, :kept] = True
+            if keep == "text-first":
+                mask[:, :TEXT_FIRST[1]] = True
+                mask[:, TEXT_FIRST[0]:] = True
+            else:
+                mask[:, :int(round(keep * s))] = True
+            kept = int(mask[0].sum())
             steps = {}
             for m in methods:
                 opts = sagebwd_options(m)
                 qg = q.detach().requires_grad_()
                 km, vm = (t.detach().requires_grad_() for t in (k, v))
-                ku, vu = (t[:, :, :kept].detach().requires_grad_() for t in (k, v))
+                ku, vu = (t[:, :, mask[0]].detach().requires_grad_() for t in (k, v))
 
-                def masked(m=m, opts=opts, qg=qg, km=km, vm=vm):
+                def masked(m=m, opts=opts, qg=qg, km=km, vm=vm, do=do):
                     with method_env(m):
                         o = sd.sagebwd(qg, km, vm, key_mask=mask, **opts)
                         torch.autograd.grad(o, (qg, km, vm), do)
 
-                def unmasked(m=m, opts=opts, qg=qg, ku=ku, vu=vu):
+                def unmasked(m=m, opts=opts, qg=qg, ku=ku, vu=vu, do=do):
                     with method_env(m):
                         o = sd.sagebwd(qg, ku, vu, **opts)
                         torch.autograd.grad(o, (qg, ku, vu), do)
@@ -295,7 +302,7 @@ def mask_cost(out: Path, methods: list, shapes: list, rounds: int, target_ms: fl
                 a, u = spread(times[f"{m} masked"]), spread(times[f"{m} kept only"])
                 rows.append(dict(shape=f"{b}x{h}x{s}x{d}", keep=keep, kept=kept, method=m, masked=a, kept_only=u,
                                  cost=a["median"] / u["median"] - 1.0))
-                print(f"[{time.time() - t0:6.1f}s] {b}x{h}x{s}x{d} keep {keep:.2f} {m:20s} masked {a['median']:.3f} ms, "
+                print(f"[{time.time() - t0:6.1f}s] {b}x{h}x{s}x{d} keep {keep} {m:20s} masked {a['median']:.3f} ms, "
                       f"kept only {u['median']:.3f} ms: {100 * rows[-1]['cost']:+.1f} %", flush=True)
         del q, k, v, do
         torch.cuda.empty_cache()
@@ -303,12 +310,13 @@ def mask_cost(out: Path, methods: list, shapes: list, rounds: int, target_ms: fl
              f"torch {torch.__version__}, triton {__import__('triton').__version__}; `eval/bench_sagebwd.py --mask-cost`, "
              f"{rounds} interleaved rounds of about {target_ms:.0f} ms per method, in {time.time() - t0:.0f} s; "
              "autotune " + os.environ.get("SAGE_DIFFUSERS_TRITON_AUTOTUNE", "1") + ". Forward + backward, bf16. "
-             "Masked: Skv = S keys, the first `kept` attended (`key_mask`). Kept only: the same call on the kept "
+             "Masked: Skv = S keys, the first `kept` attended (`key_mask`), or text-first: keys 77-511 masked. Kept only: the same call on the kept "
              "keys alone, unmasked. Cost = masked median / kept-only median - 1.", "",
              "| shape | keep | method | masked ms min / median / max | kept only ms | cost |", "|---|---|---|---|---|---|"]
     for r in rows:
         a, u = r["masked"], r["kept_only"]
-        lines.append(f"| {r['shape']} | {r['keep']:.2f} ({r['kept']}) | {r['method']} | {a['min']:.3f} / {a['median']:.3f}"
+        keep = r["keep"] if isinstance(r["keep"], str) else f"{r['keep']:.2f}"
+        lines.append(f"| {r['shape']} | {keep} ({r['kept']}) | {r['method']} | {a['min']:.3f} / {a['median']:.3f}"
                      f" / {a['max']:.3f} | {u['min']:.3f} / {u['median']:.3f} / {u['max']:.3f} | {100 * r['cost']:+.1f} % |")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

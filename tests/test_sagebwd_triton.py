@@ -97,6 +97,10 @@ def inputs(b, hq, hkv, sq, skv, d, dtype, device, masked):
                 key_mask[i, :skv // 5] = True
             elif i % 3 == 1:
                 key_mask[i, skv // 2:skv - 7] = True
+    elif masked == "hole":  # text first, its padding a run of whole key tiles inside the attended extent
+        key_mask = torch.ones(b, skv, dtype=torch.bool)
+        key_mask[:, 9:270] = False
+        key_mask[-1, 300:] = False  # the last batch: a window cut short as well
     elif masked:
         key_mask[0, :3] = True
     move = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -121,6 +125,9 @@ CASES = [
     # key-padding windows longer than a key tile (the kernels skip the tiles outside them), odd lengths
     (3, 2, 1, 97, 333, 64, torch.bfloat16, False, "text", "int8", "fp16", "int8"),
     (3, 2, 2, 150, 333, 32, torch.float16, True, "text", "fp16", "fp16", "fp16"),
+    # the padding of a text-first joint sequence: whole key tiles masked inside the extent (skipped)
+    (2, 2, 1, 140, 333, 64, torch.bfloat16, False, "hole", "fp16", "fp16", "fp16"),
+    (2, 2, 2, 333, 333, 32, torch.float16, True, "hole", "int8", "fp16", "int8"),
 ]
 
 

@@ -781,8 +781,10 @@ if triton is not None:
         edge_hi = tl.maximum(tl.where(start_n + BLOCK_N > SKV, SQ, edge_hi), lo)
         q_end = SQ
         test_keys = HAS_MASK
-        if HAS_MASK:  # a key tile outside the attended keys' extent: P~ = dS = 0, dK = dV = 0, no dQ term
+        if HAS_MASK:  # a key tile outside the attended keys' extent, or wholly masked inside it (the text
+            # padding of a joint sequence whose text comes first): P~ = dS = 0, dK = dV = 0, no dQ term
             live = (start_n < tl.load(kext_ptr + _KEXT * b + 1)) & (start_n + BLOCK_N > tl.load(kext_ptr + _KEXT * b))
+            live = live & (tl.max(tl.load(mask_ptr + b * SKV + keys, mask=ink, other=0).to(tl.int32)) > 0)
             q_end = tl.where(live, SQ, 0)
             lo = tl.minimum(lo, q_end)
             edge_hi = tl.minimum(edge_hi, q_end)
