@@ -99,7 +99,7 @@ def inputs(b, hq, hkv, sq, skv, d, dtype, device, masked):
                 key_mask[i, skv // 2:skv - 7] = True
     elif masked == "hole":  # text first, its padding a run of whole key tiles inside the attended extent
         key_mask = torch.ones(b, skv, dtype=torch.bool)
-        key_mask[:, 9:270] = False
+        key_mask[:, 9:140] = False  # whole tiles 64-127 (64-key tiles) masked; the run after it all attended
         key_mask[-1, 300:] = False  # the last batch: a window cut short as well
     elif masked:
         key_mask[0, :3] = True
@@ -165,16 +165,18 @@ def test_kernels_match_reference(case, device, variant):
 
 def test_key_extent_and_token_stride():
     """The attended keys' extent per batch (first, last + 1; Skv, 0 when none), the all-attended
-    range (the same when the attended keys are one window, else empty), and the aligned token
+    run ending at the last attended key (the window itself when there is no hole), and the aligned token
     stride of the transposed copies: the bounds the kernels' tile skipping, mask-test skipping and
     loads rely on."""
     tri = kernels()
-    mask = torch.zeros(4, 10, dtype=torch.bool)
+    mask = torch.zeros(5, 10, dtype=torch.bool)
     mask[0, :4] = True
     mask[1, 3:9] = True
     mask[2, [2, 7]] = True
+    mask[4, :2] = mask[4, 5:] = True  # text first, its padding a hole: the run after it
     got = tri.key_extent(mask, "cpu")
-    assert got.dtype == torch.int32 and got.tolist() == [[0, 4, 0, 4], [3, 9, 3, 9], [2, 8, 0, 0], [10, 0, 0, 0]]
+    assert got.dtype == torch.int32 and got.tolist() == [[0, 4, 0, 4], [3, 9, 3, 9], [2, 8, 7, 8], [10, 0, 0, 0],
+                                                         [0, 10, 5, 10]]
     assert tri.key_extent(None, "cpu").numel() == tri.KEXT
     assert [tri.token_stride(s) for s in (1, 16, 17, 15565)] == [16, 16, 32, 15568]
     x8 = torch.randint(-127, 128, (1, 2, 37, 8), dtype=torch.int8)

@@ -977,20 +977,22 @@ def _mask_arg(key_mask: Optional[torch.Tensor], device) -> tuple[torch.Tensor, b
 
 def key_extent(key_mask: Optional[torch.Tensor], device) -> torch.Tensor:
     """int32 (B, KEXT), per batch: the first attended key, the last attended key + 1 (Skv and 0
-    when none is), and the range whose keys are all attended: the same two when the attended keys
-    are one window (text padding), else empty (0, 0). Computed on the device (no host sync); a
-    KEXT-element dummy without a mask. The kernels skip the key tiles outside the first range and
-    the per-key mask test inside the second."""
+    when none is), and the run of all-attended keys that ends at the last one: the whole window
+    when the attended keys are one (text padding at the end), the keys after the text when the
+    text comes first and its padding is a hole (Flux's, QwenImage's, Chroma's joint sequence), 0 0
+    when none is attended. Computed on the device (no host sync); a KEXT-element dummy without a
+    mask. The kernels skip the key tiles outside the first range and the per-key mask test inside
+    the second."""
     if key_mask is None:
         return torch.zeros(KEXT, dtype=torch.int32, device=device)
     skv = key_mask.shape[1]
     idx = torch.arange(skv, dtype=torch.int32, device=device)
     first = torch.where(key_mask, idx, skv).amin(dim=1)
     end = torch.where(key_mask, idx + 1, 0).amax(dim=1)
-    window = key_mask.sum(dim=1, dtype=torch.int32) == end - first  # no hole between first and end
-    zero = torch.zeros_like(first)
-    ext = (first, end, torch.where(window, first, zero), torch.where(window, end, zero))
-    return torch.stack(ext, dim=1).to(torch.int32).contiguous()
+    # after the last masked key before end (first when there is none; 0 with end 0: an empty run)
+    run_lo = torch.where(~key_mask & (idx < end[:, None]), idx + 1, 0).amax(dim=1)
+    run_lo = torch.maximum(run_lo, torch.minimum(first, end))
+    return torch.stack((first, end, run_lo, end), dim=1).to(torch.int32).contiguous()
 
 
 @_on_input_device
