@@ -114,9 +114,7 @@ struct FwdWork {
   int kv_len;   // keys of batch b that may be attended (key mask: the last attended one + 1)
   int n_tiles;  // key tiles of the loop; causal: those holding a key j <= i < (m_block+1)*kBlockM,
                 // less the skipped run
-  int skip_lo, skip_n;  // the loop skips key tiles [skip_lo, skip_lo + skip_n), all masked
-  // Key tile of loop step i (the producer's copies, the consumers' K scales and mask words).
-  __device__ __forceinline__ int key_tile(int i) const { return i < skip_lo ? i : i + skip_n; }
+  SkippedTiles skip;  // a run of wholly masked key tiles the loop skips (mainloop.hpp)
 };
 
 // The first run of wholly masked key tiles among tiles [0, n), as [lo, lo + len) (len 0: none):
@@ -163,12 +161,12 @@ __device__ __forceinline__ FwdWork make_work(const FwdParams& p, int m_block, in
     const int last = kBlockM == kKeys ? m_block + 1 : ((m_block + 1) * kBlockM + kKeys - 1) / kKeys;
     w.n_tiles = min(w.n_tiles, last);
   }
-  w.skip_lo = w.n_tiles;
-  w.skip_n = 0;
+  w.skip = {w.n_tiles, 0};
   if (p.mask_bits != nullptr) {
+    // batch b's mask words (kKeys / 32 per tile), as the consumers read them (tile_mask)
     masked_run<kKeys / 32>(p.mask_bits + static_cast<int64_t>(b) * (kKeys / 32) * ((p.Skv + kKeys - 1) / kKeys),
-                           w.n_tiles, w.skip_lo, w.skip_n);
-    w.n_tiles -= w.skip_n;
+                           w.n_tiles, w.skip.lo, w.skip.n);
+    w.n_tiles -= w.skip.n;
   }
   return w;
 }
@@ -243,7 +241,7 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
                                        kQTilesPerCTA * wk.m_block) * C::kQTileBytes;
       // p.n_kv_tiles K blocks (kKBlock keys each) per (b, kv head): kScaleBlocks per tile
       producer_loop<D>(sp, q_src, p.k_img + bhk * p.n_kv_tiles * C::kKBlockBytes,
-                       p.vt_img + bhk * p.n_kv_tiles * C::kVBlockBytes, wk.n_tiles, wk.skip_lo, wk.skip_n);
+                       p.vt_img + bhk * p.n_kv_tiles * C::kVBlockBytes, wk.n_tiles, wk.skip);
       clock.mark(ProducerPhase::kLastCopy);
     }
     return;
@@ -462,8 +460,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     // Plain order: S_t, softmax_t, O += P_t V_t, each retired before the next.
     for (int t = 0; t < n_tiles; ++t) {
       const int s = stage_of(t);
-      const auto sk_t = tile_scales(wk.key_tile(t));
-      const Mask mk = tile_mask(wk.key_tile(t));
+      const auto sk_t = tile_scales(wk.skip.key_tile(t));
+      const Mask mk = tile_mask(wk.skip.key_tile(t));
       seed_scores();
       Barrier::wait(&sp.full[s], parity_of(t));
       qk_issue(s);
@@ -509,8 +507,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     auto turn_begin = [&] { sched.begin(); };
     auto turn_end = [&](bool last) { sched.end(last); };
     {
-      const auto sk_t = tile_scales(wk.key_tile(0));
-      const Mask mk = tile_mask(wk.key_tile(0));
+      const auto sk_t = tile_scales(wk.skip.key_tile(0));
+      const Mask mk = tile_mask(wk.skip.key_tile(0));
       seed_scores();
       Barrier::wait(&sp.full[stage_of(0)], parity_of(0));
       turn_begin();
@@ -524,8 +522,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     }
     auto body = [&](int t, uint32_t (&p_prev)[C::kPRegs], uint32_t (&p_next)[C::kPRegs]) {
       const int s = stage_of(t), s_prev = stage_of(t - 1);
-      const auto sk_t = tile_scales(wk.key_tile(t));
-      const Mask mk = tile_mask(wk.key_tile(t));
+      const auto sk_t = tile_scales(wk.skip.key_tile(t));
+      const Mask mk = tile_mask(wk.skip.key_tile(t));
       seed_scores();
       Barrier::wait(&sp.full[s], parity_of(t));
       turn_begin();

@@ -110,6 +110,14 @@ __device__ __forceinline__ void init_barriers(const SmemPlan<D, kWGs, kSumCols, 
 
 // Stage and use count (n) of item `tile` of the K/V ring. kWGs: the CTA's consumer warpgroups (the
 // ring depth depends on them: TileConfig::kStages); kSumCols, kKeys: TileConfig's.
+// The run of wholly masked key tiles [lo, lo + n) a work tile's loop skips (kernel_fwd.cuh
+// masked_run; n = 0: none): loop step i visits key tile key_tile(i), in the producer's copies and
+// the consumers' K scales and mask words alike.
+struct SkippedTiles {
+  int lo, n;
+  __device__ __forceinline__ int key_tile(int i) const { return i < lo ? i : i + n; }
+};
+
 template <int D, int kWGs, int kSumCols = 0, int kKeys = kBlockKV, class VElem = cute::float_e4m3_t>
 __device__ __forceinline__ void ring_slot(int tile, int& stage, int& n) {
   constexpr int kStages = TileConfig<D, kWGs, kSumCols, kKeys, VElem>::kStages;
@@ -123,7 +131,7 @@ __device__ __forceinline__ void ring_slot(int tile, int& stage, int& n) {
 template <int D, int kWGs, int kSumCols, int kKeys, class VElem>
 __device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs, kSumCols, kKeys, VElem>& sp, const int8_t* q_src,
                                               const int8_t* k_src, const uint8_t* v_src, int n_tiles,
-                                              int skip_lo, int skip_n) {
+                                              SkippedTiles skip) {
   using C = TileConfig<D, kWGs, kSumCols, kKeys, VElem>;  // kSmemQ: the Q tiles of every consumer warpgroup
   using sage_common::sm90::bulk_copy_g2s;
   Barrier::arrive_and_expect_tx(sp.q_full, C::kSmemQ);
@@ -133,7 +141,7 @@ __device__ __forceinline__ void producer_loop(const SmemPlan<D, kWGs, kSumCols, 
     ring_slot<D, kWGs, kSumCols, kKeys, VElem>(t, s, n);
     if (n > 0) Barrier::wait(&sp.empty[s], (n - 1) & 1);
     Barrier::arrive_and_expect_tx(&sp.full[s], C::kKTileBytes + C::kVTileBytes);
-    const int kt = t < skip_lo ? t : t + skip_n;  // FwdWork::key_tile: the run of masked tiles skipped
+    const int kt = skip.key_tile(t);
     bulk_copy_g2s(k_src + static_cast<int64_t>(kt) * C::kKTileBytes, &sp.full[s],
                   sp.k + s * C::kKTileBytes, C::kKTileBytes);
 #pragma unroll
