@@ -819,10 +819,12 @@ if triton is not None:
         k8_ptr, sk_ptr, k8t_ptr, kc_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV, SKVT, dense_lo, dense_hi,
         D: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.constexpr, HAS_MASK: tl.constexpr,
         IS_CAUSAL: tl.constexpr, EDGE: tl.constexpr, DOV_INT8: tl.constexpr, DOT16_AS_F32: tl.constexpr,
-        ACC_XU: tl.constexpr, QK16: tl.constexpr,
+        ACC_XU: tl.constexpr, QK16: tl.constexpr, KEY_TEST: tl.constexpr,
     ):
         """dQ (BLOCK_M, D) of one query tile over the key blocks [lo, hi). QK16: q8 is Q in 16 bits
-        and the scores 16-bit products with K from kc_ptr (row_qk: the softmax scale * log2(e))."""
+        and the scores 16-bit products with K from kc_ptr (row_qk: the softmax scale * log2(e)).
+        KEY_TEST: the key blocks outside [dense_lo, dense_hi) test the key mask; without it none
+        does (blocks inside the all-attended run, in a loop of their own as in the forward)."""
         dims = tl.arange(0, D)
         nkb = tl.cdiv(SKV, SUB)
         for start_n in range(lo, hi, SUB):
@@ -837,8 +839,11 @@ if triton is not None:
                 k8 = _load_tile(k8_ptr + kv_off, keys, SKV, True, EDGE)
                 s = _i2f(tl.dot(q8, tl.trans(k8), out_dtype=tl.int32)) * row_qk[:, None] * sk
             pt = _p_tilde(s - mb[:, None])  # P~ in [0, 1]
-            pt = _keep_where(pt, 0.0, qs[:, None], keys[None, :], mask_ptr, b, SKV,
-                             _tile_needs_mask(start_n, SUB, dense_lo, dense_hi), HAS_MASK, IS_CAUSAL, EDGE)
+            test_keys = False
+            if KEY_TEST:
+                test_keys = _tile_needs_mask(start_n, SUB, dense_lo, dense_hi)
+            pt = _keep_where(pt, 0.0, qs[:, None], keys[None, :], mask_ptr, b, SKV, test_keys, HAS_MASK, IS_CAUSAL,
+                             EDGE)
             p = pt * inv_l[:, None]  # P * DS_PRESCALE (the factor is in inv_l)
             if DOV_INT8:
                 v8 = _load_tile(v8_ptr + kv_off, keys, SKV, True, EDGE)
@@ -894,12 +899,28 @@ if triton is not None:
         dq = tl.zeros((BLOCK_M, D), tl.float32)
         n_free, n_end = _key_range(start_m, SKV, BLOCK_M, SUB, IS_CAUSAL)
         lo, n_free, n_end, dense_lo, dense_hi = _masked_key_range(0, n_free, n_end, kext_ptr, b, SUB, HAS_MASK)
-        dq = _dq_loop(dq, lo, n_free, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
+        # [lo, n_free) in key order, as in the forward: the blocks inside the all-attended run
+        # [mid_lo, mid_hi) in a loop without the key-mask test (a branch in the loop costs every block)
+        mid_hi = lo
+        if HAS_MASK:
+            mid_lo = tl.minimum(tl.maximum(tl.cdiv(dense_lo, SUB) * SUB, lo), n_free)
+            mid_hi = tl.maximum(tl.minimum((dense_hi // SUB) * SUB, n_free), mid_lo)
+            dq = _dq_loop(dq, lo, mid_lo, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
+                          k8_ptr, sk_ptr, k8t_ptr, kc_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV, SKVT,
+                          dense_lo, dense_hi, D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32,
+                          ACC_XU, QK16, True)
+            dq = _dq_loop(dq, mid_lo, mid_hi, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
+                          k8_ptr, sk_ptr, k8t_ptr, kc_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV, SKVT,
+                          dense_lo, dense_hi, D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32,
+                          ACC_XU, QK16, False)
+        dq = _dq_loop(dq, mid_hi, n_free, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
                       k8_ptr, sk_ptr, k8t_ptr, kc_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV, SKVT,
-                      dense_lo, dense_hi, D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU, QK16)
+                      dense_lo, dense_hi, D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, False, DOV_INT8, DOT16_AS_F32, ACC_XU, QK16,
+                      HAS_MASK)
         dq = _dq_loop(dq, tl.maximum(n_free, lo), n_end, bkv, b, qs, q8, row_qk, mb, inv_l, delta, do, do8, sdo_row,
                       k8_ptr, sk_ptr, k8t_ptr, kc_ptr, v8_ptr, sv_ptr, vc_ptr, mask_ptr, sm_scale, SKV, SKVT,
-                      dense_lo, dense_hi, D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU, QK16)
+                      dense_lo, dense_hi, D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU, QK16,
+                      HAS_MASK)
         tl.store(dq_ptr + q_off, dq, mask=inq[:, None])
 
 
