@@ -285,9 +285,9 @@ def test_no_visible_key_rows_and_nan_in_masked_rows(device, variant, window):
 @needs_device
 @pytest.mark.parametrize("device", DEVICES)
 def test_recomputed_scores_above_the_row_max_stay_bounded(device, variant):
-    """The backward recomputes S, and on a GPU its float32 sums need not repeat the forward's bits
-    (another tile order, the transposed product): a score then exceeds the saved row max m, by tens
-    of log2 units on x1e4 operands. Modelled here by a state whose 16-bit Q differs from the one the
+    """The backward recomputes S; nothing guarantees its float32 sums repeat the forward's bits (they
+    did on the H100 in the shipped tile shapes), and a score above the saved row max m would make
+    P~ exceed 1. Modelled here by a state whose 16-bit Q differs from the one the
     forward scored by 2**-5 of each element (random sign), on a sharp head (x20): P~ = exp2(s - m) is
     clamped at 1 in the kernels and the reference alike, so the gradients stay bounded (dV 0.9x the
     unperturbed one's largest element, cos 0.92; dQ, dK 2-3x); unclamped, each grew 12-13x (dV cos 0.49)."""

@@ -236,10 +236,11 @@ if triton is not None:
 
     @triton.jit
     def _p_tilde(s_minus_m):
-        """The backward's P~ = exp2(s - m), s - m clamped at 0 (NaN kept): the recomputed score can
-        exceed the forward's row max m by float32 rounding (another tile order, the transposed
-        product), by up to tens of log2 units where |s| ~ 2**24 and more; unclamped, P~ then
-        exceeds 1 and dS's tile scale with it (the reference clamps alike)."""
+        """The backward's P~ = exp2(s - m), s - m clamped at 0 (NaN kept). A guard: the recomputed
+        scores repeated the forward's bits on the H100 in every tile shape these kernels use
+        (eval/results/sagebwd_recompute_bits_h100.md), but nothing guarantees that for other
+        configurations or compilers, and a recomputed score above the forward's row max m would
+        make P~ exceed 1 and dS's tile scale with it (the reference clamps alike)."""
         return tl.exp2(tl.where(s_minus_m > 0.0, 0.0, s_minus_m))
 
     @triton.jit
