@@ -252,6 +252,26 @@ def test_runs_of_masked_key_tiles(d, causal):
 
 
 @pytest.mark.parametrize("d", [64, 128])
+def test_run_of_masked_key_tiles_across_ballot_chunks(d):
+    """masked_run scans 32 key tiles per warp ballot: a run from tile 20 to tile 45 spans two
+    chunks, a second batch's run starts at tile 31 (the chunk's last lane) and ends at 32, and a
+    third's covers every tile before the last one."""
+    skv = 9000  # 71 key tiles
+    mask = torch.ones(3, skv, dtype=torch.bool)
+    mask[0, 20 * 128:46 * 128] = False
+    mask[1, 31 * 128:32 * 128] = False
+    mask[2, :70 * 128] = False
+    mask = mask.cuda()
+    q, k, v = make_qkv(3, 2, 2, 300, skv, d, torch.bfloat16, seed=3)
+    out, lse = int8_sm90.attention_int8_sm90(q, k, v, key_mask=mask, return_lse=True)
+    ref, ref_lse = ref8(q, k, v, key_mask=mask, return_lse=True)
+    for i in range(3):
+        cos, rl1 = cosine(out[i], ref[i]), relative_l1(out[i], ref[i])
+        assert cos >= 0.9999 and rl1 <= 0.01, f"batch {i}: cos {cos:.6f}, rel-L1 {rl1:.5f}"
+    assert_lse_near_reference(lse, ref_lse, d)
+
+
+@pytest.mark.parametrize("d", [64, 128])
 def test_fully_masked_rows_are_zero(d):
     q, k, v = make_qkv(2, 2, 2, 200, 300, d, torch.float16)
     mask = torch.ones(2, 300, dtype=torch.bool, device="cuda")
