@@ -441,9 +441,9 @@ def mask_of(s: int, where: str, t, kept) -> torch.Tensor:
 
 def mask_cost(args) -> list[dict]:
     """--mask-cost: the 8-bit call (pre-pass included) with a key-padding mask against the same call
-    on the kept keys alone (K and V compacted, no mask): the mask's own cost, which issue 38 bounds
-    at 5 %. Beside them cuDNN BF16 on the kept keys (the best a pipeline that drops padding could
-    run) and torch SDPA with the boolean mask (what a masked call runs without this package)."""
+    on the kept keys alone (K and V compacted, no mask): the mask's own cost. Beside them cuDNN BF16
+    on the kept keys (the best a pipeline that drops padding could run) and torch SDPA with the
+    boolean mask (what a masked call runs without this package)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from sage_diffusers.kernels import int8_sm90
