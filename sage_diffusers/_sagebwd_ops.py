@@ -19,7 +19,7 @@ _State = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
                torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def no_alias(x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+def _no_alias(x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
     """x, or a copy where it shares memory with one of ``inputs`` (a custom op's outputs never alias its inputs)."""
     if x.numel() and any(t is not None and t.numel() and x.data_ptr() == t.data_ptr() for t in inputs):
         return x.clone()
@@ -37,12 +37,13 @@ class Passes(NamedTuple):
 def define(name: str, forward: Callable[..., SageBwdState], backward: Callable) -> Passes:
     """Register ``sage_diffusers::{name}_fwd`` and ``_bwd`` over ``forward(q, k, v, key_mask,
     is_causal, scale, pv, scores)`` and ``backward(do, state, key_mask, is_causal, scale, dov, dlse,
-    k_mean, scores)`` (enums, float scale); returns callables with the reference's contract."""
+    k_mean, scores)`` (enums, float scale; their outputs may alias the inputs: the ops copy those);
+    returns callables with the reference's contract."""
 
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
             is_causal: bool, scale: float, pv: str, scores: str = "int8") -> _State:
         state = forward(q, k, v, key_mask, is_causal, scale, PVPrecision(pv), ScorePrecision(scores))
-        return tuple(no_alias(t, q, k, v, key_mask) for t in state)
+        return tuple(_no_alias(t, q, k, v, key_mask) for t in state)
 
     def fwd_fake(q, k, v, key_mask, is_causal, scale, pv, scores="int8"):
         b, hq, sq_len, _ = q.shape
@@ -66,7 +67,7 @@ def define(name: str, forward: Callable[..., SageBwdState], backward: Callable) 
             scores: str = "int8") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         state = SageBwdState(q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc)
         grads = backward(do, state, key_mask, is_causal, scale, DoVPrecision(dov), dlse, k_mean, ScorePrecision(scores))
-        return tuple(no_alias(g, do, *state, key_mask, dlse, k_mean) for g in grads)
+        return tuple(_no_alias(g, do, *state, key_mask, dlse, k_mean) for g in grads)
 
     def bwd_fake(do, q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc, key_mask, is_causal, scale, dov,
                  dlse=None, k_mean=None, scores="int8"):
@@ -95,12 +96,4 @@ def define(name: str, forward: Callable[..., SageBwdState], backward: Callable) 
     return Passes(sagebwd_forward, sagebwd_backward)
 
 
-def _reference_forward(q, k, v, key_mask, is_causal, scale, pv, scores):
-    return ref.sagebwd_forward(q, k, v, key_mask, is_causal, scale, pv, scores)
-
-
-def _reference_backward(do, state, key_mask, is_causal, scale, dov, dlse, k_mean, scores):
-    return ref.sagebwd_backward(do, state, key_mask, is_causal, scale, dov, dlse, k_mean, scores)
-
-
-REFERENCE = define("sagebwd_reference", _reference_forward, _reference_backward)
+REFERENCE = define("sagebwd_reference", ref.sagebwd_forward, ref.sagebwd_backward)

@@ -148,7 +148,8 @@ __device__ __forceinline__ void masked_run(const uint32_t* bits, int n, int& lo,
 
 // kKeys: keys per tile (TileConfig; 192 with long_tile).
 template <bool kCausal, int kBlockM, int kKeys = kBlockKV>
-__device__ __forceinline__ FwdWork make_work(const FwdParams& p, int m_block, int h, int b) {
+// bits: batch b's mask words (kKeys / 32 per tile), nullptr without a key mask.
+__device__ __forceinline__ FwdWork make_work(const FwdParams& p, int m_block, int h, int b, const uint32_t* bits) {
   FwdWork w;
   w.m_block = m_block;
   w.h = h;
@@ -162,10 +163,8 @@ __device__ __forceinline__ FwdWork make_work(const FwdParams& p, int m_block, in
     w.n_tiles = min(w.n_tiles, last);
   }
   w.skip = {w.n_tiles, 0};
-  if (p.mask_bits != nullptr) {
-    // batch b's mask words (kKeys / 32 per tile), as the consumers read them (tile_mask)
-    masked_run<kKeys / 32>(p.mask_bits + static_cast<int64_t>(b) * (kKeys / 32) * ((p.Skv + kKeys - 1) / kKeys),
-                           w.n_tiles, w.skip.lo, w.skip.n);
+  if (bits != nullptr) {
+    masked_run<kKeys / 32>(bits, w.n_tiles, w.skip.lo, w.skip.n);
     w.n_tiles -= w.skip.n;
   }
   return w;
@@ -223,9 +222,13 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const SmemPlan<D, kWGs, kSumCols, kKeys, VElem> sp(smem_raw);
 
-  // The CTA's work tile is (blockIdx.x, y, z).
+  // The CTA's work tile is (blockIdx.x, y, z); batch blockIdx.z's mask words, p.n_kv_tiles K blocks' worth
+  const uint32_t* bits = p.mask_bits != nullptr
+                             ? p.mask_bits + static_cast<int64_t>(blockIdx.z) * (C::kKBlock / 32) * p.n_kv_tiles
+                             : nullptr;
   const FwdWork wk =
-      make_work<kCausal, kBlockM, kKeys>(p, kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
+      make_work<kCausal, kBlockM, kKeys>(p, kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z,
+                                         bits);
 
   fill_sum_rows(sp);  // tc_row_sum only; ordered before any wgmma by init_barriers' __syncthreads
   init_barriers<D>(sp);
@@ -273,10 +276,8 @@ __global__ void __launch_bounds__(fwd_threads<FwdOptions::from_flags(kFlags, kPo
     sm.init(p.sq[q_rows + row[0]] * p.scale_log2, p.sq[q_rows + row[1]] * p.scale_log2);
   }
   const WarpgroupOperands<D, kWGs, kSumCols, kKeys, VElem> ops(sp, wg, tid);
-  // per (b, kv head) p.n_kv_tiles K scales, per b the mask words of as many K blocks
+  // per (b, kv head) p.n_kv_tiles K scales (the mask words: bits, above)
   const float* sk = p.sk + (static_cast<int64_t>(b) * p.Hkv + hk) * p.n_kv_tiles;
-  const uint32_t* bits =
-      p.mask_bits != nullptr ? p.mask_bits + static_cast<int64_t>(b) * (C::kKBlock / 32) * p.n_kv_tiles : nullptr;
 
   uint32_t s_acc[C::kSRegs];
   uint32_t p_frag[C::kPRegs];

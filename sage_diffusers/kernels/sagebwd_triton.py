@@ -53,7 +53,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import config
-from .._sagebwd_ops import define, no_alias
+from .._sagebwd_ops import define
 from ..reference import sagebwd as ref
 from ..reference.online_softmax import LOG2E
 from ..reference.sagebwd import BLOCK_KV, BLOCK_Q, DoVPrecision, PVPrecision, SageBwdState, ScorePrecision
@@ -1053,8 +1053,8 @@ def _forward_impl(q, k, v, key_mask, is_causal: bool, scale: Optional[float], pv
     k8, sk = quantize_blocks(k, BLOCK_KV, mean=ref.key_mean(k, key_mask), key_mask=key_mask)
     # V^ and its transposed copy (the P~.V operand, K-major) from one pass
     v8, sv, v8t = quantize_blocks(v, BLOCK_KV, key_mask=key_mask, transposed=True)
-    vc = no_alias(ref.masked_v(v, key_mask).to(ref.compute_dtype(v.dtype)).contiguous(), v)
-    qc, kc = (no_alias(x, q, k) for x in ref.score_operands(q, k, key_mask, scores))  # empty for INT8 scores
+    vc = ref.masked_v(v, key_mask).to(ref.compute_dtype(v.dtype)).contiguous()
+    qc, kc = ref.score_operands(q, k, key_mask, scores)  # empty for INT8 scores
     qk16 = scores is ScorePrecision.FP16
     out = torch.empty((b, hq, sq_len, d), dtype=q.dtype, device=q.device)
     m2 = torch.empty((b, hq, sq_len), dtype=torch.float32, device=q.device)
