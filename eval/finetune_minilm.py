@@ -142,7 +142,8 @@ def run(attn: str, train, test, cfg) -> dict:
     acc0, _ = evaluate(model, tok, test, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     g = torch.Generator().manual_seed(cfg.seed)
-    losses, t0 = [], time.perf_counter()
+    losses, step_sec, t0 = [], [], time.perf_counter()
+    t_end = t0
     for step in range(cfg.steps):
         idx = torch.randint(0, len(train), (cfg.batch,), generator=g).tolist()
         batch = tok([train[i][0] for i in idx], padding=True, truncation=True, max_length=cfg.max_len,
@@ -153,13 +154,14 @@ def run(attn: str, train, test, cfg) -> dict:
         loss.backward()
         opt.step()
         losses.append(loss.item())
+        t_step, t_end = t_end, time.perf_counter()  # loss.item() synced: the step is done
+        step_sec.append(t_end - t_step)
         if step % 25 == 0:
             print(f"[{attn}] step {step} loss {loss.item():.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    sec = (time.perf_counter() - t0) / cfg.steps
     acc, f1 = evaluate(model, tok, test, cfg)
     window = min(20, len(losses))
     return dict(losses=losses, acc_before=acc0, acc_after=acc, f1_after=f1,
-                final_train_loss=sum(losses[-window:]) / window, sec_per_step=sec)
+                final_train_loss=sum(losses[-window:]) / window, **common.step_timing(step_sec))
 
 
 def check_config(cfg) -> None:
@@ -211,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     runs = {name: run(name, train, test, cfg) for name in names}
     for name, r in runs.items():
         print(f"{name}: acc {r['acc_before']:.4f} -> {r['acc_after']:.4f} (F1 {r['f1_after']:.4f}), "
-              f"loss {r['final_train_loss']:.4f}, {r['sec_per_step']:.3f} s/step")
+              f"loss {r['final_train_loss']:.4f}, {r['sec_per_step']:.3f} s/step "
+              f"({r['steady_sec_per_step']:.4f} after {r['warmup_sec']:.1f} s of warm-up)")
     if cfg.no_write:
         return
     payload = dict(task=desc, config={k: v for k, v in vars(cfg).items() if k != "no_write"},

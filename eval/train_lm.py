@@ -95,7 +95,8 @@ def run(attn: str, data_train, data_val, cfg) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
-    losses, t0 = [], time.perf_counter()
+    losses, step_sec, t0 = [], [], time.perf_counter()
+    t_end = t0
     for step, (x, y) in enumerate(batches(data_train, cfg.steps, cfg.batch, cfg.seq, cfg.seed)):
         x, y = x.to(cfg.device), y.to(cfg.device)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -105,16 +106,17 @@ def run(attn: str, data_train, data_val, cfg) -> dict:
         opt.step()
         sched.step()
         losses.append(loss.item())
+        t_step, t_end = t_end, time.perf_counter()  # loss.item() synced: the step is done
+        step_sec.append(t_end - t_step)
         if step % 50 == 0:
             print(f"[{attn}] step {step} loss {loss.item():.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    sec = (time.perf_counter() - t0) / cfg.steps
     model.eval()
     with torch.no_grad():  # validation through the same attention (no_grad: SageBwd's forward)
         val = [F.cross_entropy(model(x.to(cfg.device)).flatten(0, 1), y.to(cfg.device).flatten()).item()
                for x, y in batches(data_val, cfg.val_batches, cfg.batch, cfg.seq, cfg.seed + 1)]
     val_loss = sum(val) / len(val)
     return dict(losses=losses, final_train_loss=sum(losses[-50:]) / len(losses[-50:]), val_loss=val_loss,
-                val_ppl=math.exp(val_loss), sec_per_step=sec,
+                val_ppl=math.exp(val_loss), **common.step_timing(step_sec),
                 params=sum(p.numel() for p in model.parameters()))
 
 
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = {name: run(name, data[:cut], data[cut:], cfg) for name in names}
     for name, r in runs.items():
         print(f"{name}: train {r['final_train_loss']:.4f} val {r['val_loss']:.4f} ppl {r['val_ppl']:.3f} "
-              f"({r['sec_per_step']:.3f} s/step)")
+              f"({r['sec_per_step']:.3f} s/step, {r['steady_sec_per_step']:.4f} after {r['warmup_sec']:.1f} s of warm-up)")
     if cfg.no_write:
         return
     params = next(iter(runs.values()))["params"]

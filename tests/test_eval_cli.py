@@ -379,6 +379,28 @@ def test_training_results_of_the_other_run_are_checked_before_training(tmp_path,
     assert "not valid JSON" in refused(finetune_minilm.main, ["--steps", "1"], capsys)
 
 
+def test_training_step_times_keep_the_warm_up_apart(tmp_path, monkeypatch):
+    """Bug: s/step was the mean over every step, so SageBwd's first step (Triton compiling and
+    autotuning its kernels, seconds) dominated the column on short runs; the warm-up is now timed
+    apart, and results written before that say "not recorded" instead of a number they lack."""
+    monkeypatch.setattr(_sagebwd_training, "WARMUP_STEPS", 2)
+    t = _sagebwd_training.step_timing([9.0, 3.0, 1.0, 2.0, 1.5])
+    assert t == dict(sec_per_step=16.5 / 5, steady_sec_per_step=1.5, warmup_steps=2, warmup_sec=12.0)
+    assert _sagebwd_training.step_timing([0.5]) == dict(sec_per_step=0.5, steady_sec_per_step=0.5, warmup_steps=0,
+                                                        warmup_sec=0.0)  # one step: it is the steady one
+    with pytest.raises(ValueError, match="at least one step"):
+        _sagebwd_training.step_timing([])
+
+    monkeypatch.setattr(_sagebwd_training, "RESULTS", tmp_path)
+    config = dict(lr=1e-3, batch=2, steps=5, max_len=8, seed=0)
+    old = dict(losses=[1.0], acc_before=0.1, acc_after=0.9, f1_after=0.9, final_train_loss=0.5, sec_per_step=0.25)
+    runs = dict(sdpa=old, sagebwd=dict(old, **t))
+    (tmp_path / _sagebwd_training.FINETUNE_JSON).write_text(json.dumps(dict(task="t", config=config, runs=runs)))
+    report = _sagebwd_training.render_report().read_text()
+    assert "| sdpa | 0.1000 | 0.9000 | 0.9000 | 0.5000 | 0.250 | not recorded | not recorded |" in report
+    assert "| sagebwd | 0.1000 | 0.9000 | 0.9000 | 0.5000 | 3.300 | 1.5000 | 12.0 (2 steps) |" in report
+
+
 def test_calibration_json_is_checked(tmp_path, capsys):
     """Bug: `--ship` of a damaged or foreign JSON failed with JSONDecodeError / KeyError naming no file."""
     bad = tmp_path / "run.json"
