@@ -7,6 +7,7 @@ and what ``mode="auto"`` will do for head dims 64 and 128.
 """
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import shutil
@@ -25,11 +26,23 @@ from .selftest import CheckKey, Status
 AUTO_HEAD_DIMS = (64, 128)
 
 
+def _cuda_home() -> Optional[str]:
+    """``torch.utils.cpp_extension.CUDA_HOME``, imported without the warning torch logs on import where
+    it finds a toolkit but no CUDA device ("No CUDA runtime is found, using CUDA_HOME=..."): the report
+    says that in its own lines, and the warning was the only output on stderr."""
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)  # the doctor is a CLI command: no other thread logs here meanwhile
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        log.setLevel(level)
+    return cpp_extension.CUDA_HOME
+
+
 def _nvcc() -> tuple[Optional[Path], str]:
     """nvcc torch's JIT would use (``$CUDA_HOME/bin``, else PATH) and its release line."""
-    from torch.utils import cpp_extension
-
-    home = cpp_extension.CUDA_HOME
+    home = _cuda_home()
     candidates = [Path(home) / "bin" / ("nvcc.exe" if os.name == "nt" else "nvcc")] if home else []
     on_path = shutil.which("nvcc")
     candidates += [Path(on_path)] if on_path else []
