@@ -255,13 +255,15 @@ def test_gpu_dispatch_decisions_trace_under_compile(fake_sm90, monkeypatch):
     model = fake_sm90
     cls = CallClass(128, False, False, False, False)
     table = _full_table(None)
-    table[cls] = 16384 * 16384
+    table[cls] = 2 * 16384 * 16384  # work = B * Hq * Sq * Skv
     monkeypatch.setattr(auto_table, "SHIPPED", {model: table})
 
     def decide(x):
         why = _dispatch._auto_status(0)  # on this CPU machine: the kernel is unavailable, with a reason
-        n = x.shape[0]
-        slower = _dispatch.auto_prefers_sdpa(torch.device("cuda", 0), (1, 1, n, 128), 1, n, False, False)
+        # every size from the tensor, as sd.attention passes them: SymInts under dynamic=True (torch
+        # 2.14 failed the table lookup with "BooleanAtom not allowed in this context")
+        slower = _dispatch.auto_prefers_sdpa(torch.device("cuda", 0), tuple(x.shape), x.shape[1], x.shape[2],
+                                             False, False)
         return (x * 2 if slower is None else x + 1), why
 
     try:
@@ -269,7 +271,7 @@ def test_gpu_dispatch_decisions_trace_under_compile(fake_sm90, monkeypatch):
             torch._dynamo.reset()
             compiled = torch.compile(decide, fullgraph=True, backend="eager", dynamic=dynamic)
             for n in (16384, 4096, 16384 + 128):
-                x = torch.ones(n)
+                x = torch.ones(1, 2, n, 128)
                 out, why = compiled(x)
                 eager_out, eager_why = decide(x)
                 assert why == eager_why and why.startswith("auto: int8 kernel unavailable on sm_90")

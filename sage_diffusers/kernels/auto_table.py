@@ -99,8 +99,12 @@ Table = Mapping[CallClass, Optional[int]]
 
 def call_class(head_dim: int, causal: bool, masked: bool, hq: int, hkv: int, sq: int, skv: int,
                accurate: bool = False) -> CallClass:
-    return CallClass(head_dim, bool(causal), bool(masked), hq != hkv, sq % ALIGN != 0 or skv % ALIGN != 0,
-                     bool(accurate))
+    # Plain Python values only: under torch.compile with dynamic shapes the sizes are SymInts, and a
+    # key holding a SymBool fails the table lookup (torch 2.14: "BooleanAtom not allowed in this
+    # context"). A branch on a size makes dynamo guard on it and go on with a constant.
+    grouped = True if hq != hkv else False
+    unaligned = True if (sq % ALIGN != 0 or skv % ALIGN != 0) else False
+    return CallClass(head_dim, bool(causal), bool(masked), grouped, unaligned, bool(accurate))
 
 
 def call_work(b: int, hq: int, sq: int, skv: int) -> int:
