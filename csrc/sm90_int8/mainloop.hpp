@@ -108,8 +108,6 @@ __device__ __forceinline__ void init_barriers(const SmemPlan<D, kWGs, kSumCols, 
   __syncthreads();
 }
 
-// Stage and use count (n) of item `tile` of the K/V ring. kWGs: the CTA's consumer warpgroups (the
-// ring depth depends on them: TileConfig::kStages); kSumCols, kKeys: TileConfig's.
 // The run of wholly masked key tiles [lo, lo + n) a work tile's loop skips (kernel_fwd.cuh
 // masked_run; n = 0: none): loop step i visits key tile key_tile(i), in the producer's copies and
 // the consumers' K scales and mask words alike.
@@ -118,6 +116,8 @@ struct SkippedTiles {
   __device__ __forceinline__ int key_tile(int i) const { return i < lo ? i : i + n; }
 };
 
+// Stage and use count (n) of item `tile` of the K/V ring. kWGs: the CTA's consumer warpgroups (the
+// ring depth depends on them: TileConfig::kStages); kSumCols, kKeys: TileConfig's.
 template <int D, int kWGs, int kSumCols = 0, int kKeys = kBlockKV, class VElem = cute::float_e4m3_t>
 __device__ __forceinline__ void ring_slot(int tile, int& stage, int& n) {
   constexpr int kStages = TileConfig<D, kWGs, kSumCols, kKeys, VElem>::kStages;
