@@ -70,7 +70,7 @@ UINT8_MAX = 255.0
 MODES = dict(
     q=("block64", "token", "smooth64", "none"), k=("block64", "token", "none"), s_bwd=("fwd", "exact"),
     stats=("fwd", "recompute"), pv=("int8", "uint8", "fp16", "none"), out=("dtype", "fp32"), delta=("o", "p"),
-    p_dv=("int8", "uint8", "none"), do_dv=("block64", "none"), dp=("fp16", "none"),
+    p_dv=("int8", "uint8", "none"), do_dv=("block64", "channel", "none"), dp=("fp16", "none"),
     ds_dq=("tile", "row", "none"), ds_dk=("tile", "col", "none"),
     k_dq=("block64", "token", "none"), q_dk=("block64", "token", "none"),
 )
@@ -263,11 +263,15 @@ def emulate(x: realistic.Inputs, do: torch.Tensor, var: Variant, is_causal: bool
 
     # dV = P~^T dO'
     dos = do.float() * inv_l
+    sdo_channel = torch.ones(1, 1, 1, 1)  # (B, Hq, 1, D) in channel mode: scales dV's output columns
     if var.do_dv == "block64":
         dos8, sdos = quantize_int8_per_block(dos, BQ)
         dos8 = dos8.float()
     else:
         dos8, sdos = dos, torch.ones(b, hq, -(-sq_len // BQ))
+        if var.do_dv == "channel":
+            sdo_channel = _div(dos.abs().amax(2, keepdim=True), INT8_MAX)
+            dos8 = _int8_from_scale(dos, sdo_channel).float()
     if var.p_dv == "none":
         p8, p_scale = ref.tile_view(p_tilde), 1.0
     else:
@@ -275,7 +279,7 @@ def emulate(x: realistic.Inputs, do: torch.Tensor, var: Variant, is_causal: bool
         if var.p_dv == "int8":
             p_scale = ref.P_SCALE
     dv_tiles = torch.einsum("bhiqjk,bhiqd->bhijkd", p8, ref._block_rows(dos8, BQ))
-    dv = (dv_tiles * (sdos * p_scale)[:, :, :, None, None, None]).sum(2)
+    dv = (dv_tiles * (sdos * p_scale)[:, :, :, None, None, None]).sum(2) * sdo_channel[:, :, None]
     dv = ref._group_sum(dv.flatten(2, 3)[:, :, :skv], hkv)
 
     # dP, delta, dS
@@ -362,6 +366,7 @@ VARIANTS: tuple[tuple[str, Variant], ...] = (
     ("one", _v("O in dtype", "O rounded to the input dtype before delta", **{**EXACT, "out": "dtype"})),
     ("one", _v("P~ int8 (dV)", "P~ codes of dV", **{**EXACT, "p_dv": "int8"})),
     ("one", _v("dO' int8 (dV)", "dO' per 64 queries in dV", **{**EXACT, "do_dv": "block64"})),
+    ("one", _v("dO' channel (dV)", "dO' per channel over all queries in dV", **{**EXACT, "do_dv": "channel"})),
     ("one", _v("dP fp16", "dO V^T in the 16-bit dtype", **{**EXACT, "dp": "fp16"})),
     ("one", _v("dS tile (dQ)", "dS per 64x64 tile for dQ", **{**EXACT, "ds_dq": "tile"})),
     ("one", _v("dS tile (dK)", "dS per 64x64 tile for dK", **{**EXACT, "ds_dk": "tile"})),
@@ -387,6 +392,8 @@ VARIANTS: tuple[tuple[str, Variant], ...] = (
     ("fix", _v("dS row/col", "dS per row for dQ, per column for dK", ds_dq="row", ds_dk="col")),
     ("fix", _v("dS row/col, ops token", "dS per row / column, K and Q operands per token", ds_dq="row",
                ds_dk="col", k_dq="token", q_dk="token")),
+    ("fix", _v("dO' channel", "dO' per channel over all queries: dV sums in int32 in place",
+               do_dv="channel")),
     ("fix", _v("P~ uint8", "P~ codes rint(255 P~) in forward and dV", pv="uint8", p_dv="uint8")),
     ("fix", _v("O fp32 + dS row/col", "delta from float32 O, dS per row / column", out="fp32", ds_dq="row",
                ds_dk="col")),
