@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""Experiment: SageBwd's dK/dV as an sm_90a wgmma kernel (``bench/sm90_sagebwd/``), checked against the
+torch reference and timed beside the shipped Triton backward and cuDNN BF16's backward.
+
+The kernel (``dkdv_kernel.cuh``) has warp-specialized warpgroups: a producer lane bulk-copies each query
+block's operands into a ring of stages, and two consumer warpgroups of 64 keys each run S^T, dP^T (16-bit
+wgmma), the softmax gradient and dS quantization in registers, and the two INT8 products dV and dK,
+with barriers among a warpgroup's own 128 threads only. Its operands arrive as images of their swizzled
+shared-memory tiles, which this script makes with torch ops from the reference's quantized operands
+(the layouts come from the extension: ``layout_table``), so the timing is the kernel alone. The
+numerics are the shipped ones with 16-bit scores (``sage_diffusers/reference/sagebwd.py``,
+``scores="fp16"``); no masks, causality or GQA; Sq % 64 == 0, Skv % 128 == 0.
+
+    python bench/sagebwd_cuda_dkdv.py --check                  # small shapes against the reference
+    python bench/sagebwd_cuda_dkdv.py --shapes 1x24x16384x128,1x48x16384x64 --rounds 3 \
+        --out eval/results/sagebwd_cuda_dkdv_h100.md
+
+Timing: kernel device times from ``torch.profiler``, rounds interleaving the methods (ours, the
+shipped Triton backward's kernels, cuDNN BF16's backward kernels), min / median / max over rounds of the
+per-call mean. Accuracy at the timed shapes: ours against the shipped Triton kernel's dK / dV (same
+forward state); at the check shapes: against the torch reference, and both against float64 autograd.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench.bench_utils import git_head, make_inputs  # noqa: E402
+from eval import _cli  # noqa: E402
+from sage_diffusers.reference import sagebwd as ref  # noqa: E402
+from sage_diffusers.reference.online_softmax import LOG2E  # noqa: E402
+from sage_diffusers.reference.quant import quantize_int8_per_block  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+LAB = ROOT / "bench" / "sm90_sagebwd"
+BLOCK_M, BLOCK_N, KEYS_PER_WG = 64, 128, 64
+
+
+def build():
+    """The experiment's extension (JIT, cached by source hash)."""
+    from sage_diffusers.kernels import _jit, int8_sm90
+    return _jit.load_extension("sage_diffusers_sagebwd_sm90_lab", [LAB / "binding.cu"],
+                               extra_cuda_cflags=list(int8_sm90._NVCC_FLAGS),
+                               extra_include_paths=[ROOT / "csrc" / "common"])
+
+
+def vt_position_to_query(p: torch.Tensor) -> torch.Tensor:
+    """The query stored at k position p of an INT8 B image (csrc/sm90_int8/tile_config.hpp
+    vt_position_to_key): within each 16-position half, position 4t + i holds 2t + (i & 1) + 8 (i >> 1)."""
+    t, i = (p & 15) >> 2, p & 3
+    return (p & ~15) + 2 * t + (i & 1) + 8 * (i >> 1)
+
+
+def _images_of(x: torch.Tensor, rows: int, table: torch.Tensor) -> torch.Tensor:
+    """x (B, H, S, C) -> (B, H, S / rows, rows * C) with each tile's elements at the table's offsets."""
+    b, h, s, c = x.shape
+    tiles = x.reshape(b, h, s // rows, rows * c)
+    out = torch.empty_like(tiles)
+    out[..., table.reshape(-1).to(x.device)] = tiles
+    return out
+
+
+def operands(ext, q, k, v, do, st: ref.SageBwdState, sm_scale: float) -> dict:
+    """The kernel's images and vectors from the forward state ``st`` (16-bit scores) and dO, with the
+    reference's operations: P~'s inverse row sum, dO' = dO / l quantized per 64 queries, delta."""
+    b, h, sq, d = q.shape
+    skv = k.shape[2]
+    assert sq % BLOCK_M == 0 and skv % BLOCK_N == 0, "Sq % 64 and Skv % 128 must be 0"
+    live = torch.isfinite(st.lse2)
+    zero = torch.zeros((), device=q.device)
+    m_safe = torch.where(live, st.m2, zero)
+    inv_l = torch.exp2(m_safe - torch.where(live, st.lse2, zero))  # (B, H, Sq)
+    dos8, sdos = quantize_int8_per_block(do.float() * inv_l[..., None], BLOCK_M)
+    delta = (do.float() * st.out.float()).sum(-1)  # (B, H, Sq)
+    cdt = st.vc.dtype
+    kv16, q16, t8 = (ext.layout_table(kind, d) for kind in ("kv16", "q16", "t8"))
+    as16 = lambda x: x.to(cdt).contiguous().view(torch.int16)  # noqa: E731
+    perm = vt_position_to_query(torch.arange(BLOCK_M, device=q.device))
+
+    def t8_images(codes: torch.Tensor) -> torch.Tensor:  # (B, H, Sq, D) int8 -> per block D x 64, permuted
+        blocks = codes.reshape(b, h, sq // BLOCK_M, BLOCK_M, d)[:, :, :, perm, :]
+        return _images_of(blocks.transpose(-1, -2).reshape(b, h, -1, BLOCK_M), d, t8)
+
+    vec = torch.zeros(b, h, sq // BLOCK_M, ext.vec_floats, dtype=torch.float32, device=q.device)
+    vec[..., 0:64] = m_safe.reshape(b, h, -1, BLOCK_M)
+    vec[..., 64:128] = inv_l.reshape(b, h, -1, BLOCK_M)
+    vec[..., 128:192] = delta.reshape(b, h, -1, BLOCK_M)
+    vec[..., 192] = sdos * ref.P_SCALE
+    vec[..., 193] = st.sq
+    return dict(
+        k=_images_of(as16(st.kc), KEYS_PER_WG, kv16).view(torch.uint8),
+        v=_images_of(as16(st.vc), KEYS_PER_WG, kv16).view(torch.uint8),
+        q=_images_of(as16(st.qc), BLOCK_M, q16).view(torch.uint8),
+        dO=_images_of(as16(do), BLOCK_M, q16).view(torch.uint8),
+        qt=t8_images(st.q8).view(torch.uint8),
+        dot=t8_images(dos8).view(torch.uint8),
+        vec=vec.contiguous(), bf16=cdt == torch.bfloat16, qk_scale=sm_scale * LOG2E, sm_scale=sm_scale)
+
+
+def run_ours(ext, ops: dict, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    b, h, skv, d = shape
+    dk = torch.empty(b, h, skv, d, dtype=torch.float32, device="cuda")
+    dv = torch.empty_like(dk)
+    ext.dkdv(ops["k"], ops["v"], ops["q"], ops["dO"], ops["qt"], ops["dot"], ops["vec"], dk, dv, ops["bf16"],
+             ops["qk_scale"], ops["sm_scale"])
+    return dk, dv
+
+
+def metrics(got: torch.Tensor, want: torch.Tensor) -> str:
+    g, w = got.double().flatten(), want.double().flatten()
+    cos = float(torch.dot(g, w) / (g.norm() * w.norm()).clamp_min(1e-300))
+    rel = float((g - w).abs().sum() / w.abs().sum().clamp_min(1e-300))
+    return f"cos {cos:.6f} rel-L1 {rel:.2e} max|diff| {float((g - w).abs().max()):.3e}"
+
+
+def check(ext) -> bool:
+    """Small shapes: ours against the reference's dK / dV (same state), both against float64 autograd."""
+    ok = True
+    for (b, h, s, d), dtype in (((1, 2, 256, 128), torch.bfloat16), ((2, 3, 384, 64), torch.float16),
+                                ((1, 2, 512, 64), torch.bfloat16), ((1, 1, 640, 128), torch.float16)):
+        g = torch.Generator(device="cuda").manual_seed(s + d)
+        q, k, v, do = (torch.randn(b, h, s, d, generator=g, device="cuda").to(dtype) for _ in range(4))
+        k = k + 3 * torch.randn(1, h, 1, d, generator=g, device="cuda").to(dtype)  # a key bias, as DiTs have
+        sm_scale = 1.0 / math.sqrt(d)
+        st = ref.sagebwd_forward(q, k, v, pv="fp16", scores="fp16")
+        _, dk_ref, dv_ref = ref.sagebwd_backward(do, st, scores="fp16")
+        dk, dv = run_ours(ext, operands(ext, q, k, v, do, st, sm_scale), (b, h, s, d))
+        torch.cuda.synchronize()
+        qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
+        out = F.scaled_dot_product_attention(qd, kd, vd)
+        _, dk64, dv64 = torch.autograd.grad(out, (qd, kd, vd), do.double())
+        tag = f"{b}x{h}x{s}x{d} {str(dtype).split('.')[-1]}"
+        print(f"{tag}: dK ours vs reference {metrics(dk, dk_ref)}; dV {metrics(dv, dv_ref)}")
+        print(f"{tag}: vs float64: dK ours {metrics(dk, dk64)} | reference {metrics(dk_ref, dk64)}")
+        print(f"{tag}: vs float64: dV ours {metrics(dv, dv64)} | reference {metrics(dv_ref, dv64)}")
+        for got, want in ((dk, dk_ref), (dv, dv_ref)):
+            g_, w_ = got.double().flatten(), want.double().flatten()
+            cos = float(torch.dot(g_, w_) / (g_.norm() * w_.norm()))
+            ok = ok and torch.isfinite(got).all().item() and cos > 0.99999
+    print("CHECK", "PASSED" if ok else "FAILED")
+    return ok
+
+
+def _kernel_ms(fn, match, iters: int) -> float:
+    """Mean device ms per call of fn() summed over the CUDA kernels whose name satisfies match."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(ev.device_time_total for ev in prof.events()
+                if ev.device_type == torch.autograd.DeviceType.CUDA and match(ev.name))
+    return total / 1e3 / iters
+
+
+def bench(ext, shapes, rounds: int, iters: int) -> list[str]:
+    from sage_diffusers.kernels import sagebwd_triton as tri
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    lines = []
+    for shape in shapes:
+        b, h, s, d = shape
+        q, k, v = make_inputs(b, h, s, d)
+        do = torch.randn_like(q)
+        sm_scale = 1.0 / math.sqrt(d)
+        st = tri._forward_impl(q, k, v, None, False, None, ref.PVPrecision.FP16, ref.ScorePrecision.FP16)
+        ops = operands(ext, q, k, v, do, st, sm_scale)
+        kernels = tri.bwd_kernels(d)
+        triton_bwd = lambda: tri._backward_impl(do, st, None, False, None, ref.DoVPrecision.FP16,  # noqa: E731
+                                                scores=ref.ScorePrecision.FP16)
+        dk, dv = run_ours(ext, ops, shape)
+        _, dk_t, dv_t = triton_bwd()
+        acc = f"dK {metrics(dk, dk_t)}; dV {metrics(dv, dv_t)}"
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = F.scaled_dot_product_attention(qg, kg, vg)
+        cudnn_bwd = lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)  # noqa: E731
+        methods = {
+            "ours dK/dV": (lambda: run_ours(ext, ops, shape), lambda n: "dkdv_kernel" in n),
+            f"Triton dK/dV ({kernels.value})": (triton_bwd, lambda n: "_bwd_dkdv" in n or "_bwd_fused" in n),
+            "Triton backward (all kernels)": (triton_bwd, lambda n: True),
+            "cuDNN BF16 backward": (cudnn_bwd, lambda n: True),
+        }
+        for fn, _ in methods.values():  # warm-up (Triton autotuning, cuDNN plans)
+            fn()
+        times = {name: [] for name in methods}
+        for _ in range(rounds):
+            for name, (fn, match) in methods.items():
+                times[name].append(_kernel_ms(fn, match, iters))
+        tag = "x".join(map(str, shape))
+        fused_note = " (dQ included: the fused kernel)" if kernels.value == "fused" else ""
+        lines.append(f"\n### {tag} bf16, not causal\n")
+        lines.append(f"Ours against the shipped Triton kernel's gradients: {acc}\n")
+        lines.append("| kernels | ms min | median | max | vs Triton dK/dV |")
+        lines.append("|---|---:|---:|---:|---:|")
+        base = statistics.median(times[f"Triton dK/dV ({kernels.value})"])
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            label = name + (fused_note if name.startswith("Triton dK/dV") else "")
+            lines.append(f"| {label} | {min(ts):.3f} | {med:.3f} | {max(ts):.3f} | {base / med:.2f}x |")
+        print("\n".join(lines[-(len(methods) + 4):]), flush=True)
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="small shapes against the reference, then stop")
+    ap.add_argument("--shapes", type=_cli.shape_list, default=[(1, 24, 16384, 128), (1, 48, 16384, 64)])
+    ap.add_argument("--rounds", type=_cli.positive_int, default=3)
+    ap.add_argument("--iters", type=_cli.positive_int, default=5)
+    ap.add_argument("--out", type=Path, default=None, help="markdown file of the timing tables")
+    args = ap.parse_args(argv)
+    ext = build()
+    ok = check(ext)
+    if args.check or not ok:
+        return 0 if ok else 1
+    lines = bench(ext, args.shapes, args.rounds, args.iters)
+    if args.out:
+        gpu = torch.cuda.get_device_name()
+        head = (f"# SageBwd dK/dV as an sm_90a wgmma kernel (experiment) on {gpu}\n\n"
+                f"Run of commit {git_head()}, torch {torch.__version__}: `python bench/sagebwd_cuda_dkdv.py "
+                f"--rounds {args.rounds} --iters {args.iters}`. Kernel device times (torch.profiler), "
+                f"{args.rounds} rounds interleaving the methods, each the mean of {args.iters} calls.\n")
+        args.out.write_text(head + "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+// Experiment binding: the sm_90a dK/dV kernel (dkdv_kernel.cuh) and the layout tables the host uses
+// to write its operand images (each the CuTe smem layout the wgmma descriptors read, evaluated here
+// on the host, so images and descriptors agree by construction).
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include "dkdv_kernel.cuh"
+
+namespace {
+
+using namespace sagebwd_sm90;
+
+// Element offset of (row, col) in one tile of a 2-mode (or the first stage of a 3-mode) layout.
+template <class Layout>
+torch::Tensor table_of(Layout layout, int rows, int cols) {
+  auto sw = cute::get_swizzle_portion(layout);
+  auto base = cute::get_nonswizzle_portion(layout);
+  auto out = torch::empty({rows, cols}, torch::kInt64);
+  auto* o = out.data_ptr<int64_t>();
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) {
+      if constexpr (decltype(cute::rank(base))::value == 3) {
+        o[r * cols + c] = sw(base(r, c, 0));
+      } else {
+        o[r * cols + c] = sw(base(r, c));
+      }
+    }
+  return out;
+}
+
+// kind: "kv16" (64 x D, 16-bit), "q16" (64 x D, 16-bit, one stage), "t8" (D x 64, int8, one stage).
+torch::Tensor layout_table(const std::string& kind, int64_t d) {
+  auto pick = [&](auto dd) {
+    constexpr int D = decltype(dd)::value;
+    using C = Config<D, cute::bfloat16_t>;  // the layouts depend on the element size only
+    if (kind == "kv16") return table_of(typename C::LayoutKV{}, kKeysPerWG, D);
+    if (kind == "q16") return table_of(typename C::LayoutQ{}, kBlockM, D);
+    if (kind == "t8") return table_of(typename C::LayoutT8{}, D, kBlockM);
+    TORCH_CHECK(false, "layout_table: kind must be kv16, q16 or t8, got ", kind);
+  };
+  TORCH_CHECK(d == 64 || d == 128, "layout_table: head dim 64 or 128, got ", d);
+  return d == 64 ? pick(std::integral_constant<int, 64>{}) : pick(std::integral_constant<int, 128>{});
+}
+
+template <int D, class Elem>
+void launch(const Params& p, int batch, cudaStream_t stream) {
+  using C = Config<D, Elem>;
+  auto kernel = dkdv_kernel<D, Elem>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+  dim3 grid(p.skv / kBlockN, p.heads, batch);
+  kernel<<<grid, kThreads, C::kSmemBytes, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Images as uint8 / float32 tensors laid out as Params says; dk, dv (B, H, Skv, D) float32 outputs.
+void dkdv(torch::Tensor k, torch::Tensor v, torch::Tensor q, torch::Tensor dO, torch::Tensor qt, torch::Tensor dot,
+          torch::Tensor vec, torch::Tensor dk, torch::Tensor dv, bool bf16, double qk_scale, double sm_scale) {
+  for (auto* t : {&k, &v, &q, &dO, &qt, &dot, &vec, &dk, &dv}) {
+    TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "dkdv: CUDA contiguous tensors");
+  }
+  TORCH_CHECK(dk.dim() == 4 && dk.scalar_type() == torch::kFloat32 && dv.sizes() == dk.sizes(), "dk, dv (B, H, Skv, D) float32");
+  const int batch = dk.size(0), heads = dk.size(1), skv = dk.size(2), d = dk.size(3);
+  const int sq = vec.size(-2) * kBlockM;  // vec (B, H, Sq / 64, kVecFloats)
+  TORCH_CHECK(vec.dim() == 4 && vec.size(-1) == kVecFloats, "vec (B, H, Sq / 64, ", kVecFloats, ")");
+  TORCH_CHECK(skv % kBlockN == 0, "Skv must be a multiple of ", kBlockN);
+  TORCH_CHECK(k.numel() == int64_t(batch) * heads * skv * d * 2 && v.numel() == k.numel(), "K / V images");
+  TORCH_CHECK(q.numel() == int64_t(batch) * heads * sq * d * 2 && dO.numel() == q.numel(), "Q / dO images");
+  TORCH_CHECK(qt.numel() == int64_t(batch) * heads * sq * d && dot.numel() == qt.numel(), "Q^T / dO'^T images");
+  Params p{k.data_ptr<uint8_t>(), v.data_ptr<uint8_t>(), q.data_ptr<uint8_t>(), dO.data_ptr<uint8_t>(),
+           qt.data_ptr<uint8_t>(), dot.data_ptr<uint8_t>(), vec.data_ptr<float>(), dk.data_ptr<float>(),
+           dv.data_ptr<float>(), heads, sq, skv, static_cast<float>(qk_scale), static_cast<float>(sm_scale)};
+  const c10::cuda::CUDAGuard guard(dk.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (d == 128) {
+    bf16 ? launch<128, cute::bfloat16_t>(p, batch, stream) : launch<128, cute::half_t>(p, batch, stream);
+  } else if (d == 64) {
+    bf16 ? launch<64, cute::bfloat16_t>(p, batch, stream) : launch<64, cute::half_t>(p, batch, stream);
+  } else {
+    TORCH_CHECK(false, "dkdv: head dim 64 or 128, got ", d);
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("dkdv", &dkdv, "SageBwd dK/dV (experiment, sm_90a)");
+  m.def("layout_table", &layout_table, "element offsets of a tile's smem layout, (rows, cols)");
+  m.attr("vec_floats") = kVecFloats;
+}

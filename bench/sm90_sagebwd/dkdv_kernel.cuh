@@ -1,0 +1,316 @@
+// Experiment: SageBwd's dK/dV kernel as a warp-specialized sm_90a wgmma kernel (issue: the Triton
+// dK/dV kernel waits for every product and holds CTA-wide barriers each step; docs/sagebwd.md
+// "Where the time goes"). Numerics are the shipped ones with 16-bit scores (reference
+// sage_diffusers/reference/sagebwd.py, scores="fp16"): per 64-query block i and 64-key tile,
+//   S^T = K Q^T (16-bit, fp32 sums), dP^T = V dO^T (16-bit, fp32 sums),
+//   P~ = exp2(min(S * qk_scale - m, 0)), P = P~ / l, dS = P (dP - delta),
+//   dV += (P^ int8 = rint(127 P~))^T . dO'^ (INT8 per 64-query block)  * (s_dO'_i / 127),
+//   dK += (dS^ int8 per 64x64 tile)^T . Q^ (INT8 per 64-query block)  * (s_dS * s_Q_i * scale).
+//
+// CTA: 128 keys of one (b, h); warpgroup 0 is the producer (one lane issues the bulk copies),
+// warpgroups 1 and 2 each own 64 keys (the wgmma M) and loop over every query block. Operands
+// arrive as byte images of their swizzled shared-memory tiles (made by the host here: the
+// experiment measures the kernel alone), so every tile is one cp.async.bulk:
+//   K, V: 16-bit, per warpgroup 64 keys x D, K-major (the A operands of S^T and dP^T);
+//   Q, dO: 16-bit, 64 queries x D, K-major (the B operands of S^T and dP^T);
+//   Q^T, dO'^T: INT8, D x 64 queries, K-major (the B operands of dK and dV), their query positions
+//     in the order that makes the S^T accumulator registers the INT8 A fragment as they are
+//     (sage_sm90::vt_position_to_key, as V^T's keys in the 8-bit forward);
+//   per query block: m, 1 / l, delta (64 floats each), s_dO' / 127 and s_Q.
+// Not handled (the experiment's inputs do not have them): masks, causality, GQA (the host sums
+// query heads), partial blocks (Sq % 64, Skv % 128 must be 0), non-finite values.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+
+#include "../../csrc/common/smem.cuh"
+#include "../../csrc/common/sm90/named_barrier.cuh"
+#include "../../csrc/common/sm90/pipeline.cuh"
+#include "../../csrc/common/sm90/register_split.cuh"
+#include "../../csrc/common/sm90/wgmma.cuh"
+
+namespace sagebwd_sm90 {
+
+using Barrier = sage_common::sm90::TxBarrier;
+using sage_common::sm90::fence_regs;
+using sage_common::sm90::wgmma_rs;
+using sage_common::sm90::wgmma_ss;
+
+constexpr int kBlockM = 64;        // queries per step (Q / dO / dS quantization block)
+constexpr int kKeysPerWG = 64;     // keys per consumer warpgroup (wgmma M)
+constexpr int kConsumerWGs = 2;
+constexpr int kBlockN = kKeysPerWG * kConsumerWGs;  // keys per CTA
+constexpr int kThreads = 128 * (1 + kConsumerWGs);
+constexpr int kVecFloats = 256;    // per query block: m[64], inv_l[64], delta[64], dv factor, s_Q, pad
+constexpr int kVecM = 0, kVecInvL = 64, kVecDelta = 128, kVecDvFactor = 192, kVecSQ = 193;
+constexpr int kVecBytes = kVecFloats * 4;
+constexpr int kFirstNamedBarrier = 1;  // one per consumer warpgroup: its dS absmax
+
+template <int D, class Elem>  // Elem: cute::bfloat16_t or cute::half_t
+struct Config {
+  static_assert(D == 64 || D == 128, "head dims 64 and 128");
+  static constexpr int kStages = D == 128 ? 3 : 4;
+  // 16-bit K-major tiles: rows of D elements (128 or 256 bytes) in 128-byte swizzle atoms.
+  using Atom16 = cute::GMMA::Layout_K_SW128_Atom<Elem>;
+  // INT8 K-major tiles of 64 queries: 64-byte rows.
+  using Atom8 = cute::GMMA::Layout_K_SW64_Atom<int8_t>;
+  using LayoutKV = decltype(cute::tile_to_shape(Atom16{}, cute::Shape<cute::Int<kKeysPerWG>, cute::Int<D>>{}));
+  using LayoutQ = decltype(cute::tile_to_shape(
+      Atom16{}, cute::Shape<cute::Int<kBlockM>, cute::Int<D>, cute::Int<kStages>>{}));
+  using LayoutT8 = decltype(cute::tile_to_shape(
+      Atom8{}, cute::Shape<cute::Int<D>, cute::Int<kBlockM>, cute::Int<kStages>>{}));
+  static constexpr int kTile16Bytes = kKeysPerWG * D * 2;  // = kBlockM * D * 2
+  static constexpr int kTile8Bytes = D * kBlockM;
+
+  using MmaS = std::conditional_t<std::is_same_v<Elem, cute::bfloat16_t>,
+                                  cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>,
+                                  cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>>;
+  using MmaD = std::conditional_t<D == 128, cute::SM90::GMMA::MMA_64x128x32_S32S8S8_RS_TN,
+                                  cute::SM90::GMMA::MMA_64x64x32_S32S8S8_RS_TN>;
+  using TiledMmaS = decltype(cute::make_tiled_mma(MmaS{}));
+  using TiledMmaD = decltype(cute::make_tiled_mma(MmaD{}));
+  static constexpr int kSRegs = kKeysPerWG * kBlockM / 128;  // 32 fp32 of S^T (and of dP^T)
+  static constexpr int kDRegs = kKeysPerWG * D / 128;        // D / 2 of dK, of dV, of a product
+  static constexpr int kARegs = kKeysPerWG * kBlockM / 128 / 4;  // 8: one 64x64 INT8 A operand
+
+  // Shared memory: K and V (both warpgroups' tiles), then per stage Q, dO, Q^T, dO'^T, vec.
+  static constexpr int kSmemK = 2 * kTile16Bytes;
+  static constexpr int kSmemV = 2 * kTile16Bytes;
+  static constexpr int kSmemQ = kStages * kTile16Bytes;
+  static constexpr int kSmemDO = kStages * kTile16Bytes;
+  static constexpr int kSmemQT = kStages * kTile8Bytes;
+  static constexpr int kSmemDOT = kStages * kTile8Bytes;
+  static constexpr int kSmemVec = kStages * kVecBytes;
+  static constexpr int kSmemRed = kConsumerWGs * 2 * 4 * 4;  // absmax per warp, double-buffered
+  static constexpr int kSmemBarriers = 8 * (2 * kStages + 1);
+  static constexpr int kSmemBytes = kSmemK + kSmemV + kSmemQ + kSmemDO + kSmemQT + kSmemDOT + kSmemVec + kSmemRed +
+                                    kSmemBarriers + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "one CTA's shared memory");
+  static constexpr int kStageTxBytes = 2 * kTile16Bytes + 2 * kTile8Bytes + kVecBytes;
+};
+
+template <int D, class Elem>
+struct Smem {
+  using C = Config<D, Elem>;
+  uint8_t *k, *v, *q, *dO, *qt, *dot;
+  float *vec, *red;
+  uint64_t *full, *empty, *kv_full;
+  __device__ __forceinline__ explicit Smem(uint8_t* raw) {
+    k = raw + sage_common::smem_align_pad<1024>(sage_common::smem_addr(raw));
+    v = k + C::kSmemK;
+    q = v + C::kSmemV;
+    dO = q + C::kSmemQ;
+    qt = dO + C::kSmemDO;
+    dot = qt + C::kSmemQT;
+    vec = reinterpret_cast<float*>(dot + C::kSmemDOT);
+    red = vec + C::kSmemVec / 4;
+    full = reinterpret_cast<uint64_t*>(red + C::kSmemRed / 4);
+    empty = full + C::kStages;
+    kv_full = empty + C::kStages;
+  }
+};
+
+struct Params {
+  // images, per (b, h) in order: K, V [Skv / 128][2 warpgroup tiles]; Q, dO [Sq / 64] 16-bit tiles;
+  // Q^T, dO'^T [Sq / 64] INT8 tiles; vec [Sq / 64][kVecFloats]
+  const uint8_t *k, *v, *q, *dO, *qt, *dot;
+  const float* vec;
+  float *dk, *dv;  // (B, H, Skv, D) float32
+  int heads, sq, skv;
+  float qk_scale;  // softmax scale * log2(e)
+  float sm_scale;
+};
+
+// INT8 code of x / s (IEEE division, round half to even, clamp +-127; s == 0: 0), the reference's
+// _int8_from_scale.
+__device__ __forceinline__ uint32_t int8_code(float x, float s) {
+  if (s == 0.f) return 0u;
+  const int q = max(-127, min(127, __float2int_rn(x / s)));
+  return static_cast<uint32_t>(q) & 0xffu;
+}
+
+// The INT8 A fragment of a 64 x 64 product (k = queries) from the accumulator-layout values c[32]
+// of this thread: register 4 kb + r, byte i holds value 4 (4 kb + 2 (r >> 1) + (i >> 1)) + 2 (r & 1)
+// + (i & 1) (the 8-bit forward's P pack; the B image stores its query positions permuted to match).
+template <class F>
+__device__ __forceinline__ void pack_a(F&& code_of, uint32_t (&a)[8]) {
+#pragma unroll
+  for (int kb = 0; kb < 2; ++kb) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int v0 = 4 * (4 * kb + 2 * (r >> 1)) + 2 * (r & 1);
+      a[4 * kb + r] = code_of(v0) | (code_of(v0 + 1) << 8) | (code_of(v0 + 4) << 16) | (code_of(v0 + 5) << 24);
+    }
+  }
+}
+
+template <int D, class Elem>
+__global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
+  using C = Config<D, Elem>;
+  extern __shared__ uint8_t smem_raw[];
+  Smem<D, Elem> sp(smem_raw);
+  const int kv_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int bh = b * p.heads + h;
+  const int nq = p.sq / kBlockM;
+  const int wg = threadIdx.x / 128;
+  using Split = sage_common::sm90::RegisterSplit<24, 240, kConsumerWGs>;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < C::kStages; ++s) {
+      Barrier::init(&sp.full[s], 1);
+      Barrier::init(&sp.empty[s], kConsumerWGs * 4);
+    }
+    Barrier::init(sp.kv_full, 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    Split::producer();
+    if (threadIdx.x == 0) {
+      using sage_common::sm90::bulk_copy_g2s;
+      const int64_t kv_off = (static_cast<int64_t>(bh) * (p.skv / kBlockN) + kv_block) * C::kSmemK;
+      Barrier::arrive_and_expect_tx(sp.kv_full, C::kSmemK + C::kSmemV);
+      bulk_copy_g2s(p.k + kv_off, sp.kv_full, sp.k, C::kSmemK);
+      bulk_copy_g2s(p.v + kv_off, sp.kv_full, sp.v, C::kSmemV);
+      const int64_t blk0 = static_cast<int64_t>(bh) * nq;
+      for (int i = 0; i < nq; ++i) {
+        const int s = i % C::kStages, n = i / C::kStages;
+        if (n > 0) Barrier::wait(&sp.empty[s], (n - 1) & 1);
+        Barrier::arrive_and_expect_tx(&sp.full[s], C::kStageTxBytes);
+        const int64_t blk = blk0 + i;
+        bulk_copy_g2s(p.q + blk * C::kTile16Bytes, &sp.full[s], sp.q + s * C::kTile16Bytes, C::kTile16Bytes);
+        bulk_copy_g2s(p.dO + blk * C::kTile16Bytes, &sp.full[s], sp.dO + s * C::kTile16Bytes, C::kTile16Bytes);
+        bulk_copy_g2s(p.qt + blk * C::kTile8Bytes, &sp.full[s], sp.qt + s * C::kTile8Bytes, C::kTile8Bytes);
+        bulk_copy_g2s(p.dot + blk * C::kTile8Bytes, &sp.full[s], sp.dot + s * C::kTile8Bytes, C::kTile8Bytes);
+        bulk_copy_g2s(p.vec + blk * kVecFloats, &sp.full[s], sp.vec + s * kVecFloats, kVecBytes);
+      }
+    }
+    return;
+  }
+  Split::consumer();
+  const int cw = wg - 1;  // this warpgroup's 64 keys: cw * 64 ...
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+
+  namespace sm90 = sage_common::sm90;
+  const auto dK_ = sm90::gmma_desc_a<typename C::TiledMmaS, typename C::LayoutKV>(
+      reinterpret_cast<Elem*>(sp.k + cw * C::kTile16Bytes), tid);
+  const auto dV_ = sm90::gmma_desc_a<typename C::TiledMmaS, typename C::LayoutKV>(
+      reinterpret_cast<Elem*>(sp.v + cw * C::kTile16Bytes), tid);
+  const auto dQ_ = sm90::gmma_desc_b<typename C::TiledMmaS, typename C::LayoutQ>(reinterpret_cast<Elem*>(sp.q), tid);
+  const auto dDO_ = sm90::gmma_desc_b<typename C::TiledMmaS, typename C::LayoutQ>(reinterpret_cast<Elem*>(sp.dO), tid);
+  const auto dQT_ = sm90::gmma_desc_b<typename C::TiledMmaD, typename C::LayoutT8>(reinterpret_cast<int8_t*>(sp.qt), tid);
+  const auto dDOT_ = sm90::gmma_desc_b<typename C::TiledMmaD, typename C::LayoutT8>(reinterpret_cast<int8_t*>(sp.dot), tid);
+  static_assert(cute::size<2>(decltype(dK_){}) == D / 16 && cute::size<2>(decltype(dQ_){}) == D / 16 &&
+                    cute::size<3>(decltype(dQ_){}) == C::kStages,
+                "16-bit descriptors: one per 16-wide k-step (and stage)");
+  static_assert(cute::size<2>(decltype(dQT_){}) == kBlockM / 32 && cute::size<3>(decltype(dQT_){}) == C::kStages,
+                "INT8 descriptors: one per 32-query k-step and stage");
+
+  float dv[C::kDRegs], dk[C::kDRegs];
+#pragma unroll
+  for (int i = 0; i < C::kDRegs; ++i) dv[i] = dk[i] = 0.f;
+  float s_acc[C::kSRegs], dp_acc[C::kSRegs];
+  uint32_t prod[C::kDRegs];  // int32 bits (CuTe types INT8 products' accumulators as uint32_t)
+  uint32_t a_frag[C::kARegs];
+
+  Barrier::wait(sp.kv_full, 0);
+  for (int i = 0; i < nq; ++i) {
+    const int s = i % C::kStages;
+    Barrier::wait(&sp.full[s], (i / C::kStages) & 1);
+    // S^T = K Q^T and dP^T = V dO^T, one group.
+    fence_regs(s_acc);
+    fence_regs(dp_acc);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kb = 0; kb < D / 16; ++kb)
+      wgmma_ss<typename C::MmaS>(uint64_t(dK_(0, 0, kb)), uint64_t(dQ_(0, 0, kb, s)), s_acc,
+                                 kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+                                 std::make_index_sequence<C::kSRegs>{});
+#pragma unroll
+    for (int kb = 0; kb < D / 16; ++kb)
+      wgmma_ss<typename C::MmaS>(uint64_t(dV_(0, 0, kb)), uint64_t(dDO_(0, 0, kb, s)), dp_acc,
+                                 kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+                                 std::make_index_sequence<C::kSRegs>{});
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_regs(s_acc);
+    fence_regs(dp_acc);
+
+    // Value v of this thread: key row 16 warp + g + 8 ((v >> 1) & 1), query column 8 (v >> 2) + 2 t + (v & 1).
+    const float* vec = sp.vec + s * kVecFloats;
+    float amax = 0.f;
+#pragma unroll
+    for (int v = 0; v < C::kSRegs; ++v) {
+      const int col = 8 * (v >> 2) + 2 * t + (v & 1);
+      const float pt = exp2f(fminf(s_acc[v] * p.qk_scale - vec[kVecM + col], 0.f));  // P~
+      const float pr = pt * vec[kVecInvL + col];                                      // P
+      const float ds = pr * (dp_acc[v] - vec[kVecDelta + col]);
+      s_acc[v] = pt;
+      dp_acc[v] = ds;
+      amax = fmaxf(amax, fabsf(ds));
+    }
+    // dS's scale: the absmax of this warpgroup's 64 x 64 tile. Taken before the products: with dS
+    // still in fp32 beside a product's int32 result, dV and dK (D / 2 each), the registers spill at hd128.
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float* red = sp.red + (cw * 2 + (i & 1)) * 4;  // double-buffered: step i + 1 may write before all read
+    if (lane == 0) red[warp] = amax;
+    sm90::named_barrier_sync<128>(kFirstNamedBarrier + cw);
+    amax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+    const float sds = amax / 127.f;
+    const float dv_factor = vec[kVecDvFactor];
+    const float dk_factor = sds * vec[kVecSQ] * p.sm_scale;
+    uint32_t ds_frag[C::kARegs];
+    pack_a([&](int v) { return int8_code(dp_acc[v], sds); }, ds_frag);
+    pack_a([&](int v) { return static_cast<uint32_t>(__float2int_rn(s_acc[v] * 127.f)); }, a_frag);
+    // dV += P^^T dO'^ (int32), scaled per query block.
+    fence_regs(prod);
+    fence_regs(a_frag);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kb = 0; kb < kBlockM / 32; ++kb)
+      wgmma_rs<typename C::MmaD>(&a_frag[4 * kb], uint64_t(dDOT_(0, 0, kb, s)), prod,
+                                 kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+                                 std::make_index_sequence<C::kDRegs>{});
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_regs(prod);
+    fence_regs(a_frag);
+#pragma unroll
+    for (int v = 0; v < C::kDRegs; ++v) dv[v] = fmaf(static_cast<float>(static_cast<int32_t>(prod[v])), dv_factor, dv[v]);
+    // dK += dS^^T Q^ (int32), scaled per tile.
+    fence_regs(prod);
+    fence_regs(ds_frag);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kb = 0; kb < kBlockM / 32; ++kb)
+      wgmma_rs<typename C::MmaD>(&ds_frag[4 * kb], uint64_t(dQT_(0, 0, kb, s)), prod,
+                                 kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+                                 std::make_index_sequence<C::kDRegs>{});
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_regs(prod);
+    fence_regs(ds_frag);
+    // every read of stage s is done (the products retired, the vec values are in registers)
+    if (lane == 0) Barrier::arrive(&sp.empty[s]);
+#pragma unroll
+    for (int v = 0; v < C::kDRegs; ++v) dk[v] = fmaf(static_cast<float>(static_cast<int32_t>(prod[v])), dk_factor, dk[v]);
+  }
+
+  // Epilogue: value v at key row 16 warp + g + 8 ((v >> 1) & 1), channel 8 (v >> 2) + 2 t + (v & 1).
+  const int64_t row0 = static_cast<int64_t>(bh) * p.skv + kv_block * kBlockN + cw * kKeysPerWG + 16 * warp + g;
+#pragma unroll
+  for (int v = 0; v < C::kDRegs; v += 2) {
+    const int64_t off = (row0 + 8 * ((v >> 1) & 1)) * D + 8 * (v >> 2) + 2 * t;
+    *reinterpret_cast<float2*>(p.dk + off) = make_float2(dk[v], dk[v + 1]);
+    *reinterpret_cast<float2*>(p.dv + off) = make_float2(dv[v], dv[v + 1]);
+  }
+}
+
+}  // namespace sagebwd_sm90
