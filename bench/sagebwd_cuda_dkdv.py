@@ -73,7 +73,8 @@ def operands(ext, q, k, v, do, st: ref.SageBwdState, sm_scale: float) -> dict:
     reference's operations: P~'s inverse row sum, dO' = dO / l quantized per 64 queries, delta."""
     b, h, sq, d = q.shape
     skv = k.shape[2]
-    assert sq % BLOCK_M == 0 and skv % BLOCK_N == 0, "Sq % 64 and Skv % 128 must be 0"
+    if sq % BLOCK_M or skv % BLOCK_N:
+        raise ValueError(f"the experiment's kernel needs Sq % {BLOCK_M} == 0 and Skv % {BLOCK_N} == 0, got {sq}, {skv}")
     live = torch.isfinite(st.lse2)
     zero = torch.zeros((), device=q.device)
     m_safe = torch.where(live, st.m2, zero)
