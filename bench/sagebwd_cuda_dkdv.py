@@ -47,7 +47,7 @@ BLOCK_M, BLOCK_N, KEYS_PER_WG = 64, 128, 64
 def build():
     """The experiment's extension (JIT, cached by source hash)."""
     from sage_diffusers.kernels import _jit, int8_sm90
-    return _jit.load_extension("sage_diffusers_sagebwd_sm90_lab", [LAB / "binding.cu"],
+    return _jit.load_extension("sage_diffusers_sagebwd_sm90_lab", [LAB / "binding.cu", LAB / "dkdv_hd64.cu", LAB / "dkdv_hd128.cu"],
                                extra_cuda_cflags=list(int8_sm90._NVCC_FLAGS),
                                extra_include_paths=[ROOT / "csrc" / "common"])
 
@@ -106,12 +106,13 @@ def operands(ext, q, k, v, do, st: ref.SageBwdState, sm_scale: float) -> dict:
         vec=vec.contiguous(), bf16=cdt == torch.bfloat16, qk_scale=sm_scale * LOG2E, sm_scale=sm_scale)
 
 
-def run_ours(ext, ops: dict, shape) -> tuple[torch.Tensor, torch.Tensor]:
+def run_ours(ext, ops: dict, shape, overlap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """dK, dV (B, H, Skv, D) float32 from the kernel; ``overlap``: the overlapped schedule (hd64)."""
     b, h, skv, d = shape
     dk = torch.empty(b, h, skv, d, dtype=torch.float32, device="cuda")
     dv = torch.empty_like(dk)
     ext.dkdv(ops["k"], ops["v"], ops["q"], ops["dO"], ops["qt"], ops["dot"], ops["vec"], dk, dv, ops["bf16"],
-             ops["qk_scale"], ops["sm_scale"])
+             ops["qk_scale"], ops["sm_scale"], overlap)
     return dk, dv
 
 
@@ -133,19 +134,21 @@ def check(ext) -> bool:
         sm_scale = 1.0 / math.sqrt(d)
         st = ref.sagebwd_forward(q, k, v, pv="fp16", scores="fp16")
         _, dk_ref, dv_ref = ref.sagebwd_backward(do, st, scores="fp16")
-        dk, dv = run_ours(ext, operands(ext, q, k, v, do, st, sm_scale), (b, h, s, d))
-        torch.cuda.synchronize()
+        ops = operands(ext, q, k, v, do, st, sm_scale)
         qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
         out = F.scaled_dot_product_attention(qd, kd, vd)
         _, dk64, dv64 = torch.autograd.grad(out, (qd, kd, vd), do.double())
-        tag = f"{b}x{h}x{s}x{d} {str(dtype).split('.')[-1]}"
-        print(f"{tag}: dK ours vs reference {metrics(dk, dk_ref)}; dV {metrics(dv, dv_ref)}")
-        print(f"{tag}: vs float64: dK ours {metrics(dk, dk64)} | reference {metrics(dk_ref, dk64)}")
-        print(f"{tag}: vs float64: dV ours {metrics(dv, dv64)} | reference {metrics(dv_ref, dv64)}")
-        for got, want in ((dk, dk_ref), (dv, dv_ref)):
-            g_, w_ = got.double().flatten(), want.double().flatten()
-            cos = float(torch.dot(g_, w_) / (g_.norm() * w_.norm()))
-            ok = ok and torch.isfinite(got).all().item() and cos > 0.99999
+        for overlap in (False, True) if d == 64 else (False,):
+            dk, dv = run_ours(ext, ops, (b, h, s, d), overlap)
+            torch.cuda.synchronize()
+            tag = f"{b}x{h}x{s}x{d} {str(dtype).split('.')[-1]}{' overlap' if overlap else ''}"
+            print(f"{tag}: dK ours vs reference {metrics(dk, dk_ref)}; dV {metrics(dv, dv_ref)}")
+            print(f"{tag}: vs float64: dK ours {metrics(dk, dk64)} | reference {metrics(dk_ref, dk64)}")
+            print(f"{tag}: vs float64: dV ours {metrics(dv, dv64)} | reference {metrics(dv_ref, dv64)}")
+            for got, want in ((dk, dk_ref), (dv, dv_ref)):
+                g_, w_ = got.double().flatten(), want.double().flatten()
+                cos = float(torch.dot(g_, w_) / (g_.norm() * w_.norm()))
+                ok = ok and bool(torch.isfinite(got).all()) and cos > 0.99999
     print("CHECK", "PASSED" if ok else "FAILED")
     return ok
 
@@ -186,6 +189,10 @@ def bench(ext, shapes, rounds: int, iters: int) -> list[str]:
         cudnn_bwd = lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)  # noqa: E731
         methods = {
             "ours dK/dV": (lambda: run_ours(ext, ops, shape), lambda n: "dkdv_kernel" in n),
+        }
+        if d == 64:
+            methods["ours dK/dV, overlapped"] = (lambda: run_ours(ext, ops, shape, True), lambda n: "dkdv_kernel" in n)
+        methods |= {
             f"Triton dK/dV ({kernels.value})": (triton_bwd, lambda n: "_bwd_dkdv" in n or "_bwd_fused" in n),
             "Triton backward (all kernels)": (triton_bwd, lambda n: True),
             "cuDNN BF16 backward": (cudnn_bwd, lambda n: True),

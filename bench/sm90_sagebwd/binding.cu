@@ -1,15 +1,18 @@
 // Experiment binding: the sm_90a dK/dV kernel (dkdv_kernel.cuh) and the layout tables the host uses
 // to write its operand images (each the CuTe smem layout the wgmma descriptors read, evaluated here
 // on the host, so images and descriptors agree by construction).
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
 #include "dkdv_kernel.cuh"
+#include "launch.cuh"
 
 namespace {
 
 using namespace sagebwd_sm90;
+using sagebwd_sm90::launch;
 
 // Element offset of (row, col) in one tile of a 2-mode (or the first stage of a 3-mode) layout.
 template <class Layout>
@@ -43,19 +46,10 @@ torch::Tensor layout_table(const std::string& kind, int64_t d) {
   return d == 64 ? pick(std::integral_constant<int, 64>{}) : pick(std::integral_constant<int, 128>{});
 }
 
-template <int D, class Elem>
-void launch(const Params& p, int batch, cudaStream_t stream) {
-  using C = Config<D, Elem>;
-  auto kernel = dkdv_kernel<D, Elem>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
-  dim3 grid(p.skv / kBlockN, p.heads, batch);
-  kernel<<<grid, kThreads, C::kSmemBytes, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 // Images as uint8 / float32 tensors laid out as Params says; dk, dv (B, H, Skv, D) float32 outputs.
 void dkdv(torch::Tensor k, torch::Tensor v, torch::Tensor q, torch::Tensor dO, torch::Tensor qt, torch::Tensor dot,
-          torch::Tensor vec, torch::Tensor dk, torch::Tensor dv, bool bf16, double qk_scale, double sm_scale) {
+          torch::Tensor vec, torch::Tensor dk, torch::Tensor dv, bool bf16, double qk_scale, double sm_scale,
+          bool overlap) {
   for (auto* t : {&k, &v, &q, &dO, &qt, &dot, &vec, &dk, &dv}) {
     TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "dkdv: CUDA contiguous tensors");
   }
@@ -72,13 +66,20 @@ void dkdv(torch::Tensor k, torch::Tensor v, torch::Tensor q, torch::Tensor dO, t
            dv.data_ptr<float>(), heads, sq, skv, static_cast<float>(qk_scale), static_cast<float>(sm_scale)};
   const c10::cuda::CUDAGuard guard(dk.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  TORCH_CHECK(!overlap || d == 64, "dkdv: the overlapped schedule is built at head dim 64 only");
   if (d == 128) {
-    bf16 ? launch<128, cute::bfloat16_t>(p, batch, stream) : launch<128, cute::half_t>(p, batch, stream);
+    bf16 ? launch<128, cute::bfloat16_t, Schedule::kSerial>(p, batch, stream)
+         : launch<128, cute::half_t, Schedule::kSerial>(p, batch, stream);
+  } else if (d == 64 && overlap) {
+    bf16 ? launch<64, cute::bfloat16_t, Schedule::kOverlap>(p, batch, stream)
+         : launch<64, cute::half_t, Schedule::kOverlap>(p, batch, stream);
   } else if (d == 64) {
-    bf16 ? launch<64, cute::bfloat16_t>(p, batch, stream) : launch<64, cute::half_t>(p, batch, stream);
+    bf16 ? launch<64, cute::bfloat16_t, Schedule::kSerial>(p, batch, stream)
+         : launch<64, cute::half_t, Schedule::kSerial>(p, batch, stream);
   } else {
     TORCH_CHECK(false, "dkdv: head dim 64 or 128, got ", d);
   }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace

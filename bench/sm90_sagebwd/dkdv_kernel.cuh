@@ -149,9 +149,21 @@ __device__ __forceinline__ void pack_a(F&& code_of, uint32_t (&a)[8]) {
   }
 }
 
-template <int D, class Elem>
+// How a consumer warpgroup orders its step's products.
+enum class Schedule {
+  // Every product waited for at once: S^T / dP^T, then dV, then dK. Only the other warpgroup's work
+  // overlaps a product. Fits hd128's registers.
+  kSerial,
+  // Step i's dV and dK stay in flight while step i + 1's softmax gradient runs: S^T / dP^T of step
+  // i + 1 are issued before them, so the tensor cores finish those first. Holds two products' int32
+  // results and two steps' A fragments: hd64 only (at hd128 that is 350 registers).
+  kOverlap,
+};
+
+template <int D, class Elem, Schedule kSchedule>
 __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
   using C = Config<D, Elem>;
+  static_assert(kSchedule == Schedule::kSerial || D == 64, "the overlapped schedule fits hd64's registers only");
   extern __shared__ uint8_t smem_raw[];
   Smem<D, Elem> sp(smem_raw);
   const int kv_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -216,14 +228,9 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
 #pragma unroll
   for (int i = 0; i < C::kDRegs; ++i) dv[i] = dk[i] = 0.f;
   float s_acc[C::kSRegs], dp_acc[C::kSRegs];
-  uint32_t prod[C::kDRegs];  // int32 bits (CuTe types INT8 products' accumulators as uint32_t)
-  uint32_t a_frag[C::kARegs];
 
-  Barrier::wait(sp.kv_full, 0);
-  for (int i = 0; i < nq; ++i) {
-    const int s = i % C::kStages;
-    Barrier::wait(&sp.full[s], (i / C::kStages) & 1);
-    // S^T = K Q^T and dP^T = V dO^T, one group.
+  // S^T = K Q^T and dP^T = V dO^T of stage s as one committed group.
+  auto issue_sdp = [&](int s) {
     fence_regs(s_acc);
     fence_regs(dp_acc);
     cute::warpgroup_arrive();
@@ -238,69 +245,146 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
                                  kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
                                  std::make_index_sequence<C::kSRegs>{});
     cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_regs(s_acc);
-    fence_regs(dp_acc);
-
-    // Value v of this thread: key row 16 warp + g + 8 ((v >> 1) & 1), query column 8 (v >> 2) + 2 t + (v & 1).
+  };
+  // prod = frag^T B (INT8, int32 sums) with B the stage's dO'^T (dV) or Q^T (dK) image; not committed.
+  auto issue_int8 = [&](const uint32_t (&frag)[C::kARegs], bool dv_product, int s, uint32_t (&prod)[C::kDRegs]) {
+#pragma unroll
+    for (int kb = 0; kb < kBlockM / 32; ++kb)
+      wgmma_rs<typename C::MmaD>(&frag[4 * kb], uint64_t(dv_product ? dDOT_(0, 0, kb, s) : dQT_(0, 0, kb, s)), prod,
+                                 kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+                                 std::make_index_sequence<C::kDRegs>{});
+  };
+  auto add_scaled = [&](float (&acc)[C::kDRegs], const uint32_t (&prod)[C::kDRegs], float factor) {
+#pragma unroll
+    for (int v = 0; v < C::kDRegs; ++v) acc[v] = fmaf(static_cast<float>(static_cast<int32_t>(prod[v])), factor, acc[v]);
+  };
+  // Step i's softmax gradient from the retired S^T / dP^T into pt (P~) and ds (dS), fp32 in the
+  // accumulator layout (value v of this thread: key row 16 warp + g + 8 ((v >> 1) & 1), query column
+  // 8 (v >> 2) + 2 t + (v & 1)), and the two products' scale factors. Separate arrays, not the
+  // accumulators: ptxas serializes every wgmma (C7515) when registers of an accumulator are written
+  // while another product is in flight.
+  auto softmax_grad = [&](int i, int s, float (&pt)[C::kSRegs], float (&ds)[C::kSRegs], float& dv_factor,
+                          float& dk_factor, float& sds) {
     const float* vec = sp.vec + s * kVecFloats;
     float amax = 0.f;
 #pragma unroll
     for (int v = 0; v < C::kSRegs; ++v) {
       const int col = 8 * (v >> 2) + 2 * t + (v & 1);
-      const float pt = exp2f(fminf(s_acc[v] * p.qk_scale - vec[kVecM + col], 0.f));  // P~
-      const float pr = pt * vec[kVecInvL + col];                                      // P
-      const float ds = pr * (dp_acc[v] - vec[kVecDelta + col]);
-      s_acc[v] = pt;
-      dp_acc[v] = ds;
-      amax = fmaxf(amax, fabsf(ds));
+      pt[v] = exp2f(fminf(s_acc[v] * p.qk_scale - vec[kVecM + col], 0.f));  // P~
+      const float pr = pt[v] * vec[kVecInvL + col];                          // P
+      ds[v] = pr * (dp_acc[v] - vec[kVecDelta + col]);
+      amax = fmaxf(amax, fabsf(ds[v]));
     }
-    // dS's scale: the absmax of this warpgroup's 64 x 64 tile. Taken before the products: with dS
-    // still in fp32 beside a product's int32 result, dV and dK (D / 2 each), the registers spill at hd128.
+    // dS's scale: the absmax of this warpgroup's 64 x 64 tile.
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     float* red = sp.red + (cw * 2 + (i & 1)) * 4;  // double-buffered: step i + 1 may write before all read
     if (lane == 0) red[warp] = amax;
     sm90::named_barrier_sync<128>(kFirstNamedBarrier + cw);
     amax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
-    const float sds = amax / 127.f;
-    const float dv_factor = vec[kVecDvFactor];
-    const float dk_factor = sds * vec[kVecSQ] * p.sm_scale;
-    uint32_t ds_frag[C::kARegs];
-    pack_a([&](int v) { return int8_code(dp_acc[v], sds); }, ds_frag);
-    pack_a([&](int v) { return static_cast<uint32_t>(__float2int_rn(s_acc[v] * 127.f)); }, a_frag);
-    // dV += P^^T dO'^ (int32), scaled per query block.
-    fence_regs(prod);
-    fence_regs(a_frag);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int kb = 0; kb < kBlockM / 32; ++kb)
-      wgmma_rs<typename C::MmaD>(&a_frag[4 * kb], uint64_t(dDOT_(0, 0, kb, s)), prod,
-                                 kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
-                                 std::make_index_sequence<C::kDRegs>{});
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_regs(prod);
-    fence_regs(a_frag);
-#pragma unroll
-    for (int v = 0; v < C::kDRegs; ++v) dv[v] = fmaf(static_cast<float>(static_cast<int32_t>(prod[v])), dv_factor, dv[v]);
-    // dK += dS^^T Q^ (int32), scaled per tile.
-    fence_regs(prod);
-    fence_regs(ds_frag);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int kb = 0; kb < kBlockM / 32; ++kb)
-      wgmma_rs<typename C::MmaD>(&ds_frag[4 * kb], uint64_t(dQT_(0, 0, kb, s)), prod,
-                                 kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
-                                 std::make_index_sequence<C::kDRegs>{});
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_regs(prod);
-    fence_regs(ds_frag);
-    // every read of stage s is done (the products retired, the vec values are in registers)
+    sds = amax / 127.f;
+    dv_factor = vec[kVecDvFactor];
+    dk_factor = sds * vec[kVecSQ] * p.sm_scale;
+  };
+  // The INT8 A fragments of dV (P~ codes) and dK (dS codes). Packed only once the registers they go
+  // to are free: with dS in fp32 beside a product's int32 result and dV, dK the registers spill at hd128.
+  auto pack = [&](const float (&pt)[C::kSRegs], const float (&ds)[C::kSRegs], float sds, uint32_t (&p_frag)[C::kARegs],
+                  uint32_t (&ds_frag)[C::kARegs]) {
+    pack_a([&](int v) { return int8_code(ds[v], sds); }, ds_frag);
+    pack_a([&](int v) { return static_cast<uint32_t>(__float2int_rn(pt[v] * 127.f)); }, p_frag);
+  };
+  auto release = [&](int s) {  // every read of stage s is done (products retired, vec values in registers)
     if (lane == 0) Barrier::arrive(&sp.empty[s]);
-#pragma unroll
-    for (int v = 0; v < C::kDRegs; ++v) dk[v] = fmaf(static_cast<float>(static_cast<int32_t>(prod[v])), dk_factor, dk[v]);
+  };
+
+  Barrier::wait(sp.kv_full, 0);
+  float pt[C::kSRegs], ds[C::kSRegs];
+  if constexpr (kSchedule == Schedule::kSerial) {
+    uint32_t prod[C::kDRegs];  // int32 bits (CuTe types INT8 products' accumulators as uint32_t)
+    uint32_t p_frag[C::kARegs], ds_frag[C::kARegs];
+    for (int i = 0; i < nq; ++i) {
+      const int s = i % C::kStages;
+      Barrier::wait(&sp.full[s], (i / C::kStages) & 1);
+      issue_sdp(s);
+      cute::warpgroup_wait<0>();
+      fence_regs(s_acc);
+      fence_regs(dp_acc);
+      float dv_factor, dk_factor, sds;
+      softmax_grad(i, s, pt, ds, dv_factor, dk_factor, sds);
+      pack(pt, ds, sds, p_frag, ds_frag);
+      fence_regs(prod);
+      fence_regs(p_frag);
+      cute::warpgroup_arrive();
+      issue_int8(p_frag, /*dv_product=*/true, s, prod);
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_regs(prod);
+      fence_regs(p_frag);
+      add_scaled(dv, prod, dv_factor);
+      fence_regs(prod);
+      fence_regs(ds_frag);
+      cute::warpgroup_arrive();
+      issue_int8(ds_frag, /*dv_product=*/false, s, prod);
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_regs(prod);
+      fence_regs(ds_frag);
+      release(s);
+      add_scaled(dk, prod, dk_factor);
+    }
+  } else {
+    // Step i: issue S^T / dP^T (i), then dV, dK (i - 1); wait for S^T / dP^T (i) only (groups retire
+    // in order) and run its softmax gradient while dV, dK (i - 1) are on the tensor cores; then retire
+    // those, add them, release stage i - 1 and pack step i's fragments. Every wait in the loop has a
+    // constant count and every issue is unconditional, so ptxas can follow which group each wait
+    // retires (a conditional issue made it serialize every wgmma: C7514).
+    uint32_t prod_v[C::kDRegs], prod_k[C::kDRegs];
+    uint32_t p_frag[C::kARegs], ds_frag[C::kARegs];
+    float dv_prev, dk_prev, sds;
+    auto issue_products = [&](int s) {  // dV, dK from the packed fragments of the stage's step
+      fence_regs(prod_v);
+      fence_regs(prod_k);
+      fence_regs(p_frag);
+      fence_regs(ds_frag);
+      cute::warpgroup_arrive();
+      issue_int8(p_frag, /*dv_product=*/true, s, prod_v);
+      issue_int8(ds_frag, /*dv_product=*/false, s, prod_k);
+      cute::warpgroup_commit_batch();
+    };
+    auto retire_products = [&]() {
+      cute::warpgroup_wait<0>();
+      fence_regs(prod_v);
+      fence_regs(prod_k);
+      fence_regs(p_frag);
+      fence_regs(ds_frag);
+      add_scaled(dv, prod_v, dv_prev);
+      add_scaled(dk, prod_k, dk_prev);
+    };
+    Barrier::wait(&sp.full[0], 0);
+    issue_sdp(0);
+    cute::warpgroup_wait<0>();
+    fence_regs(s_acc);
+    fence_regs(dp_acc);
+    softmax_grad(0, 0, pt, ds, dv_prev, dk_prev, sds);
+    pack(pt, ds, sds, p_frag, ds_frag);
+    for (int i = 1; i < nq; ++i) {
+      const int s = i % C::kStages;
+      Barrier::wait(&sp.full[s], (i / C::kStages) & 1);
+      issue_sdp(s);
+      issue_products((i - 1) % C::kStages);
+      cute::warpgroup_wait<1>();
+      fence_regs(s_acc);
+      fence_regs(dp_acc);
+      float dv_factor, dk_factor;
+      softmax_grad(i, s, pt, ds, dv_factor, dk_factor, sds);
+      retire_products();
+      release((i - 1) % C::kStages);
+      dv_prev = dv_factor;
+      dk_prev = dk_factor;
+      pack(pt, ds, sds, p_frag, ds_frag);
+    }
+    issue_products((nq - 1) % C::kStages);
+    retire_products();
   }
 
   // Epilogue: value v at key row 16 warp + g + 8 ((v >> 1) & 1), channel 8 (v >> 2) + 2 t + (v & 1).
