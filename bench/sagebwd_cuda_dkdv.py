@@ -42,6 +42,7 @@ from sage_diffusers.reference.quant import quantize_int8_per_block  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 LAB = ROOT / "bench" / "sm90_sagebwd"
 BLOCK_M, BLOCK_N, KEYS_PER_WG = 64, 128, 64
+DS_PRESCALE = 2.0 ** 32  # the kernel holds dS times this (dkdv_kernel.cuh kDsPrescale)
 
 
 def build():
@@ -92,7 +93,7 @@ def operands(ext, q, k, v, do, st: ref.SageBwdState, sm_scale: float) -> dict:
 
     vec = torch.zeros(b, h, sq // BLOCK_M, ext.vec_floats, dtype=torch.float32, device=q.device)
     vec[..., 0:64] = m_safe.reshape(b, h, -1, BLOCK_M)
-    vec[..., 64:128] = inv_l.reshape(b, h, -1, BLOCK_M)
+    vec[..., 64:128] = (inv_l * DS_PRESCALE).reshape(b, h, -1, BLOCK_M)  # exact: a power of two
     vec[..., 128:192] = delta.reshape(b, h, -1, BLOCK_M)
     vec[..., 192] = sdos * ref.P_SCALE
     vec[..., 193] = st.sq

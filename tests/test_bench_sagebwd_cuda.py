@@ -63,7 +63,7 @@ def test_images_hold_the_reference_operands(d, dtype):
 
     vec = ops["vec"]
     assert torch.equal(vec[..., 0:64].flatten(2), st.m2)
-    assert torch.equal(vec[..., 64:128].flatten(2), inv_l)
+    assert torch.equal(vec[..., 64:128].flatten(2), inv_l * 2.0 ** 32)
     assert torch.allclose(vec[..., 128:192].flatten(2), (do.float() * st.out.float()).sum(-1))
     assert torch.equal(vec[..., 192], sdos * ref.P_SCALE)
     assert torch.equal(vec[..., 193], st.sq)

@@ -16,7 +16,7 @@
 //   Q^T, dO'^T: INT8, D x 64 queries, K-major (the B operands of dK and dV), their query positions
 //     in the order that makes the S^T accumulator registers the INT8 A fragment as they are
 //     (sage_sm90::vt_position_to_key, as V^T's keys in the 8-bit forward);
-//   per query block: m, 1 / l, delta (64 floats each), s_dO' / 127 and s_Q.
+//   per query block: m, 2^32 / l, delta (64 floats each), s_dO' / 127 and s_Q.
 // Not handled (the experiment's inputs do not have them): masks, causality, GQA (the host sums
 // query heads), partial blocks (Sq % 64, Skv % 128 must be 0), non-finite values.
 #pragma once
@@ -46,7 +46,7 @@ constexpr int kKeysPerWG = 64;     // keys per consumer warpgroup (wgmma M)
 constexpr int kConsumerWGs = 2;
 constexpr int kBlockN = kKeysPerWG * kConsumerWGs;  // keys per CTA
 constexpr int kThreads = 128 * (1 + kConsumerWGs);
-constexpr int kVecFloats = 256;    // per query block: m[64], inv_l[64], delta[64], dv factor, s_Q, pad
+constexpr int kVecFloats = 256;    // per query block: m[64], kDsPrescale / l [64], delta[64], dv factor, s_Q, pad
 constexpr int kVecM = 0, kVecInvL = 64, kVecDelta = 128, kVecDvFactor = 192, kVecSQ = 193;
 constexpr int kVecBytes = kVecFloats * 4;
 constexpr int kFirstNamedBarrier = 1;  // one per consumer warpgroup: its dS absmax
@@ -126,28 +126,57 @@ struct Params {
   float sm_scale;
 };
 
-// INT8 code of x / s (IEEE division, round half to even, clamp +-127; s == 0: 0), the reference's
-// _int8_from_scale.
-__device__ __forceinline__ uint32_t int8_code(float x, float s) {
-  if (s == 0.f) return 0u;
-  const int q = max(-127, min(127, __float2int_rn(x / s)));
-  return static_cast<uint32_t>(q) & 0xffu;
+// Conversions on the ALU pipes (as the Triton kernels do, sagebwd_triton.py _i2f / _f2i8): the
+// conversion instructions share the pipe with exp2 (16 per clock per SM), and a step converts D
+// int32 results and 2 x 32 codes per thread. kMagic = 1.5 * 2^23: a float in [2^23, 2^24) holds an
+// integer in its low mantissa bits.
+constexpr float kMagic = 12582912.f;
+constexpr uint32_t kMagicBits = 0x4B400000u;
+// int32 x -> float, exact for |x| < 2^22 (an INT8 product of 64 terms: 127 * 127 * 64 < 2^20).
+__device__ __forceinline__ float i2f(uint32_t x) { return __uint_as_float(x + kMagicBits) - kMagic; }
+// The low byte of rint(y) (half to even, two's complement) for |y| <= 127.5, from y + kMagic.
+__device__ __forceinline__ uint32_t code_bits(float y_plus_magic) { return __float_as_uint(y_plus_magic); }
+
+// 2^x on the MUFU with subnormal results flushed to 0 (exp2f also scales subnormal inputs and
+// results: three more instructions per score). A P~ below 2^-126 has code 0 and a dS 2^94 times
+// under the largest of any tile whose P~ reaches 2^-32.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
-// The INT8 A fragment of a 64 x 64 product (k = queries) from the accumulator-layout values c[32]
-// of this thread: register 4 kb + r, byte i holds value 4 (4 kb + 2 (r >> 1) + (i >> 1)) + 2 (r & 1)
-// + (i & 1) (the 8-bit forward's P pack; the B image stores its query positions permuted to match).
+// dS is computed times kDsPrescale (host: vec's 1 / l carries it; the Triton kernels' DS_PRESCALE), so
+// the quantization quotients stay out of float32's subnormal range, where the reciprocal residual
+// step below would differ from IEEE division.
+constexpr float kDsPrescale = 4294967296.f;  // 2^32
+
+// INT8 code bits of x / s with x / s the IEEE quotient (|x| <= 127 s), from r = 1 / s: x r corrected
+// by one FMA residual step (Markstein), the correctly rounded quotient here (the Triton kernels'
+// _codes_by_reciprocal), then rounded half to even by the magic add.
+__device__ __forceinline__ uint32_t code_by_reciprocal(float x, float s, float r) {
+  const float y = x * r;
+  return code_bits(fmaf(fmaf(-y, s, x), r, y) + kMagic);
+}
+
+// The INT8 A fragment of a 64 x 64 product (k = queries) from the accumulator-layout values of this
+// thread: register 4 kb + r, byte i holds value 4 (4 kb + 2 (r >> 1) + (i >> 1)) + 2 (r & 1) + (i & 1)
+// (the 8-bit forward's P pack; the B image stores its query positions permuted to match). bits_of(v):
+// a 32-bit word whose low byte is value v's code.
 template <class F>
-__device__ __forceinline__ void pack_a(F&& code_of, uint32_t (&a)[8]) {
+__device__ __forceinline__ void pack_a(F&& bits_of, uint32_t (&a)[8]) {
 #pragma unroll
   for (int kb = 0; kb < 2; ++kb) {
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int v0 = 4 * (4 * kb + 2 * (r >> 1)) + 2 * (r & 1);
-      a[4 * kb + r] = code_of(v0) | (code_of(v0 + 1) << 8) | (code_of(v0 + 4) << 16) | (code_of(v0 + 5) << 24);
+      const uint32_t lo = __byte_perm(bits_of(v0), bits_of(v0 + 1), 0x0040);      // bytes: v0, v0 + 1
+      const uint32_t hi = __byte_perm(bits_of(v0 + 4), bits_of(v0 + 5), 0x0040);  // v0 + 4, v0 + 5
+      a[4 * kb + r] = __byte_perm(lo, hi, 0x5410);
     }
   }
 }
+
 
 // How a consumer warpgroup orders its step's products.
 enum class Schedule {
@@ -256,22 +285,22 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
   };
   auto add_scaled = [&](float (&acc)[C::kDRegs], const uint32_t (&prod)[C::kDRegs], float factor) {
 #pragma unroll
-    for (int v = 0; v < C::kDRegs; ++v) acc[v] = fmaf(static_cast<float>(static_cast<int32_t>(prod[v])), factor, acc[v]);
+    for (int v = 0; v < C::kDRegs; ++v) acc[v] = fmaf(i2f(prod[v]), factor, acc[v]);
   };
-  // Step i's softmax gradient from the retired S^T / dP^T into pt (P~) and ds (dS), fp32 in the
+  // Step i's softmax gradient from the retired S^T / dP^T into pt (P~) and ds (dS * kDsPrescale), fp32 in the
   // accumulator layout (value v of this thread: key row 16 warp + g + 8 ((v >> 1) & 1), query column
   // 8 (v >> 2) + 2 t + (v & 1)), and the two products' scale factors. Separate arrays, not the
   // accumulators: ptxas serializes every wgmma (C7515) when registers of an accumulator are written
   // while another product is in flight.
   auto softmax_grad = [&](int i, int s, float (&pt)[C::kSRegs], float (&ds)[C::kSRegs], float& dv_factor,
-                          float& dk_factor, float& sds) {
+                          float& dk_factor, float& s_big) {
     const float* vec = sp.vec + s * kVecFloats;
     float amax = 0.f;
 #pragma unroll
     for (int v = 0; v < C::kSRegs; ++v) {
       const int col = 8 * (v >> 2) + 2 * t + (v & 1);
-      pt[v] = exp2f(fminf(s_acc[v] * p.qk_scale - vec[kVecM + col], 0.f));  // P~
-      const float pr = pt[v] * vec[kVecInvL + col];                          // P
+      pt[v] = exp2_ftz(fminf(s_acc[v] * p.qk_scale - vec[kVecM + col], 0.f));  // P~
+      const float pr = pt[v] * vec[kVecInvL + col];                          // P * kDsPrescale
       ds[v] = pr * (dp_acc[v] - vec[kVecDelta + col]);
       amax = fmaxf(amax, fabsf(ds[v]));
     }
@@ -282,16 +311,18 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
     if (lane == 0) red[warp] = amax;
     sm90::named_barrier_sync<128>(kFirstNamedBarrier + cw);
     amax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
-    sds = amax / 127.f;
+    const float sds = (amax * (1.f / kDsPrescale)) / 127.f;  // the reference's tile scale (the product is exact)
+    s_big = sds * kDsPrescale;
     dv_factor = vec[kVecDvFactor];
     dk_factor = sds * vec[kVecSQ] * p.sm_scale;
   };
   // The INT8 A fragments of dV (P~ codes) and dK (dS codes). Packed only once the registers they go
   // to are free: with dS in fp32 beside a product's int32 result and dV, dK the registers spill at hd128.
-  auto pack = [&](const float (&pt)[C::kSRegs], const float (&ds)[C::kSRegs], float sds, uint32_t (&p_frag)[C::kARegs],
+  auto pack = [&](const float (&pt)[C::kSRegs], const float (&ds)[C::kSRegs], float s_big, uint32_t (&p_frag)[C::kARegs],
                   uint32_t (&ds_frag)[C::kARegs]) {
-    pack_a([&](int v) { return int8_code(ds[v], sds); }, ds_frag);
-    pack_a([&](int v) { return static_cast<uint32_t>(__float2int_rn(pt[v] * 127.f)); }, p_frag);
+    const float r = s_big > 0.f ? 1.f / s_big : 0.f;  // scale 0 (an all-zero tile): codes 0
+    pack_a([&](int v) { return code_by_reciprocal(ds[v], s_big, r); }, ds_frag);
+    pack_a([&](int v) { return code_bits(__fmul_rn(pt[v], 127.f) + kMagic); }, p_frag);  // rint(fl(127 P~)), as the reference
   };
   auto release = [&](int s) {  // every read of stage s is done (products retired, vec values in registers)
     if (lane == 0) Barrier::arrive(&sp.empty[s]);
@@ -309,9 +340,9 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
       cute::warpgroup_wait<0>();
       fence_regs(s_acc);
       fence_regs(dp_acc);
-      float dv_factor, dk_factor, sds;
-      softmax_grad(i, s, pt, ds, dv_factor, dk_factor, sds);
-      pack(pt, ds, sds, p_frag, ds_frag);
+      float dv_factor, dk_factor, s_big;
+      softmax_grad(i, s, pt, ds, dv_factor, dk_factor, s_big);
+      pack(pt, ds, s_big, p_frag, ds_frag);
       fence_regs(prod);
       fence_regs(p_frag);
       cute::warpgroup_arrive();
@@ -340,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
     // retires (a conditional issue made it serialize every wgmma: C7514).
     uint32_t prod_v[C::kDRegs], prod_k[C::kDRegs];
     uint32_t p_frag[C::kARegs], ds_frag[C::kARegs];
-    float dv_prev, dk_prev, sds;
+    float dv_prev, dk_prev, s_big;
     auto issue_products = [&](int s) {  // dV, dK from the packed fragments of the stage's step
       fence_regs(prod_v);
       fence_regs(prod_k);
@@ -365,8 +396,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
     cute::warpgroup_wait<0>();
     fence_regs(s_acc);
     fence_regs(dp_acc);
-    softmax_grad(0, 0, pt, ds, dv_prev, dk_prev, sds);
-    pack(pt, ds, sds, p_frag, ds_frag);
+    softmax_grad(0, 0, pt, ds, dv_prev, dk_prev, s_big);
+    pack(pt, ds, s_big, p_frag, ds_frag);
     for (int i = 1; i < nq; ++i) {
       const int s = i % C::kStages;
       Barrier::wait(&sp.full[s], (i / C::kStages) & 1);
@@ -376,12 +407,12 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
       fence_regs(s_acc);
       fence_regs(dp_acc);
       float dv_factor, dk_factor;
-      softmax_grad(i, s, pt, ds, dv_factor, dk_factor, sds);
+      softmax_grad(i, s, pt, ds, dv_factor, dk_factor, s_big);
       retire_products();
       release((i - 1) % C::kStages);
       dv_prev = dv_factor;
       dk_prev = dk_factor;
-      pack(pt, ds, sds, p_frag, ds_frag);
+      pack(pt, ds, s_big, p_frag, ds_frag);
     }
     issue_products((nq - 1) % C::kStages);
     retire_products();
