@@ -47,10 +47,12 @@ torch::Tensor layout_table(const std::string& kind, int64_t d) {
 }
 
 // Images as uint8 / float32 tensors laid out as Params says; dk, dv (B, H, Skv, D) float32 outputs.
+// overlap: Schedule::kOverlap (hd64); dv_channel_scale (B, H, D) float32: DvAcc::kInPlace (bf16; dot's
+// codes then carry dO' per channel), or an empty tensor.
 void dkdv(torch::Tensor k, torch::Tensor v, torch::Tensor q, torch::Tensor dO, torch::Tensor qt, torch::Tensor dot,
           torch::Tensor vec, torch::Tensor dk, torch::Tensor dv, bool bf16, double qk_scale, double sm_scale,
-          bool overlap) {
-  for (auto* t : {&k, &v, &q, &dO, &qt, &dot, &vec, &dk, &dv}) {
+          bool overlap, torch::Tensor dv_channel_scale) {
+  for (auto* t : {&k, &v, &q, &dO, &qt, &dot, &vec, &dk, &dv, &dv_channel_scale}) {
     TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "dkdv: CUDA contiguous tensors");
   }
   TORCH_CHECK(dk.dim() == 4 && dk.scalar_type() == torch::kFloat32 && dv.sizes() == dk.sizes(), "dk, dv (B, H, Skv, D) float32");
@@ -61,21 +63,35 @@ void dkdv(torch::Tensor k, torch::Tensor v, torch::Tensor q, torch::Tensor dO, t
   TORCH_CHECK(k.numel() == int64_t(batch) * heads * skv * d * 2 && v.numel() == k.numel(), "K / V images");
   TORCH_CHECK(q.numel() == int64_t(batch) * heads * sq * d * 2 && dO.numel() == q.numel(), "Q / dO images");
   TORCH_CHECK(qt.numel() == int64_t(batch) * heads * sq * d && dot.numel() == qt.numel(), "Q^T / dO'^T images");
+  const bool in_place = dv_channel_scale.numel() > 0;
+  TORCH_CHECK(!in_place || (dv_channel_scale.numel() == int64_t(batch) * heads * d && bf16 &&
+                            dv_channel_scale.scalar_type() == torch::kFloat32),
+              "dkdv: dv_channel_scale (B, H, D) float32, bf16 inputs");
+  TORCH_CHECK(!overlap || d == 64, "dkdv: the overlapped schedule is built at head dim 64 only");
+  TORCH_CHECK(!in_place || overlap || d == 128, "dkdv: dV in place is built with the overlapped schedule at hd64");
   Params p{k.data_ptr<uint8_t>(), v.data_ptr<uint8_t>(), q.data_ptr<uint8_t>(), dO.data_ptr<uint8_t>(),
            qt.data_ptr<uint8_t>(), dot.data_ptr<uint8_t>(), vec.data_ptr<float>(), dk.data_ptr<float>(),
-           dv.data_ptr<float>(), heads, sq, skv, static_cast<float>(qk_scale), static_cast<float>(sm_scale)};
+           dv.data_ptr<float>(), in_place ? dv_channel_scale.data_ptr<float>() : nullptr, heads, sq, skv,
+           static_cast<float>(qk_scale), static_cast<float>(sm_scale)};
   const c10::cuda::CUDAGuard guard(dk.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  TORCH_CHECK(!overlap || d == 64, "dkdv: the overlapped schedule is built at head dim 64 only");
-  if (d == 128) {
-    bf16 ? launch<128, cute::bfloat16_t, Schedule::kSerial>(p, batch, stream)
-         : launch<128, cute::half_t, Schedule::kSerial>(p, batch, stream);
+  using S = Schedule;
+  using A = DvAcc;
+  using bf = cute::bfloat16_t;
+  using hf = cute::half_t;
+  if (d == 128 && in_place) {
+    launch<128, bf, S::kSerial, A::kInPlace>(p, batch, stream);
+  } else if (d == 128) {
+    bf16 ? launch<128, bf, S::kSerial, A::kScaledPerStep>(p, batch, stream)
+         : launch<128, hf, S::kSerial, A::kScaledPerStep>(p, batch, stream);
+  } else if (d == 64 && in_place) {
+    launch<64, bf, S::kOverlap, A::kInPlace>(p, batch, stream);
   } else if (d == 64 && overlap) {
-    bf16 ? launch<64, cute::bfloat16_t, Schedule::kOverlap>(p, batch, stream)
-         : launch<64, cute::half_t, Schedule::kOverlap>(p, batch, stream);
+    bf16 ? launch<64, bf, S::kOverlap, A::kScaledPerStep>(p, batch, stream)
+         : launch<64, hf, S::kOverlap, A::kScaledPerStep>(p, batch, stream);
   } else if (d == 64) {
-    bf16 ? launch<64, cute::bfloat16_t, Schedule::kSerial>(p, batch, stream)
-         : launch<64, cute::half_t, Schedule::kSerial>(p, batch, stream);
+    bf16 ? launch<64, bf, S::kSerial, A::kScaledPerStep>(p, batch, stream)
+         : launch<64, hf, S::kSerial, A::kScaledPerStep>(p, batch, stream);
   } else {
     TORCH_CHECK(false, "dkdv: head dim 64 or 128, got ", d);
   }

@@ -1,6 +1,5 @@
 #include "launch.cuh"
 
 namespace sagebwd_sm90 {
-SAGEBWD_LAB_LAUNCH(128, cute::bfloat16_t, Schedule::kSerial);
-SAGEBWD_LAB_LAUNCH(128, cute::half_t, Schedule::kSerial);
+SAGEBWD_LAB_HD128();
 }  // namespace sagebwd_sm90

@@ -17,6 +17,9 @@
 //     in the order that makes the S^T accumulator registers the INT8 A fragment as they are
 //     (sage_sm90::vt_position_to_key, as V^T's keys in the 8-bit forward);
 //   per query block: m, 2^32 / l, delta (64 floats each), s_dO' / 127 and s_Q.
+// DvAcc::kInPlace (the other numerics, non-causal only: eval/results/sagebwd_error_budget_cpu.md "dO' of dV
+// per channel"): dO' is quantized per channel over all queries, so dV sums P^^T dO'^ in int32 in its
+// own accumulator across the whole loop and takes its scales (P~'s 1/127 times the channel's) once.
 // Not handled (the experiment's inputs do not have them): masks, causality, GQA (the host sums
 // query heads), partial blocks (Sq % 64, Skv % 128 must be 0), non-finite values.
 #pragma once
@@ -121,6 +124,7 @@ struct Params {
   const uint8_t *k, *v, *q, *dO, *qt, *dot;
   const float* vec;
   float *dk, *dv;  // (B, H, Skv, D) float32
+  const float* dv_channel_scale;  // DvAcc::kInPlace: (B, H, D), P~'s 1/127 times dO''s channel scale
   int heads, sq, skv;
   float qk_scale;  // softmax scale * log2(e)
   float sm_scale;
@@ -189,9 +193,20 @@ enum class Schedule {
   kOverlap,
 };
 
-template <int D, class Elem, Schedule kSchedule>
+// How dV sums its INT8 products.
+enum class DvAcc {
+  // Each step's int32 result times the step's dO' block scale / 127, added to an fp32 dV (the shipped
+  // numerics).
+  kScaledPerStep,
+  // dO' per channel: the int32 sum stays in the wgmma accumulator across the loop (in flight, no
+  // conversion per step), scaled once at the end. Exact up to 2^31 / 127^2 = 133,000 queries.
+  kInPlace,
+};
+
+template <int D, class Elem, Schedule kSchedule, DvAcc kDvAcc>
 __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
   using C = Config<D, Elem>;
+  constexpr bool kInPlace = kDvAcc == DvAcc::kInPlace;
   static_assert(kSchedule == Schedule::kSerial || D == 64, "the overlapped schedule fits hd64's registers only");
   extern __shared__ uint8_t smem_raw[];
   Smem<D, Elem> sp(smem_raw);
@@ -253,7 +268,10 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
   static_assert(cute::size<2>(decltype(dQT_){}) == kBlockM / 32 && cute::size<3>(decltype(dQT_){}) == C::kStages,
                 "INT8 descriptors: one per 32-query k-step and stage");
 
+  // dV's sums: fp32 (kScaledPerStep), or with kInPlace int32 bits in the wgmma's own accumulator,
+  // set by the first step's product (the unused one of the two is never live).
   float dv[C::kDRegs], dk[C::kDRegs];
+  uint32_t dv_int[C::kDRegs];
 #pragma unroll
   for (int i = 0; i < C::kDRegs; ++i) dv[i] = dk[i] = 0.f;
   float s_acc[C::kSRegs], dp_acc[C::kSRegs];
@@ -276,11 +294,13 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
     cute::warpgroup_commit_batch();
   };
   // prod = frag^T B (INT8, int32 sums) with B the stage's dO'^T (dV) or Q^T (dK) image; not committed.
-  auto issue_int8 = [&](const uint32_t (&frag)[C::kARegs], bool dv_product, int s, uint32_t (&prod)[C::kDRegs]) {
+  // accumulate: add onto prod (kInPlace's dV after its first step) instead of starting from zero.
+  auto issue_int8 = [&](const uint32_t (&frag)[C::kARegs], bool dv_product, int s, uint32_t (&prod)[C::kDRegs],
+                        bool accumulate = false) {
 #pragma unroll
     for (int kb = 0; kb < kBlockM / 32; ++kb)
       wgmma_rs<typename C::MmaD>(&frag[4 * kb], uint64_t(dv_product ? dDOT_(0, 0, kb, s) : dQT_(0, 0, kb, s)), prod,
-                                 kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+                                 kb == 0 && !accumulate ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
                                  std::make_index_sequence<C::kDRegs>{});
   };
   auto add_scaled = [&](float (&acc)[C::kDRegs], const uint32_t (&prod)[C::kDRegs], float factor) {
@@ -343,23 +363,39 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
       float dv_factor, dk_factor, s_big;
       softmax_grad(i, s, pt, ds, dv_factor, dk_factor, s_big);
       pack(pt, ds, s_big, p_frag, ds_frag);
-      fence_regs(prod);
-      fence_regs(p_frag);
-      cute::warpgroup_arrive();
-      issue_int8(p_frag, /*dv_product=*/true, s, prod);
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      fence_regs(prod);
-      fence_regs(p_frag);
-      add_scaled(dv, prod, dv_factor);
-      fence_regs(prod);
-      fence_regs(ds_frag);
-      cute::warpgroup_arrive();
-      issue_int8(ds_frag, /*dv_product=*/false, s, prod);
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      fence_regs(prod);
-      fence_regs(ds_frag);
+      if constexpr (kInPlace) {  // dV onto its own accumulator and dK, one group
+        fence_regs(dv_int);
+        fence_regs(prod);
+        fence_regs(p_frag);
+        fence_regs(ds_frag);
+        cute::warpgroup_arrive();
+        issue_int8(p_frag, /*dv_product=*/true, s, dv_int, /*accumulate=*/i > 0);
+        issue_int8(ds_frag, /*dv_product=*/false, s, prod);
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        fence_regs(dv_int);
+        fence_regs(prod);
+        fence_regs(p_frag);
+        fence_regs(ds_frag);
+      } else {
+        fence_regs(prod);
+        fence_regs(p_frag);
+        cute::warpgroup_arrive();
+        issue_int8(p_frag, /*dv_product=*/true, s, prod);
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        fence_regs(prod);
+        fence_regs(p_frag);
+        add_scaled(dv, prod, dv_factor);
+        fence_regs(prod);
+        fence_regs(ds_frag);
+        cute::warpgroup_arrive();
+        issue_int8(ds_frag, /*dv_product=*/false, s, prod);
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        fence_regs(prod);
+        fence_regs(ds_frag);
+      }
       release(s);
       add_scaled(dk, prod, dk_factor);
     }
@@ -372,23 +408,25 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
     uint32_t prod_v[C::kDRegs], prod_k[C::kDRegs];
     uint32_t p_frag[C::kARegs], ds_frag[C::kARegs];
     float dv_prev, dk_prev, s_big;
-    auto issue_products = [&](int s) {  // dV, dK from the packed fragments of the stage's step
-      fence_regs(prod_v);
+    // kInPlace: dV's product goes onto dv_int, prod_v is unused
+    uint32_t (&dv_dst)[C::kDRegs] = kInPlace ? dv_int : prod_v;
+    auto issue_products = [&](int step) {  // dV, dK from the packed fragments of the step's stage
+      fence_regs(dv_dst);
       fence_regs(prod_k);
       fence_regs(p_frag);
       fence_regs(ds_frag);
       cute::warpgroup_arrive();
-      issue_int8(p_frag, /*dv_product=*/true, s, prod_v);
-      issue_int8(ds_frag, /*dv_product=*/false, s, prod_k);
+      issue_int8(p_frag, /*dv_product=*/true, step % C::kStages, dv_dst, /*accumulate=*/kInPlace && step > 0);
+      issue_int8(ds_frag, /*dv_product=*/false, step % C::kStages, prod_k);
       cute::warpgroup_commit_batch();
     };
     auto retire_products = [&]() {
       cute::warpgroup_wait<0>();
-      fence_regs(prod_v);
+      fence_regs(dv_dst);
       fence_regs(prod_k);
       fence_regs(p_frag);
       fence_regs(ds_frag);
-      add_scaled(dv, prod_v, dv_prev);
+      if constexpr (!kInPlace) add_scaled(dv, prod_v, dv_prev);
       add_scaled(dk, prod_k, dk_prev);
     };
     Barrier::wait(&sp.full[0], 0);
@@ -402,7 +440,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
       const int s = i % C::kStages;
       Barrier::wait(&sp.full[s], (i / C::kStages) & 1);
       issue_sdp(s);
-      issue_products((i - 1) % C::kStages);
+      issue_products(i - 1);
       cute::warpgroup_wait<1>();
       fence_regs(s_acc);
       fence_regs(dp_acc);
@@ -414,7 +452,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
       dk_prev = dk_factor;
       pack(pt, ds, s_big, p_frag, ds_frag);
     }
-    issue_products((nq - 1) % C::kStages);
+    issue_products(nq - 1);
     retire_products();
   }
 
@@ -422,9 +460,16 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
   const int64_t row0 = static_cast<int64_t>(bh) * p.skv + kv_block * kBlockN + cw * kKeysPerWG + 16 * warp + g;
 #pragma unroll
   for (int v = 0; v < C::kDRegs; v += 2) {
-    const int64_t off = (row0 + 8 * ((v >> 1) & 1)) * D + 8 * (v >> 2) + 2 * t;
+    const int col = 8 * (v >> 2) + 2 * t;
+    const int64_t off = (row0 + 8 * ((v >> 1) & 1)) * D + col;
+    float2 dv2 = make_float2(dv[v], dv[v + 1]);
+    if constexpr (kInPlace) {  // the int32 sums (beyond i2f's 2^22) times the channels' scales
+      const float2 sc = *reinterpret_cast<const float2*>(p.dv_channel_scale + static_cast<int64_t>(bh) * D + col);
+      dv2 = make_float2(static_cast<float>(static_cast<int32_t>(dv_int[v])) * sc.x,
+                        static_cast<float>(static_cast<int32_t>(dv_int[v + 1])) * sc.y);
+    }
     *reinterpret_cast<float2*>(p.dk + off) = make_float2(dk[v], dk[v + 1]);
-    *reinterpret_cast<float2*>(p.dv + off) = make_float2(dv[v], dv[v + 1]);
+    *reinterpret_cast<float2*>(p.dv + off) = dv2;
   }
 }
 

@@ -8,21 +8,29 @@
 
 namespace sagebwd_sm90 {
 
-template <int D, class Elem, Schedule kSchedule>
+template <int D, class Elem, Schedule kSchedule, DvAcc kDvAcc>
 void launch(const Params& p, int batch, cudaStream_t stream) {
   using C = Config<D, Elem>;
-  auto kernel = dkdv_kernel<D, Elem, kSchedule>;
+  auto kernel = dkdv_kernel<D, Elem, kSchedule, kDvAcc>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
   dim3 grid(p.skv / kBlockN, p.heads, batch);
   kernel<<<grid, kThreads, C::kSmemBytes, stream>>>(p);
 }
 
-#define SAGEBWD_LAB_LAUNCH(D, E, S) template void launch<D, E, S>(const Params&, int, cudaStream_t)
-extern SAGEBWD_LAB_LAUNCH(64, cute::bfloat16_t, Schedule::kSerial);
-extern SAGEBWD_LAB_LAUNCH(64, cute::half_t, Schedule::kSerial);
-extern SAGEBWD_LAB_LAUNCH(64, cute::bfloat16_t, Schedule::kOverlap);
-extern SAGEBWD_LAB_LAUNCH(64, cute::half_t, Schedule::kOverlap);
-extern SAGEBWD_LAB_LAUNCH(128, cute::bfloat16_t, Schedule::kSerial);
-extern SAGEBWD_LAB_LAUNCH(128, cute::half_t, Schedule::kSerial);
+// The built variants: per head dim and dtype the serial schedule with the shipped dV numerics; at hd64
+// the overlapped one too; with dV in place (bf16 only) the hd64 overlapped and the hd128 serial one.
+#define SAGEBWD_LAB_LAUNCH(D, E, S, A) template void launch<D, E, S, A>(const Params&, int, cudaStream_t)
+#define SAGEBWD_LAB_HD64(PREFIX)                                                                   \
+  PREFIX SAGEBWD_LAB_LAUNCH(64, cute::bfloat16_t, Schedule::kSerial, DvAcc::kScaledPerStep);       \
+  PREFIX SAGEBWD_LAB_LAUNCH(64, cute::half_t, Schedule::kSerial, DvAcc::kScaledPerStep);           \
+  PREFIX SAGEBWD_LAB_LAUNCH(64, cute::bfloat16_t, Schedule::kOverlap, DvAcc::kScaledPerStep);      \
+  PREFIX SAGEBWD_LAB_LAUNCH(64, cute::half_t, Schedule::kOverlap, DvAcc::kScaledPerStep);          \
+  PREFIX SAGEBWD_LAB_LAUNCH(64, cute::bfloat16_t, Schedule::kOverlap, DvAcc::kInPlace)
+#define SAGEBWD_LAB_HD128(PREFIX)                                                                  \
+  PREFIX SAGEBWD_LAB_LAUNCH(128, cute::bfloat16_t, Schedule::kSerial, DvAcc::kScaledPerStep);      \
+  PREFIX SAGEBWD_LAB_LAUNCH(128, cute::half_t, Schedule::kSerial, DvAcc::kScaledPerStep);          \
+  PREFIX SAGEBWD_LAB_LAUNCH(128, cute::bfloat16_t, Schedule::kSerial, DvAcc::kInPlace)
+SAGEBWD_LAB_HD64(extern);
+SAGEBWD_LAB_HD128(extern);
 
 }  // namespace sagebwd_sm90
