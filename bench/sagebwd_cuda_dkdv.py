@@ -117,6 +117,44 @@ def operands(ext, q, k, v, do, st: ref.SageBwdState, sm_scale: float, dv_channel
         dv_scale=dv_scale)
 
 
+def dq_operands(ext, q, do, st: ref.SageBwdState, sm_scale: float) -> dict:
+    """The dQ kernel's images (Q, dO per 64 queries; K, V, K^T per 64 keys), K's block scales and the
+    rows' m, 2^32 / l and delta, with the reference's operations."""
+    b, h, sq, d = q.shape
+    skv = st.kc.shape[2]
+    if sq % BLOCK_N or skv % KEYS_PER_WG:
+        raise ValueError(f"the experiment's dQ kernel needs Sq % {BLOCK_N} == 0 and Skv % {KEYS_PER_WG} == 0, "
+                         f"got {sq}, {skv}")
+    live = torch.isfinite(st.lse2)
+    zero = torch.zeros((), device=q.device)
+    m_safe = torch.where(live, st.m2, zero)
+    inv_l = torch.exp2(m_safe - torch.where(live, st.lse2, zero))
+    kv16, t8 = ext.layout_table("kv16", d), ext.layout_table("t8", d)
+    cdt = st.vc.dtype
+    as16 = lambda x: x.to(cdt).contiguous().view(torch.int16)  # noqa: E731
+    perm = vt_position_to_query(torch.arange(KEYS_PER_WG, device=q.device))
+    kt = st.k8.reshape(b, h, skv // KEYS_PER_WG, KEYS_PER_WG, d)[:, :, :, perm, :]
+    k_scale = torch.zeros(b, h, skv // KEYS_PER_WG, 4, dtype=torch.float32, device=q.device)
+    k_scale[..., 0] = st.sk
+    return dict(
+        q=_images_of(as16(st.qc), BLOCK_M, kv16).view(torch.uint8),
+        dO=_images_of(as16(do), BLOCK_M, kv16).view(torch.uint8),
+        k=_images_of(as16(st.kc), KEYS_PER_WG, kv16).view(torch.uint8),
+        v=_images_of(as16(st.vc), KEYS_PER_WG, kv16).view(torch.uint8),
+        kt=_images_of(kt.transpose(-1, -2).reshape(b, h, -1, KEYS_PER_WG), d, t8).view(torch.uint8),
+        k_scale=k_scale, m=m_safe.contiguous(), inv_l=(inv_l * DS_PRESCALE).contiguous(),
+        delta=(do.float() * st.out.float()).sum(-1).contiguous(), bf16=cdt == torch.bfloat16,
+        qk_scale=sm_scale * LOG2E, sm_scale=sm_scale)
+
+
+def run_dq(ext, ops: dict, shape) -> torch.Tensor:
+    """dQ (B, H, Sq, D) float32 from the dQ kernel."""
+    dq = torch.empty(shape, dtype=torch.float32, device="cuda")
+    ext.dq(ops["q"], ops["dO"], ops["k"], ops["v"], ops["kt"], ops["k_scale"], ops["m"], ops["inv_l"], ops["delta"],
+           dq, ops["bf16"], ops["qk_scale"], ops["sm_scale"])
+    return dq
+
+
 def run_ours(ext, ops: dict, shape, overlap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """dK, dV (B, H, Skv, D) float32 from the kernel; ``overlap``: the overlapped schedule (hd64)."""
     b, h, skv, d = shape
@@ -153,18 +191,24 @@ def metrics(got: torch.Tensor, want: torch.Tensor) -> str:
 def check(ext) -> bool:
     """Small shapes: ours against the reference's dK / dV (same state), both against float64 autograd."""
     ok = True
-    for (b, h, s, d), dtype in (((1, 2, 256, 128), torch.bfloat16), ((2, 3, 384, 64), torch.float16),
+    for (b, h, s, d), dtype in (((1, 2, 256, 128), torch.bfloat16), ((2, 3, 512, 64), torch.float16),
                                 ((1, 2, 512, 64), torch.bfloat16), ((1, 1, 640, 128), torch.float16)):
         g = torch.Generator(device="cuda").manual_seed(s + d)
         q, k, v, do = (torch.randn(b, h, s, d, generator=g, device="cuda").to(dtype) for _ in range(4))
         k = k + 3 * torch.randn(1, h, 1, d, generator=g, device="cuda").to(dtype)  # a key bias, as DiTs have
         sm_scale = 1.0 / math.sqrt(d)
         st = ref.sagebwd_forward(q, k, v, pv="fp16", scores="fp16")
-        _, dk_ref, dv_ref = ref.sagebwd_backward(do, st, scores="fp16")
+        dq_ref, dk_ref, dv_ref = ref.sagebwd_backward(do, st, scores="fp16")
         ops = operands(ext, q, k, v, do, st, sm_scale)
         qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
         out = F.scaled_dot_product_attention(qd, kd, vd)
-        _, dk64, dv64 = torch.autograd.grad(out, (qd, kd, vd), do.double())
+        dq64, dk64, dv64 = torch.autograd.grad(out, (qd, kd, vd), do.double())
+        dq = run_dq(ext, dq_operands(ext, q, do, st, sm_scale), (b, h, s, d))
+        tag = f"{b}x{h}x{s}x{d} {str(dtype).split('.')[-1]}"
+        print(f"{tag}: dQ ours vs reference {metrics(dq, dq_ref)}; vs float64: ours {metrics(dq, dq64)} | "
+              f"reference {metrics(dq_ref, dq64)}")
+        g_, w_ = dq.double().flatten(), dq_ref.double().flatten()
+        ok = ok and bool(torch.isfinite(dq).all()) and float(torch.dot(g_, w_) / (g_.norm() * w_.norm())) > 0.99999
         variants = [(False, False)] + ([(True, False)] if d == 64 else [])
         if dtype == torch.bfloat16:  # dV in place: hd64 with the overlapped schedule, hd128 serial
             variants.append((d == 64, True))
@@ -214,8 +258,9 @@ def bench(ext, shapes, rounds: int, iters: int) -> list[str]:
         triton_bwd = lambda: tri._backward_impl(do, st, None, False, None, ref.DoVPrecision.FP16,  # noqa: E731
                                                 scores=ref.ScorePrecision.FP16)
         ops_ch = operands(ext, q, k, v, do, st, sm_scale, dv_channel=True)
-        _, dk_t, dv_t = triton_bwd()
-        acc = []
+        dq_t, dk_t, dv_t = triton_bwd()
+        ops_dq = dq_operands(ext, q, do, st, sm_scale)
+        acc = [f"- dQ kernel: dQ {metrics(run_dq(ext, ops_dq, shape), dq_t)}"]
         for label, o, overlap in (("serial", ops, False), ("overlapped", ops, True), ("dV in place", ops_ch, d == 64)):
             if overlap and d != 64 and o is ops:
                 continue
@@ -232,8 +277,10 @@ def bench(ext, shapes, rounds: int, iters: int) -> list[str]:
             methods["ours dK/dV, overlapped"] = (lambda: run_ours(ext, ops, shape, True), lambda n: "dkdv_kernel" in n)
         methods["ours dK/dV, dV in place (dO' per channel)"] = (lambda: run_ours(ext, ops_ch, shape, d == 64),
                                                                  lambda n: "dkdv_kernel" in n)
+        methods["ours dQ"] = (lambda: run_dq(ext, ops_dq, shape), lambda n: "dq_kernel" in n)
         methods |= {
             f"Triton dK/dV ({kernels.value})": (triton_bwd, lambda n: "_bwd_dkdv" in n or "_bwd_fused" in n),
+            "Triton dQ (lean only)": (triton_bwd, lambda n: "_bwd_dq" in n),
             "Triton backward (all kernels)": (triton_bwd, lambda n: True),
             "cuDNN BF16 backward": (cudnn_bwd, lambda n: True),
         }
@@ -253,6 +300,8 @@ def bench(ext, shapes, rounds: int, iters: int) -> list[str]:
         base = statistics.median(times[f"Triton dK/dV ({kernels.value})"])
         for name, ts in times.items():
             med = statistics.median(ts)
+            if med == 0:  # no kernel of the name ran (the Triton dQ kernel at hd64: inside the fused one)
+                continue
             label = name + (fused_note if name.startswith("Triton dK/dV") else "")
             lines.append(f"| {label} | {min(ts):.3f} | {med:.3f} | {max(ts):.3f} | {base / med:.2f}x |")
         print("\n".join(lines[-(len(methods) + len(acc) + 6):]), flush=True)

@@ -74,3 +74,23 @@ def test_shapes_the_kernel_does_not_cover_are_refused():
     st = ref.sagebwd_forward(q, q, q, pv="fp16", scores="fp16")
     with pytest.raises(ValueError, match="Sq % 64"):
         lab.operands(_fake_ext(), q, q, q, q, st, 0.125)
+
+
+def test_dq_images_hold_the_reference_operands():
+    b, h, s, d = 1, 2, 256, 64
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(b, h, s, d, generator=g).to(torch.bfloat16) for _ in range(4))
+    st = ref.sagebwd_forward(q, k, v, pv="fp16", scores="fp16")
+    ext = _fake_ext(1)
+    ops = lab.dq_operands(ext, q, do, st, 1 / math.sqrt(d))
+    kv16, t8 = ext.layout_table("kv16", d), ext.layout_table("t8", d)
+    tiles = lambda x: x.reshape(b, h, -1, 64, d)  # noqa: E731
+    for name, want in (("q", st.qc), ("dO", do), ("k", st.kc), ("v", st.vc)):
+        assert torch.equal(_decode(ops[name], kv16, torch.bfloat16), tiles(want)), name
+    perm = lab.vt_position_to_query(torch.arange(64))
+    assert torch.equal(_decode(ops["kt"], t8, torch.int8), tiles(st.k8)[:, :, :, perm, :].transpose(-1, -2))
+    assert torch.equal(ops["k_scale"][..., 0], st.sk) and not ops["k_scale"][..., 1:].any()
+    assert torch.equal(ops["inv_l"], torch.exp2(st.m2 - st.lse2) * 2.0 ** 32)
+    assert torch.equal(ops["m"], st.m2)
+    with pytest.raises(ValueError, match="Sq % 128"):
+        lab.dq_operands(ext, q[:, :, :192], do[:, :, :192], st, 0.125)

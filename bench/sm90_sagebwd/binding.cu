@@ -13,6 +13,7 @@ namespace {
 
 using namespace sagebwd_sm90;
 using sagebwd_sm90::launch;
+using sagebwd_sm90::launch_dq;
 
 // Element offset of (row, col) in one tile of a 2-mode (or the first stage of a 3-mode) layout.
 template <class Layout>
@@ -98,10 +99,44 @@ void dkdv(torch::Tensor k, torch::Tensor v, torch::Tensor q, torch::Tensor dO, t
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// dQ (dq_kernel.cuh): images q, dO (B, H, Sq / 64 tiles), k, v, kt (B, H, Skv / 64 tiles), k_scale
+// (B, H, Skv / 64, 4); rows m, inv_l (kDsPrescale / l), delta (B, H, Sq) float32; dq (B, H, Sq, D) float32.
+void dq(torch::Tensor q, torch::Tensor dO, torch::Tensor k, torch::Tensor v, torch::Tensor kt, torch::Tensor k_scale,
+        torch::Tensor m, torch::Tensor inv_l, torch::Tensor delta, torch::Tensor dq, bool bf16, double qk_scale,
+        double sm_scale) {
+  for (auto* t : {&q, &dO, &k, &v, &kt, &k_scale, &m, &inv_l, &delta, &dq}) {
+    TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "dq: CUDA contiguous tensors");
+  }
+  TORCH_CHECK(dq.dim() == 4 && dq.scalar_type() == torch::kFloat32, "dq (B, H, Sq, D) float32");
+  const int batch = dq.size(0), heads = dq.size(1), sq = dq.size(2), d = dq.size(3);
+  const int skv = k_scale.size(2) * kKeysPerWG;
+  TORCH_CHECK(sq % (kConsumerWGs * kBlockM) == 0, "Sq must be a multiple of ", kConsumerWGs * kBlockM);
+  TORCH_CHECK(q.numel() == int64_t(batch) * heads * sq * d * 2 && dO.numel() == q.numel(), "Q / dO images");
+  TORCH_CHECK(k.numel() == int64_t(batch) * heads * skv * d * 2 && v.numel() == k.numel(), "K / V images");
+  TORCH_CHECK(kt.numel() == int64_t(batch) * heads * skv * d, "K^T image");
+  TORCH_CHECK(m.numel() == int64_t(batch) * heads * sq && inv_l.numel() == m.numel() && delta.numel() == m.numel(),
+              "m, inv_l, delta (B, H, Sq)");
+  sagebwd_sm90::DqParams p{q.data_ptr<uint8_t>(), dO.data_ptr<uint8_t>(), k.data_ptr<uint8_t>(), v.data_ptr<uint8_t>(),
+                           kt.data_ptr<uint8_t>(), k_scale.data_ptr<float>(), m.data_ptr<float>(), inv_l.data_ptr<float>(),
+                           delta.data_ptr<float>(), dq.data_ptr<float>(), heads, sq, skv,
+                           static_cast<float>(qk_scale), static_cast<float>(sm_scale)};
+  const c10::cuda::CUDAGuard guard(dq.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (d == 128) {
+    bf16 ? launch_dq<128, cute::bfloat16_t>(p, batch, stream) : launch_dq<128, cute::half_t>(p, batch, stream);
+  } else if (d == 64) {
+    bf16 ? launch_dq<64, cute::bfloat16_t>(p, batch, stream) : launch_dq<64, cute::half_t>(p, batch, stream);
+  } else {
+    TORCH_CHECK(false, "dq: head dim 64 or 128, got ", d);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dkdv", &dkdv, "SageBwd dK/dV (experiment, sm_90a)");
+  m.def("dq", &dq, "SageBwd dQ (experiment, sm_90a)");
   m.def("layout_table", &layout_table, "element offsets of a tile's smem layout, (rows, cols)");
   m.attr("vec_floats") = kVecFloats;
 }

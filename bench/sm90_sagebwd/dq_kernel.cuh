@@ -1,0 +1,206 @@
+// Experiment: SageBwd's dQ kernel, the dK/dV kernel's counterpart (dkdv_kernel.cuh): the same
+// numerics (16-bit scores, the shipped dS tiles), per 64-query row block and 64-key tile
+//   S = Q K^T, dP = dO V^T (16-bit wgmma, fp32 sums), P~ = exp2(min(S * qk_scale - m, 0)),
+//   dS = P~ / l (dP - delta), dQ += (dS^ int8 per 64x64 tile) . K^ (INT8 per 64-key block)
+//   * (s_dS * s_K_j * scale).
+// CTA: 128 queries of one (b, h); warpgroup 0 is the producer, warpgroups 1 and 2 own 64 queries each
+// (Q and dO loaded once) and loop over every key block. Operands are swizzled-tile images made on the
+// host: Q, dO (16-bit, 64 x D per warpgroup, the A operands of S and dP), per key block K, V (16-bit,
+// 64 x D, the B operands), K^T (INT8, D x 64 keys in the A fragments' key order, dQ's B operand) and
+// K's block scale. A thread's two query rows keep their m, 2^32 / l and delta in registers.
+#pragma once
+
+#include "dkdv_kernel.cuh"
+
+namespace sagebwd_sm90 {
+
+template <int D, class Elem>
+struct DqConfig {
+  using C = Config<D, Elem>;  // the layouts, atoms and tile sizes are the dK/dV kernel's
+  static constexpr int kStages = D == 128 ? 4 : 6;
+  using LayoutRows = typename C::LayoutKV;  // 64 rows x D, 16-bit, K-major: Q / dO (A), K / V (B) tiles
+  using LayoutKV = decltype(cute::tile_to_shape(
+      typename C::Atom16{}, cute::Shape<cute::Int<kKeysPerWG>, cute::Int<D>, cute::Int<kStages>>{}));
+  using LayoutT8 = decltype(cute::tile_to_shape(
+      typename C::Atom8{}, cute::Shape<cute::Int<D>, cute::Int<kKeysPerWG>, cute::Int<kStages>>{}));
+  static constexpr int kScaleBytes = 16;  // the key block's K scale, padded to a bulk copy's 16 bytes
+  static constexpr int kSmemQ = kConsumerWGs * C::kTile16Bytes;
+  static constexpr int kSmemDO = kConsumerWGs * C::kTile16Bytes;
+  static constexpr int kSmemK = kStages * C::kTile16Bytes;
+  static constexpr int kSmemV = kStages * C::kTile16Bytes;
+  static constexpr int kSmemKT = kStages * C::kTile8Bytes;
+  static constexpr int kSmemScale = kStages * kScaleBytes;
+  static constexpr int kSmemRed = kConsumerWGs * 2 * 4 * 4;
+  static constexpr int kSmemBarriers = 8 * (2 * kStages + 1);
+  static constexpr int kSmemBytes = kSmemQ + kSmemDO + kSmemK + kSmemV + kSmemKT + kSmemScale + kSmemRed +
+                                    kSmemBarriers + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "one CTA's shared memory");
+  static constexpr int kStageTxBytes = 2 * C::kTile16Bytes + C::kTile8Bytes + kScaleBytes;
+};
+
+struct DqParams {
+  // images, per (b, h): Q, dO [Sq / 64] 16-bit tiles; K, V [Skv / 64] 16-bit tiles; K^T [Skv / 64]
+  // INT8 tiles; scale [Skv / 64][4] (K's block scale, then padding)
+  const uint8_t *q, *dO, *k, *v, *kt;
+  const float* k_scale;
+  const float *m, *inv_l, *delta;  // (B, H, Sq): row max, kDsPrescale / l, delta
+  float* dq;                       // (B, H, Sq, D) float32
+  int heads, sq, skv;
+  float qk_scale, sm_scale;
+};
+
+template <int D, class Elem>
+__global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
+  using C = Config<D, Elem>;
+  using Q = DqConfig<D, Elem>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* base = smem_raw + sage_common::smem_align_pad<1024>(sage_common::smem_addr(smem_raw));
+  uint8_t* s_q = base;
+  uint8_t* s_do = s_q + Q::kSmemQ;
+  uint8_t* s_k = s_do + Q::kSmemDO;
+  uint8_t* s_v = s_k + Q::kSmemK;
+  uint8_t* s_kt = s_v + Q::kSmemV;
+  float* s_scale = reinterpret_cast<float*>(s_kt + Q::kSmemKT);
+  float* s_red = s_scale + Q::kSmemScale / 4;
+  uint64_t* full = reinterpret_cast<uint64_t*>(s_red + Q::kSmemRed / 4);
+  uint64_t* empty = full + Q::kStages;
+  uint64_t* q_full = empty + Q::kStages;
+
+  const int q_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int bh = b * p.heads + h;
+  const int nk = p.skv / kKeysPerWG;
+  const int wg = threadIdx.x / 128;
+  using Split = sage_common::sm90::RegisterSplit<24, 240, kConsumerWGs>;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Q::kStages; ++s) {
+      Barrier::init(&full[s], 1);
+      Barrier::init(&empty[s], kConsumerWGs * 4);
+    }
+    Barrier::init(q_full, 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    Split::producer();
+    if (threadIdx.x == 0) {
+      using sage_common::sm90::bulk_copy_g2s;
+      const int64_t q_off = (static_cast<int64_t>(bh) * (p.sq / kBlockM) + 2 * q_block) * C::kTile16Bytes;
+      Barrier::arrive_and_expect_tx(q_full, Q::kSmemQ + Q::kSmemDO);
+      bulk_copy_g2s(p.q + q_off, q_full, s_q, Q::kSmemQ);
+      bulk_copy_g2s(p.dO + q_off, q_full, s_do, Q::kSmemDO);
+      const int64_t blk0 = static_cast<int64_t>(bh) * nk;
+      for (int j = 0; j < nk; ++j) {
+        const int s = j % Q::kStages, n = j / Q::kStages;
+        if (n > 0) Barrier::wait(&empty[s], (n - 1) & 1);
+        Barrier::arrive_and_expect_tx(&full[s], Q::kStageTxBytes);
+        const int64_t blk = blk0 + j;
+        bulk_copy_g2s(p.k + blk * C::kTile16Bytes, &full[s], s_k + s * C::kTile16Bytes, C::kTile16Bytes);
+        bulk_copy_g2s(p.v + blk * C::kTile16Bytes, &full[s], s_v + s * C::kTile16Bytes, C::kTile16Bytes);
+        bulk_copy_g2s(p.kt + blk * C::kTile8Bytes, &full[s], s_kt + s * C::kTile8Bytes, C::kTile8Bytes);
+        bulk_copy_g2s(p.k_scale + blk * 4, &full[s], s_scale + s * 4, Q::kScaleBytes);
+      }
+    }
+    return;
+  }
+  Split::consumer();
+  const int cw = wg - 1;  // this warpgroup's 64 queries
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+
+  namespace sm90 = sage_common::sm90;
+  const auto dQa = sm90::gmma_desc_a<typename C::TiledMmaS, typename Q::LayoutRows>(
+      reinterpret_cast<Elem*>(s_q + cw * C::kTile16Bytes), tid);
+  const auto dDOa = sm90::gmma_desc_a<typename C::TiledMmaS, typename Q::LayoutRows>(
+      reinterpret_cast<Elem*>(s_do + cw * C::kTile16Bytes), tid);
+  const auto dKb = sm90::gmma_desc_b<typename C::TiledMmaS, typename Q::LayoutKV>(reinterpret_cast<Elem*>(s_k), tid);
+  const auto dVb = sm90::gmma_desc_b<typename C::TiledMmaS, typename Q::LayoutKV>(reinterpret_cast<Elem*>(s_v), tid);
+  const auto dKTb = sm90::gmma_desc_b<typename C::TiledMmaD, typename Q::LayoutT8>(reinterpret_cast<int8_t*>(s_kt), tid);
+  static_assert(cute::size<2>(decltype(dKb){}) == D / 16 && cute::size<3>(decltype(dKb){}) == Q::kStages,
+                "16-bit B descriptors: one per 16-wide k-step and stage");
+  static_assert(cute::size<2>(decltype(dKTb){}) == kKeysPerWG / 32 && cute::size<3>(decltype(dKTb){}) == Q::kStages,
+                "INT8 B descriptors: one per 32-key k-step and stage");
+
+  // This thread's query rows: 16 warp + g + 8 h, h = 0, 1 (value v's h is (v >> 1) & 1).
+  float m_row[2], invl_row[2], delta_row[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int64_t row = static_cast<int64_t>(bh) * p.sq + q_block * (kConsumerWGs * kBlockM) + cw * kBlockM +
+                        16 * warp + g + 8 * hh;
+    m_row[hh] = p.m[row];
+    invl_row[hh] = p.inv_l[row];
+    delta_row[hh] = p.delta[row];
+  }
+  float dq[C::kDRegs];
+#pragma unroll
+  for (int v = 0; v < C::kDRegs; ++v) dq[v] = 0.f;
+  float s_acc[C::kSRegs], dp_acc[C::kSRegs], ds[C::kSRegs];
+  uint32_t prod[C::kDRegs], ds_frag[C::kARegs];
+
+  Barrier::wait(q_full, 0);
+  for (int j = 0; j < nk; ++j) {
+    const int s = j % Q::kStages;
+    Barrier::wait(&full[s], (j / Q::kStages) & 1);
+    fence_regs(s_acc);
+    fence_regs(dp_acc);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kb = 0; kb < D / 16; ++kb)
+      wgmma_ss<typename C::MmaS>(uint64_t(dQa(0, 0, kb)), uint64_t(dKb(0, 0, kb, s)), s_acc,
+                                 kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+                                 std::make_index_sequence<C::kSRegs>{});
+#pragma unroll
+    for (int kb = 0; kb < D / 16; ++kb)
+      wgmma_ss<typename C::MmaS>(uint64_t(dDOa(0, 0, kb)), uint64_t(dVb(0, 0, kb, s)), dp_acc,
+                                 kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+                                 std::make_index_sequence<C::kSRegs>{});
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_regs(s_acc);
+    fence_regs(dp_acc);
+
+    float amax = 0.f;
+#pragma unroll
+    for (int v = 0; v < C::kSRegs; ++v) {
+      const int hh = (v >> 1) & 1;
+      const float pt = exp2_ftz(fminf(s_acc[v] * p.qk_scale - m_row[hh], 0.f));  // P~
+      ds[v] = pt * invl_row[hh] * (dp_acc[v] - delta_row[hh]);                    // dS * kDsPrescale
+      amax = fmaxf(amax, fabsf(ds[v]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float* red = s_red + (cw * 2 + (j & 1)) * 4;  // double-buffered: step j + 1 may write before all read
+    if (lane == 0) red[warp] = amax;
+    sm90::named_barrier_sync<128>(kFirstNamedBarrier + cw);
+    amax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+    const float sds = (amax * (1.f / kDsPrescale)) / 127.f;  // the reference's tile scale
+    const float s_big = sds * kDsPrescale;
+    const float r = s_big > 0.f ? 1.f / s_big : 0.f;
+    const float dq_factor = sds * s_scale[s * 4] * p.sm_scale;
+    pack_a([&](int v) { return code_by_reciprocal(ds[v], s_big, r); }, ds_frag);
+    fence_regs(prod);
+    fence_regs(ds_frag);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kb = 0; kb < kKeysPerWG / 32; ++kb)
+      wgmma_rs<typename C::MmaD>(&ds_frag[4 * kb], uint64_t(dKTb(0, 0, kb, s)), prod,
+                                 kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+                                 std::make_index_sequence<C::kDRegs>{});
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_regs(prod);
+    fence_regs(ds_frag);
+    if (lane == 0) Barrier::arrive(&empty[s]);
+#pragma unroll
+    for (int v = 0; v < C::kDRegs; ++v) dq[v] = fmaf(i2f(prod[v]), dq_factor, dq[v]);
+  }
+
+  const int64_t row0 = static_cast<int64_t>(bh) * p.sq + q_block * (kConsumerWGs * kBlockM) + cw * kBlockM + 16 * warp + g;
+#pragma unroll
+  for (int v = 0; v < C::kDRegs; v += 2) {
+    const int64_t off = (row0 + 8 * ((v >> 1) & 1)) * D + 8 * (v >> 2) + 2 * t;
+    *reinterpret_cast<float2*>(p.dq + off) = make_float2(dq[v], dq[v + 1]);
+  }
+}
+
+}  // namespace sagebwd_sm90
