@@ -15,19 +15,22 @@ using namespace sagebwd_sm90;
 using sagebwd_sm90::launch;
 using sagebwd_sm90::launch_dq;
 
-// Element offset of (row, col) in one tile of a 2-mode (or the first stage of a 3-mode) layout.
-template <class Layout>
+// Element offset of (row, col) in one tile of a 2-mode (or the first stage of a 3-mode) layout. CuTe
+// swizzles these layouts on byte addresses (for 16-bit elements the swizzle functor alone, applied to
+// element offsets, is not the hardware's pattern): read them through a 1024-aligned smem pointer, as
+// csrc/sm90_int8/host_layout_check.cu does.
+template <class Elem, class Layout>
 torch::Tensor table_of(Layout layout, int rows, int cols) {
-  auto sw = cute::get_swizzle_portion(layout);
-  auto base = cute::get_nonswizzle_portion(layout);
+  alignas(1024) static Elem buf[4 * 128 * 128];  // a stage of the largest tile is 128 x 128
+  auto tile = cute::make_tensor(cute::make_smem_ptr(buf), layout);
   auto out = torch::empty({rows, cols}, torch::kInt64);
   auto* o = out.data_ptr<int64_t>();
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < cols; ++c) {
-      if constexpr (decltype(cute::rank(base))::value == 3) {
-        o[r * cols + c] = sw(base(r, c, 0));
+      if constexpr (decltype(cute::rank(layout))::value == 3) {
+        o[r * cols + c] = &tile(r, c, 0) - buf;
       } else {
-        o[r * cols + c] = sw(base(r, c));
+        o[r * cols + c] = &tile(r, c) - buf;
       }
     }
   return out;
@@ -38,9 +41,9 @@ torch::Tensor layout_table(const std::string& kind, int64_t d) {
   auto pick = [&](auto dd) {
     constexpr int D = decltype(dd)::value;
     using C = Config<D, cute::bfloat16_t>;  // the layouts depend on the element size only
-    if (kind == "kv16") return table_of(typename C::LayoutKV{}, kKeysPerWG, D);
-    if (kind == "q16") return table_of(typename C::LayoutQ{}, kBlockM, D);
-    if (kind == "t8") return table_of(typename C::LayoutT8{}, D, kBlockM);
+    if (kind == "kv16") return table_of<cute::bfloat16_t>(typename C::LayoutKV{}, kKeysPerWG, D);
+    if (kind == "q16") return table_of<cute::bfloat16_t>(typename C::LayoutQ{}, kBlockM, D);
+    if (kind == "t8") return table_of<int8_t>(typename C::LayoutT8{}, D, kBlockM);
     TORCH_CHECK(false, "layout_table: kind must be kv16, q16 or t8, got ", kind);
   };
   TORCH_CHECK(d == 64 || d == 128, "layout_table: head dim 64 or 128, got ", d);
