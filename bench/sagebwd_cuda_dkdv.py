@@ -147,11 +147,11 @@ def dq_operands(ext, q, do, st: ref.SageBwdState, sm_scale: float) -> dict:
         qk_scale=sm_scale * LOG2E, sm_scale=sm_scale)
 
 
-def run_dq(ext, ops: dict, shape) -> torch.Tensor:
-    """dQ (B, H, Sq, D) float32 from the dQ kernel."""
+def run_dq(ext, ops: dict, shape, overlap: bool = False) -> torch.Tensor:
+    """dQ (B, H, Sq, D) float32 from the dQ kernel; ``overlap``: its overlapped schedule (bf16)."""
     dq = torch.empty(shape, dtype=torch.float32, device="cuda")
     ext.dq(ops["q"], ops["dO"], ops["k"], ops["v"], ops["kt"], ops["k_scale"], ops["m"], ops["inv_l"], ops["delta"],
-           dq, ops["bf16"], ops["qk_scale"], ops["sm_scale"])
+           dq, ops["bf16"], ops["qk_scale"], ops["sm_scale"], overlap)
     return dq
 
 
@@ -203,12 +203,14 @@ def check(ext) -> bool:
         qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
         out = F.scaled_dot_product_attention(qd, kd, vd)
         dq64, dk64, dv64 = torch.autograd.grad(out, (qd, kd, vd), do.double())
-        dq = run_dq(ext, dq_operands(ext, q, do, st, sm_scale), (b, h, s, d))
-        tag = f"{b}x{h}x{s}x{d} {str(dtype).split('.')[-1]}"
-        print(f"{tag}: dQ ours vs reference {metrics(dq, dq_ref)}; vs float64: ours {metrics(dq, dq64)} | "
-              f"reference {metrics(dq_ref, dq64)}")
-        g_, w_ = dq.double().flatten(), dq_ref.double().flatten()
-        ok = ok and bool(torch.isfinite(dq).all()) and float(torch.dot(g_, w_) / (g_.norm() * w_.norm())) > 0.99999
+        ops_dq = dq_operands(ext, q, do, st, sm_scale)
+        for overlap in (False, True) if dtype == torch.bfloat16 else (False,):
+            dq = run_dq(ext, ops_dq, (b, h, s, d), overlap)
+            tag = f"{b}x{h}x{s}x{d} {str(dtype).split('.')[-1]}{' overlap' if overlap else ''}"
+            print(f"{tag}: dQ ours vs reference {metrics(dq, dq_ref)}; vs float64: ours {metrics(dq, dq64)} | "
+                  f"reference {metrics(dq_ref, dq64)}")
+            g_, w_ = dq.double().flatten(), dq_ref.double().flatten()
+            ok = ok and bool(torch.isfinite(dq).all()) and float(torch.dot(g_, w_) / (g_.norm() * w_.norm())) > 0.99999
         variants = [(False, False)] + ([(True, False)] if d == 64 else [])
         if dtype == torch.bfloat16:  # dV in place: hd64 with the overlapped schedule, hd128 serial
             variants.append((d == 64, True))
@@ -260,7 +262,8 @@ def bench(ext, shapes, rounds: int, iters: int) -> list[str]:
         ops_ch = operands(ext, q, k, v, do, st, sm_scale, dv_channel=True)
         dq_t, dk_t, dv_t = triton_bwd()
         ops_dq = dq_operands(ext, q, do, st, sm_scale)
-        acc = [f"- dQ kernel: dQ {metrics(run_dq(ext, ops_dq, shape), dq_t)}"]
+        acc = [f"- dQ kernel: dQ {metrics(run_dq(ext, ops_dq, shape), dq_t)}",
+               f"- dQ kernel, overlapped: dQ {metrics(run_dq(ext, ops_dq, shape, True), dq_t)}"]
         for label, o, overlap in (("serial", ops, False), ("overlapped", ops, True), ("dV in place", ops_ch, d == 64)):
             if overlap and d != 64 and o is ops:
                 continue
@@ -278,6 +281,7 @@ def bench(ext, shapes, rounds: int, iters: int) -> list[str]:
         methods["ours dK/dV, dV in place (dO' per channel)"] = (lambda: run_ours(ext, ops_ch, shape, d == 64),
                                                                  lambda n: "dkdv_kernel" in n)
         methods["ours dQ"] = (lambda: run_dq(ext, ops_dq, shape), lambda n: "dq_kernel" in n)
+        methods["ours dQ, overlapped"] = (lambda: run_dq(ext, ops_dq, shape, True), lambda n: "dq_kernel" in n)
         methods |= {
             f"Triton dK/dV ({kernels.value})": (triton_bwd, lambda n: "_bwd_dkdv" in n or "_bwd_fused" in n),
             "Triton dQ (lean only)": (triton_bwd, lambda n: "_bwd_dq" in n),

@@ -106,7 +106,7 @@ void dkdv(torch::Tensor k, torch::Tensor v, torch::Tensor q, torch::Tensor dO, t
 // (B, H, Skv / 64, 4); rows m, inv_l (kDsPrescale / l), delta (B, H, Sq) float32; dq (B, H, Sq, D) float32.
 void dq(torch::Tensor q, torch::Tensor dO, torch::Tensor k, torch::Tensor v, torch::Tensor kt, torch::Tensor k_scale,
         torch::Tensor m, torch::Tensor inv_l, torch::Tensor delta, torch::Tensor dq, bool bf16, double qk_scale,
-        double sm_scale) {
+        double sm_scale, bool overlap) {
   for (auto* t : {&q, &dO, &k, &v, &kt, &k_scale, &m, &inv_l, &delta, &dq}) {
     TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "dq: CUDA contiguous tensors");
   }
@@ -125,10 +125,18 @@ void dq(torch::Tensor q, torch::Tensor dO, torch::Tensor k, torch::Tensor v, tor
                            static_cast<float>(qk_scale), static_cast<float>(sm_scale)};
   const c10::cuda::CUDAGuard guard(dq.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (d == 128) {
-    bf16 ? launch_dq<128, cute::bfloat16_t>(p, batch, stream) : launch_dq<128, cute::half_t>(p, batch, stream);
+  using S = sagebwd_sm90::Schedule;
+  using bf = cute::bfloat16_t;
+  using hf = cute::half_t;
+  TORCH_CHECK(!overlap || bf16, "dq: the overlapped schedule is built for bf16");
+  if (d == 128 && overlap) {
+    launch_dq<128, bf, S::kOverlap>(p, batch, stream);
+  } else if (d == 128) {
+    bf16 ? launch_dq<128, bf, S::kSerial>(p, batch, stream) : launch_dq<128, hf, S::kSerial>(p, batch, stream);
+  } else if (d == 64 && overlap) {
+    launch_dq<64, bf, S::kOverlap>(p, batch, stream);
   } else if (d == 64) {
-    bf16 ? launch_dq<64, cute::bfloat16_t>(p, batch, stream) : launch_dq<64, cute::half_t>(p, batch, stream);
+    bf16 ? launch_dq<64, bf, S::kSerial>(p, batch, stream) : launch_dq<64, hf, S::kSerial>(p, batch, stream);
   } else {
     TORCH_CHECK(false, "dq: head dim 64 or 128, got ", d);
   }

@@ -49,7 +49,9 @@ struct DqParams {
   float qk_scale, sm_scale;
 };
 
-template <int D, class Elem>
+// kSchedule: kSerial waits for each product at once; kOverlap keeps S / dP of the next step on the
+// tensor cores while a step's dQ product is scaled and added.
+template <int D, class Elem, Schedule kSchedule>
 __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
   using C = Config<D, Elem>;
   using Q = DqConfig<D, Elem>;
@@ -137,10 +139,8 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
   float s_acc[C::kSRegs], dp_acc[C::kSRegs], ds[C::kSRegs];
   uint32_t prod[C::kDRegs], ds_frag[C::kARegs];
 
-  Barrier::wait(q_full, 0);
-  for (int j = 0; j < nk; ++j) {
-    const int s = j % Q::kStages;
-    Barrier::wait(&full[s], (j / Q::kStages) & 1);
+  // S = Q K_j^T and dP = dO V_j^T of stage s, one committed group.
+  auto issue_sdp = [&](int s) {
     fence_regs(s_acc);
     fence_regs(dp_acc);
     cute::warpgroup_arrive();
@@ -155,10 +155,11 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
                                  kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
                                  std::make_index_sequence<C::kSRegs>{});
     cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
+  };
+  // Step j's dS codes from the retired S, dP into ds_frag, and its dQ scale factor.
+  auto softmax_grad = [&](int j, int s) {
     fence_regs(s_acc);
     fence_regs(dp_acc);
-
     float amax = 0.f;
 #pragma unroll
     for (int v = 0; v < C::kSRegs; ++v) {
@@ -176,8 +177,10 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
     const float sds = (amax * (1.f / kDsPrescale)) / 127.f;  // the reference's tile scale
     const float s_big = sds * kDsPrescale;
     const float r = s_big > 0.f ? 1.f / s_big : 0.f;
-    const float dq_factor = sds * s_scale[s * 4] * p.sm_scale;
     pack_a([&](int v) { return code_by_reciprocal(ds[v], s_big, r); }, ds_frag);
+    return sds * s_scale[s * 4] * p.sm_scale;
+  };
+  auto issue_dq = [&](int s) {  // prod = dS^ K^ of stage s, one committed group
     fence_regs(prod);
     fence_regs(ds_frag);
     cute::warpgroup_arrive();
@@ -187,12 +190,51 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
                                  kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
                                  std::make_index_sequence<C::kDRegs>{});
     cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
+  };
+  auto add_dq = [&](int s, float factor) {  // after dQ's product of stage s retired
     fence_regs(prod);
     fence_regs(ds_frag);
     if (lane == 0) Barrier::arrive(&empty[s]);
 #pragma unroll
-    for (int v = 0; v < C::kDRegs; ++v) dq[v] = fmaf(i2f(prod[v]), dq_factor, dq[v]);
+    for (int v = 0; v < C::kDRegs; ++v) dq[v] = fmaf(i2f(prod[v]), factor, dq[v]);
+  };
+  auto wait_full = [&](int j) { Barrier::wait(&full[j % Q::kStages], (j / Q::kStages) & 1); };
+
+  Barrier::wait(q_full, 0);
+  if constexpr (kSchedule == Schedule::kSerial) {
+    for (int j = 0; j < nk; ++j) {
+      const int s = j % Q::kStages;
+      wait_full(j);
+      issue_sdp(s);
+      cute::warpgroup_wait<0>();
+      const float factor = softmax_grad(j, s);
+      issue_dq(s);
+      cute::warpgroup_wait<0>();
+      add_dq(s, factor);
+    }
+  } else {
+    // Step j: its dQ product goes to the tensor cores first, then S / dP of step j + 1; waiting for the
+    // dQ product only (groups retire in order), its scale-add runs while S / dP (j + 1) are computed.
+    // The S / dP registers are free by then (dS is packed), so this fits hd128's registers. The last
+    // step is peeled so every issue in the loop is unconditional and every wait constant (C7514).
+    wait_full(0);
+    issue_sdp(0);
+    for (int j = 0; j + 1 < nk; ++j) {
+      const int s = j % Q::kStages;
+      cute::warpgroup_wait<0>();
+      const float factor = softmax_grad(j, s);
+      issue_dq(s);
+      wait_full(j + 1);
+      issue_sdp((j + 1) % Q::kStages);
+      cute::warpgroup_wait<1>();
+      add_dq(s, factor);
+    }
+    const int s = (nk - 1) % Q::kStages;
+    cute::warpgroup_wait<0>();
+    const float factor = softmax_grad(nk - 1, s);
+    issue_dq(s);
+    cute::warpgroup_wait<0>();
+    add_dq(s, factor);
   }
 
   const int64_t row0 = static_cast<int64_t>(bh) * p.sq + q_block * (kConsumerWGs * kBlockM) + cw * kBlockM + 16 * warp + g;

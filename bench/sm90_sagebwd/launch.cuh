@@ -18,10 +18,10 @@ void launch(const Params& p, int batch, cudaStream_t stream) {
   kernel<<<grid, kThreads, C::kSmemBytes, stream>>>(p);
 }
 
-template <int D, class Elem>
+template <int D, class Elem, Schedule kSchedule>
 void launch_dq(const DqParams& p, int batch, cudaStream_t stream) {
   using Q = DqConfig<D, Elem>;
-  auto kernel = dq_kernel<D, Elem>;
+  auto kernel = dq_kernel<D, Elem, kSchedule>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Q::kSmemBytes);
   dim3 grid(p.sq / (kConsumerWGs * kBlockM), p.heads, batch);
   kernel<<<grid, kThreads, Q::kSmemBytes, stream>>>(p);
@@ -29,6 +29,7 @@ void launch_dq(const DqParams& p, int batch, cudaStream_t stream) {
 
 // The built variants: per head dim and dtype the serial schedule with the shipped dV numerics; at hd64
 // the overlapped one too; with dV in place (bf16 only) the hd64 overlapped and the hd128 serial one.
+// dQ: serial per head dim and dtype, overlapped (bf16) at both head dims.
 #define SAGEBWD_LAB_LAUNCH(D, E, S, A) template void launch<D, E, S, A>(const Params&, int, cudaStream_t)
 #define SAGEBWD_LAB_HD64(PREFIX)                                                                   \
   PREFIX SAGEBWD_LAB_LAUNCH(64, cute::bfloat16_t, Schedule::kSerial, DvAcc::kScaledPerStep);       \
@@ -36,14 +37,16 @@ void launch_dq(const DqParams& p, int batch, cudaStream_t stream) {
   PREFIX SAGEBWD_LAB_LAUNCH(64, cute::bfloat16_t, Schedule::kOverlap, DvAcc::kScaledPerStep);      \
   PREFIX SAGEBWD_LAB_LAUNCH(64, cute::half_t, Schedule::kOverlap, DvAcc::kScaledPerStep);          \
   PREFIX SAGEBWD_LAB_LAUNCH(64, cute::bfloat16_t, Schedule::kOverlap, DvAcc::kInPlace);                \
-  PREFIX template void launch_dq<64, cute::bfloat16_t>(const DqParams&, int, cudaStream_t);         \
-  PREFIX template void launch_dq<64, cute::half_t>(const DqParams&, int, cudaStream_t)
+  PREFIX template void launch_dq<64, cute::bfloat16_t, Schedule::kSerial>(const DqParams&, int, cudaStream_t);         \
+  PREFIX template void launch_dq<64, cute::bfloat16_t, Schedule::kOverlap>(const DqParams&, int, cudaStream_t);         \
+  PREFIX template void launch_dq<64, cute::half_t, Schedule::kSerial>(const DqParams&, int, cudaStream_t)
 #define SAGEBWD_LAB_HD128(PREFIX)                                                                  \
   PREFIX SAGEBWD_LAB_LAUNCH(128, cute::bfloat16_t, Schedule::kSerial, DvAcc::kScaledPerStep);      \
   PREFIX SAGEBWD_LAB_LAUNCH(128, cute::half_t, Schedule::kSerial, DvAcc::kScaledPerStep);          \
   PREFIX SAGEBWD_LAB_LAUNCH(128, cute::bfloat16_t, Schedule::kSerial, DvAcc::kInPlace);               \
-  PREFIX template void launch_dq<128, cute::bfloat16_t>(const DqParams&, int, cudaStream_t);        \
-  PREFIX template void launch_dq<128, cute::half_t>(const DqParams&, int, cudaStream_t)
+  PREFIX template void launch_dq<128, cute::bfloat16_t, Schedule::kSerial>(const DqParams&, int, cudaStream_t);         \
+  PREFIX template void launch_dq<128, cute::bfloat16_t, Schedule::kOverlap>(const DqParams&, int, cudaStream_t);        \
+  PREFIX template void launch_dq<128, cute::half_t, Schedule::kSerial>(const DqParams&, int, cudaStream_t)
 SAGEBWD_LAB_HD64(extern);
 SAGEBWD_LAB_HD128(extern);
 
