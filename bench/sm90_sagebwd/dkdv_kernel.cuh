@@ -226,22 +226,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
   float s_acc[C::kSRegs], dp_acc[C::kSRegs];
 
   // S^T = K Q^T and dP^T = V dO^T of stage s as one committed group.
-  auto issue_sdp = [&](int s) {
-    fence_regs(s_acc);
-    fence_regs(dp_acc);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int kb = 0; kb < D / 16; ++kb)
-      wgmma_ss<typename C::MmaS>(uint64_t(dK_(0, 0, kb)), uint64_t(dQ_(0, 0, kb, s)), s_acc,
-                                 kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
-                                 std::make_index_sequence<C::kSRegs>{});
-#pragma unroll
-    for (int kb = 0; kb < D / 16; ++kb)
-      wgmma_ss<typename C::MmaS>(uint64_t(dV_(0, 0, kb)), uint64_t(dDO_(0, 0, kb, s)), dp_acc,
-                                 kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
-                                 std::make_index_sequence<C::kSRegs>{});
-    cute::warpgroup_commit_batch();
-  };
+  auto issue_sdp = [&](int s) { issue_pair<typename C::MmaS, D / 16>(dK_, dQ_, s_acc, dV_, dDO_, dp_acc, s); };
   // prod = frag^T B (INT8, int32 sums) with B the stage's dO'^T (dV) or Q^T (dK) image; not committed.
   // accumulate: add onto prod (kInPlace's dV after its first step) instead of starting from zero.
   auto issue_int8 = [&](const uint32_t (&frag)[C::kARegs], bool dv_product, int s, uint32_t (&prod)[C::kDRegs],
@@ -273,17 +258,10 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
       ds[v] = pr * (dp_acc[v] - vec[kVecDelta + col]);
       amax = fmaxf(amax, fabsf(ds[v]));
     }
-    // dS's scale: the absmax of this warpgroup's 64 x 64 tile.
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    float* red = sp.red + (cw * 2 + (i & 1)) * 4;  // double-buffered: step i + 1 may write before all read
-    if (lane == 0) red[warp] = amax;
-    sm90::named_barrier_sync<128>(kFirstNamedBarrier + cw);
-    amax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
-    const float sds = (amax * (1.f / kDsPrescale)) / 127.f;  // the reference's tile scale (the product is exact)
-    s_big = sds * kDsPrescale;
+    const DsTileScale sc(amax, sp.red + (cw * 2 + (i & 1)) * 4, warp, lane, kFirstNamedBarrier + cw);
+    s_big = sc.s_big;
     dv_factor = vec[kVecDvFactor];
-    dk_factor = sds * vec[kVecSQ] * p.sm_scale;
+    dk_factor = sc.sds * vec[kVecSQ] * p.sm_scale;
   };
   // The INT8 A fragments of dV (P~ codes) and dK (dS codes). Packed only once the registers they go
   // to are free: with dS in fp32 beside a product's int32 result and dV, dK the registers spill at hd128.

@@ -140,22 +140,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
   uint32_t prod[C::kDRegs], ds_frag[C::kARegs];
 
   // S = Q K_j^T and dP = dO V_j^T of stage s, one committed group.
-  auto issue_sdp = [&](int s) {
-    fence_regs(s_acc);
-    fence_regs(dp_acc);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int kb = 0; kb < D / 16; ++kb)
-      wgmma_ss<typename C::MmaS>(uint64_t(dQa(0, 0, kb)), uint64_t(dKb(0, 0, kb, s)), s_acc,
-                                 kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
-                                 std::make_index_sequence<C::kSRegs>{});
-#pragma unroll
-    for (int kb = 0; kb < D / 16; ++kb)
-      wgmma_ss<typename C::MmaS>(uint64_t(dDOa(0, 0, kb)), uint64_t(dVb(0, 0, kb, s)), dp_acc,
-                                 kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
-                                 std::make_index_sequence<C::kSRegs>{});
-    cute::warpgroup_commit_batch();
-  };
+  auto issue_sdp = [&](int s) { issue_pair<typename C::MmaS, D / 16>(dQa, dKb, s_acc, dDOa, dVb, dp_acc, s); };
   // Step j's dS codes from the retired S, dP into ds_frag, and its dQ scale factor.
   auto softmax_grad = [&](int j, int s) {
     fence_regs(s_acc);
@@ -168,17 +153,10 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
       ds[v] = pt * invl_row[hh] * (dp_acc[v] - delta_row[hh]);                    // dS * kDsPrescale
       amax = fmaxf(amax, fabsf(ds[v]));
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    float* red = s_red + (cw * 2 + (j & 1)) * 4;  // double-buffered: step j + 1 may write before all read
-    if (lane == 0) red[warp] = amax;
-    sm90::named_barrier_sync<128>(kFirstNamedBarrier + cw);
-    amax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
-    const float sds = (amax * (1.f / kDsPrescale)) / 127.f;  // the reference's tile scale
-    const float s_big = sds * kDsPrescale;
-    const float r = s_big > 0.f ? 1.f / s_big : 0.f;
-    pack_a([&](int v) { return code_by_reciprocal(ds[v], s_big, r); }, ds_frag);
-    return sds * s_scale[s * 4] * p.sm_scale;
+    const DsTileScale sc(amax, s_red + (cw * 2 + (j & 1)) * 4, warp, lane, kFirstNamedBarrier + cw);
+    const float r = sc.s_big > 0.f ? 1.f / sc.s_big : 0.f;
+    pack_a([&](int v) { return code_by_reciprocal(ds[v], sc.s_big, r); }, ds_frag);
+    return sc.sds * s_scale[s * 4] * p.sm_scale;
   };
   auto issue_dq = [&](int s) {  // prod = dS^ K^ of stage s, one committed group
     fence_regs(prod);

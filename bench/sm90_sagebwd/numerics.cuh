@@ -1,8 +1,14 @@
-// Numerics both experiment kernels share (dkdv_kernel.cuh, dq_kernel.cuh): conversions on the ALU
-// pipes, exp2, the dS codes, the INT8 A-fragment pack.
+// What both experiment kernels share (dkdv_kernel.cuh, dq_kernel.cuh): conversions on the ALU pipes,
+// exp2, the dS tile scale and codes, the INT8 A-fragment pack, the pair of 16-bit score products.
 #pragma once
 
 #include <cstdint>
+#include <utility>
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+#include "../../csrc/common/sm90/named_barrier.cuh"
+#include "../../csrc/common/sm90/wgmma.cuh"
 
 namespace sagebwd_sm90 {
 
@@ -56,6 +62,46 @@ __device__ __forceinline__ void pack_a(F&& bits_of, uint32_t (&a)[8]) {
       a[4 * kb + r] = __byte_perm(lo, hi, 0x5410);
     }
   }
+}
+
+// The largest |dS| of a warpgroup's 64 x 64 tile from each thread's own (amax), through red[4] (one
+// float per warp, shared memory this warpgroup alone uses, alternated between steps so a warp's next
+// write cannot meet a slower warp's read) and a barrier of the warpgroup's 128 threads. Then the
+// reference's tile scale sds = (amax / kDsPrescale) / 127 (the first quotient exact), and
+// s_big = sds * kDsPrescale, the divisor of the prescaled dS.
+struct DsTileScale {
+  float sds, s_big;
+  __device__ __forceinline__ DsTileScale(float amax, float* red, int warp, int lane, int barrier_id) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (lane == 0) red[warp] = amax;
+    sage_common::sm90::named_barrier_sync<128>(barrier_id);
+    amax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+    sds = (amax * (1.f / kDsPrescale)) / 127.f;
+    s_big = sds * kDsPrescale;
+  }
+};
+
+// Two 16-bit products over kSteps k-steps as one committed wgmma group, each from an A descriptor
+// tensor (k-step) and a B descriptor tensor (k-step, stage): the scores and dP (S^T, dP^T in the
+// dK/dV kernel; S, dP in the dQ kernel), which read the same k-steps of their stage.
+template <class Mma, int kSteps, class A1, class B1, class A2, class B2, int N>
+__device__ __forceinline__ void issue_pair(const A1& a1, const B1& b1, float (&acc1)[N], const A2& a2, const B2& b2,
+                                           float (&acc2)[N], int stage) {
+  using sage_common::sm90::fence_regs;
+  using sage_common::sm90::wgmma_ss;
+  fence_regs(acc1);
+  fence_regs(acc2);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int kb = 0; kb < kSteps; ++kb)
+    wgmma_ss<Mma>(uint64_t(a1(0, 0, kb)), uint64_t(b1(0, 0, kb, stage)), acc1,
+                  kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One, std::make_index_sequence<N>{});
+#pragma unroll
+  for (int kb = 0; kb < kSteps; ++kb)
+    wgmma_ss<Mma>(uint64_t(a2(0, 0, kb)), uint64_t(b2(0, 0, kb, stage)), acc2,
+                  kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One, std::make_index_sequence<N>{});
+  cute::warpgroup_commit_batch();
 }
 
 }  // namespace sagebwd_sm90
