@@ -55,6 +55,20 @@ constexpr int kVecM = 0, kVecInvL = 64, kVecDelta = 128, kVecDvFactor = 192, kVe
 constexpr int kVecBytes = kVecFloats * 4;
 constexpr int kFirstNamedBarrier = 1;  // one per consumer warpgroup: its dS absmax
 
+// The ring's barriers (full: the producer's arrive + the copies' bytes; empty: lane 0 of each consumer
+// warp) and the once-per-CTA operands' barrier, by thread 0, before any other thread proceeds.
+__device__ __forceinline__ void init_barriers(uint64_t* full, uint64_t* empty, int stages, uint64_t* once) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      Barrier::init(&full[s], 1);
+      Barrier::init(&empty[s], kConsumerWGs * 4);
+    }
+    Barrier::init(once, 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+}
+
 template <int D, class Elem>  // Elem: cute::bfloat16_t or cute::half_t
 struct Config {
   static_assert(D == 64 || D == 128, "head dims 64 and 128");
@@ -165,15 +179,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
   const int wg = threadIdx.x / 128;
   using Split = sage_common::sm90::RegisterSplit<24, 240, kConsumerWGs>;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < C::kStages; ++s) {
-      Barrier::init(&sp.full[s], 1);
-      Barrier::init(&sp.empty[s], kConsumerWGs * 4);
-    }
-    Barrier::init(sp.kv_full, 1);
-    cutlass::arch::fence_barrier_init();
-  }
-  __syncthreads();
+  init_barriers(sp.full, sp.empty, C::kStages, sp.kv_full);
 
   if (wg == 0) {
     Split::producer();

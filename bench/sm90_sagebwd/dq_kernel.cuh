@@ -74,15 +74,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
   const int wg = threadIdx.x / 128;
   using Split = sage_common::sm90::RegisterSplit<24, 240, kConsumerWGs>;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < Q::kStages; ++s) {
-      Barrier::init(&full[s], 1);
-      Barrier::init(&empty[s], kConsumerWGs * 4);
-    }
-    Barrier::init(q_full, 1);
-    cutlass::arch::fence_barrier_init();
-  }
-  __syncthreads();
+  init_barriers(full, empty, Q::kStages, q_full);
 
   if (wg == 0) {
     Split::producer();
