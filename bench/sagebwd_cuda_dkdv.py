@@ -155,14 +155,28 @@ def run_dq(ext, ops: dict, shape, overlap: bool = False) -> torch.Tensor:
     return dq
 
 
-def run_ours(ext, ops: dict, shape, overlap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """dK, dV (B, H, Skv, D) float32 from the kernel; ``overlap``: the overlapped schedule (hd64)."""
+def run_ours(ext, ops: dict, shape, overlap: bool = False, probe=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """dK, dV (B, H, Skv, D) float32 from the kernel; ``overlap``: the overlapped schedule (hd64);
+    ``probe`` (2, 128, 64) float32: receives the first CTA's first step's S^T * qk_scale and dP^T."""
     b, h, skv, d = shape
     dk = torch.empty(b, h, skv, d, dtype=torch.float32, device="cuda")
     dv = torch.empty_like(dk)
+    empty = torch.empty(0, device="cuda")
     ext.dkdv(ops["k"], ops["v"], ops["q"], ops["dO"], ops["qt"], ops["dot"], ops["vec"], dk, dv, ops["bf16"],
-             ops["qk_scale"], ops["sm_scale"], overlap, ops["dv_scale"])
+             ops["qk_scale"], ops["sm_scale"], overlap, ops["dv_scale"], empty if probe is None else probe)
     return dk, dv
+
+
+def probe_report(ext, ops: dict, shape, st: ref.SageBwdState, do: torch.Tensor, sm_scale: float) -> str:
+    """Where a failed check goes wrong first: the kernel's S^T and dP^T of (b, h) = (0, 0), keys 0-127,
+    queries 0-63, against the reference's."""
+    probe = torch.zeros(2, BLOCK_N, BLOCK_M, dtype=torch.float32, device="cuda")
+    run_ours(ext, ops, shape, probe=probe)
+    torch.cuda.synchronize()
+    qc, kc, vc = st.qc[0, 0, :BLOCK_M].float(), st.kc[0, 0, :BLOCK_N].float(), st.vc[0, 0, :BLOCK_N].float()
+    s_want = (kc @ qc.T) * (sm_scale * LOG2E)  # (keys, queries)
+    dp_want = vc @ do[0, 0, :BLOCK_M].to(st.vc.dtype).float().T
+    return f"probe S^T: {metrics(probe[0], s_want)}; dP^T: {metrics(probe[1], dp_want)}"
 
 
 def reference_dv_channel(st: ref.SageBwdState, do: torch.Tensor, sm_scale: float) -> torch.Tensor:
@@ -224,10 +238,14 @@ def check(ext) -> bool:
             print(f"{tag}: dK ours vs reference {metrics(dk, dk_ref)}; dV {metrics(dv, dv_want)}")
             print(f"{tag}: vs float64: dK ours {metrics(dk, dk64)} | reference {metrics(dk_ref, dk64)}")
             print(f"{tag}: vs float64: dV ours {metrics(dv, dv64)} | reference {metrics(dv_ref, dv64)}")
+            step_ok = True
             for got, want in ((dk, dk_ref), (dv, dv_want)):
                 g_, w_ = got.double().flatten(), want.double().flatten()
                 cos = float(torch.dot(g_, w_) / (g_.norm() * w_.norm()))
-                ok = ok and bool(torch.isfinite(got).all()) and cos > 0.99999
+                step_ok = step_ok and bool(torch.isfinite(got).all()) and cos > 0.99999
+            if not step_ok and not overlap and not in_place:
+                print(f"{tag}: {probe_report(ext, ops, (b, h, s, d), st, do, sm_scale)}")
+            ok = ok and step_ok
     print("CHECK", "PASSED" if ok else "FAILED")
     return ok
 

@@ -52,11 +52,11 @@ torch::Tensor layout_table(const std::string& kind, int64_t d) {
 
 // Images as uint8 / float32 tensors laid out as Params says; dk, dv (B, H, Skv, D) float32 outputs.
 // overlap: Schedule::kOverlap (hd64); dv_channel_scale (B, H, D) float32: DvAcc::kInPlace (bf16; dot's
-// codes then carry dO' per channel), or an empty tensor.
+// codes then carry dO' per channel), or an empty tensor; probe (2, 128, 64) float32 or empty: Params::probe.
 void dkdv(torch::Tensor k, torch::Tensor v, torch::Tensor q, torch::Tensor dO, torch::Tensor qt, torch::Tensor dot,
           torch::Tensor vec, torch::Tensor dk, torch::Tensor dv, bool bf16, double qk_scale, double sm_scale,
-          bool overlap, torch::Tensor dv_channel_scale) {
-  for (auto* t : {&k, &v, &q, &dO, &qt, &dot, &vec, &dk, &dv, &dv_channel_scale}) {
+          bool overlap, torch::Tensor dv_channel_scale, torch::Tensor probe) {
+  for (auto* t : {&k, &v, &q, &dO, &qt, &dot, &vec, &dk, &dv, &dv_channel_scale, &probe}) {
     TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "dkdv: CUDA contiguous tensors");
   }
   TORCH_CHECK(dk.dim() == 4 && dk.scalar_type() == torch::kFloat32 && dv.sizes() == dk.sizes(), "dk, dv (B, H, Skv, D) float32");
@@ -68,6 +68,8 @@ void dkdv(torch::Tensor k, torch::Tensor v, torch::Tensor q, torch::Tensor dO, t
   TORCH_CHECK(q.numel() == int64_t(batch) * heads * sq * d * 2 && dO.numel() == q.numel(), "Q / dO images");
   TORCH_CHECK(qt.numel() == int64_t(batch) * heads * sq * d && dot.numel() == qt.numel(), "Q^T / dO'^T images");
   const bool in_place = dv_channel_scale.numel() > 0;
+  TORCH_CHECK(probe.numel() == 0 || (probe.numel() == 2 * kBlockN * kBlockM && probe.scalar_type() == torch::kFloat32),
+              "dkdv: probe empty or 2 x ", kBlockN, " x ", kBlockM, " float32");
   TORCH_CHECK(!in_place || (dv_channel_scale.numel() == int64_t(batch) * heads * d && bf16 &&
                             dv_channel_scale.scalar_type() == torch::kFloat32),
               "dkdv: dv_channel_scale (B, H, D) float32, bf16 inputs");
@@ -75,7 +77,8 @@ void dkdv(torch::Tensor k, torch::Tensor v, torch::Tensor q, torch::Tensor dO, t
   TORCH_CHECK(!in_place || overlap || d == 128, "dkdv: dV in place is built with the overlapped schedule at hd64");
   Params p{k.data_ptr<uint8_t>(), v.data_ptr<uint8_t>(), q.data_ptr<uint8_t>(), dO.data_ptr<uint8_t>(),
            qt.data_ptr<uint8_t>(), dot.data_ptr<uint8_t>(), vec.data_ptr<float>(), dk.data_ptr<float>(),
-           dv.data_ptr<float>(), in_place ? dv_channel_scale.data_ptr<float>() : nullptr, heads, sq, skv,
+           dv.data_ptr<float>(), in_place ? dv_channel_scale.data_ptr<float>() : nullptr,
+           probe.numel() > 0 ? probe.data_ptr<float>() : nullptr, heads, sq, skv,
            static_cast<float>(qk_scale), static_cast<float>(sm_scale)};
   const c10::cuda::CUDAGuard guard(dk.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

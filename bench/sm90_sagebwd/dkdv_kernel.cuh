@@ -140,6 +140,7 @@ struct Params {
   const float* vec;
   float *dk, *dv;  // (B, H, Skv, D) float32
   const float* dv_channel_scale;  // DvAcc::kInPlace: (B, H, D), P~'s 1/127 times dO''s channel scale
+  float* probe;  // or null: the first CTA's first step, S^T * qk_scale then dP^T, 2 x (128 keys x 64 queries)
   int heads, sq, skv;
   float qk_scale;  // softmax scale * log2(e)
   float sm_scale;
@@ -255,6 +256,14 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
   auto softmax_grad = [&](int i, int s, float (&pt)[C::kSRegs], float (&ds)[C::kSRegs], float& dv_factor,
                           float& dk_factor, float& s_big) {
     const float* vec = sp.vec + s * kVecFloats;
+    if (p.probe != nullptr && i == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
+#pragma unroll
+      for (int v = 0; v < C::kSRegs; ++v) {  // a diagnosis of the products when the check fails
+        const int at = (cw * kKeysPerWG + 16 * warp + g + 8 * ((v >> 1) & 1)) * kBlockM + 8 * (v >> 2) + 2 * t + (v & 1);
+        p.probe[at] = s_acc[v] * p.qk_scale;
+        p.probe[kBlockN * kBlockM + at] = dp_acc[v];
+      }
+    }
     float amax = 0.f;
 #pragma unroll
     for (int v = 0; v < C::kSRegs; ++v) {
