@@ -14,11 +14,15 @@ For each case this measures, per call:
 - ``device``: the CUDA kernels' summed time under ``torch.profiler``, and their count.
 
 A call is host-bound where ``host`` is close to ``pipelined`` and ``device`` well below it. The
-CPU ops the masked call adds are listed from the same profile (self CPU time, top entries).
+CPU ops the masked call adds are listed from the same profile (self CPU time, top entries), and
+``--cprofile`` prints where the host time of each SageBwd call goes by Python function.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import json
 import statistics
 import sys
@@ -92,6 +96,8 @@ def profiled(fn, iters: int):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="print the top N Python functions by own time per SageBwd call (0: none)")
     ap.add_argument("--out", type=Path, default=None, help="writes OUT.md and OUT.json")
     args = ap.parse_args(argv)
     rows, lines = [], []
@@ -109,6 +115,17 @@ def main(argv=None) -> None:
                              device_ms=dev, kernels=nk))
             print(f"{rows[-1]['shape']} {name:18s} pipelined {pipe:7.3f}  host {host:7.3f}  device {dev:7.3f} ms"
                   f"  ({nk:.0f} kernels)", flush=True)
+        for name, fn in steps.items():
+            if args.cprofile and name.startswith("sagebwd"):
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(args.iters):
+                    fn()
+                prof.disable()
+                torch.cuda.synchronize()
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(args.cprofile)
+                print(f"== cProfile {rows[-1]['shape']} {name}, {args.iters} calls", buf.getvalue(), sep="\n")
         extra = cpu_of["sagebwd masked"].copy()
         extra.subtract(cpu_of["sagebwd kept only"])
         top = [(k, round(v, 4)) for k, v in extra.most_common(12)]
