@@ -244,8 +244,8 @@ def bench(args) -> int:
         q8t = K._transposed(state.q8)
         k8t = K._transposed(state.k8)
         do16 = do.to(state.vc.dtype).contiguous()
-        mask, _ = K._mask_arg(None, dev)
-        kext = K.key_extent(None, dev)
+        mask, _ = K._mask_arg(None, state.q8)
+        kext = K.key_extent(None, state.sq.view(torch.int32))
         sm_scale = 1.0 / math.sqrt(d)
 
         def shipped():

@@ -123,8 +123,8 @@ def apply_sagebwd(q, k, v, key_mask, is_causal: bool, scale: float, dov: DoVPrec
     Returns out, or (out, lse) with ``return_lse``.
     """
     bad_q = nonfinite_rows(q)  # (B, Hq, Sq, 1)
-    q0 = torch.where(bad_q, torch.zeros((), dtype=q.dtype, device=q.device), q)
-    v0 = torch.where(torch.isfinite(v), v, torch.zeros((), dtype=v.dtype, device=v.device))
+    q0 = torch.where(bad_q, 0.0, q)  # Python scalars: no device tensor to create per call
+    v0 = torch.where(torch.isfinite(v), v, 0.0)
 
     def run(q, k, v, key_mask):  # -> (out, lse or None)
         result = SageBwdFunction.apply(q, k, v, key_mask, is_causal, scale, dov, impl, return_lse, scores)
@@ -137,12 +137,14 @@ def apply_sagebwd(q, k, v, key_mask, is_causal: bool, scale: float, dov: DoVPrec
         out, lse = run(q0, k, v0, key_mask)
     hit, value = nonfinite_v(v, key_mask, is_causal, q.shape[2])  # (B, Hkv, Sq or 1, D); skips masked keys
     g = q.shape[1] // v.shape[1]
-    hit, value = hit.repeat_interleave(g, 1), value.repeat_interleave(g, 1)  # query head h reads KV head h // g
+    if g > 1:  # query head h reads KV head h // g
+        hit, value = hit.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
     out = torch.where(hit, value.to(out.dtype), out)
-    bad_q = bad_q & rows_with_a_key(key_mask, is_causal, q.shape[2], k.shape[2], q.device)  # rows without one stay 0
-    out = torch.where(bad_q, torch.full((), math.nan, dtype=out.dtype, device=out.device), out)
+    if key_mask is not None or k.shape[2] == 0:  # else every row sees a key (causal: key 0 at least)
+        bad_q = bad_q & rows_with_a_key(key_mask, is_causal, q.shape[2], k.shape[2], q.device)  # rows without one stay 0
+    out = torch.where(bad_q, math.nan, out)
     if lse is not None:
-        lse = torch.where(bad_q.squeeze(-1), torch.full((), math.nan, device=lse.device), lse)
+        lse = torch.where(bad_q.squeeze(-1), math.nan, lse)
     return (out, lse) if return_lse else out
 
 

@@ -174,10 +174,24 @@ def test_key_extent_and_token_stride():
     mask[1, 3:9] = True
     mask[2, [2, 7]] = True
     mask[4, :2] = mask[4, 5:] = True  # text first, its padding a hole: the run after it
-    got = tri.key_extent(mask, "cpu")
-    assert got.dtype == torch.int32 and got.tolist() == [[0, 4, 0, 4], [3, 9, 3, 9], [2, 8, 7, 8], [10, 0, 0, 0],
-                                                         [0, 10, 5, 10]]
-    assert tri.key_extent(None, "cpu").numel() == tri.KEXT
+    placeholder = torch.zeros(1, dtype=torch.int32)
+    want = [[0, 4, 0, 4], [3, 9, 3, 9], [2, 8, 7, 8], [10, 0, 0, 0], [0, 10, 5, 10]]
+    for extent in (tri.key_extent_reference(mask), tri.key_extent(mask, placeholder)):  # the spec, the kernel
+        assert extent.dtype == torch.int32 and extent.tolist() == want
+    assert tri.key_extent(None, placeholder) is placeholder  # unmasked: nothing computed, never read
+    # the kernel against its spec past one 1024-key block: holes, edges, empty and full rows
+    g = torch.Generator().manual_seed(0)
+    for skv in (1, 1023, 1024, 2500):
+        m = torch.rand(6, skv, generator=g) < 0.7
+        m[1] = False
+        m[2] = True
+        m[3, :] = False
+        m[3, skv // 2:] = True
+        m[4, :] = False
+        m[4, :min(77, skv)] = True
+        m[4, min(512, skv - 1):] = True  # text first, a hole of whole tiles, then the image
+        assert torch.equal(tri.key_extent(m, placeholder), tri.key_extent_reference(m)), skv
+    assert tri.key_extent(torch.zeros(0, 5, dtype=torch.bool), placeholder).shape == (0, tri.KEXT)
     assert [tri.token_stride(s) for s in (1, 16, 17, 15565)] == [16, 16, 32, 15568]
     x8 = torch.randint(-127, 128, (1, 2, 37, 8), dtype=torch.int8)
     t = tri._transposed(x8)

@@ -434,6 +434,32 @@ if triton is not None:
             tl.store(ptr + (bh * S + rows[:, None]) * D + cols[None, :], x, mask=inb[:, None])
 
     @triton.jit
+    def _key_extent_kernel(mask_ptr, kext_ptr, SKV, BLOCK: tl.constexpr):
+        """One program per batch: :func:`key_extent` of the int8 mask row b (B, SKV), stored as its
+        KEXT int32 (first, end, run_lo, end). One launch where the torch formulation takes 14."""
+        b = tl.program_id(0)
+        lanes = tl.arange(0, BLOCK)
+        first_l = tl.full((BLOCK,), SKV, tl.int32)  # per lane, reduced after each loop
+        end_l = tl.zeros((BLOCK,), tl.int32)
+        for start in range(0, SKV, BLOCK):
+            idx = start + lanes
+            keep = tl.load(mask_ptr + b * SKV + idx, mask=idx < SKV, other=0) != 0
+            first_l = tl.minimum(first_l, tl.where(keep, idx, SKV))
+            end_l = tl.maximum(end_l, tl.where(keep, idx + 1, 0))
+        first = tl.min(first_l, axis=0)
+        end = tl.max(end_l, axis=0)
+        run_l = tl.zeros((BLOCK,), tl.int32)  # after the last masked key before end
+        for start in range(0, SKV, BLOCK):
+            idx = start + lanes
+            hole = (tl.load(mask_ptr + b * SKV + idx, mask=idx < SKV, other=1) == 0) & (idx < end)
+            run_l = tl.maximum(run_l, tl.where(hole, idx + 1, 0))
+        run_lo = tl.maximum(tl.max(run_l, axis=0), tl.minimum(first, end))  # first when there is no hole
+        tl.store(kext_ptr + _KEXT * b, first)
+        tl.store(kext_ptr + _KEXT * b + 1, end)
+        tl.store(kext_ptr + _KEXT * b + 2, run_lo)
+        tl.store(kext_ptr + _KEXT * b + 3, end)
+
+    @triton.jit
     def _quant_kernel(
         x_ptr, sxb, sxh, sxs, sxd,  # input (B, H, S, D), any float dtype, any strides
         mean_ptr,  # float32 (B, H, D), subtracted when HAS_MEAN
@@ -990,31 +1016,44 @@ def _int32_indexable(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous() if span(x) > MAX_INT32_ELEMENTS else x
 
 
-def _mask_arg(key_mask: Optional[torch.Tensor], device) -> tuple[torch.Tensor, bool]:
-    """int8 (B, Skv) view of the bool key mask, or a 1-element dummy."""
+def _mask_arg(key_mask: Optional[torch.Tensor], placeholder: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """int8 (B, Skv) view of the bool key mask, or ``placeholder`` (an int8 tensor of the same call,
+    never read: the kernels load the mask only with HAS_MASK), so an unmasked call allocates nothing."""
     if key_mask is None:
-        return torch.ones(1, dtype=torch.int8, device=device), False
+        return placeholder, False
     return key_mask.contiguous().view(torch.int8), True
 
 
-def key_extent(key_mask: Optional[torch.Tensor], device) -> torch.Tensor:
-    """int32 (B, KEXT), per batch: the first attended key, the last attended key + 1 (Skv and 0
-    when none is), and the run of all-attended keys that ends at the last one: the whole window
-    when the attended keys are one (text padding at the end), the keys after the text when the
-    text comes first and its padding is a hole (Flux's, QwenImage's, Chroma's joint sequence), 0 0
-    when none is attended. Computed on the device (no host sync); a KEXT-element dummy without a
-    mask. The kernels skip the key tiles outside the first range and the per-key mask test inside
-    the second."""
-    if key_mask is None:
-        return torch.zeros(KEXT, dtype=torch.int32, device=device)
+def key_extent_reference(key_mask: torch.Tensor) -> torch.Tensor:
+    """:func:`key_extent` in torch ops, the spec of ``_key_extent_kernel`` (tests compare the two)."""
     skv = key_mask.shape[1]
-    idx = torch.arange(skv, dtype=torch.int32, device=device)
+    idx = torch.arange(skv, dtype=torch.int32, device=key_mask.device)
     first = torch.where(key_mask, idx, skv).amin(dim=1)
     end = torch.where(key_mask, idx + 1, 0).amax(dim=1)
     # after the last masked key before end (first when there is none; 0 with end 0: an empty run)
     run_lo = torch.where(~key_mask & (idx < end[:, None]), idx + 1, 0).amax(dim=1)
     run_lo = torch.maximum(run_lo, torch.minimum(first, end))
     return torch.stack((first, end, run_lo, end), dim=1).to(torch.int32).contiguous()
+
+
+def key_extent(key_mask: Optional[torch.Tensor], placeholder: torch.Tensor) -> torch.Tensor:
+    """int32 (B, KEXT), per batch: the first attended key, the last attended key + 1 (Skv and 0
+    when none is), and the run of all-attended keys that ends at the last one: the whole window
+    when the attended keys are one (text padding at the end), the keys after the text when the
+    text comes first and its padding is a hole (Flux's, QwenImage's, Chroma's joint sequence), 0 0
+    when none is attended. Computed on the device by one kernel (no host sync); without a mask
+    ``placeholder`` (an int32 tensor of the call, never read). The kernels skip the key tiles
+    outside the first range and the per-key mask test inside the second."""
+    return placeholder if key_mask is None else _key_extent_of(key_mask)
+
+
+@_on_input_device
+def _key_extent_of(key_mask: torch.Tensor) -> torch.Tensor:
+    b, skv = key_mask.shape
+    kext = torch.empty((b, KEXT), dtype=torch.int32, device=key_mask.device)
+    if b:
+        _key_extent_kernel[(b,)](_mask_arg(key_mask, kext)[0], kext, skv, BLOCK=1024)
+    return kext
 
 
 @_on_input_device
@@ -1035,7 +1074,7 @@ def quantize_blocks(x: torch.Tensor, block: int, mean: Optional[torch.Tensor] = 
     scale = torch.empty((b, h, nb), dtype=torch.float32, device=x.device)
     if q.numel() == 0:
         return (q, scale.zero_(), qt) if transposed else (q, scale.zero_())
-    mask, has_mask = _mask_arg(key_mask, x.device)
+    mask, has_mask = _mask_arg(key_mask, q)
     _quant_kernel[(nb, b * h)](
         x, *x.stride(), mean.contiguous() if mean is not None else scale, mask, q, qt, scale, h, s, token_stride(s),
         D=d, BLOCK=block, HAS_MEAN=mean is not None, HAS_MASK=has_mask, STORE_T=transposed,
@@ -1065,11 +1104,11 @@ def _forward_impl(q, k, v, key_mask, is_causal: bool, scale: Optional[float], pv
             m2.fill_(-math.inf)
             lse2.fill_(-math.inf)
         else:
-            mask, has_mask = _mask_arg(key_mask, q.device)
+            mask, has_mask = _mask_arg(key_mask, q8)
             wide = dict(BLOCK_M=INTERPRET_WIDE) if INTERPRET else {}
             _fwd_kernel[lambda meta: (triton.cdiv(sq_len, meta["BLOCK_M"]), b * hq)](
                 q8, sq, k8, sk, v8t, sv, vc, qc if qk16 else q8, kc if qk16 else k8,  # INT8: placeholders, not read
-                mask, key_extent(key_mask, q.device), out, m2, lse2, sm_scale * LOG2E, hq, hq // hkv, sq_len, skv,
+                mask, key_extent(key_mask, sq.view(torch.int32)), out, m2, lse2, sm_scale * LOG2E, hq, hq // hkv, sq_len, skv,
                 token_stride(skv),
                 D=d, BLOCK_N=BLOCK_KV, BLOCK_Q=BLOCK_Q, HAS_MASK=has_mask, IS_CAUSAL=bool(is_causal),
                 PV_INT8=pv is PVPrecision.INT8, DOT16_AS_F32=INTERPRET, ACC_XU=acc_convert() is AccConvert.XU,
@@ -1141,8 +1180,8 @@ def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Op
         dl = ref.lse_grad_rows(dlse, state.lse2)  # (B, Hq, Sq)
         r = r._replace(delta=(r.delta - dl).contiguous())
     do16 = do.to(state.vc.dtype).contiguous()
-    mask, has_mask = _mask_arg(key_mask, dev)
-    kext = key_extent(key_mask, dev)
+    mask, has_mask = _mask_arg(key_mask, state.q8)
+    kext = key_extent(key_mask, state.sq.view(torch.int32))
     common = dict(D=d, SUB=BLOCK_Q, HAS_MASK=has_mask, IS_CAUSAL=bool(is_causal), DOV_INT8=dov_int8,
                   DOT16_AS_F32=INTERPRET, ACC_XU=acc_convert() is AccConvert.XU, QK16=qk16)
     qc, kc = (state.qc, state.kc) if qk16 else (state.q8, state.k8)  # INT8 scores: placeholders, not read

@@ -146,7 +146,7 @@ def key_mean(k: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
     if key_mask is None:
         return k.sum(2, dtype=torch.float32) / max(k.shape[2], 1)
     keep = key_mask[:, None, :, None]  # (B, 1, Skv, 1)
-    kz = torch.where(keep, k, torch.zeros((), dtype=k.dtype, device=k.device))
+    kz = torch.where(keep, k, 0.0)
     count = key_mask.sum(-1).clamp_min(1).float()[:, None, None]  # (B, 1, 1)
     return kz.sum(2, dtype=torch.float32) / count
 
@@ -155,7 +155,7 @@ def masked_v(v: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
     """v (B, Hkv, Skv, D) with masked rows replaced by 0, same dtype."""
     if key_mask is None:
         return v
-    return torch.where(key_mask[:, None, :, None], v, torch.zeros((), dtype=v.dtype, device=v.device))
+    return torch.where(key_mask[:, None, :, None], v, 0.0)
 
 
 def masked_kv(k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor]):
