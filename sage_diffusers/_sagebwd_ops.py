@@ -19,11 +19,11 @@ _State = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
                torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _no_alias(x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
-    """x, or a copy where it shares memory with one of ``inputs`` (a custom op's outputs never alias its inputs)."""
-    if x.numel() and any(t is not None and t.numel() and x.data_ptr() == t.data_ptr() for t in inputs):
-        return x.clone()
-    return x
+def _no_alias(outputs, *inputs: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``outputs``, each copied where it starts at the memory of one of ``inputs`` (a custom op's
+    outputs never alias its inputs); the inputs' addresses are gathered once per call."""
+    taken = {t.data_ptr() for t in inputs if t is not None and t.numel()}
+    return tuple(x.clone() if x.numel() and x.data_ptr() in taken else x for x in outputs)
 
 
 class Passes(NamedTuple):
@@ -43,7 +43,7 @@ def define(name: str, forward: Callable[..., SageBwdState], backward: Callable) 
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
             is_causal: bool, scale: float, pv: str, scores: str = "int8") -> _State:
         state = forward(q, k, v, key_mask, is_causal, scale, PVPrecision(pv), ScorePrecision(scores))
-        return tuple(_no_alias(t, q, k, v, key_mask) for t in state)
+        return _no_alias(state, q, k, v, key_mask)
 
     def fwd_fake(q, k, v, key_mask, is_causal, scale, pv, scores="int8"):
         b, hq, sq_len, _ = q.shape
@@ -67,7 +67,7 @@ def define(name: str, forward: Callable[..., SageBwdState], backward: Callable) 
             scores: str = "int8") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         state = SageBwdState(q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc)
         grads = backward(do, state, key_mask, is_causal, scale, DoVPrecision(dov), dlse, k_mean, ScorePrecision(scores))
-        return tuple(_no_alias(g, do, *state, key_mask, dlse, k_mean) for g in grads)
+        return _no_alias(grads, do, *state, key_mask, dlse, k_mean)
 
     def bwd_fake(do, q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc, key_mask, is_causal, scale, dov,
                  dlse=None, k_mean=None, scores="int8"):
