@@ -12,6 +12,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from .kernels._contract import call_op
 from .reference import sagebwd as ref
 from .reference.sagebwd import BLOCK_KV, BLOCK_Q, DoVPrecision, PVPrecision, SageBwdState, ScorePrecision
 
@@ -79,19 +80,30 @@ def define(name: str, forward: Callable[..., SageBwdState], backward: Callable) 
     bwd_op = torch.library.custom_op(f"sage_diffusers::{name}_bwd", bwd, mutates_args=())
     bwd_op.register_fake(bwd_fake)
 
+    # Plain eager calls skip the ops (``call_op``; grad mode is off inside SageBwdFunction): on an
+    # H100 host cProfile put about 1 ms per call in the dispatcher's Python custom-op wrapper, while
+    # a 4K-token forward + backward took 3.6 ms of host time (eval/results/sagebwd_host_cost_h100.md).
+    def fwd_eager(q, k, v, key_mask, is_causal, scale, pv, scores):
+        return forward(q, k, v, key_mask, is_causal, scale, PVPrecision(pv), ScorePrecision(scores))
+
+    def bwd_eager(do, q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc, key_mask, is_causal, scale, dov, dlse,
+                  k_mean, scores):
+        state = SageBwdState(q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc)
+        return backward(do, state, key_mask, is_causal, scale, DoVPrecision(dov), dlse, k_mean, ScorePrecision(scores))
+
     def sagebwd_forward(q, k, v, key_mask=None, is_causal=False, scale=None,
                         pv: "str | PVPrecision" = PVPrecision.INT8,
                         scores: "str | ScorePrecision" = ScorePrecision.INT8) -> SageBwdState:
         sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        return SageBwdState(*fwd_op(q, k, v, key_mask, bool(is_causal), sm_scale, PVPrecision.parse(pv).value,
-                                    ScorePrecision.parse(scores).value))
+        return SageBwdState(*call_op(fwd_op, fwd_eager, q, k, v, key_mask, bool(is_causal), sm_scale,
+                                     PVPrecision.parse(pv).value, ScorePrecision.parse(scores).value))
 
     def sagebwd_backward(do, state: SageBwdState, key_mask=None, is_causal=False, scale=None,
                          dov: "str | DoVPrecision" = DoVPrecision.FP16, dlse=None, k_mean=None,
                          scores: "str | ScorePrecision" = ScorePrecision.INT8):
         sm_scale = 1.0 / math.sqrt(state.q8.shape[-1]) if scale is None else float(scale)
-        return bwd_op(do, *state, key_mask, bool(is_causal), sm_scale, DoVPrecision.parse(dov).value, dlse, k_mean,
-                      ScorePrecision.parse(scores).value)
+        return call_op(bwd_op, bwd_eager, do, *state, key_mask, bool(is_causal), sm_scale,
+                       DoVPrecision.parse(dov).value, dlse, k_mean, ScorePrecision.parse(scores).value)
 
     return Passes(sagebwd_forward, sagebwd_backward)
 

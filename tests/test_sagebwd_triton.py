@@ -163,6 +163,9 @@ def test_kernels_match_reference(case, device, variant):
         assert cosine(a, w) > 0.9999 and relative_l1(a, w) < 5e-3, (name, cosine(a, w), relative_l1(a, w))
 
 
+KEY_EXTENT_CASE = [[0, 4, 0, 4], [3, 9, 3, 9], [2, 8, 7, 8], [10, 0, 0, 0], [0, 10, 5, 10]]
+
+
 def test_key_extent_and_token_stride():
     """The attended keys' extent per batch (first, last + 1; Skv, 0 when none), the all-attended
     run ending at the last attended key (the window itself when there is no hole), and the aligned token
@@ -174,12 +177,29 @@ def test_key_extent_and_token_stride():
     mask[1, 3:9] = True
     mask[2, [2, 7]] = True
     mask[4, :2] = mask[4, 5:] = True  # text first, its padding a hole: the run after it
+    extent = tri.key_extent_reference(mask)  # the spec of the kernel (test_key_extent_kernel)
+    assert extent.dtype == torch.int32 and extent.tolist() == KEY_EXTENT_CASE
     placeholder = torch.zeros(1, dtype=torch.int32)
-    want = [[0, 4, 0, 4], [3, 9, 3, 9], [2, 8, 7, 8], [10, 0, 0, 0], [0, 10, 5, 10]]
-    for extent in (tri.key_extent_reference(mask), tri.key_extent(mask, placeholder)):  # the spec, the kernel
-        assert extent.dtype == torch.int32 and extent.tolist() == want
     assert tri.key_extent(None, placeholder) is placeholder  # unmasked: nothing computed, never read
-    # the kernel against its spec past one 1024-key block: holes, edges, empty and full rows
+    assert [tri.token_stride(s) for s in (1, 16, 17, 15565)] == [16, 16, 32, 15568]
+    x8 = torch.randint(-127, 128, (1, 2, 37, 8), dtype=torch.int8)
+    t = tri._transposed(x8)
+    assert torch.equal(t, x8.transpose(-1, -2)) and t.stride(-2) == 48 and t.stride(-1) == 1
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+def test_key_extent_kernel(device):
+    """The key-extent kernel equals its torch spec: the hand-made rows above, then rows past one
+    1024-key block with holes, edges, empty and full rows, and a batch of none."""
+    tri = kernels()
+    mask = torch.zeros(5, 10, dtype=torch.bool)
+    mask[0, :4] = True
+    mask[1, 3:9] = True
+    mask[2, [2, 7]] = True
+    mask[4, :2] = mask[4, 5:] = True
+    placeholder = torch.zeros(1, dtype=torch.int32, device=device)
+    assert tri.key_extent(mask.to(device), placeholder).tolist() == KEY_EXTENT_CASE
     g = torch.Generator().manual_seed(0)
     for skv in (1, 1023, 1024, 2500):
         m = torch.rand(6, skv, generator=g) < 0.7
@@ -190,12 +210,9 @@ def test_key_extent_and_token_stride():
         m[4, :] = False
         m[4, :min(77, skv)] = True
         m[4, min(512, skv - 1):] = True  # text first, a hole of whole tiles, then the image
-        assert torch.equal(tri.key_extent(m, placeholder), tri.key_extent_reference(m)), skv
-    assert tri.key_extent(torch.zeros(0, 5, dtype=torch.bool), placeholder).shape == (0, tri.KEXT)
-    assert [tri.token_stride(s) for s in (1, 16, 17, 15565)] == [16, 16, 32, 15568]
-    x8 = torch.randint(-127, 128, (1, 2, 37, 8), dtype=torch.int8)
-    t = tri._transposed(x8)
-    assert torch.equal(t, x8.transpose(-1, -2)) and t.stride(-2) == 48 and t.stride(-1) == 1
+        got = tri.key_extent(m.to(device), placeholder).cpu()
+        assert torch.equal(got, tri.key_extent_reference(m)), skv
+    assert tri.key_extent(torch.zeros(0, 5, dtype=torch.bool, device=device), placeholder).shape == (0, tri.KEXT)
 
 
 @needs_device
@@ -481,8 +498,8 @@ def test_every_launch_runs_on_the_inputs_device(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((self.name, tuple(open_guards)))
 
-    names = ("_quant_kernel", "_fwd_kernel", "_bwd_prep_kernel", "_bwd_dkdv_kernel", "_bwd_fused_kernel",
-             "_bwd_dq_kernel")
+    names = ("_key_extent_kernel", "_quant_kernel", "_fwd_kernel", "_bwd_prep_kernel", "_bwd_dkdv_kernel",
+             "_bwd_fused_kernel", "_bwd_dq_kernel")
     for name in names:
         monkeypatch.setattr(tri, name, Kernel(name))
     monkeypatch.setattr(torch.cuda, "device_of", Guard)
