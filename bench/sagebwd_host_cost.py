@@ -100,7 +100,7 @@ def main(argv=None) -> None:
                     help="print the top N Python functions by own time per SageBwd call (0: none)")
     ap.add_argument("--out", type=Path, default=None, help="writes OUT.md and OUT.json")
     args = ap.parse_args(argv)
-    rows, lines = [], []
+    rows = []
     for shape in SHAPES:
         steps = cases(*shape)
         for fn in steps.values():  # compile, autotune

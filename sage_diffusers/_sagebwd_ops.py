@@ -41,10 +41,20 @@ def define(name: str, forward: Callable[..., SageBwdState], backward: Callable) 
     k_mean, scores)`` (enums, float scale; their outputs may alias the inputs: the ops copy those);
     returns callables with the reference's contract."""
 
+    # Plain eager calls skip the ops (``call_op``; grad mode is off inside SageBwdFunction): on an
+    # H100 host cProfile put about 1 ms per call in the dispatcher's Python custom-op wrapper, while
+    # a 4K-token forward + backward took 3.6 ms of host time (eval/results/sagebwd_host_cost_h100.md).
+    def fwd_eager(q, k, v, key_mask, is_causal, scale, pv, scores):  # the op's body, aliases allowed
+        return forward(q, k, v, key_mask, is_causal, scale, PVPrecision(pv), ScorePrecision(scores))
+
+    def bwd_eager(do, q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc, key_mask, is_causal, scale, dov, dlse,
+                  k_mean, scores):
+        state = SageBwdState(q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc)
+        return backward(do, state, key_mask, is_causal, scale, DoVPrecision(dov), dlse, k_mean, ScorePrecision(scores))
+
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
             is_causal: bool, scale: float, pv: str, scores: str = "int8") -> _State:
-        state = forward(q, k, v, key_mask, is_causal, scale, PVPrecision(pv), ScorePrecision(scores))
-        return _no_alias(state, q, k, v, key_mask)
+        return _no_alias(fwd_eager(q, k, v, key_mask, is_causal, scale, pv, scores), q, k, v, key_mask)
 
     def fwd_fake(q, k, v, key_mask, is_causal, scale, pv, scores="int8"):
         b, hq, sq_len, _ = q.shape
@@ -66,8 +76,8 @@ def define(name: str, forward: Callable[..., SageBwdState], backward: Callable) 
             is_causal: bool, scale: float, dov: str, dlse: Optional[torch.Tensor] = None,
             k_mean: Optional[torch.Tensor] = None,
             scores: str = "int8") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        state = SageBwdState(q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc)
-        grads = backward(do, state, key_mask, is_causal, scale, DoVPrecision(dov), dlse, k_mean, ScorePrecision(scores))
+        state = (q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc)
+        grads = bwd_eager(do, *state, key_mask, is_causal, scale, dov, dlse, k_mean, scores)
         return _no_alias(grads, do, *state, key_mask, dlse, k_mean)
 
     def bwd_fake(do, q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc, key_mask, is_causal, scale, dov,
@@ -79,17 +89,6 @@ def define(name: str, forward: Callable[..., SageBwdState], backward: Callable) 
     fwd_op.register_fake(fwd_fake)
     bwd_op = torch.library.custom_op(f"sage_diffusers::{name}_bwd", bwd, mutates_args=())
     bwd_op.register_fake(bwd_fake)
-
-    # Plain eager calls skip the ops (``call_op``; grad mode is off inside SageBwdFunction): on an
-    # H100 host cProfile put about 1 ms per call in the dispatcher's Python custom-op wrapper, while
-    # a 4K-token forward + backward took 3.6 ms of host time (eval/results/sagebwd_host_cost_h100.md).
-    def fwd_eager(q, k, v, key_mask, is_causal, scale, pv, scores):
-        return forward(q, k, v, key_mask, is_causal, scale, PVPrecision(pv), ScorePrecision(scores))
-
-    def bwd_eager(do, q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc, key_mask, is_causal, scale, dov, dlse,
-                  k_mean, scores):
-        state = SageBwdState(q8, sq, k8, sk, v8, sv, vc, out, m2, lse2, qc, kc)
-        return backward(do, state, key_mask, is_causal, scale, DoVPrecision(dov), dlse, k_mean, ScorePrecision(scores))
 
     def sagebwd_forward(q, k, v, key_mask=None, is_causal=False, scale=None,
                         pv: "str | PVPrecision" = PVPrecision.INT8,
