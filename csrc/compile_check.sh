@@ -5,6 +5,9 @@
 #     a wgmma serialized by ptxas fails), the host-side layout proof (host_layout_check.cu, built
 #     and run on the CPU), the benchmark-build variants, no forward loop writing Q's registers
 #     (sass_cost.py --check on the objects' SASS), the binding's syntax against torch.
+#   sm90_sagebwd: SageBwd's backward kernels: the host-side layout proof (host_layout_check.cu, run on
+#     the CPU), every shipped unit to an sm_90a object (a spill or a serialized wgmma fails), the lab's
+#     variants (bench/sm90_sagebwd/), the binding's syntax against torch.
 #   fp4: every .cu for the archs it targets (sm_120a native, sm_90a emulated + wgmma), a build must
 #     hold the MXFP4 instantiations too, the wgmma layout proof (wgmma_layout_check.cu, run on the
 #     CPU), the binding's syntax (native and emulated); spills warn (the known MXFP4 D = 128 one).
@@ -12,7 +15,7 @@
 #   bash csrc/compile_check.sh                  # both kernels
 #   bash csrc/compile_check.sh --quick          # one 8-bit forward variant per head dim
 #   bash csrc/compile_check.sh --ci             # every shipped unit, a sample of the benchmark variants (CI)
-#   bash csrc/compile_check.sh sm90_int8        # one kernel (sm90_int8 or fp4)
+#   bash csrc/compile_check.sh sm90_int8        # one kernel (sm90_int8, sm90_sagebwd or fp4)
 #   env: NVCC, PYTHON, CUTLASS_INCLUDE; JOBS (parallel 8-bit compiles, default nproc);
 #        FP4_CHECK_VERBOSE=1 (per-kernel registers), FP4_CHECK_ALL=1 (cross-check builds),
 #        FP4_CHECK_VARIANTS=1 (the FP4 performance variants bench/fp4/variants_bench.sh times)
@@ -29,11 +32,11 @@ for a in "$@"; do
   case "$a" in
     --quick) QUICK=1; BENCH_SAMPLE=1 ;;
     --ci) BENCH_SAMPLE=1 ;;
-    sm90_int8|fp4) KERNELS+=("$a") ;;
-    *) echo "usage: $0 [--quick | --ci] [sm90_int8] [fp4]" >&2; exit 2 ;;
+    sm90_int8|sm90_sagebwd|fp4) KERNELS+=("$a") ;;
+    *) echo "usage: $0 [--quick | --ci] [sm90_int8] [sm90_sagebwd] [fp4]" >&2; exit 2 ;;
   esac
 done
-[ ${#KERNELS[@]} -gt 0 ] || KERNELS=(sm90_int8 fp4)
+[ ${#KERNELS[@]} -gt 0 ] || KERNELS=(sm90_int8 sm90_sagebwd fp4)
 CUTLASS_INCLUDE="${CUTLASS_INCLUDE:-$("$PYTHON" -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))' 2>/dev/null || true)}"
 if [ ! -f "$CUTLASS_INCLUDE/cute/tensor.hpp" ]; then
   echo "FAIL CuTe headers not found: set CUTLASS_INCLUDE, or PYTHON to a python with nvidia-cutlass ($PYTHON has none)"
@@ -123,6 +126,47 @@ check_sm90_int8() {
           -idirafter "$OUT/stub" -I"$CUDA_INC" -I/usr/local/cuda/include "$b"
     done
   fi
+}
+
+# ---------------------------------------------------------------------------------------------
+check_sm90_sagebwd() {
+  local K="$HERE/sm90_sagebwd" LAB="$HERE/../bench/sm90_sagebwd" status=0
+  # the JIT build's flags (sage_diffusers/kernels/sagebwd_sm90.py: int8_sm90's nvcc flags)
+  local FLAGS=("$STD" -O3 --expt-relaxed-constexpr -DNDEBUG -lineinfo -gencode=arch=compute_90a,code=sm_90a
+               -Xptxas -v -I"$CUTLASS_INCLUDE" -I"$K")
+  echo "== sm90_sagebwd: host layout check"
+  "$NVCC" "$STD" --expt-relaxed-constexpr -I"$CUTLASS_INCLUDE" -I"$K" -o "$OUT/sagebwd_layout" "$K/host_layout_check.cu"
+  "$OUT/sagebwd_layout"
+  echo "== sm90_sagebwd: nvcc sm_90a objects (shipped units, then the lab's variants with --ci / full)"
+  local units=("$K/hd64.cu" "$K/hd128.cu" "$K/dispatch.cu")
+  [ "$QUICK" = 1 ] || units+=("$LAB/lab_hd64.cu" "$LAB/lab_hd128.cu")
+  sagebwd_one() {
+    local src="$1" name log
+    name="sagebwd_$(basename "$src" .cu)"
+    log="$OUT/$name.log"
+    if ! "$NVCC" "${FLAGS[@]}" -c "$src" -o "$OUT/$name.o" >"$log" 2>&1; then
+      echo "FAILED: $src"; cat "$log"; return 1
+    fi
+    local worst
+    # the largest spill of one kernel: the hd128 serial dK/dV kernel and the overlapped dQ kernel spill
+    # 16 / 24 bytes (so did the build eval/results/sagebwd_cuda_dkdv_h100.md timed);
+    # more fails
+    worst=$(grep -o '[0-9]* bytes spill stores' "$log" | awk '$1 > m {m = $1} END {print m + 0}')
+    printf '  %-44s largest spill of a kernel %s B\n' "$name" "$worst"
+    if [ "$worst" -gt 32 ]; then echo "SPILL in $src"; grep -B2 'spill' "$log"; return 1; fi
+    if grep -qE 'C751[234]' "$log"; then echo "wgmma serialized by ptxas in $src:"; grep -E 'C751[234]' "$log"; return 1; fi
+  }
+  export -f sagebwd_one
+  export NVCC OUT
+  export SAGEBWD_FLAGS_STR="${FLAGS[*]}"
+  printf '%s\n' "${units[@]}" | xargs -P "$JOBS" -I{} bash -c 'FLAGS=($SAGEBWD_FLAGS_STR); sagebwd_one "$@"' _ {} || status=1
+  if [ -n "$TORCH_INC" ] && "$PYTHON" -c 'import pybind11' 2>/dev/null; then
+    echo "== sm90_sagebwd: binding.cpp syntax (host compiler, torch headers)"
+    # shellcheck disable=SC2086
+    ${CXX:-g++} "$STD" -fsyntax-only -DTORCH_EXTENSION_NAME=check -I"$K" $TORCH_INC \
+        -idirafter "$OUT/stub" -I"$CUDA_INC" -I/usr/local/cuda/include "$K/binding.cpp" || status=1
+  fi
+  return $status
 }
 
 # ---------------------------------------------------------------------------------------------

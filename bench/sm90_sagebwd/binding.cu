@@ -1,19 +1,18 @@
-// Experiment binding: the sm_90a dK/dV kernel (dkdv_kernel.cuh) and the layout tables the host uses
-// to write its operand images (each the CuTe smem layout the wgmma descriptors read, evaluated here
-// on the host, so images and descriptors agree by construction).
+// The lab binding of the backward kernels (csrc/sm90_sagebwd/): every variant of launch.cuh by
+// name, and the layout tables the lab script writes its operand images with (each the CuTe smem
+// layout the wgmma descriptors read, evaluated on the host, so images and descriptors agree by
+// construction; the shipped image pre-pass uses the same patterns as formulas, proven equal by
+// csrc/sm90_sagebwd/host_layout_check.cu).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
-#include "dkdv_kernel.cuh"
 #include "launch.cuh"
 
 namespace {
 
 using namespace sagebwd_sm90;
-using sagebwd_sm90::launch;
-using sagebwd_sm90::launch_dq;
 
 // Element offset of (row, col) in one tile of a 2-mode (or the first stage of a 3-mode) layout. CuTe
 // swizzles these layouts on byte addresses (for 16-bit elements the swizzle functor alone, applied to
@@ -52,11 +51,11 @@ torch::Tensor layout_table(const std::string& kind, int64_t d) {
 
 // Images as uint8 / float32 tensors laid out as Params says; dk, dv (B, H, Skv, D) float32 outputs.
 // overlap: Schedule::kOverlap (hd64); dv_channel_scale (B, H, D) float32: DvAcc::kInPlace (bf16; dot's
-// codes then carry dO' per channel), or an empty tensor; probe (2, 128, 64) float32 or empty: Params::probe.
+// codes then carry dO' per channel), or an empty tensor.
 void dkdv(torch::Tensor k, torch::Tensor v, torch::Tensor q, torch::Tensor dO, torch::Tensor qt, torch::Tensor dot,
           torch::Tensor vec, torch::Tensor dk, torch::Tensor dv, bool bf16, double qk_scale, double sm_scale,
-          bool overlap, torch::Tensor dv_channel_scale, torch::Tensor probe) {
-  for (auto* t : {&k, &v, &q, &dO, &qt, &dot, &vec, &dk, &dv, &dv_channel_scale, &probe}) {
+          bool overlap, torch::Tensor dv_channel_scale) {
+  for (auto* t : {&k, &v, &q, &dO, &qt, &dot, &vec, &dk, &dv, &dv_channel_scale}) {
     TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "dkdv: CUDA contiguous tensors");
   }
   TORCH_CHECK(dk.dim() == 4 && dk.scalar_type() == torch::kFloat32 && dv.sizes() == dk.sizes(), "dk, dv (B, H, Skv, D) float32");
@@ -68,8 +67,6 @@ void dkdv(torch::Tensor k, torch::Tensor v, torch::Tensor q, torch::Tensor dO, t
   TORCH_CHECK(q.numel() == int64_t(batch) * heads * sq * d * 2 && dO.numel() == q.numel(), "Q / dO images");
   TORCH_CHECK(qt.numel() == int64_t(batch) * heads * sq * d && dot.numel() == qt.numel(), "Q^T / dO'^T images");
   const bool in_place = dv_channel_scale.numel() > 0;
-  TORCH_CHECK(probe.numel() == 0 || (probe.numel() == 2 * kBlockN * kBlockM && probe.scalar_type() == torch::kFloat32),
-              "dkdv: probe empty or 2 x ", kBlockN, " x ", kBlockM, " float32");
   TORCH_CHECK(!in_place || (dv_channel_scale.numel() == int64_t(batch) * heads * d && bf16 &&
                             dv_channel_scale.scalar_type() == torch::kFloat32),
               "dkdv: dv_channel_scale (B, H, D) float32, bf16 inputs");
@@ -77,32 +74,32 @@ void dkdv(torch::Tensor k, torch::Tensor v, torch::Tensor q, torch::Tensor dO, t
   TORCH_CHECK(!in_place || overlap || d == 128, "dkdv: dV in place is built with the overlapped schedule at hd64");
   Params p{k.data_ptr<uint8_t>(), v.data_ptr<uint8_t>(), q.data_ptr<uint8_t>(), dO.data_ptr<uint8_t>(),
            qt.data_ptr<uint8_t>(), dot.data_ptr<uint8_t>(), vec.data_ptr<float>(), dk.data_ptr<float>(),
-           dv.data_ptr<float>(), in_place ? dv_channel_scale.data_ptr<float>() : nullptr,
-           probe.numel() > 0 ? probe.data_ptr<float>() : nullptr, heads, sq, skv,
+           dv.data_ptr<float>(), in_place ? dv_channel_scale.data_ptr<float>() : nullptr, heads, sq, skv,
            static_cast<float>(qk_scale), static_cast<float>(sm_scale)};
   const c10::cuda::CUDAGuard guard(dk.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err = cudaSuccess;
   using S = Schedule;
   using A = DvAcc;
   using bf = cute::bfloat16_t;
   using hf = cute::half_t;
   if (d == 128 && in_place) {
-    launch<128, bf, S::kSerial, A::kInPlace>(p, batch, stream);
+    err = launch_dkdv<128, bf, S::kSerial, A::kInPlace>(p, batch, stream);
   } else if (d == 128) {
-    bf16 ? launch<128, bf, S::kSerial, A::kScaledPerStep>(p, batch, stream)
-         : launch<128, hf, S::kSerial, A::kScaledPerStep>(p, batch, stream);
+    err = bf16 ? launch_dkdv<128, bf, S::kSerial, A::kScaledPerStep>(p, batch, stream)
+               : launch_dkdv<128, hf, S::kSerial, A::kScaledPerStep>(p, batch, stream);
   } else if (d == 64 && in_place) {
-    launch<64, bf, S::kOverlap, A::kInPlace>(p, batch, stream);
+    err = launch_dkdv<64, bf, S::kOverlap, A::kInPlace>(p, batch, stream);
   } else if (d == 64 && overlap) {
-    bf16 ? launch<64, bf, S::kOverlap, A::kScaledPerStep>(p, batch, stream)
-         : launch<64, hf, S::kOverlap, A::kScaledPerStep>(p, batch, stream);
+    err = bf16 ? launch_dkdv<64, bf, S::kOverlap, A::kScaledPerStep>(p, batch, stream)
+               : launch_dkdv<64, hf, S::kOverlap, A::kScaledPerStep>(p, batch, stream);
   } else if (d == 64) {
-    bf16 ? launch<64, bf, S::kSerial, A::kScaledPerStep>(p, batch, stream)
-         : launch<64, hf, S::kSerial, A::kScaledPerStep>(p, batch, stream);
+    err = bf16 ? launch_dkdv<64, bf, S::kSerial, A::kScaledPerStep>(p, batch, stream)
+               : launch_dkdv<64, hf, S::kSerial, A::kScaledPerStep>(p, batch, stream);
   } else {
     TORCH_CHECK(false, "dkdv: head dim 64 or 128, got ", d);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  TORCH_CHECK(err == cudaSuccess, "launch: ", cudaGetErrorString(err));
 }
 
 // dQ (dq_kernel.cuh): images q, dO (B, H, Sq / 64 tiles), k, v, kt (B, H, Skv / 64 tiles), k_scale
@@ -128,29 +125,30 @@ void dq(torch::Tensor q, torch::Tensor dO, torch::Tensor k, torch::Tensor v, tor
                            static_cast<float>(qk_scale), static_cast<float>(sm_scale)};
   const c10::cuda::CUDAGuard guard(dq.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err = cudaSuccess;
   using S = sagebwd_sm90::Schedule;
   using bf = cute::bfloat16_t;
   using hf = cute::half_t;
   TORCH_CHECK(!overlap || bf16, "dq: the overlapped schedule is built for bf16");
   if (d == 128 && overlap) {
-    launch_dq<128, bf, S::kOverlap>(p, batch, stream);
+    err = launch_dq<128, bf, S::kOverlap>(p, batch, stream);
   } else if (d == 128) {
-    bf16 ? launch_dq<128, bf, S::kSerial>(p, batch, stream) : launch_dq<128, hf, S::kSerial>(p, batch, stream);
+    err = bf16 ? launch_dq<128, bf, S::kSerial>(p, batch, stream) : launch_dq<128, hf, S::kSerial>(p, batch, stream);
   } else if (d == 64 && overlap) {
-    launch_dq<64, bf, S::kOverlap>(p, batch, stream);
+    err = launch_dq<64, bf, S::kOverlap>(p, batch, stream);
   } else if (d == 64) {
-    bf16 ? launch_dq<64, bf, S::kSerial>(p, batch, stream) : launch_dq<64, hf, S::kSerial>(p, batch, stream);
+    err = bf16 ? launch_dq<64, bf, S::kSerial>(p, batch, stream) : launch_dq<64, hf, S::kSerial>(p, batch, stream);
   } else {
     TORCH_CHECK(false, "dq: head dim 64 or 128, got ", d);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  TORCH_CHECK(err == cudaSuccess, "launch: ", cudaGetErrorString(err));
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("dkdv", &dkdv, "SageBwd dK/dV (experiment, sm_90a)");
-  m.def("dq", &dq, "SageBwd dQ (experiment, sm_90a)");
+  m.def("dkdv", &dkdv, "SageBwd dK/dV, a variant by name (lab, sm_90a)");
+  m.def("dq", &dq, "SageBwd dQ, a variant by name (lab, sm_90a)");
   m.def("layout_table", &layout_table, "element offsets of a tile's smem layout, (rows, cols)");
   m.attr("vec_floats") = kVecFloats;
 }

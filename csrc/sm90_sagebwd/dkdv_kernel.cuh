@@ -1,7 +1,7 @@
-// Experiment: SageBwd's dK/dV kernel as a warp-specialized sm_90a wgmma kernel (issue: the Triton
-// dK/dV kernel waits for every product and holds CTA-wide barriers each step; docs/sagebwd.md
-// "Where the time goes"). Numerics are the shipped ones with 16-bit scores (reference
-// sage_diffusers/reference/sagebwd.py, scores="fp16"): per 64-query block i and 64-key tile,
+// SageBwd's dK/dV kernel, warp-specialized for sm_90a (the Triton dK/dV kernel waits for every
+// product and holds CTA-wide barriers each step: docs/sagebwd.md "Where the time goes"). Numerics
+// are the reference's with 16-bit scores (sage_diffusers/reference/sagebwd.py, scores="fp16"): per
+// 64-query block i and 64-key tile,
 //   S^T = K Q^T (16-bit, fp32 sums), dP^T = V dO^T (16-bit, fp32 sums),
 //   P~ = exp2(min(S * qk_scale - m, 0)), P = P~ / l, dS = P (dP - delta),
 //   dV += (P^ int8 = rint(127 P~))^T . dO'^ (INT8 per 64-query block)  * (s_dO'_i / 127),
@@ -9,19 +9,19 @@
 //
 // CTA: 128 keys of one (b, h); warpgroup 0 is the producer (one lane issues the bulk copies),
 // warpgroups 1 and 2 each own 64 keys (the wgmma M) and loop over every query block. Operands
-// arrive as byte images of their swizzled shared-memory tiles (made by the host here: the
-// experiment measures the kernel alone), so every tile is one cp.async.bulk:
+// arrive as byte images of their swizzled shared-memory tiles (written by the Triton image pre-pass,
+// sage_diffusers/kernels/sagebwd_sm90.py), so every tile is one cp.async.bulk:
 //   K, V: 16-bit, per warpgroup 64 keys x D, K-major (the A operands of S^T and dP^T);
 //   Q, dO: 16-bit, 64 queries x D, K-major (the B operands of S^T and dP^T);
 //   Q^T, dO'^T: INT8, D x 64 queries, K-major (the B operands of dK and dV), their query positions
 //     in the order that makes the S^T accumulator registers the INT8 A fragment as they are
 //     (sage_sm90::vt_position_to_key, as V^T's keys in the 8-bit forward);
 //   per query block: m, 2^32 / l, delta (64 floats each), s_dO' / 127 and s_Q.
-// DvAcc::kInPlace (the other numerics, non-causal only: eval/results/sagebwd_error_budget_cpu.md "dO' of dV
+// DvAcc::kInPlace (other numerics, non-causal only: eval/results/sagebwd_error_budget_cpu.md "dO' of dV
 // per channel"): dO' is quantized per channel over all queries, so dV sums P^^T dO'^ in int32 in its
 // own accumulator across the whole loop and takes its scales (P~'s 1/127 times the channel's) once.
-// Not handled (the experiment's inputs do not have them): masks, causality, GQA (the host sums
-// query heads), partial blocks (Sq % 64, Skv % 128 must be 0), non-finite values.
+// Not handled (the caller runs the Triton kernels for them): masks, causality, GQA, partial blocks
+// (Sq % 64, Skv % 128 must be 0); non-finite Q and V are zeroed before the forward.
 #pragma once
 
 #include <cstdint>
@@ -31,11 +31,12 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
 
-#include "../../csrc/common/smem.cuh"
-#include "../../csrc/common/sm90/named_barrier.cuh"
-#include "../../csrc/common/sm90/pipeline.cuh"
-#include "../../csrc/common/sm90/register_split.cuh"
-#include "../../csrc/common/sm90/wgmma.cuh"
+#include "../common/smem.cuh"
+#include "../common/sm90/named_barrier.cuh"
+#include "../common/sm90/pipeline.cuh"
+#include "../common/sm90/register_split.cuh"
+#include "../common/sm90/wgmma.cuh"
+#include "api.h"
 #include "numerics.cuh"
 
 namespace sagebwd_sm90 {
@@ -45,14 +46,6 @@ using sage_common::sm90::fence_regs;
 using sage_common::sm90::wgmma_rs;
 using sage_common::sm90::wgmma_ss;
 
-constexpr int kBlockM = 64;        // queries per step (Q / dO / dS quantization block)
-constexpr int kKeysPerWG = 64;     // keys per consumer warpgroup (wgmma M)
-constexpr int kConsumerWGs = 2;
-constexpr int kBlockN = kKeysPerWG * kConsumerWGs;  // keys per CTA
-constexpr int kThreads = 128 * (1 + kConsumerWGs);
-constexpr int kVecFloats = 256;    // per query block: m[64], kDsPrescale / l [64], delta[64], dv factor, s_Q, pad
-constexpr int kVecM = 0, kVecInvL = 64, kVecDelta = 128, kVecDvFactor = 192, kVecSQ = 193;
-constexpr int kVecBytes = kVecFloats * 4;
 constexpr int kFirstNamedBarrier = 1;  // one per consumer warpgroup: its dS absmax
 
 // The ring's barriers (full: the producer's arrive + the copies' bytes; empty: lane 0 of each consumer
@@ -131,19 +124,6 @@ struct Smem {
     empty = full + C::kStages;
     kv_full = empty + C::kStages;
   }
-};
-
-struct Params {
-  // images, per (b, h) in order: K, V [Skv / 128][2 warpgroup tiles]; Q, dO [Sq / 64] 16-bit tiles;
-  // Q^T, dO'^T [Sq / 64] INT8 tiles; vec [Sq / 64][kVecFloats]
-  const uint8_t *k, *v, *q, *dO, *qt, *dot;
-  const float* vec;
-  float *dk, *dv;  // (B, H, Skv, D) float32
-  const float* dv_channel_scale;  // DvAcc::kInPlace: (B, H, D), P~'s 1/127 times dO''s channel scale
-  float* probe;  // or null: the first CTA's first step, S^T * qk_scale then dP^T, 2 x (128 keys x 64 queries)
-  int heads, sq, skv;
-  float qk_scale;  // softmax scale * log2(e)
-  float sm_scale;
 };
 
 // How a consumer warpgroup orders its step's products.
@@ -256,19 +236,11 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
   auto softmax_grad = [&](int i, int s, float (&pt)[C::kSRegs], float (&ds)[C::kSRegs], float& dv_factor,
                           float& dk_factor, float& s_big) {
     const float* vec = sp.vec + s * kVecFloats;
-    if (p.probe != nullptr && i == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
-#pragma unroll
-      for (int v = 0; v < C::kSRegs; ++v) {  // a diagnosis of the products when the check fails
-        const int at = (cw * kKeysPerWG + 16 * warp + g + 8 * ((v >> 1) & 1)) * kBlockM + 8 * (v >> 2) + 2 * t + (v & 1);
-        p.probe[at] = s_acc[v] * p.qk_scale;
-        p.probe[kBlockN * kBlockM + at] = dp_acc[v];
-      }
-    }
     float amax = 0.f;
 #pragma unroll
     for (int v = 0; v < C::kSRegs; ++v) {
       const int col = 8 * (v >> 2) + 2 * t + (v & 1);
-      pt[v] = exp2_ftz(fminf(s_acc[v] * p.qk_scale - vec[kVecM + col], 0.f));  // P~
+      pt[v] = exp2_mufu(fminf(s_acc[v] * p.qk_scale - vec[kVecM + col], 0.f));  // P~
       const float pr = pt[v] * vec[kVecInvL + col];                          // P * kDsPrescale
       ds[v] = pr * (dp_acc[v] - vec[kVecDelta + col]);
       amax = fmaxf(amax, fabsf(ds[v]));

@@ -1,4 +1,4 @@
-// What both experiment kernels share (dkdv_kernel.cuh, dq_kernel.cuh): conversions on the ALU pipes,
+// What both backward kernels share (dkdv_kernel.cuh, dq_kernel.cuh): conversions on the ALU pipes,
 // exp2, the dS tile scale and codes, the INT8 A-fragment pack, the pair of 16-bit score products.
 #pragma once
 
@@ -7,8 +7,9 @@
 
 #include <cute/arch/mma_sm90_gmma.hpp>
 
-#include "../../csrc/common/sm90/named_barrier.cuh"
-#include "../../csrc/common/sm90/wgmma.cuh"
+#include "../common/softmax_utils.cuh"
+#include "../common/sm90/named_barrier.cuh"
+#include "../common/sm90/wgmma.cuh"
 
 namespace sagebwd_sm90 {
 
@@ -26,11 +27,7 @@ __device__ __forceinline__ uint32_t code_bits(float y_plus_magic) { return __flo
 // 2^x on the MUFU with subnormal results flushed to 0 (exp2f also scales subnormal inputs and
 // results: three more instructions per score). A P~ below 2^-126 has code 0 and a dS 2^94 times
 // under the largest of any tile whose P~ reaches 2^-32.
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
+using sage_common::exp2_mufu;
 
 // dS is computed times kDsPrescale (host: vec's 1 / l carries it; the Triton kernels' DS_PRESCALE), so
 // the quantization quotients stay out of float32's subnormal range, where the reciprocal residual

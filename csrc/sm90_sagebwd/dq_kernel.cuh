@@ -1,11 +1,11 @@
-// Experiment: SageBwd's dQ kernel, the dK/dV kernel's counterpart (dkdv_kernel.cuh): the same
+// SageBwd's dQ kernel, the dK/dV kernel's counterpart (dkdv_kernel.cuh): the same
 // numerics (16-bit scores, the shipped dS tiles), per 64-query row block and 64-key tile
 //   S = Q K^T, dP = dO V^T (16-bit wgmma, fp32 sums), P~ = exp2(min(S * qk_scale - m, 0)),
 //   dS = P~ / l (dP - delta), dQ += (dS^ int8 per 64x64 tile) . K^ (INT8 per 64-key block)
 //   * (s_dS * s_K_j * scale).
 // CTA: 128 queries of one (b, h); warpgroup 0 is the producer, warpgroups 1 and 2 own 64 queries each
-// (Q and dO loaded once) and loop over every key block. Operands are swizzled-tile images made on the
-// host: Q, dO (16-bit, 64 x D per warpgroup, the A operands of S and dP), per key block K, V (16-bit,
+// (Q and dO loaded once) and loop over every key block. Operands are swizzled-tile images (the
+// image pre-pass): Q, dO (16-bit, 64 x D per warpgroup, the A operands of S and dP), per key block K, V (16-bit,
 // 64 x D, the B operands), K^T (INT8, D x 64 keys in the A fragments' key order, dQ's B operand) and
 // K's block scale. A thread's two query rows keep their m, 2^32 / l and delta in registers.
 #pragma once
@@ -23,7 +23,7 @@ struct DqConfig {
       typename C::Atom16{}, cute::Shape<cute::Int<kKeysPerWG>, cute::Int<D>, cute::Int<kStages>>{}));
   using LayoutT8 = decltype(cute::tile_to_shape(
       typename C::Atom8{}, cute::Shape<cute::Int<D>, cute::Int<kKeysPerWG>, cute::Int<kStages>>{}));
-  static constexpr int kScaleBytes = 16;  // the key block's K scale, padded to a bulk copy's 16 bytes
+  static constexpr int kScaleBytes = kKScaleFloats * 4;  // the key block's K scale, padded to a bulk copy's 16 bytes
   static constexpr int kSmemQ = kConsumerWGs * C::kTile16Bytes;
   static constexpr int kSmemDO = kConsumerWGs * C::kTile16Bytes;
   static constexpr int kSmemK = kStages * C::kTile16Bytes;
@@ -36,17 +36,6 @@ struct DqConfig {
                                     kSmemBarriers + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "one CTA's shared memory");
   static constexpr int kStageTxBytes = 2 * C::kTile16Bytes + C::kTile8Bytes + kScaleBytes;
-};
-
-struct DqParams {
-  // images, per (b, h): Q, dO [Sq / 64] 16-bit tiles; K, V [Skv / 64] 16-bit tiles; K^T [Skv / 64]
-  // INT8 tiles; scale [Skv / 64][4] (K's block scale, then padding)
-  const uint8_t *q, *dO, *k, *v, *kt;
-  const float* k_scale;
-  const float *m, *inv_l, *delta;  // (B, H, Sq): row max, kDsPrescale / l, delta
-  float* dq;                       // (B, H, Sq, D) float32
-  int heads, sq, skv;
-  float qk_scale, sm_scale;
 };
 
 // kSchedule: kSerial waits for each product at once; kOverlap keeps S / dP of the next step on the
@@ -93,7 +82,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
         bulk_copy_g2s(p.k + blk * C::kTile16Bytes, &full[s], s_k + s * C::kTile16Bytes, C::kTile16Bytes);
         bulk_copy_g2s(p.v + blk * C::kTile16Bytes, &full[s], s_v + s * C::kTile16Bytes, C::kTile16Bytes);
         bulk_copy_g2s(p.kt + blk * C::kTile8Bytes, &full[s], s_kt + s * C::kTile8Bytes, C::kTile8Bytes);
-        bulk_copy_g2s(p.k_scale + blk * 4, &full[s], s_scale + s * 4, Q::kScaleBytes);
+        bulk_copy_g2s(p.k_scale + blk * kKScaleFloats, &full[s], s_scale + s * kKScaleFloats, Q::kScaleBytes);
       }
     }
     return;
@@ -141,14 +130,14 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
 #pragma unroll
     for (int v = 0; v < C::kSRegs; ++v) {
       const int hh = (v >> 1) & 1;
-      const float pt = exp2_ftz(fminf(s_acc[v] * p.qk_scale - m_row[hh], 0.f));  // P~
+      const float pt = exp2_mufu(fminf(s_acc[v] * p.qk_scale - m_row[hh], 0.f));  // P~
       ds[v] = pt * invl_row[hh] * (dp_acc[v] - delta_row[hh]);                    // dS * kDsPrescale
       amax = fmaxf(amax, fabsf(ds[v]));
     }
     const DsTileScale sc(amax, s_red + (cw * 2 + (j & 1)) * 4, warp, lane, kFirstNamedBarrier + cw);
     const float r = sc.s_big > 0.f ? 1.f / sc.s_big : 0.f;
     pack_a([&](int v) { return code_by_reciprocal(ds[v], sc.s_big, r); }, ds_frag);
-    return sc.sds * s_scale[s * 4] * p.sm_scale;
+    return sc.sds * s_scale[s * kKScaleFloats] * p.sm_scale;
   };
   auto issue_dq = [&](int s) {  // prod = dS^ K^ of stage s, one committed group
     fence_regs(prod);

@@ -1,0 +1,51 @@
+// The backward kernels' host interface: tile constants, the kernels' parameters and the shipped
+// launches by head dim and dtype. Free of torch and CuTe, so the binding compiles without them.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace sagebwd_sm90 {
+
+constexpr int kBlockM = 64;        // queries per step (Q / dO / dS quantization block)
+constexpr int kKeysPerWG = 64;     // keys per consumer warpgroup (wgmma M)
+constexpr int kConsumerWGs = 2;
+constexpr int kBlockN = kKeysPerWG * kConsumerWGs;  // keys per dK/dV CTA (queries per dQ CTA)
+constexpr int kThreads = 128 * (1 + kConsumerWGs);
+constexpr int kVecFloats = 256;    // per query block: m[64], kDsPrescale / l [64], delta[64], dv factor, s_Q, pad
+constexpr int kVecM = 0, kVecInvL = 64, kVecDelta = 128, kVecDvFactor = 192, kVecSQ = 193;
+constexpr int kVecBytes = kVecFloats * 4;
+constexpr int kKScaleFloats = 4;   // per key block of the dQ kernel: K's scale, then padding to 16 bytes
+
+// The dK/dV kernel's arguments.
+struct Params {
+  // images, per (b, h) in order: K, V [Skv / 128][2 warpgroup tiles]; Q, dO [Sq / 64] 16-bit tiles;
+  // Q^T, dO'^T [Sq / 64] INT8 tiles; vec [Sq / 64][kVecFloats]
+  const uint8_t *k, *v, *q, *dO, *qt, *dot;
+  const float* vec;
+  float *dk, *dv;  // (B, H, Skv, D) float32
+  const float* dv_channel_scale;  // DvAcc::kInPlace: (B, H, D), P~'s 1/127 times dO''s channel scale
+  int heads, sq, skv;
+  float qk_scale;  // softmax scale * log2(e)
+  float sm_scale;
+};
+
+// The dQ kernel's arguments.
+struct DqParams {
+  // images, per (b, h): Q, dO [Sq / 64] 16-bit tiles; K, V [Skv / 64] 16-bit tiles; K^T [Skv / 64]
+  // INT8 tiles; scale [Skv / 64][kKScaleFloats] (K's block scale, then padding)
+  const uint8_t *q, *dO, *k, *v, *kt;
+  const float* k_scale;
+  const float *m, *inv_l, *delta;  // (B, H, Sq): row max, kDsPrescale / l, delta
+  float* dq;                       // (B, H, Sq, D) float32
+  int heads, sq, skv;
+  float qk_scale, sm_scale;
+};
+
+// The shipped kernels (launch.cuh ShippedPolicy) for head dim 64 or 128, bf16 or fp16 operands;
+// cudaErrorInvalidValue for another head dim.
+cudaError_t run_dkdv(const Params& p, int batch, int head_dim, bool bf16, cudaStream_t stream);
+cudaError_t run_dq(const DqParams& p, int batch, int head_dim, bool bf16, cudaStream_t stream);
+
+}  // namespace sagebwd_sm90
