@@ -7,7 +7,7 @@
     SAGE_DIFFUSERS_TRITON_AUTOTUNE=3 python eval/bench_sagebwd.py --compare
                                               # the kernel variants per pass, 4K and 16K (H200: < 4 min)
     SAGE_DIFFUSERS_TRITON_AUTOTUNE=3 python eval/bench_sagebwd.py --compare --passes fwd+bwd \
-        --methods sagebwd_split,sagebwd_lean,sagebwd_fused,sdpa_cudnn --shapes 1x24x16384x128,1x48x16384x64
+        --methods sagebwd_split,sagebwd_lean,sagebwd_fused,sagebwd_sm90,sdpa_cudnn --shapes 1x24x16384x128,1x48x16384x64
                                               # the backward kernel choices side by side
     python eval/bench_sagebwd.py --sass       # no GPU: per-tile SASS issue estimates for sm_90a
     python eval/bench_sagebwd.py --realistic  # gradients on the realistic inputs (sharp heads, tails, masks)
@@ -21,8 +21,9 @@ Writes eval/results/sagebwd_<gpu>.{json,md}, e.g. sagebwd_h100 (``--compare``: s
   whole call: quantization pre-passes included); ``sagebwd_acc_alu``: the same with the backward's int32
   products and the forward's scores converted by ALU instructions instead of the conversion unit
   (``SAGE_DIFFUSERS_SAGEBWD_ACC=alu``); ``sagebwd_split``, ``sagebwd_lean``, ``sagebwd_fused``:
-  the backward kernel choices of ``SAGE_DIFFUSERS_SAGEBWD_BWD`` (``BwdKernels``: dK/dV and dQ
-  kernels as before, the register-lean dK/dV kernel, dQ fused into it by atomic adds);
+  ``sagebwd_sm90``: the backward kernel choices of ``SAGE_DIFFUSERS_SAGEBWD_BWD`` (``BwdKernels``: dK/dV
+  and dQ kernels as before, the register-lean dK/dV kernel, dQ fused into it by atomic adds, Hopper's
+  CUDA kernels with their image pre-pass where they apply);
   ``sagebwd_dov_int8`` (the dO.V^T INT8 ablation); ``sagebwd_scores_int8`` (``scores="int8"``:
   Q.K^T and P~.V in INT8 as well, the paper's SageBwd; the default computes them in 16 bits);
   ``sdpa_cudnn`` and ``sdpa_flash`` (``F.scaled_dot_product_attention`` under
@@ -79,6 +80,7 @@ METHOD_ENV = {
     "sagebwd_split": {"SAGE_DIFFUSERS_SAGEBWD_BWD": "split"},
     "sagebwd_lean": {"SAGE_DIFFUSERS_SAGEBWD_BWD": "lean"},
     "sagebwd_fused": {"SAGE_DIFFUSERS_SAGEBWD_BWD": "fused"},
+    "sagebwd_sm90": {"SAGE_DIFFUSERS_SAGEBWD_BWD": "sm90"},
 }
 COMPARE_METHODS = "sagebwd,sagebwd_acc_alu,sagebwd_lean,sagebwd_fused,sdpa_cudnn"
 COMPARE_SHAPES = [(1, 24, 16384, 128), (1, 48, 16384, 64), (1, 24, 4096, 128), (1, 48, 4096, 64)]

@@ -196,7 +196,7 @@ _EXP_POLY_DOC = "; ".join(f"D = {d}: {', '.join(map(str, s))}" for d, s in sorte
 # tests/test_config.py checks that they agree: the enums' modules import torch and Triton, this one
 # must not).
 SAGEBWD_ACC_VALUES = ("xu", "alu")
-SAGEBWD_BWD_VALUES = ("split", "lean", "fused")
+SAGEBWD_BWD_VALUES = ("split", "lean", "fused", "sm90")
 SAGEBWD_SCORES_VALUES = ("int8", "fp16")  # reference.sagebwd.ScorePrecision
 INT8_PRECISION_VALUES = ("fast", "accurate")  # options.Int8Precision
 FP4_ATOM_VALUES = ("native", "emulated")
@@ -267,7 +267,9 @@ SAGEBWD_BWD = Variable(
     "SAGE_DIFFUSERS_SAGEBWD_BWD", _choice(*SAGEBWD_BWD_VALUES), None, _choices_doc(SAGEBWD_BWD_VALUES),
     "`lean` at D = 128; `fused` at D <= 64 unless torch's deterministic algorithms are on",
     "at each SageBwd backward", "user",
-    "SageBwd's backward kernels (`split`, `lean`: deterministic, same bits; `fused`: dQ by atomics).")
+    "SageBwd's backward kernels (`split`, `lean`: deterministic, same bits; `fused`: dQ by atomics; `sm90`: "
+    "Hopper's CUDA kernels where they apply (16-bit scores, no mask, not causal, no GQA, head dim 64 / 128, "
+    "lengths multiples of 128), the default elsewhere).")
 SAGEBWD_SCORES = Variable(
     "SAGE_DIFFUSERS_SAGEBWD_SCORES", _choice(*SAGEBWD_SCORES_VALUES), "fp16", _choices_doc(SAGEBWD_SCORES_VALUES),
     "`fp16`", "at each SageBwd forward", "user",
@@ -366,7 +368,7 @@ def sagebwd_acc() -> str:
 
 
 def sagebwd_bwd() -> Optional[str]:
-    """``SAGE_DIFFUSERS_SAGEBWD_BWD``: "split", "lean" or "fused", or None for the per-head-dim default."""
+    """``SAGE_DIFFUSERS_SAGEBWD_BWD``: "split", "lean", "fused" or "sm90", or None for the per-head-dim default."""
     return SAGEBWD_BWD.get()
 
 

@@ -72,16 +72,22 @@ else:
 INTERPRETER_FMA_SKIP = IN_INTERPRETER and TRITON_VERSION is not None and TRITON_VERSION < (3, 9)
 
 
-@pytest.mark.skipif(IN_INTERPRETER, reason="this is the interpreter child itself")
-@pytest.mark.skipif(INTERPRETER_SKIP is not None, reason=INTERPRETER_SKIP or "")
-def test_kernels_under_interpreter():
+def run_under_interpreter(test_file: str) -> None:
+    """Run ``test_file`` in a pytest child with ``TRITON_INTERPRET=1`` set before triton's import;
+    fails unless its tests pass."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
         env=env, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parent.parent,
     )
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
     assert " passed" in res.stdout and " failed" not in res.stdout
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="this is the interpreter child itself")
+@pytest.mark.skipif(INTERPRETER_SKIP is not None, reason=INTERPRETER_SKIP or "")
+def test_kernels_under_interpreter():
+    run_under_interpreter(str(Path(__file__)))
 
 
 def inputs(b, hq, hkv, sq, skv, d, dtype, device, masked):

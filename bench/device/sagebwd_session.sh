@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# One device call for SageBwd (Triton; no CUDA build needed): its GPU tests, the key-padding mask
-# cost, then the two training runs through the kernels, each step in the time the call has left.
-# Results in $OUT: pytest.log, mask_cost.{md,json}, training.tar (both runs' JSON and logs).
-#   STEPS="tests mask train"  the steps to run (default all three)
+# One device call for SageBwd: its GPU tests, the key-padding mask cost, the two training runs through
+# the kernels, each step in the time the call has left; on request Hopper's CUDA backward and the host cost.
+# Results in $OUT: pytest.log, mask_cost.{md,json}, training.tar (both runs' JSON and logs),
+# sm90_compare.{md,json} + build_sm90.log, host_cost.{md,json}.
+#   STEPS="tests mask train"  the steps to run (default these three); also:
+#     sm90      build csrc/sm90_sagebwd (carry .whl: the CuTe headers), its GPU tests, then backward and
+#               forward + backward of the default, the sm90 choice and cuDNN side by side (16K and 4K)
+#     hostcost  bench/sagebwd_host_cost.py (host against device time per call, cProfile)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 S=${SESSION_START:-$(date +%s)}
@@ -20,6 +24,18 @@ for step in ${STEPS:-tests mask train}; do
       SAGE_DIFFUSERS_TRITON_AUTOTUNE=3 timeout -k 5 "$(( $(left) - 20 ))" python3 -m eval.bench_sagebwd --mask-cost \
         --methods "${MASK_METHODS:-sagebwd}" --out "$OUT/mask_cost" > "$OUT/mask_cost.log" 2>&1
       echo "mask-cost rc=$? after $(( $(date +%s) - S )) s"; grep -E "^\| 1x" "$OUT/mask_cost.md" ;;
+    sm90)
+      timeout -k 5 "$(( $(left) - 20 ))" bash bench/device/session.sh pytest tests/test_sagebwd_sm90.py -p no:cacheprovider
+      echo "sm90 tests rc=$? after $(( $(date +%s) - S )) s"
+      SAGE_DIFFUSERS_TRITON_AUTOTUNE=3 timeout -k 5 "$(( $(left) - 20 ))" python3 -m eval.bench_sagebwd --compare \
+        --passes bwd,fwd+bwd --methods sagebwd,sagebwd_sm90,sdpa_cudnn --rounds 3 \
+        --shapes "${SM90_SHAPES:-1x24x16384x128,1x48x16384x64,1x24x4096x128}" --out "$OUT/sm90_compare" \
+        > "$OUT/sm90_compare.log" 2>&1
+      echo "sm90 compare rc=$? after $(( $(date +%s) - S )) s"; grep -E "^\| " "$OUT/sm90_compare.md" | head -40 ;;
+    hostcost)
+      timeout -k 5 "$(( $(left) - 20 ))" python3 bench/sagebwd_host_cost.py --cprofile 25 --out "$OUT/host_cost" \
+        > "$OUT/host_cost.log" 2>&1
+      echo "host cost rc=$? after $(( $(date +%s) - S )) s"; grep -E "^\| " "$OUT/host_cost.md" | head -20 ;;
     train)
       for job in "eval/train_lm.py" "eval/finetune_minilm.py --model-dir .minilm"; do
         SAGE_DIFFUSERS_TRITON_AUTOTUNE=3 timeout -k 5 "$(( $(left) - 15 ))" python3 $job --device cuda --impl triton \

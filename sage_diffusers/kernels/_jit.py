@@ -32,7 +32,7 @@ from .. import config
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # .../sage_diffusers
 CHECKOUT_CSRC = _PACKAGE_ROOT.parent / "csrc"  # the source of truth in a checkout
 PACKAGED_CSRC = _PACKAGE_ROOT / "_csrc"  # the copy a wheel carries (setup.py's build_py)
-KERNEL_FOLDERS = ("fp4", "sm90_int8")  # one folder per kernel module under csrc/
+KERNEL_FOLDERS = ("fp4", "sm90_int8", "sm90_sagebwd")  # one folder per kernel module under csrc/
 SHARED_FOLDER = "common"  # headers every kernel folder includes (csrc/common/)
 HASHED_SUFFIXES = frozenset({".cu", ".cuh", ".h", ".hpp", ".cpp", ".inc"})
 # One nvcc translation unit of these kernels (CUTLASS/CuTe templates, one head dim x dtype
@@ -77,6 +77,24 @@ def cuda_missing() -> str | None:
         return "CUDA is not available"
     if torch.version.cuda is None:
         return "torch was built without CUDA"
+    return None
+
+
+def hopper_kernel_missing(sources: Path) -> str | None:
+    """Why this process cannot run an sm_90a CUTLASS kernel whose sources are ``sources``, or None:
+    CUDA with a compute capability 9.0 device, the CuTe headers and the sources are needed."""
+    missing = cuda_missing()
+    if missing is not None:
+        return missing
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        return f"needs compute capability 9.0 (H100/H200/H20), device has {cap[0]}.{cap[1]}"
+    try:
+        cutlass_include()
+    except RuntimeError as exc:
+        return str(exc)
+    if not sources.is_dir():
+        return f"kernel sources not found at {sources}"
     return None
 
 

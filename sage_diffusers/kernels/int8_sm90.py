@@ -44,7 +44,6 @@ from ._contract import (MAX_GRID_YZ, call_chunks, call_op, check_qkv, fake_out_l
 __all__ = ["attention_int8_sm90", "prepass", "is_available", "build", "compile_check",
            "HEAD_DIMS", "default_exp_poly_every", "set_exp_poly_every", "has_variant"]
 
-ARCH = (9, 0)
 HEAD_DIMS = (64, 128)
 BLOCK_KV = 128
 Q_TILE_ROWS = 64
@@ -87,19 +86,8 @@ def is_available() -> tuple[bool, str]:
     -------
     (ok, reason) : reason says what is missing when ok is False.
     """
-    missing = _jit.cuda_missing()
-    if missing is not None:
-        return False, missing
-    cap = torch.cuda.get_device_capability()
-    if cap != ARCH:
-        return False, f"needs compute capability 9.0 (H100/H200/H20), device has {cap[0]}.{cap[1]}"
-    try:
-        _jit.cutlass_include()
-    except RuntimeError as exc:
-        return False, str(exc)
-    if not source_dir().is_dir():
-        return False, f"kernel sources not found at {source_dir()}"
-    return True, "ok"
+    missing = _jit.hopper_kernel_missing(source_dir())
+    return (False, missing) if missing is not None else (True, "ok")
 
 
 # Benchmark build (read once): the benchmark binding (bench/sm90_int8/binding_bench.cpp: the option

@@ -52,7 +52,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import config
+from .. import _fallback, config
 from .._sagebwd_ops import define
 from ..reference import sagebwd as ref
 from ..reference.online_softmax import LOG2E
@@ -128,6 +128,11 @@ class BwdKernels(str, enum.Enum):
     SPLIT = "split"  # dK/dV kernel + dQ kernel, whole-D int32 products, dV first (deterministic)
     LEAN = "lean"  # the same two kernels, the dK/dV kernel's register-lean order (deterministic, same bits)
     FUSED = "fused"  # LEAN's dK/dV kernel also adds dQ by FP32 atomics: no dQ kernel, no second S / dS (order varies)
+    # Hopper's warp-specialized CUDA kernels (kernels/sagebwd_sm90.py: the reference's operands,
+    # deterministic) where they apply, the head dim's default elsewhere. Opt-in until the whole
+    # backward, image pre-pass included, is timed against the Triton kernels: the kernels alone
+    # took 0.73x / 0.87x of the Triton backward's time at 16K tokens, hd128 / hd64 (H100).
+    SM90 = "sm90"
 
 
 # Columns per int32 dK / dV product in LEAN and FUSED (64 x 64 int32 = 32 registers per thread of a
@@ -140,10 +145,15 @@ def bwd_kernels(head_dim: int) -> BwdKernels:
     """The backward's kernels for this head dim: ``SAGE_DIFFUSERS_SAGEBWD_BWD`` when set, else the
     fastest on the H200 (eval/results/sagebwd_bwdfast_h200.md, forward + backward, 16K tokens):
     LEAN at D = 128 (42.9 ms against SPLIT's 57.3, FUSED 46.2), FUSED at D <= 64 (46.8 against
-    LEAN's 51.7) unless torch's deterministic algorithms are on, which FUSED's atomics are not."""
+    LEAN's 51.7) unless torch's deterministic algorithms are on, which FUSED's atomics are not.
+    SM90 is chosen by the variable only."""
     env = config.sagebwd_bwd()
     if env is not None:
         return BwdKernels(env)
+    return _default_kernels(head_dim)
+
+
+def _default_kernels(head_dim: int) -> BwdKernels:
     if head_dim <= 64 and not torch.are_deterministic_algorithms_enabled():
         return BwdKernels.FUSED
     return BwdKernels.LEAN
@@ -1169,12 +1179,25 @@ def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Op
         return (torch.zeros((b, hq, sq_len, d), **z), torch.zeros((b, hkv, skv, d), **z),
                 torch.zeros((b, hkv, skv, d), **z))
     kernels = bwd_kernels(d)
+    dov_int8 = dov is DoVPrecision.INT8
+    if kernels is BwdKernels.SM90:
+        from . import sagebwd_sm90
+
+        why = sagebwd_sm90.unsupported(state, key_mask, is_causal, dov, qk16)
+        if why is None:
+            r = backward_rows(do, state, dov_int8)
+            if dlse is not None:
+                dl = ref.lse_grad_rows(dlse, state.lse2)  # (B, Hq, Sq)
+                r = r._replace(delta=(r.delta - dl).contiguous())
+            dq, dk, dv = sagebwd_sm90.backward(do, state, r, sm_scale)
+            return (dq + ref.lse_shift_dq(dl, k_mean, sm_scale) if dlse is not None else dq), dk, dv
+        _fallback.record(f"sagebwd: the sm90 backward kernels do not take {why}", ran="the Triton backward kernels")
+        kernels = _default_kernels(d)
     fused = kernels is BwdKernels.FUSED
     # every element is stored, or (fused) accumulated by atomic adds
     dq = (torch.zeros if fused else torch.empty)((b, hq, sq_len, d), dtype=torch.float32, device=dev)
     dk = torch.empty((b, hkv, skv, d), dtype=torch.float32, device=dev)
     dv = torch.empty_like(dk)
-    dov_int8 = dov is DoVPrecision.INT8
     r = backward_rows(do, state, dov_int8)
     if dlse is not None:
         dl = ref.lse_grad_rows(dlse, state.lse2)  # (B, Hq, Sq)

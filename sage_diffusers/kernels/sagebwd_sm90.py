@@ -1,0 +1,332 @@
+"""SageBwd's backward on Hopper: the sm_90a wgmma kernels of ``csrc/sm90_sagebwd/`` and their image pre-pass.
+
+The Triton backward waits for each of its products and synchronizes whole CTAs every step
+(docs/sagebwd.md "Where the time goes"). These kernels are warp-specialized instead: a producer lane
+bulk-copies each tile into an mbarrier ring, and two consumer warpgroups of 64 keys (dK/dV) or 64
+queries (dQ) run the 16-bit score products, the softmax gradient and the INT8 products with barriers
+among their own threads only. Numerics: the reference's with 16-bit scores
+(``sage_diffusers/reference/sagebwd.py``, ``scores="fp16"``), the same quantized operands as the
+Triton kernels; only float32 summation orders and the MUFU's exp2 differ.
+
+Each operand tile reaches shared memory as the byte image of its swizzled tile, written here by
+Triton kernels from the forward's state and the backward's row pre-pass
+(:func:`sagebwd_triton.backward_rows`):
+
+- Q, dO, K, V in the compute dtype, per 64 rows a 64 x D K-major tile with 128-byte swizzle
+  (:func:`image16_offsets`: ``csrc/common/sm90/gmma_swizzle.cuh`` ``sw128_elem16_offset``);
+- the INT8 codes of Q, dO' = dO / l and K, per 64 tokens a D x 64 K-major tile with 64-byte
+  swizzle whose token positions follow the A fragments' order (:func:`image8t_offsets`: the 8-bit
+  forward's V^T key permutation), so the kernels turn score accumulators into INT8 operands in
+  registers;
+- per 64-query block the dK/dV kernel's row vector (:data:`VEC_FLOATS` floats: m, 2^32 / l,
+  delta, the dV factor, Q's scale), and per 64-key block the dQ kernel's K scale.
+
+``csrc/sm90_sagebwd/host_layout_check.cu`` proves those patterns equal to the CuTe layouts the
+kernels' wgmma descriptors read. :func:`unsupported` says which calls the kernels take; the others
+run the Triton kernels.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from ..reference.online_softmax import LOG2E
+from ..reference.sagebwd import BLOCK_KV, BLOCK_Q, P_SCALE, DoVPrecision, SageBwdState
+from . import _jit, int8_sm90
+from .sagebwd_triton import BackwardRows, _on_input_device, tl, triton
+
+__all__ = ["is_available", "build", "unsupported", "backward", "HEAD_DIMS"]
+
+HEAD_DIMS = (64, 128)
+# Rows per 16-bit tile image and tokens per INT8 tile image: the kernels' wgmma M (csrc api.h
+# kBlockM, kKeysPerWG), one quantization block of the reference.
+TILE = 64
+assert BLOCK_Q == BLOCK_KV == TILE
+# The kernels' CTAs cover 128 keys (dK/dV) and 128 queries (dQ), two warpgroups of TILE each.
+CTA_ROWS = 128
+# The dK/dV kernel's per-query-block vector (api.h kVec*): three rows of TILE floats, two scalars.
+VEC_FLOATS = 256
+VEC_M, VEC_INV_L, VEC_DELTA, VEC_DV_FACTOR, VEC_SQ = 0, 64, 128, 192, 193
+# The dQ kernel's per-key-block K scale, padded to a bulk copy's 16 bytes (api.h kKScaleFloats).
+K_SCALE_FLOATS = 4
+
+
+def source_dir() -> Path:
+    return _jit.csrc_dir() / "sm90_sagebwd"
+
+
+def _sources() -> list[Path]:
+    d = source_dir()
+    return [d / "binding.cpp", d / "dispatch.cu", d / "hd64.cu", d / "hd128.cu"]
+
+
+def is_available() -> tuple[bool, str]:
+    """Whether this process can run the kernels (does not build them).
+
+    Returns
+    -------
+    (ok, reason) : reason says what is missing when ok is False.
+    """
+    missing = _jit.hopper_kernel_missing(source_dir())
+    if missing is None and triton is None:
+        missing = "triton not importable (the image pre-pass is Triton)"
+    return (False, missing) if missing is not None else (True, "ok")
+
+
+def build(verbose: bool = False) -> ModuleType:
+    """Compile (once per source hash) and load the extension."""
+    return _jit.load_extension("sage_diffusers_sagebwd_sm90", _sources(),
+                               extra_cuda_cflags=list(int8_sm90._NVCC_FLAGS),  # the same sm_90a build
+                               extra_include_paths=[source_dir()], verbose=verbose)
+
+
+@functools.lru_cache(maxsize=1)
+def _extension() -> ModuleType:
+    """The built extension, looked up once per process (``build()`` lists and hashes the sources)."""
+    return build()
+
+
+def unsupported(state: SageBwdState, key_mask: Optional[torch.Tensor], is_causal: bool, dov: DoVPrecision,
+                qk16: bool) -> Optional[str]:
+    """Why the kernels cannot compute this backward, or None when they can.
+
+    They cover the default numerics (16-bit scores, dO.V^T in 16 bits) without masks, causality or
+    GQA, at head dims 64 and 128, with both lengths multiples of 128 (no partial tile); the
+    Triton kernels cover the rest.
+    """
+    b, hq, sq_len, d = state.q8.shape
+    hkv, skv = state.k8.shape[1], state.k8.shape[2]
+    if not qk16:
+        return "INT8 scores (scores='int8')"
+    if dov is not DoVPrecision.FP16:
+        return "dO.V^T in INT8 (the dov ablation)"
+    if key_mask is not None:
+        return "a key mask"
+    if is_causal:
+        return "causal attention"
+    if hq != hkv:
+        return f"GQA ({hq} query heads on {hkv} KV heads)"
+    if d not in HEAD_DIMS:
+        return f"head dim {d} (built: {', '.join(map(str, HEAD_DIMS))})"
+    if sq_len % CTA_ROWS or skv % CTA_ROWS or sq_len == 0 or skv == 0:
+        return f"lengths {sq_len} / {skv} not positive multiples of {CTA_ROWS}"
+    if state.q8.device.type != "cuda":
+        return "tensors not on a CUDA device"
+    index = state.q8.device.index
+    if index not in _DEVICE_CHECK:
+        _DEVICE_CHECK[index] = _check_device(index)
+    return _DEVICE_CHECK[index]
+
+
+# Per CUDA device index: why the kernels cannot run there (no sm_90, no CuTe headers or sources, a
+# failed build), or None. The hardware behind an index and the installed build are fixed for the
+# life of the process, as the forward's dispatch assumes too (_dispatch._RESOLVED); the check reads
+# files and builds, host work no backward should repeat.
+_DEVICE_CHECK: dict[int, Optional[str]] = {}
+
+
+def _check_device(index: int) -> Optional[str]:
+    with torch.cuda.device(index):
+        ok, why = is_available()
+        if not ok:
+            return why
+        try:
+            _extension()  # JIT on first use; a failed build becomes the reason, not a crash in the backward
+        except Exception as exc:  # noqa: BLE001 - compiler or headers missing, ...: report, run the Triton kernels
+            return f"build failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
+
+
+# ---- the image pre-pass: torch specs (tests) -----------------------------------------------------------
+def image16_offsets(d: int, device=None) -> torch.Tensor:
+    """Element offset of (row, channel) in a 64 x d 16-bit K-major SW128 tile image, shape (64, d)
+    (``sw128_elem16_offset<64, d>``: 64-channel blocks one after another, 16-byte chunks of a
+    128-byte row XORed with the row's index mod 8)."""
+    r = torch.arange(TILE, device=device).view(-1, 1)
+    c = torch.arange(d, device=device).view(1, -1)
+    return (c >> 6) * (TILE * 64) + r * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3) + (c & 7)
+
+
+def token_position(device=None) -> torch.Tensor:
+    """Position of each of 64 tokens in an INT8 tile image's rows, shape (64,): the order in which a
+    thread's score accumulators form the INT8 A fragment (``int8_sm90._vt_key_to_position``)."""
+    return int8_sm90._vt_key_to_position(device, TILE)
+
+
+def image8t_offsets(d: int, device=None) -> torch.Tensor:
+    """Byte offset of (channel, token) in a d x 64 INT8 K-major SW64 tile image, shape (d, 64): the
+    token at :func:`token_position`, 16-byte chunks of a 64-byte row XORed with (row / 2) mod 4."""
+    return int8_sm90._image_offsets(d, TILE, device)[:, token_position(device)]
+
+
+def image16_reference(x: torch.Tensor) -> torch.Tensor:
+    """16-bit x (B, H, S, D), S % 64 == 0 -> (B, H, S / 64, 64 * D) tile images of x."""
+    b, h, s, d = x.shape
+    tiles = x.reshape(b, h, s // TILE, TILE * d)
+    out = torch.empty_like(tiles)
+    out[..., image16_offsets(d, x.device).reshape(-1)] = tiles
+    return out
+
+
+def image8t_reference(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes (B, H, S, D), S % 64 == 0 -> (B, H, S / 64, D * 64) transposed tile images."""
+    b, h, s, d = codes.shape
+    tiles = codes.reshape(b, h, s // TILE, TILE, d).transpose(-1, -2).reshape(b, h, s // TILE, d * TILE)
+    out = torch.empty_like(tiles)
+    out[..., image8t_offsets(d, codes.device).reshape(-1)] = tiles
+    return out
+
+
+def query_vectors_reference(s_q: torch.Tensor, rows: BackwardRows) -> torch.Tensor:
+    """The dK/dV kernel's (B, H, Sq / 64, VEC_FLOATS) float32 vectors from the row pre-pass and Q's
+    block scales ``s_q`` (B, H, Sq / 64); the padding is 0."""
+    b, h, sq_len = rows.mb.shape
+    vec = torch.zeros(b, h, sq_len // TILE, VEC_FLOATS, dtype=torch.float32, device=rows.mb.device)
+    for at, x in ((VEC_M, rows.mb), (VEC_INV_L, rows.inv_l), (VEC_DELTA, rows.delta)):
+        vec[..., at:at + TILE] = x.reshape(b, h, -1, TILE)
+    vec[..., VEC_DV_FACTOR] = rows.sdos * P_SCALE  # P~'s 1/127 times dO''s block scale, as the Triton dV
+    vec[..., VEC_SQ] = s_q
+    return vec
+
+
+# ---- the image pre-pass: Triton kernels -------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _image16_tile(x_ptr, sxb, sxh, sxs, sxd, out_ptr, b, h, bh, t, NT, D: tl.constexpr):
+        """Tile t of x (B, H, S, D) at (b, h) into its image (image16_offsets), the same dtype."""
+        r = tl.arange(0, 64)[:, None]
+        c = tl.arange(0, D)[None, :]
+        x = tl.load(x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + (t * 64 + r).to(tl.int64) * sxs + c * sxd)
+        off = (c >> 6) * (64 * 64) + r * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3) + (c & 7)
+        tl.store(out_ptr + (bh.to(tl.int64) * NT + t) * (64 * D) + off, x)
+
+    @triton.jit
+    def _image16_kernel(x_ptr, sxb, sxh, sxs, sxd, y_ptr, syb, syh, sys, syd, xo_ptr, yo_ptr, H, NT,
+                        D: tl.constexpr):
+        """One program per tile t and (b, h): the images of tile t of x and of y (same shape)."""
+        t = tl.program_id(0)
+        bh = tl.program_id(1)
+        b, h = bh // H, bh % H
+        _image16_tile(x_ptr, sxb, sxh, sxs, sxd, xo_ptr, b, h, bh, t, NT, D)
+        _image16_tile(y_ptr, syb, syh, sys, syd, yo_ptr, b, h, bh, t, NT, D)
+
+    @triton.jit
+    def _image8t_tile(x_ptr, sxb, sxh, sxs, sxd, out_ptr, b, h, bh, t, NT, D: tl.constexpr):
+        """Tokens 64 t ... of int8 x (B, H, S, D) at (b, h), transposed, into their image (image8t_offsets)."""
+        r = tl.arange(0, D)[:, None]  # channel: the image's row
+        j = tl.arange(0, 64)[None, :]  # token of the block
+        x = tl.load(x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + (t * 64 + j).to(tl.int64) * sxs + r * sxd)
+        jj = j & 15
+        p = (j & 48) + 4 * ((jj & 7) >> 1) + 2 * (jj >> 3) + (jj & 1)  # token_position
+        off = r * 64 + ((((p >> 4) ^ ((r >> 1) & 3)) << 4) | (p & 15))
+        tl.store(out_ptr + (bh.to(tl.int64) * NT + t) * (64 * D) + off, x)
+
+    @triton.jit
+    def _image8t_kernel(x_ptr, sxb, sxh, sxs, sxd, y_ptr, syb, syh, sys, syd, xo_ptr, yo_ptr, scale_ptr, kscale_ptr,
+                        H, NT, D: tl.constexpr, PAIR: tl.constexpr, K_SCALE: tl.constexpr):
+        """One program per 64-token block t and (b, h): the image of x's block, with PAIR y's too;
+        with K_SCALE the block's scale (scale_ptr (B, H, NT)) padded to 4 floats (kscale_ptr)."""
+        t = tl.program_id(0)
+        bh = tl.program_id(1)
+        b, h = bh // H, bh % H
+        _image8t_tile(x_ptr, sxb, sxh, sxs, sxd, xo_ptr, b, h, bh, t, NT, D)
+        if PAIR:
+            _image8t_tile(y_ptr, syb, syh, sys, syd, yo_ptr, b, h, bh, t, NT, D)
+        if K_SCALE:
+            lanes = tl.arange(0, 4)
+            s = tl.load(scale_ptr + bh * NT + t)
+            tl.store(kscale_ptr + (bh.to(tl.int64) * NT + t) * 4 + lanes, tl.where(lanes == 0, s, 0.0))
+
+    @triton.jit
+    def _query_vec_kernel(m_ptr, invl_ptr, delta_ptr, sdos_ptr, sq_ptr, vec_ptr, SQ, NQ, VEC: tl.constexpr):
+        """One program per 64-query block i and (b, h): query_vectors_reference's vector."""
+        i = tl.program_id(0)
+        bh = tl.program_id(1)
+        rows = tl.arange(0, 64)
+        src = bh.to(tl.int64) * SQ + i * 64 + rows
+        dst = vec_ptr + (bh.to(tl.int64) * NQ + i) * VEC
+        tl.store(dst + rows, tl.load(m_ptr + src))  # VEC_M
+        tl.store(dst + 64 + rows, tl.load(invl_ptr + src))  # VEC_INV_L
+        tl.store(dst + 128 + rows, tl.load(delta_ptr + src))  # VEC_DELTA
+        dv_factor = tl.load(sdos_ptr + bh * NQ + i) * (1.0 / 127.0)
+        s_q = tl.load(sq_ptr + bh * NQ + i)
+        tail = rows  # floats 192 ... 255: VEC_DV_FACTOR, VEC_SQ, then 0
+        tl.store(dst + 192 + tail, tl.where(tail == 0, dv_factor, tl.where(tail == 1, s_q, 0.0)))
+
+
+def _strides(x: torch.Tensor) -> tuple[int, int, int, int]:
+    return tuple(x.stride())  # type: ignore[return-value]
+
+
+@_on_input_device
+def images16(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`image16_reference` of x and of y (B, H, S, D each, one 16-bit dtype, any strides) in one launch."""
+    b, h, s, d = x.shape
+    assert y.shape == x.shape and y.dtype == x.dtype and x.element_size() == 2 and s % TILE == 0
+    xo = torch.empty((b, h, s // TILE, TILE * d), dtype=x.dtype, device=x.device)
+    yo = torch.empty_like(xo)
+    if xo.numel():
+        _image16_kernel[(s // TILE, b * h)](x, *_strides(x), y, *_strides(y), xo, yo, h, s // TILE, D=d)
+    return xo, yo
+
+
+@_on_input_device
+def images8t(x: torch.Tensor, y: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """:func:`image8t_reference` of int8 x (and y) (B, H, S, D each, any strides) in one launch; with
+    ``scale`` (B, H, S / 64) float32 also the dQ kernel's (B, H, S / 64, K_SCALE_FLOATS) block scales."""
+    b, h, s, d = x.shape
+    assert s % TILE == 0 and (y is None or y.shape == x.shape)
+    xo = torch.empty((b, h, s // TILE, TILE * d), dtype=torch.int8, device=x.device)
+    yo = torch.empty_like(xo) if y is not None else None
+    ks = torch.empty((b, h, s // TILE, K_SCALE_FLOATS), dtype=torch.float32, device=x.device) if scale is not None else None
+    if xo.numel():
+        _image8t_kernel[(s // TILE, b * h)](
+            x, *_strides(x), y if y is not None else x, *_strides(y if y is not None else x), xo,
+            yo if yo is not None else xo, scale.contiguous() if scale is not None else xo, ks if ks is not None else xo,
+            h, s // TILE, D=d, PAIR=y is not None, K_SCALE=scale is not None)
+    return xo, yo, ks
+
+
+@_on_input_device
+def query_vectors(s_q: torch.Tensor, rows: BackwardRows) -> torch.Tensor:
+    """:func:`query_vectors_reference` in one launch."""
+    b, h, sq_len = rows.mb.shape
+    vec = torch.empty((b, h, sq_len // TILE, VEC_FLOATS), dtype=torch.float32, device=rows.mb.device)
+    if vec.numel():
+        _query_vec_kernel[(sq_len // TILE, b * h)](rows.mb, rows.inv_l, rows.delta.contiguous(), rows.sdos,
+                                                   s_q.contiguous(), vec, sq_len, sq_len // TILE, VEC=VEC_FLOATS)
+    return vec
+
+
+@_on_input_device
+def backward(do: torch.Tensor, state: SageBwdState, rows: BackwardRows, sm_scale: float
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 dq (B, H, Sq, D), dk, dv (B, H, Skv, D) of a call :func:`unsupported` accepts, from dO
+    (B, H, Sq, D), the forward's ``state`` and the row pre-pass ``rows`` (its delta with the LSE
+    gradient already subtracted)."""
+    b, h, sq_len, d = state.q8.shape
+    skv = state.k8.shape[2]
+    cdt = state.vc.dtype
+    ext = _extension()
+    q16, do16 = images16(state.qc, do.to(cdt))  # dO as the Triton path rounds it (a no-op for 16-bit inputs)
+    k16, v16 = images16(state.kc, state.vc)
+    qt, dot, _ = images8t(state.q8, rows.dos8t.transpose(-1, -2))  # dO' codes from their transposed copy
+    kt, _, k_scale = images8t(state.k8, scale=state.sk)
+    vec = query_vectors(state.sq, rows)
+    f32 = dict(dtype=torch.float32, device=do.device)
+    dq = torch.empty((b, h, sq_len, d), **f32)
+    dk = torch.empty((b, h, skv, d), **f32)
+    dv = torch.empty_like(dk)
+    u8 = lambda x: x.view(torch.uint8)  # noqa: E731  (the binding takes the images as bytes)
+    bf16 = cdt == torch.bfloat16
+    qk_scale = sm_scale * LOG2E
+    ext.dkdv(u8(k16), u8(v16), u8(q16), u8(do16), u8(qt), u8(dot), vec, dk, dv, bf16, qk_scale, sm_scale)
+    ext.dq(u8(q16), u8(do16), u8(k16), u8(v16), u8(kt), k_scale, rows.mb, rows.inv_l, rows.delta.contiguous(), dq,
+           bf16, qk_scale, sm_scale)
+    return dq, dk, dv
