@@ -38,6 +38,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.bench_utils import git_head, make_inputs  # noqa: E402
 from eval import _cli  # noqa: E402
+from sage_diffusers.kernels.sagebwd_sm90 import dv_in_place_reference  # noqa: E402
 from sage_diffusers.reference import cosine, relative_l1  # noqa: E402
 from sage_diffusers.reference import sagebwd as ref  # noqa: E402
 from sage_diffusers.reference.online_softmax import LOG2E  # noqa: E402
@@ -169,22 +170,6 @@ def run_ours(ext, ops: dict, shape, overlap: bool = False) -> tuple[torch.Tensor
     return dk, dv
 
 
-def reference_dv_channel(st: ref.SageBwdState, do: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """The reference's dV (16-bit scores, scores recomputed in its 64-key tiles) with dO' quantized per
-    channel over all queries: float32 (B, H, Skv, D)."""
-    kc = st.kc
-    s2 = torch.cat([ref.scores16_log2(st.qc, kc[:, :, j:j + ref.BLOCK_KV], sm_scale * LOG2E)
-                    for j in range(0, kc.shape[2], ref.BLOCK_KV)], dim=-1)
-    m = st.m2[..., None]
-    p_tilde = torch.exp2((s2 - m).clamp_max(0))
-    inv_l = torch.exp2(st.m2 - st.lse2)[..., None]
-    dos = do.float() * inv_l
-    sch = _div(finite_abs(dos).amax(2), INT8_MAX)  # (B, H, D)
-    dos8 = _int8_from_scale(dos, sch[:, :, None, :]).double()
-    dv = ref.quantize_p(p_tilde).double().transpose(-1, -2) @ dos8  # exact integer sums
-    return (dv * (sch * ref.P_SCALE)[:, :, None, :].double()).float()
-
-
 def metrics(got: torch.Tensor, want: torch.Tensor) -> str:
     diff = float((got.double() - want.double()).abs().max())
     return f"cos {cosine(got, want):.6f} rel-L1 {relative_l1(got, want):.2e} max|diff| {diff:.3e}"
@@ -244,7 +229,7 @@ def check(ext) -> bool:
         if dtype == torch.bfloat16:  # dV in place: hd64 with the overlapped schedule, hd128 serial
             variants.append((d == 64, True))
         for overlap, in_place in variants:
-            dv_want = reference_dv_channel(st, do, sm_scale) if in_place else dv_ref
+            dv_want = dv_in_place_reference(st, do, sm_scale) if in_place else dv_ref
             dk, dv = run_ours(ext, operands(ext, q, k, v, do, st, sm_scale, in_place) if in_place else ops,
                               (b, h, s, d), overlap)
             torch.cuda.synchronize()

@@ -17,6 +17,8 @@ constexpr int kVecFloats = 256;    // per query block: m[64], kDsPrescale / l [6
 constexpr int kVecM = 0, kVecInvL = 64, kVecDelta = 128, kVecDvFactor = 192, kVecSQ = 193;
 constexpr int kVecBytes = kVecFloats * 4;
 constexpr int kKScaleFloats = 4;   // per key block of the dQ kernel: K's scale, then padding to 16 bytes
+// dV in place sums |P^| |dO'^| <= 127 * 127 per query in int32: exact up to 2^31 / 127^2 = 133,152 queries.
+constexpr int kDvInPlaceMaxQueries = 131072;
 
 // The dK/dV kernel's arguments.
 struct Params {
@@ -44,8 +46,9 @@ struct DqParams {
 };
 
 // The shipped kernels (launch.cuh ShippedPolicy) for head dim 64 or 128, bf16 or fp16 operands;
-// cudaErrorInvalidValue for another head dim.
-cudaError_t run_dkdv(const Params& p, int batch, int head_dim, bool bf16, cudaStream_t stream);
+// dv_in_place (bf16, Sq <= kDvInPlaceMaxQueries, p.dv_channel_scale set): DvAcc::kInPlace.
+// cudaErrorInvalidValue for another head dim or an in-place call the build does not cover.
+cudaError_t run_dkdv(const Params& p, int batch, int head_dim, bool bf16, bool dv_in_place, cudaStream_t stream);
 cudaError_t run_dq(const DqParams& p, int batch, int head_dim, bool bf16, cudaStream_t stream);
 
 }  // namespace sagebwd_sm90

@@ -19,10 +19,12 @@ void expect(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t
 }
 
 // dk, dv (B, H, Skv, D) float32 outputs; images (uint8): k, v (B, H, Skv / 64 tiles of 64 x D 16-bit),
-// q, dO (B, H, Sq / 64 tiles), qt, dot (B, H, Sq / 64 INT8 tiles of D x 64); vec (B, H, Sq / 64, kVecFloats).
+// q, dO (B, H, Sq / 64 tiles), qt, dot (B, H, Sq / 64 INT8 tiles of D x 64); vec (B, H, Sq / 64, kVecFloats);
+// dv_channel_scale: empty (dV scaled per query block by vec's factor), or (B, H, D) float32, P~'s 1/127
+// times each channel's dO' scale, dot's codes per channel: dV in place (bf16, Sq <= kDvInPlaceMaxQueries).
 void dkdv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& q, const at::Tensor& dO, const at::Tensor& qt,
-          const at::Tensor& dot, const at::Tensor& vec, const at::Tensor& dk, const at::Tensor& dv, bool bf16, double qk_scale,
-          double sm_scale) {
+          const at::Tensor& dot, const at::Tensor& vec, const at::Tensor& dv_channel_scale, const at::Tensor& dk,
+          const at::Tensor& dv, bool bf16, double qk_scale, double sm_scale) {
   TORCH_CHECK(dk.is_cuda() && dk.dim() == 4, "dk: a (B, H, Skv, D) CUDA tensor");
   const int64_t batch = dk.size(0), heads = dk.size(1), skv = dk.size(2), d = dk.size(3);
   TORCH_CHECK(d == 64 || d == 128, "head dim 64 or 128, got ", d);
@@ -41,12 +43,19 @@ void dkdv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& q, const a
   expect(dO, "dO image", u8, q.numel(), dev);
   expect(qt, "q^T image", u8, batch * heads * sq * d, dev);
   expect(dot, "dO'^T image", u8, qt.numel(), dev);
+  const bool in_place = dv_channel_scale.numel() > 0;
+  if (in_place) {
+    expect(dv_channel_scale, "dv_channel_scale", at::kFloat, batch * heads * d, dev);
+    TORCH_CHECK(bf16 && sq <= kDvInPlaceMaxQueries, "dV in place: bf16 operands and Sq <= ", kDvInPlaceMaxQueries,
+                ", got ", bf16 ? "bf16" : "fp16", " and ", sq);
+  }
   Params p{k.data_ptr<uint8_t>(), v.data_ptr<uint8_t>(), q.data_ptr<uint8_t>(), dO.data_ptr<uint8_t>(),
            qt.data_ptr<uint8_t>(), dot.data_ptr<uint8_t>(), vec.data_ptr<float>(), dk.data_ptr<float>(),
-           dv.data_ptr<float>(), nullptr, static_cast<int>(heads), static_cast<int>(sq), static_cast<int>(skv),
+           dv.data_ptr<float>(), in_place ? dv_channel_scale.data_ptr<float>() : nullptr, static_cast<int>(heads),
+           static_cast<int>(sq), static_cast<int>(skv),
            static_cast<float>(qk_scale), static_cast<float>(sm_scale)};
   const sage_common::LaunchContext ctx(dk);
-  const cudaError_t err = run_dkdv(p, static_cast<int>(batch), static_cast<int>(d), bf16, ctx.stream());
+  const cudaError_t err = run_dkdv(p, static_cast<int>(batch), static_cast<int>(d), bf16, in_place, ctx.stream());
   TORCH_CHECK(err == cudaSuccess, "SageBwd sm90 dK/dV launch: ", cudaGetErrorString(err));
 }
 
@@ -89,4 +98,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dq", &dq, "SageBwd dQ (sm_90a) from the image pre-pass's operands");
   m.attr("vec_floats") = kVecFloats;
   m.attr("k_scale_floats") = kKScaleFloats;
+  m.attr("dv_in_place_max_queries") = kDvInPlaceMaxQueries;
 }

@@ -21,9 +21,11 @@ struct ShippedPolicy {
   // The next key block's S / dP run under a step's dQ scale-add (9.6 against 11.0 ms at hd128);
   // built and checked on the GPU for bf16 only, so fp16 keeps the serial schedule.
   static constexpr Schedule kDq = std::is_same_v<Elem, cute::bfloat16_t> ? Schedule::kOverlap : Schedule::kSerial;
-  // dV scaled per query block, the reference's numerics (in place would quantize dO' per channel:
-  // as accurate without causality, and 1.3x faster at hd128, but not the reference's operands).
-  static constexpr DvAcc kDvAcc = DvAcc::kScaledPerStep;
+  // dV in place (dO' quantized per channel over all queries, dV's int32 sums kept in the wgmma
+  // accumulator: 11.8 against 15.2 ms at hd128, 17.5 against 19.7 at hd64) where the caller allows
+  // it: not causal (per-channel scales starve causal attention's later rows), Sq <=
+  // kDvInPlaceMaxQueries; built and checked on the GPU for bf16, so fp16 scales dV per query block.
+  static constexpr bool kDvInPlace = std::is_same_v<Elem, cute::bfloat16_t>;
 };
 
 template <int D, class Elem, Schedule kSchedule, DvAcc kDvAcc>
@@ -40,11 +42,15 @@ cudaError_t launch_dq(const DqParams& p, int batch, cudaStream_t stream) {
                                        p, stream);
 }
 
-// The shipped policy's two kernels at one head dim and dtype.
+// The shipped policy's two kernels at one head dim and dtype; dv_in_place where the policy builds it.
 template <int D, class Elem>
-cudaError_t launch_shipped_dkdv(const Params& p, int batch, cudaStream_t stream) {
+cudaError_t launch_shipped_dkdv(const Params& p, int batch, bool dv_in_place, cudaStream_t stream) {
   using P = ShippedPolicy<D, Elem>;
-  return launch_dkdv<D, Elem, P::kDkdv, P::kDvAcc>(p, batch, stream);
+  if constexpr (P::kDvInPlace) {
+    if (dv_in_place) return launch_dkdv<D, Elem, P::kDkdv, DvAcc::kInPlace>(p, batch, stream);
+  }
+  if (dv_in_place) return cudaErrorInvalidValue;
+  return launch_dkdv<D, Elem, P::kDkdv, DvAcc::kScaledPerStep>(p, batch, stream);
 }
 
 template <int D, class Elem>
@@ -53,8 +59,8 @@ cudaError_t launch_shipped_dq(const DqParams& p, int batch, cudaStream_t stream)
 }
 
 #define SAGEBWD_SM90_SHIPPED(PREFIX, D)                                                                         \
-  PREFIX template cudaError_t launch_shipped_dkdv<D, cute::bfloat16_t>(const Params&, int, cudaStream_t);      \
-  PREFIX template cudaError_t launch_shipped_dkdv<D, cute::half_t>(const Params&, int, cudaStream_t);          \
+  PREFIX template cudaError_t launch_shipped_dkdv<D, cute::bfloat16_t>(const Params&, int, bool, cudaStream_t); \
+  PREFIX template cudaError_t launch_shipped_dkdv<D, cute::half_t>(const Params&, int, bool, cudaStream_t);     \
   PREFIX template cudaError_t launch_shipped_dq<D, cute::bfloat16_t>(const DqParams&, int, cudaStream_t);      \
   PREFIX template cudaError_t launch_shipped_dq<D, cute::half_t>(const DqParams&, int, cudaStream_t)
 SAGEBWD_SM90_SHIPPED(extern, 64);
