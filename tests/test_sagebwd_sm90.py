@@ -311,7 +311,8 @@ def test_backward_hands_the_kernels_their_operands(device, dtype, monkeypatch):
 ])
 def test_sm90_backward_matches_the_reference(shape, dtype, kind, monkeypatch):
     """The kernels' gradients on the Triton forward's state against the reference backward on the same
-    state (the same quantized operands: only summation orders and exp2 differ) and the Triton kernels'."""
+    state (the same quantized operands: only summation orders and exp2 differ; dV with bf16 operands
+    against the in-place reference, dO' per channel) and against the Triton kernels'."""
     b, h, s, d = shape
     q, k, v, do = check_inputs(kind, b, h, s, d, dtype, seed=s + d)
     st = sagebwd_triton._forward_impl(q, k, v, None, False, None, PVPrecision.FP16, ScorePrecision.FP16)
