@@ -99,7 +99,7 @@ def test_a_failed_build_is_a_reason_not_a_crash(monkeypatch):
     monkeypatch.setattr(sagebwd_sm90, "is_available", lambda: (True, "ok"))
     monkeypatch.setattr(sagebwd_sm90, "_extension", boom)
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    assert sagebwd_sm90._check_device(0) == "build failed: RuntimeError: nvcc not found"
+    assert sagebwd_sm90._device_reason(0) == "build failed: RuntimeError: nvcc not found"
 
 
 def test_sm90_is_a_choice_of_the_variable(monkeypatch):

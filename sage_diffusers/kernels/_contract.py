@@ -1,6 +1,7 @@
 """Argument checks shared by every kernel's backend function (the contract in ``sage_diffusers.backends``)."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -196,3 +197,21 @@ def apply_nonfinite_first_keys(out: torch.Tensor, first: torch.Tensor, is_causal
     pos, neg, nan = seen.unbind(2)
     val = torch.where(nan | (pos & neg), float("nan"), torch.where(pos, float("inf"), float("-inf")))
     return torch.where(pos | neg | nan, val.to(out.dtype), out)
+
+
+def on_input_device(fn):
+    """``fn(x, ...)`` with x's CUDA device current (a no-op for CPU tensors: the interpreter).
+
+    A Triton launch runs on the current device, with that device's current stream, not on the device
+    of the tensors it is handed: inputs on cuda:1 while cuda:0 is current (a pipeline spread over
+    GPUs, ``device_map``, a ComfyUI model on a second GPU) were refused ("Pointer argument cannot be
+    accessed from Triton") or launched on the wrong GPU, on a stream that does not follow the work
+    queued for them. Every function of the SageBwd kernel modules that launches a kernel is wrapped in it.
+    """
+
+    @functools.wraps(fn)
+    def on_device(x, *args, **kwargs):
+        with torch.cuda.device_of(x):
+            return fn(x, *args, **kwargs)
+
+    return on_device

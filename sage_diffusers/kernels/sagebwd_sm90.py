@@ -48,10 +48,17 @@ from ..reference.quant import _div, _int8_from_scale, finite_abs
 from ..reference.sagebwd import (BLOCK_KV, BLOCK_Q, P_SCALE, DoVPrecision, SageBwdState, quantize_p,
                                  scores16_log2)
 from . import _jit, int8_sm90
-from .sagebwd_triton import BackwardRows, _on_input_device, tl, triton
+from ._contract import on_input_device
 
-if triton is not None:
-    from .sagebwd_triton import _rint
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # optional on CPU-only installs; is_available() says so
+    triton = tl = None
+
+# ``rows`` below: the backward's row pre-pass (sagebwd_triton.backward_rows, a BackwardRows): float32
+# (B, H, Sq) mb (row max), inv_l (DS_PRESCALE / l), delta; int8 dos8t (B, H, D, Sq), the per-block dO'
+# codes transposed; float32 (B, H, Sq / 64) sdos, their scales. (sagebwd_triton imports this module.)
 
 __all__ = ["is_available", "build", "unsupported", "dv_in_place", "backward", "HEAD_DIMS"]
 
@@ -136,7 +143,7 @@ def unsupported(state: SageBwdState, key_mask: Optional[torch.Tensor], is_causal
         return "tensors not on a CUDA device"
     index = state.q8.device.index
     if index not in _DEVICE_CHECK:
-        _DEVICE_CHECK[index] = _check_device(index)
+        _DEVICE_CHECK[index] = _device_reason(index)
     return _DEVICE_CHECK[index]
 
 
@@ -147,7 +154,7 @@ def unsupported(state: SageBwdState, key_mask: Optional[torch.Tensor], is_causal
 _DEVICE_CHECK: dict[int, Optional[str]] = {}
 
 
-def _check_device(index: int) -> Optional[str]:
+def _device_reason(index: int) -> Optional[str]:
     with torch.cuda.device(index):
         ok, why = is_available()
         if not ok:
@@ -199,7 +206,7 @@ def image8t_reference(codes: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def query_vectors_reference(s_q: torch.Tensor, rows: BackwardRows) -> torch.Tensor:
+def query_vectors_reference(s_q: torch.Tensor, rows) -> torch.Tensor:
     """The dK/dV kernel's (B, H, Sq / 64, VEC_FLOATS) float32 vectors from the row pre-pass and Q's
     block scales ``s_q`` (B, H, Sq / 64); the padding is 0."""
     b, h, sq_len = rows.mb.shape
@@ -239,6 +246,11 @@ def dv_in_place_reference(state: SageBwdState, do: torch.Tensor, sm_scale: float
 
 # ---- the image pre-pass: Triton kernels -------------------------------------------------------------
 if triton is not None:
+
+    @triton.jit
+    def _rint(x):
+        """Round half to even (torch.round) for |x| < 2**22: adding 1.5 * 2**23 drops the fraction."""
+        return (x + 12582912.0) - 12582912.0
 
     @triton.jit
     def _image16_tile(x_ptr, sxb, sxh, sxs, sxd, out_ptr, b, h, bh, t, NT, D: tl.constexpr):
@@ -344,7 +356,7 @@ def _strides(x: torch.Tensor) -> tuple[int, int, int, int]:
     return tuple(x.stride())  # type: ignore[return-value]
 
 
-@_on_input_device
+@on_input_device
 def images16(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`image16_reference` of x and of y (B, H, S, D each, one 16-bit dtype, any strides) in one launch."""
     b, h, s, d = x.shape
@@ -356,7 +368,7 @@ def images16(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return xo, yo
 
 
-@_on_input_device
+@on_input_device
 def images8t(x: torch.Tensor, y: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None
              ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """:func:`image8t_reference` of int8 x (and y) (B, H, S, D each, any strides) in one launch; with
@@ -374,8 +386,8 @@ def images8t(x: torch.Tensor, y: Optional[torch.Tensor] = None, scale: Optional[
     return xo, yo, ks
 
 
-@_on_input_device
-def channel_codes(do: torch.Tensor, rows: BackwardRows) -> tuple[torch.Tensor, torch.Tensor]:
+@on_input_device
+def channel_codes(do: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor]:
     """dO' per channel as :func:`channel_codes_reference` quantizes it (inv_l from ``rows``), its codes
     written as transposed tile images: (int8 (B, H, Sq / 64, D * 64), float32 scales (B, H, D))."""
     b, h, sq_len, d = do.shape
@@ -388,8 +400,8 @@ def channel_codes(do: torch.Tensor, rows: BackwardRows) -> tuple[torch.Tensor, t
     return img, scale
 
 
-@_on_input_device
-def query_vectors(s_q: torch.Tensor, rows: BackwardRows) -> torch.Tensor:
+@on_input_device
+def query_vectors(s_q: torch.Tensor, rows) -> torch.Tensor:
     """:func:`query_vectors_reference` in one launch."""
     b, h, sq_len = rows.mb.shape
     vec = torch.empty((b, h, sq_len // TILE, VEC_FLOATS), dtype=torch.float32, device=rows.mb.device)
@@ -399,8 +411,8 @@ def query_vectors(s_q: torch.Tensor, rows: BackwardRows) -> torch.Tensor:
     return vec
 
 
-@_on_input_device
-def backward(do: torch.Tensor, state: SageBwdState, rows: BackwardRows, sm_scale: float
+@on_input_device
+def backward(do: torch.Tensor, state: SageBwdState, rows, sm_scale: float
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float32 dq (B, H, Sq, D), dk, dv (B, H, Skv, D) of a call :func:`unsupported` accepts, from dO
     (B, H, Sq, D), the forward's ``state`` and the row pre-pass ``rows`` (its delta with the LSE

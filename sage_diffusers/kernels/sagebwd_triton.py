@@ -46,7 +46,6 @@ of ``mode="int8"``: :func:`attention_int8_triton` follows the kernels' backend c
 from __future__ import annotations
 
 import enum
-import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -58,6 +57,7 @@ from ..reference import sagebwd as ref
 from ..reference.online_softmax import LOG2E
 from ..reference.sagebwd import BLOCK_KV, BLOCK_Q, DoVPrecision, PVPrecision, SageBwdState, ScorePrecision
 from ._contract import MAX_GRID_YZ, MAX_INT32_ELEMENTS, call_chunks, run_in_chunks, span
+from ._contract import on_input_device as _on_input_device
 
 # The backward kernels tile dS by whole quantization tiles: one block size for queries and keys.
 assert BLOCK_Q == BLOCK_KV
@@ -959,24 +959,6 @@ if triton is not None:
                       dense_lo, dense_hi, D, BLOCK_M, SUB, HAS_MASK, IS_CAUSAL, True, DOV_INT8, DOT16_AS_F32, ACC_XU, QK16,
                       HAS_MASK)
         tl.store(dq_ptr + q_off, dq, mask=inq[:, None])
-
-
-def _on_input_device(fn):
-    """``fn(x, ...)`` with x's CUDA device current (a no-op for CPU tensors: the interpreter).
-
-    A Triton launch runs on the current device, with that device's current stream, not on the device
-    of the tensors it is handed: inputs on cuda:1 while cuda:0 is current (a pipeline spread over
-    GPUs, ``device_map``, a ComfyUI model on a second GPU) were refused ("Pointer argument cannot be
-    accessed from Triton") or launched on the wrong GPU, on a stream that does not follow the work
-    queued for them. Every function below that launches a kernel is wrapped in it.
-    """
-
-    @functools.wraps(fn)
-    def on_device(x, *args, **kwargs):
-        with torch.cuda.device_of(x):
-            return fn(x, *args, **kwargs)
-
-    return on_device
 
 
 # The token stride of the transposed int8 copies, rounded up: a row of an odd length would start
