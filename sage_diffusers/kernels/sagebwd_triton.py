@@ -128,10 +128,10 @@ class BwdKernels(str, enum.Enum):
     SPLIT = "split"  # dK/dV kernel + dQ kernel, whole-D int32 products, dV first (deterministic)
     LEAN = "lean"  # the same two kernels, the dK/dV kernel's register-lean order (deterministic, same bits)
     FUSED = "fused"  # LEAN's dK/dV kernel also adds dQ by FP32 atomics: no dQ kernel, no second S / dS (order varies)
-    # Hopper's warp-specialized CUDA kernels (kernels/sagebwd_sm90.py: the reference's operands,
-    # deterministic) where they apply, the head dim's default elsewhere. Opt-in until the whole
-    # backward, image pre-pass included, is timed against the Triton kernels: the kernels alone
-    # took 0.73x / 0.87x of the Triton backward's time at 16K tokens, hd128 / hd64 (H100).
+    # Hopper's warp-specialized CUDA kernels (kernels/sagebwd_sm90.py: the reference's operands but
+    # dV's dO' per channel with bf16; deterministic) where they apply, the head dim's default
+    # elsewhere. Opt-in: 1.39x / 1.07x the Triton backward at 16K tokens (hd128 / hd64), but slower at
+    # 4K, where its image pre-pass outweighs the gain (eval/results/sagebwd_sm90_h100.md, H100).
     SM90 = "sm90"
 
 
