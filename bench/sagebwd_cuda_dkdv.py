@@ -38,12 +38,11 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.bench_utils import git_head, make_inputs  # noqa: E402
 from eval import _cli  # noqa: E402
-from sage_diffusers.kernels.sagebwd_sm90 import dv_in_place_reference  # noqa: E402
+from sage_diffusers.kernels.sagebwd_sm90 import channel_codes_reference, dv_in_place_reference  # noqa: E402
 from sage_diffusers.reference import cosine, relative_l1  # noqa: E402
 from sage_diffusers.reference import sagebwd as ref  # noqa: E402
 from sage_diffusers.reference.online_softmax import LOG2E  # noqa: E402
-from sage_diffusers.reference.formats import INT8_MAX  # noqa: E402
-from sage_diffusers.reference.quant import _div, _int8_from_scale, finite_abs, quantize_int8_per_block  # noqa: E402
+from sage_diffusers.reference.quant import quantize_int8_per_block  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB = ROOT / "bench" / "sm90_sagebwd"
@@ -92,8 +91,7 @@ def operands(ext, q, k, v, do, st: ref.SageBwdState, sm_scale: float, dv_channel
     dos8, sdos = quantize_int8_per_block(dos, BLOCK_M)
     dv_scale = torch.empty(0, device=q.device)
     if dv_channel:
-        sch = _div(finite_abs(dos).amax(2), INT8_MAX)  # (B, H, D)
-        dos8 = _int8_from_scale(dos, sch[:, :, None, :])
+        dos8, sch = channel_codes_reference(do, inv_l)  # (B, H, Sq, D), (B, H, D)
         dv_scale = (sch * ref.P_SCALE).contiguous()
     delta = (do.float() * st.out.float()).sum(-1)  # (B, H, Sq)
     cdt = st.vc.dtype

@@ -170,10 +170,8 @@ def _device_reason(index: int) -> Optional[str]:
 def image16_offsets(d: int, device=None) -> torch.Tensor:
     """Element offset of (row, channel) in a 64 x d 16-bit K-major SW128 tile image, shape (64, d)
     (``sw128_elem16_offset<64, d>``: 64-channel blocks one after another, 16-byte chunks of a
-    128-byte row XORed with the row's index mod 8)."""
-    r = torch.arange(TILE, device=device).view(-1, 1)
-    c = torch.arange(d, device=device).view(1, -1)
-    return (c >> 6) * (TILE * 64) + r * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3) + (c & 7)
+    128-byte row XORed with the row's index mod 8): the 8-bit forward's 16-bit V image pattern."""
+    return int8_sm90._v16_offsets(TILE, d, device)
 
 
 def token_position(device=None) -> torch.Tensor:
