@@ -88,6 +88,7 @@ def test_which_calls_the_kernels_take():
     assert why(_state(1, 1, 1, 128, 128, 32)).startswith("head dim 32")
     assert "multiples of 128" in why(_state(1, 1, 1, 4429 % 512, 128, 64))
     assert "multiples of 128" in why(_state(1, 1, 1, 128, 192, 128))
+    assert "multiples of 128" in why(_state(1, 1, 1, 0, 128, 64))  # an empty sequence: the Triton path's zeros
 
 
 def test_a_failed_build_is_a_reason_not_a_crash(monkeypatch):
