@@ -276,7 +276,7 @@ def mask_cost(out: Path, methods: list, shapes: list, rounds: int, target_ms: fl
                 mask[:, :TEXT_FIRST[1]] = True
                 mask[:, TEXT_FIRST[0]:] = True
             else:
-                mask[:, :int(round(keep * s))] = True
+                mask[:, :int(round(keep * s / 128)) * 128] = True  # whole 128-key tiles: the sm90 kernels' unit
             kept = int(mask[0].sum())
             steps = {}
             for m in methods:

@@ -5,7 +5,8 @@
 # sm90_compare.{md,json} + build_sm90.log, host_cost.{md,json}.
 #   STEPS="tests mask train"  the steps to run (default these three); also:
 #     sm90      build csrc/sm90_sagebwd (carry .whl: the CuTe headers), its GPU tests, then backward and
-#               forward + backward of the default, the sm90 choice and cuDNN side by side (16K and 4K)
+#               forward + backward of the default, the sm90 choice and cuDNN side by side (16K and 4K;
+#               SM90_ARGS="--causal": the 16K shapes causal too)
 #     hostcost  bench/sagebwd_host_cost.py (host against device time per call, cProfile)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -22,13 +23,13 @@ for step in ${STEPS:-tests mask train}; do
       echo "tests rc=$? after $(( $(date +%s) - S )) s" ;;
     mask)
       SAGE_DIFFUSERS_TRITON_AUTOTUNE=3 timeout -k 5 "$(( $(left) - 20 ))" python3 -m eval.bench_sagebwd --mask-cost \
-        --methods "${MASK_METHODS:-sagebwd}" --out "$OUT/mask_cost" > "$OUT/mask_cost.log" 2>&1
+        --methods "${MASK_METHODS:-sagebwd}" ${MASK_ARGS:-} --out "$OUT/mask_cost" > "$OUT/mask_cost.log" 2>        --methods "${MASK_METHODS:-sagebwd}" --out "$OUT/mask_cost" > "$OUT/mask_cost.log" 2>&11
       echo "mask-cost rc=$? after $(( $(date +%s) - S )) s"; grep -E "^\| 1x" "$OUT/mask_cost.md" ;;
     sm90)
       timeout -k 5 "$(( $(left) - 20 ))" bash bench/device/session.sh pytest tests/test_sagebwd_sm90.py -p no:cacheprovider
       echo "sm90 tests rc=$? after $(( $(date +%s) - S )) s"
       SAGE_DIFFUSERS_TRITON_AUTOTUNE=3 timeout -k 5 "$(( $(left) - 20 ))" python3 -m eval.bench_sagebwd --compare \
-        --passes bwd,fwd+bwd --methods sagebwd,sagebwd_sm90,sdpa_cudnn --rounds 3 \
+        --passes bwd,fwd+bwd --methods sagebwd,sagebwd_sm90,sdpa_cudnn --rounds 3 ${SM90_ARGS:-} \
         --shapes "${SM90_SHAPES:-1x24x16384x128,1x48x16384x64,1x24x4096x128}" --out "$OUT/sm90_compare" \
         > "$OUT/sm90_compare.log" 2>&1
       echo "sm90 compare rc=$? after $(( $(date +%s) - S )) s"; grep -E "^\| " "$OUT/sm90_compare.md" | head -40 ;;

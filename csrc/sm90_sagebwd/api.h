@@ -16,9 +16,27 @@ constexpr int kThreads = 128 * (1 + kConsumerWGs);
 constexpr int kVecFloats = 256;    // per query block: m[64], kDsPrescale / l [64], delta[64], dv factor, s_Q, pad
 constexpr int kVecM = 0, kVecInvL = 64, kVecDelta = 128, kVecDvFactor = 192, kVecSQ = 193;
 constexpr int kVecBytes = kVecFloats * 4;
-constexpr int kKScaleFloats = 4;   // per key block of the dQ kernel: K's scale, then padding to 16 bytes
+// Per key block of the dQ kernel, 16 bytes (one bulk copy): K's scale (float), the block's index (int32)
+// and its visibility word (uint64, all ones without a mask; Visibility), so that a consumer reads what
+// its step needs from shared memory.
+constexpr int kKScaleFloats = 4;
+constexpr int kKScaleValue = 0, kKScaleBlock = 1, kKScaleWord = 2;
 // dV in place sums |P^| |dO'^| <= 127 * 127 per query in int32: exact up to 2^31 / 127^2 = 133,152 queries.
 constexpr int kDvInPlaceMaxQueries = 131072;
+
+// Which scores are visible, shared by both kernels. Key visibility comes per batch as one 64-bit word
+// per 64-key block (bit k: key 64 j + k visible); causality is top-left aligned, as torch SDPA's
+// is_causal (query i sees keys j <= i). A masked score's P~ is 0: its exp2 argument is capped at -inf,
+// so masked K / V values (zeroed by the forward) never reach a result.
+struct Visibility {
+  // dK/dV kernel: (B, Skv / 64) words, or nullptr: every key visible. (The dQ kernel reads a block's
+  // word from its K scale entry, kKScaleWord.)
+  const uint64_t* key_bits;
+  // dQ kernel: per batch the key blocks with a visible key in ascending order, then Skv / 64 as
+  // padding (B, Skv / 64), or nullptr: every block. Fully masked blocks are never loaded.
+  const int32_t* key_blocks;
+  int causal;
+};
 
 // The dK/dV kernel's arguments.
 struct Params {
@@ -31,18 +49,20 @@ struct Params {
   int heads, sq, skv;
   float qk_scale;  // softmax scale * log2(e)
   float sm_scale;
+  Visibility vis;  // key_blocks unused: a CTA whose 128 keys are all masked writes zeros and ends
 };
 
 // The dQ kernel's arguments.
 struct DqParams {
   // images, per (b, h): Q, dO [Sq / 64] 16-bit tiles; K, V [Skv / 64] 16-bit tiles; K^T [Skv / 64]
-  // INT8 tiles; scale [Skv / 64][kKScaleFloats] (K's block scale, then padding)
+  // INT8 tiles; scale [Skv / 64][kKScaleFloats] (K's block scale, the block's index and word)
   const uint8_t *q, *dO, *k, *v, *kt;
   const float* k_scale;
   const float *m, *inv_l, *delta;  // (B, H, Sq): row max, kDsPrescale / l, delta
   float* dq;                       // (B, H, Sq, D) float32
   int heads, sq, skv;
   float qk_scale, sm_scale;
+  Visibility vis;
 };
 
 // The shipped kernels (launch.cuh ShippedPolicy) for head dim 64 or 128, bf16 or fp16 operands;

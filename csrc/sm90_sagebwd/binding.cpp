@@ -18,13 +18,25 @@ void expect(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t
   TORCH_CHECK(t.numel() == numel, name, ": expected ", numel, " elements, got ", t.numel());
 }
 
+// api.h Visibility without the dQ kernel's block list, from key_bits: empty (every key visible) or
+// (B, Skv / 64) int64 words, bit k of word j for key 64 j + k.
+Visibility visibility(const at::Tensor& key_bits, bool causal, int64_t batch, int64_t skv, const at::Device& device) {
+  Visibility vis{nullptr, nullptr, causal ? 1 : 0};
+  if (key_bits.numel() > 0) {
+    expect(key_bits, "key_bits", at::kLong, batch * (skv / kKeysPerWG), device);
+    vis.key_bits = reinterpret_cast<const uint64_t*>(key_bits.data_ptr<int64_t>());
+  }
+  return vis;
+}
+
 // dk, dv (B, H, Skv, D) float32 outputs; images (uint8): k, v (B, H, Skv / 64 tiles of 64 x D 16-bit),
 // q, dO (B, H, Sq / 64 tiles), qt, dot (B, H, Sq / 64 INT8 tiles of D x 64); vec (B, H, Sq / 64, kVecFloats);
 // dv_channel_scale: empty (dV scaled per query block by vec's factor), or (B, H, D) float32, P~'s 1/127
-// times each channel's dO' scale, dot's codes per channel: dV in place (bf16, Sq <= kDvInPlaceMaxQueries).
+// times each channel's dO' scale, dot's codes per channel: dV in place (bf16, Sq <= kDvInPlaceMaxQueries);
+// key_bits, causal: visibility() (a key mask's words, or empty).
 void dkdv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& q, const at::Tensor& dO, const at::Tensor& qt,
-          const at::Tensor& dot, const at::Tensor& vec, const at::Tensor& dv_channel_scale, const at::Tensor& dk,
-          const at::Tensor& dv, bool bf16, double qk_scale, double sm_scale) {
+          const at::Tensor& dot, const at::Tensor& vec, const at::Tensor& dv_channel_scale, const at::Tensor& key_bits,
+          bool causal, const at::Tensor& dk, const at::Tensor& dv, bool bf16, double qk_scale, double sm_scale) {
   TORCH_CHECK(dk.is_cuda() && dk.dim() == 4, "dk: a (B, H, Skv, D) CUDA tensor");
   const int64_t batch = dk.size(0), heads = dk.size(1), skv = dk.size(2), d = dk.size(3);
   TORCH_CHECK(d == 64 || d == 128, "head dim 64 or 128, got ", d);
@@ -53,7 +65,8 @@ void dkdv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& q, const a
            qt.data_ptr<uint8_t>(), dot.data_ptr<uint8_t>(), vec.data_ptr<float>(), dk.data_ptr<float>(),
            dv.data_ptr<float>(), in_place ? dv_channel_scale.data_ptr<float>() : nullptr, static_cast<int>(heads),
            static_cast<int>(sq), static_cast<int>(skv),
-           static_cast<float>(qk_scale), static_cast<float>(sm_scale)};
+           static_cast<float>(qk_scale), static_cast<float>(sm_scale),
+           visibility(key_bits, causal, batch, skv, dev)};
   const sage_common::LaunchContext ctx(dk);
   const cudaError_t err = run_dkdv(p, static_cast<int>(batch), static_cast<int>(d), bf16, in_place, ctx.stream());
   TORCH_CHECK(err == cudaSuccess, "SageBwd sm90 dK/dV launch: ", cudaGetErrorString(err));
@@ -61,10 +74,13 @@ void dkdv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& q, const a
 
 // dq (B, H, Sq, D) float32 output; images (uint8): q, dO (B, H, Sq / 64 tiles of 64 x D 16-bit), k, v
 // (B, H, Skv / 64 tiles), kt (B, H, Skv / 64 INT8 tiles of D x 64); k_scale (B, H, Skv / 64, kKScaleFloats);
-// m, inv_l, delta (B, H, Sq) float32.
+// m, inv_l, delta (B, H, Sq) float32; key_blocks: empty (every key block) or (B, Skv / 64) int32, the blocks
+// with a visible key ascending, then Skv / 64; causal: top-left. k_scale's entries carry each block's
+// index and visibility word (api.h kKScale*).
 void dq(const at::Tensor& q, const at::Tensor& dO, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kt,
-        const at::Tensor& k_scale, const at::Tensor& m, const at::Tensor& inv_l, const at::Tensor& delta, const at::Tensor& dq,
-        bool bf16, double qk_scale, double sm_scale) {
+        const at::Tensor& k_scale, const at::Tensor& m, const at::Tensor& inv_l, const at::Tensor& delta,
+        const at::Tensor& key_blocks, bool causal, const at::Tensor& dq, bool bf16,
+        double qk_scale, double sm_scale) {
   TORCH_CHECK(dq.is_cuda() && dq.dim() == 4, "dq: a (B, H, Sq, D) CUDA tensor");
   const int64_t batch = dq.size(0), heads = dq.size(1), sq = dq.size(2), d = dq.size(3);
   TORCH_CHECK(d == 64 || d == 128, "head dim 64 or 128, got ", d);
@@ -85,7 +101,12 @@ void dq(const at::Tensor& q, const at::Tensor& dO, const at::Tensor& k, const at
   DqParams p{q.data_ptr<uint8_t>(), dO.data_ptr<uint8_t>(), k.data_ptr<uint8_t>(), v.data_ptr<uint8_t>(),
              kt.data_ptr<uint8_t>(), k_scale.data_ptr<float>(), m.data_ptr<float>(), inv_l.data_ptr<float>(),
              delta.data_ptr<float>(), dq.data_ptr<float>(), static_cast<int>(heads), static_cast<int>(sq),
-             static_cast<int>(skv), static_cast<float>(qk_scale), static_cast<float>(sm_scale)};
+             static_cast<int>(skv), static_cast<float>(qk_scale), static_cast<float>(sm_scale),
+             Visibility{nullptr, nullptr, causal ? 1 : 0}};
+  if (key_blocks.numel() > 0) {
+    expect(key_blocks, "key_blocks", at::kInt, batch * (skv / kKeysPerWG), dev);
+    p.vis.key_blocks = key_blocks.data_ptr<int32_t>();
+  }
   const sage_common::LaunchContext ctx(dq);
   const cudaError_t err = run_dq(p, static_cast<int>(batch), static_cast<int>(d), bf16, ctx.stream());
   TORCH_CHECK(err == cudaSuccess, "SageBwd sm90 dQ launch: ", cudaGetErrorString(err));

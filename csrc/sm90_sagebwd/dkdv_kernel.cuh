@@ -20,8 +20,11 @@
 // DvAcc::kInPlace (other numerics, non-causal only: eval/results/sagebwd_error_budget_cpu.md "dO' of dV
 // per channel"): dO' is quantized per channel over all queries, so dV sums P^^T dO'^ in int32 in its
 // own accumulator across the whole loop and takes its scales (P~'s 1/127 times the channel's) once.
-// Not handled (the caller runs the Triton kernels for them): masks, causality, GQA, partial blocks
-// (Sq % 64, Skv % 128 must be 0); non-finite Q and V are zeroed before the forward.
+// Masks (api.h Visibility): a masked key's P~ and dS are 0 (its row's exp2 cap is -inf); a CTA whose
+// 128 keys are all masked writes zeros. Causal: the loop starts at the CTA's first key, and the two
+// query blocks there compare key and query per score.
+// Not handled (the caller runs the Triton kernels for them): GQA, partial blocks (Sq % 64, Skv % 128
+// must be 0); non-finite Q and V are zeroed before the forward.
 #pragma once
 
 #include <cstdint>
@@ -159,6 +162,13 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
   const int nq = p.sq / kBlockM;
   const int wg = threadIdx.x / 128;
   using Split = sage_common::sm90::RegisterSplit<24, 240, kConsumerWGs>;
+  // The query blocks this CTA visits: from the block of its first key when causal (earlier queries see
+  // none of its keys), none when all its keys are masked. Step n is query block i0 + n.
+  const int nk = p.skv / kKeysPerWG;
+  const uint64_t word[kConsumerWGs] = {key_word(p.vis, b, nk, kConsumerWGs * kv_block),
+                                       key_word(p.vis, b, nk, kConsumerWGs * kv_block + 1)};
+  const int i0 = p.vis.causal ? kv_block * (kBlockN / kBlockM) : 0;
+  const int steps = (word[0] | word[1]) != 0 ? max(nq - i0, 0) : 0;
 
   init_barriers(sp.full, sp.empty, C::kStages, sp.kv_full);
 
@@ -171,11 +181,11 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
       bulk_copy_g2s(p.k + kv_off, sp.kv_full, sp.k, C::kSmemK);
       bulk_copy_g2s(p.v + kv_off, sp.kv_full, sp.v, C::kSmemV);
       const int64_t blk0 = static_cast<int64_t>(bh) * nq;
-      for (int i = 0; i < nq; ++i) {
-        const int s = i % C::kStages, n = i / C::kStages;
-        if (n > 0) Barrier::wait(&sp.empty[s], (n - 1) & 1);
+      for (int n = 0; n < steps; ++n) {
+        const int s = n % C::kStages, r = n / C::kStages;
+        if (r > 0) Barrier::wait(&sp.empty[s], (r - 1) & 1);
         Barrier::arrive_and_expect_tx(&sp.full[s], C::kStageTxBytes);
-        const int64_t blk = blk0 + i;
+        const int64_t blk = blk0 + i0 + n;
         bulk_copy_g2s(p.q + blk * C::kTile16Bytes, &sp.full[s], sp.q + s * C::kTile16Bytes, C::kTile16Bytes);
         bulk_copy_g2s(p.dO + blk * C::kTile16Bytes, &sp.full[s], sp.dO + s * C::kTile16Bytes, C::kTile16Bytes);
         bulk_copy_g2s(p.qt + blk * C::kTile8Bytes, &sp.full[s], sp.qt + s * C::kTile8Bytes, C::kTile8Bytes);
@@ -188,6 +198,12 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
   Split::consumer();
   const int cw = wg - 1;  // this warpgroup's 64 keys: cw * 64 ...
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  // This thread's two key rows (value v's is 16 warp + g + 8 ((v >> 1) & 1) of the warpgroup's 64):
+  // the first's index in the sequence, and each row's exp2 cap (masked_cap() for a masked key).
+  const int key0 = kv_block * kBlockN + cw * kKeysPerWG + 16 * warp + g;
+  float cap_row[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) cap_row[hh] = (word[cw] >> (16 * warp + g + 8 * hh)) & 1 ? 0.f : masked_cap();
 
   namespace sm90 = sage_common::sm90;
   const auto dK_ = sm90::gmma_desc_a<typename C::TiledMmaS, typename C::LayoutKV>(
@@ -237,13 +253,23 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
                           float& dk_factor, float& s_big) {
     const float* vec = sp.vec + s * kVecFloats;
     float amax = 0.f;
+    auto scores = [&](auto cap_of) {  // cap_of(v, col): value v's exp2 cap
 #pragma unroll
-    for (int v = 0; v < C::kSRegs; ++v) {
-      const int col = 8 * (v >> 2) + 2 * t + (v & 1);
-      pt[v] = exp2_mufu(fminf(s_acc[v] * p.qk_scale - vec[kVecM + col], 0.f));  // P~
-      const float pr = pt[v] * vec[kVecInvL + col];                          // P * kDsPrescale
-      ds[v] = pr * (dp_acc[v] - vec[kVecDelta + col]);
-      amax = fmaxf(amax, fabsf(ds[v]));
+      for (int v = 0; v < C::kSRegs; ++v) {
+        const int col = 8 * (v >> 2) + 2 * t + (v & 1);
+        pt[v] = exp2_mufu(fminf(s_acc[v] * p.qk_scale - vec[kVecM + col], cap_of(v, col)));  // P~
+        const float pr = pt[v] * vec[kVecInvL + col];                                     // P * kDsPrescale
+        ds[v] = pr * (dp_acc[v] - vec[kVecDelta + col]);
+        amax = fmaxf(amax, fabsf(ds[v]));
+      }
+    };
+    if (p.vis.causal && i < i0 + kBlockN / kBlockM) {  // a query block holding some of the CTA's keys
+      scores([&](int v, int col) {
+        const int hh = (v >> 1) & 1;
+        return key0 + 8 * hh > i * kBlockM + col ? masked_cap() : cap_row[hh];
+      });
+    } else {
+      scores([&](int v, int) { return cap_row[(v >> 1) & 1]; });
     }
     const DsTileScale sc(amax, sp.red + (cw * 2 + (i & 1)) * 4, warp, lane, kFirstNamedBarrier + cw);
     s_big = sc.s_big;
@@ -267,9 +293,9 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
   if constexpr (kSchedule == Schedule::kSerial) {
     uint32_t prod[C::kDRegs];  // int32 bits (CuTe types INT8 products' accumulators as uint32_t)
     uint32_t p_frag[C::kARegs], ds_frag[C::kARegs];
-    for (int i = 0; i < nq; ++i) {
-      const int s = i % C::kStages;
-      Barrier::wait(&sp.full[s], (i / C::kStages) & 1);
+    for (int n = 0; n < steps; ++n) {
+      const int i = i0 + n, s = n % C::kStages;
+      Barrier::wait(&sp.full[s], (n / C::kStages) & 1);
       issue_sdp(s);
       cute::warpgroup_wait<0>();
       fence_regs(s_acc);
@@ -283,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
         fence_regs(p_frag);
         fence_regs(ds_frag);
         cute::warpgroup_arrive();
-        issue_int8(p_frag, /*dv_product=*/true, s, dv_int, /*accumulate=*/i > 0);
+        issue_int8(p_frag, /*dv_product=*/true, s, dv_int, /*accumulate=*/n > 0);
         issue_int8(ds_frag, /*dv_product=*/false, s, prod);
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
@@ -324,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
     float dv_prev, dk_prev, s_big;
     // kInPlace: dV's product goes onto dv_int, prod_v is unused
     uint32_t (&dv_dst)[C::kDRegs] = kInPlace ? dv_int : prod_v;
-    auto issue_products = [&](int step) {  // dV, dK from the packed fragments of the step's stage
+    auto issue_products = [&](int step) {  // dV, dK from the packed fragments of step `step`'s stage
       fence_regs(dv_dst);
       fence_regs(prod_k);
       fence_regs(p_frag);
@@ -343,31 +369,39 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
       if constexpr (!kInPlace) add_scaled(dv, prod_v, dv_prev);
       add_scaled(dk, prod_k, dk_prev);
     };
-    Barrier::wait(&sp.full[0], 0);
-    issue_sdp(0);
-    cute::warpgroup_wait<0>();
-    fence_regs(s_acc);
-    fence_regs(dp_acc);
-    softmax_grad(0, 0, pt, ds, dv_prev, dk_prev, s_big);
-    pack(pt, ds, s_big, p_frag, ds_frag);
-    for (int i = 1; i < nq; ++i) {
-      const int s = i % C::kStages;
-      Barrier::wait(&sp.full[s], (i / C::kStages) & 1);
-      issue_sdp(s);
-      issue_products(i - 1);
-      cute::warpgroup_wait<1>();
+    if (steps > 0) {
+      Barrier::wait(&sp.full[0], 0);
+      issue_sdp(0);
+      cute::warpgroup_wait<0>();
       fence_regs(s_acc);
       fence_regs(dp_acc);
-      float dv_factor, dk_factor;
-      softmax_grad(i, s, pt, ds, dv_factor, dk_factor, s_big);
-      retire_products();
-      release((i - 1) % C::kStages);
-      dv_prev = dv_factor;
-      dk_prev = dk_factor;
+      softmax_grad(i0, 0, pt, ds, dv_prev, dk_prev, s_big);
       pack(pt, ds, s_big, p_frag, ds_frag);
+      for (int n = 1; n < steps; ++n) {
+        const int s = n % C::kStages;
+        Barrier::wait(&sp.full[s], (n / C::kStages) & 1);
+        issue_sdp(s);
+        issue_products(n - 1);
+        cute::warpgroup_wait<1>();
+        fence_regs(s_acc);
+        fence_regs(dp_acc);
+        float dv_factor, dk_factor;
+        softmax_grad(i0 + n, s, pt, ds, dv_factor, dk_factor, s_big);
+        retire_products();
+        release((n - 1) % C::kStages);
+        dv_prev = dv_factor;
+        dk_prev = dk_factor;
+        pack(pt, ds, s_big, p_frag, ds_frag);
+      }
+      issue_products(steps - 1);
+      retire_products();
     }
-    issue_products(nq - 1);
-    retire_products();
+  }
+  if constexpr (kInPlace) {  // no step set dV's accumulator
+    if (steps == 0) {
+#pragma unroll
+      for (int v = 0; v < C::kDRegs; ++v) dv_int[v] = 0u;
+    }
   }
 
   // Epilogue: value v at key row 16 warp + g + 8 ((v >> 1) & 1), channel 8 (v >> 2) + 2 t + (v & 1).

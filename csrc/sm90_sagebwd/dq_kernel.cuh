@@ -8,6 +8,9 @@
 // image pre-pass): Q, dO (16-bit, 64 x D per warpgroup, the A operands of S and dP), per key block K, V (16-bit,
 // 64 x D, the B operands), K^T (INT8, D x 64 keys in the A fragments' key order, dQ's B operand) and
 // K's block scale. A thread's two query rows keep their m, 2^32 / l and delta in registers.
+// Masks and causality (api.h Visibility): the CTA visits the key blocks with a visible key (the
+// caller's ascending list), up to its last query's block when causal; a block with masked keys or
+// with keys after some of the CTA's queries compares per score, the others run the plain step.
 #pragma once
 
 #include "dkdv_kernel.cuh"
@@ -62,6 +65,20 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
   const int nk = p.skv / kKeysPerWG;
   const int wg = threadIdx.x / 128;
   using Split = sage_common::sm90::RegisterSplit<24, 240, kConsumerWGs>;
+  // Step n's key block (the caller's list of visible blocks, or n), and the number of steps: the
+  // visible blocks up to `last`, this CTA's last query's block when causal.
+  const int32_t* blocks = p.vis.key_blocks != nullptr ? p.vis.key_blocks + static_cast<int64_t>(b) * nk : nullptr;
+  auto key_block = [&](int n) { return blocks != nullptr ? __ldg(blocks + n) : n; };
+  const int last = p.vis.causal ? min(nk - 1, (q_block * kBlockN + kBlockN - 1) / kKeysPerWG) : nk - 1;
+  int steps = last + 1;
+  if (blocks != nullptr) {  // the first list entry past `last` (the padding, nk, is past every block)
+    int lo = 0, hi = nk;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (__ldg(blocks + mid) <= last) lo = mid + 1; else hi = mid;
+    }
+    steps = lo;
+  }
 
   init_barriers(full, empty, Q::kStages, q_full);
 
@@ -74,11 +91,11 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
       bulk_copy_g2s(p.q + q_off, q_full, s_q, Q::kSmemQ);
       bulk_copy_g2s(p.dO + q_off, q_full, s_do, Q::kSmemDO);
       const int64_t blk0 = static_cast<int64_t>(bh) * nk;
-      for (int j = 0; j < nk; ++j) {
-        const int s = j % Q::kStages, n = j / Q::kStages;
-        if (n > 0) Barrier::wait(&empty[s], (n - 1) & 1);
+      for (int n = 0; n < steps; ++n) {
+        const int s = n % Q::kStages, r = n / Q::kStages;
+        if (r > 0) Barrier::wait(&empty[s], (r - 1) & 1);
         Barrier::arrive_and_expect_tx(&full[s], Q::kStageTxBytes);
-        const int64_t blk = blk0 + j;
+        const int64_t blk = blk0 + key_block(n);
         bulk_copy_g2s(p.k + blk * C::kTile16Bytes, &full[s], s_k + s * C::kTile16Bytes, C::kTile16Bytes);
         bulk_copy_g2s(p.v + blk * C::kTile16Bytes, &full[s], s_v + s * C::kTile16Bytes, C::kTile16Bytes);
         bulk_copy_g2s(p.kt + blk * C::kTile8Bytes, &full[s], s_kt + s * C::kTile8Bytes, C::kTile8Bytes);
@@ -105,11 +122,11 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
                 "INT8 B descriptors: one per 32-key k-step and stage");
 
   // This thread's query rows: 16 warp + g + 8 h, h = 0, 1 (value v's h is (v >> 1) & 1).
+  const int query0 = q_block * (kConsumerWGs * kBlockM) + cw * kBlockM + 16 * warp + g;
   float m_row[2], invl_row[2], delta_row[2];
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
-    const int64_t row = static_cast<int64_t>(bh) * p.sq + q_block * (kConsumerWGs * kBlockM) + cw * kBlockM +
-                        16 * warp + g + 8 * hh;
+    const int64_t row = static_cast<int64_t>(bh) * p.sq + query0 + 8 * hh;
     m_row[hh] = p.m[row];
     invl_row[hh] = p.inv_l[row];
     delta_row[hh] = p.delta[row];
@@ -122,22 +139,39 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
 
   // S = Q K_j^T and dP = dO V_j^T of stage s, one committed group.
   auto issue_sdp = [&](int s) { issue_pair<typename C::MmaS, D / 16>(dQa, dKb, s_acc, dDOa, dVb, dp_acc, s); };
-  // Step j's dS codes from the retired S, dP into ds_frag, and its dQ scale factor.
-  auto softmax_grad = [&](int j, int s) {
+  // Step n's dS codes from the retired S, dP into ds_frag, and its dQ scale factor.
+  auto softmax_grad = [&](int n, int s) {
     fence_regs(s_acc);
     fence_regs(dp_acc);
-    float amax = 0.f;
 #pragma unroll
     for (int v = 0; v < C::kSRegs; ++v) {
       const int hh = (v >> 1) & 1;
       const float pt = exp2_mufu(fminf(s_acc[v] * p.qk_scale - m_row[hh], 0.f));  // P~
       ds[v] = pt * invl_row[hh] * (dp_acc[v] - delta_row[hh]);                    // dS * kDsPrescale
-      amax = fmaxf(amax, fabsf(ds[v]));
     }
-    const DsTileScale sc(amax, s_red + (cw * 2 + (j & 1)) * 4, warp, lane, kFirstNamedBarrier + cw);
+    // Masked scores: dS = 0 (their P~ may not be: a masked key's scores are those of a zeroed row).
+    // Causal: a key block whose last key comes after the CTA's first query holds masked scores.
+    const float* entry = s_scale + s * kKScaleFloats;  // api.h kKScale*: the block's index and word
+    const int j = __float_as_int(entry[kKScaleBlock]);
+    const uint64_t word = *reinterpret_cast<const uint64_t*>(entry + kKScaleWord);
+    if (word != ~0ull || (p.vis.causal && j * kKeysPerWG + kKeysPerWG - 1 > q_block * kBlockN)) {
+      // key 8 (v >> 2) + 2 t + (v & 1) of the block is visible to query0 + 8 h up to this offset
+      const int last[2] = {p.vis.causal ? query0 - j * kKeysPerWG : kKeysPerWG,
+                           p.vis.causal ? query0 + 8 - j * kKeysPerWG : kKeysPerWG};
+      const uint64_t cols = word >> (2 * t);
+#pragma unroll
+      for (int v = 0; v < C::kSRegs; ++v) {
+        const int c = 8 * (v >> 2) + (v & 1);  // the column less 2 t
+        if (!((cols >> c) & 1) || c + 2 * t > last[(v >> 1) & 1]) ds[v] = 0.f;
+      }
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int v = 0; v < C::kSRegs; ++v) amax = fmaxf(amax, fabsf(ds[v]));
+    const DsTileScale sc(amax, s_red + (cw * 2 + (n & 1)) * 4, warp, lane, kFirstNamedBarrier + cw);
     const float r = sc.s_big > 0.f ? 1.f / sc.s_big : 0.f;
     pack_a([&](int v) { return code_by_reciprocal(ds[v], sc.s_big, r); }, ds_frag);
-    return sc.sds * s_scale[s * kKScaleFloats] * p.sm_scale;
+    return sc.sds * entry[kKScaleValue] * p.sm_scale;
   };
   auto issue_dq = [&](int s) {  // prod = dS^ K^ of stage s, one committed group
     fence_regs(prod);
@@ -157,46 +191,46 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
 #pragma unroll
     for (int v = 0; v < C::kDRegs; ++v) dq[v] = fmaf(i2f(prod[v]), factor, dq[v]);
   };
-  auto wait_full = [&](int j) { Barrier::wait(&full[j % Q::kStages], (j / Q::kStages) & 1); };
+  auto wait_full = [&](int n) { Barrier::wait(&full[n % Q::kStages], (n / Q::kStages) & 1); };
 
   Barrier::wait(q_full, 0);
   if constexpr (kSchedule == Schedule::kSerial) {
-    for (int j = 0; j < nk; ++j) {
-      const int s = j % Q::kStages;
-      wait_full(j);
+    for (int n = 0; n < steps; ++n) {
+      const int s = n % Q::kStages;
+      wait_full(n);
       issue_sdp(s);
       cute::warpgroup_wait<0>();
-      const float factor = softmax_grad(j, s);
+      const float factor = softmax_grad(n, s);
       issue_dq(s);
       cute::warpgroup_wait<0>();
       add_dq(s, factor);
     }
-  } else {
+  } else if (steps > 0) {
     // Step j: its dQ product goes to the tensor cores first, then S / dP of step j + 1; waiting for the
     // dQ product only (groups retire in order), its scale-add runs while S / dP (j + 1) are computed.
     // The S / dP registers are free by then (dS is packed), so this fits hd128's registers. The last
     // step is peeled so every issue in the loop is unconditional and every wait constant (C7514).
     wait_full(0);
     issue_sdp(0);
-    for (int j = 0; j + 1 < nk; ++j) {
-      const int s = j % Q::kStages;
+    for (int n = 0; n + 1 < steps; ++n) {
+      const int s = n % Q::kStages;
       cute::warpgroup_wait<0>();
-      const float factor = softmax_grad(j, s);
+      const float factor = softmax_grad(n, s);
       issue_dq(s);
-      wait_full(j + 1);
-      issue_sdp((j + 1) % Q::kStages);
+      wait_full(n + 1);
+      issue_sdp((n + 1) % Q::kStages);
       cute::warpgroup_wait<1>();
       add_dq(s, factor);
     }
-    const int s = (nk - 1) % Q::kStages;
+    const int s = (steps - 1) % Q::kStages;
     cute::warpgroup_wait<0>();
-    const float factor = softmax_grad(nk - 1, s);
+    const float factor = softmax_grad(steps - 1, s);
     issue_dq(s);
     cute::warpgroup_wait<0>();
     add_dq(s, factor);
   }
 
-  const int64_t row0 = static_cast<int64_t>(bh) * p.sq + q_block * (kConsumerWGs * kBlockM) + cw * kBlockM + 16 * warp + g;
+  const int64_t row0 = static_cast<int64_t>(bh) * p.sq + query0;
 #pragma unroll
   for (int v = 0; v < C::kDRegs; v += 2) {
     const int64_t off = (row0 + 8 * ((v >> 1) & 1)) * D + 8 * (v >> 2) + 2 * t;

@@ -22,11 +22,15 @@ Triton kernels from the forward's state and the backward's row pre-pass
 - per 64-query block the dK/dV kernel's row vector (:data:`VEC_FLOATS` floats: m, 2^32 / l,
   delta, the dV factor, Q's scale), and per 64-key block the dQ kernel's K scale.
 
-dV in place (:func:`dv_in_place`, bf16): dO' = dO / l is quantized per channel over all queries
-(:func:`channel_codes_reference`) instead of per 64-query block, so the kernel keeps dV's int32 sums
-in its wgmma accumulator across the loop and scales them once (1.29x faster dK/dV at head dim 128,
-1.13x at 64, H100). Without causality, which these kernels never see, that is as accurate as the
-block scale (eval/results/sagebwd_error_budget_cpu.md, "dO' of dV per channel"); dV's spec is then
+Key masks and causality: the kernels take the mask as one 64-bit word per 64-key block
+(:func:`key_words`) and, for the dQ kernel, the list of blocks holding a visible key
+(:func:`key_blocks`), so fully masked blocks are never loaded; a masked score's P~ and dS are 0.
+
+dV in place (:func:`dv_in_place`, bf16, not causal): dO' = dO / l is quantized per channel over all
+queries (:func:`channel_codes_reference`) instead of per 64-query block, so the kernel keeps dV's
+int32 sums in its wgmma accumulator across the loop and scales them once (1.29x faster dK/dV at head
+dim 128, 1.13x at 64, H100). Without causality that is as accurate as the block scale
+(eval/results/sagebwd_error_budget_cpu.md, "dO' of dV per channel"); dV's spec is then
 :func:`dv_in_place_reference`.
 
 ``csrc/sm90_sagebwd/host_layout_check.cu`` proves those patterns equal to the CuTe layouts the
@@ -60,7 +64,7 @@ except ImportError:  # optional on CPU-only installs; is_available() says so
 # (B, H, Sq) mb (row max), inv_l (DS_PRESCALE / l), delta; int8 dos8t (B, H, D, Sq), the per-block dO'
 # codes transposed; float32 (B, H, Sq / 64) sdos, their scales. (sagebwd_triton imports this module.)
 
-__all__ = ["is_available", "build", "unsupported", "dv_in_place", "backward", "HEAD_DIMS"]
+__all__ = ["is_available", "build", "unsupported", "dv_in_place", "backward", "key_words", "key_blocks", "HEAD_DIMS"]
 
 HEAD_DIMS = (64, 128)
 # Rows per 16-bit tile image and tokens per INT8 tile image: the kernels' wgmma M (csrc api.h
@@ -119,9 +123,9 @@ def unsupported(state: SageBwdState, key_mask: Optional[torch.Tensor], is_causal
                 qk16: bool) -> Optional[str]:
     """Why the kernels cannot compute this backward, or None when they can.
 
-    They cover the default numerics (16-bit scores, dO.V^T in 16 bits) without masks, causality or
-    GQA, at head dims 64 and 128, with both lengths multiples of 128 (no partial tile); the
-    Triton kernels cover the rest.
+    They cover the default numerics (16-bit scores, dO.V^T in 16 bits) with or without a key mask and
+    causality, without GQA, at head dims 64 and 128, with both lengths multiples of 128 (no partial
+    tile); the Triton kernels cover the rest.
     """
     b, hq, sq_len, d = state.q8.shape
     hkv, skv = state.k8.shape[1], state.k8.shape[2]
@@ -129,10 +133,6 @@ def unsupported(state: SageBwdState, key_mask: Optional[torch.Tensor], is_causal
         return "INT8 scores (scores='int8')"
     if dov is not DoVPrecision.FP16:
         return "dO.V^T in INT8 (the dov ablation)"
-    if key_mask is not None:
-        return "a key mask"
-    if is_causal:
-        return "causal attention"
     if hq != hkv:
         return f"GQA ({hq} query heads on {hkv} KV heads)"
     if d not in HEAD_DIMS:
@@ -216,10 +216,28 @@ def query_vectors_reference(s_q: torch.Tensor, rows) -> torch.Tensor:
     return vec
 
 
-def dv_in_place(dtype: torch.dtype, sq_len: int) -> bool:
+def dv_in_place(dtype: torch.dtype, sq_len: int, is_causal: bool = False) -> bool:
     """Whether the dK/dV kernel sums dV in place for a call: bf16 operands (the built and GPU-checked
-    variant; fp16 scales dV per query block) and at most DV_IN_PLACE_MAX_QUERIES queries."""
-    return dtype == torch.bfloat16 and sq_len <= DV_IN_PLACE_MAX_QUERIES
+    variant; fp16 scales dV per query block), at most DV_IN_PLACE_MAX_QUERIES queries, not causal
+    (a channel's scale, set by all queries, starves the early queries' few visible keys)."""
+    return dtype == torch.bfloat16 and sq_len <= DV_IN_PLACE_MAX_QUERIES and not is_causal
+
+
+def key_words(key_mask: torch.Tensor) -> torch.Tensor:
+    """bool key_mask (B, Skv), Skv % 64 == 0 -> int64 (B, Skv / 64) words for the kernels: bit k of
+    word j (two's complement) is key 64 j + k."""
+    b, skv = key_mask.shape
+    bits = key_mask.reshape(b, skv // TILE, 2, 32).to(torch.int64)
+    halves = (bits << torch.arange(32, dtype=torch.int64, device=key_mask.device)).sum(-1)  # [0, 2^32) each
+    return halves[..., 0] | (halves[..., 1] << 32)
+
+
+def key_blocks(words: torch.Tensor) -> torch.Tensor:
+    """int32 (B, Skv / 64): per batch the 64-key blocks whose word (:func:`key_words`) has a visible
+    key, ascending, then Skv / 64 as padding (the dQ kernel's list; no host sync)."""
+    nk = words.shape[1]
+    idx = torch.arange(nk, dtype=torch.int32, device=words.device)
+    return torch.where(words != 0, idx, nk).sort(dim=1).values.contiguous()
 
 
 def channel_codes_reference(do: torch.Tensor, inv_l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,13 +248,32 @@ def channel_codes_reference(do: torch.Tensor, inv_l: torch.Tensor) -> tuple[torc
     return _int8_from_scale(dos, scale[:, :, None, :]), scale
 
 
-def dv_in_place_reference(state: SageBwdState, do: torch.Tensor, sm_scale: float) -> torch.Tensor:
+def key_entries_reference(scale: torch.Tensor, words: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The dQ kernel's per-key-block entries (api.h kKScale*) as int32 (B, H, S / 64, K_SCALE_FLOATS):
+    the bits of K's block scale (float32 (B, H, S / 64)), the block's index, its visibility word
+    (:func:`key_words` (B, S / 64), or None: all ones) as two int32 halves, low first."""
+    b, h, nt = scale.shape
+    out = torch.empty((b, h, nt, K_SCALE_FLOATS), dtype=torch.int32, device=scale.device)
+    out[..., 0] = scale.contiguous().view(torch.int32)
+    out[..., 1] = torch.arange(nt, dtype=torch.int32, device=scale.device)
+    if words is None:
+        out[..., 2:] = -1
+    else:
+        out[..., 2:] = words.contiguous().view(torch.int32).reshape(b, 1, nt, 2)
+    return out
+
+
+def dv_in_place_reference(state: SageBwdState, do: torch.Tensor, sm_scale: float,
+                          key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dV float32 (B, H, Skv, D) as the in-place kernel computes it: the reference's P~ (16-bit scores
-    recomputed in its key tiles), dO' per channel (:func:`channel_codes_reference`), exact integer sums."""
+    recomputed in its key tiles, 0 at masked keys), dO' per channel (:func:`channel_codes_reference`),
+    exact integer sums."""
     kc = state.kc
     s2 = torch.cat([scores16_log2(state.qc, kc[:, :, j:j + BLOCK_KV], sm_scale * LOG2E)
                     for j in range(0, kc.shape[2], BLOCK_KV)], dim=-1)
     p_tilde = torch.exp2((s2 - state.m2[..., None]).clamp_max(0))
+    if key_mask is not None:
+        p_tilde = p_tilde.masked_fill(~key_mask[:, None, None, :], 0.0)
     codes, scale = channel_codes_reference(do, torch.exp2(state.m2 - state.lse2))
     dv = quantize_p(p_tilde).double().transpose(-1, -2) @ codes.double()
     return (dv * (scale * P_SCALE)[:, :, None, :].double()).float()
@@ -295,9 +332,12 @@ if triton is not None:
 
     @triton.jit
     def _image8t_kernel(x_ptr, sxb, sxh, sxs, sxd, y_ptr, syb, syh, sys, syd, xo_ptr, yo_ptr, scale_ptr, kscale_ptr,
-                        H, NT, D: tl.constexpr, PAIR: tl.constexpr, K_SCALE: tl.constexpr):
+                        words_ptr, H, NT, D: tl.constexpr, PAIR: tl.constexpr, K_SCALE: tl.constexpr,
+                        WORDS: tl.constexpr):
         """One program per 64-token block t and (b, h): the image of x's block, with PAIR y's too;
-        with K_SCALE the block's scale (scale_ptr (B, H, NT)) padded to 4 floats (kscale_ptr)."""
+        with K_SCALE the block's dQ entry (kscale_ptr, int32 view): the bits of its scale (scale_ptr
+        (B, H, NT)), t, and its visibility word (WORDS: from words_ptr, int32 view of (B, NT) int64;
+        else all ones)."""
         t = tl.program_id(0)
         bh = tl.program_id(1)
         b, h = bh // H, bh % H
@@ -306,8 +346,13 @@ if triton is not None:
             _image8t_tile(y_ptr, syb, syh, sys, syd, yo_ptr, b, h, bh, t, NT, D)
         if K_SCALE:
             lanes = tl.arange(0, 4)
-            s = tl.load(scale_ptr + bh * NT + t)
-            tl.store(kscale_ptr + (bh.to(tl.int64) * NT + t) * 4 + lanes, tl.where(lanes == 0, s, 0.0))
+            s = tl.load(scale_ptr + bh * NT + t).to(tl.int32, bitcast=True)
+            if WORDS:
+                w = tl.load(words_ptr + (b.to(tl.int64) * NT + t) * 2 + lanes - 2, mask=lanes >= 2, other=0)
+            else:
+                w = tl.full((4,), -1, tl.int32)
+            tl.store(kscale_ptr + (bh.to(tl.int64) * NT + t) * 4 + lanes,
+                     tl.where(lanes == 0, s, tl.where(lanes == 1, t, w)))
 
     @triton.jit
     def _channel_amax_kernel(do_ptr, sdb, sdh, sds, sdd, invl_ptr, part_ptr, H, SQ, NQ, D: tl.constexpr):
@@ -376,10 +421,12 @@ def images16(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 @on_input_device
-def images8t(x: torch.Tensor, y: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None
+def images8t(x: torch.Tensor, y: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None,
+             words: Optional[torch.Tensor] = None
              ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """:func:`image8t_reference` of int8 x (and y) (B, H, S, D each, any strides) in one launch; with
-    ``scale`` (B, H, S / 64) float32 also the dQ kernel's (B, H, S / 64, K_SCALE_FLOATS) block scales."""
+    ``scale`` (B, H, S / 64) float32 also the dQ kernel's (B, H, S / 64, K_SCALE_FLOATS) block entries
+    (:func:`key_entries_reference`; ``words`` from :func:`key_words`, or None: every key visible)."""
     b, h, s, d = x.shape
     assert s % TILE == 0 and (y is None or y.shape == x.shape)
     xo = torch.empty((b, h, s // TILE, TILE * d), dtype=torch.int8, device=x.device)
@@ -388,8 +435,9 @@ def images8t(x: torch.Tensor, y: Optional[torch.Tensor] = None, scale: Optional[
     if xo.numel():
         _image8t_kernel[(s // TILE, b * h)](
             x, *_strides(x), y if y is not None else x, *_strides(y if y is not None else x), xo,
-            yo if yo is not None else xo, scale.contiguous() if scale is not None else xo, ks if ks is not None else xo,
-            h, s // TILE, D=d, PAIR=y is not None, K_SCALE=scale is not None)
+            yo if yo is not None else xo, scale.contiguous() if scale is not None else xo,
+            ks.view(torch.int32) if ks is not None else xo, words.view(torch.int32) if words is not None else xo,
+            h, s // TILE, D=d, PAIR=y is not None, K_SCALE=scale is not None, WORDS=words is not None)
     return xo, yo, ks
 
 
@@ -419,18 +467,19 @@ def query_vectors(s_q: torch.Tensor, rows) -> torch.Tensor:
 
 
 @on_input_device
-def backward(do: torch.Tensor, state: SageBwdState, rows, sm_scale: float
+def backward(do: torch.Tensor, state: SageBwdState, rows, sm_scale: float,
+             key_mask: Optional[torch.Tensor] = None, is_causal: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float32 dq (B, H, Sq, D), dk, dv (B, H, Skv, D) of a call :func:`unsupported` accepts, from dO
     (B, H, Sq, D), the forward's ``state`` and the row pre-pass ``rows`` (its delta with the LSE
-    gradient already subtracted)."""
+    gradient already subtracted); ``key_mask`` bool (B, Skv) and ``is_causal`` as the forward's."""
     b, h, sq_len, d = state.q8.shape
     skv = state.k8.shape[2]
     cdt = state.vc.dtype
     ext = _extension()
     q16, do16 = images16(state.qc, do.to(cdt))  # dO as the Triton path rounds it (a no-op for 16-bit inputs)
     k16, v16 = images16(state.kc, state.vc)
-    in_place = dv_in_place(cdt, sq_len)
+    in_place = dv_in_place(cdt, sq_len, is_causal)
     if in_place:
         qt, _, _ = images8t(state.q8)
         dot, dv_scale = channel_codes(do, rows)
@@ -438,7 +487,13 @@ def backward(do: torch.Tensor, state: SageBwdState, rows, sm_scale: float
     else:
         qt, dot, _ = images8t(state.q8, rows.dos8t.transpose(-1, -2))  # dO' codes from their transposed copy
         dv_scale = torch.empty(0, dtype=torch.float32, device=do.device)
-    kt, _, k_scale = images8t(state.k8, scale=state.sk)
+    if key_mask is not None:
+        words = key_words(key_mask)
+        blocks = key_blocks(words)
+    else:  # every key visible
+        words = torch.empty(0, dtype=torch.int64, device=do.device)
+        blocks = torch.empty(0, dtype=torch.int32, device=do.device)
+    kt, _, k_scale = images8t(state.k8, scale=state.sk, words=words if key_mask is not None else None)
     vec = query_vectors(state.sq, rows)
     f32 = dict(dtype=torch.float32, device=do.device)
     dq = torch.empty((b, h, sq_len, d), **f32)
@@ -447,7 +502,9 @@ def backward(do: torch.Tensor, state: SageBwdState, rows, sm_scale: float
     u8 = lambda x: x.view(torch.uint8)  # noqa: E731  (the binding takes the images as bytes)
     bf16 = cdt == torch.bfloat16
     qk_scale = sm_scale * LOG2E
-    ext.dkdv(u8(k16), u8(v16), u8(q16), u8(do16), u8(qt), u8(dot), vec, dv_scale, dk, dv, bf16, qk_scale, sm_scale)
-    ext.dq(u8(q16), u8(do16), u8(k16), u8(v16), u8(kt), k_scale, rows.mb, rows.inv_l, rows.delta.contiguous(), dq,
-           bf16, qk_scale, sm_scale)
+    causal = bool(is_causal)
+    ext.dkdv(u8(k16), u8(v16), u8(q16), u8(do16), u8(qt), u8(dot), vec, dv_scale, words, causal, dk, dv, bf16,
+             qk_scale, sm_scale)
+    ext.dq(u8(q16), u8(do16), u8(k16), u8(v16), u8(kt), k_scale, rows.mb, rows.inv_l, rows.delta.contiguous(),
+           blocks, causal, dq, bf16, qk_scale, sm_scale)
     return dq, dk, dv

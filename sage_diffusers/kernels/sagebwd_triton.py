@@ -1171,7 +1171,7 @@ def _backward_impl(do, state: SageBwdState, key_mask, is_causal: bool, scale: Op
             if dlse is not None:
                 dl = ref.lse_grad_rows(dlse, state.lse2)  # (B, Hq, Sq)
                 r = r._replace(delta=(r.delta - dl).contiguous())
-            dq, dk, dv = sagebwd_sm90.backward(do, state, r, sm_scale)
+            dq, dk, dv = sagebwd_sm90.backward(do, state, r, sm_scale, key_mask, is_causal)
             return (dq + ref.lse_shift_dq(dl, k_mean, sm_scale) if dlse is not None else dq), dk, dv
         _fallback.record(f"sagebwd: the sm90 backward kernels do not take {why}", ran="the Triton backward kernels")
         kernels = _default_kernels(d)
