@@ -23,7 +23,7 @@ for step in ${STEPS:-tests mask train}; do
       echo "tests rc=$? after $(( $(date +%s) - S )) s" ;;
     mask)
       SAGE_DIFFUSERS_TRITON_AUTOTUNE=3 timeout -k 5 "$(( $(left) - 20 ))" python3 -m eval.bench_sagebwd --mask-cost \
-        --methods "${MASK_METHODS:-sagebwd}" ${MASK_ARGS:-} --out "$OUT/mask_cost" > "$OUT/mask_cost.log" 2>        --methods "${MASK_METHODS:-sagebwd}" --out "$OUT/mask_cost" > "$OUT/mask_cost.log" 2>&11
+        --methods "${MASK_METHODS:-sagebwd}" ${MASK_ARGS:-} --out "$OUT/mask_cost" > "$OUT/mask_cost.log" 2>&1
       echo "mask-cost rc=$? after $(( $(date +%s) - S )) s"; grep -E "^\| 1x" "$OUT/mask_cost.md" ;;
     sm90)
       timeout -k 5 "$(( $(left) - 20 ))" bash bench/device/session.sh pytest tests/test_sagebwd_sm90.py -p no:cacheprovider
