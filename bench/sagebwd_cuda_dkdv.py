@@ -38,7 +38,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.bench_utils import git_head, make_inputs  # noqa: E402
 from eval import _cli  # noqa: E402
-from sage_diffusers.kernels.sagebwd_sm90 import channel_codes_reference, dv_in_place_reference  # noqa: E402
+from sage_diffusers.kernels.sagebwd_sm90 import (channel_codes_reference, dv_in_place_reference,  # noqa: E402
+                                                  key_entries_reference)
 from sage_diffusers.reference import cosine, relative_l1  # noqa: E402
 from sage_diffusers.reference import sagebwd as ref  # noqa: E402
 from sage_diffusers.reference.online_softmax import LOG2E  # noqa: E402
@@ -137,8 +138,7 @@ def dq_operands(ext, q, do, st: ref.SageBwdState, sm_scale: float) -> dict:
     as16 = lambda x: x.to(cdt).contiguous().view(torch.int16)  # noqa: E731
     perm = vt_position_to_query(torch.arange(KEYS_PER_WG, device=q.device))
     kt = st.k8.reshape(b, h, skv // KEYS_PER_WG, KEYS_PER_WG, d)[:, :, :, perm, :]
-    k_scale = torch.zeros(b, h, skv // KEYS_PER_WG, 4, dtype=torch.float32, device=q.device)
-    k_scale[..., 0] = st.sk
+    k_scale = key_entries_reference(st.sk).view(torch.float32)  # every key visible
     return dict(
         q=_images_of(as16(st.qc), BLOCK_M, kv16).view(torch.uint8),
         dO=_images_of(as16(do), BLOCK_M, kv16).view(torch.uint8),
