@@ -83,7 +83,7 @@ def test_which_calls_the_kernels_take():
     assert "INT8 scores" in why(_state(1, 2, 2, 128, 128, 64, scores="int8"), qk16=False)
     assert "INT8" in why(ok, dov=DoVPrecision.INT8)
     assert why(ok, mask=torch.ones(1, 256, dtype=torch.bool), causal=True) == "tensors not on a CUDA device"
-    assert why(_state(1, 4, 2, 128, 128, 64)) == "GQA (4 query heads on 2 KV heads)"
+    assert why(_state(1, 4, 2, 128, 128, 64)) == "tensors not on a CUDA device"  # GQA
     assert why(_state(1, 1, 1, 128, 128, 32)).startswith("head dim 32")
     assert "multiples of 128" in why(_state(1, 1, 1, 4429 % 512, 128, 64))
     assert "multiples of 128" in why(_state(1, 1, 1, 128, 192, 128))
@@ -176,6 +176,7 @@ def test_dv_in_place_where_the_build_and_the_int32_sums_allow():
     assert not sagebwd_sm90.dv_in_place(torch.bfloat16, sagebwd_sm90.DV_IN_PLACE_MAX_QUERIES + 128)
     assert not sagebwd_sm90.dv_in_place(torch.float16, 4096)
     assert not sagebwd_sm90.dv_in_place(torch.bfloat16, 4096, is_causal=True)
+    assert not sagebwd_sm90.dv_in_place(torch.bfloat16, 4096, gqa=True)
     assert sagebwd_sm90.DV_IN_PLACE_MAX_QUERIES * 127 * 127 < 2 ** 31
 
 
@@ -234,9 +235,9 @@ def test_backward_routes_to_the_kernels_with_the_lse_gradient(device, monkeypatc
 @needs_device
 @pytest.mark.parametrize("device", DEVICES)
 def test_calls_the_kernels_do_not_take_run_the_triton_kernels(device, monkeypatch):
-    """``sm90`` on a GQA call with a key mask: counted and logged once, and the head dim's default Triton
-    kernels compute it (the same gradients as without the variable)."""
-    b, h, s, d = 1, 2, 128, 64
+    """``sm90`` on a call at head dim 32 (GQA, a key mask): counted and logged once, and the head dim's
+    default Triton kernels compute it (the same gradients as without the variable)."""
+    b, h, s, d = 1, 2, 128, 32
     g = torch.Generator().manual_seed(6)
     q, do = (torch.randn(b, h, s, d, generator=g).to(torch.bfloat16).to(device) for _ in range(2))
     k, v = (torch.randn(b, 1, s, d, generator=g).to(torch.bfloat16).to(device) for _ in range(2))
@@ -249,7 +250,7 @@ def test_calls_the_kernels_do_not_take_run_the_triton_kernels(device, monkeypatc
     monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_BWD", "sm90")
     with _fallback.recorded_fallbacks() as seen:
         got = call()
-    assert list(seen) == ["sagebwd: the sm90 backward kernels do not take GQA (2 query heads on 1 KV heads)"]
+    assert list(seen) == ["sagebwd: the sm90 backward kernels do not take head dim 32 (built: 64, 128)"]
     for x, y in zip(got, want):
         assert torch.allclose(x, y, rtol=1e-5, atol=1e-6)
 
@@ -272,16 +273,18 @@ def _decode8t(img: torch.Tensor, shape) -> torch.Tensor:
 @needs_device
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,vis", [(torch.bfloat16, "none"), (torch.float32, "none"), (torch.float16, "none"),
-                                       (torch.bfloat16, "mask"), (torch.bfloat16, "causal"), (torch.float16, "both")])
+                                       (torch.bfloat16, "mask"), (torch.bfloat16, "causal"), (torch.float16, "both"),
+                                       (torch.bfloat16, "gqa")])
 def test_backward_hands_the_kernels_their_operands(device, dtype, vis, monkeypatch):
     """What :func:`sagebwd_sm90.backward` passes to the extension, decoded: every image holds the state's
     operand (dO in the compute dtype, the dO' codes of the row pre-pass), the vectors and K's block
     entries theirs, the mask's words and block list, in the binding's argument order, with the scales,
-    causality and the dtype flag; the outputs come back."""
+    causality and the dtype flag (GQA: K / V per KV head, no dV in place); the outputs come back."""
     b, h, sq, skv, d = 2, 2, 128, 256, 64
+    hkv = 1 if vis == "gqa" else h
     g = torch.Generator().manual_seed(9)
     q, do = (torch.randn(b, h, sq, d, generator=g).to(dtype).to(device) for _ in range(2))
-    k, v = (torch.randn(b, h, skv, d, generator=g).to(dtype).to(device) for _ in range(2))
+    k, v = (torch.randn(b, hkv, skv, d, generator=g).to(dtype).to(device) for _ in range(2))
     mask = None
     if vis in ("mask", "both"):
         mask = torch.ones(b, skv, dtype=torch.bool)
@@ -297,8 +300,8 @@ def test_backward_hands_the_kernels_their_operands(device, dtype, vis, monkeypat
 
     class Ext:
         def dkdv(self, k_, v_, q_, do_, qt, dot, vec, dv_scale, words, causal_, dk, dv, bf16, qk_scale, sm_scale):
-            assert torch.equal(_decode16(k_, (b, h, skv, d), cdt), st.kc)
-            assert torch.equal(_decode16(v_, (b, h, skv, d), cdt), st.vc)
+            assert torch.equal(_decode16(k_, (b, hkv, skv, d), cdt), st.kc)
+            assert torch.equal(_decode16(v_, (b, hkv, skv, d), cdt), st.vc)
             assert torch.equal(_decode16(q_, (b, h, sq, d), cdt), st.qc)
             assert torch.equal(_decode16(do_, (b, h, sq, d), cdt), do.to(cdt))
             assert torch.equal(_decode8t(qt, (b, h, sq, d)), st.q8)
@@ -307,7 +310,7 @@ def test_backward_hands_the_kernels_their_operands(device, dtype, vis, monkeypat
             else:
                 assert torch.equal(words, sagebwd_sm90.key_words(mask))
             assert causal_ is causal
-            if cdt == torch.bfloat16 and not causal:  # dV in place: dO' per channel, and its scales
+            if cdt == torch.bfloat16 and not causal and hkv == h:  # dV in place: dO' per channel, and its scales
                 codes, ch_scale = sagebwd_sm90.channel_codes_reference(do, rows.inv_l / sagebwd_sm90.DS_PRESCALE)
                 assert torch.equal(_decode8t(dot, (b, h, sq, d)), codes)
                 assert torch.equal(dv_scale, ch_scale * ref.P_SCALE)
@@ -315,7 +318,7 @@ def test_backward_hands_the_kernels_their_operands(device, dtype, vis, monkeypat
                 assert torch.equal(_decode8t(dot, (b, h, sq, d)), rows.dos8t.transpose(-1, -2))
                 assert dv_scale.numel() == 0
             assert torch.equal(vec, sagebwd_sm90.query_vectors_reference(st.sq, rows))
-            assert dk.shape == dv.shape == (b, h, skv, d) and dk.dtype == torch.float32
+            assert dk.shape == dv.shape == (b, hkv, skv, d) and dk.dtype == torch.float32
             assert bf16 == (cdt == torch.bfloat16) and qk_scale == scale * sagebwd_sm90.LOG2E and sm_scale == scale
             dk.fill_(1.0)
             dv.fill_(2.0)
@@ -324,10 +327,10 @@ def test_backward_hands_the_kernels_their_operands(device, dtype, vis, monkeypat
         def dq(self, q_, do_, k_, v_, kt, k_scale, m, inv_l, delta, blocks, causal_, dq, bf16, qk_scale, sm_scale):
             assert torch.equal(_decode16(q_, (b, h, sq, d), cdt), st.qc)
             assert torch.equal(_decode16(do_, (b, h, sq, d), cdt), do.to(cdt))
-            assert torch.equal(_decode16(k_, (b, h, skv, d), cdt), st.kc)
-            assert torch.equal(_decode16(v_, (b, h, skv, d), cdt), st.vc)
-            assert torch.equal(_decode8t(kt, (b, h, skv, d)), st.k8)
-            assert k_scale.shape == (b, h, skv // 64, sagebwd_sm90.K_SCALE_FLOATS)
+            assert torch.equal(_decode16(k_, (b, hkv, skv, d), cdt), st.kc)
+            assert torch.equal(_decode16(v_, (b, hkv, skv, d), cdt), st.vc)
+            assert torch.equal(_decode8t(kt, (b, hkv, skv, d)), st.k8)
+            assert k_scale.shape == (b, hkv, skv // 64, sagebwd_sm90.K_SCALE_FLOATS)
             words = None if mask is None else sagebwd_sm90.key_words(mask)
             assert torch.equal(k_scale.view(torch.int32), sagebwd_sm90.key_entries_reference(st.sk, words))
             if mask is None:
@@ -351,7 +354,10 @@ def test_backward_hands_the_kernels_their_operands(device, dtype, vis, monkeypat
 def _visibility(vis: str, q, k, v, do):
     """The inputs of a visibility case: ``pad``: text padding per batch (batch 0 keeps its first 300
     keys, batch 1 keys 100 ... 449; NaN in the masked keys' K and V), ``causal``, ``causal+pad``,
-    ``causal-short-q`` (the first 256 queries on every key: top-left alignment)."""
+    ``causal-short-q`` (the first 256 queries on every key: top-left alignment); ``gqa``: K and V of
+    half the heads, each serving two query heads."""
+    if "gqa" in vis:
+        k, v = k[:, :k.shape[1] // 2], v[:, :v.shape[1] // 2]
     b, _, s, _ = k.shape
     mask = None
     if "pad" in vis:
@@ -363,7 +369,7 @@ def _visibility(vis: str, q, k, v, do):
         v[~mask[:, None, :, None].expand_as(v)] = math.nan
     if vis == "causal-short-q":
         q, do = q[:, :, :256], do[:, :, :256]
-    return q, k, v, do, mask, vis.startswith("causal")
+    return q, k, v, do, mask, "causal" in vis
 
 
 @needs_sm90
@@ -381,6 +387,9 @@ def _visibility(vis: str, q, k, v, do):
     ((1, 2, 384, 128), torch.float16, "offsets", "causal"),
     ((2, 2, 512, 128), torch.bfloat16, "inference", "causal+pad"),
     ((1, 2, 512, 64), torch.float16, "offsets", "causal-short-q"),
+    ((1, 4, 512, 128), torch.bfloat16, "offsets", "gqa"),
+    ((2, 4, 512, 64), torch.bfloat16, "sharp", "gqa+causal+pad"),
+    ((1, 6, 256, 128), torch.float16, "huge", "gqa+pad"),
 ])
 def test_sm90_backward_matches_the_reference(shape, dtype, kind, vis, monkeypatch):
     """The kernels' gradients on the Triton forward's state against the reference backward on the same
@@ -398,7 +407,7 @@ def test_sm90_backward_matches_the_reference(shape, dtype, kind, vis, monkeypatc
         grads = run()
     assert not seen
     ref_grads = list(ref.sagebwd_backward(do, st, mask, causal, scores="fp16"))
-    in_place = sagebwd_sm90.dv_in_place(st.vc.dtype, q.shape[2], causal)
+    in_place = sagebwd_sm90.dv_in_place(st.vc.dtype, q.shape[2], causal, gqa=k.shape[1] != q.shape[1])
     if in_place:  # dO' per channel: dV's spec is the in-place reference, and it differs from the Triton kernels'
         ref_grads[2] = sagebwd_sm90.dv_in_place_reference(st, do, 1 / math.sqrt(d), mask)
     for name, got, want, tri in zip("qkv", grads, ref_grads, triton_grads):

@@ -75,7 +75,7 @@ void dkdv(torch::Tensor k, torch::Tensor v, torch::Tensor q, torch::Tensor dO, t
   Params p{k.data_ptr<uint8_t>(), v.data_ptr<uint8_t>(), q.data_ptr<uint8_t>(), dO.data_ptr<uint8_t>(),
            qt.data_ptr<uint8_t>(), dot.data_ptr<uint8_t>(), vec.data_ptr<float>(), dk.data_ptr<float>(),
            dv.data_ptr<float>(), in_place ? dv_channel_scale.data_ptr<float>() : nullptr, heads, sq, skv,
-           static_cast<float>(qk_scale), static_cast<float>(sm_scale)};
+           static_cast<float>(qk_scale), static_cast<float>(sm_scale), Visibility{}, /*group=*/1};
   const c10::cuda::CUDAGuard guard(dk.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cudaError_t err = cudaSuccess;
@@ -122,7 +122,8 @@ void dq(torch::Tensor q, torch::Tensor dO, torch::Tensor k, torch::Tensor v, tor
   sagebwd_sm90::DqParams p{q.data_ptr<uint8_t>(), dO.data_ptr<uint8_t>(), k.data_ptr<uint8_t>(), v.data_ptr<uint8_t>(),
                            kt.data_ptr<uint8_t>(), k_scale.data_ptr<float>(), m.data_ptr<float>(), inv_l.data_ptr<float>(),
                            delta.data_ptr<float>(), dq.data_ptr<float>(), heads, sq, skv,
-                           static_cast<float>(qk_scale), static_cast<float>(sm_scale)};
+                           static_cast<float>(qk_scale), static_cast<float>(sm_scale), sagebwd_sm90::Visibility{},
+                           /*group=*/1};
   const c10::cuda::CUDAGuard guard(dq.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cudaError_t err = cudaSuccess;

@@ -38,31 +38,36 @@ struct Visibility {
   int causal;
 };
 
-// The dK/dV kernel's arguments.
+// The dK/dV kernel's arguments. GQA: KV head hk serves query heads hk * group ... hk * group + group - 1,
+// whose query blocks one CTA visits in turn.
 struct Params {
-  // images, per (b, h) in order: K, V [Skv / 128][2 warpgroup tiles]; Q, dO [Sq / 64] 16-bit tiles;
-  // Q^T, dO'^T [Sq / 64] INT8 tiles; vec [Sq / 64][kVecFloats]
+  // images, per (b, KV head) in order: K, V [Skv / 128][2 warpgroup tiles]; per (b, query head): Q, dO
+  // [Sq / 64] 16-bit tiles; Q^T, dO'^T [Sq / 64] INT8 tiles; vec [Sq / 64][kVecFloats]
   const uint8_t *k, *v, *q, *dO, *qt, *dot;
   const float* vec;
-  float *dk, *dv;  // (B, H, Skv, D) float32
-  const float* dv_channel_scale;  // DvAcc::kInPlace: (B, H, D), P~'s 1/127 times dO''s channel scale
-  int heads, sq, skv;
+  float *dk, *dv;  // (B, KV heads, Skv, D) float32
+  // DvAcc::kInPlace (no GQA): (B, H, D), P~'s 1/127 times dO''s channel scale
+  const float* dv_channel_scale;
+  int heads, sq, skv;  // heads: KV heads
   float qk_scale;  // softmax scale * log2(e)
   float sm_scale;
   Visibility vis;  // key_blocks unused: a CTA whose 128 keys are all masked writes zeros and ends
+  int group;       // query heads per KV head
 };
 
 // The dQ kernel's arguments.
 struct DqParams {
-  // images, per (b, h): Q, dO [Sq / 64] 16-bit tiles; K, V [Skv / 64] 16-bit tiles; K^T [Skv / 64]
-  // INT8 tiles; scale [Skv / 64][kKScaleFloats] (K's block scale, the block's index and word)
+  // images, per (b, query head): Q, dO [Sq / 64] 16-bit tiles; per (b, KV head): K, V [Skv / 64] 16-bit
+  // tiles; K^T [Skv / 64] INT8 tiles; scale [Skv / 64][kKScaleFloats] (K's block scale, the block's
+  // index and word)
   const uint8_t *q, *dO, *k, *v, *kt;
   const float* k_scale;
   const float *m, *inv_l, *delta;  // (B, H, Sq): row max, kDsPrescale / l, delta
   float* dq;                       // (B, H, Sq, D) float32
-  int heads, sq, skv;
+  int heads, sq, skv;              // heads: query heads
   float qk_scale, sm_scale;
   Visibility vis;
+  int group;  // query heads per KV head (query head h reads KV head h / group)
 };
 
 // The shipped kernels (launch.cuh ShippedPolicy) for head dim 64 or 128, bf16 or fp16 operands;

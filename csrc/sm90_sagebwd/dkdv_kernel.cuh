@@ -23,8 +23,9 @@
 // Masks (api.h Visibility): a masked key's P~ and dS are 0 (its row's exp2 cap is -inf); a CTA whose
 // 128 keys are all masked writes zeros. Causal: the loop starts at the CTA's first key, and the two
 // query blocks there compare key and query per score.
-// Not handled (the caller runs the Triton kernels for them): GQA, partial blocks (Sq % 64, Skv % 128
-// must be 0); non-finite Q and V are zeroed before the forward.
+// GQA: the CTA visits the query blocks of each query head its KV head serves, one head after another.
+// Not handled (the caller runs the Triton kernels for them): partial blocks (Sq % 64, Skv % 128 must
+// be 0); non-finite Q and V are zeroed before the forward.
 #pragma once
 
 #include <cstdint>
@@ -158,17 +159,19 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
   extern __shared__ uint8_t smem_raw[];
   Smem<D, Elem> sp(smem_raw);
   const int kv_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int bh = b * p.heads + h;
+  const int bh = b * p.heads + h;  // K, V, dK, dV; query head h * group + j: bh * group + j
   const int nq = p.sq / kBlockM;
   const int wg = threadIdx.x / 128;
   using Split = sage_common::sm90::RegisterSplit<24, 240, kConsumerWGs>;
-  // The query blocks this CTA visits: from the block of its first key when causal (earlier queries see
-  // none of its keys), none when all its keys are masked. Step n is query block i0 + n.
+  // The query blocks this CTA visits per query head: from the block of its first key when causal
+  // (earlier queries see none of its keys), none when all its keys are masked. Step n is query block
+  // i0 + n % per_head of the group's query head n / per_head.
   const int nk = p.skv / kKeysPerWG;
   const uint64_t word[kConsumerWGs] = {key_word(p.vis, b, nk, kConsumerWGs * kv_block),
                                        key_word(p.vis, b, nk, kConsumerWGs * kv_block + 1)};
   const int i0 = p.vis.causal ? kv_block * (kBlockN / kBlockM) : 0;
-  const int steps = (word[0] | word[1]) != 0 ? max(nq - i0, 0) : 0;
+  const int per_head = (word[0] | word[1]) != 0 ? max(nq - i0, 0) : 0;
+  const int steps = per_head * p.group;
 
   init_barriers(sp.full, sp.empty, C::kStages, sp.kv_full);
 
@@ -180,12 +183,12 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
       Barrier::arrive_and_expect_tx(sp.kv_full, C::kSmemK + C::kSmemV);
       bulk_copy_g2s(p.k + kv_off, sp.kv_full, sp.k, C::kSmemK);
       bulk_copy_g2s(p.v + kv_off, sp.kv_full, sp.v, C::kSmemV);
-      const int64_t blk0 = static_cast<int64_t>(bh) * nq;
+      const int64_t blk0 = static_cast<int64_t>(bh) * p.group * nq;  // the group's first query head
       for (int n = 0; n < steps; ++n) {
         const int s = n % C::kStages, r = n / C::kStages;
         if (r > 0) Barrier::wait(&sp.empty[s], (r - 1) & 1);
         Barrier::arrive_and_expect_tx(&sp.full[s], C::kStageTxBytes);
-        const int64_t blk = blk0 + i0 + n;
+        const int64_t blk = blk0 + static_cast<int64_t>(n / per_head) * nq + i0 + n % per_head;
         bulk_copy_g2s(p.q + blk * C::kTile16Bytes, &sp.full[s], sp.q + s * C::kTile16Bytes, C::kTile16Bytes);
         bulk_copy_g2s(p.dO + blk * C::kTile16Bytes, &sp.full[s], sp.dO + s * C::kTile16Bytes, C::kTile16Bytes);
         bulk_copy_g2s(p.qt + blk * C::kTile8Bytes, &sp.full[s], sp.qt + s * C::kTile8Bytes, C::kTile8Bytes);
@@ -294,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
     uint32_t prod[C::kDRegs];  // int32 bits (CuTe types INT8 products' accumulators as uint32_t)
     uint32_t p_frag[C::kARegs], ds_frag[C::kARegs];
     for (int n = 0; n < steps; ++n) {
-      const int i = i0 + n, s = n % C::kStages;
+      const int i = i0 + n % per_head, s = n % C::kStages;
       Barrier::wait(&sp.full[s], (n / C::kStages) & 1);
       issue_sdp(s);
       cute::warpgroup_wait<0>();
@@ -386,7 +389,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
         fence_regs(s_acc);
         fence_regs(dp_acc);
         float dv_factor, dk_factor;
-        softmax_grad(i0 + n, s, pt, ds, dv_factor, dk_factor, s_big);
+        softmax_grad(i0 + n % per_head, s, pt, ds, dv_factor, dk_factor, s_big);
         retire_products();
         release((n - 1) % C::kStages);
         dv_prev = dv_factor;

@@ -10,7 +10,8 @@
 // K's block scale. A thread's two query rows keep their m, 2^32 / l and delta in registers.
 // Masks and causality (api.h Visibility): the CTA visits the key blocks with a visible key (the
 // caller's ascending list), up to its last query's block when causal; a block with masked keys or
-// with keys after some of the CTA's queries compares per score, the others run the plain step.
+// with keys after some of the CTA's queries compares per score, the others run the plain step. GQA:
+// query head h reads the tiles of KV head h / group.
 #pragma once
 
 #include "dkdv_kernel.cuh"
@@ -62,6 +63,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
 
   const int q_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int bh = b * p.heads + h;
+  const int bh_kv = (b * p.heads + h) / p.group;  // = b * (heads / group) + h / group: K, V, K^T, entries
   const int nk = p.skv / kKeysPerWG;
   const int wg = threadIdx.x / 128;
   using Split = sage_common::sm90::RegisterSplit<24, 240, kConsumerWGs>;
@@ -90,7 +92,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
       Barrier::arrive_and_expect_tx(q_full, Q::kSmemQ + Q::kSmemDO);
       bulk_copy_g2s(p.q + q_off, q_full, s_q, Q::kSmemQ);
       bulk_copy_g2s(p.dO + q_off, q_full, s_do, Q::kSmemDO);
-      const int64_t blk0 = static_cast<int64_t>(bh) * nk;
+      const int64_t blk0 = static_cast<int64_t>(bh_kv) * nk;
       for (int n = 0; n < steps; ++n) {
         const int s = n % Q::kStages, r = n / Q::kStages;
         if (r > 0) Barrier::wait(&empty[s], (r - 1) & 1);

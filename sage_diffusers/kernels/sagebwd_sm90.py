@@ -123,9 +123,9 @@ def unsupported(state: SageBwdState, key_mask: Optional[torch.Tensor], is_causal
                 qk16: bool) -> Optional[str]:
     """Why the kernels cannot compute this backward, or None when they can.
 
-    They cover the default numerics (16-bit scores, dO.V^T in 16 bits) with or without a key mask and
-    causality, without GQA, at head dims 64 and 128, with both lengths multiples of 128 (no partial
-    tile); the Triton kernels cover the rest.
+    They cover the default numerics (16-bit scores, dO.V^T in 16 bits) with or without a key mask,
+    causality and GQA, at head dims 64 and 128, with both lengths multiples of 128 (no partial tile);
+    the Triton kernels cover the rest.
     """
     b, hq, sq_len, d = state.q8.shape
     hkv, skv = state.k8.shape[1], state.k8.shape[2]
@@ -133,8 +133,6 @@ def unsupported(state: SageBwdState, key_mask: Optional[torch.Tensor], is_causal
         return "INT8 scores (scores='int8')"
     if dov is not DoVPrecision.FP16:
         return "dO.V^T in INT8 (the dov ablation)"
-    if hq != hkv:
-        return f"GQA ({hq} query heads on {hkv} KV heads)"
     if d not in HEAD_DIMS:
         return f"head dim {d} (built: {', '.join(map(str, HEAD_DIMS))})"
     if sq_len % CTA_ROWS or skv % CTA_ROWS or sq_len == 0 or skv == 0:
@@ -216,11 +214,12 @@ def query_vectors_reference(s_q: torch.Tensor, rows) -> torch.Tensor:
     return vec
 
 
-def dv_in_place(dtype: torch.dtype, sq_len: int, is_causal: bool = False) -> bool:
+def dv_in_place(dtype: torch.dtype, sq_len: int, is_causal: bool = False, gqa: bool = False) -> bool:
     """Whether the dK/dV kernel sums dV in place for a call: bf16 operands (the built and GPU-checked
     variant; fp16 scales dV per query block), at most DV_IN_PLACE_MAX_QUERIES queries, not causal
-    (a channel's scale, set by all queries, starves the early queries' few visible keys)."""
-    return dtype == torch.bfloat16 and sq_len <= DV_IN_PLACE_MAX_QUERIES and not is_causal
+    (a channel's scale, set by all queries, starves the early queries' few visible keys), no GQA (the
+    int32 sums of a KV head's query heads would need one channel scale)."""
+    return dtype == torch.bfloat16 and sq_len <= DV_IN_PLACE_MAX_QUERIES and not is_causal and not gqa
 
 
 def key_words(key_mask: torch.Tensor) -> torch.Tensor:
@@ -470,16 +469,16 @@ def query_vectors(s_q: torch.Tensor, rows) -> torch.Tensor:
 def backward(do: torch.Tensor, state: SageBwdState, rows, sm_scale: float,
              key_mask: Optional[torch.Tensor] = None, is_causal: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32 dq (B, H, Sq, D), dk, dv (B, H, Skv, D) of a call :func:`unsupported` accepts, from dO
-    (B, H, Sq, D), the forward's ``state`` and the row pre-pass ``rows`` (its delta with the LSE
+    """float32 dq (B, Hq, Sq, D), dk, dv (B, Hkv, Skv, D) of a call :func:`unsupported` accepts, from
+    dO (B, Hq, Sq, D), the forward's ``state`` and the row pre-pass ``rows`` (its delta with the LSE
     gradient already subtracted); ``key_mask`` bool (B, Skv) and ``is_causal`` as the forward's."""
     b, h, sq_len, d = state.q8.shape
-    skv = state.k8.shape[2]
+    hkv, skv = state.k8.shape[1], state.k8.shape[2]
     cdt = state.vc.dtype
     ext = _extension()
     q16, do16 = images16(state.qc, do.to(cdt))  # dO as the Triton path rounds it (a no-op for 16-bit inputs)
     k16, v16 = images16(state.kc, state.vc)
-    in_place = dv_in_place(cdt, sq_len, is_causal)
+    in_place = dv_in_place(cdt, sq_len, is_causal, gqa=hkv != h)
     if in_place:
         qt, _, _ = images8t(state.q8)
         dot, dv_scale = channel_codes(do, rows)
@@ -497,7 +496,7 @@ def backward(do: torch.Tensor, state: SageBwdState, rows, sm_scale: float,
     vec = query_vectors(state.sq, rows)
     f32 = dict(dtype=torch.float32, device=do.device)
     dq = torch.empty((b, h, sq_len, d), **f32)
-    dk = torch.empty((b, h, skv, d), **f32)
+    dk = torch.empty((b, hkv, skv, d), **f32)
     dv = torch.empty_like(dk)
     u8 = lambda x: x.view(torch.uint8)  # noqa: E731  (the binding takes the images as bytes)
     bf16 = cdt == torch.bfloat16
