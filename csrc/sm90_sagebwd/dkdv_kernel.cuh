@@ -247,14 +247,15 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
 #pragma unroll
     for (int v = 0; v < C::kDRegs; ++v) acc[v] = fmaf(i2f(prod[v]), factor, acc[v]);
   };
-  // Step i's softmax gradient from the retired S^T / dP^T into pt (P~) and ds (dS * kDsPrescale), fp32 in the
+  // Step n's softmax gradient from the retired S^T / dP^T into pt (P~) and ds (dS * kDsPrescale), fp32 in the
   // accumulator layout (value v of this thread: key row 16 warp + g + 8 ((v >> 1) & 1), query column
   // 8 (v >> 2) + 2 t + (v & 1)), and the two products' scale factors. Separate arrays, not the
   // accumulators: ptxas serializes every wgmma (C7515) when registers of an accumulator are written
   // while another product is in flight.
-  auto softmax_grad = [&](int i, int s, float (&pt)[C::kSRegs], float (&ds)[C::kSRegs], float& dv_factor,
+  auto softmax_grad = [&](int n, int s, float (&pt)[C::kSRegs], float (&ds)[C::kSRegs], float& dv_factor,
                           float& dk_factor, float& s_big) {
     const float* vec = sp.vec + s * kVecFloats;
+    const int i = i0 + n % per_head;  // the step's query block
     float amax = 0.f;
     auto scores = [&](auto cap_of) {  // cap_of(v, col): value v's exp2 cap
 #pragma unroll
@@ -274,7 +275,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
     } else {
       scores([&](int v, int) { return cap_row[(v >> 1) & 1]; });
     }
-    const DsTileScale sc(amax, sp.red + (cw * 2 + (i & 1)) * 4, warp, lane, kFirstNamedBarrier + cw);
+    // alternated by step, not by query block (a GQA wrap repeats a block's parity)
+    const DsTileScale sc(amax, sp.red + (cw * 2 + (n & 1)) * 4, warp, lane, kFirstNamedBarrier + cw);
     s_big = sc.s_big;
     dv_factor = vec[kVecDvFactor];
     dk_factor = sc.sds * vec[kVecSQ] * p.sm_scale;
@@ -297,14 +299,14 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
     uint32_t prod[C::kDRegs];  // int32 bits (CuTe types INT8 products' accumulators as uint32_t)
     uint32_t p_frag[C::kARegs], ds_frag[C::kARegs];
     for (int n = 0; n < steps; ++n) {
-      const int i = i0 + n % per_head, s = n % C::kStages;
+      const int s = n % C::kStages;
       Barrier::wait(&sp.full[s], (n / C::kStages) & 1);
       issue_sdp(s);
       cute::warpgroup_wait<0>();
       fence_regs(s_acc);
       fence_regs(dp_acc);
       float dv_factor, dk_factor, s_big;
-      softmax_grad(i, s, pt, ds, dv_factor, dk_factor, s_big);
+      softmax_grad(n, s, pt, ds, dv_factor, dk_factor, s_big);
       pack(pt, ds, s_big, p_frag, ds_frag);
       if constexpr (kInPlace) {  // dV onto its own accumulator and dK, one group
         fence_regs(dv_int);
@@ -378,7 +380,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
       cute::warpgroup_wait<0>();
       fence_regs(s_acc);
       fence_regs(dp_acc);
-      softmax_grad(i0, 0, pt, ds, dv_prev, dk_prev, s_big);
+      softmax_grad(0, 0, pt, ds, dv_prev, dk_prev, s_big);
       pack(pt, ds, s_big, p_frag, ds_frag);
       for (int n = 1; n < steps; ++n) {
         const int s = n % C::kStages;
@@ -389,7 +391,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
         fence_regs(s_acc);
         fence_regs(dp_acc);
         float dv_factor, dk_factor;
-        softmax_grad(i0 + n % per_head, s, pt, ds, dv_factor, dk_factor, s_big);
+        softmax_grad(n, s, pt, ds, dv_factor, dk_factor, s_big);
         retire_products();
         release((n - 1) % C::kStages);
         dv_prev = dv_factor;
