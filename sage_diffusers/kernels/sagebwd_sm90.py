@@ -25,6 +25,7 @@ Triton kernels from the forward's state and the backward's row pre-pass
 Key masks and causality: the kernels take the mask as one 64-bit word per 64-key block
 (:func:`key_words`) and, for the dQ kernel, the list of blocks holding a visible key
 (:func:`key_blocks`), so fully masked blocks are never loaded; a masked score's P~ and dS are 0.
+GQA: a dK/dV CTA visits the query blocks of every query head of its KV head.
 
 dV in place (:func:`dv_in_place`, bf16, not causal): dO' = dO / l is quantized per channel over all
 queries (:func:`channel_codes_reference`) instead of per 64-query block, so the kernel keeps dV's
@@ -127,8 +128,8 @@ def unsupported(state: SageBwdState, key_mask: Optional[torch.Tensor], is_causal
     causality and GQA, at head dims 64 and 128, with both lengths multiples of 128 (no partial tile);
     the Triton kernels cover the rest.
     """
-    b, hq, sq_len, d = state.q8.shape
-    hkv, skv = state.k8.shape[1], state.k8.shape[2]
+    sq_len, d = state.q8.shape[2:]
+    skv = state.k8.shape[2]
     if not qk16:
         return "INT8 scores (scores='int8')"
     if dov is not DoVPrecision.FP16:
