@@ -268,8 +268,8 @@ SAGEBWD_BWD = Variable(
     "`lean` at D = 128; `fused` at D <= 64 unless torch's deterministic algorithms are on",
     "at each SageBwd backward", "user",
     "SageBwd's backward kernels (`split`, `lean`: deterministic, same bits; `fused`: dQ by atomics; `sm90`: "
-    "Hopper's CUDA kernels where they apply (16-bit scores, key masks, causality and GQA included, head dim "
-    "64 / 128, lengths multiples of 128), the default elsewhere).")
+    "Hopper's CUDA kernels where they apply (16-bit scores, no mask, not causal, no GQA, head dim 64 / 128, "
+    "lengths multiples of 128), the default elsewhere).")
 SAGEBWD_SCORES = Variable(
     "SAGE_DIFFUSERS_SAGEBWD_SCORES", _choice(*SAGEBWD_SCORES_VALUES), "fp16", _choices_doc(SAGEBWD_SCORES_VALUES),
     "`fp16`", "at each SageBwd forward", "user",

@@ -75,8 +75,11 @@ def _state(b, hq, hkv, sq, skv, d, scores="fp16", dtype=torch.bfloat16):
     return ref.sagebwd_forward(q, k, v, pv="fp16", scores=scores)
 
 
-def test_which_calls_the_kernels_take():
+def test_which_calls_the_kernels_take(monkeypatch):
     ok = _state(1, 2, 2, 128, 256, 64)
+    if not sagebwd_sm90.VISIBILITY_GPU_CHECKED:
+        assert "not yet checked on a GPU" in sagebwd_sm90.unsupported(ok, None, True, DoVPrecision.FP16, True)
+        monkeypatch.setattr(sagebwd_sm90, "VISIBILITY_GPU_CHECKED", True)
     why = lambda st, **kw: sagebwd_sm90.unsupported(  # noqa: E731
         st, kw.get("mask"), kw.get("causal", False), kw.get("dov", DoVPrecision.FP16), kw.get("qk16", True))
     assert why(ok) == "tensors not on a CUDA device"  # every other condition holds
@@ -248,6 +251,7 @@ def test_calls_the_kernels_do_not_take_run_the_triton_kernels(device, monkeypatc
                                                  scores=ScorePrecision.FP16)
     want = call()
     monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_BWD", "sm90")
+    monkeypatch.setattr(sagebwd_sm90, "VISIBILITY_GPU_CHECKED", True)  # the reason is the head dim's
     with _fallback.recorded_fallbacks() as seen:
         got = call()
     assert list(seen) == ["sagebwd: the sm90 backward kernels do not take head dim 32 (built: 64, 128)"]
@@ -401,6 +405,7 @@ def test_sm90_backward_matches_the_reference(shape, dtype, kind, vis, monkeypatc
     st = sagebwd_triton._forward_impl(q, k, v, mask, causal, None, PVPrecision.FP16, ScorePrecision.FP16)
     run = lambda: sagebwd_triton._backward_impl(do, st, mask, causal, None, DoVPrecision.FP16,  # noqa: E731
                                                 scores=ScorePrecision.FP16)
+    monkeypatch.setattr(sagebwd_sm90, "VISIBILITY_GPU_CHECKED", True)  # this is that check
     triton_grads = run()
     monkeypatch.setenv("SAGE_DIFFUSERS_SAGEBWD_BWD", "sm90")
     with _fallback.recorded_fallbacks() as seen:

@@ -83,6 +83,10 @@ DS_PRESCALE = 2.0 ** 32
 K_SCALE_FLOATS = 4
 # dV in place: its int32 sums stay exact up to 2^31 / 127^2 queries (api.h kDvInPlaceMaxQueries).
 DV_IN_PLACE_MAX_QUERIES = 131072
+# The kernels' key masks, causality and GQA have passed their CPU checks and the unmasked GPU cases
+# still pass, but their own GPU cases have not run yet: until they pass, such calls run the Triton
+# kernels (the GPU tests enable them to check them).
+VISIBILITY_GPU_CHECKED = False
 
 
 def source_dir() -> Path:
@@ -128,8 +132,10 @@ def unsupported(state: SageBwdState, key_mask: Optional[torch.Tensor], is_causal
     causality and GQA, at head dims 64 and 128, with both lengths multiples of 128 (no partial tile);
     the Triton kernels cover the rest.
     """
-    sq_len, d = state.q8.shape[2:]
-    skv = state.k8.shape[2]
+    hq, sq_len, d = state.q8.shape[1:]
+    hkv, skv = state.k8.shape[1:3]
+    if not VISIBILITY_GPU_CHECKED and (key_mask is not None or is_causal or hq != hkv):
+        return "a key mask, causality or GQA (built, not yet checked on a GPU)"
     if not qk16:
         return "INT8 scores (scores='int8')"
     if dov is not DoVPrecision.FP16:
