@@ -129,8 +129,8 @@ def unsupported(state: SageBwdState, key_mask: Optional[torch.Tensor], is_causal
     """Why the kernels cannot compute this backward, or None when they can.
 
     They cover the default numerics (16-bit scores, dO.V^T in 16 bits) with or without a key mask,
-    causality and GQA, at head dims 64 and 128, with both lengths multiples of 128 (no partial tile);
-    the Triton kernels cover the rest.
+    causality and GQA (the last three while :data:`VISIBILITY_GPU_CHECKED` holds), at head dims 64
+    and 128, with both lengths multiples of 128 (no partial tile); the Triton kernels cover the rest.
     """
     hq, sq_len, d = state.q8.shape[1:]
     hkv, skv = state.k8.shape[1:3]
