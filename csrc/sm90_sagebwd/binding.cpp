@@ -41,7 +41,8 @@ void dkdv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& q, const a
   TORCH_CHECK(dk.is_cuda() && dk.dim() == 4, "dk: a (B, Hkv, Skv, D) CUDA tensor");
   const int64_t batch = dk.size(0), heads = dk.size(1), skv = dk.size(2), d = dk.size(3);
   TORCH_CHECK(d == 64 || d == 128, "head dim 64 or 128, got ", d);
-  TORCH_CHECK(vec.dim() == 4 && vec.size(0) == batch && vec.size(1) % heads == 0 && vec.size(3) == kVecFloats,
+  TORCH_CHECK(heads > 0 && vec.dim() == 4 && vec.size(0) == batch && vec.size(1) % heads == 0 &&
+                  vec.size(3) == kVecFloats,
               "vec: (", batch, ", a multiple of ", heads, " query heads, Sq / ", kBlockM, ", ", kVecFloats, "), got ",
               vec.sizes());
   const int64_t sq = vec.size(2) * kBlockM, hq = vec.size(1), group = hq / heads;
@@ -50,6 +51,7 @@ void dkdv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& q, const a
   const auto u8 = at::kByte;
   expect(dk, "dk", at::kFloat, batch * heads * skv * d, dev);
   expect(dv, "dv", at::kFloat, dk.numel(), dev);
+  expect(vec, "vec", at::kFloat, batch * hq * (sq / kBlockM) * kVecFloats, dev);
   expect(k, "k image", u8, batch * heads * skv * d * 2, dev);
   expect(v, "v image", u8, k.numel(), dev);
   expect(q, "q image", u8, batch * hq * sq * d * 2, dev);
