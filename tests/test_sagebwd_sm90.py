@@ -63,6 +63,8 @@ def test_host_constants_are_the_kernels():
         sagebwd_sm90.VEC_M, sagebwd_sm90.VEC_INV_L, sagebwd_sm90.VEC_DELTA, sagebwd_sm90.VEC_DV_FACTOR,
         sagebwd_sm90.VEC_SQ]
     assert value("kKScaleFloats") == sagebwd_sm90.K_SCALE_FLOATS
+    assert [value(n) for n in ("kKScaleValue", "kKScaleBlock", "kKScaleWord")] == [
+        sagebwd_sm90.K_ENTRY_SCALE, sagebwd_sm90.K_ENTRY_BLOCK, sagebwd_sm90.K_ENTRY_WORD]
     assert value("kDvInPlaceMaxQueries") == sagebwd_sm90.DV_IN_PLACE_MAX_QUERIES
     assert value("kBlockM") == value("kKeysPerWG") == sagebwd_sm90.TILE
     assert 2 * sagebwd_sm90.TILE == sagebwd_sm90.CTA_ROWS

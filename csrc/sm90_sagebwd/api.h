@@ -26,8 +26,8 @@ constexpr int kDvInPlaceMaxQueries = 131072;
 
 // Which scores are visible, shared by both kernels. Key visibility comes per batch as one 64-bit word
 // per 64-key block (bit k: key 64 j + k visible); causality is top-left aligned, as torch SDPA's
-// is_causal (query i sees keys j <= i). A masked score's P~ is 0: its exp2 argument is capped at -inf,
-// so masked K / V values (zeroed by the forward) never reach a result.
+// is_causal (query i sees keys j <= i). A masked score's dS is 0 (and in the dK/dV kernel its P~, whose
+// exp2 argument is capped at -inf), so masked K / V values never reach a result.
 struct Visibility {
   // dK/dV kernel: (B, Skv / 64) words, or nullptr: every key visible. (The dQ kernel reads a block's
   // word from its K scale entry, kKScaleWord.)

@@ -79,8 +79,10 @@ VEC_FLOATS = 256
 VEC_M, VEC_INV_L, VEC_DELTA, VEC_DV_FACTOR, VEC_SQ = 0, 64, 128, 192, 193
 # The kernels hold dS times this (numerics.cuh kDsPrescale): the row pre-pass's inv_l carries it.
 DS_PRESCALE = 2.0 ** 32
-# The dQ kernel's per-key-block K scale, padded to a bulk copy's 16 bytes (api.h kKScaleFloats).
+# The dQ kernel's per-key-block entry, a bulk copy's 16 bytes (api.h kKScaleFloats): K's scale, the
+# block's index, its visibility word (two 32-bit halves), at these 32-bit positions (api.h kKScale*).
 K_SCALE_FLOATS = 4
+K_ENTRY_SCALE, K_ENTRY_BLOCK, K_ENTRY_WORD = 0, 1, 2
 # dV in place: its int32 sums stay exact up to 2^31 / 127^2 queries (api.h kDvInPlaceMaxQueries).
 DV_IN_PLACE_MAX_QUERIES = 131072
 # The kernels' key masks, causality and GQA have passed their CPU checks and the unmasked GPU cases
@@ -260,12 +262,13 @@ def key_entries_reference(scale: torch.Tensor, words: Optional[torch.Tensor] = N
     (:func:`key_words` (B, S / 64), or None: all ones) as two int32 halves, low first."""
     b, h, nt = scale.shape
     out = torch.empty((b, h, nt, K_SCALE_FLOATS), dtype=torch.int32, device=scale.device)
-    out[..., 0] = scale.contiguous().view(torch.int32)
-    out[..., 1] = torch.arange(nt, dtype=torch.int32, device=scale.device)
+    out[..., K_ENTRY_SCALE] = scale.contiguous().view(torch.int32)
+    out[..., K_ENTRY_BLOCK] = torch.arange(nt, dtype=torch.int32, device=scale.device)
+    word = slice(K_ENTRY_WORD, K_ENTRY_WORD + 2)
     if words is None:
-        out[..., 2:] = -1
+        out[..., word] = -1
     else:
-        out[..., 2:] = words.contiguous().view(torch.int32).reshape(b, 1, nt, 2)
+        out[..., word] = words.contiguous().view(torch.int32).reshape(b, 1, nt, 2)
     return out
 
 
