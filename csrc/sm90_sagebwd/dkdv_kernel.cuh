@@ -52,6 +52,15 @@ using sage_common::sm90::wgmma_ss;
 
 constexpr int kFirstNamedBarrier = 1;  // one per consumer warpgroup: its dS absmax
 
+// A masked key's cap on its scores' exp2 argument (P~ = exp2(min(x, cap))): -inf, so P~ = 0 and dS = 0
+// even where x is not finite. A visible key's cap is 0 (P~ <= 1).
+__device__ __forceinline__ float masked_cap() { return __int_as_float(0xff800000u); }
+
+// Key block j's visibility word (bit k: key 64 j + k) in batch b of nk blocks; all ones without a mask.
+__device__ __forceinline__ uint64_t key_word(const Visibility& vis, int b, int nk, int j) {
+  return vis.key_bits != nullptr ? __ldg(vis.key_bits + static_cast<int64_t>(b) * nk + j) : ~0ull;
+}
+
 // The ring's barriers (full: the producer's arrive + the copies' bytes; empty: lane 0 of each consumer
 // warp) and the once-per-CTA operands' barrier, by thread 0, before any other thread proceeds.
 __device__ __forceinline__ void init_barriers(uint64_t* full, uint64_t* empty, int stages, uint64_t* once) {

@@ -10,7 +10,6 @@
 #include "../common/softmax_utils.cuh"
 #include "../common/sm90/named_barrier.cuh"
 #include "../common/sm90/wgmma.cuh"
-#include "api.h"
 
 namespace sagebwd_sm90 {
 
@@ -34,15 +33,6 @@ using sage_common::exp2_mufu;
 // the quantization quotients stay out of float32's subnormal range, where the reciprocal residual
 // step below would differ from IEEE division.
 constexpr float kDsPrescale = 4294967296.f;  // 2^32
-
-// A masked score's cap on its exp2 argument (P~ = exp2(min(x, cap))): -inf, so P~ = 0 and dS = 0 even
-// where x is not finite. A visible score's cap is 0 (P~ <= 1).
-__device__ __forceinline__ float masked_cap() { return __int_as_float(0xff800000u); }
-
-// Key block j's visibility word (bit k: key 64 j + k) in batch b of nk blocks; all ones without a mask.
-__device__ __forceinline__ uint64_t key_word(const Visibility& vis, int b, int nk, int j) {
-  return vis.key_bits != nullptr ? __ldg(vis.key_bits + static_cast<int64_t>(b) * nk + j) : ~0ull;
-}
 
 // INT8 code bits of x / s with x / s the IEEE quotient (|x| <= 127 s), from r = 1 / s: x r corrected
 // by one FMA residual step (Markstein), the correctly rounded quotient here (the Triton kernels'

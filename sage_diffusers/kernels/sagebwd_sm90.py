@@ -496,13 +496,13 @@ def backward(do: torch.Tensor, state: SageBwdState, rows, sm_scale: float,
     else:
         qt, dot, _ = images8t(state.q8, rows.dos8t.transpose(-1, -2))  # dO' codes from their transposed copy
         dv_scale = torch.empty(0, dtype=torch.float32, device=do.device)
-    if key_mask is not None:
-        words = key_words(key_mask)
+    words = key_words(key_mask) if key_mask is not None else None
+    kt, _, k_scale = images8t(state.k8, scale=state.sk, words=words)
+    if words is not None:
         blocks = key_blocks(words)
-    else:  # every key visible
+    else:  # every key visible: the binding's empty tensors
         words = torch.empty(0, dtype=torch.int64, device=do.device)
         blocks = torch.empty(0, dtype=torch.int32, device=do.device)
-    kt, _, k_scale = images8t(state.k8, scale=state.sk, words=words if key_mask is not None else None)
     vec = query_vectors(state.sq, rows)
     f32 = dict(dtype=torch.float32, device=do.device)
     dq = torch.empty((b, h, sq_len, d), **f32)
