@@ -113,6 +113,21 @@ def attention_fn(method: str, causal: bool):
     return run
 
 
+def warm_up(fn) -> dict:
+    """Run ``fn`` once (JIT, autotuning, cuDNN plans) and return the fallbacks it recorded,
+    ``{reason: count}``: a SageBwd method whose call ran other kernels than it names (the sm90 backward
+    refusing a causal or masked call, say) is labelled so in the tables instead of timed under its name."""
+    with sd.recorded_fallbacks() as seen:
+        fn()
+        torch.cuda.synchronize()
+    return dict(seen)
+
+
+def fell_back_note(reasons: dict) -> str:
+    """' (fell back: <reasons>)' for a table's method cell, '' when the method ran as named."""
+    return f" (fell back: {'; '.join(sorted(reasons))})" if reasons else ""
+
+
 @contextlib.contextmanager
 def method_env(method: str):
     """The method's environment variables (METHOD_ENV) set for the duration, then restored."""
@@ -261,7 +276,7 @@ MASK_COST_KEEP = (0.5, 0.75, 0.95, "text-first")
 TEXT_FIRST = (512, 77)
 
 
-def mask_cost(out: Path, methods: list, shapes: list, rounds: int, target_ms: float) -> None:
+def mask_cost(out: Path, methods: list, shapes: list, rounds: int, target_ms: float, note: str = "") -> None:
     """--mask-cost: forward + backward of each SageBwd method with a key-padding mask keeping a
     fraction of Skv = S keys, against the same method unmasked over only the kept keys (Skv = kept,
     same queries): the mask's own cost. Causal against unmasked at the same shape is in the main table."""
@@ -296,14 +311,13 @@ def mask_cost(out: Path, methods: list, shapes: list, rounds: int, target_ms: fl
                         torch.autograd.grad(o, (qg, ku, vu), do)
 
                 steps[f"{m} masked"], steps[f"{m} kept only"] = masked, unmasked
-            for fn in steps.values():
-                fn()
-            torch.cuda.synchronize()
+            fell_back = {name: warm_up(fn) for name, fn in steps.items()}
             times = bench_utils.interleaved(steps, tuple, rounds, target_ms=target_ms)
             for m in methods:
                 a, u = spread(times[f"{m} masked"]), spread(times[f"{m} kept only"])
                 rows.append(dict(shape=f"{b}x{h}x{s}x{d}", keep=keep, kept=kept, method=m, masked=a, kept_only=u,
-                                 cost=a["median"] / u["median"] - 1.0))
+                                 cost=a["median"] / u["median"] - 1.0,
+                                 fell_back={**fell_back[f"{m} masked"], **fell_back[f"{m} kept only"]}))
                 print(f"[{time.time() - t0:6.1f}s] {b}x{h}x{s}x{d} keep {keep} {m:20s} masked {a['median']:.3f} ms, "
                       f"kept only {u['median']:.3f} ms: {100 * rows[-1]['cost']:+.1f} %", flush=True)
         del q, k, v, do
@@ -313,12 +327,13 @@ def mask_cost(out: Path, methods: list, shapes: list, rounds: int, target_ms: fl
              f"{rounds} interleaved rounds of about {target_ms:.0f} ms per method, in {time.time() - t0:.0f} s; "
              "autotune " + os.environ.get("SAGE_DIFFUSERS_TRITON_AUTOTUNE", "1") + ". Forward + backward, bf16. "
              "Masked: Skv = S keys, the first `kept` attended (`key_mask`), or text-first: keys 77-511 masked. Kept only: the same call on the kept "
-             "keys alone, unmasked. Cost = masked median / kept-only median - 1.", "",
+             "keys alone, unmasked. Cost = masked median / kept-only median - 1." + note, "",
              "| shape | keep | method | masked ms min / median / max | kept only ms | cost |", "|---|---|---|---|---|---|"]
     for r in rows:
         a, u = r["masked"], r["kept_only"]
         keep = r["keep"] if isinstance(r["keep"], str) else f"{r['keep']:.2f}"
-        lines.append(f"| {r['shape']} | {keep} ({r['kept']}) | {r['method']} | {a['min']:.3f} / {a['median']:.3f}"
+        lines.append(f"| {r['shape']} | {keep} ({r['kept']}) | {r['method']}{fell_back_note(r['fell_back'])} | "
+                     f"{a['min']:.3f} / {a['median']:.3f}"
                      f" / {a['max']:.3f} | {u['min']:.3f} / {u['median']:.3f} / {u['max']:.3f} | {100 * r['cost']:+.1f} % |")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -478,7 +493,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mask-cost", action="store_true",
                     help="forward + backward with a key-padding mask against the kept keys alone (--methods: "
                          "SageBwd methods; default sagebwd,sagebwd_scores_int8)")
+    ap.add_argument("--sm90-unchecked", action="store_true",
+                    help="let sagebwd_sm90 take key masks, causality and GQA before their GPU tests have passed "
+                         "(kernels.sagebwd_sm90.VISIBILITY_GPU_CHECKED; bench/device/sagebwd_session.sh passes it "
+                         "only after tests/test_sagebwd_sm90.py passed in the same call); the tables say so")
     args = ap.parse_args(argv)
+    if args.sm90_unchecked:
+        from sage_diffusers.kernels import sagebwd_sm90
+
+        sagebwd_sm90.VISIBILITY_GPU_CHECKED = True
+    note = (" `--sm90-unchecked`: sagebwd_sm90 took key masks, causality and GQA, their gate lifted for this run "
+            "(VISIBILITY_GPU_CHECKED; the run's test log says whether their GPU tests passed)." if args.sm90_unchecked else "")
 
     def needs_cuda():  # after the arguments' own checks, before the first CUDA call
         if not torch.cuda.is_available():
@@ -490,7 +515,7 @@ def main(argv: list[str] | None = None) -> None:
             ap.error("--mask-cost times SageBwd methods only")
         needs_cuda()
         mask_cost(Path(args.out or RESULTS / f"sagebwd_mask_cost_{gpu_slug(torch.cuda.get_device_name())}"), methods,
-                  args.shapes or MASK_COST_SHAPES, args.rounds or 3, args.target_ms)
+                  args.shapes or MASK_COST_SHAPES, args.rounds or 3, args.target_ms, note)
         return
     if args.realistic:
         needs_cuda()
@@ -528,12 +553,11 @@ def main(argv: list[str] | None = None) -> None:
         b, h, s, d = shape
         q, k, v, do = make_inputs(*shape)
         for pass_ in passes:
-            steps = {}
+            steps, fell_back = {}, {}
             for m in methods:  # warm-up: JIT, autotuning, cuDNN plans; a method that fails is reported and left out
                 try:
                     steps[m] = step_fn(m, causal, pass_, q, k, v, do)
-                    steps[m]()
-                    torch.cuda.synchronize()
+                    fell_back[m] = warm_up(steps[m])
                 except Exception as exc:  # noqa: BLE001 - one broken variant must not stop the others' timing
                     steps.pop(m, None)
                     failures.append(dict(shape=f"{b}x{h}x{s}x{d}", causal=causal, pass_=pass_, method=m,
@@ -549,7 +573,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(dict(shape=f"{b}x{h}x{s}x{d}", causal=causal, pass_=pass_, method=m,
                                  ms_min=sp["min"], ms_median=sp["median"], ms_max=sp["max"],
                                  tops=flops / sp["median"] / 1e9,
-                                 speedup_vs_cudnn=(base / sp["median"]) if base else None))
+                                 speedup_vs_cudnn=(base / sp["median"]) if base else None, fell_back=fell_back[m]))
                 print(f"[{time.time() - t0:6.1f}s] {b}x{h}x{s}x{d} causal={int(causal)} {pass_:8s} {m:20s} "
                       f"{sp['min']:8.3f} / {sp['median']:8.3f} / {sp['max']:8.3f} ms "
                       f"({flops / sp['median'] / 1e9:6.1f} TOPS) x{(base / sp['median']) if base else float('nan'):.2f}",
@@ -569,6 +593,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=__import__("triton").__version__, rounds=rounds, target_ms=args.target_ms,
                 autotune=os.environ.get("SAGE_DIFFUSERS_TRITON_AUTOTUNE", "1"), wall_s=round(time.time() - t0, 1),
+                sm90_unchecked=args.sm90_unchecked,
                 date=time.strftime("%Y-%m-%d %H:%M:%S"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows, failures=failures, autotuned=configs,
@@ -578,11 +603,12 @@ def main(argv: list[str] | None = None) -> None:
              f"torch {meta['torch']}, triton {meta['triton']}; {meta['rounds']} interleaved rounds of about "
              f"{meta['target_ms']:.0f} ms of back-to-back calls per method; autotune {meta['autotune']}; bf16 inputs; "
              f"produced by `eval/bench_sagebwd.py{' --compare' if args.compare else ''}` in {meta['wall_s']} s. "
-             "Speed-up = median cuDNN time / median time.", "",
+             "Speed-up = median cuDNN time / median time." + note, "",
              "| shape | causal | pass | method | ms min / median / max | TOPS | vs cuDNN |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         sp = f"{r['speedup_vs_cudnn']:.2f}x" if r["speedup_vs_cudnn"] else "n/a"
-        lines.append(f"| {r['shape']} | {int(r['causal'])} | {r['pass_']} | {r['method']} | {r['ms_min']:.3f} / "
+        lines.append(f"| {r['shape']} | {int(r['causal'])} | {r['pass_']} | {r['method']}{fell_back_note(r['fell_back'])}"
+                     f" | {r['ms_min']:.3f} / "
                      f"{r['ms_median']:.3f} / {r['ms_max']:.3f} | {r['tops']:.0f} | {sp} |")
     lines += ["", "## Accuracy against float32 SDPA (same inputs)", "",
               "| shape | variant | O cos / rel-L1 | dQ | dK | dV |", "|---|---|---|---|---|---|"]

@@ -545,3 +545,16 @@ def test_bench_sagebwd_methods_pass_their_precisions():
     assert opts("sagebwd_scores_int8") == dict(dov="fp16", scores="int8")
     assert set(bench_sagebwd.REALISTIC_METHODS.values()) <= set(bench_sagebwd.METHOD_ENV)
     assert "sagebwd_scores_int8" in bench_sagebwd.REALISTIC_METHODS.values()
+
+
+def test_bench_sagebwd_labels_a_method_that_fell_back(monkeypatch):
+    """The SageBwd tables label a method whose warm-up call recorded a fallback (the sm90 backward
+    refusing a causal call runs the Triton kernels), so its time is not read as the named kernels'."""
+    from sage_diffusers import _fallback
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    seen = bench_sagebwd.warm_up(lambda: _fallback.record("sagebwd: the sm90 backward kernels do not take x",
+                                                          ran="the Triton backward kernels"))
+    assert seen == {"sagebwd: the sm90 backward kernels do not take x": 1}
+    assert bench_sagebwd.fell_back_note(seen) == " (fell back: sagebwd: the sm90 backward kernels do not take x)"
+    assert bench_sagebwd.warm_up(lambda: None) == {} and bench_sagebwd.fell_back_note({}) == ""
