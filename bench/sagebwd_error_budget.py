@@ -23,11 +23,15 @@ same quantizers, 64-token blocks, online-softmax forward and operation order), s
   ``block64`` (shipped), ``none``;
 - ``dp`` (dP = dO V^T): ``fp16`` (dO and V in the 16-bit compute dtype, shipped), ``none`` (float32);
 - ``ds_dq`` (dS for dQ = dS K): ``tile`` (one scale per 64x64 tile, shipped), ``row`` (per query row
-  of the tile: the output row of dQ's MMA), ``none``; ``ds_dk`` (dS for dK = dS^T Q): ``tile``
-  (shipped), ``col`` (per key column of the tile: dK's output row), ``none``;
+  of the tile: the output row of dQ's MMA), ``dtype`` (dS rounded to the 16-bit compute dtype, no
+  scale: a 16-bit dQ product), ``none``; ``ds_dk`` (dS for dK = dS^T Q): ``tile``
+  (shipped), ``col`` (per key column of the tile: dK's output row), ``dtype``, ``none``;
 - ``k_dq`` (smoothed K as dQ's operand) and ``q_dk`` (Q as dK's operand): ``block64`` (shipped),
   ``token`` (the per-token scale, on the reduction axis, is folded into dS before it is quantized),
-  ``none``.
+  ``none``; ``k_dq`` also ``dtype`` (the smoothed K rounded to the 16-bit compute dtype) and ``raw``
+  (K as the 16-bit scores read it: not smoothed, masked rows 0; a dK/dV kernel that also sums dQ by
+  a 16-bit product would find this K in shared memory already); ``q_dk`` also ``dtype`` (Q in the
+  16-bit compute dtype, as the 16-bit scores read it).
 
 Inputs: ``sage_diffusers.realistic.CASES`` at 1x2x2x512x512 (``--seq``), D 64 and 128, bf16 (not causal)
 and fp16 (causal), dO ~ N(0, 1) in the input dtype. The reference is float64 autograd of exact
@@ -71,8 +75,8 @@ MODES = dict(
     q=("block64", "token", "smooth64", "none"), k=("block64", "token", "none"), s_bwd=("fwd", "exact"),
     stats=("fwd", "recompute"), pv=("int8", "uint8", "fp16", "none"), out=("dtype", "fp32"), delta=("o", "p"),
     p_dv=("int8", "uint8", "none"), do_dv=("block64", "channel", "none"), dp=("fp16", "none"),
-    ds_dq=("tile", "row", "none"), ds_dk=("tile", "col", "none"),
-    k_dq=("block64", "token", "none"), q_dk=("block64", "token", "none"),
+    ds_dq=("tile", "row", "dtype", "none"), ds_dk=("tile", "col", "dtype", "none"),
+    k_dq=("block64", "token", "dtype", "raw", "none"), q_dk=("block64", "token", "dtype", "none"),
 )
 P_UNIT = {"int8": INT8_MAX, "uint8": UINT8_MAX}
 
@@ -155,7 +159,7 @@ def block_mean(x: torch.Tensor, block: int) -> torch.Tensor:
     return mean.expand_as(xb).flatten(2, 3)[:, :, :s]
 
 
-def quantize_ds(ds: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_ds(ds: torch.Tensor, mode: str, cdt: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """dS float32 (B, H, Sq, Skv) -> (codes as tiles (B, H, nq, BQ, nk, BKV), scale (B, H, nq, BQ, nk, BKV)
     broadcastable: (.., 1, .., 1) per tile, (.., BQ, .., 1) per row, (.., 1, .., BKV) per column)."""
     if mode == "tile":  # the reference's function: the same bits
@@ -164,6 +168,8 @@ def quantize_ds(ds: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor
     tiles = ref.tile_view(ds)
     if mode == "none":
         return tiles, torch.ones(())
+    if mode == "dtype":
+        return tiles.to(cdt).float(), torch.ones(())
     axis = 5 if mode == "row" else 3
     scale = _div(tiles.abs().amax(axis, keepdim=True), INT8_MAX)
     return _int8_from_scale(tiles, scale).float(), scale
@@ -218,7 +224,8 @@ def forward(x: realistic.Inputs, var: Variant, is_causal: bool):
     out = torch.where(empty, torch.zeros_like(acc), acc / torch.where(empty, one, l))
     lse2 = torch.where(empty, torch.full_like(l, -math.inf), m + torch.log2(torch.where(empty, one, l)))
     m2 = torch.where(empty, torch.full_like(m, -math.inf), m)
-    return out, m2, lse2, score, dict(ks=ks, vz=vz, qf=qf, qk_scale=qk_scale)
+    kz = ref.masked_v(k, key_mask).float()  # K as the 16-bit scores read it: not smoothed, masked rows 0
+    return out, m2, lse2, score, dict(ks=ks, kz=kz, vz=vz, qf=qf, qk_scale=qk_scale)
 
 
 def row_stats(s2: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,9 +305,13 @@ def emulate(x: realistic.Inputs, do: torch.Tensor, var: Variant, is_causal: bool
         probe["ds_absmax"] = float(ds.abs().max())
 
     # dQ = dS K: K's per-token scale (token mode) folded into dS's columns, a block scale per tile.
-    ko = quantize_operand(pre["ks"], var.k_dq)
+    cdt = ref.compute_dtype(q.dtype)
+    if var.k_dq in ("dtype", "raw"):
+        ko = Operand(pre["ks" if var.k_dq == "dtype" else "kz"].to(cdt).float())
+    else:
+        ko = quantize_operand(pre["ks"], var.k_dq)
     ds_q = ds * expand_heads(ko.tok, hq)[:, :, None, :] if ko.tok is not None else ds
-    codes, sds = quantize_ds(ds_q, var.ds_dq)
+    codes, sds = quantize_ds(ds_q, var.ds_dq, cdt)
     k_blocks = ref._block_rows(expand_heads(ko.codes, hq), BKV)  # (B, Hq, nk, BKV, D)
     dq_tiles = torch.einsum("bhiqjk,bhjkd->bhijqd", codes, k_blocks)  # (B, H, nq, nk, BQ, D)
     ksc = expand_heads(ko.blk, hq)[:, :, None, None, :, None] if ko.blk is not None else torch.ones(())
@@ -309,9 +320,9 @@ def emulate(x: realistic.Inputs, do: torch.Tensor, var: Variant, is_causal: bool
     dq = (dq_tiles * dq_scale).sum(3).flatten(2, 3)[:, :, :sq_len]
 
     # dK = dS^T Q: Q's per-token scale folded into dS's rows, a block scale per tile.
-    qo = quantize_operand(pre["qf"], var.q_dk)
+    qo = Operand(pre["qf"].to(cdt).float()) if var.q_dk == "dtype" else quantize_operand(pre["qf"], var.q_dk)
     ds_k = ds * qo.tok[..., None] if qo.tok is not None else ds
-    codes, sds = quantize_ds(ds_k, var.ds_dk)
+    codes, sds = quantize_ds(ds_k, var.ds_dk, cdt)
     q_blocks = ref._block_rows(qo.codes, BQ)  # (B, Hq, nq, BQ, D)
     dk_tiles = torch.einsum("bhiqjk,bhiqd->bhijkd", codes, q_blocks)  # (B, H, nq, nk, BKV, D)
     qsc = qo.blk[:, :, :, None, None, None] if qo.blk is not None else torch.ones(())
@@ -411,6 +422,13 @@ VARIANTS: tuple[tuple[str, Variant], ...] = (
                q="none", k="none", pv="fp16")),
     ("fix", _v("QK 16-bit + PV fp16 + dS row/col", "the same, dS per row / column", q="none", k="none",
                pv="fp16", ds_dq="row", ds_dk="col")),
+    ("fix", _v("QK 16-bit + PV fp16 + dQ 16-bit", "the 16-bit forward; dQ = dS K as a 16-bit product of the "
+               "smoothed K", q="none", k="none", pv="fp16", ds_dq="dtype", k_dq="dtype")),
+    ("fix", _v("QK 16-bit + PV fp16 + dQ 16-bit, K raw", "the same with K as the scores read it (not smoothed)",
+               q="none", k="none", pv="fp16", ds_dq="dtype", k_dq="raw")),
+    ("fix", _v("QK 16-bit + PV fp16 + dQ, dK 16-bit", "the 16-bit forward; dQ = dS K (smoothed K) and "
+               "dK = dS^T Q as 16-bit products: only dV in INT8", q="none", k="none", pv="fp16", ds_dq="dtype",
+               k_dq="dtype", ds_dk="dtype", q_dk="dtype")),
     ("fix", _v("QK 16-bit + delta from P", "scores in 16 bits, INT8 P~ V, delta = rowsum(P o dP)",
                q="none", k="none", delta="p")),
     ("fix", _v("QK 16-bit + dS row/col + O fp32", "scores exact, dS per row / column, delta from float32 O",
