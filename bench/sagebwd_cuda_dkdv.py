@@ -10,8 +10,10 @@ shared-memory tiles made with torch ops from the reference's quantized operands 
 the lab extension, ``bench/sm90_sagebwd/``: ``layout_table``), so the timing is the kernels alone; the
 package's path writes them with its Triton image pre-pass (``sage_diffusers/kernels/sagebwd_sm90.py``;
 ``eval/bench_sagebwd.py --methods sagebwd_sm90`` times the whole call). The lab binding also has the
-variants the shipped policy leaves out: dV in place (dO' per channel) and the serial hd64 schedule. The
-numerics are the shipped ones with 16-bit scores (``sage_diffusers/reference/sagebwd.py``,
+variants the shipped policy leaves out: dV in place (dO' per channel), the serial hd64 schedule, and dK
+as a bf16 product summed in place (``DkAcc::kBf16InPlace``: no dS tile scale, no INT8 codes of dS, no
+per-step conversion of dK; other numerics than the package's, specified by :func:`dk16_reference`). The
+numerics are otherwise the shipped ones with 16-bit scores (``sage_diffusers/reference/sagebwd.py``,
 ``scores="fp16"``); no masks, causality or GQA; Sq % 64 == 0, Skv % 128 == 0.
 
     python bench/sagebwd_cuda_dkdv.py --check                  # small shapes against the reference
@@ -158,14 +160,33 @@ def run_dq(ext, ops: dict, shape, overlap: bool = False) -> torch.Tensor:
     return dq
 
 
-def run_ours(ext, ops: dict, shape, overlap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """dK, dV (B, H, Skv, D) float32 from the kernel; ``overlap``: the overlapped schedule (hd64)."""
+def run_ours(ext, ops: dict, shape, overlap: bool = False, dk16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """dK, dV (B, H, Skv, D) float32 from the kernel; ``overlap``: the overlapped schedule (hd64);
+    ``dk16``: dK as a bf16 product summed in place (DkAcc::kBf16InPlace, :func:`dk16_reference`)."""
     b, h, skv, d = shape
     dk = torch.empty(b, h, skv, d, dtype=torch.float32, device="cuda")
     dv = torch.empty_like(dk)
     ext.dkdv(ops["k"], ops["v"], ops["q"], ops["dO"], ops["qt"], ops["dot"], ops["vec"], dk, dv, ops["bf16"],
-             ops["qk_scale"], ops["sm_scale"], overlap, ops["dv_scale"])
+             ops["qk_scale"], ops["sm_scale"], overlap, ops["dv_scale"], dk16)
     return dk, dv
+
+
+def dk16_reference(st: ref.SageBwdState, do: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """dK (B, H, Skv, D) float32 as DkAcc::kBf16InPlace computes it: the reference's dS (16-bit scores in
+    the forward's key tiles, delta from the output; no mask) times DS_PRESCALE rounded to bf16, times Q
+    in 16 bits, summed exactly, times sm_scale / DS_PRESCALE. (The lab's numerics, not the package's.)"""
+    kc, skv = st.kc, st.kc.shape[2]
+    s2 = torch.cat([ref.scores16_log2(st.qc, kc[:, :, j:j + KEYS_PER_WG], sm_scale * LOG2E)
+                    for j in range(0, skv, KEYS_PER_WG)], dim=-1)
+    live = torch.isfinite(st.lse2)[..., None]
+    zero = torch.zeros((), device=do.device)
+    m_safe = torch.where(live, st.m2[..., None], zero)
+    p_tilde = torch.where(live, torch.exp2((s2 - m_safe).clamp_max(0)), zero)
+    p = p_tilde * torch.exp2(m_safe - torch.where(live, st.lse2[..., None], zero))
+    dp = do.to(st.vc.dtype).float() @ st.vc.float().transpose(-1, -2)
+    delta = (do.float() * st.out.float()).sum(-1, keepdim=True)
+    ds16 = (p * (dp - delta) * DS_PRESCALE).to(torch.bfloat16).double()
+    return ((ds16.transpose(-1, -2) @ st.qc.double()) * (sm_scale / DS_PRESCALE)).float()
 
 
 def metrics(got: torch.Tensor, want: torch.Tensor) -> str:
@@ -223,20 +244,22 @@ def check(ext) -> bool:
             print(f"{tag}: dQ ours vs reference {metrics(dq, dq_ref)}; vs float64: ours {metrics(dq, dq64)} | "
                   f"reference {metrics(dq_ref, dq64)}")
             ok = ok and agrees(dq, dq_ref)
-        variants = [(False, False)] + ([(True, False)] if d == 64 else [])
-        if dtype == torch.bfloat16:  # dV in place: hd64 with the overlapped schedule, hd128 serial
-            variants.append((d == 64, True))
-        for overlap, in_place in variants:
+        variants = [(False, False, False)] + ([(True, False, False)] if d == 64 else [])
+        if dtype == torch.bfloat16:  # dV in place: hd64 with the overlapped schedule, hd128 serial; dK in bf16
+            variants += [(d == 64, True, False), (d == 64, False, True), (d == 64, True, True)]
+        dk16_want = dk16_reference(st, do, sm_scale) if dtype == torch.bfloat16 else None
+        for overlap, in_place, dk16 in variants:
             dv_want = dv_in_place_reference(st, do, sm_scale) if in_place else dv_ref
+            dk_want = dk16_want if dk16 else dk_ref
             dk, dv = run_ours(ext, operands(ext, q, k, v, do, st, sm_scale, in_place) if in_place else ops,
-                              (b, h, s, d), overlap)
+                              (b, h, s, d), overlap, dk16)
             torch.cuda.synchronize()
             tag = (f"{b}x{h}x{s}x{d} {str(dtype).split('.')[-1]} {kind}{' overlap' if overlap else ''}"
-                   f"{' dV in place' if in_place else ''}")
-            print(f"{tag}: dK ours vs reference {metrics(dk, dk_ref)}; dV {metrics(dv, dv_want)}")
+                   f"{' dV in place' if in_place else ''}{' dK bf16' if dk16 else ''}")
+            print(f"{tag}: dK ours vs its reference {metrics(dk, dk_want)}; dV {metrics(dv, dv_want)}")
             print(f"{tag}: vs float64: dK ours {metrics(dk, dk64)} | reference {metrics(dk_ref, dk64)}")
             print(f"{tag}: vs float64: dV ours {metrics(dv, dv64)} | reference {metrics(dv_ref, dv64)}")
-            ok = ok and agrees(dk, dk_ref) and agrees(dv, dv_want)
+            ok = ok and agrees(dk, dk_want) and agrees(dv, dv_want)
     print("CHECK", "PASSED" if ok else "FAILED")
     return ok
 
@@ -273,10 +296,12 @@ def bench(ext, shapes, rounds: int, iters: int) -> list[str]:
         ops_dq = dq_operands(ext, q, do, st, sm_scale)
         acc = [f"- dQ kernel: dQ {metrics(run_dq(ext, ops_dq, shape), dq_t)}",
                f"- dQ kernel, overlapped: dQ {metrics(run_dq(ext, ops_dq, shape, True), dq_t)}"]
-        for label, o, overlap in (("serial", ops, False), ("overlapped", ops, True), ("dV in place", ops_ch, d == 64)):
+        for label, o, overlap, dk16 in (("serial", ops, False, False), ("overlapped", ops, True, False),
+                                        ("dV in place", ops_ch, d == 64, False),
+                                        ("dV in place, dK bf16", ops_ch, d == 64, True)):
             if overlap and d != 64 and o is ops:
                 continue
-            dk, dv = run_ours(ext, o, shape, overlap)
+            dk, dv = run_ours(ext, o, shape, overlap, dk16)
             acc.append(f"- {label}: dK {metrics(dk, dk_t)}; dV {metrics(dv, dv_t)}")
         qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -288,6 +313,8 @@ def bench(ext, shapes, rounds: int, iters: int) -> list[str]:
         if d == 64:
             methods["ours dK/dV, overlapped"] = (lambda: run_ours(ext, ops, shape, True), lambda n: "dkdv_kernel" in n)
         methods["ours dK/dV, dV in place (dO' per channel)"] = (lambda: run_ours(ext, ops_ch, shape, d == 64),
+                                                                 lambda n: "dkdv_kernel" in n)
+        methods["ours dK/dV, dV in place, dK bf16 in place"] = (lambda: run_ours(ext, ops_ch, shape, d == 64, True),
                                                                  lambda n: "dkdv_kernel" in n)
         methods["ours dQ"] = (lambda: run_dq(ext, ops_dq, shape), lambda n: "dq_kernel" in n)
         methods["ours dQ, overlapped"] = (lambda: run_dq(ext, ops_dq, shape, True), lambda n: "dq_kernel" in n)

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Per-step instruction cost of the sm90 SageBwd kernels' consumer loops, read from their SASS (no GPU).
 
-    python bench/sagebwd_sm90_sass.py [--out eval/results/sagebwd_sm90_sass]
+    python bench/sagebwd_sm90_sass.py [--lab] [--out eval/results/sagebwd_sm90_sass]
 
-Compiles the shipped units (``csrc/sm90_sagebwd/hd64.cu``, ``hd128.cu``) for sm_90a with the JIT
+Compiles the shipped units (``csrc/sm90_sagebwd/hd64.cu``, ``hd128.cu``; with ``--lab`` the lab's,
+``bench/sm90_sagebwd/lab_hd*.cu``, every built variant) for sm_90a with the JIT
 build's flags (nvcc from ``$NVCC`` or PATH, the CuTe headers of ``nvidia-cutlass``), finds each
 kernel's consumer loop and walks its steady path with ``csrc/sm90_int8/sass_cost.py`` (unmasked,
 not causal: the per-score mask blocks and the causal copy of the softmax are skipped), and reports
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT / "csrc" / "sm90_int8"))
 import sass_cost  # noqa: E402  (the SASS parser and steady-path walker of the 8-bit forward)
 
 SRC = ROOT / "csrc" / "sm90_sagebwd"
+LAB = ROOT / "bench" / "sm90_sagebwd"
 FLAGS = ["-std=c++20", "-O3", "--expt-relaxed-constexpr", "-DNDEBUG", "-gencode=arch=compute_90a,code=sm_90a",
          "-Xptxas", "-v"]
 _GMMA = re.compile(r"^([IH])GMMA\.(\d+)x(\d+)x(\d+)")
@@ -101,18 +103,22 @@ def analyse(sass: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="write OUT.md and OUT.json")
+    ap.add_argument("--lab", action="store_true",
+                    help="the lab's units (bench/sm90_sagebwd/lab_hd*.cu: every built variant) instead of the shipped ones")
     args = ap.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="sagebwd_sass_") as tmp:
-        for unit in ("hd64.cu", "hd128.cu"):
-            sass, log = compile_unit(SRC / unit, Path(tmp))
+        units = [LAB / f"lab_hd{d}.cu" for d in (64, 128)] if args.lab else [SRC / f"hd{d}.cu" for d in (64, 128)]
+        for unit in units:
+            sass, log = compile_unit(unit, Path(tmp))
             rows += analyse(sass)
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     classes = [n for n, _ in sass_cost.CLASSES] + ["other"]
     used = [c for c in classes if any(c in r["classes"] for r in rows)]
     lines = ["# sm90 SageBwd kernels: instructions per loop step (sm_90a SASS, no GPU)", "",
-             f"`python bench/sagebwd_sm90_sass.py` at commit {commit}. Steady path of each consumer loop "
+             f"`python bench/sagebwd_sm90_sass.py{' --lab' if args.lab else ''}` at commit {commit}"
+             f"{' (the lab units: every built variant)' if args.lab else ' (the shipped units)'}. Steady path of each consumer loop "
              "(unmasked, not causal), per consumer thread and step; a step is two 64x64 tiles per CTA, one per "
              "warpgroup, so the issue bound per tile and SM equals the instructions per step (2 warps per "
              "scheduler). Tensor: one warpgroup's wgmma work per step at the dense rates.", "",

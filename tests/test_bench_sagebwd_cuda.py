@@ -95,3 +95,27 @@ def test_dq_images_hold_the_reference_operands():
     assert torch.equal(ops["m"], st.m2)
     with pytest.raises(ValueError, match="Sq % 128"):
         lab.dq_operands(ext, q[:, :, :192], do[:, :, :192], st, 0.125)
+
+
+def test_dk16_reference_is_the_reference_dk_without_its_int8_steps():
+    """The lab's spec of the bf16 dK product (DkAcc::kBf16InPlace): with the reference's dS, it is the
+    reference's dK up to the INT8 steps (the tile-quantized dS and Q^), so it lies closer to float64
+    autograd than the reference (the error budget's 16-bit dK), and it sums over queries as dK must
+    (a zero dO gives a zero dK)."""
+    b, h, s, d = 1, 2, 256, 64
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(b, h, s, d, generator=g).to(torch.bfloat16) for _ in range(4))
+    k = k + 3 * torch.randn(1, h, 1, d, generator=g).to(torch.bfloat16)  # per-channel offsets, as DiT keys
+    sm_scale = 1 / math.sqrt(d)
+    st = ref.sagebwd_forward(q, k, v, pv="fp16", scores="fp16")
+    _, dk_ref, _ = ref.sagebwd_backward(do, st, scores="fp16")
+    dk16 = lab.dk16_reference(st, do, sm_scale)
+    qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd)
+    dk64 = torch.autograd.grad(out, kd, do.double())[0]
+    from sage_diffusers.reference import relative_l1
+
+    err16, err8 = relative_l1(dk16, dk64), relative_l1(dk_ref, dk64)
+    assert err16 < err8 / 3, (err16, err8)
+    assert relative_l1(dk16, dk_ref) < 2 * err8
+    assert torch.equal(lab.dk16_reference(st, torch.zeros_like(do), sm_scale), torch.zeros_like(dk16))

@@ -51,10 +51,10 @@ torch::Tensor layout_table(const std::string& kind, int64_t d) {
 
 // Images as uint8 / float32 tensors laid out as Params says; dk, dv (B, H, Skv, D) float32 outputs.
 // overlap: Schedule::kOverlap (hd64); dv_channel_scale (B, H, D) float32: DvAcc::kInPlace (bf16; dot's
-// codes then carry dO' per channel), or an empty tensor.
+// codes then carry dO' per channel), or an empty tensor; dk16: DkAcc::kBf16InPlace (bf16; qt unread).
 void dkdv(torch::Tensor k, torch::Tensor v, torch::Tensor q, torch::Tensor dO, torch::Tensor qt, torch::Tensor dot,
           torch::Tensor vec, torch::Tensor dk, torch::Tensor dv, bool bf16, double qk_scale, double sm_scale,
-          bool overlap, torch::Tensor dv_channel_scale) {
+          bool overlap, torch::Tensor dv_channel_scale, bool dk16) {
   for (auto* t : {&k, &v, &q, &dO, &qt, &dot, &vec, &dk, &dv, &dv_channel_scale}) {
     TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "dkdv: CUDA contiguous tensors");
   }
@@ -72,6 +72,8 @@ void dkdv(torch::Tensor k, torch::Tensor v, torch::Tensor q, torch::Tensor dO, t
               "dkdv: dv_channel_scale (B, H, D) float32, bf16 inputs");
   TORCH_CHECK(!overlap || d == 64, "dkdv: the overlapped schedule is built at head dim 64 only");
   TORCH_CHECK(!in_place || overlap || d == 128, "dkdv: dV in place is built with the overlapped schedule at hd64");
+  TORCH_CHECK(!dk16 || (bf16 && (d == 128 || overlap)),
+              "dkdv: the bf16 dK product is built for bf16, with the overlapped schedule at hd64");
   Params p{k.data_ptr<uint8_t>(), v.data_ptr<uint8_t>(), q.data_ptr<uint8_t>(), dO.data_ptr<uint8_t>(),
            qt.data_ptr<uint8_t>(), dot.data_ptr<uint8_t>(), vec.data_ptr<float>(), dk.data_ptr<float>(),
            dv.data_ptr<float>(), in_place ? dv_channel_scale.data_ptr<float>() : nullptr, heads, sq, skv,
@@ -83,7 +85,16 @@ void dkdv(torch::Tensor k, torch::Tensor v, torch::Tensor q, torch::Tensor dO, t
   using A = DvAcc;
   using bf = cute::bfloat16_t;
   using hf = cute::half_t;
-  if (d == 128 && in_place) {
+  using K = DkAcc;
+  if (dk16) {
+    if (d == 128) {
+      err = in_place ? launch_dkdv<128, bf, S::kSerial, A::kInPlace, K::kBf16InPlace>(p, batch, stream)
+                     : launch_dkdv<128, bf, S::kSerial, A::kScaledPerStep, K::kBf16InPlace>(p, batch, stream);
+    } else {
+      err = in_place ? launch_dkdv<64, bf, S::kOverlap, A::kInPlace, K::kBf16InPlace>(p, batch, stream)
+                     : launch_dkdv<64, bf, S::kOverlap, A::kScaledPerStep, K::kBf16InPlace>(p, batch, stream);
+    }
+  } else if (d == 128 && in_place) {
     err = launch_dkdv<128, bf, S::kSerial, A::kInPlace>(p, batch, stream);
   } else if (d == 128) {
     err = bf16 ? launch_dkdv<128, bf, S::kSerial, A::kScaledPerStep>(p, batch, stream)

@@ -8,10 +8,14 @@
 namespace sagebwd_sm90 {
 
 // Per head dim and dtype the serial schedule with the shipped dV numerics; at hd64 the overlapped one
-// too; dV in place (bf16 only) with the hd64 overlapped and the hd128 serial schedule. dQ: serial per
-// dtype, overlapped (bf16).
+// too; dV in place (bf16 only) with the hd64 overlapped and the hd128 serial schedule; dK as a bf16
+// product (DkAcc::kBf16InPlace) with either dV, on the same schedules. dQ: serial per dtype,
+// overlapped (bf16).
 #define SAGEBWD_LAB_DKDV(PREFIX, D, E, S, A) \
   PREFIX template cudaError_t launch_dkdv<D, E, Schedule::S, DvAcc::A>(const Params&, int, cudaStream_t)
+#define SAGEBWD_LAB_DKDV16(PREFIX, D, S, A)                                                                    \
+  PREFIX template cudaError_t launch_dkdv<D, cute::bfloat16_t, Schedule::S, DvAcc::A, DkAcc::kBf16InPlace>( \
+      const Params&, int, cudaStream_t)
 #define SAGEBWD_LAB_DQ(PREFIX, D, E, S) \
   PREFIX template cudaError_t launch_dq<D, E, Schedule::S>(const DqParams&, int, cudaStream_t)
 #define SAGEBWD_LAB_HD64(PREFIX)                                            \
@@ -20,6 +24,8 @@ namespace sagebwd_sm90 {
   SAGEBWD_LAB_DKDV(PREFIX, 64, cute::bfloat16_t, kOverlap, kScaledPerStep); \
   SAGEBWD_LAB_DKDV(PREFIX, 64, cute::half_t, kOverlap, kScaledPerStep);     \
   SAGEBWD_LAB_DKDV(PREFIX, 64, cute::bfloat16_t, kOverlap, kInPlace);       \
+  SAGEBWD_LAB_DKDV16(PREFIX, 64, kOverlap, kScaledPerStep);                  \
+  SAGEBWD_LAB_DKDV16(PREFIX, 64, kOverlap, kInPlace);                        \
   SAGEBWD_LAB_DQ(PREFIX, 64, cute::bfloat16_t, kSerial);                    \
   SAGEBWD_LAB_DQ(PREFIX, 64, cute::bfloat16_t, kOverlap);                   \
   SAGEBWD_LAB_DQ(PREFIX, 64, cute::half_t, kSerial)
@@ -27,6 +33,8 @@ namespace sagebwd_sm90 {
   SAGEBWD_LAB_DKDV(PREFIX, 128, cute::bfloat16_t, kSerial, kScaledPerStep);  \
   SAGEBWD_LAB_DKDV(PREFIX, 128, cute::half_t, kSerial, kScaledPerStep);      \
   SAGEBWD_LAB_DKDV(PREFIX, 128, cute::bfloat16_t, kSerial, kInPlace);        \
+  SAGEBWD_LAB_DKDV16(PREFIX, 128, kSerial, kScaledPerStep);                   \
+  SAGEBWD_LAB_DKDV16(PREFIX, 128, kSerial, kInPlace);                         \
   SAGEBWD_LAB_DQ(PREFIX, 128, cute::bfloat16_t, kSerial);                    \
   SAGEBWD_LAB_DQ(PREFIX, 128, cute::bfloat16_t, kOverlap);                   \
   SAGEBWD_LAB_DQ(PREFIX, 128, cute::half_t, kSerial)

@@ -96,8 +96,17 @@ struct Config {
                                   cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>>;
   using MmaD = std::conditional_t<D == 128, cute::SM90::GMMA::MMA_64x128x32_S32S8S8_RS_TN,
                                   cute::SM90::GMMA::MMA_64x64x32_S32S8S8_RS_TN>;
+  // DkAcc::kBf16InPlace: dK = dS^T Q as a bf16 product (A: dS^T from registers; B: the stage's Q tile
+  // read MN-major, (D, 64 queries): the same bytes as LayoutQ, its 8-query atoms innermost).
+  using LayoutQmn = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_MN_SW128_Atom<Elem>{}, cute::Shape<cute::Int<D>, cute::Int<kBlockM>, cute::Int<kStages>>{},
+      cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  using MmaDk16 = std::conditional_t<
+      D == 128, cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<cute::GMMA::Major::K, cute::GMMA::Major::MN>,
+      cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<cute::GMMA::Major::K, cute::GMMA::Major::MN>>;
   using TiledMmaS = decltype(cute::make_tiled_mma(MmaS{}));
   using TiledMmaD = decltype(cute::make_tiled_mma(MmaD{}));
+  using TiledMmaDk16 = decltype(cute::make_tiled_mma(MmaDk16{}));
   static constexpr int kSRegs = kKeysPerWG * kBlockM / 128;  // 32 fp32 of S^T (and of dP^T)
   static constexpr int kDRegs = kKeysPerWG * D / 128;        // D / 2 of dK, of dV, of a product
   static constexpr int kARegs = kKeysPerWG * kBlockM / 128 / 4;  // 8: one 64x64 INT8 A operand
@@ -160,10 +169,25 @@ enum class DvAcc {
   kInPlace,
 };
 
-template <int D, class Elem, Schedule kSchedule, DvAcc kDvAcc>
+// How dK sums its products.
+enum class DkAcc {
+  // dS^ INT8 per 64 x 64 tile times Q^ (INT8 per query block): each step's int32 result times the
+  // tile's scales, added to an fp32 dK (the shipped numerics, the paper's INT8 product).
+  kInt8PerStep,
+  // dS (times kDsPrescale) rounded to bf16, no scale, times Q as the 16-bit scores read it: the fp32
+  // sums stay in the wgmma accumulator across the loop, so a step has no dS tile scale, no INT8
+  // codes of dS and no conversion or scaled add of dK (eval/results/sagebwd_error_budget_cpu.md, "dQ
+  // and dK as 16-bit products": dK rel-L1 ~0.014 -> ~0.002 emulated). bf16 only (dS's range).
+  kBf16InPlace,
+};
+
+template <int D, class Elem, Schedule kSchedule, DvAcc kDvAcc, DkAcc kDkAcc = DkAcc::kInt8PerStep>
 __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
   using C = Config<D, Elem>;
   constexpr bool kInPlace = kDvAcc == DvAcc::kInPlace;
+  constexpr bool kDk16 = kDkAcc == DkAcc::kBf16InPlace;
+  static_assert(!kDk16 || std::is_same_v<Elem, cute::bfloat16_t>, "the bf16 dK product takes bf16 operands");
+  constexpr int kDsRegs = kDk16 ? C::kSRegs / 2 : C::kARegs;  // dK's A fragment: bf16 pairs or INT8 codes
   static_assert(kSchedule == Schedule::kSerial || D == 64, "the overlapped schedule fits hd64's registers only");
   extern __shared__ uint8_t smem_raw[];
   Smem<D, Elem> sp(smem_raw);
@@ -231,9 +255,21 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
                 "16-bit descriptors: one per 16-wide k-step (and stage)");
   static_assert(cute::size<2>(decltype(dQT_){}) == kBlockM / 32 && cute::size<3>(decltype(dQT_){}) == C::kStages,
                 "INT8 descriptors: one per 32-query k-step and stage");
+  // kDk16: the stage's Q tile as dK's B operand (otherwise unused: 0)
+  const auto dQmn_ = [&] {
+    if constexpr (kDk16) {
+      const auto d = sm90::gmma_desc_b<typename C::TiledMmaDk16, typename C::LayoutQmn>(reinterpret_cast<Elem*>(sp.q), tid);
+      static_assert(cute::size<2>(decltype(d){}) == kBlockM / 16 && cute::size<3>(decltype(d){}) == C::kStages,
+                    "bf16 dK descriptors: one per 16-query k-step and stage");
+      return d;
+    } else {
+      return 0;
+    }
+  }();
 
   // dV's sums: fp32 (kScaledPerStep), or with kInPlace int32 bits in the wgmma's own accumulator,
-  // set by the first step's product (the unused one of the two is never live).
+  // set by the first step's product (the unused one of the two is never live). dK's: fp32, added to
+  // per step, or with kDk16 the bf16 product's accumulator itself (from these zeros).
   float dv[C::kDRegs], dk[C::kDRegs];
   uint32_t dv_int[C::kDRegs];
 #pragma unroll
@@ -251,6 +287,15 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
       wgmma_rs<typename C::MmaD>(&frag[4 * kb], uint64_t(dv_product ? dDOT_(0, 0, kb, s) : dQT_(0, 0, kb, s)), prod,
                                  kb == 0 && !accumulate ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
                                  std::make_index_sequence<C::kDRegs>{});
+  };
+  // kDk16: dk += dS^T Q with dS^T's bf16 A fragment and the stage's Q tile; not committed.
+  auto issue_dk16 = [&](const uint32_t (&frag)[C::kSRegs / 2], int s) {
+    if constexpr (kDk16) {
+#pragma unroll
+      for (int kb = 0; kb < kBlockM / 16; ++kb)
+        wgmma_rs<typename C::MmaDk16>(&frag[4 * kb], uint64_t(dQmn_(0, 0, kb, s)), dk, cute::GMMA::ScaleOut::One,
+                                      std::make_index_sequence<C::kDRegs>{});
+    }
   };
   auto add_scaled = [&](float (&acc)[C::kDRegs], const uint32_t (&prod)[C::kDRegs], float factor) {
 #pragma unroll
@@ -284,18 +329,30 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
     } else {
       scores([&](int v, int) { return cap_row[(v >> 1) & 1]; });
     }
-    // alternated by step, not by query block (a GQA wrap repeats a block's parity)
-    const DsTileScale sc(amax, sp.red + (cw * 2 + (n & 1)) * 4, warp, lane, kFirstNamedBarrier + cw);
-    s_big = sc.s_big;
-    dv_factor = vec[kVecDvFactor];
-    dk_factor = sc.sds * vec[kVecSQ] * p.sm_scale;
+    if constexpr (kDk16) {  // dS goes to bf16 unscaled
+      s_big = dk_factor = 0.f;
+      dv_factor = vec[kVecDvFactor];
+    } else {
+      // alternated by step, not by query block (a GQA wrap repeats a block's parity)
+      const DsTileScale sc(amax, sp.red + (cw * 2 + (n & 1)) * 4, warp, lane, kFirstNamedBarrier + cw);
+      s_big = sc.s_big;
+      dv_factor = vec[kVecDvFactor];
+      dk_factor = sc.sds * vec[kVecSQ] * p.sm_scale;
+    }
   };
   // The INT8 A fragments of dV (P~ codes) and dK (dS codes). Packed only once the registers they go
   // to are free: with dS in fp32 beside a product's int32 result and dV, dK the registers spill at hd128.
+  // kDk16: ds_frag is dS^T's bf16 A fragment instead (register j: values 2 j, 2 j + 1, the accumulator
+  // layout's pairs), the first kSRegs / 2 of its registers.
   auto pack = [&](const float (&pt)[C::kSRegs], const float (&ds)[C::kSRegs], float s_big, uint32_t (&p_frag)[C::kARegs],
-                  uint32_t (&ds_frag)[C::kARegs]) {
-    const float r = s_big > 0.f ? 1.f / s_big : 0.f;  // scale 0 (an all-zero tile): codes 0
-    pack_a([&](int v) { return code_by_reciprocal(ds[v], s_big, r); }, ds_frag);
+                  uint32_t (&ds_frag)[kDsRegs]) {
+    if constexpr (kDk16) {
+#pragma unroll
+      for (int j = 0; j < C::kSRegs / 2; ++j) ds_frag[j] = pack_bf16x2(ds[2 * j], ds[2 * j + 1]);
+    } else {
+      const float r = s_big > 0.f ? 1.f / s_big : 0.f;  // scale 0 (an all-zero tile): codes 0
+      pack_a([&](int v) { return code_by_reciprocal(ds[v], s_big, r); }, ds_frag);
+    }
     pack_a([&](int v) { return code_bits(__fmul_rn(pt[v], 127.f) + kMagic); }, p_frag);  // rint(fl(127 P~)), as the reference
   };
   auto release = [&](int s) {  // every read of stage s is done (products retired, vec values in registers)
@@ -306,7 +363,14 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
   float pt[C::kSRegs], ds[C::kSRegs];
   if constexpr (kSchedule == Schedule::kSerial) {
     uint32_t prod[C::kDRegs];  // int32 bits (CuTe types INT8 products' accumulators as uint32_t)
-    uint32_t p_frag[C::kARegs], ds_frag[C::kARegs];
+    uint32_t p_frag[C::kARegs], ds_frag[kDsRegs];
+    auto issue_dk = [&](int s) {  // dK's product of stage s (in the open group): into prod, or onto dk
+      if constexpr (kDk16) {
+        issue_dk16(ds_frag, s);
+      } else {
+        issue_int8(ds_frag, /*dv_product=*/false, s, prod);
+      }
+    };
     for (int n = 0; n < steps; ++n) {
       const int s = n % C::kStages;
       Barrier::wait(&sp.full[s], (n / C::kStages) & 1);
@@ -317,20 +381,24 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
       float dv_factor, dk_factor, s_big;
       softmax_grad(n, s, pt, ds, dv_factor, dk_factor, s_big);
       pack(pt, ds, s_big, p_frag, ds_frag);
-      if constexpr (kInPlace) {  // dV onto its own accumulator and dK, one group
-        fence_regs(dv_int);
+      if constexpr (kInPlace || kDk16) {  // dV and dK, one group (dV into prod when scaled per step)
+        uint32_t (&dv_dst)[C::kDRegs] = kInPlace ? dv_int : prod;
+        fence_regs(dv_dst);
         fence_regs(prod);
+        if constexpr (kDk16) fence_regs(dk);
         fence_regs(p_frag);
         fence_regs(ds_frag);
         cute::warpgroup_arrive();
-        issue_int8(p_frag, /*dv_product=*/true, s, dv_int, /*accumulate=*/n > 0);
-        issue_int8(ds_frag, /*dv_product=*/false, s, prod);
+        issue_int8(p_frag, /*dv_product=*/true, s, dv_dst, /*accumulate=*/kInPlace && n > 0);
+        issue_dk(s);
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
-        fence_regs(dv_int);
+        fence_regs(dv_dst);
         fence_regs(prod);
+        if constexpr (kDk16) fence_regs(dk);
         fence_regs(p_frag);
         fence_regs(ds_frag);
+        if constexpr (!kInPlace) add_scaled(dv, prod, dv_factor);
       } else {
         fence_regs(prod);
         fence_regs(p_frag);
@@ -351,7 +419,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
         fence_regs(ds_frag);
       }
       release(s);
-      add_scaled(dk, prod, dk_factor);
+      if constexpr (!kDk16) add_scaled(dk, prod, dk_factor);
     }
   } else {
     // Step i: issue S^T / dP^T (i), then dV, dK (i - 1); wait for S^T / dP^T (i) only (groups retire
@@ -359,29 +427,35 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
     // those, add them, release stage i - 1 and pack step i's fragments. Every wait in the loop has a
     // constant count and every issue is unconditional, so ptxas can follow which group each wait
     // retires (a conditional issue made it serialize every wgmma: C7514).
-    uint32_t prod_v[C::kDRegs], prod_k[C::kDRegs];
-    uint32_t p_frag[C::kARegs], ds_frag[C::kARegs];
+    uint32_t prod_v[C::kDRegs], prod_k[C::kDRegs];  // kDk16: dK's product goes onto dk, prod_k is unused
+    uint32_t p_frag[C::kARegs], ds_frag[kDsRegs];
     float dv_prev, dk_prev, s_big;
     // kInPlace: dV's product goes onto dv_int, prod_v is unused
     uint32_t (&dv_dst)[C::kDRegs] = kInPlace ? dv_int : prod_v;
     auto issue_products = [&](int step) {  // dV, dK from the packed fragments of step `step`'s stage
       fence_regs(dv_dst);
       fence_regs(prod_k);
+      if constexpr (kDk16) fence_regs(dk);
       fence_regs(p_frag);
       fence_regs(ds_frag);
       cute::warpgroup_arrive();
       issue_int8(p_frag, /*dv_product=*/true, step % C::kStages, dv_dst, /*accumulate=*/kInPlace && step > 0);
-      issue_int8(ds_frag, /*dv_product=*/false, step % C::kStages, prod_k);
+      if constexpr (kDk16) {
+        issue_dk16(ds_frag, step % C::kStages);
+      } else {
+        issue_int8(ds_frag, /*dv_product=*/false, step % C::kStages, prod_k);
+      }
       cute::warpgroup_commit_batch();
     };
     auto retire_products = [&]() {
       cute::warpgroup_wait<0>();
       fence_regs(dv_dst);
       fence_regs(prod_k);
+      if constexpr (kDk16) fence_regs(dk);
       fence_regs(p_frag);
       fence_regs(ds_frag);
       if constexpr (!kInPlace) add_scaled(dv, prod_v, dv_prev);
-      add_scaled(dk, prod_k, dk_prev);
+      if constexpr (!kDk16) add_scaled(dk, prod_k, dk_prev);
     };
     if (steps > 0) {
       Barrier::wait(&sp.full[0], 0);
@@ -430,7 +504,12 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
       dv2 = make_float2(static_cast<float>(static_cast<int32_t>(dv_int[v])) * sc.x,
                         static_cast<float>(static_cast<int32_t>(dv_int[v + 1])) * sc.y);
     }
-    *reinterpret_cast<float2*>(p.dk + off) = make_float2(dk[v], dk[v + 1]);
+    float2 dk2 = make_float2(dk[v], dk[v + 1]);
+    if constexpr (kDk16) {  // the bf16 product summed dS * kDsPrescale: times sm_scale / kDsPrescale
+      const float sc = p.sm_scale * (1.f / kDsPrescale);
+      dk2 = make_float2(dk2.x * sc, dk2.y * sc);
+    }
+    *reinterpret_cast<float2*>(p.dk + off) = dk2;
     *reinterpret_cast<float2*>(p.dv + off) = dv2;
   }
 }

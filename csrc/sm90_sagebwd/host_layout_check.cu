@@ -1,6 +1,7 @@
 // Host-only check (no GPU) that the backward kernels' CuTe smem layouts are the swizzle patterns
 // the image pre-pass writes (sage_diffusers/kernels/sagebwd_sm90.py, common/sm90/gmma_swizzle.cuh):
-// 16-bit K-major SW128 tiles (Q, dO, K, V) and INT8 K-major SW64 tiles (Q^T, dO'^T, K^T), read
+// 16-bit K-major SW128 tiles (Q, dO, K, V; Q also read MN-major by the bf16 dK product) and INT8
+// K-major SW64 tiles (Q^T, dO'^T, K^T), read
 // through a 1024-aligned smem pointer (CuTe swizzles these layouts on byte addresses), against the
 // formulas (16-byte chunk c of row r at c ^ (r % 8) in 128-byte rows, c ^ ((r / 2) % 4) in 64-byte rows).
 // csrc/compile_check.sh builds and runs it:
@@ -36,6 +37,8 @@ int check() {
       bad += offset<cute::bfloat16_t>(typename C::LayoutKV{}, r, c) != want;
       bad += offset<cute::bfloat16_t>(typename C::LayoutQ{}, r, c) != want;
       bad += offset<cute::bfloat16_t>(typename Q::LayoutKV{}, r, c) != want;
+      // DkAcc::kBf16InPlace reads the Q tile as dK's MN-major B operand: (channel, query) at the same bytes
+      bad += offset<cute::bfloat16_t>(typename C::LayoutQmn{}, c, r) != want;
     }
   for (int r = 0; r < D; ++r)
     for (int c = 0; c < 64; ++c) {  // INT8 D x 64 tiles (64-byte rows): Q^T, dO'^T, K^T

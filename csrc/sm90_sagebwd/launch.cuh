@@ -28,10 +28,10 @@ struct ShippedPolicy {
   static constexpr bool kDvInPlace = std::is_same_v<Elem, cute::bfloat16_t>;
 };
 
-template <int D, class Elem, Schedule kSchedule, DvAcc kDvAcc>
+template <int D, class Elem, Schedule kSchedule, DvAcc kDvAcc, DkAcc kDkAcc = DkAcc::kInt8PerStep>
 cudaError_t launch_dkdv(const Params& p, int batch, cudaStream_t stream) {
   dim3 grid(p.skv / kBlockN, p.heads, batch);
-  return sage_common::launch_with_smem(dkdv_kernel<D, Elem, kSchedule, kDvAcc>, grid, kThreads,
+  return sage_common::launch_with_smem(dkdv_kernel<D, Elem, kSchedule, kDvAcc, kDkAcc>, grid, kThreads,
                                        Config<D, Elem>::kSmemBytes, p, stream);
 }
 
