@@ -11,8 +11,9 @@ the lab extension, ``bench/sm90_sagebwd/``: ``layout_table``), so the timing is 
 package's path writes them with its Triton image pre-pass (``sage_diffusers/kernels/sagebwd_sm90.py``;
 ``eval/bench_sagebwd.py --methods sagebwd_sm90`` times the whole call). The lab binding also has the
 variants the shipped policy leaves out: dV in place (dO' per channel), the serial hd64 schedule, and dK
-as a bf16 product summed in place (``DkAcc::kBf16InPlace``: no dS tile scale, no INT8 codes of dS, no
-per-step conversion of dK; other numerics than the package's, specified by :func:`dk16_reference`). The
+and dQ as bf16 products summed in place (``DkAcc`` / ``DqAcc::kBf16InPlace``: no dS tile scale, no INT8
+codes of dS, no per-step conversion; other numerics than the package's, specified by
+:func:`dk16_reference` and :func:`dq16_reference`, dQ with the smoothed K in bf16). The
 numerics are otherwise the shipped ones with 16-bit scores (``sage_diffusers/reference/sagebwd.py``,
 ``scores="fp16"``); no masks, causality or GQA; Sq % 64 == 0, Skv % 128 == 0.
 
@@ -32,6 +33,7 @@ import math
 import statistics
 import sys
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
@@ -123,9 +125,10 @@ def operands(ext, q, k, v, do, st: ref.SageBwdState, sm_scale: float, dv_channel
         dv_scale=dv_scale)
 
 
-def dq_operands(ext, q, do, st: ref.SageBwdState, sm_scale: float) -> dict:
+def dq_operands(ext, q, do, st: ref.SageBwdState, sm_scale: float, ks16: Optional[torch.Tensor] = None) -> dict:
     """The dQ kernel's images (Q, dO per 64 queries; K, V, K^T per 64 keys), K's block scales and the
-    rows' m, 2^32 / l and delta, with the reference's operations."""
+    rows' m, 2^32 / l and delta, with the reference's operations. ``ks16`` (B, H, Skv, D) bf16, the
+    smoothed K (:func:`smoothed_k16`): its 16-bit images take K^T's place (DqAcc::kBf16InPlace)."""
     b, h, sq, d = q.shape
     skv = st.kc.shape[2]
     if sq % BLOCK_N or skv % KEYS_PER_WG:
@@ -146,17 +149,19 @@ def dq_operands(ext, q, do, st: ref.SageBwdState, sm_scale: float) -> dict:
         dO=_images_of(as16(do), BLOCK_M, kv16).view(torch.uint8),
         k=_images_of(as16(st.kc), KEYS_PER_WG, kv16).view(torch.uint8),
         v=_images_of(as16(st.vc), KEYS_PER_WG, kv16).view(torch.uint8),
-        kt=_images_of(kt.transpose(-1, -2).reshape(b, h, -1, KEYS_PER_WG), d, t8).view(torch.uint8),
+        kt=(_images_of(as16(ks16), KEYS_PER_WG, kv16) if ks16 is not None else
+            _images_of(kt.transpose(-1, -2).reshape(b, h, -1, KEYS_PER_WG), d, t8)).view(torch.uint8),
         k_scale=k_scale, m=m_safe.contiguous(), inv_l=(inv_l * DS_PRESCALE).contiguous(),
         delta=(do.float() * st.out.float()).sum(-1).contiguous(), bf16=cdt == torch.bfloat16,
         qk_scale=sm_scale * LOG2E, sm_scale=sm_scale)
 
 
-def run_dq(ext, ops: dict, shape, overlap: bool = False) -> torch.Tensor:
-    """dQ (B, H, Sq, D) float32 from the dQ kernel; ``overlap``: its overlapped schedule (bf16)."""
+def run_dq(ext, ops: dict, shape, overlap: bool = False, dq16: bool = False) -> torch.Tensor:
+    """dQ (B, H, Sq, D) float32 from the dQ kernel; ``overlap``: its overlapped schedule (bf16);
+    ``dq16``: dQ as a bf16 product summed in place (operands with ``ks16``; :func:`dq16_reference`)."""
     dq = torch.empty(shape, dtype=torch.float32, device="cuda")
     ext.dq(ops["q"], ops["dO"], ops["k"], ops["v"], ops["kt"], ops["k_scale"], ops["m"], ops["inv_l"], ops["delta"],
-           dq, ops["bf16"], ops["qk_scale"], ops["sm_scale"], overlap)
+           dq, ops["bf16"], ops["qk_scale"], ops["sm_scale"], overlap or dq16, dq16)
     return dq
 
 
@@ -171,10 +176,10 @@ def run_ours(ext, ops: dict, shape, overlap: bool = False, dk16: bool = False) -
     return dk, dv
 
 
-def dk16_reference(st: ref.SageBwdState, do: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """dK (B, H, Skv, D) float32 as DkAcc::kBf16InPlace computes it: the reference's dS (16-bit scores in
-    the forward's key tiles, delta from the output; no mask) times DS_PRESCALE rounded to bf16, times Q
-    in 16 bits, summed exactly, times sm_scale / DS_PRESCALE. (The lab's numerics, not the package's.)"""
+def ds16_reference(st: ref.SageBwdState, do: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """dS * DS_PRESCALE rounded to bf16, as float64 (B, H, Sq, Skv): the reference's dS (16-bit scores in
+    the forward's key tiles, delta from the output; no mask), the A operand of the bf16 dK and dQ
+    products (DkAcc / DqAcc::kBf16InPlace; the lab's numerics, not the package's)."""
     kc, skv = st.kc, st.kc.shape[2]
     s2 = torch.cat([ref.scores16_log2(st.qc, kc[:, :, j:j + KEYS_PER_WG], sm_scale * LOG2E)
                     for j in range(0, skv, KEYS_PER_WG)], dim=-1)
@@ -185,8 +190,27 @@ def dk16_reference(st: ref.SageBwdState, do: torch.Tensor, sm_scale: float) -> t
     p = p_tilde * torch.exp2(m_safe - torch.where(live, st.lse2[..., None], zero))
     dp = do.to(st.vc.dtype).float() @ st.vc.float().transpose(-1, -2)
     delta = (do.float() * st.out.float()).sum(-1, keepdim=True)
-    ds16 = (p * (dp - delta) * DS_PRESCALE).to(torch.bfloat16).double()
+    return (p * (dp - delta) * DS_PRESCALE).to(torch.bfloat16).double()
+
+
+def dk16_reference(st: ref.SageBwdState, do: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """dK (B, H, Skv, D) float32 as DkAcc::kBf16InPlace computes it: :func:`ds16_reference` transposed
+    times Q in 16 bits, summed exactly, times sm_scale / DS_PRESCALE."""
+    ds16 = ds16_reference(st, do, sm_scale)
     return ((ds16.transpose(-1, -2) @ st.qc.double()) * (sm_scale / DS_PRESCALE)).float()
+
+
+def smoothed_k16(k: torch.Tensor) -> torch.Tensor:
+    """K minus its token mean (float32, the reference's smoothing; no mask) rounded to bf16, (B, H, Skv, D):
+    DqAcc::kBf16InPlace's K operand (dQ needs the smoothed K: eval/results/sagebwd_error_budget_cpu.md)."""
+    return ref.masked_kv(k, k, None)[0].to(torch.bfloat16)
+
+
+def dq16_reference(st: ref.SageBwdState, do: torch.Tensor, ks16: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """dQ (B, H, Sq, D) float32 as DqAcc::kBf16InPlace computes it: :func:`ds16_reference` times the
+    smoothed K in bf16 (``ks16``), summed exactly, times sm_scale / DS_PRESCALE."""
+    ds16 = ds16_reference(st, do, sm_scale)
+    return ((ds16 @ ks16.double()) * (sm_scale / DS_PRESCALE)).float()
 
 
 def metrics(got: torch.Tensor, want: torch.Tensor) -> str:
@@ -244,6 +268,14 @@ def check(ext) -> bool:
             print(f"{tag}: dQ ours vs reference {metrics(dq, dq_ref)}; vs float64: ours {metrics(dq, dq64)} | "
                   f"reference {metrics(dq_ref, dq64)}")
             ok = ok and agrees(dq, dq_ref)
+        if dtype == torch.bfloat16:  # dQ as a bf16 product of the smoothed K
+            ks16 = smoothed_k16(k)
+            dq = run_dq(ext, dq_operands(ext, q, do, st, sm_scale, ks16), (b, h, s, d), dq16=True)
+            want = dq16_reference(st, do, ks16, sm_scale)
+            tag = f"{b}x{h}x{s}x{d} {str(dtype).split('.')[-1]} {kind} dQ bf16"
+            print(f"{tag}: dQ ours vs its reference {metrics(dq, want)}; vs float64: ours {metrics(dq, dq64)} | "
+                  f"reference {metrics(dq_ref, dq64)}")
+            ok = ok and agrees(dq, want)
         variants = [(False, False, False)] + ([(True, False, False)] if d == 64 else [])
         if dtype == torch.bfloat16:  # dV in place: hd64 with the overlapped schedule, hd128 serial; dK in bf16
             variants += [(d == 64, True, False), (d == 64, False, True), (d == 64, True, True)]
@@ -294,8 +326,10 @@ def bench(ext, shapes, rounds: int, iters: int) -> list[str]:
         ops_ch = operands(ext, q, k, v, do, st, sm_scale, dv_channel=True)
         dq_t, dk_t, dv_t = triton_bwd()
         ops_dq = dq_operands(ext, q, do, st, sm_scale)
+        ops_dq16 = dq_operands(ext, q, do, st, sm_scale, smoothed_k16(k))
         acc = [f"- dQ kernel: dQ {metrics(run_dq(ext, ops_dq, shape), dq_t)}",
-               f"- dQ kernel, overlapped: dQ {metrics(run_dq(ext, ops_dq, shape, True), dq_t)}"]
+               f"- dQ kernel, overlapped: dQ {metrics(run_dq(ext, ops_dq, shape, True), dq_t)}",
+               f"- dQ kernel, dQ bf16: dQ {metrics(run_dq(ext, ops_dq16, shape, dq16=True), dq_t)}"]
         for label, o, overlap, dk16 in (("serial", ops, False, False), ("overlapped", ops, True, False),
                                         ("dV in place", ops_ch, d == 64, False),
                                         ("dV in place, dK bf16", ops_ch, d == 64, True)):
@@ -318,6 +352,8 @@ def bench(ext, shapes, rounds: int, iters: int) -> list[str]:
                                                                  lambda n: "dkdv_kernel" in n)
         methods["ours dQ"] = (lambda: run_dq(ext, ops_dq, shape), lambda n: "dq_kernel" in n)
         methods["ours dQ, overlapped"] = (lambda: run_dq(ext, ops_dq, shape, True), lambda n: "dq_kernel" in n)
+        methods["ours dQ, bf16 in place"] = (lambda: run_dq(ext, ops_dq16, shape, dq16=True),
+                                             lambda n: "dq_kernel" in n)
         methods |= {
             f"Triton dK/dV ({kernels.value})": (triton_bwd, lambda n: "_bwd_dkdv" in n or "_bwd_fused" in n),
             "Triton dQ (lean only)": (triton_bwd, lambda n: "_bwd_dq" in n),

@@ -95,6 +95,11 @@ def test_dq_images_hold_the_reference_operands():
     assert torch.equal(ops["m"], st.m2)
     with pytest.raises(ValueError, match="Sq % 128"):
         lab.dq_operands(ext, q[:, :, :192], do[:, :, :192], st, 0.125)
+    # the bf16 dQ product's operands: the smoothed K's 16-bit tiles in K^T's place
+    ks16 = lab.smoothed_k16(k)
+    ops16 = lab.dq_operands(ext, q, do, st, 1 / math.sqrt(d), ks16)
+    assert torch.equal(_decode(ops16["kt"], kv16, torch.bfloat16), tiles(ks16))
+    assert torch.equal(ks16, (k.float() - k.float().mean(2, keepdim=True)).to(torch.bfloat16))
 
 
 def test_dk16_reference_is_the_reference_dk_without_its_int8_steps():
@@ -119,3 +124,27 @@ def test_dk16_reference_is_the_reference_dk_without_its_int8_steps():
     assert err16 < err8 / 3, (err16, err8)
     assert relative_l1(dk16, dk_ref) < 2 * err8
     assert torch.equal(lab.dk16_reference(st, torch.zeros_like(do), sm_scale), torch.zeros_like(dk16))
+
+
+def test_dq16_reference_needs_the_smoothed_k():
+    """The lab's spec of the bf16 dQ product (DqAcc::kBf16InPlace): with the smoothed K in bf16 it lies
+    closer to float64 autograd than the reference's INT8 dQ; with K as given (per-channel offsets kept)
+    it is several times less accurate, since the rows of dS do not sum to zero exactly and K's mean
+    multiplies the residue (on the error budget's flat heads, worse than INT8)."""
+    b, h, s, d = 1, 2, 256, 64
+    g = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(b, h, s, d, generator=g).to(torch.bfloat16) for _ in range(4))
+    k = k + 3 * torch.randn(1, h, 1, d, generator=g).to(torch.bfloat16)
+    sm_scale = 1 / math.sqrt(d)
+    st = ref.sagebwd_forward(q, k, v, pv="fp16", scores="fp16")
+    dq_ref, _, _ = ref.sagebwd_backward(do, st, scores="fp16")
+    qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd)
+    dq64 = torch.autograd.grad(out, qd, do.double())[0]
+    from sage_diffusers.reference import relative_l1
+
+    err8 = relative_l1(dq_ref, dq64)
+    err16 = relative_l1(lab.dq16_reference(st, do, lab.smoothed_k16(k), sm_scale), dq64)
+    err_raw = relative_l1(lab.dq16_reference(st, do, k, sm_scale), dq64)
+    assert err16 < err8 / 3, (err16, err8)
+    assert err_raw > err16 * 2, (err_raw, err16)

@@ -115,9 +115,10 @@ void dkdv(torch::Tensor k, torch::Tensor v, torch::Tensor q, torch::Tensor dO, t
 
 // dQ (dq_kernel.cuh): images q, dO (B, H, Sq / 64 tiles), k, v, kt (B, H, Skv / 64 tiles), k_scale
 // (B, H, Skv / 64, 4); rows m, inv_l (kDsPrescale / l), delta (B, H, Sq) float32; dq (B, H, Sq, D) float32.
+// dq16: DqAcc::kBf16InPlace (bf16, overlapped schedule), kt then the smoothed K's 16-bit images.
 void dq(torch::Tensor q, torch::Tensor dO, torch::Tensor k, torch::Tensor v, torch::Tensor kt, torch::Tensor k_scale,
         torch::Tensor m, torch::Tensor inv_l, torch::Tensor delta, torch::Tensor dq, bool bf16, double qk_scale,
-        double sm_scale, bool overlap) {
+        double sm_scale, bool overlap, bool dq16) {
   for (auto* t : {&q, &dO, &k, &v, &kt, &k_scale, &m, &inv_l, &delta, &dq}) {
     TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "dq: CUDA contiguous tensors");
   }
@@ -127,7 +128,8 @@ void dq(torch::Tensor q, torch::Tensor dO, torch::Tensor k, torch::Tensor v, tor
   TORCH_CHECK(sq % (kConsumerWGs * kBlockM) == 0, "Sq must be a multiple of ", kConsumerWGs * kBlockM);
   TORCH_CHECK(q.numel() == int64_t(batch) * heads * sq * d * 2 && dO.numel() == q.numel(), "Q / dO images");
   TORCH_CHECK(k.numel() == int64_t(batch) * heads * skv * d * 2 && v.numel() == k.numel(), "K / V images");
-  TORCH_CHECK(kt.numel() == int64_t(batch) * heads * skv * d, "K^T image");
+  TORCH_CHECK(kt.numel() == int64_t(batch) * heads * skv * d * (dq16 ? 2 : 1), dq16 ? "smoothed K image" : "K^T image");
+  TORCH_CHECK(!dq16 || (bf16 && overlap), "dq: the bf16 dQ product is built for bf16 with the overlapped schedule");
   TORCH_CHECK(m.numel() == int64_t(batch) * heads * sq && inv_l.numel() == m.numel() && delta.numel() == m.numel(),
               "m, inv_l, delta (B, H, Sq)");
   sagebwd_sm90::DqParams p{q.data_ptr<uint8_t>(), dO.data_ptr<uint8_t>(), k.data_ptr<uint8_t>(), v.data_ptr<uint8_t>(),
@@ -142,7 +144,12 @@ void dq(torch::Tensor q, torch::Tensor dO, torch::Tensor k, torch::Tensor v, tor
   using bf = cute::bfloat16_t;
   using hf = cute::half_t;
   TORCH_CHECK(!overlap || bf16, "dq: the overlapped schedule is built for bf16");
-  if (d == 128 && overlap) {
+  using Acc = sagebwd_sm90::DqAcc;
+  if (dq16) {
+    TORCH_CHECK(d == 64 || d == 128, "dq: head dim 64 or 128, got ", d);
+    err = d == 128 ? launch_dq<128, bf, S::kOverlap, Acc::kBf16InPlace>(p, batch, stream)
+                   : launch_dq<64, bf, S::kOverlap, Acc::kBf16InPlace>(p, batch, stream);
+  } else if (d == 128 && overlap) {
     err = launch_dq<128, bf, S::kOverlap>(p, batch, stream);
   } else if (d == 128) {
     err = bf16 ? launch_dq<128, bf, S::kSerial>(p, batch, stream) : launch_dq<128, hf, S::kSerial>(p, batch, stream);

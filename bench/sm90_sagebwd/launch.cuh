@@ -10,7 +10,7 @@ namespace sagebwd_sm90 {
 // Per head dim and dtype the serial schedule with the shipped dV numerics; at hd64 the overlapped one
 // too; dV in place (bf16 only) with the hd64 overlapped and the hd128 serial schedule; dK as a bf16
 // product (DkAcc::kBf16InPlace) with either dV, on the same schedules. dQ: serial per dtype,
-// overlapped (bf16).
+// overlapped (bf16), overlapped as a bf16 product (DqAcc::kBf16InPlace).
 #define SAGEBWD_LAB_DKDV(PREFIX, D, E, S, A) \
   PREFIX template cudaError_t launch_dkdv<D, E, Schedule::S, DvAcc::A>(const Params&, int, cudaStream_t)
 #define SAGEBWD_LAB_DKDV16(PREFIX, D, S, A)                                                                    \
@@ -18,6 +18,9 @@ namespace sagebwd_sm90 {
       const Params&, int, cudaStream_t)
 #define SAGEBWD_LAB_DQ(PREFIX, D, E, S) \
   PREFIX template cudaError_t launch_dq<D, E, Schedule::S>(const DqParams&, int, cudaStream_t)
+#define SAGEBWD_LAB_DQ16(PREFIX, D, S)                                                                           \
+  PREFIX template cudaError_t launch_dq<D, cute::bfloat16_t, Schedule::S, DqAcc::kBf16InPlace>(const DqParams&, \
+                                                                                              int, cudaStream_t)
 #define SAGEBWD_LAB_HD64(PREFIX)                                            \
   SAGEBWD_LAB_DKDV(PREFIX, 64, cute::bfloat16_t, kSerial, kScaledPerStep);  \
   SAGEBWD_LAB_DKDV(PREFIX, 64, cute::half_t, kSerial, kScaledPerStep);      \
@@ -28,6 +31,7 @@ namespace sagebwd_sm90 {
   SAGEBWD_LAB_DKDV16(PREFIX, 64, kOverlap, kInPlace);                        \
   SAGEBWD_LAB_DQ(PREFIX, 64, cute::bfloat16_t, kSerial);                    \
   SAGEBWD_LAB_DQ(PREFIX, 64, cute::bfloat16_t, kOverlap);                   \
+  SAGEBWD_LAB_DQ16(PREFIX, 64, kOverlap);                                    \
   SAGEBWD_LAB_DQ(PREFIX, 64, cute::half_t, kSerial)
 #define SAGEBWD_LAB_HD128(PREFIX)                                            \
   SAGEBWD_LAB_DKDV(PREFIX, 128, cute::bfloat16_t, kSerial, kScaledPerStep);  \
@@ -37,6 +41,7 @@ namespace sagebwd_sm90 {
   SAGEBWD_LAB_DKDV16(PREFIX, 128, kSerial, kInPlace);                         \
   SAGEBWD_LAB_DQ(PREFIX, 128, cute::bfloat16_t, kSerial);                    \
   SAGEBWD_LAB_DQ(PREFIX, 128, cute::bfloat16_t, kOverlap);                   \
+  SAGEBWD_LAB_DQ16(PREFIX, 128, kOverlap);                                    \
   SAGEBWD_LAB_DQ(PREFIX, 128, cute::half_t, kSerial)
 SAGEBWD_LAB_HD64(extern);
 SAGEBWD_LAB_HD128(extern);

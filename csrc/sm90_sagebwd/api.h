@@ -58,8 +58,8 @@ struct Params {
 // The dQ kernel's arguments.
 struct DqParams {
   // images, per (b, query head): Q, dO [Sq / 64] 16-bit tiles; per (b, KV head): K, V [Skv / 64] 16-bit
-  // tiles; K^T [Skv / 64] INT8 tiles; scale [Skv / 64][kKScaleFloats] (K's block scale, the block's
-  // index and word)
+  // tiles; K^T [Skv / 64] INT8 tiles (DqAcc::kBf16InPlace, the lab's: the smoothed K's 16-bit tiles
+  // instead, as K's); scale [Skv / 64][kKScaleFloats] (K's block scale, the block's index and word)
   const uint8_t *q, *dO, *k, *v, *kt;
   const float* k_scale;
   const float *m, *inv_l, *delta;  // (B, H, Sq): row max, kDsPrescale / l, delta

@@ -101,12 +101,13 @@ struct Config {
   using LayoutQmn = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_MN_SW128_Atom<Elem>{}, cute::Shape<cute::Int<D>, cute::Int<kBlockM>, cute::Int<kStages>>{},
       cute::Step<cute::_2, cute::_1, cute::_3>{}));
-  using MmaDk16 = std::conditional_t<
+  // A 64 x D bf16 product with A from registers and B MN-major (DkAcc / DqAcc::kBf16InPlace).
+  using Mma16Rs = std::conditional_t<
       D == 128, cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<cute::GMMA::Major::K, cute::GMMA::Major::MN>,
       cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<cute::GMMA::Major::K, cute::GMMA::Major::MN>>;
   using TiledMmaS = decltype(cute::make_tiled_mma(MmaS{}));
   using TiledMmaD = decltype(cute::make_tiled_mma(MmaD{}));
-  using TiledMmaDk16 = decltype(cute::make_tiled_mma(MmaDk16{}));
+  using TiledMma16Rs = decltype(cute::make_tiled_mma(Mma16Rs{}));
   static constexpr int kSRegs = kKeysPerWG * kBlockM / 128;  // 32 fp32 of S^T (and of dP^T)
   static constexpr int kDRegs = kKeysPerWG * D / 128;        // D / 2 of dK, of dV, of a product
   static constexpr int kARegs = kKeysPerWG * kBlockM / 128 / 4;  // 8: one 64x64 INT8 A operand
@@ -258,7 +259,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
   // kDk16: the stage's Q tile as dK's B operand (otherwise unused: 0)
   const auto dQmn_ = [&] {
     if constexpr (kDk16) {
-      const auto d = sm90::gmma_desc_b<typename C::TiledMmaDk16, typename C::LayoutQmn>(reinterpret_cast<Elem*>(sp.q), tid);
+      const auto d = sm90::gmma_desc_b<typename C::TiledMma16Rs, typename C::LayoutQmn>(reinterpret_cast<Elem*>(sp.q), tid);
       static_assert(cute::size<2>(decltype(d){}) == kBlockM / 16 && cute::size<3>(decltype(d){}) == C::kStages,
                     "bf16 dK descriptors: one per 16-query k-step and stage");
       return d;
@@ -293,7 +294,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
     if constexpr (kDk16) {
 #pragma unroll
       for (int kb = 0; kb < kBlockM / 16; ++kb)
-        wgmma_rs<typename C::MmaDk16>(&frag[4 * kb], uint64_t(dQmn_(0, 0, kb, s)), dk, cute::GMMA::ScaleOut::One,
+        wgmma_rs<typename C::Mma16Rs>(&frag[4 * kb], uint64_t(dQmn_(0, 0, kb, s)), dk, cute::GMMA::ScaleOut::One,
                                       std::make_index_sequence<C::kDRegs>{});
     }
   };

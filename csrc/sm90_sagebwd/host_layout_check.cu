@@ -1,9 +1,9 @@
 // Host-only check (no GPU) that the backward kernels' CuTe smem layouts are the swizzle patterns
 // the image pre-pass writes (sage_diffusers/kernels/sagebwd_sm90.py, common/sm90/gmma_swizzle.cuh):
-// 16-bit K-major SW128 tiles (Q, dO, K, V; Q also read MN-major by the bf16 dK product) and INT8
-// K-major SW64 tiles (Q^T, dO'^T, K^T), read
-// through a 1024-aligned smem pointer (CuTe swizzles these layouts on byte addresses), against the
-// formulas (16-byte chunk c of row r at c ^ (r % 8) in 128-byte rows, c ^ ((r / 2) % 4) in 64-byte rows).
+// 16-bit K-major SW128 tiles (Q, dO, K, V; Q and the smoothed K also read MN-major by the bf16 dK and
+// dQ products) and INT8 K-major SW64 tiles (Q^T, dO'^T, K^T), read through a 1024-aligned smem
+// pointer (CuTe swizzles these layouts on byte addresses), against the formulas (16-byte chunk c of
+// row r at c ^ (r % 8) in 128-byte rows, c ^ ((r / 2) % 4) in 64-byte rows).
 // csrc/compile_check.sh builds and runs it:
 //   nvcc -std=c++20 --expt-relaxed-constexpr -I$CUTLASS_INCLUDE -o /tmp/sagebwd_layout csrc/sm90_sagebwd/host_layout_check.cu && /tmp/sagebwd_layout
 #include <cstdio>
@@ -28,6 +28,7 @@ template <int D>
 int check() {
   using C = Config<D, cute::bfloat16_t>;
   using Q = DqConfig<D, cute::bfloat16_t>;
+  using Q16 = DqConfig<D, cute::bfloat16_t, DqAcc::kBf16InPlace>;
   using sage_common::sm90::sw128_elem16_offset;
   using sage_common::sm90::sw_byte_offset;
   int bad = 0;
@@ -39,6 +40,8 @@ int check() {
       bad += offset<cute::bfloat16_t>(typename Q::LayoutKV{}, r, c) != want;
       // DkAcc::kBf16InPlace reads the Q tile as dK's MN-major B operand: (channel, query) at the same bytes
       bad += offset<cute::bfloat16_t>(typename C::LayoutQmn{}, c, r) != want;
+      // DqAcc::kBf16InPlace reads the smoothed K's 16-bit tile as dQ's MN-major B operand
+      bad += offset<cute::bfloat16_t>(typename Q16::LayoutKsmn{}, c, r) != want;
     }
   for (int r = 0; r < D; ++r)
     for (int c = 0; c < 64; ++c) {  // INT8 D x 64 tiles (64-byte rows): Q^T, dO'^T, K^T

@@ -35,11 +35,11 @@ cudaError_t launch_dkdv(const Params& p, int batch, cudaStream_t stream) {
                                        Config<D, Elem>::kSmemBytes, p, stream);
 }
 
-template <int D, class Elem, Schedule kSchedule>
+template <int D, class Elem, Schedule kSchedule, DqAcc kDqAcc = DqAcc::kInt8PerStep>
 cudaError_t launch_dq(const DqParams& p, int batch, cudaStream_t stream) {
   dim3 grid(p.sq / (kConsumerWGs * kBlockM), p.heads, batch);
-  return sage_common::launch_with_smem(dq_kernel<D, Elem, kSchedule>, grid, kThreads, DqConfig<D, Elem>::kSmemBytes,
-                                       p, stream);
+  return sage_common::launch_with_smem(dq_kernel<D, Elem, kSchedule, kDqAcc>, grid, kThreads,
+                                       DqConfig<D, Elem, kDqAcc>::kSmemBytes, p, stream);
 }
 
 // The shipped policy's two kernels at one head dim and dtype; dv_in_place where the policy builds it.
