@@ -2,13 +2,16 @@
 # One device call for SageBwd: its GPU tests, the key-padding mask cost, the two training runs through
 # the kernels, each step in the time the call has left; on request Hopper's CUDA backward and the host cost.
 # Results in $OUT: pytest.log, mask_cost.{md,json}, training.tar (both runs' JSON and logs),
-# sm90_compare.{md,json} + build_sm90.log, host_cost.{md,json}.
+# sm90_compare.{md,json} + build_sm90.log, host_cost.{md,json}, sagebwd_cuda_dkdv.md + lab.log.
 #   STEPS="tests mask train"  the steps to run (default these three); also:
 #     sm90      build csrc/sm90_sagebwd (carry .whl: the CuTe headers), its GPU tests, then backward and
 #               forward + backward of the default, the sm90 choice and cuDNN side by side (16K and 4K;
 #               SM90_ARGS="--causal": the 16K shapes causal too); when its tests pass, this step and a later
 #               mask step (MASK_METHODS=sagebwd,sagebwd_sm90) time sm90's masks and causality (--sm90-unchecked)
 #     hostcost  bench/sagebwd_host_cost.py (host against device time per call, cProfile)
+#     lab       bench/sagebwd_cuda_dkdv.py: every built sm90 variant (the bf16 dK / dQ products
+#               included) checked against its reference, then timed kernel by kernel beside the shipped
+#               ones, Triton's and cuDNN's (LAB_SHAPES, default the 16K shapes); sagebwd_cuda_dkdv.md, lab.log
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 S=${SESSION_START:-$(date +%s)}
@@ -38,6 +41,11 @@ for step in ${STEPS:-tests mask train}; do
         --shapes "${SM90_SHAPES:-1x24x16384x128,1x48x16384x64,1x24x4096x128}" --out "$OUT/sm90_compare" \
         > "$OUT/sm90_compare.log" 2>&1
       echo "sm90 compare rc=$? after $(( $(date +%s) - S )) s"; grep -E "^\| " "$OUT/sm90_compare.md" | head -40 ;;
+    lab)
+      bash bench/device/session.sh setup
+      timeout -k 5 "$(( $(left) - 20 ))" python3 bench/sagebwd_cuda_dkdv.py --rounds 3 --iters 3 \
+        --shapes "${LAB_SHAPES:-1x24x16384x128,1x48x16384x64}" --out "$OUT/sagebwd_cuda_dkdv.md" > "$OUT/lab.log" 2>&1
+      echo "lab rc=$? after $(( $(date +%s) - S )) s"; grep -E "CHECK|^\| ours|^\| Triton|^\| cuDNN" "$OUT/lab.log" | head -40 ;;
     hostcost)
       timeout -k 5 "$(( $(left) - 20 ))" python3 bench/sagebwd_host_cost.py --cprofile 25 --out "$OUT/host_cost" \
         > "$OUT/host_cost.log" 2>&1

@@ -2,6 +2,7 @@
 # One lent-GPU session step (run from the repo root on the device machine; logs in $OUT):
 #   bash bench/device/session.sh build            # FP4 + 8-bit regular + 8-bit benchmark builds, side by side
 #   bash bench/device/session.sh pytest FILES...  # pytest on FILES (args after FILES go to pytest)
+#   bash bench/device/session.sh setup            # the wheels only (for a step that runs python itself)
 # Wheels in .whl/ go to /tmp/site first; the JIT cache is build/jit so a warm machine keeps it.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -29,5 +30,6 @@ case "${1:-}" in
     shift
     PLUGIN=""; python3 -c "import pytest_timeout" 2>/dev/null && PLUGIN="--timeout=300"
     python3 -m pytest -q -rfE $PLUGIN "$@" 2>&1 | tee -a "$LOG/pytest.log" | tail -25 ;;
-  *) echo "usage: $0 build|pytest ..." >&2; exit 2 ;;
+  setup) ;;
+  *) echo "usage: $0 build|pytest ...|setup" >&2; exit 2 ;;
 esac
