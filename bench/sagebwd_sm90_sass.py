@@ -83,30 +83,11 @@ def tensor_cycles(path) -> float:
     return clocks
 
 
-def consumer_loop(code: list) -> tuple[int, int]:
-    """(head, back edge) indices of the smallest range of a conditional backward branch holding wgmmas
-    and no EXIT (sass_cost.find_main_loop asks for INT8 and 16-bit ones; the bf16-product variants'
-    dQ loop has 16-bit ones only)."""
-    index = {ins.addr: i for i, ins in enumerate(code)}
-    best = None
-    for j, ins in enumerate(code):
-        t = ins.target
-        if t is None or t > ins.addr or t not in index or not ins.conditional:
-            continue
-        i = index[t]
-        kinds = {c.base for c in code[i:j + 1]}
-        if kinds & {"IGMMA", "HGMMA"} and "EXIT" not in kinds and (best is None or j - i < best[1] - best[0]):
-            best = (i, j)
-    if best is None:
-        raise ValueError("no loop with wgmmas")
-    return best
-
-
 def analyse(sass: str) -> list[dict]:
     rows = []
     for name, code in sass_cost.parse(sass).items():
-        try:
-            head, back = consumer_loop(code)
+        try:  # the consumer loop: wgmmas of either kind (the bf16-product dQ loop has 16-bit ones only)
+            head, back = sass_cost.find_main_loop(code, holds=lambda kinds: bool(kinds & {"IGMMA", "HGMMA"}))
         except ValueError:
             continue
         paths = sass_cost.steady_paths(code, head, back)

@@ -136,11 +136,16 @@ def parse(sass: str) -> dict[str, list[Instr]]:
     return funcs
 
 
-def find_main_loop(code: list[Instr]) -> tuple[int, int]:
-    """Indices (head, back edge) of the smallest range of a conditional backward branch that
-    holds IGMMA and a P V wgmma (QGMMA or HGMMA) and no EXIT. (The out-of-line barrier retry blocks
-    after the epilogue return into the loop by unconditional backward branches: their ranges hold
-    EXITs.)"""
+def _attention_loop(kinds: set[str]) -> bool:
+    """The 8-bit forward's main loop holds IGMMA (S = Q K^T) and a P V wgmma (QGMMA or HGMMA)."""
+    return "IGMMA" in kinds and bool(kinds & set(PV_GMMA))
+
+
+def find_main_loop(code: list[Instr], holds=_attention_loop) -> tuple[int, int]:
+    """Indices (head, back edge) of the smallest range of a conditional backward branch whose
+    opcodes satisfy ``holds`` (default: the attention loop's wgmma kinds) and that has no EXIT. (The
+    out-of-line barrier retry blocks after the epilogue return into the loop by unconditional
+    backward branches: their ranges hold EXITs.)"""
     index = {ins.addr: i for i, ins in enumerate(code)}
     best = None
     for j, ins in enumerate(code):
@@ -149,11 +154,11 @@ def find_main_loop(code: list[Instr]) -> tuple[int, int]:
             continue
         i = index[t]
         kinds = {c.base for c in code[i:j + 1]}
-        if ("IGMMA" in kinds and kinds & set(PV_GMMA) and "EXIT" not in kinds
-                and (best is None or j - i < best[1] - best[0])):
+        if holds(kinds) and "EXIT" not in kinds and (best is None or j - i < best[1] - best[0]):
             best = (i, j)
     if best is None:
-        raise ValueError("no backward branch encloses both IGMMA and QGMMA / HGMMA: not the attention kernel?")
+        raise ValueError("no backward branch encloses the loop's wgmmas (IGMMA and QGMMA / HGMMA for the "
+                         "attention kernel)")
     return best
 
 
