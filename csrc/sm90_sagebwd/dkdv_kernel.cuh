@@ -343,8 +343,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
   };
   // The INT8 A fragments of dV (P~ codes) and dK (dS codes). Packed only once the registers they go
   // to are free: with dS in fp32 beside a product's int32 result and dV, dK the registers spill at hd128.
-  // kDk16: ds_frag is dS^T's bf16 A fragment instead (register j: values 2 j, 2 j + 1, the accumulator
-  // layout's pairs), the first kSRegs / 2 of its registers.
+  // kDk16: ds_frag is dS^T's bf16 A fragment instead, kSRegs / 2 registers (register j: values 2 j,
+  // 2 j + 1, the accumulator layout's pairs).
   auto pack = [&](const float (&pt)[C::kSRegs], const float (&ds)[C::kSRegs], float s_big, uint32_t (&p_frag)[C::kARegs],
                   uint32_t (&ds_frag)[kDsRegs]) {
     if constexpr (kDk16) {
