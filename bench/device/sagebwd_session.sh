@@ -34,8 +34,10 @@ for step in ${STEPS:-tests mask train}; do
       rc=$?
       echo "sm90 tests rc=$rc after $(( $(date +%s) - S )) s"
       # masks, causality and GQA are gated until their GPU tests pass: lift the gate for this call's timings
-      # (the compare and a later mask step) only when they just did
-      [ $rc -eq 0 ] && SM90_UNCHECKED=--sm90-unchecked
+      # (the compare and a later mask step) only when they just did, and ran (they skip where the kernels
+      # are unavailable)
+      [ $rc -eq 0 ] && python3 -c "import sys; from sage_diffusers.kernels import sagebwd_sm90 as m
+sys.exit(0 if m.is_available()[0] else 1)" && SM90_UNCHECKED=--sm90-unchecked
       SAGE_DIFFUSERS_TRITON_AUTOTUNE=3 timeout -k 5 "$(( $(left) - 20 ))" python3 -m eval.bench_sagebwd --compare \
         --passes bwd,fwd+bwd --methods sagebwd,sagebwd_sm90,sdpa_cudnn --rounds 3 ${SM90_ARGS:-} ${SM90_UNCHECKED:-} \
         --shapes "${SM90_SHAPES:-1x24x16384x128,1x48x16384x64,1x24x4096x128}" --out "$OUT/sm90_compare" \
