@@ -180,16 +180,10 @@ def ds16_reference(st: ref.SageBwdState, do: torch.Tensor, sm_scale: float) -> t
     """dS * DS_PRESCALE rounded to bf16, as float64 (B, H, Sq, Skv): the reference's dS (16-bit scores in
     the forward's key tiles, delta from the output; no mask), the A operand of the bf16 dK and dQ
     products (DkAcc / DqAcc::kBf16InPlace; the lab's numerics, not the package's)."""
-    kc, skv = st.kc, st.kc.shape[2]
-    s2 = torch.cat([ref.scores16_log2(st.qc, kc[:, :, j:j + KEYS_PER_WG], sm_scale * LOG2E)
-                    for j in range(0, skv, KEYS_PER_WG)], dim=-1)
-    live = torch.isfinite(st.lse2)[..., None]
-    zero = torch.zeros((), device=do.device)
-    m_safe = torch.where(live, st.m2[..., None], zero)
-    p_tilde = torch.where(live, torch.exp2((s2 - m_safe).clamp_max(0)), zero)
-    p = p_tilde * torch.exp2(m_safe - torch.where(live, st.lse2[..., None], zero))
+    p_tilde, inv_l = ref.recompute_p(st, None, False, sm_scale, ref.ScorePrecision.FP16)
     dp = do.to(st.vc.dtype).float() @ st.vc.float().transpose(-1, -2)
     delta = (do.float() * st.out.float()).sum(-1, keepdim=True)
+    p = p_tilde * inv_l
     return (p * (dp - delta) * DS_PRESCALE).to(torch.bfloat16).double()
 
 

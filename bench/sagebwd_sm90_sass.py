@@ -23,7 +23,6 @@ import argparse
 import collections
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -38,9 +37,6 @@ SRC = ROOT / "csrc" / "sm90_sagebwd"
 LAB = ROOT / "bench" / "sm90_sagebwd"
 FLAGS = ["-std=c++20", "-O3", "--expt-relaxed-constexpr", "-DNDEBUG", "-gencode=arch=compute_90a,code=sm_90a",
          "-Xptxas", "-v"]
-_GMMA = re.compile(r"^([IH])GMMA\.(\d+)x(\d+)x(\d+)")
-# wgmma MACs per clock and SM (Hopper dense rates): IGMMA INT8, HGMMA 16-bit
-MACS_PER_CLK = {"I": 4096, "H": 2048}
 
 
 def cutlass_include() -> str:
@@ -73,16 +69,6 @@ def demangle(name: str) -> str:
     return out.replace("sagebwd_sm90::", "").replace("cutlass::", "")
 
 
-def tensor_cycles(path) -> float:
-    """Tensor-core cycles per 64x64 tile: one warpgroup's wgmma MACs of the step at the dense rates."""
-    clocks = 0.0
-    for ins in path:
-        m = _GMMA.search(ins.opcode)
-        if m:
-            clocks += int(m.group(2)) * int(m.group(3)) * int(m.group(4)) / MACS_PER_CLK[m.group(1)]
-    return clocks
-
-
 def analyse(sass: str) -> list[dict]:
     rows = []
     for name, code in sass_cost.parse(sass).items():
@@ -94,7 +80,8 @@ def analyse(sass: str) -> list[dict]:
         loop = min(paths, key=lambda c: len(c.path))
         counts = collections.Counter(sass_cost.classify(i.opcode) for i in loop.path)
         rows.append(dict(kernel=demangle(name), instructions=len(loop.path), classes=dict(counts.most_common()),
-                         tensor_cycles=tensor_cycles(loop.path),
+                         # one warpgroup's step = one tile: sass_cost's tensor bound for 128 threads
+                         tensor_cycles=sass_cost.bounds(loop.path, 1, 128)["tensor"],
                          skipped=[(hex(a), hex(b), sum(c.values())) for a, b, c in
                                   ((a, b, loop.counts(r)) for a, b, r in loop.skipped)]))
     return rows

@@ -35,6 +35,7 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
 
+#include "../common/numeric_conversion.cuh"
 #include "../common/smem.cuh"
 #include "../common/sm90/named_barrier.cuh"
 #include "../common/sm90/pipeline.cuh"
@@ -46,6 +47,7 @@
 namespace sagebwd_sm90 {
 
 using Barrier = sage_common::sm90::TxBarrier;
+using Bf16 = sage_common::Elem16<__nv_bfloat16>;  // the bf16 products' A fragments: pack2 (lo in the low half)
 using sage_common::sm90::fence_regs;
 using sage_common::sm90::wgmma_rs;
 using sage_common::sm90::wgmma_ss;
@@ -349,7 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Params p) {
                   uint32_t (&ds_frag)[kDsRegs]) {
     if constexpr (kDk16) {
 #pragma unroll
-      for (int j = 0; j < C::kSRegs / 2; ++j) ds_frag[j] = pack_bf16x2(ds[2 * j], ds[2 * j + 1]);
+      for (int j = 0; j < C::kSRegs / 2; ++j) ds_frag[j] = Bf16::pack2(ds[2 * j], ds[2 * j + 1]);
     } else {
       const float r = s_big > 0.f ? 1.f / s_big : 0.f;  // scale 0 (an all-zero tile): codes 0
       pack_a([&](int v) { return code_by_reciprocal(ds[v], s_big, r); }, ds_frag);

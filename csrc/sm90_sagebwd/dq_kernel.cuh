@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const DqParams p) {
   auto pack_ds16 = [&] {  // kDq16: dS's bf16 A fragment (register j: values 2 j, 2 j + 1); INT8: packed already
     if constexpr (kDq16) {
 #pragma unroll
-      for (int j = 0; j < C::kSRegs / 2; ++j) ds_frag[j] = pack_bf16x2(ds[2 * j], ds[2 * j + 1]);
+      for (int j = 0; j < C::kSRegs / 2; ++j) ds_frag[j] = Bf16::pack2(ds[2 * j], ds[2 * j + 1]);
     }
   };
   auto issue_dq = [&](int s) {  // prod = dS^ K^ of stage s (kDq16: dq += dS K_s), one committed group

@@ -5,8 +5,6 @@
 #include <cstdint>
 #include <utility>
 
-#include <cuda_bf16.h>
-
 #include <cute/arch/mma_sm90_gmma.hpp>
 
 #include "../common/softmax_utils.cuh"
@@ -25,12 +23,6 @@ constexpr uint32_t kMagicBits = 0x4B400000u;
 __device__ __forceinline__ float i2f(uint32_t x) { return __uint_as_float(x + kMagicBits) - kMagic; }
 // The low byte of rint(y) (half to even, two's complement) for |y| <= 127.5, from y + kMagic.
 __device__ __forceinline__ uint32_t code_bits(float y_plus_magic) { return __float_as_uint(y_plus_magic); }
-
-// Two floats as a bf16x2 word rounded to nearest even, lo in the low half (a 16-bit A fragment register).
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 
 // 2^x on the MUFU with subnormal results flushed to 0 (exp2f also scales subnormal inputs and
 // results: three more instructions per score). A P~ below 2^-126 has code 0 and a dS 2^94 times

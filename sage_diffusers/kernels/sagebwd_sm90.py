@@ -50,8 +50,8 @@ import torch
 from ..reference.formats import INT8_MAX
 from ..reference.online_softmax import LOG2E
 from ..reference.quant import _div, _int8_from_scale, finite_abs
-from ..reference.sagebwd import (BLOCK_KV, BLOCK_Q, P_SCALE, DoVPrecision, SageBwdState, quantize_p,
-                                 scores16_log2)
+from ..reference.sagebwd import (BLOCK_KV, BLOCK_Q, P_SCALE, DoVPrecision, SageBwdState, ScorePrecision,
+                                 quantize_p, recompute_p)
 from . import _jit, int8_sm90
 from ._contract import on_input_device
 
@@ -277,13 +277,8 @@ def dv_in_place_reference(state: SageBwdState, do: torch.Tensor, sm_scale: float
     """dV float32 (B, H, Skv, D) as the in-place kernel computes it: the reference's P~ (16-bit scores
     recomputed in its key tiles, 0 at masked keys), dO' per channel (:func:`channel_codes_reference`),
     exact integer sums."""
-    kc = state.kc
-    s2 = torch.cat([scores16_log2(state.qc, kc[:, :, j:j + BLOCK_KV], sm_scale * LOG2E)
-                    for j in range(0, kc.shape[2], BLOCK_KV)], dim=-1)
-    p_tilde = torch.exp2((s2 - state.m2[..., None]).clamp_max(0))
-    if key_mask is not None:
-        p_tilde = p_tilde.masked_fill(~key_mask[:, None, None, :], 0.0)
-    codes, scale = channel_codes_reference(do, torch.exp2(state.m2 - state.lse2))
+    p_tilde, inv_l = recompute_p(state, key_mask, False, sm_scale, ScorePrecision.FP16)
+    codes, scale = channel_codes_reference(do, inv_l[..., 0])
     dv = quantize_p(p_tilde).double().transpose(-1, -2) @ codes.double()
     return (dv * (scale * P_SCALE)[:, :, None, :].double()).float()
 

@@ -339,6 +339,39 @@ def _group_sum(x: torch.Tensor, hkv: int) -> torch.Tensor:
     return x.reshape(b, hkv, hq // hkv, *x.shape[2:]).sum(2)
 
 
+def recompute_p(state: SageBwdState, key_mask: Optional[torch.Tensor], is_causal: bool, sm_scale: float,
+                scores: ScorePrecision) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward's P~ and 1 / l, recomputed exactly as the forward scored it: (p_tilde float32
+    (B, Hq, Sq, Skv) in [0, 1], 0 at hidden keys and on rows with no visible key; inv_l float32
+    (B, Hq, Sq, 1)). ``scores``: the forward's precision (FP16 reads ``state.qc``, ``state.kc``)."""
+    hq, sq_len = state.q8.shape[1:3]
+    skv = state.k8.shape[2]
+    device = state.q8.device
+    sq_tok = _per_token(state.sq, BLOCK_Q, sq_len)  # (B, Hq, Sq)
+    sk_tok = _per_token(expand_heads(state.sk, hq), BLOCK_KV, skv)  # (B, Hq, Skv)
+    k8 = expand_heads(state.k8, hq)  # (B, Hq, Skv, D)
+    if scores is ScorePrecision.FP16:
+        # In the forward's key tiles: float32 sums of 16-bit products depend on their order, and a
+        # score recomputed above the forward's row max m makes P~ = exp2(s - m) exceed 1 (inf and
+        # then NaN gradients at |s| ~ 2**30: fp16 operands x1e4).
+        kc = expand_heads(state.kc, hq)  # (B, Hq, Skv, D)
+        s2 = torch.cat([scores16_log2(state.qc, kc[:, :, j0:j0 + BLOCK_KV], sm_scale * LOG2E)
+                        for j0 in range(0, skv, BLOCK_KV)], dim=-1)  # (B, Hq, Sq, Skv)
+    else:
+        s2 = scores_log2(state.q8, sq_tok, k8, sk_tok, sm_scale * LOG2E)
+    vis = visible_keys(0, skv, sq_len, key_mask, is_causal, device)
+    live = torch.isfinite(state.lse2)[..., None]  # (B, Hq, Sq, 1): rows that saw a key
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    lse_safe = torch.where(live, state.lse2[..., None], zero)  # (B, Hq, Sq, 1)
+    m_safe = torch.where(live, state.m2[..., None], zero)
+    keep = live if vis is None else live & vis
+    # s2 - m clamped at 0 (NaN kept), as the kernels do: their recomputed score may exceed m by
+    # float32 rounding; here s2 repeats the forward's sums, so the clamp changes nothing.
+    p_tilde = torch.where(keep, torch.exp2((s2 - m_safe).clamp_max(0)), zero)  # (B, Hq, Sq, Skv), in [0, 1]
+    inv_l = torch.exp2(m_safe - lse_safe)  # (B, Hq, Sq, 1), 1 / row sum of P~
+    return p_tilde, inv_l
+
+
 def sagebwd_backward(
     do: torch.Tensor,
     state: SageBwdState,
@@ -375,29 +408,8 @@ def sagebwd_backward(
     hkv, skv = state.k8.shape[1], state.k8.shape[2]
     sm_scale = default_scale(scale, d)
 
-    # Recompute P exactly as the forward scored it.
-    sq_tok = _per_token(state.sq, BLOCK_Q, sq_len)  # (B, Hq, Sq)
-    sk_tok = _per_token(expand_heads(state.sk, hq), BLOCK_KV, skv)  # (B, Hq, Skv)
-    k8 = expand_heads(state.k8, hq)  # (B, Hq, Skv, D)
-    if scores is ScorePrecision.FP16:
-        # In the forward's key tiles: float32 sums of 16-bit products depend on their order, and a
-        # score recomputed above the forward's row max m makes P~ = exp2(s - m) exceed 1 (inf and
-        # then NaN gradients at |s| ~ 2**30: fp16 operands x1e4).
-        kc = expand_heads(state.kc, hq)  # (B, Hq, Skv, D)
-        s2 = torch.cat([scores16_log2(state.qc, kc[:, :, j0:j0 + BLOCK_KV], sm_scale * LOG2E)
-                        for j0 in range(0, skv, BLOCK_KV)], dim=-1)  # (B, Hq, Sq, Skv)
-    else:
-        s2 = scores_log2(state.q8, sq_tok, k8, sk_tok, sm_scale * LOG2E)
-    vis = visible_keys(0, skv, sq_len, key_mask, is_causal, do.device)
-    live = torch.isfinite(state.lse2)[..., None]  # (B, Hq, Sq, 1): rows that saw a key
-    zero = torch.zeros((), dtype=torch.float32, device=do.device)
-    lse_safe = torch.where(live, state.lse2[..., None], zero)  # (B, Hq, Sq, 1)
-    m_safe = torch.where(live, state.m2[..., None], zero)
-    keep = live if vis is None else live & vis
-    # s2 - m clamped at 0 (NaN kept), as the kernels do: their recomputed score may exceed m by
-    # float32 rounding; here s2 repeats the forward's sums, so the clamp changes nothing.
-    p_tilde = torch.where(keep, torch.exp2((s2 - m_safe).clamp_max(0)), zero)  # (B, Hq, Sq, Skv), in [0, 1]
-    inv_l = torch.exp2(m_safe - lse_safe)  # (B, Hq, Sq, 1), 1 / row sum of P~
+    p_tilde, inv_l = recompute_p(state, key_mask, is_causal, sm_scale, scores)  # as the forward scored it
+    k8 = expand_heads(state.k8, hq)  # (B, Hq, Skv, D), dQ's smoothed K^
     p = p_tilde * inv_l  # (B, Hq, Sq, Skv), the softmax; one exp2 per score, as in the kernels
 
     # dV = P~^T dO': P^ = rint(127 P~) per token, dO' = dO / l per query block; int32 sums per tile.
